@@ -1,0 +1,375 @@
+"""The one seam between the driver and a device: BAR MMIO, config space, DMA memory, interrupt fds.
+
+Everything the driver knows about a NIC it learns through a `PCIDevice`. Two implementations exist: the real
+hardware behind sysfs (`SysfsPCIDevice`, below) and the emulated NIC (`aiofabric.sim.host.SimPCIDevice`), which
+presents the same shape VFIO gives real hardware: MMIO writes reach the device in order, interrupts are eventfds.
+"""
+from __future__ import annotations
+
+import abc
+import ctypes
+import dataclasses
+import errno
+import mmap
+import os
+import re
+from typing import Callable
+
+PAGE_SIZE = 0x1000
+
+# PCI config space (include/uapi/linux/pci_regs.h)
+PCI_VENDOR_ID, PCI_DEVICE_ID, PCI_COMMAND = 0x00, 0x02, 0x04
+PCI_COMMAND_MEMORY, PCI_COMMAND_MASTER = 0x2, 0x4
+BROADCOM_VENDOR_ID = 0x14E4
+
+
+class PCIError(RuntimeError):
+    """The device could not be opened or used through the seam (missing device, driver bound, privileges...)."""
+
+
+class Bar(abc.ABC):
+    """One memory BAR. Offsets are bytes; accesses are little-endian and naturally aligned."""
+
+    size: int
+
+    @abc.abstractmethod
+    def read32(self, offset: int) -> int: ...
+
+    @abc.abstractmethod
+    def write32(self, offset: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def read64(self, offset: int) -> int: ...
+
+    @abc.abstractmethod
+    def write64(self, offset: int, value: int) -> None: ...
+
+    def write_block(self, offset: int, data: bytes) -> None:
+        """Write `data` (a multiple of 4 bytes) as consecutive 32-bit MMIO writes, lowest address first."""
+        words = memoryview(bytes(data)).cast("I")
+        for i, word in enumerate(words):
+            self.write32(offset + 4 * i, word)
+
+
+@dataclasses.dataclass(eq=False)
+class DmaBuffer:
+    """Pinned host memory the device can reach.
+
+    `view` is the CPU's view; `bus_addrs[i]` is the bus address of the i-th 4 KiB page. When `contiguous` is true the
+    pages are consecutive on the bus, so `bus_addr + offset` is valid for any offset below `size`.
+    """
+
+    view: memoryview
+    bus_addrs: list[int]
+    contiguous: bool
+    _release: Callable[[], None] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.view)
+
+    @property
+    def bus_addr(self) -> int:
+        return self.bus_addrs[0]
+
+    def bus_address_of(self, offset: int) -> int:
+        """Bus address of byte `offset`, valid whether or not the buffer is contiguous."""
+        if not 0 <= offset < self.size:
+            raise ValueError(f"offset {offset:#x} outside DMA buffer of {self.size:#x} bytes")
+        return self.bus_addrs[offset // PAGE_SIZE] + offset % PAGE_SIZE
+
+    def free(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class PCIDevice(abc.ABC):
+    """A PCI function as the driver sees it. Not thread-safe; used from one event loop."""
+
+    address: str
+
+    @abc.abstractmethod
+    def map_bar(self, index: int) -> Bar: ...
+
+    @abc.abstractmethod
+    def read_config(self, offset: int, size: int) -> int: ...
+
+    @abc.abstractmethod
+    def write_config(self, offset: int, value: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def alloc_dma(self, size: int, contiguous: bool = False) -> DmaBuffer:
+        """Allocate zeroed, pinned DMA memory rounded up to whole 4 KiB pages."""
+
+    @property
+    @abc.abstractmethod
+    def num_vectors(self) -> int:
+        """How many MSI-X vectors `interrupt_fd` serves (0 when the platform gives no interrupts)."""
+
+    @abc.abstractmethod
+    def interrupt_fd(self, vector: int) -> int:
+        """An fd that becomes readable when MSI-X `vector` fires; read 8 bytes to acknowledge (eventfd semantics)."""
+
+    def removal_fd(self) -> int | None:
+        """An fd that becomes readable when the device is gone (emulator died); None if the platform has none."""
+        return None
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def enable_bus_master(self) -> None:
+        command = self.read_config(PCI_COMMAND, 2)
+        self.write_config(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Real hardware through sysfs: BARs via resource<N> mmaps, config space via the `config` file, DMA memory translated to
+# physical addresses through /proc/self/pagemap. Needs root, an unbound device and an IOMMU in passthrough/off mode
+# (bus address == physical address).
+
+HUGE_PAGE_SIZE = 2 << 20
+MAP_LOCKED = getattr(mmap, "MAP_LOCKED", 0x2000)
+MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+_ADDRESS_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+_PFN_MASK = (1 << 55) - 1
+_NEED_ROOT = "run as root (CAP_SYS_ADMIN is needed for BARs, config space and physical addresses)"
+
+
+class SysfsBar(Bar):
+    """A BAR mapped through `/sys/bus/pci/devices/<addr>/resource<N>`.
+
+    Accesses go through memoryviews cast to 'I'/'Q', so each is one aligned load or store of that width (CPython
+    copies a fixed-size item with memcpy, which compiles to a single move); the host is assumed little-endian.
+    """
+
+    def __init__(self, path: str, index: int, size: int | None = None) -> None:
+        self.index = index
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_SYNC)
+        except PermissionError as e:
+            raise PCIError(f"cannot open {path}: {_NEED_ROOT}") from e
+        except FileNotFoundError as e:
+            raise PCIError(f"BAR{index} does not exist ({path})") from e
+        try:
+            self.size = size or os.fstat(fd).st_size or _resource_size(os.path.dirname(path), index)
+            if self.size <= 0:
+                raise PCIError(f"BAR{index} is empty ({path})")
+            self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise PCIError(f"cannot mmap BAR{index} ({path}): {e}") from e
+        finally:
+            os.close(fd)  # the mapping keeps its own reference
+        raw = memoryview(self._mmap)
+        self._u32 = raw[: self.size & ~3].cast("I")
+        self._u64 = raw[: self.size & ~7].cast("Q")
+        raw.release()
+
+    def _slot(self, offset: int, width: int) -> int:
+        if self._mmap.closed:
+            raise ValueError(f"BAR{self.index} is closed")
+        if offset % width:
+            raise ValueError(f"misaligned {8 * width}-bit access at offset {offset:#x} of BAR{self.index}")
+        if not 0 <= offset <= self.size - width:
+            raise ValueError(f"offset {offset:#x} outside BAR{self.index} ({self.size:#x} bytes)")
+        return offset // width
+
+    def read32(self, offset: int) -> int:
+        return self._u32[self._slot(offset, 4)]
+
+    def write32(self, offset: int, value: int) -> None:
+        self._u32[self._slot(offset, 4)] = value
+
+    def read64(self, offset: int) -> int:
+        return self._u64[self._slot(offset, 8)]
+
+    def write64(self, offset: int, value: int) -> None:
+        self._u64[self._slot(offset, 8)] = value
+
+    def close(self) -> None:
+        if not self._mmap.closed:
+            self._u32.release()
+            self._u64.release()
+            self._mmap.close()
+
+
+def _resource_size(device_dir: str, index: int) -> int:
+    """BAR size from line `index` of the `resource` file ("start end flags", hex), 0 if unknown."""
+    try:
+        with open(os.path.join(device_dir, "resource")) as f:
+            start, end, _flags = (int(x, 16) for x in f.read().splitlines()[index].split())
+    except (OSError, IndexError, ValueError):
+        return 0
+    return end - start + 1 if end > start else 0
+
+
+def _virt_addr(m: mmap.mmap) -> int:
+    """Virtual address of an mmap; the ctypes object holds a buffer export, so drop it at once (else close() fails)."""
+    c = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(c)
+    finally:
+        del c
+
+
+def _phys_addr(pagemap_fd: int, virt: int) -> int:
+    """Translate one virtual address through /proc/<pid>/pagemap (8 bytes per page: bit 63 present, 0-54 PFN)."""
+    raw = os.pread(pagemap_fd, 8, virt // PAGE_SIZE * 8)
+    if len(raw) != 8:
+        raise PCIError(f"short read from pagemap for virtual address {virt:#x}")
+    entry = int.from_bytes(raw, "little")
+    if not entry >> 63:
+        raise PCIError(f"page at virtual address {virt:#x} is not present in memory")
+    pfn = entry & _PFN_MASK
+    if pfn == 0:  # the kernel hides PFNs from processes without CAP_SYS_ADMIN
+        raise PCIError("pagemap gives no physical addresses: run as root")
+    return pfn * PAGE_SIZE + virt % PAGE_SIZE
+
+
+def _release_mapping(view: memoryview, m: mmap.mmap) -> None:
+    view.release()
+    try:
+        m.close()
+    except BufferError:  # someone still holds a slice of the view: the memory goes when the last slice does
+        pass
+
+
+class SysfsPCIDevice(PCIDevice):
+    """A real NIC driven from userspace through sysfs, with no kernel driver bound.
+
+    Plain sysfs cannot deliver MSI-X interrupts (that needs VFIO), so `num_vectors` is 0 and the driver polls its
+    completion rings. DMA memory is mlocked anonymous memory whose physical pages are read from pagemap; this assumes
+    the IOMMU is off or in passthrough, and that the kernel does not migrate locked pages (hugepages never move).
+    """
+
+    def __init__(
+        self, address: str, sysfs_root: str = "/sys/bus/pci/devices", pagemap: str = "/proc/self/pagemap"
+    ) -> None:
+        self.address = address.lower()
+        if not _ADDRESS_RE.fullmatch(self.address):
+            raise PCIError(f"bad PCI address {address!r}: expected domain:bus:device.function, e.g. 0000:41:00.0")
+        self._dir = os.path.join(sysfs_root, self.address)
+        self._pagemap = pagemap
+        self._bars: dict[int, SysfsBar] = {}
+        self._dma: set[DmaBuffer] = set()
+        self._config_fd = -1
+        if not os.path.isdir(self._dir):
+            raise PCIError(f"no PCI device {self.address} (no {self._dir})")
+        driver = os.path.join(self._dir, "driver")
+        if os.path.lexists(driver):
+            drv_dir = os.path.realpath(driver)
+            name = os.path.basename(drv_dir)
+            raise PCIError(f"{self.address} is bound to {name}: unbind it first "
+                           f"(echo {self.address} > {os.path.join(drv_dir, 'unbind')})")
+        try:
+            with open(os.path.join(self._dir, "vendor")) as f:
+                vendor = int(f.read().strip(), 16)
+        except (OSError, ValueError) as e:
+            raise PCIError(f"cannot read the vendor id of {self.address}: {e}") from e
+        if vendor != BROADCOM_VENDOR_ID:
+            raise PCIError(f"{self.address} has vendor {vendor:#06x}, not Broadcom ({BROADCOM_VENDOR_ID:#06x})")
+        try:
+            self._config_fd = os.open(os.path.join(self._dir, "config"), os.O_RDWR)
+        except PermissionError as e:
+            raise PCIError(f"cannot open config space of {self.address}: {_NEED_ROOT}") from e
+
+    def _check_open(self) -> None:
+        if self._config_fd < 0:
+            raise PCIError(f"{self.address} is closed")
+
+    # -- BARs and config space --
+
+    def map_bar(self, index: int) -> Bar:
+        self._check_open()
+        if not 0 <= index <= 5:
+            raise PCIError(f"BAR index {index} out of range 0..5")
+        if index not in self._bars:
+            self._bars[index] = SysfsBar(os.path.join(self._dir, f"resource{index}"), index)
+        return self._bars[index]
+
+    def _check_config(self, offset: int, size: int) -> None:
+        self._check_open()
+        if size not in (1, 2, 4) or offset % size or not 0 <= offset <= 4096 - size:
+            raise ValueError(f"bad config access: {size} bytes at offset {offset:#x}")
+
+    def read_config(self, offset: int, size: int) -> int:
+        self._check_config(offset, size)
+        raw = os.pread(self._config_fd, size, offset)
+        if len(raw) != size:
+            raise PCIError(f"short config read at {offset:#x} of {self.address} (only {len(raw)} bytes)")
+        return int.from_bytes(raw, "little")
+
+    def write_config(self, offset: int, value: int, size: int) -> None:
+        self._check_config(offset, size)
+        if os.pwrite(self._config_fd, value.to_bytes(size, "little"), offset) != size:
+            raise PCIError(f"short config write at {offset:#x} of {self.address}")
+
+    # -- DMA memory --
+
+    def alloc_dma(self, size: int, contiguous: bool = False) -> DmaBuffer:
+        self._check_open()
+        if size <= 0:
+            raise ValueError(f"DMA size must be positive, not {size}")
+        size = -(-size // PAGE_SIZE) * PAGE_SIZE
+        huge = contiguous and size > PAGE_SIZE  # one 4 KiB page is contiguous by itself
+        if huge and size > HUGE_PAGE_SIZE:
+            raise PCIError(f"contiguous DMA buffers are limited to one 2 MiB hugepage ({size:#x} bytes asked)")
+        flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | MAP_LOCKED | MAP_POPULATE | (MAP_HUGETLB if huge else 0)
+        try:
+            m = mmap.mmap(-1, HUGE_PAGE_SIZE if huge else size, flags=flags)
+        except OSError as e:
+            if huge:
+                raise PCIError(f"no 2 MiB hugepage for a contiguous DMA buffer ({e.strerror}): reserve some with "
+                               "`echo 64 > /proc/sys/vm/nr_hugepages`") from e
+            locked = e.errno in (errno.EAGAIN, errno.EPERM)
+            hint = ": raise the memlock limit (ulimit -l) or run as root" if locked else ""
+            raise PCIError(f"cannot allocate {size:#x} bytes of locked DMA memory ({e.strerror}){hint}") from e
+        try:
+            for off in range(0, size, PAGE_SIZE):
+                m[off] = 0  # fault every page in so pagemap has a frame for it
+            virt = _virt_addr(m)
+            try:
+                fd = os.open(self._pagemap, os.O_RDONLY)
+            except PermissionError as e:
+                raise PCIError(f"cannot open {self._pagemap}: {_NEED_ROOT}") from e
+            try:
+                if huge:
+                    base = _phys_addr(fd, virt)
+                    bus_addrs = [base + off for off in range(0, size, PAGE_SIZE)]
+                else:
+                    bus_addrs = [_phys_addr(fd, virt + off) for off in range(0, size, PAGE_SIZE)]
+            finally:
+                os.close(fd)
+        except BaseException:
+            m.close()
+            raise
+        view = memoryview(m)[:size]
+        buf = DmaBuffer(view=view, bus_addrs=bus_addrs, contiguous=contiguous)
+
+        def release() -> None:
+            self._dma.discard(buf)
+            _release_mapping(view, m)
+
+        buf._release = release
+        self._dma.add(buf)
+        return buf
+
+    # -- interrupts (none through sysfs) --
+
+    @property
+    def num_vectors(self) -> int:
+        return 0
+
+    def interrupt_fd(self, vector: int) -> int:
+        raise PCIError("no interrupts through sysfs; the driver polls")
+
+    def close(self) -> None:
+        for buf in list(self._dma):
+            buf.free()
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
+        if self._config_fd >= 0:
+            os.close(self._config_fd)
+            self._config_fd = -1

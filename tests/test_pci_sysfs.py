@@ -1,0 +1,205 @@
+"""SysfsPCIDevice against a fake sysfs tree; DMA against the real pagemap (root only)."""
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+
+from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCIError, SysfsPCIDevice, _phys_addr
+
+ADDR = "0000:41:00.0"
+BAR_SIZE = 64 * 1024
+IS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="pagemap only gives physical addresses to root")
+
+
+def make_tree(root, vendor: str = "0x14e4\n"):
+    dev = root / ADDR
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text(vendor)
+    (dev / "device").write_text("0x1750\n")
+    (dev / "config").write_bytes(bytes(256))
+    for n in (0, 2):
+        (dev / f"resource{n}").write_bytes(bytes(BAR_SIZE))
+    return dev
+
+
+@pytest.fixture
+def tree(tmp_path):
+    return make_tree(tmp_path / "devices")
+
+
+@pytest.fixture
+def pci(tree):
+    dev = SysfsPCIDevice(ADDR, sysfs_root=str(tree.parent))
+    yield dev
+    dev.close()
+
+
+def test_open_and_interfaces(pci):
+    assert pci.address == ADDR
+    assert pci.num_vectors == 0
+    assert pci.removal_fd() is None
+    with pytest.raises(PCIError, match="polls"):
+        pci.interrupt_fd(0)
+
+
+def test_bar_accesses_land_in_file(pci, tree):
+    bar = pci.map_bar(0)
+    assert bar.size == BAR_SIZE
+    assert pci.map_bar(0) is bar
+    bar.write32(0x10, 0xDEADBEEF)
+    bar.write64(0x2008, 0x0123456789ABCDEF)
+    bar.write_block(0x100, struct.pack("<2I", 1, 2))
+    assert bar.read32(0x10) == 0xDEADBEEF
+    assert bar.read64(0x2008) == 0x0123456789ABCDEF
+    data = (tree / "resource0").read_bytes()
+    assert struct.unpack_from("<I", data, 0x10)[0] == 0xDEADBEEF
+    assert struct.unpack_from("<Q", data, 0x2008)[0] == 0x0123456789ABCDEF
+    assert struct.unpack_from("<2I", data, 0x100) == (1, 2)
+    pci.map_bar(2).write32(0, 7)
+    assert (tree / "resource2").read_bytes()[:4] == b"\x07\0\0\0"
+    assert (tree / "resource0").read_bytes()[:4] == bytes(4)
+
+
+@pytest.mark.parametrize("op, offset", [
+    ("read32", 2), ("write32", 6), ("read64", 4), ("write64", 12),
+    ("read32", BAR_SIZE), ("read64", BAR_SIZE - 4), ("write32", -4),
+])
+def test_bad_bar_access(pci, op, offset):
+    bar = pci.map_bar(0)
+    args = (offset,) if op.startswith("read") else (offset, 1)
+    with pytest.raises(ValueError, match="BAR0"):
+        getattr(bar, op)(*args)
+
+
+def test_missing_bar(pci):
+    with pytest.raises(PCIError, match="BAR1"):
+        pci.map_bar(1)
+
+
+@pytest.mark.parametrize("size, value", [(1, 0xAB), (2, 0xBEEF), (4, 0xCAFEF00D)])
+def test_config_roundtrip(pci, tree, size, value):
+    pci.write_config(0x40, value, size)
+    assert pci.read_config(0x40, size) == value
+    assert (tree / "config").read_bytes()[0x40:0x40 + size] == value.to_bytes(size, "little")
+
+
+def test_enable_bus_master(pci):
+    pci.write_config(PCI_COMMAND, 0x0400, 2)
+    pci.enable_bus_master()
+    assert pci.read_config(PCI_COMMAND, 2) == 0x0406
+
+
+def test_missing_device(tmp_path):
+    with pytest.raises(PCIError, match=f"no PCI device {ADDR}"):
+        SysfsPCIDevice(ADDR, sysfs_root=str(tmp_path))
+
+
+def test_bound_driver(tree, tmp_path):
+    drv = tmp_path / "drivers" / "bnxt_en"
+    drv.mkdir(parents=True)
+    (tree / "driver").symlink_to(drv)
+    with pytest.raises(PCIError, match="bound to bnxt_en.*unbind") as exc:
+        SysfsPCIDevice(ADDR, sysfs_root=str(tree.parent))
+    assert f"echo {ADDR} > {drv}/unbind" in str(exc.value)
+
+
+def test_wrong_vendor(tmp_path):
+    root = tmp_path / "devices"
+    make_tree(root, vendor="0x8086\n")
+    with pytest.raises(PCIError, match="0x8086"):
+        SysfsPCIDevice(ADDR, sysfs_root=str(root))
+
+
+@pytest.mark.parametrize("address", ["41:00.0", "0000:41:00", "0000:4g:00.0", "0000:41:00.8", ""])
+def test_bad_address(tmp_path, address):
+    with pytest.raises(PCIError, match="bad PCI address"):
+        SysfsPCIDevice(address, sysfs_root=str(tmp_path))
+
+
+def test_phys_addr_from_fake_pagemap(tmp_path):
+    entries = [(1 << 63) | 0x1234, 0, 1 << 63]  # present with PFN, absent, present but PFN hidden
+    path = tmp_path / "pagemap"
+    path.write_bytes(b"".join(e.to_bytes(8, "little") for e in entries))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _phys_addr(fd, 0x123) == 0x1234 * PAGE_SIZE + 0x123
+        with pytest.raises(PCIError, match="not present"):
+            _phys_addr(fd, PAGE_SIZE)
+        with pytest.raises(PCIError, match="run as root"):
+            _phys_addr(fd, 2 * PAGE_SIZE)
+    finally:
+        os.close(fd)
+
+
+@needs_root
+def test_alloc_dma_pages(pci):
+    buf = pci.alloc_dma(3 * PAGE_SIZE - 100)
+    assert buf.size == 3 * PAGE_SIZE and not buf.contiguous
+    assert len(buf.bus_addrs) == 3
+    assert all(a and a % PAGE_SIZE == 0 for a in buf.bus_addrs)
+    assert len(set(buf.bus_addrs)) == 3
+    assert bytes(buf.view) == bytes(buf.size)
+    buf.view[PAGE_SIZE + 5] = 0x5A
+    assert buf.view[PAGE_SIZE + 5] == 0x5A
+    assert buf.bus_address_of(PAGE_SIZE + 5) == buf.bus_addrs[1] + 5
+    other = pci.alloc_dma(PAGE_SIZE)
+    assert other.bus_addr not in buf.bus_addrs
+    buf.free()
+    buf.free()  # idempotent
+    other.free()
+
+
+@needs_root
+def test_close_frees_live_dma(tree):
+    pci = SysfsPCIDevice(ADDR, sysfs_root=str(tree.parent))
+    buf = pci.alloc_dma(PAGE_SIZE)
+    bar = pci.map_bar(0)
+    pci.close()
+    pci.close()
+    with pytest.raises(ValueError):
+        buf.view[0]
+    with pytest.raises(ValueError):
+        bar.read32(0)
+    with pytest.raises(PCIError, match="closed"):
+        pci.alloc_dma(PAGE_SIZE)
+
+
+@pytest.fixture
+def hugepages():
+    """Make sure a few 2 MiB hugepages are reserved, reserving (and afterwards releasing) them ourselves if allowed."""
+    path = "/proc/sys/vm/nr_hugepages"
+    with open(path) as f:
+        before = int(f.read())
+    if before >= 2:
+        yield
+        return
+    if not IS_ROOT or not os.access(path, os.W_OK):
+        pytest.skip(f"no hugepages reserved and {path} is not writable")
+    with open(path, "w") as f:
+        f.write(str(before + 4))
+    try:
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(str(before))
+
+
+@needs_root
+def test_alloc_dma_contiguous(pci, hugepages):
+    buf = pci.alloc_dma(5 * PAGE_SIZE, contiguous=True)
+    try:
+        assert buf.contiguous and buf.size == 5 * PAGE_SIZE
+        assert buf.bus_addr and buf.bus_addr % PAGE_SIZE == 0
+        assert buf.bus_addrs == [buf.bus_addr + i * PAGE_SIZE for i in range(5)]
+        buf.view[-1] = 1
+        assert buf.view[-1] == 1
+    finally:
+        buf.free()
+
+
+def test_contiguous_limit(pci):
+    with pytest.raises(PCIError, match="2 MiB"):
+        pci.alloc_dma((2 << 20) + 1, contiguous=True)
