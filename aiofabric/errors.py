@@ -1,0 +1,42 @@
+"""Exceptions the driver raises. Each names what failed and, where the device said why, the decoded reason."""
+from __future__ import annotations
+
+from .autogen import bnxt
+
+
+def _names(prefix: str) -> dict[int, str]:
+    return {value: name[len(prefix):] for name, value in vars(bnxt).items()
+            if name.startswith(prefix) and not name.endswith("_LAST")}
+
+
+HWRM_ERRORS = _names("HWRM_ERR_CODE_")
+RCFW_STATUSES = _names("CREQ_QP_EVENT_STATUS_")
+
+
+class FabricError(Exception):
+    """Base class of aiofabric's errors."""
+
+
+class FirmwareError(FabricError):
+    """The firmware answered a command with an error status."""
+
+    def __init__(self, command: str, status: int, reason: str, detail: str = "") -> None:
+        self.command, self.status, self.reason = command, status, reason
+        super().__init__(f"{command} failed: {reason} ({status:#x}){': ' + detail if detail else ''}")
+
+    @classmethod
+    def hwrm(cls, name: str, status: int, cmd_err: int = 0) -> FirmwareError:
+        return cls(f"HWRM {name}", status, HWRM_ERRORS.get(status, "UNKNOWN"),
+                   f"cmd_err {cmd_err:#x}" if cmd_err else "")
+
+    @classmethod
+    def rcfw(cls, name: str, status: int) -> FirmwareError:
+        return cls(f"RCFW {name}", status, RCFW_STATUSES.get(status, "UNKNOWN"))
+
+
+class FirmwareTimeoutError(FabricError, TimeoutError):
+    """The firmware did not answer a command in time."""
+
+
+class DeviceLostError(FabricError):
+    """The device is gone (emulator process died, surprise removal); every pending operation fails with this."""

@@ -1,0 +1,212 @@
+"""The emulated NIC's process: the I/O shell around the sans-IO firmware.
+
+Started by `SimPCIDevice` as `python -m aiofabric.sim.process CONFIG_JSON`. It reads MMIO kicks in order, runs
+firmware commands one at a time at the configured latency, writes responses into host memory and fires MSI-X
+eventfds. It exits when the driver closes the kick socket, and (PR_SET_PDEATHSIG) when the driver process dies.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+
+from ..autogen import bnxt
+from .host import CONFIG_SPACE, KICK
+from .hwrm import Firmware, FirmwareConfig
+from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
+
+log = logging.getLogger("aiofabric.sim")
+
+HWRM_VECTOR = 0
+HWRM_TRIGGER = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER
+RCFW_BASE = bnxt.RCFW_COMM_BASE_OFFSET
+RCFW_TRIGGER = RCFW_BASE + bnxt.RCFW_COMM_TRIG_OFFSET
+PR_SET_PDEATHSIG, PR_SET_TIMERSLACK = 1, 29
+DEFAULT_LATENCY_US = 30.0
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, ctypes.c_ulong(value), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def mac_for(name: str) -> bytes:
+    """A stable, locally administered MAC per emulated NIC name."""
+    digest = sum((i + 1) * b for i, b in enumerate(name.encode())) & 0xFFFFFF
+    return bytes([0x02, 0x0A, 0xF0]) + digest.to_bytes(3, "big")
+
+
+class Emulator:
+    def __init__(self, config: dict) -> None:
+        self.name = config["name"]
+        self.bar0_map = mmap.mmap(config["bar0_fd"], BAR0_SIZE)
+        self.arena_map = mmap.mmap(config["arena_fd"], ARENA_SIZE)
+        self.bar0 = memoryview(self.bar0_map)
+        self.mem = BusMemory(self.arena_map)
+        self.kick = socket.socket(fileno=config["kick_fd"])
+        self.debug = socket.socket(fileno=config["debug_fd"])
+        self.irq_fds: list[int] = config["irq_fds"]
+        mac = bytes.fromhex(config["mac"].replace(":", "")) if config.get("mac") else mac_for(self.name)
+        self.fw = Firmware(self.mem, FirmwareConfig(mac=mac))
+        self.latency = config.get("fw_latency_us", DEFAULT_LATENCY_US) * 1e-6
+        self.bus_master = False
+        self.stall = {"hwrm": 0, "rcfw": 0}  # drop this many responses: firmware timeouts on demand
+        self.stats = {"hwrm": 0, "rcfw": 0, "kicks": 0, "interrupts": 0, "dropped_no_bus_master": 0}
+        self.creq_backlog: list[bytes] = []
+        self.partial = b""
+        self.debug_buffer = b""
+        self.running = True
+
+    # -- main loop -------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.kick, selectors.EVENT_READ, self.on_kick)
+        selector.register(self.debug, selectors.EVENT_READ, self.on_debug)
+        while self.running:
+            for key, _ in selector.select():
+                key.data()
+                if not self.running:
+                    break
+            self.run_rcfw()
+            self.fire_interrupts()
+
+    def on_kick(self, blocking: bool = True) -> None:
+        try:
+            data = self.kick.recv(1 << 16) if blocking else self.kick.recv(1 << 16, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        if not data:
+            self.running = False  # the driver closed the device or died
+            return
+        data = self.partial + data
+        usable = len(data) - len(data) % KICK.size
+        self.partial = data[usable:]
+        for space, offset, value in KICK.iter_unpack(data[:usable]):
+            self.stats["kicks"] += 1
+            self.mmio_write(space, offset, value)
+
+    def mmio_write(self, space: int, offset: int, value: int) -> None:
+        if space == CONFIG_SPACE:
+            self.bus_master = bool(value & 0x4)
+        elif space == 2:
+            self.fw.doorbell(offset, value)
+        elif offset == HWRM_TRIGGER:
+            self.run_hwrm()
+        elif offset == RCFW_TRIGGER:
+            self.fw.rcfw.trigger()
+        elif RCFW_BASE <= offset < RCFW_BASE + 0x10:
+            self.fw.rcfw.mailbox_write(offset - RCFW_BASE, value)
+
+    def firmware_delay(self, started: float) -> None:
+        remaining = self.latency - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def run_hwrm(self) -> None:
+        started = time.perf_counter()
+        request = bytes(self.bar0[:bnxt.HWRM_MAX_REQ_LEN])
+        if not self.bus_master:
+            self.stats["dropped_no_bus_master"] += 1  # a device without bus mastering cannot DMA its answer
+            return
+        result = self.fw.hwrm(request)
+        self.stats["hwrm"] += 1
+        self.firmware_delay(started)
+        if result is None:
+            return
+        if self.stall["hwrm"]:
+            self.stall["hwrm"] -= 1
+            return
+        addr, response = result
+        self.mem.write(addr, response[:-1])
+        self.mem.write(addr + len(response) - 1, response[-1:])  # the valid byte lands last
+        self.fw.interrupts.append(HWRM_VECTOR)
+        self.fire_interrupts()
+
+    def run_rcfw(self) -> None:
+        """Execute pending RoCE commands one at a time, answering each on the CREQ as it finishes."""
+        while self.running:
+            while self.creq_backlog:
+                if not self.fw.rcfw.post_creq(self.creq_backlog[0]):
+                    return  # CREQ full: wait for the driver's consumer doorbell
+                self.creq_backlog.pop(0)
+                self.fire_interrupts()
+            started = time.perf_counter()
+            command = self.fw.rcfw.next_command()
+            if command is None:
+                return
+            entry = self.fw.rcfw.execute(command)
+            self.stats["rcfw"] += 1
+            self.firmware_delay(started)
+            if self.stall["rcfw"]:
+                self.stall["rcfw"] -= 1
+            else:
+                self.creq_backlog.append(entry)
+            self.on_kick(blocking=False)  # doorbells and new commands keep flowing while we work
+
+    def fire_interrupts(self) -> None:
+        for vector in self.fw.interrupts:
+            if 0 <= vector < len(self.irq_fds):
+                os.eventfd_write(self.irq_fds[vector], 1)
+                self.stats["interrupts"] += 1
+        self.fw.interrupts.clear()
+
+    # -- debug channel ---------------------------------------------------------------------------------------------
+    def on_debug(self) -> None:
+        data = self.debug.recv(1 << 16)
+        if not data:
+            return
+        self.debug_buffer += data
+        while b"\n" in self.debug_buffer:
+            line, self.debug_buffer = self.debug_buffer.split(b"\n", 1)
+            try:
+                reply = self.debug_request(json.loads(line))
+            except Exception as exc:  # a bad debug request must not take the device down
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            self.debug.sendall(json.dumps(reply).encode() + b"\n")
+
+    def debug_request(self, request: dict) -> dict:
+        op = request["op"]
+        if op == "ping":
+            return {"pid": os.getpid(), "name": self.name}
+        if op == "objects":
+            return {"objects": self.fw.objects()}
+        if op == "stats":
+            return {"stats": dict(self.stats)}
+        if op == "inject":
+            self.fw.inject_error(request["command"], request["status"], request.get("count", 1))
+            return {}
+        if op == "stall":
+            self.stall[request["channel"]] += request.get("count", 1)
+            return {}
+        if op == "latency":
+            self.latency = request["us"] * 1e-6
+            return {}
+        if op == "event":
+            self.fw.rcfw.post_event(**request["event"])
+            self.fire_interrupts()
+            return {}
+        raise ValueError(f"unknown debug op {op!r}")
+
+
+def main() -> None:
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no orphans if the driver process dies
+    _prctl(PR_SET_TIMERSLACK, 1)  # microsecond firmware latencies need precise sleeps
+    logging.basicConfig(level=os.environ.get("AIOFABRIC_SIM_LOG", "WARNING"), stream=sys.stderr,
+                        format="sim %(name)s: %(message)s")
+    config = json.loads(sys.argv[1])
+    if os.getppid() == 1:
+        return  # the driver died before we got here
+    Emulator(config).run()
+
+
+if __name__ == "__main__":
+    main()
