@@ -1,0 +1,196 @@
+"""The async control path against the emulated NIC process: bring-up, HWRM, RCFW, events, failures, close."""
+import os
+import signal
+import time
+
+import anyio
+import pytest
+
+from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutError, QPState, open_nic
+from aiofabric.autogen import bnxt
+
+pytestmark = pytest.mark.anyio
+
+
+def counts(nic):
+    return nic.pci.debug({"op": "objects"})["objects"]
+
+
+async def test_boot_reports_identity_and_frees_everything_on_close():
+    async with open_nic("sim:boot", ip="127.0.0.9") as nic:
+        info = nic.info()
+        assert info["gid"] == "0000:0000:0000:0000:0000:ffff:7f00:0009"
+        assert len(info["mac"]) == 17 and info["fw_version"].count(".") == 3
+        assert info["gid_index"] >= 0 and info["caps"]["max_qp"] > 0
+        booted = counts(nic)
+        assert booted["gids"] == 1 and booted["rings"] >= 4 and booted["vnics"] == 1 and booted["l2_filters"] == 1
+        cq = await nic.create_cq(depth=256)
+        await nic.create_qp(cq)
+        await nic.register_mr(3 * 4096)
+        assert {k: counts(nic)[k] for k in ("cqs", "qps", "mrs")} == {"cqs": 1, "qps": 1, "mrs": 1}
+        await nic.close()
+        left = {k: v for k, v in counts(nic).items() if isinstance(v, int) and v}
+        assert left == {}, f"firmware objects leaked: {left}"
+
+
+async def test_hwrm_bad_input_gets_clear_errors():
+    async with open_nic("sim:hwrm") as nic:
+        with pytest.raises(ValueError, match="unknown HWRM command 'no_such_thing'"):
+            await nic.hwrm("no_such_thing")
+        with pytest.raises(ValueError, match="has no field 'bogus'"):
+            await nic.hwrm("func_qcfg", bogus=1)
+        with pytest.raises(FirmwareError, match=r"HWRM ring_free failed: INVALID_PARAMS \(0x2\)") as error:
+            await nic.hwrm("ring_free", ring_type=bnxt.RING_ALLOC_REQ_RING_TYPE_RX, ring_id=0x7777)
+        assert error.value.status == bnxt.HWRM_ERR_CODE_INVALID_PARAMS
+        nic.pci.debug({"op": "inject", "command": "func_qcfg", "status": bnxt.HWRM_ERR_CODE_BUSY})
+        with pytest.raises(FirmwareError, match="HWRM func_qcfg failed: BUSY"):
+            await nic.hwrm("func_qcfg", fid=0xFFFF)
+        assert (await nic.hwrm("func_qcfg", fid=0xFFFF)).error_code == 0  # the injection was one-shot
+
+
+async def test_hwrm_timeout_then_channel_recovers():
+    async with open_nic("sim:stall", hwrm_timeout=0.3) as nic:
+        nic.pci.debug({"op": "stall", "channel": "hwrm"})
+        started = time.monotonic()
+        with pytest.raises(FirmwareTimeoutError, match="HWRM func_qcfg: no answer"):
+            await nic.hwrm("func_qcfg", fid=0xFFFF)
+        assert time.monotonic() - started < 2
+        qcfg = await nic.hwrm("func_qcfg", fid=0xFFFF)  # seq_id matching ignores nothing stale
+        assert qcfg.legacy_l2_db_size_kb > 0
+
+
+async def test_rcfw_many_in_flight_matched_by_cookie():
+    async with open_nic("sim:many") as nic:
+        cqs = []
+
+        async def make():
+            cqs.append(await nic.create_cq(depth=64))
+
+        async with anyio.create_task_group() as tasks:
+            for _ in range(40):
+                tasks.start_soon(make)
+        assert len({cq.id for cq in cqs}) == 40
+        assert counts(nic)["cqs"] == 40
+        stats = nic.pci.debug({"op": "stats"})["stats"]
+        assert stats["rcfw"] >= 40
+
+
+async def test_rcfw_errors_name_command_and_status():
+    async with open_nic("sim:rcfw") as nic:
+        with pytest.raises(ValueError, match="unknown RCFW command"):
+            await nic.rcfw("make_coffee")
+        cq = await nic.create_cq(depth=64)
+        qp = await nic.create_qp(cq)
+        with pytest.raises(FirmwareError, match="RCFW modify_qp failed: INVALID_PARAMETER"):
+            await qp.modify(QPState.RTS)  # INIT -> RTS skips RTR: illegal
+        nic.pci.debug({"op": "inject", "command": "create_cq", "status": bnxt.CREQ_QP_EVENT_STATUS_RESOURCES})
+        with pytest.raises(FirmwareError, match="RCFW create_cq failed: RESOURCES"):
+            await nic.create_cq(depth=64)
+        assert counts(nic)["cqs"] == 1
+
+
+async def test_rcfw_timeout_is_reported_and_later_commands_work():
+    async with open_nic("sim:rstall") as nic:
+        nic.rcfw_timeout = 0.3
+        nic.pci.debug({"op": "stall", "channel": "rcfw"})
+        with pytest.raises(FirmwareTimeoutError, match="RCFW query_version: no answer"):
+            await nic.rcfw("query_version")
+        version = await nic.rcfw("query_version")
+        assert version.status == 0
+
+
+async def test_qp_lifecycle_and_query():
+    async with open_nic("sim:qp", ip="127.0.0.5") as nic:
+        cq = await nic.create_cq(depth=256)
+        a, b = await nic.create_qp(cq, sq_depth=64), await nic.create_qp(cq, sq_depth=64)
+        assert a.sq_slots % 256 == 0 and a.msn_entries == a.sq_slots // 2
+        await a.connect(b.info(), mtu=4096)
+        await b.connect(a.info(), mtu=4096)
+        state = await a.query()
+        assert state.en_sqd_async_notify_state & 0xF == QPState.RTS
+        assert state.dest_qp_id == b.qpn and bytes(state.dgid) == nic.gid
+        with pytest.raises(FirmwareError, match="destroy_cq"):
+            await cq.destroy()  # still used by the QPs
+        await a.destroy()
+        await b.destroy()
+        await cq.destroy()
+        assert counts(nic)["qps"] == 0 and counts(nic)["cqs"] == 0
+
+
+async def test_memory_regions_with_every_page_table_level():
+    async with open_nic("sim:mr") as nic:
+        small = await nic.register_mr(4096, Access.LOCAL_WRITE)
+        medium = await nic.register_mr(64 << 10)
+        large = await nic.register_mr(4 << 20, Access.LOCAL_WRITE | Access.REMOTE_READ)
+        assert (small.table.level, medium.table.level, large.table.level) == (0, 1, 2)
+        assert len({small.lkey, medium.lkey, large.lkey}) == 3 and medium.rkey == medium.lkey
+        assert counts(nic)["mrs"] == 3
+        for mr in (small, medium, large):
+            await mr.deregister()
+        assert counts(nic)["mrs"] == 0
+
+
+async def test_error_notifications_are_routed_not_mistaken_for_replies():
+    async with open_nic("sim:events") as nic:
+        cq = await nic.create_cq(depth=64)
+        qp = await nic.create_qp(cq)
+        nic.pci.debug({"op": "latency", "us": 20000})
+        async with anyio.create_task_group() as tasks:
+            results = []
+
+            async def query():
+                results.append(await nic.rcfw("query_version"))
+
+            tasks.start_soon(query)
+            await anyio.sleep(0.005)
+            nic.pci.debug({"op": "event", "event": {"kind": "qp_error", "xid": qp.qpn}})
+            nic.pci.debug({"op": "event", "event": {"kind": "cq_error", "xid": cq.id}})
+            nic.pci.debug({"op": "event", "event": {"kind": "function", "event": 1}})
+        assert results[0].status == 0
+        with anyio.fail_after(2):
+            while not (qp.errors and cq.errors and nic.events):
+                await anyio.sleep(0.01)
+        assert qp.state == QPState.ERR and qp.errors[0].xid == qp.qpn
+        assert cq.errors[0].kind == "cq_error" and nic.events[-1].kind == "function"
+
+
+async def test_emulator_killed_mid_command_fails_every_waiter_promptly():
+    started = time.monotonic()
+    async with open_nic("sim:doomed") as nic:
+        nic.pci.debug({"op": "latency", "us": 200_000})
+        errors = []
+
+        async def command(run):
+            try:
+                await run()
+            except DeviceLostError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tasks:
+            for _ in range(8):
+                tasks.start_soon(command, lambda: nic.rcfw("query_version"))
+            tasks.start_soon(command, lambda: nic.hwrm("func_qcfg", fid=0xFFFF))
+            await anyio.sleep(0.05)
+            os.kill(nic.pci.pid, signal.SIGKILL)
+        assert len(errors) == 9
+        assert "emulator exited with status -9" in str(errors[0])
+        with pytest.raises(DeviceLostError):
+            await nic.create_cq(depth=64)
+    assert time.monotonic() - started < 5
+
+
+async def test_several_nics_in_one_process():
+    async with open_nic("sim:a", ip="127.0.0.11") as a, open_nic("sim:b", ip="127.0.0.12") as b, \
+            open_nic("sim:c", ip="127.0.0.13") as c:
+        assert len({a.mac, b.mac, c.mac}) == 3
+        assert len({a.pci.pid, b.pci.pid, c.pci.pid}) == 3
+        async with anyio.create_task_group() as tasks:
+            for nic in (a, b, c):
+                tasks.start_soon(nic.create_cq, 64)
+        assert [counts(n)["cqs"] for n in (a, b, c)] == [1, 1, 1]
+
+
+async def test_bad_spec_is_refused():
+    with pytest.raises(Exception, match="bad NIC spec"):
+        async with open_nic("eth0"):
+            pass
