@@ -1,0 +1,440 @@
+"""The emulated firmware's object tables: rings, notification and completion queues, QPs, memory regions, GIDs.
+
+Plain state plus the ring arithmetic every queue shares: free-running producer and consumer counts, the phase bit
+written per lap (1 on lap 0, 0 on lap 1, ...), and consumer doorbells that name a count by (index, epoch). Firmware
+command handlers create and destroy these objects; the data path reads and advances them per packet, so the hot
+methods (`PageList.address`, `CompletionQueue.post`, `MemoryRegion.translate`) use struct and memoryviews, never
+ctypes objects.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+
+from ..autogen import bnxt
+from .memory import PAGE, BusMemory, DmaFault
+
+PTE_FLAG_BITS = 0xFFF
+MAX_PBL_PAGES = (PAGE // 8) ** 2  # what a level-2 table of 4 KiB pages can describe
+PAGE_SIZES = {0: 1 << 12, 1: 1 << 13, 2: 1 << 16, 3: 1 << 21, 4: 1 << 23, 5: 1 << 30}  # the PG_SIZE field codes
+NQ_ENTRY, CQ_ENTRY = 16, 32
+NQ_CQ_NOTIFICATION = bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
+NQ_CN = struct.Struct("<HHIII")  # nq_cn: type (toggle in bits 6-7), reserved, cq_handle_low, v, cq_handle_high
+
+
+class PageTableError(ValueError):
+    """A page table (PBL) the driver handed over cannot be walked: bad level, absurd page count."""
+
+
+class MemoryProtectionError(Exception):
+    """An access outside a memory region's bounds, or without the rights it was registered with."""
+
+
+def walk_pbl(mem: BusMemory, level: int, base: int, npages: int, page_size: int = PAGE, *,
+             through_last: bool = False) -> list[int]:
+    """Bus addresses of the `npages` pages a level 0/1/2 page table describes (reference §3).
+
+    Level 0: `base` is the first page and the memory is contiguous. Level 1: `base` holds 8-byte PTEs. Level 2:
+    `base` holds PDEs, each pointing at a 4 KiB page of PTEs. Flag bits (VALID, LAST, NEXT_TO_LAST) are masked off.
+    `through_last` also takes the PTEs after the first `npages` while they are VALID and the LAST flag has not been
+    seen: queues keep auxiliary tables (the MSN/PSN search area) in pages right after the ring.
+    """
+    if not 0 <= npages <= MAX_PBL_PAGES:
+        raise PageTableError(f"{npages} pages is more than a page table can describe")
+    if level == 0:
+        return [base + i * page_size for i in range(npages)]
+    if level not in (1, 2):
+        raise PageTableError(f"page table level {level} (only 0, 1 and 2 exist)")
+    per_table = PAGE // 8
+
+    def pte_address(i: int) -> int:
+        if level == 1:
+            return base + 8 * i
+        return (mem.read_u64(base + 8 * (i // per_table)) & ~PTE_FLAG_BITS) + 8 * (i % per_table)
+
+    if level == 1:
+        ptes = list(struct.unpack_from(f"<{npages}Q", mem.view(base, 8 * npages)))
+    else:
+        ptes = []
+        for start in range(0, npages, per_table):
+            count = min(per_table, npages - start)
+            ptes += struct.unpack_from(f"<{count}Q", mem.view(pte_address(start), 8 * count))
+    while through_last and ptes and not ptes[-1] & bnxt.PTU_PTE_LAST and len(ptes) < MAX_PBL_PAGES:
+        try:
+            entry = mem.read_u64(pte_address(len(ptes)))
+        except DmaFault:  # past the end of host memory: the table simply ends here
+            break
+        if not entry & bnxt.PTU_PTE_VALID:
+            break
+        ptes.append(entry)
+    return [pte & ~PTE_FLAG_BITS for pte in ptes]
+
+
+@dataclass
+class PageList:
+    """Where a queue or region lives: page addresses, or one contiguous range when the table was level 0."""
+    pages: list[int]
+    page_size: int = PAGE
+    contiguous: bool = False
+
+    def __post_init__(self) -> None:
+        self.page_shift = self.page_size.bit_length() - 1
+        self.page_mask = self.page_size - 1
+
+    def address(self, offset: int) -> int:
+        """Bus address of byte `offset` (IndexError past the last page)."""
+        if self.contiguous:
+            return self.pages[0] + offset
+        return self.pages[offset >> self.page_shift] + (offset & self.page_mask)
+
+
+def map_memory(mem: BusMemory, level: int, base: int, size: int, page_size: int = PAGE, *,
+               queue: bool = False) -> PageList:
+    """The pages holding `size` bytes behind a page table, each checked to exist in host memory (DmaFault if not).
+
+    Level 0 means one contiguous range at `base`. Queues (`queue=True`) also keep the trailing pages their PBL marks
+    VALID up to the LAST entry, where drivers put auxiliary tables such as the MSN/PSN search area.
+    """
+    if level == 0:
+        mem.view(base, size)
+        return PageList([base], page_size, contiguous=True)
+    pages = walk_pbl(mem, level, base, max(1, -(-size // page_size)), page_size, through_last=queue)
+    for page in pages:
+        mem.view(page, page_size)
+    return PageList(pages, page_size)
+
+
+def doorbell_consumer(produced: int, consumed: int, length: int, index: int, epoch: int) -> int:
+    """The free-running consumer count a consumer doorbell names, from its slot index and lap parity.
+
+    Of the counts in [produced - length, produced] with that slot, the epoch picks one; a doorbell naming an older
+    count than we already have (stale, or reordered) leaves the consumer where it is.
+    """
+    if not 0 <= index < length:
+        return consumed
+    candidate = produced - (produced - index) % length
+    if (candidate // length) & 1 != epoch:
+        candidate -= length
+    return max(consumed, candidate)
+
+
+@dataclass(eq=False)
+class Ring:
+    """A ring allocated by HWRM RING_ALLOC (L2 completion, TX, RX, RX aggregation, RoCE completion or NQ)."""
+    ring_id: int
+    ring_type: int
+    mem: BusMemory
+    pages: PageList
+    length: int  # entries
+    logical_id: int  # the MSI-X vector, for rings that interrupt
+    entry_size: int = NQ_ENTRY
+    nq_ring_id: int | None = None
+
+
+@dataclass(eq=False)
+class NotificationQueue(Ring):
+    """An NQ-type ring: the CREQ of the RoCE command channel, or a RoCE NQ carrying CQ notifications.
+
+    Entries are 16 bytes with the phase in bit 0 of byte 8. Posting needs consumer credit (from NQ/NQ_ARM doorbells);
+    an armed queue raises its MSI-X vector on the next post and disarms.
+    """
+    interrupts: list[int] = field(default_factory=list)  # the firmware's outbox of vectors to fire
+    produced: int = 0
+    consumed: int = 0
+    armed: bool = False
+
+    @property
+    def pending(self) -> int:
+        return self.produced - self.consumed
+
+    def post(self, entry: bytes) -> bool:
+        """Write one 16-byte entry with this lap's phase, valid byte last; False (nothing written) when full."""
+        if self.produced - self.consumed >= self.length:
+            return False
+        lap, slot = divmod(self.produced, self.length)
+        view = self.mem.view(self.pages.address(slot * NQ_ENTRY), NQ_ENTRY)
+        view[0:8], view[9:16] = entry[0:8], entry[9:16]
+        view[8] = (entry[8] & 0xFE) | (lap & 1) ^ 1
+        self.produced += 1
+        if self.armed:
+            self.armed = False
+            self.interrupts.append(self.logical_id)
+        return True
+
+    def consumer_doorbell(self, index: int, epoch: int, *, arm: bool | None) -> None:
+        """NQ (arm None), NQ_ARM (True) or NQ_MASK (False): return credit; an arm with entries waiting fires at once."""
+        self.consumed = doorbell_consumer(self.produced, self.consumed, self.length, index, epoch)
+        if arm is not None:
+            self.armed = arm
+        if self.armed and self.pending:  # the driver re-armed after entries landed: no lost wake-up
+            self.armed = False
+            self.interrupts.append(self.logical_id)
+
+    def reset(self) -> None:
+        self.produced = self.consumed = 0
+
+
+class CqArm(enum.IntEnum):
+    NONE = 0
+    NEXT = 1  # CQ_ARMALL: notify on the next CQE
+    SOLICITED = 2  # CQ_ARMSE: notify on the next solicited CQE
+
+
+@dataclass(eq=False)
+class CompletionQueue:
+    """A RoCE CQ: 32-byte CQEs, toggle bit (byte 24 bit 0) per lap, notifications through its NQ when armed."""
+    cq_id: int
+    handle: int  # the driver's cq_handle, echoed in NQ notifications
+    pages: PageList
+    size: int  # entries
+    nq: NotificationQueue
+    mem: BusMemory
+    produced: int = 0
+    consumed: int = 0
+    armed: CqArm = CqArm.NONE
+    toggle: int = 0  # 2-bit count of notifications, echoed in nq_cn and expected back in arm doorbells
+    notifications: int = 0  # reported by DESTROY_CQ (total_cnq_events) so the driver can drain its NQ
+
+    def post(self, cqe: bytes, solicited: bool = False) -> bool:
+        """Write one CQE with this lap's toggle, the type/toggle byte last; False (nothing written) when full."""
+        if self.produced - self.consumed >= self.size:
+            return False
+        lap, slot = divmod(self.produced, self.size)
+        view = self.mem.view(self.pages.address(slot * CQ_ENTRY), CQ_ENTRY)
+        view[0:24], view[25:32] = cqe[0:24], cqe[25:32]
+        view[24] = (cqe[24] & 0xFE) | (lap & 1) ^ 1
+        self.produced += 1
+        if self.armed == CqArm.NEXT or (self.armed == CqArm.SOLICITED and solicited):
+            self.notify()
+        return True
+
+    def notify(self) -> bool:
+        """Post a CQ_NOTIFICATION to the NQ (disarming the CQ); False if the NQ had no room."""
+        self.armed = CqArm.NONE
+        self.toggle = (self.toggle + 1) & 3
+        entry = NQ_CN.pack(NQ_CQ_NOTIFICATION | self.toggle << bnxt.NQ_CN_TOGGLE_SFT, 0, self.handle & 0xFFFFFFFF, 0,
+                           self.handle >> 32 & 0xFFFFFFFF)
+        if not self.nq.post(entry):
+            return False
+        self.notifications += 1
+        return True
+
+    def doorbell(self, kind: int, index: int, epoch: int) -> None:
+        """CQ (credit only), CQ_ARMALL, CQ_ARMSE; CQ_ARMENA carries no index and only enables arming (a no-op here)."""
+        if kind == bnxt.DBC_DBC_TYPE_CQ_ARMENA:
+            return
+        self.consumed = doorbell_consumer(self.produced, self.consumed, self.size, index, epoch)
+        if kind == bnxt.DBC_DBC_TYPE_CQ_ARMALL:
+            self.armed = CqArm.NEXT
+            if self.produced > self.consumed:  # CQEs landed after the driver's last poll
+                self.notify()
+        elif kind == bnxt.DBC_DBC_TYPE_CQ_ARMSE:
+            self.armed = CqArm.SOLICITED
+
+
+class QpState(enum.IntEnum):
+    RESET = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RESET
+    INIT = bnxt.CMDQ_MODIFY_QP_NEW_STATE_INIT
+    RTR = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RTR
+    RTS = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RTS
+    SQD = bnxt.CMDQ_MODIFY_QP_NEW_STATE_SQD
+    SQE = bnxt.CMDQ_MODIFY_QP_NEW_STATE_SQE
+    ERR = bnxt.CMDQ_MODIFY_QP_NEW_STATE_ERR
+
+
+# The IB QP state machine: any state may go to RESET or ERR; otherwise only these moves are legal.
+QP_TRANSITIONS: dict[QpState, frozenset[QpState]] = {
+    QpState.RESET: frozenset({QpState.INIT}),
+    QpState.INIT: frozenset({QpState.INIT, QpState.RTR}),
+    QpState.RTR: frozenset({QpState.RTS}),
+    QpState.RTS: frozenset({QpState.RTS, QpState.SQD}),
+    QpState.SQD: frozenset({QpState.RTS, QpState.SQD}),
+    QpState.SQE: frozenset({QpState.RTS}),
+    QpState.ERR: frozenset(),
+}
+
+
+def legal_transition(current: QpState, new: QpState) -> bool:
+    return new in (QpState.RESET, QpState.ERR) or new in QP_TRANSITIONS[current]
+
+
+@dataclass(eq=False)
+class QueuePair:
+    """A QP as CREATE_QP/MODIFY_QP left it, plus the queue positions the doorbells and the data path move."""
+    qpn: int
+    handle: int  # the driver's qp_handle, echoed in every CQE
+    qp_type: int  # CMDQ_CREATE_QP_TYPE_*
+    flags: int  # CMDQ_CREATE_QP_QP_FLAGS_*
+    pd: int
+    scq: CompletionQueue
+    rcq: CompletionQueue
+    sq: PageList
+    sq_size: int  # as created: WQEs (static mode) or 16-byte slots (variable-WQE mode)
+    sq_slots: int  # 16-byte slots in the ring
+    sq_sge: int
+    rq: PageList | None
+    rq_size: int  # WQEs
+    rq_wqe_size: int  # bytes
+    rq_sge: int
+    srq_id: int | None
+    irrq_addr: int
+    orrq_addr: int
+    state: QpState = QpState.RESET
+    access: int = 0  # QP access bits: LOCAL_WRITE 1, REMOTE_WRITE 2, REMOTE_READ 4, REMOTE_ATOMIC 8
+    pkey: int = 0xFFFF
+    qkey: int = 0
+    network_type: int = 0  # CMDQ_MODIFY_QP_NETWORK_TYPE_*
+    dgid: bytes = bytes(16)
+    sgid_index: int = 0
+    flow_label: int = 0
+    hop_limit: int = 0
+    traffic_class: int = 0
+    dest_mac: bytes = bytes(6)
+    src_mac: bytes = bytes(6)
+    vlan: int = 0
+    path_mtu: int = 256  # bytes; a context nobody set says 256
+    timeout: int = 0
+    retry_cnt: int = 0
+    rnr_retry: int = 0
+    min_rnr_timer: int = 0
+    sq_psn: int = 0
+    rq_psn: int = 0
+    max_rd_atomic: int = 0
+    max_dest_rd_atomic: int = 0
+    dest_qp_id: int = 0
+    attributes_set: int = 0  # union of every MODIFY_QP mask applied so far
+    sq_producer: int = 0  # last SQ doorbell index (WQEs in static mode, slots in variable mode) and its epoch
+    sq_producer_epoch: int = 0
+    sq_consumer: int = 0  # advanced by the data path
+    rq_producer: int = 0
+    rq_producer_epoch: int = 0
+    rq_consumer: int = 0
+
+    @property
+    def variable_wqe(self) -> bool:
+        return bool(self.flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED)
+
+    @property
+    def force_completion(self) -> bool:
+        return bool(self.flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_FORCE_COMPLETION)
+
+
+@dataclass(eq=False)
+class MemoryRegion:
+    """An MR or MW key. A key from ALLOCATE_MRW exists unregistered until REGISTER_MR gives it memory.
+
+    `access` uses REGISTER_MR's bit order (LOCAL_WRITE 1, REMOTE_READ 2, REMOTE_WRITE 4, REMOTE_ATOMIC 8, MW_BIND 0x10,
+    ZERO_BASED 0x20), which differs from the QP's: pass `bnxt.CMDQ_REGISTER_MR_ACCESS_*` bits to `translate`.
+    """
+    key: int
+    pd: int
+    kind: int  # CMDQ_ALLOCATE_MRW_MRW_FLAGS_*: MR, PMR or a memory window type
+    access: int = 0
+    va: int = 0
+    size: int = 0
+    pages: PageList | None = None  # None until registered
+    allocated_by_register: bool = False  # REGISTER_MR with ALLOC_MR made the key; DEREGISTER_MR frees it again
+
+    @property
+    def registered(self) -> bool:
+        return self.pages is not None
+
+    def translate(self, va: int, length: int, need_access: int = 0, pd: int | None = None) -> list[tuple[int, int]]:
+        """Bus (address, length) chunks for [va, va+length), merging physically contiguous pages.
+
+        Raises MemoryProtectionError when the key is not registered, belongs to another PD, lacks `need_access`, or
+        the range leaves the region. Local reads need no access bit.
+        """
+        pages = self.pages
+        if pages is None:
+            raise MemoryProtectionError(f"key {self.key:#x} has no registered memory")
+        if pd is not None and pd != self.pd:
+            raise MemoryProtectionError(f"key {self.key:#x} belongs to PD {self.pd}, not {pd}")
+        if need_access & ~self.access:
+            raise MemoryProtectionError(f"key {self.key:#x} lacks access {need_access & ~self.access:#x} "
+                                        f"(registered with {self.access:#x})")
+        offset = va - self.va
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise MemoryProtectionError(f"[{va:#x}, +{length:#x}) is outside key {self.key:#x} "
+                                        f"[{self.va:#x}, +{self.size:#x})")
+        position = (self.va & pages.page_mask) + offset  # byte position in the page list
+        if pages.contiguous:
+            return [(pages.pages[0] + position, length)] if length else []
+        chunks: list[tuple[int, int]] = []
+        while length:
+            within = position & pages.page_mask
+            size = min(length, pages.page_size - within)
+            address = pages.pages[position >> pages.page_shift] + within
+            if chunks and chunks[-1][0] + chunks[-1][1] == address:
+                chunks[-1] = (chunks[-1][0], chunks[-1][1] + size)
+            else:
+                chunks.append((address, size))
+            position += size
+            length -= size
+        return chunks
+
+
+@dataclass(eq=False)
+class Gid:
+    """A source GID table entry (ADD_GID), stored in plain byte order."""
+    index: int
+    gid: bytes
+    src_mac: bytes
+    vlan: int
+    stats_ctx: int
+
+
+@dataclass(eq=False)
+class AddressHandle:
+    """CREATE_AH: where UD sends go."""
+    ah_id: int
+    pd: int
+    dgid: bytes
+    sgid_index: int
+    dest_mac: bytes
+    hop_limit: int
+    traffic_class: int
+    flow_label: int
+
+
+@dataclass(eq=False)
+class StatContext:
+    ctx_id: int
+    dma_addr: int
+    length: int
+    flags: int
+
+
+@dataclass(eq=False)
+class Vnic:
+    vnic_id: int
+    mru: int = 0
+    rx_ring_id: int | None = None
+    cmpl_ring_id: int | None = None
+
+
+@dataclass(eq=False)
+class L2Filter:
+    filter_id: int
+    mac: bytes
+    mask: bytes
+    vnic_id: int | None
+
+
+@dataclass(eq=False)
+class BackingStoreArea:
+    """One FUNC_BACKING_STORE_CFG_V2: context memory of one type and instance."""
+    kind: int
+    instance: int
+    entries: int
+    entry_size: int
+    pages: PageList
+
+
+def lowest_free_id(table: dict[int, object], first: int = 1, limit: int = 1 << 20) -> int | None:
+    """Ids are reused lowest-first, as hardware context tables do; None when all of [first, limit) are taken."""
+    for candidate in range(first, limit):
+        if candidate not in table:
+            return candidate
+    return None

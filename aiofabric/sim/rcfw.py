@@ -1,0 +1,528 @@
+"""The emulated firmware's RoCE channel (RCFW): CMDQ in, CREQ out, the RoCE object tables, RoCE doorbells (sans-IO).
+
+The driver latches `cmdq_init` through the BAR0 mailbox, writes commands into its CMDQ ring and publishes the
+producer. On a trigger the shell drains `next_command()`, `execute()`s each (latency is the shell's business) and
+`post_creq()`s the 16-byte answer, retrying after doorbells while the CREQ is full. Reference §4-§5; request and
+answer layouts are the bindings' `cmdq_<name>` and `creq_<name>_resp`.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..autogen import bnxt
+from .memory import BAR2_SIZE, PAGE, DmaFault
+from .objects import (PAGE_SIZES, AddressHandle, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList,
+                      PageTableError, QpState, QueuePair, legal_transition, lowest_free_id, map_memory)
+
+if TYPE_CHECKING:
+    from .hwrm import Firmware
+
+SLOT = 16
+MAILBOX = struct.Struct("<QHHI")  # cmdq_init: cmdq_pbl, cmdq_size_cmdq_lvl, creq_ring_id, prod_idx
+FIRST_PRODUCER_WRITE = 1 << bnxt.FIRMWARE_FIRST_FLAG
+QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
+SUCCESS, FAIL, RESOURCES, INVALID_CMD, NOT_IMPLEMENTED, INVALID_PARAMETER = (
+    getattr(bnxt, f"CREQ_QP_EVENT_STATUS_{name}") for name in
+    ("SUCCESS", "FAIL", "RESOURCES", "INVALID_CMD", "NOT_IMPLEMENTED", "INVALID_PARAMETER"))
+OPCODE_NAMES = {value: name.removeprefix("CMDQ_BASE_OPCODE_").lower() for name, value in vars(bnxt).items()
+                if name.startswith("CMDQ_BASE_OPCODE_") and name != "CMDQ_BASE_OPCODE_LAST"}
+BEFORE_INITIALIZE_FW = {"query_func", "query_version", "initialize_fw", "deinitialize_fw"}
+QP_TYPES = {bnxt.CMDQ_CREATE_QP_TYPE_RC, bnxt.CMDQ_CREATE_QP_TYPE_UD, bnxt.CMDQ_CREATE_QP_TYPE_RAW_ETHERTYPE,
+            bnxt.CMDQ_CREATE_QP_TYPE_GSI}
+PATH_MTUS = {code << bnxt.CMDQ_MODIFY_QP_PATH_MTU_SFT: 256 << code for code in range(6)}  # 256 ... 8192 bytes
+STATIC_WQE_SLOTS = 8  # static mode: every SQ WQE takes 128 bytes
+MAX_GIDS, MAX_CQES, MAX_MR_SIZE, MAX_SGES = 256, (1 << 22) - 1, 1 << 40, 6
+BS_QP, BS_CQ, BS_MRAV = 0x0, 0x2, 0xE
+M = "CMDQ_MODIFY_QP_MODIFY_MASK_"
+MODIFY_FIELDS = tuple((getattr(bnxt, M + bit), attribute, field) for bit, attribute, field in (
+    ("ACCESS", "access", "access"), ("PKEY", "pkey", "pkey"), ("QKEY", "qkey", "qkey"), ("DGID", "dgid", "dgid"),
+    ("FLOW_LABEL", "flow_label", "flow_label"), ("SGID_INDEX", "sgid_index", "sgid_index"),
+    ("HOP_LIMIT", "hop_limit", "hop_limit"), ("TRAFFIC_CLASS", "traffic_class", "traffic_class"),
+    ("DEST_MAC", "dest_mac", "dest_mac"), ("TIMEOUT", "timeout", "timeout"), ("RETRY_CNT", "retry_cnt", "retry_cnt"),
+    ("RNR_RETRY", "rnr_retry", "rnr_retry"), ("RQ_PSN", "rq_psn", "rq_psn"), ("SQ_PSN", "sq_psn", "sq_psn"),
+    ("MAX_RD_ATOMIC", "max_rd_atomic", "max_rd_atomic"), ("MIN_RNR_TIMER", "min_rnr_timer", "min_rnr_timer"),
+    ("MAX_DEST_RD_ATOMIC", "max_dest_rd_atomic", "max_dest_rd_atomic"), ("DEST_QP_ID", "dest_qp_id", "dest_qp_id"),
+    ("SRC_MAC", "src_mac", "src_mac"), ("VLAN_ID", "vlan", "vlan_pcp_vlan_dei_vlan_id")))
+RTR_NEEDS = getattr(bnxt, M + "DGID") | getattr(bnxt, M + "DEST_QP_ID")  # a connected QP must know its peer
+NQ_DOORBELLS = {bnxt.DBC_DBC_TYPE_NQ: None, bnxt.DBC_DBC_TYPE_NQ_ARM: True, bnxt.DBC_DBC_TYPE_NQ_MASK: False}
+CQ_DOORBELLS = {bnxt.DBC_DBC_TYPE_CQ, bnxt.DBC_DBC_TYPE_CQ_ARMALL, bnxt.DBC_DBC_TYPE_CQ_ARMSE,
+                bnxt.DBC_DBC_TYPE_CQ_ARMENA}
+
+
+class RcfwError(Exception):
+    """A RoCE command fails with `status` (CREQ_QP_EVENT_STATUS_*); the message says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class PendingCommand:
+    """One command taken off the CMDQ: its header fields and all its slots."""
+    opcode: int
+    cookie: int
+    slots: int
+    resp_size: int  # side buffer, in 16-byte units
+    resp_addr: int
+    data: bytes
+    complete: bool  # False when cmd_size was 0 or claimed more slots than were published
+
+    @property
+    def name(self) -> str:
+        return OPCODE_NAMES.get(self.opcode, f"opcode {self.opcode:#x}")
+
+
+@dataclass(frozen=True)
+class _Command:
+    request: type
+    response: type
+    run: Callable[[Any, PendingCommand], dict[str, Any]]
+
+
+class Rcfw:
+    """The RoCE command channel of one function, and the RoCE objects it creates."""
+
+    COMMANDS = ("initialize_fw", "deinitialize_fw", "query_func", "query_version", "add_gid", "delete_gid",
+                "create_cq", "destroy_cq", "create_qp", "modify_qp", "query_qp", "destroy_qp", "allocate_mrw",
+                "deallocate_key", "register_mr", "deregister_mr", "create_ah", "destroy_ah")
+
+    def __init__(self, firmware: Firmware) -> None:
+        self.fw, self.mem = firmware, firmware.mem
+        self.mailbox = bytearray(MAILBOX.size)
+        self.cmdq: PageList | None = None  # None: no cmdq_init latched (or its CREQ is gone): commands are ignored
+        self.cmdq_depth = 0
+        self.creq: NotificationQueue | None = None
+        self.producer = self.published = self.consumer = 0  # 16-bit free-running slot counts
+        self.consumer_slot = 0
+        self.initialized = False
+        self.hw_retx = False  # INITIALIZE_FW asked for hardware requester retransmission, and we offer it
+        self.events: collections.deque[bytes] = collections.deque()  # asynchronous events waiting for CREQ room
+        self.gids: dict[int, Gid] = {}
+        self.cqs: dict[int, CompletionQueue] = {}
+        self.qps: dict[int, QueuePair] = {}
+        self.mrs: dict[int, MemoryRegion] = {}
+        self.ahs: dict[int, AddressHandle] = {}
+        self._key_generation = 0
+        self._commands = {getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}"): _Command(
+            getattr(bnxt, f"cmdq_{name}"), getattr(bnxt, f"creq_{name}_resp"), getattr(self, f"_{name}"))
+            for name in self.COMMANDS}
+
+    def objects(self) -> dict[str, int]:
+        return {"gids": len(self.gids), "cqs": len(self.cqs), "qps": len(self.qps), "mrs": len(self.mrs),
+                "ahs": len(self.ahs)}
+
+    def reset(self) -> None:
+        """FUNC_RESET: all RoCE objects are gone and the channel waits for a new cmdq_init."""
+        for table in (self.gids, self.cqs, self.qps, self.mrs, self.ahs):
+            table.clear()
+        self.stop()
+        self.initialized = self.hw_retx = False
+
+    def stop(self) -> None:
+        self.cmdq, self.creq, self.cmdq_depth = None, None, 0
+        self.events.clear()
+
+    # -- the command queue -------------------------------------------------------------------------------------------
+    def mailbox_write(self, offset: int, value: int) -> None:
+        """A 32-bit write to BAR0 + 0x600 + offset: the cmdq_init dwords; 0xC is also the producer register."""
+        if offset not in range(0, MAILBOX.size, 4):
+            self.fw.stats["mailbox_ignored"] += 1
+            return
+        struct.pack_into("<I", self.mailbox, offset, value & 0xFFFFFFFF)
+        if offset == bnxt.RCFW_PF_VF_COMM_PROD_OFFSET:
+            if value & FIRST_PRODUCER_WRITE:
+                self._start()
+            self.producer = value & 0xFFFF
+
+    def _start(self) -> None:
+        """The first producer write after cmdq_init: latch the CMDQ geometry and reset the CMDQ/CREQ pointers."""
+        self.stop()
+        pbl, size_level, creq_ring_id, _ = MAILBOX.unpack(self.mailbox)
+        depth = (size_level & bnxt.CMDQ_INIT_CMDQ_SIZE_MASK) >> bnxt.CMDQ_INIT_CMDQ_SIZE_SFT
+        creq = self.fw.rings.get(creq_ring_id)
+        try:
+            if not isinstance(creq, NotificationQueue):
+                raise RcfwError(FAIL, f"creq_ring_id {creq_ring_id} is not an allocated NQ ring")
+            if not depth:
+                raise RcfwError(FAIL, "CMDQ depth 0")
+            self.cmdq = map_memory(self.mem, size_level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK, pbl, depth * SLOT, queue=True)
+        except (RcfwError, DmaFault, PageTableError) as exc:
+            self.fw.note_error("RCFW cmdq_init", f"{exc}; commands are ignored until the next FIRST producer write")
+            return
+        self.cmdq_depth, self.creq = depth, creq
+        creq.reset()
+        self.published = self.consumer = self.consumer_slot = 0
+
+    def trigger(self) -> None:
+        """The driver wrote the trigger register: commands up to the producer are now ours."""
+        if self.cmdq is None:
+            self.fw.stats["ignored_triggers"] += 1
+        else:
+            self.published = self.producer
+
+    def next_command(self) -> PendingCommand | None:
+        """Take the next published command off the CMDQ (wrapping slot by slot), or None."""
+        pending = (self.published - self.consumer) & 0xFFFF
+        if self.cmdq is None or not pending:
+            return None
+        if pending > self.cmdq_depth:
+            self.fw.note_error("RCFW", f"producer is {pending} slots ahead, beyond the {self.cmdq_depth}-slot CMDQ")
+            self.consumer = self.published
+            return None
+        size = self._slot(self.consumer_slot)[1]
+        slots = min(max(size, 1), pending)
+        data = b"".join(self._slot((self.consumer_slot + i) % self.cmdq_depth) for i in range(slots))
+        self.consumer = (self.consumer + slots) & 0xFFFF
+        self.consumer_slot = (self.consumer_slot + slots) % self.cmdq_depth
+        cookie, resp_size, resp_addr = struct.unpack_from("<HBxQ", data, 4)
+        return PendingCommand(data[0], cookie, slots, resp_size, resp_addr, data, complete=slots == size)
+
+    def _slot(self, slot: int) -> bytes:
+        return self.mem.read(self.cmdq.address(slot * SLOT), SLOT)
+
+    def execute(self, command: PendingCommand) -> bytes:
+        """Run one command against the object tables; return its 16-byte CREQ answer (phase bit left 0)."""
+        handler = self._commands.get(command.opcode)
+        name, fields, status = command.name, {}, SUCCESS
+        try:
+            if not command.complete:
+                raise RcfwError(INVALID_PARAMETER, f"cmd_size {command.data[1]} does not match what was published")
+            if handler is None:
+                raise RcfwError(NOT_IMPLEMENTED if command.opcode in OPCODE_NAMES else INVALID_CMD, "not emulated")
+            if (injected := self.fw.take_injected_error(name)) is not None:
+                status = injected
+            elif not self.initialized and name not in BEFORE_INITIALIZE_FW:
+                raise RcfwError(FAIL, "the function is not initialized (INITIALIZE_FW first)")
+            else:
+                size = ctypes.sizeof(handler.request)
+                fields = handler.run(handler.request.from_buffer_copy(command.data[:size].ljust(size, b"\0")), command)
+        except Exception as exc:
+            status = exc.status if isinstance(exc, RcfwError) else self._error_status(exc)
+            self.fw.note_error(f"RCFW {name}", exc)
+        response = handler.response if handler else bnxt.creq_qp_event
+        return bytes(response(type=QP_EVENT, status=status, cookie=command.cookie, event=command.opcode, **fields))
+
+    def _error_status(self, exc: Exception) -> int:
+        if isinstance(exc, (DmaFault, PageTableError)):
+            return INVALID_PARAMETER
+        self.fw.stats["internal_errors"] += 1  # an emulator bug: say INTERNAL_ERROR, keep running
+        return bnxt.CREQ_QP_EVENT_STATUS_INTERNAL_ERROR
+
+    def post_creq(self, entry: bytes) -> bool:
+        """Post an answer on the CREQ; False (nothing posted) when full. Without a CREQ the answer is dropped."""
+        if self.creq is None:
+            self.fw.stats["creq_dropped"] += 1
+            return True
+        return self.creq.post(entry)
+
+    # -- asynchronous events -----------------------------------------------------------------------------------------
+    def post_event(self, kind: str, xid: int = 0, event: int = 0, reason: int = 0, res_reason: int = 0) -> bool:
+        """Report an asynchronous event on the CREQ; True if it landed now, False if it waits for CREQ credit.
+
+        "qp_error": QP `xid` went to error (`reason`/`res_reason`: requester/responder CREQ_QP_ERROR_NOTIFICATION
+        reasons; the QP's consumer indices are filled in). "cq_error": CQ `xid`, `reason` CQ_ERR_REASON_*.
+        "function": a function-level event, `event` CREQ_FUNC_EVENT_EVENT_*.
+        """
+        if kind == "qp_error":
+            qp = self.qps.get(xid)
+            entry: ctypes.Structure = bnxt.creq_qp_error_notification(
+                type=QP_EVENT, event=bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION, xid=xid,
+                req_err_state_reason=reason, res_err_state_reason=res_reason,
+                sq_cons_idx=qp.sq_consumer & 0xFFFF if qp else 0, rq_cons_idx=qp.rq_consumer & 0xFFFF if qp else 0)
+        elif kind == "cq_error":
+            entry = bnxt.creq_cq_error_notification(
+                type=QP_EVENT, event=bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION, xid=xid, cq_err_reason=reason)
+        elif kind == "function":
+            entry = bnxt.creq_func_event(type=bnxt.CREQ_BASE_TYPE_FUNC_EVENT, event=event)
+        else:
+            raise ValueError(f"unknown event kind {kind!r} (qp_error, cq_error, function)")
+        self.events.append(bytes(entry))
+        self._flush_events()
+        return not self.events
+
+    def _flush_events(self) -> None:
+        while self.events and self.creq is not None and self.creq.post(self.events[0]):
+            self.events.popleft()
+
+    # -- doorbells (reference §5) ------------------------------------------------------------------------------------
+    def doorbell(self, value: int) -> None:
+        """A 64-bit write to the RoCE doorbell page."""
+        high, stats = value >> 32, self.fw.stats
+        if not high & bnxt.DBC_DBC_VALID:
+            stats["doorbells_without_valid"] += 1
+            return
+        kind, xid = high & bnxt.DBC_DBC_TYPE_MASK, high & bnxt.DBC_DBC_XID_MASK
+        index, epoch = value & bnxt.DBC_DBC_INDEX_MASK, value >> bnxt.BNXT_QPLIB_DBR_EPOCH_SHIFT & 1
+        if kind in NQ_DOORBELLS:  # NQs are HWRM rings, whatever the path
+            nq = self.fw.rings.get(xid)
+            if not isinstance(nq, NotificationQueue):
+                stats["stray_doorbells"] += 1
+                return
+            nq.consumer_doorbell(index, epoch, arm=NQ_DOORBELLS[kind])
+            if nq is self.creq:
+                self._flush_events()
+        elif high & bnxt.DBC_DBC_PATH_MASK != bnxt.DBC_DBC_PATH_ROCE:
+            stats["l2_doorbells"] += 1
+        elif kind in CQ_DOORBELLS and xid in self.cqs:
+            self.cqs[xid].doorbell(kind, index, epoch)
+        elif kind in (bnxt.DBC_DBC_TYPE_SQ, bnxt.DBC_DBC_TYPE_RQ) and xid in self.qps:
+            qp = self.qps[xid]
+            if kind == bnxt.DBC_DBC_TYPE_SQ:
+                qp.sq_producer, qp.sq_producer_epoch = index, epoch
+                self.fw.sq_doorbells.append(xid)
+            else:
+                qp.rq_producer, qp.rq_producer_epoch = index, epoch
+                self.fw.rq_doorbells.append(xid)
+        else:
+            stats["stray_doorbells"] += 1
+
+    # -- function ----------------------------------------------------------------------------------------------------
+    def _initialize_fw(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        missing = self.fw.backing_store_missing()
+        if missing:
+            raise RcfwError(FAIL, missing)
+        if request.stat_ctx_id not in self.fw.stat_ctxs:
+            raise RcfwError(INVALID_PARAMETER, f"stat_ctx_id {request.stat_ctx_id} is not allocated")
+        self.hw_retx = self.fw.config.hw_retx and bool(
+            request.flags & bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED)
+        self.initialized = True
+        return {}
+
+    def _deinitialize_fw(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        self.initialized = False
+        return {}
+
+    def _query_func(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        hw_retx = self.fw.config.hw_retx
+        qps, cqs, mravs = (self.fw.context_capacity(kind) for kind in (BS_QP, BS_CQ, BS_MRAV))
+        sb = bnxt.creq_query_func_resp_sb(
+            max_mr_size=MAX_MR_SIZE, max_qp=qps, max_qp_wr=0xFFFF, max_cq=cqs, max_cqe=MAX_CQES, max_pd=1 << 16,
+            max_sge=MAX_SGES, max_srq_sge=MAX_SGES, max_qp_rd_atom=16, max_qp_init_rd_atom=16, max_mr=mravs // 2,
+            max_mw=mravs // 2, max_ah=mravs // 2, max_pkeys=1, max_inline_data=MAX_SGES * SLOT, max_gid=MAX_GIDS,
+            l2_db_space_size=self.fw.roce_db_offset // PAGE - 1, max_dpi=(BAR2_SIZE - self.fw.roce_db_offset) // PAGE,
+            max_sge_var_wqe=13, max_inline_data_var_wqe=13 * SLOT,
+            dev_cap_flags=bnxt.CREQ_QUERY_FUNC_RESP_SB_MR_REGISTER_ALLOC
+            | (bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_REQUESTER_RETX_ENABLED if hw_retx else 0),
+            dev_cap_ext_flags_2=bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE if hw_retx
+            else bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_PSN_TABLE)
+        return self._side_buffer(command, sb)
+
+    def _side_buffer(self, command: PendingCommand, sb: ctypes.Structure) -> dict[str, Any]:
+        """DMA a query's result to the command's side buffer; the CREQ answer carries its size in 16-byte units."""
+        if not command.resp_addr or not command.resp_size:
+            raise RcfwError(INVALID_PARAMETER, "a query needs a side buffer (resp_addr and resp_size)")
+        sb.opcode, sb.cookie, sb.resp_size = command.opcode, command.cookie, command.resp_size
+        self.mem.write(command.resp_addr, bytes(sb)[:command.resp_size * SLOT])
+        return {"size": -(-ctypes.sizeof(sb) // SLOT)}
+
+    def _query_version(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        major, minor, build, reserved = self.fw.config.fw_version
+        interface = (int(part) for part in bnxt.HWRM_INTERFACE_VERSION.split("."))
+        return {"fw_maj": major, "fw_minor": minor, "fw_bld": build, "fw_rsvd": reserved,
+                **dict(zip(("intf_maj", "intf_minor", "intf_bld", "intf_rsvd"), interface))}
+
+    def _add_gid(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        index = lowest_free_id(self.gids, 0, MAX_GIDS)
+        if index is None:
+            raise RcfwError(RESOURCES, f"all {MAX_GIDS} GID table entries are in use")
+        words = bytes(request.src_mac)  # each 16-bit word byte-swapped (cpu_to_be16)
+        self.gids[index] = Gid(index, bytes(request.gid)[::-1], bytes(words[i ^ 1] for i in range(6)), request.vlan,
+                               request.stats_ctx)
+        return {"xid": index}
+
+    def _delete_gid(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        self._take(self.gids, request.gid_index, "GID index")
+        return {"xid": request.gid_index}
+
+    # -- completion queues and queue pairs ---------------------------------------------------------------------------
+    def _create_cq(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        nq_id = request.cq_fco_cnq_id & bnxt.CMDQ_CREATE_CQ_CNQ_ID_MASK
+        nq = self.fw.rings.get(nq_id)
+        if not isinstance(nq, NotificationQueue):
+            raise RcfwError(INVALID_PARAMETER, f"cnq id {nq_id} is not an NQ ring")
+        if not 1 <= request.cq_size <= MAX_CQES:
+            raise RcfwError(INVALID_PARAMETER, f"cq_size {request.cq_size}")
+        lvl = request.pg_size_lvl & bnxt.CMDQ_CREATE_CQ_LVL_MASK
+        pages = self._queue_pages("CQ", lvl, request.pg_size_lvl >> bnxt.CMDQ_CREATE_CQ_PG_SIZE_SFT & 7, request.pbl,
+                                  request.cq_size * 32)
+        cq_id = self._new_id(self.cqs, self.fw.context_capacity(BS_CQ), "CQ")
+        self.cqs[cq_id] = CompletionQueue(cq_id, request.cq_handle, pages, request.cq_size, nq, self.mem)
+        return {"xid": cq_id}
+
+    def _destroy_cq(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        cq = self.cqs.get(request.cq_cid)
+        if cq is None:
+            raise RcfwError(INVALID_PARAMETER, f"no CQ {request.cq_cid}")
+        users = [qp.qpn for qp in self.qps.values() if cq in (qp.scq, qp.rcq)]
+        if users:
+            raise RcfwError(INVALID_PARAMETER, f"CQ {cq.cq_id} is still used by QPs {users}")
+        del self.cqs[cq.cq_id]
+        return {"xid": cq.cq_id, "total_cnq_events": cq.notifications & 0xFFFF}
+
+    def _queue_pages(self, what: str, level: int, page_code: int, base: int, size: int) -> PageList:
+        if level > 2 or page_code not in PAGE_SIZES:
+            raise RcfwError(INVALID_PARAMETER, f"{what} page table level {level}, page size code {page_code}")
+        return map_memory(self.mem, level, base, size, PAGE_SIZES[page_code], queue=True)
+
+    def _create_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        if request.type not in QP_TYPES:
+            raise RcfwError(INVALID_PARAMETER, f"QP type {request.type}")
+        scq, rcq = self.cqs.get(request.scq_cid), self.cqs.get(request.rcq_cid)
+        if scq is None or rcq is None:
+            raise RcfwError(INVALID_PARAMETER, f"scq_cid {request.scq_cid} / rcq_cid {request.rcq_cid}: no such CQ")
+        if request.qp_flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_SRQ_USED:
+            raise RcfwError(INVALID_PARAMETER, f"SRQ {request.srq_cid} does not exist (SRQs are not emulated)")
+        if not request.sq_size:
+            raise RcfwError(INVALID_PARAMETER, "sq_size 0")
+        variable = bool(request.qp_flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED)
+        sq_slots = request.sq_size if variable else request.sq_size * STATIC_WQE_SLOTS
+        sq = self._queue_pages("SQ", request.sq_pg_size_sq_lvl & 0xF, request.sq_pg_size_sq_lvl >> 4, request.sq_pbl,
+                               sq_slots * SLOT)
+        rq_sge = request.rq_fwo_rq_sge & bnxt.CMDQ_CREATE_QP_RQ_SGE_MASK
+        rq_wqe_size = (2 + rq_sge) * SLOT  # 32-byte header, then the SGEs
+        rq = self._queue_pages("RQ", request.rq_pg_size_rq_lvl & 0xF, request.rq_pg_size_rq_lvl >> 4,
+                               request.rq_pbl, request.rq_size * rq_wqe_size) if request.rq_size else None
+        if request.type == bnxt.CMDQ_CREATE_QP_TYPE_GSI:
+            if 1 in self.qps:
+                raise RcfwError(RESOURCES, "the GSI QP (QP1) already exists")
+            qpn = 1
+        else:
+            qpn = self._new_id(self.qps, self.fw.context_capacity(BS_QP), "QP", first=2)
+        self.qps[qpn] = QueuePair(
+            qpn, request.qp_handle, request.type, request.qp_flags, request.pd_id, scq, rcq, sq, request.sq_size,
+            sq_slots, request.sq_fwo_sq_sge & bnxt.CMDQ_CREATE_QP_SQ_SGE_MASK, rq, request.rq_size, rq_wqe_size,
+            rq_sge, None, request.irrq_addr, request.orrq_addr)
+        return {"xid": qpn}
+
+    def _modify_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        qp, mask = self._qp(request.qp_cid), request.modify_mask
+        state_byte = request.network_type_en_sqd_async_notify_new_state
+        new_state = qp.state
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_STATE:
+            value = state_byte & bnxt.CMDQ_MODIFY_QP_NEW_STATE_MASK
+            if value > QpState.ERR or not legal_transition(qp.state, QpState(value)):
+                raise RcfwError(INVALID_PARAMETER, f"QP {qp.qpn}: {qp.state.name} -> state {value} is not legal")
+            new_state = QpState(value)
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_SGID_INDEX and request.sgid_index not in self.gids:
+            raise RcfwError(INVALID_PARAMETER, f"sgid_index {request.sgid_index} is not in the GID table")
+        mtu_code = request.path_mtu_pingpong_push_enable & bnxt.CMDQ_MODIFY_QP_PATH_MTU_MASK
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU and mtu_code not in PATH_MTUS:
+            raise RcfwError(INVALID_PARAMETER, f"path MTU code {mtu_code:#x}")
+        missing = RTR_NEEDS & ~(qp.attributes_set | mask)
+        if new_state == QpState.RTR != qp.state and qp.qp_type == bnxt.CMDQ_CREATE_QP_TYPE_RC and missing:
+            raise RcfwError(INVALID_PARAMETER, f"QP {qp.qpn}: RTR needs the destination (modify_mask {missing:#x})")
+        for bit, attribute, field in MODIFY_FIELDS:
+            if mask & bit:
+                value = getattr(request, field)
+                setattr(qp, attribute, bytes(value) if isinstance(value, ctypes.Array) else value)
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU:
+            qp.path_mtu = PATH_MTUS[mtu_code]
+        qp.sq_psn &= 0xFFFFFF
+        qp.rq_psn &= 0xFFFFFF
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_STATE:
+            qp.network_type = state_byte & bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_MASK
+            if new_state == QpState.RESET:  # a reset QP starts over with empty queues
+                qp.sq_producer = qp.sq_consumer = qp.rq_producer = qp.rq_consumer = 0
+                qp.sq_producer_epoch = qp.rq_producer_epoch = 0
+            qp.state = new_state
+        qp.attributes_set |= mask
+        return {"xid": qp.qpn}
+
+    def _query_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        qp = self._qp(request.qp_cid)
+        sb = bnxt.creq_query_qp_resp_sb(
+            xid=qp.qpn, en_sqd_async_notify_state=qp.state, access=qp.access, pkey=qp.pkey, qkey=qp.qkey,
+            dgid=struct.unpack("<4I", qp.dgid), flow_label=qp.flow_label, sgid_index=qp.sgid_index,
+            hop_limit=qp.hop_limit, traffic_class=qp.traffic_class, dest_mac=struct.unpack("<3H", qp.dest_mac),
+            path_mtu_dest_vlan_id=(qp.path_mtu.bit_length() - 9) << bnxt.CREQ_QUERY_QP_RESP_SB_PATH_MTU_SFT,
+            timeout=qp.timeout, retry_cnt=qp.retry_cnt, rnr_retry=qp.rnr_retry, min_rnr_timer=qp.min_rnr_timer,
+            rq_psn=qp.rq_psn, sq_psn=qp.sq_psn, max_rd_atomic=qp.max_rd_atomic,
+            max_dest_rd_atomic=qp.max_dest_rd_atomic, sq_size=qp.sq_size, rq_size=qp.rq_size, sq_sge=qp.sq_sge,
+            rq_sge=qp.rq_sge, dest_qp_id=qp.dest_qp_id, port_id=self.fw.config.port_id,
+            src_mac=struct.unpack("<3H", qp.src_mac), vlan_pcp_vlan_dei_vlan_id=qp.vlan)
+        return self._side_buffer(command, sb)
+
+    def _destroy_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        return {"xid": self._take(self.qps, request.qp_cid, "QP").qpn}
+
+    def _qp(self, qpn: int) -> QueuePair:
+        if qpn not in self.qps:
+            raise RcfwError(INVALID_PARAMETER, f"no QP {qpn}")
+        return self.qps[qpn]
+
+    # -- memory regions and address handles -------------------------------------------------------------------------
+    def _new_key(self, pd: int, kind: int) -> MemoryRegion:
+        """A key is (context index << 8) | generation byte, so a stale key to a reused index does not match."""
+        index = self._new_id({key >> 8: mr for key, mr in self.mrs.items()}, self.fw.context_capacity(BS_MRAV), "MR")
+        self._key_generation = (self._key_generation + 1) & 0xFF
+        mr = self.mrs[index << 8 | self._key_generation] = MemoryRegion(index << 8 | self._key_generation, pd, kind)
+        return mr
+
+    def _allocate_mrw(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        mr = self._new_key(request.pd_id, request.mrw_flags & bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MASK)
+        mr.access = request.access
+        return {"xid": mr.key}
+
+    def _deallocate_key(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        return {"xid": self._take(self.mrs, request.key, "key").key}
+
+    def _register_mr(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        level = request.log2_pg_size_lvl & bnxt.CMDQ_REGISTER_MR_LVL_MASK
+        page_shift = (request.log2_pg_size_lvl & bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_MASK) \
+            >> bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_SFT
+        if level > 2 or not 12 <= page_shift <= 30 or request.log2_pbl_pg_size not in (0, 12):
+            raise RcfwError(INVALID_PARAMETER, f"level {level}, page size 2^{page_shift}, PBL page size "
+                                               f"2^{request.log2_pbl_pg_size} (PBL pages are 4 KiB)")
+        if request.mr_size > MAX_MR_SIZE:
+            raise RcfwError(INVALID_PARAMETER, f"mr_size {request.mr_size:#x} exceeds {MAX_MR_SIZE:#x}")
+        page_size = 1 << page_shift
+        pages = map_memory(self.mem, level, request.pbl, (request.va & page_size - 1) + request.mr_size, page_size)
+        if request.flags & bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR:  # unified MR: `key` carries the PD
+            mr = self._new_key(request.key, bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
+            mr.allocated_by_register = True
+        else:
+            mr = self.mrs.get(request.key)
+            if mr is None or mr.registered:
+                raise RcfwError(INVALID_PARAMETER, f"key {request.key:#x} is not an allocated, unregistered MR")
+        mr.access, mr.va, mr.size, mr.pages = request.access, request.va, request.mr_size, pages
+        return {"xid": mr.key}
+
+    def _deregister_mr(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        mr = self.mrs.get(request.lkey)
+        if mr is None or not mr.registered:
+            raise RcfwError(INVALID_PARAMETER, f"lkey {request.lkey:#x} is not a registered MR")
+        if mr.allocated_by_register:
+            del self.mrs[mr.key]
+        mr.pages = None
+        return {"xid": mr.key}
+
+    def _create_ah(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        if request.sgid_index not in self.gids:
+            raise RcfwError(INVALID_PARAMETER, f"sgid_index {request.sgid_index} is not in the GID table")
+        ah_id = self._new_id(self.ahs, self.fw.context_capacity(BS_MRAV), "AH")
+        self.ahs[ah_id] = AddressHandle(ah_id, request.pd_id, bytes(request.dgid), request.sgid_index,
+                                        bytes(request.dest_mac), request.hop_limit, request.traffic_class,
+                                        request.dest_vlan_id_flow_label & 0xFFFFF)
+        return {"xid": ah_id}
+
+    def _destroy_ah(self, request: Any, command: PendingCommand) -> dict[str, Any]:
+        return {"xid": self._take(self.ahs, request.ah_cid, "AH").ah_id}
+
+    # -- id tables ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _new_id(table: dict[int, Any], capacity: int, what: str, first: int = 1) -> int:
+        new = lowest_free_id(table, first) if len(table) < capacity else None
+        if new is None:
+            raise RcfwError(RESOURCES, f"the backing store holds {capacity} {what} contexts; all are in use")
+        return new
+
+    @staticmethod
+    def _take(table: dict[int, Any], key: int, what: str) -> Any:
+        if key not in table:
+            raise RcfwError(INVALID_PARAMETER, f"no {what} {key:#x}")
+        return table.pop(key)
