@@ -125,6 +125,7 @@ class Device:
         self.events: collections.deque[DeviceEvent] = collections.deque(maxlen=256)
         self._teardown: list[tuple[str, Callable[[], Any]]] = []  # firmware objects, freed in reverse order
         self.objects: dict[int, Any] = {}  # live verbs objects (CQs, QPs, MRs) by id()
+        self._closed = False
         self.fw_version = self.mac = ""
         self.port_id = self.db_offset = 0
         self.gid_index = -1
@@ -494,6 +495,9 @@ class Device:
     # -- close -----------------------------------------------------------------------------------------------------
     async def close(self) -> None:
         """Free every firmware object in reverse order of creation; memory is freed even when the firmware is gone."""
+        if self._closed:
+            return
+        self._closed = True
         failures = []
         while self._teardown:
             what, action = self._teardown.pop()
@@ -504,11 +508,6 @@ class Device:
                         await result
             except Exception as exc:  # keep freeing the rest; report at the end
                 failures.append(f"{what}: {exc}")
-        if self._lost is None:
-            try:
-                await self.hwrm("func_reset", timeout=4 * self.hwrm_timeout)  # hand the function back clean
-            except Exception as exc:
-                failures.append(f"HWRM func_reset: {exc}")
         self._hwrm_resp.free()
         if failures:
             log.warning("%s: close: %s", self.pci.address, "; ".join(failures))

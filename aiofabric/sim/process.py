@@ -180,7 +180,7 @@ class Emulator:
         if op == "objects":
             return {"objects": self.fw.objects()}
         if op == "stats":
-            return {"stats": dict(self.stats)}
+            return {"stats": {**self.stats, **self.fw.stats}}
         if op == "inject":
             self.fw.inject_error(request["command"], request["status"], request.get("count", 1))
             return {}
