@@ -24,6 +24,9 @@ async def test_boot_reports_identity_and_frees_everything_on_close():
         assert info["gid_index"] >= 0 and info["caps"]["max_qp"] > 0
         booted = counts(nic)
         assert booted["gids"] == 1 and booted["rings"] >= 4 and booted["vnics"] == 1 and booted["l2_filters"] == 1
+        assert booted["backing_store"] > 0
+        stats = nic.pci.debug({"op": "stats"})["stats"]
+        assert stats.get("ctx_init_missing", 0) == 0  # context memory initialised where the firmware asked
         cq = await nic.create_cq(depth=256)
         await nic.create_qp(cq)
         await nic.register_mr(3 * 4096)
