@@ -292,7 +292,7 @@ class QueuePair:
     traffic_class: int = 0
     dest_mac: bytes = bytes(6)
     src_mac: bytes = bytes(6)
-    vlan: int = 0
+    vlan_id: int = 0  # VLAN_ID field: pcp, dei and id
     path_mtu: int = 256  # bytes; a context nobody set says 256
     timeout: int = 0
     retry_cnt: int = 0
@@ -383,19 +383,6 @@ class Gid:
     src_mac: bytes
     vlan: int
     stats_ctx: int
-
-
-@dataclass(eq=False)
-class AddressHandle:
-    """CREATE_AH: where UD sends go."""
-    ah_id: int
-    pd: int
-    dgid: bytes
-    sgid_index: int
-    dest_mac: bytes
-    hop_limit: int
-    traffic_class: int
-    flow_label: int
 
 
 @dataclass(eq=False)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..autogen import bnxt
 from .memory import BAR2_SIZE, PAGE, DmaFault
-from .objects import (PAGE_SIZES, AddressHandle, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList,
+from .objects import (PAGE_SIZES, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList,
                       PageTableError, QpState, QueuePair, legal_transition, lowest_free_id, map_memory)
 
 if TYPE_CHECKING:
@@ -38,15 +38,12 @@ STATIC_WQE_SLOTS = 8  # static mode: every SQ WQE takes 128 bytes
 MAX_GIDS, MAX_CQES, MAX_MR_SIZE, MAX_SGES = 256, (1 << 22) - 1, 1 << 40, 6
 BS_QP, BS_CQ, BS_MRAV = 0x0, 0x2, 0xE
 M = "CMDQ_MODIFY_QP_MODIFY_MASK_"
-MODIFY_FIELDS = tuple((getattr(bnxt, M + bit), attribute, field) for bit, attribute, field in (
-    ("ACCESS", "access", "access"), ("PKEY", "pkey", "pkey"), ("QKEY", "qkey", "qkey"), ("DGID", "dgid", "dgid"),
-    ("FLOW_LABEL", "flow_label", "flow_label"), ("SGID_INDEX", "sgid_index", "sgid_index"),
-    ("HOP_LIMIT", "hop_limit", "hop_limit"), ("TRAFFIC_CLASS", "traffic_class", "traffic_class"),
-    ("DEST_MAC", "dest_mac", "dest_mac"), ("TIMEOUT", "timeout", "timeout"), ("RETRY_CNT", "retry_cnt", "retry_cnt"),
-    ("RNR_RETRY", "rnr_retry", "rnr_retry"), ("RQ_PSN", "rq_psn", "rq_psn"), ("SQ_PSN", "sq_psn", "sq_psn"),
-    ("MAX_RD_ATOMIC", "max_rd_atomic", "max_rd_atomic"), ("MIN_RNR_TIMER", "min_rnr_timer", "min_rnr_timer"),
-    ("MAX_DEST_RD_ATOMIC", "max_dest_rd_atomic", "max_dest_rd_atomic"), ("DEST_QP_ID", "dest_qp_id", "dest_qp_id"),
-    ("SRC_MAC", "src_mac", "src_mac"), ("VLAN_ID", "vlan", "vlan_pcp_vlan_dei_vlan_id")))
+# MODIFY_QP mask bits whose field is copied to the QueuePair attribute of the same name (lower case); VLAN_ID's field
+# is vlan_pcp_vlan_dei_vlan_id. STATE and PATH_MTU are decoded separately.
+MODIFY_FIELDS = tuple((getattr(bnxt, M + bit), bit.lower()) for bit in (
+    "ACCESS", "PKEY", "QKEY", "DGID", "FLOW_LABEL", "SGID_INDEX", "HOP_LIMIT", "TRAFFIC_CLASS", "DEST_MAC", "TIMEOUT",
+    "RETRY_CNT", "RNR_RETRY", "RQ_PSN", "SQ_PSN", "MAX_RD_ATOMIC", "MIN_RNR_TIMER", "MAX_DEST_RD_ATOMIC", "DEST_QP_ID",
+    "SRC_MAC", "VLAN_ID"))
 RTR_NEEDS = getattr(bnxt, M + "DGID") | getattr(bnxt, M + "DEST_QP_ID")  # a connected QP must know its peer
 NQ_DOORBELLS = {bnxt.DBC_DBC_TYPE_NQ: None, bnxt.DBC_DBC_TYPE_NQ_ARM: True, bnxt.DBC_DBC_TYPE_NQ_MASK: False}
 CQ_DOORBELLS = {bnxt.DBC_DBC_TYPE_CQ, bnxt.DBC_DBC_TYPE_CQ_ARMALL, bnxt.DBC_DBC_TYPE_CQ_ARMSE,
@@ -89,7 +86,7 @@ class Rcfw:
 
     COMMANDS = ("initialize_fw", "deinitialize_fw", "query_func", "query_version", "add_gid", "delete_gid",
                 "create_cq", "destroy_cq", "create_qp", "modify_qp", "query_qp", "destroy_qp", "allocate_mrw",
-                "deallocate_key", "register_mr", "deregister_mr", "create_ah", "destroy_ah")
+                "deallocate_key", "register_mr", "deregister_mr")
 
     def __init__(self, firmware: Firmware) -> None:
         self.fw, self.mem = firmware, firmware.mem
@@ -106,19 +103,17 @@ class Rcfw:
         self.cqs: dict[int, CompletionQueue] = {}
         self.qps: dict[int, QueuePair] = {}
         self.mrs: dict[int, MemoryRegion] = {}
-        self.ahs: dict[int, AddressHandle] = {}
         self._key_generation = 0
         self._commands = {getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}"): _Command(
             getattr(bnxt, f"cmdq_{name}"), getattr(bnxt, f"creq_{name}_resp"), getattr(self, f"_{name}"))
             for name in self.COMMANDS}
 
     def objects(self) -> dict[str, int]:
-        return {"gids": len(self.gids), "cqs": len(self.cqs), "qps": len(self.qps), "mrs": len(self.mrs),
-                "ahs": len(self.ahs)}
+        return {"gids": len(self.gids), "cqs": len(self.cqs), "qps": len(self.qps), "mrs": len(self.mrs)}
 
     def reset(self) -> None:
         """FUNC_RESET: all RoCE objects are gone and the channel waits for a new cmdq_init."""
-        for table in (self.gids, self.cqs, self.qps, self.mrs, self.ahs):
+        for table in (self.gids, self.cqs, self.qps, self.mrs):
             table.clear()
         self.stop()
         self.initialized = self.hw_retx = False
@@ -416,16 +411,17 @@ class Rcfw:
         missing = RTR_NEEDS & ~(qp.attributes_set | mask)
         if new_state == QpState.RTR != qp.state and qp.qp_type == bnxt.CMDQ_CREATE_QP_TYPE_RC and missing:
             raise RcfwError(INVALID_PARAMETER, f"QP {qp.qpn}: RTR needs the destination (modify_mask {missing:#x})")
-        for bit, attribute, field in MODIFY_FIELDS:
+        for bit, attribute in MODIFY_FIELDS:
             if mask & bit:
-                value = getattr(request, field)
+                value = getattr(request, "vlan_pcp_vlan_dei_vlan_id" if attribute == "vlan_id" else attribute)
                 setattr(qp, attribute, bytes(value) if isinstance(value, ctypes.Array) else value)
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU:
             qp.path_mtu = PATH_MTUS[mtu_code]
         qp.sq_psn &= 0xFFFFFF
         qp.rq_psn &= 0xFFFFFF
-        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_STATE:
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_DGID:  # the network type belongs to the address vector
             qp.network_type = state_byte & bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_MASK
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_STATE:
             if new_state == QpState.RESET:  # a reset QP starts over with empty queues
                 qp.sq_producer = qp.sq_consumer = qp.rq_producer = qp.rq_consumer = 0
                 qp.sq_producer_epoch = qp.rq_producer_epoch = 0
@@ -444,7 +440,7 @@ class Rcfw:
             rq_psn=qp.rq_psn, sq_psn=qp.sq_psn, max_rd_atomic=qp.max_rd_atomic,
             max_dest_rd_atomic=qp.max_dest_rd_atomic, sq_size=qp.sq_size, rq_size=qp.rq_size, sq_sge=qp.sq_sge,
             rq_sge=qp.rq_sge, dest_qp_id=qp.dest_qp_id, port_id=self.fw.config.port_id,
-            src_mac=struct.unpack("<3H", qp.src_mac), vlan_pcp_vlan_dei_vlan_id=qp.vlan)
+            src_mac=struct.unpack("<3H", qp.src_mac), vlan_pcp_vlan_dei_vlan_id=qp.vlan_id)
         return self._side_buffer(command, sb)
 
     def _destroy_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
@@ -455,7 +451,7 @@ class Rcfw:
             raise RcfwError(INVALID_PARAMETER, f"no QP {qpn}")
         return self.qps[qpn]
 
-    # -- memory regions and address handles -------------------------------------------------------------------------
+    # -- memory regions -------------------------------------------------------------------------
     def _new_key(self, pd: int, kind: int) -> MemoryRegion:
         """A key is (context index << 8) | generation byte, so a stale key to a reused index does not match."""
         index = self._new_id({key >> 8: mr for key, mr in self.mrs.items()}, self.fw.context_capacity(BS_MRAV), "MR")
@@ -500,18 +496,6 @@ class Rcfw:
             del self.mrs[mr.key]
         mr.pages = None
         return {"xid": mr.key}
-
-    def _create_ah(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        if request.sgid_index not in self.gids:
-            raise RcfwError(INVALID_PARAMETER, f"sgid_index {request.sgid_index} is not in the GID table")
-        ah_id = self._new_id(self.ahs, self.fw.context_capacity(BS_MRAV), "AH")
-        self.ahs[ah_id] = AddressHandle(ah_id, request.pd_id, bytes(request.dgid), request.sgid_index,
-                                        bytes(request.dest_mac), request.hop_limit, request.traffic_class,
-                                        request.dest_vlan_id_flow_label & 0xFFFFF)
-        return {"xid": ah_id}
-
-    def _destroy_ah(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        return {"xid": self._take(self.ahs, request.ah_cid, "AH").ah_id}
 
     # -- id tables ---------------------------------------------------------------------------------------------------
     @staticmethod
