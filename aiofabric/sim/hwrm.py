@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from ..autogen import bnxt
 from .memory import PAGE, BusMemory, DmaFault
-from .objects import (PAGE_SIZES, BackingStoreArea, L2Filter, NotificationQueue, PageTableError, Ring, StatContext,
+from .objects import (PAGE_SIZES, BackingStoreArea, CommandError, L2Filter, NotificationQueue, PageTableError, Ring, StatContext,
                       Vnic, lowest_free_id, map_memory)
 from .rcfw import Rcfw
 
@@ -36,14 +36,6 @@ L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TY
 RING_ENTRY_SIZES = {L2_CMPL: 16, TX: 16, RX: 16, ROCE_CMPL: 32, RX_AGG: 16, NQ: 16}
 RING_LIMITS = {L2_CMPL: 128, TX: 128, RX: 128, ROCE_CMPL: 128, RX_AGG: 128, NQ: 64}
 MAX_VNICS, MAX_STAT_CTXS, MAX_L2_FILTERS, MAX_RSS_CONTEXTS = 128, 512, 1024, 64
-
-
-class HwrmError(Exception):
-    """A command fails with `code` (HWRM_ERR_CODE_*); the message says why, for `Firmware.last_error`."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -139,19 +131,18 @@ class Firmware:
         req_type, _, seq_id, _, resp_addr = HWRM_HEADER.unpack_from(request)
         command = self._commands.get(req_type)
         output: ctypes.Structure = bnxt.hwrm_err_output()
-        if command is None:
-            output.error_code = bnxt.HWRM_ERR_CODE_CMD_NOT_SUPPORTED
-            self.note_error(f"HWRM {req_type:#x}", "command not supported")
-        elif (injected := self.take_injected_error(command.name)) is not None:
-            output.error_code = injected
-        else:
-            size = ctypes.sizeof(command.request)
-            try:
+        try:
+            if command is None:
+                raise CommandError(bnxt.HWRM_ERR_CODE_CMD_NOT_SUPPORTED, "command not supported")
+            if (injected := self.take_injected_error(command.name)) is not None:
+                output.error_code = injected
+            else:
+                size = ctypes.sizeof(command.request)
                 output = command.response(**command.run(command.request.from_buffer_copy(
                     request[:size].ljust(size, b"\0"))))
-            except Exception as exc:
-                output.error_code = self.error_code(exc)
-                self.note_error(f"HWRM {command.name}", exc)
+        except Exception as exc:
+            output.error_code = self.failure(f"HWRM {command.name if command else hex(req_type)}", exc,
+                                             INVALID_PARAMS, bnxt.HWRM_ERR_CODE_FAIL)
         output.req_type, output.seq_id, output.resp_len = req_type, seq_id, ctypes.sizeof(output)
         output.valid = bnxt.HWRM_RESP_VALID_KEY
         response = bytes(output)
@@ -162,16 +153,21 @@ class Firmware:
             return None
         return resp_addr, response
 
-    def error_code(self, exc: Exception) -> int:
-        if isinstance(exc, HwrmError):
-            return exc.code
+    def failure(self, what: str, exc: Exception, invalid: int, internal: int) -> int:
+        """The status a failed command answers with, and why it failed (`last_error`, for tests and the debug channel).
+
+        A CommandError carries its status; a page table or address outside host memory is an invalid parameter;
+        anything else is an emulator bug, answered with `internal` so the device keeps running.
+        """
+        self.note_error(what, exc)
+        if isinstance(exc, CommandError):
+            return exc.status
         if isinstance(exc, (DmaFault, PageTableError)):
-            return INVALID_PARAMS
-        self.stats["internal_errors"] += 1  # an emulator bug: say FAIL, keep running
-        return bnxt.HWRM_ERR_CODE_FAIL
+            return invalid
+        self.stats["internal_errors"] += 1
+        return internal
 
     def note_error(self, what: str, reason: object) -> None:
-        """Record why a command failed or was ignored: `last_error` is for tests and the debug channel."""
         self.last_error = f"{what}: {reason}"
         self.stats["errors"] += 1
 
@@ -234,7 +230,7 @@ class Firmware:
         for table in (self.rings, self.stat_ctxs, self.vnics, self.l2_filters, self.backing_store):
             table.clear()
         self.queried_context_types.clear()
-        self.backing_store_done = False
+        self.backing_store_done, self.driver = False, None
         self.sq_doorbells.clear()
         self.rq_doorbells.clear()
 
@@ -260,7 +256,7 @@ class Firmware:
 
     def _own_function(self, fid: int) -> None:
         if fid not in (0xFFFF, FUNCTION_ID):
-            raise HwrmError(INVALID_PARAMS, f"fid {fid:#x}: this emulated PF has no VFs")
+            raise CommandError(INVALID_PARAMS, f"fid {fid:#x}: this emulated PF has no VFs")
 
     def _func_qcaps(self, request: Any) -> dict[str, Any]:
         self._own_function(request.fid)
@@ -274,23 +270,16 @@ class Firmware:
 
     def _func_qcfg(self, request: Any) -> dict[str, Any]:
         self._own_function(request.fid)
-        kinds = collections.Counter(ring.ring_type for ring in self.rings.values())
         return {"fid": FUNCTION_ID, "port_id": self.config.port_id, "mac_address": tuple(self.config.mac),
                 "admin_mtu": MTU, "mru": MTU, "max_mtu_configured": MTU, "host_mtu": MTU, "port_pf_cnt": 1,
-                "alloc_cmpl_rings": kinds[L2_CMPL], "alloc_tx_rings": kinds[TX], "alloc_rx_rings": kinds[RX],
                 "alloc_vnics": len(self.vnics), "alloc_stat_ctx": len(self.stat_ctxs),
                 "legacy_l2_db_size_kb": self.config.roce_db_page_kb,
                 "l2_doorbell_bar_size_kb": 2 * self.config.roce_db_page_kb,
                 "db_page_size": bnxt.FUNC_QCFG_RESP_DB_PAGE_SIZE_4KB, "always_1": 1}
 
     def _func_drv_rgtr(self, request: Any) -> dict[str, Any]:
-        enables = request.enables
-        self.driver = {
-            "os_type": request.os_type if enables & bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE else None,
-            "version": (request.ver_maj_8b, request.ver_min_8b, request.ver_upd_8b)
-            if enables & bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER else None,
-            "async_event_fwd": tuple(request.async_event_fwd)
-            if enables & bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD else None}
+        self.driver = {"enables": request.enables, "os_type": request.os_type,
+                       "version": (request.ver_maj_8b, request.ver_min_8b, request.ver_upd_8b)}
         return {}
 
     def _func_drv_unrgtr(self, request: Any) -> dict[str, Any]:
@@ -304,7 +293,7 @@ class Firmware:
     def _func_backing_store_qcaps_v2(self, request: Any) -> dict[str, Any]:
         ctx = CONTEXT_TYPES.get(request.type)
         if ctx is None:
-            raise HwrmError(INVALID_PARAMS, f"backing-store type {request.type:#x} does not exist")
+            raise CommandError(INVALID_PARAMS, f"backing-store type {request.type:#x} does not exist")
         self.queried_context_types.add(ctx.kind)
         return {"type": ctx.kind, "entry_size": ctx.entry_size, "flags": ctx.flags,
                 "instance_bit_map": ctx.instance_bit_map, "ctx_init_value": ctx.init_value,
@@ -317,22 +306,22 @@ class Firmware:
     def _func_backing_store_cfg_v2(self, request: Any) -> dict[str, Any]:
         ctx = CONTEXT_TYPES.get(request.type)
         if ctx is None or not ctx.flags & TYPE_VALID:
-            raise HwrmError(INVALID_PARAMS, f"backing-store type {request.type:#x} cannot be configured")
+            raise CommandError(INVALID_PARAMS, f"backing-store type {request.type:#x} cannot be configured")
         if ctx.kind not in self.queried_context_types:
-            raise HwrmError(INVALID_PARAMS, f"backing-store type {ctx.kind:#x} configured before its QCAPS_V2")
+            raise CommandError(INVALID_PARAMS, f"backing-store type {ctx.kind:#x} configured before its QCAPS_V2")
         if request.instance not in ctx.instances:
-            raise HwrmError(INVALID_PARAMS, f"type {ctx.kind:#x} has no instance {request.instance} "
+            raise CommandError(INVALID_PARAMS, f"type {ctx.kind:#x} has no instance {request.instance} "
                                             f"(instance_bit_map {ctx.instance_bit_map:#x})")
         if request.entry_size != ctx.entry_size:
-            raise HwrmError(INVALID_PARAMS, f"type {ctx.kind:#x} entries are {ctx.entry_size} bytes, "
+            raise CommandError(INVALID_PARAMS, f"type {ctx.kind:#x} entries are {ctx.entry_size} bytes, "
                                             f"not {request.entry_size}")
         if not ctx.min_entries <= request.num_entries <= ctx.max_entries:
-            raise HwrmError(INVALID_PARAMS, f"type {ctx.kind:#x}: {request.num_entries} entries is outside "
+            raise CommandError(INVALID_PARAMS, f"type {ctx.kind:#x}: {request.num_entries} entries is outside "
                                             f"[{ctx.min_entries}, {ctx.max_entries}]")
         level = request.page_size_pbl_level & bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_PBL_LEVEL_MASK
         page_code = request.page_size_pbl_level >> bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_PAGE_SIZE_SFT
         if level > 2 or page_code not in PAGE_SIZES:
-            raise HwrmError(INVALID_PARAMS, f"page_size_pbl_level {request.page_size_pbl_level:#x}")
+            raise CommandError(INVALID_PARAMS, f"page_size_pbl_level {request.page_size_pbl_level:#x}")
         pages = map_memory(self.mem, level, request.page_dir, request.num_entries * ctx.entry_size,
                            PAGE_SIZES[page_code])
         if ctx.flags & CTX_INIT and ctx.init_value and not self._contexts_initialised(ctx, pages, request.num_entries):
@@ -364,20 +353,20 @@ class Firmware:
     def _ring_alloc(self, request: Any) -> dict[str, Any]:
         kind = request.ring_type
         if kind not in RING_ENTRY_SIZES:
-            raise HwrmError(INVALID_PARAMS, f"ring_type {kind}")
+            raise CommandError(INVALID_PARAMS, f"ring_type {kind}")
         if not 1 <= request.length <= MAX_RING_LENGTH or request.page_tbl_depth > 2:
-            raise HwrmError(INVALID_PARAMS, f"length {request.length}, page_tbl_depth {request.page_tbl_depth}")
+            raise CommandError(INVALID_PARAMS, f"length {request.length}, page_tbl_depth {request.page_tbl_depth}")
         if request.page_size and not 12 <= request.page_size <= 30:
-            raise HwrmError(INVALID_PARAMS, f"page_size 2^{request.page_size}")
+            raise CommandError(INVALID_PARAMS, f"page_size 2^{request.page_size}")
         if sum(ring.ring_type == kind for ring in self.rings.values()) >= RING_LIMITS[kind]:
-            raise HwrmError(RESOURCE_ALLOC_ERROR, f"all {RING_LIMITS[kind]} rings of type {kind} are allocated")
+            raise CommandError(RESOURCE_ALLOC_ERROR, f"all {RING_LIMITS[kind]} rings of type {kind} are allocated")
         nq_ring_id = None
         if request.enables & bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID:
             nq_ring_id = request.nq_ring_id
             if not isinstance(self.rings.get(nq_ring_id), NotificationQueue):
-                raise HwrmError(INVALID_PARAMS, f"nq_ring_id {nq_ring_id} is not an NQ ring")
+                raise CommandError(INVALID_PARAMS, f"nq_ring_id {nq_ring_id} is not an NQ ring")
         elif kind == L2_CMPL:
-            raise HwrmError(INVALID_PARAMS, "an L2 completion ring hangs off an NQ: set NQ_RING_ID_VALID")
+            raise CommandError(INVALID_PARAMS, "an L2 completion ring hangs off an NQ: set NQ_RING_ID_VALID")
         pages = map_memory(self.mem, request.page_tbl_depth, request.page_tbl_addr,
                            request.length * RING_ENTRY_SIZES[kind], 1 << (request.page_size or 12), queue=True)
         ring_id = self._new_id(self.rings, 0xFFFE, "rings")  # 0xFFFF means "no ring"
@@ -388,11 +377,11 @@ class Firmware:
     def _ring_free(self, request: Any) -> dict[str, Any]:
         ring = self.rings.get(request.ring_id)
         if ring is None or ring.ring_type != request.ring_type:
-            raise HwrmError(INVALID_PARAMS, f"no ring {request.ring_id} of type {request.ring_type}")
+            raise CommandError(INVALID_PARAMS, f"no ring {request.ring_id} of type {request.ring_type}")
         users = [f"CQ {cq.cq_id}" for cq in self.rcfw.cqs.values() if cq.nq is ring] + \
                 [f"ring {other.ring_id}" for other in self.rings.values() if other.nq_ring_id == ring.ring_id]
         if users:
-            raise HwrmError(INVALID_PARAMS, f"ring {ring.ring_id} is still used by {', '.join(users)}")
+            raise CommandError(INVALID_PARAMS, f"ring {ring.ring_id} is still used by {', '.join(users)}")
         if ring is self.rcfw.creq:
             self.rcfw.stop()
         del self.rings[ring.ring_id]
@@ -406,7 +395,7 @@ class Firmware:
     def _vnic_cfg(self, request: Any) -> dict[str, Any]:
         vnic = self.vnics.get(request.vnic_id)
         if vnic is None:
-            raise HwrmError(INVALID_PARAMS, f"no VNIC {request.vnic_id}")
+            raise CommandError(INVALID_PARAMS, f"no VNIC {request.vnic_id}")
         enables = request.enables
         if enables & bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_RX_RING_ID:
             vnic.rx_ring_id = self._ring_of_type(request.default_rx_ring_id, RX)
@@ -419,7 +408,7 @@ class Firmware:
     def _ring_of_type(self, ring_id: int, kind: int) -> int:
         ring = self.rings.get(ring_id)
         if ring is None or ring.ring_type != kind:
-            raise HwrmError(INVALID_PARAMS, f"ring {ring_id} is not an allocated ring of type {kind}")
+            raise CommandError(INVALID_PARAMS, f"ring {ring_id} is not an allocated ring of type {kind}")
         return ring_id
 
     def _vnic_free(self, request: Any) -> dict[str, Any]:
@@ -431,7 +420,7 @@ class Firmware:
         if request.enables & bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID:
             vnic_id = request.dst_id
             if vnic_id not in self.vnics:
-                raise HwrmError(INVALID_PARAMS, f"dst_id {vnic_id} is not a VNIC")
+                raise CommandError(INVALID_PARAMS, f"dst_id {vnic_id} is not a VNIC")
         filter_id = self._new_id(self.l2_filters, MAX_L2_FILTERS, "L2 filters")
         self.l2_filters[filter_id] = L2Filter(filter_id, bytes(request.l2_addr), bytes(request.l2_addr_mask), vnic_id)
         return {"l2_filter_id": filter_id, "flow_id": filter_id}
@@ -442,13 +431,13 @@ class Firmware:
 
     def _own_port(self, port_id: int) -> None:
         if port_id != self.config.port_id:
-            raise HwrmError(INVALID_PARAMS, f"port {port_id}: this function owns port {self.config.port_id}")
+            raise CommandError(INVALID_PARAMS, f"port {port_id}: this function owns port {self.config.port_id}")
 
     def _port_phy_cfg(self, request: Any) -> dict[str, Any]:
         self._own_port(request.port_id)
         if request.enables & bnxt.PORT_PHY_CFG_REQ_ENABLES_LPBK:
             if request.lpbk > bnxt.PORT_PHY_CFG_REQ_LPBK_EXTERNAL:
-                raise HwrmError(INVALID_PARAMS, f"lpbk {request.lpbk} (0 none, 1 local, 2 remote, 3 external)")
+                raise CommandError(INVALID_PARAMS, f"lpbk {request.lpbk} (0 none, 1 local, 2 remote, 3 external)")
             self.loopback = request.lpbk
         return {}
 
@@ -462,11 +451,11 @@ class Firmware:
     def _new_id(table: dict[int, Any], limit: int, what: str) -> int:
         new = lowest_free_id(table, 1, limit + 1) if len(table) < limit else None
         if new is None:
-            raise HwrmError(RESOURCE_ALLOC_ERROR, f"all {limit} {what} are allocated")
+            raise CommandError(RESOURCE_ALLOC_ERROR, f"all {limit} {what} are allocated")
         return new
 
     @staticmethod
     def _take(table: dict[int, Any], key: int, what: str) -> Any:
         if key not in table:
-            raise HwrmError(INVALID_PARAMS, f"no {what} {key}")
+            raise CommandError(INVALID_PARAMS, f"no {what} {key}")
         return table.pop(key)

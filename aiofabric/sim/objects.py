@@ -23,6 +23,14 @@ NQ_CQ_NOTIFICATION = bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
 NQ_CN = struct.Struct("<HHIII")  # nq_cn: type (toggle in bits 6-7), reserved, cq_handle_low, v, cq_handle_high
 
 
+class CommandError(Exception):
+    """A firmware command fails with `status`: an HWRM_ERR_CODE_* on the HWRM channel, a CREQ status on the RoCE one."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
 class PageTableError(ValueError):
     """A page table (PBL) the driver handed over cannot be walked: bad level, absurd page count."""
 
@@ -205,7 +213,7 @@ class CompletionQueue:
         view[0:24], view[25:32] = cqe[0:24], cqe[25:32]
         view[24] = (cqe[24] & 0xFE) | (lap & 1) ^ 1
         self.produced += 1
-        if self.armed == CqArm.NEXT or (self.armed == CqArm.SOLICITED and solicited):
+        if self.armed and (solicited or self.armed == CqArm.NEXT):
             self.notify()
         return True
 

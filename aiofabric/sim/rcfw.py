@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..autogen import bnxt
 from .memory import BAR2_SIZE, PAGE, DmaFault
-from .objects import (PAGE_SIZES, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList,
+from .objects import (PAGE_SIZES, CommandError, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList,
                       PageTableError, QpState, QueuePair, legal_transition, lowest_free_id, map_memory)
 
 if TYPE_CHECKING:
@@ -50,20 +50,11 @@ CQ_DOORBELLS = {bnxt.DBC_DBC_TYPE_CQ, bnxt.DBC_DBC_TYPE_CQ_ARMALL, bnxt.DBC_DBC_
                 bnxt.DBC_DBC_TYPE_CQ_ARMENA}
 
 
-class RcfwError(Exception):
-    """A RoCE command fails with `status` (CREQ_QP_EVENT_STATUS_*); the message says why."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 @dataclass(frozen=True)
 class PendingCommand:
     """One command taken off the CMDQ: its header fields and all its slots."""
     opcode: int
     cookie: int
-    slots: int
     resp_size: int  # side buffer, in 16-byte units
     resp_addr: int
     data: bytes
@@ -142,11 +133,11 @@ class Rcfw:
         creq = self.fw.rings.get(creq_ring_id)
         try:
             if not isinstance(creq, NotificationQueue):
-                raise RcfwError(FAIL, f"creq_ring_id {creq_ring_id} is not an allocated NQ ring")
+                raise CommandError(FAIL, f"creq_ring_id {creq_ring_id} is not an allocated NQ ring")
             if not depth:
-                raise RcfwError(FAIL, "CMDQ depth 0")
+                raise CommandError(FAIL, "CMDQ depth 0")
             self.cmdq = map_memory(self.mem, size_level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK, pbl, depth * SLOT, queue=True)
-        except (RcfwError, DmaFault, PageTableError) as exc:
+        except (CommandError, DmaFault, PageTableError) as exc:
             self.fw.note_error("RCFW cmdq_init", f"{exc}; commands are ignored until the next FIRST producer write")
             return
         self.cmdq_depth, self.creq = depth, creq
@@ -175,7 +166,7 @@ class Rcfw:
         self.consumer = (self.consumer + slots) & 0xFFFF
         self.consumer_slot = (self.consumer_slot + slots) % self.cmdq_depth
         cookie, resp_size, resp_addr = struct.unpack_from("<HBxQ", data, 4)
-        return PendingCommand(data[0], cookie, slots, resp_size, resp_addr, data, complete=slots == size)
+        return PendingCommand(data[0], cookie, resp_size, resp_addr, data, complete=slots == size)
 
     def _slot(self, slot: int) -> bytes:
         return self.mem.read(self.cmdq.address(slot * SLOT), SLOT)
@@ -186,27 +177,20 @@ class Rcfw:
         name, fields, status = command.name, {}, SUCCESS
         try:
             if not command.complete:
-                raise RcfwError(INVALID_PARAMETER, f"cmd_size {command.data[1]} does not match what was published")
+                raise CommandError(INVALID_PARAMETER, f"cmd_size {command.data[1]} does not match what was published")
             if handler is None:
-                raise RcfwError(NOT_IMPLEMENTED if command.opcode in OPCODE_NAMES else INVALID_CMD, "not emulated")
+                raise CommandError(NOT_IMPLEMENTED if command.opcode in OPCODE_NAMES else INVALID_CMD, "not emulated")
             if (injected := self.fw.take_injected_error(name)) is not None:
                 status = injected
             elif not self.initialized and name not in BEFORE_INITIALIZE_FW:
-                raise RcfwError(FAIL, "the function is not initialized (INITIALIZE_FW first)")
+                raise CommandError(FAIL, "the function is not initialized (INITIALIZE_FW first)")
             else:
                 size = ctypes.sizeof(handler.request)
                 fields = handler.run(handler.request.from_buffer_copy(command.data[:size].ljust(size, b"\0")), command)
         except Exception as exc:
-            status = exc.status if isinstance(exc, RcfwError) else self._error_status(exc)
-            self.fw.note_error(f"RCFW {name}", exc)
+            status = self.fw.failure(f"RCFW {name}", exc, INVALID_PARAMETER, bnxt.CREQ_QP_EVENT_STATUS_INTERNAL_ERROR)
         response = handler.response if handler else bnxt.creq_qp_event
         return bytes(response(type=QP_EVENT, status=status, cookie=command.cookie, event=command.opcode, **fields))
-
-    def _error_status(self, exc: Exception) -> int:
-        if isinstance(exc, (DmaFault, PageTableError)):
-            return INVALID_PARAMETER
-        self.fw.stats["internal_errors"] += 1  # an emulator bug: say INTERNAL_ERROR, keep running
-        return bnxt.CREQ_QP_EVENT_STATUS_INTERNAL_ERROR
 
     def post_creq(self, entry: bytes) -> bool:
         """Post an answer on the CREQ; False (nothing posted) when full. Without a CREQ the answer is dropped."""
@@ -256,7 +240,7 @@ class Rcfw:
         if kind in NQ_DOORBELLS:  # NQs are HWRM rings, whatever the path
             nq = self.fw.rings.get(xid)
             if not isinstance(nq, NotificationQueue):
-                stats["stray_doorbells"] += 1
+                stats["ignored_doorbells"] += 1
                 return
             nq.consumer_doorbell(index, epoch, arm=NQ_DOORBELLS[kind])
             if nq is self.creq:
@@ -274,15 +258,15 @@ class Rcfw:
                 qp.rq_producer, qp.rq_producer_epoch = index, epoch
                 self.fw.rq_doorbells.append(xid)
         else:
-            stats["stray_doorbells"] += 1
+            stats["ignored_doorbells"] += 1
 
     # -- function ----------------------------------------------------------------------------------------------------
     def _initialize_fw(self, request: Any, command: PendingCommand) -> dict[str, Any]:
         missing = self.fw.backing_store_missing()
         if missing:
-            raise RcfwError(FAIL, missing)
+            raise CommandError(FAIL, missing)
         if request.stat_ctx_id not in self.fw.stat_ctxs:
-            raise RcfwError(INVALID_PARAMETER, f"stat_ctx_id {request.stat_ctx_id} is not allocated")
+            raise CommandError(INVALID_PARAMETER, f"stat_ctx_id {request.stat_ctx_id} is not allocated")
         self.hw_retx = self.fw.config.hw_retx and bool(
             request.flags & bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED)
         self.initialized = True
@@ -310,7 +294,7 @@ class Rcfw:
     def _side_buffer(self, command: PendingCommand, sb: ctypes.Structure) -> dict[str, Any]:
         """DMA a query's result to the command's side buffer; the CREQ answer carries its size in 16-byte units."""
         if not command.resp_addr or not command.resp_size:
-            raise RcfwError(INVALID_PARAMETER, "a query needs a side buffer (resp_addr and resp_size)")
+            raise CommandError(INVALID_PARAMETER, "a query needs a side buffer (resp_addr and resp_size)")
         sb.opcode, sb.cookie, sb.resp_size = command.opcode, command.cookie, command.resp_size
         self.mem.write(command.resp_addr, bytes(sb)[:command.resp_size * SLOT])
         return {"size": -(-ctypes.sizeof(sb) // SLOT)}
@@ -324,14 +308,14 @@ class Rcfw:
     def _add_gid(self, request: Any, command: PendingCommand) -> dict[str, Any]:
         index = lowest_free_id(self.gids, 0, MAX_GIDS)
         if index is None:
-            raise RcfwError(RESOURCES, f"all {MAX_GIDS} GID table entries are in use")
+            raise CommandError(RESOURCES, f"all {MAX_GIDS} GID table entries are in use")
         words = bytes(request.src_mac)  # each 16-bit word byte-swapped (cpu_to_be16)
         self.gids[index] = Gid(index, bytes(request.gid)[::-1], bytes(words[i ^ 1] for i in range(6)), request.vlan,
                                request.stats_ctx)
         return {"xid": index}
 
     def _delete_gid(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        self._take(self.gids, request.gid_index, "GID index")
+        self._remove(self.gids, request.gid_index, "GID index")
         return {"xid": request.gid_index}
 
     # -- completion queues and queue pairs ---------------------------------------------------------------------------
@@ -339,9 +323,9 @@ class Rcfw:
         nq_id = request.cq_fco_cnq_id & bnxt.CMDQ_CREATE_CQ_CNQ_ID_MASK
         nq = self.fw.rings.get(nq_id)
         if not isinstance(nq, NotificationQueue):
-            raise RcfwError(INVALID_PARAMETER, f"cnq id {nq_id} is not an NQ ring")
+            raise CommandError(INVALID_PARAMETER, f"cnq id {nq_id} is not an NQ ring")
         if not 1 <= request.cq_size <= MAX_CQES:
-            raise RcfwError(INVALID_PARAMETER, f"cq_size {request.cq_size}")
+            raise CommandError(INVALID_PARAMETER, f"cq_size {request.cq_size}")
         lvl = request.pg_size_lvl & bnxt.CMDQ_CREATE_CQ_LVL_MASK
         pages = self._queue_pages("CQ", lvl, request.pg_size_lvl >> bnxt.CMDQ_CREATE_CQ_PG_SIZE_SFT & 7, request.pbl,
                                   request.cq_size * 32)
@@ -350,30 +334,28 @@ class Rcfw:
         return {"xid": cq_id}
 
     def _destroy_cq(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        cq = self.cqs.get(request.cq_cid)
-        if cq is None:
-            raise RcfwError(INVALID_PARAMETER, f"no CQ {request.cq_cid}")
+        cq = self._find(self.cqs, request.cq_cid, "CQ")
         users = [qp.qpn for qp in self.qps.values() if cq in (qp.scq, qp.rcq)]
         if users:
-            raise RcfwError(INVALID_PARAMETER, f"CQ {cq.cq_id} is still used by QPs {users}")
+            raise CommandError(INVALID_PARAMETER, f"CQ {cq.cq_id} is still used by QPs {users}")
         del self.cqs[cq.cq_id]
         return {"xid": cq.cq_id, "total_cnq_events": cq.notifications & 0xFFFF}
 
     def _queue_pages(self, what: str, level: int, page_code: int, base: int, size: int) -> PageList:
         if level > 2 or page_code not in PAGE_SIZES:
-            raise RcfwError(INVALID_PARAMETER, f"{what} page table level {level}, page size code {page_code}")
+            raise CommandError(INVALID_PARAMETER, f"{what} page table level {level}, page size code {page_code}")
         return map_memory(self.mem, level, base, size, PAGE_SIZES[page_code], queue=True)
 
     def _create_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
         if request.type not in QP_TYPES:
-            raise RcfwError(INVALID_PARAMETER, f"QP type {request.type}")
+            raise CommandError(INVALID_PARAMETER, f"QP type {request.type}")
         scq, rcq = self.cqs.get(request.scq_cid), self.cqs.get(request.rcq_cid)
         if scq is None or rcq is None:
-            raise RcfwError(INVALID_PARAMETER, f"scq_cid {request.scq_cid} / rcq_cid {request.rcq_cid}: no such CQ")
+            raise CommandError(INVALID_PARAMETER, f"scq_cid {request.scq_cid} / rcq_cid {request.rcq_cid}: no such CQ")
         if request.qp_flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_SRQ_USED:
-            raise RcfwError(INVALID_PARAMETER, f"SRQ {request.srq_cid} does not exist (SRQs are not emulated)")
+            raise CommandError(INVALID_PARAMETER, f"SRQ {request.srq_cid} does not exist (SRQs are not emulated)")
         if not request.sq_size:
-            raise RcfwError(INVALID_PARAMETER, "sq_size 0")
+            raise CommandError(INVALID_PARAMETER, "sq_size 0")
         variable = bool(request.qp_flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED)
         sq_slots = request.sq_size if variable else request.sq_size * STATIC_WQE_SLOTS
         sq = self._queue_pages("SQ", request.sq_pg_size_sq_lvl & 0xF, request.sq_pg_size_sq_lvl >> 4, request.sq_pbl,
@@ -384,7 +366,7 @@ class Rcfw:
                                request.rq_pbl, request.rq_size * rq_wqe_size) if request.rq_size else None
         if request.type == bnxt.CMDQ_CREATE_QP_TYPE_GSI:
             if 1 in self.qps:
-                raise RcfwError(RESOURCES, "the GSI QP (QP1) already exists")
+                raise CommandError(RESOURCES, "the GSI QP (QP1) already exists")
             qpn = 1
         else:
             qpn = self._new_id(self.qps, self.fw.context_capacity(BS_QP), "QP", first=2)
@@ -395,22 +377,22 @@ class Rcfw:
         return {"xid": qpn}
 
     def _modify_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        qp, mask = self._qp(request.qp_cid), request.modify_mask
+        qp, mask = self._find(self.qps, request.qp_cid, "QP"), request.modify_mask
         state_byte = request.network_type_en_sqd_async_notify_new_state
         new_state = qp.state
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_STATE:
             value = state_byte & bnxt.CMDQ_MODIFY_QP_NEW_STATE_MASK
             if value > QpState.ERR or not legal_transition(qp.state, QpState(value)):
-                raise RcfwError(INVALID_PARAMETER, f"QP {qp.qpn}: {qp.state.name} -> state {value} is not legal")
+                raise CommandError(INVALID_PARAMETER, f"QP {qp.qpn}: {qp.state.name} -> state {value} is not legal")
             new_state = QpState(value)
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_SGID_INDEX and request.sgid_index not in self.gids:
-            raise RcfwError(INVALID_PARAMETER, f"sgid_index {request.sgid_index} is not in the GID table")
+            raise CommandError(INVALID_PARAMETER, f"sgid_index {request.sgid_index} is not in the GID table")
         mtu_code = request.path_mtu_pingpong_push_enable & bnxt.CMDQ_MODIFY_QP_PATH_MTU_MASK
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU and mtu_code not in PATH_MTUS:
-            raise RcfwError(INVALID_PARAMETER, f"path MTU code {mtu_code:#x}")
+            raise CommandError(INVALID_PARAMETER, f"path MTU code {mtu_code:#x}")
         missing = RTR_NEEDS & ~(qp.attributes_set | mask)
         if new_state == QpState.RTR != qp.state and qp.qp_type == bnxt.CMDQ_CREATE_QP_TYPE_RC and missing:
-            raise RcfwError(INVALID_PARAMETER, f"QP {qp.qpn}: RTR needs the destination (modify_mask {missing:#x})")
+            raise CommandError(INVALID_PARAMETER, f"QP {qp.qpn}: RTR needs the destination (modify_mask {missing:#x})")
         for bit, attribute in MODIFY_FIELDS:
             if mask & bit:
                 value = getattr(request, "vlan_pcp_vlan_dei_vlan_id" if attribute == "vlan_id" else attribute)
@@ -430,7 +412,7 @@ class Rcfw:
         return {"xid": qp.qpn}
 
     def _query_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        qp = self._qp(request.qp_cid)
+        qp = self._find(self.qps, request.qp_cid, "QP")
         sb = bnxt.creq_query_qp_resp_sb(
             xid=qp.qpn, en_sqd_async_notify_state=qp.state, access=qp.access, pkey=qp.pkey, qkey=qp.qkey,
             dgid=struct.unpack("<4I", qp.dgid), flow_label=qp.flow_label, sgid_index=qp.sgid_index,
@@ -444,12 +426,7 @@ class Rcfw:
         return self._side_buffer(command, sb)
 
     def _destroy_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        return {"xid": self._take(self.qps, request.qp_cid, "QP").qpn}
-
-    def _qp(self, qpn: int) -> QueuePair:
-        if qpn not in self.qps:
-            raise RcfwError(INVALID_PARAMETER, f"no QP {qpn}")
-        return self.qps[qpn]
+        return {"xid": self._remove(self.qps, request.qp_cid, "QP").qpn}
 
     # -- memory regions -------------------------------------------------------------------------
     def _new_key(self, pd: int, kind: int) -> MemoryRegion:
@@ -465,17 +442,17 @@ class Rcfw:
         return {"xid": mr.key}
 
     def _deallocate_key(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        return {"xid": self._take(self.mrs, request.key, "key").key}
+        return {"xid": self._remove(self.mrs, request.key, "key").key}
 
     def _register_mr(self, request: Any, command: PendingCommand) -> dict[str, Any]:
         level = request.log2_pg_size_lvl & bnxt.CMDQ_REGISTER_MR_LVL_MASK
         page_shift = (request.log2_pg_size_lvl & bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_MASK) \
             >> bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_SFT
         if level > 2 or not 12 <= page_shift <= 30 or request.log2_pbl_pg_size not in (0, 12):
-            raise RcfwError(INVALID_PARAMETER, f"level {level}, page size 2^{page_shift}, PBL page size "
+            raise CommandError(INVALID_PARAMETER, f"level {level}, page size 2^{page_shift}, PBL page size "
                                                f"2^{request.log2_pbl_pg_size} (PBL pages are 4 KiB)")
         if request.mr_size > MAX_MR_SIZE:
-            raise RcfwError(INVALID_PARAMETER, f"mr_size {request.mr_size:#x} exceeds {MAX_MR_SIZE:#x}")
+            raise CommandError(INVALID_PARAMETER, f"mr_size {request.mr_size:#x} exceeds {MAX_MR_SIZE:#x}")
         page_size = 1 << page_shift
         pages = map_memory(self.mem, level, request.pbl, (request.va & page_size - 1) + request.mr_size, page_size)
         if request.flags & bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR:  # unified MR: `key` carries the PD
@@ -484,14 +461,14 @@ class Rcfw:
         else:
             mr = self.mrs.get(request.key)
             if mr is None or mr.registered:
-                raise RcfwError(INVALID_PARAMETER, f"key {request.key:#x} is not an allocated, unregistered MR")
+                raise CommandError(INVALID_PARAMETER, f"key {request.key:#x} is not an allocated, unregistered MR")
         mr.access, mr.va, mr.size, mr.pages = request.access, request.va, request.mr_size, pages
         return {"xid": mr.key}
 
     def _deregister_mr(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        mr = self.mrs.get(request.lkey)
-        if mr is None or not mr.registered:
-            raise RcfwError(INVALID_PARAMETER, f"lkey {request.lkey:#x} is not a registered MR")
+        mr = self._find(self.mrs, request.lkey, "key")
+        if not mr.registered:
+            raise CommandError(INVALID_PARAMETER, f"lkey {request.lkey:#x} is not registered")
         if mr.allocated_by_register:
             del self.mrs[mr.key]
         mr.pages = None
@@ -502,11 +479,16 @@ class Rcfw:
     def _new_id(table: dict[int, Any], capacity: int, what: str, first: int = 1) -> int:
         new = lowest_free_id(table, first) if len(table) < capacity else None
         if new is None:
-            raise RcfwError(RESOURCES, f"the backing store holds {capacity} {what} contexts; all are in use")
+            raise CommandError(RESOURCES, f"the backing store holds {capacity} {what} contexts; all are in use")
         return new
 
     @staticmethod
-    def _take(table: dict[int, Any], key: int, what: str) -> Any:
+    def _find(table: dict[int, Any], key: int, what: str) -> Any:
         if key not in table:
-            raise RcfwError(INVALID_PARAMETER, f"no {what} {key:#x}")
-        return table.pop(key)
+            raise CommandError(INVALID_PARAMETER, f"no {what} {key:#x}")
+        return table[key]
+
+    def _remove(self, table: dict[int, Any], key: int, what: str) -> Any:
+        found = self._find(table, key, what)
+        del table[key]
+        return found
