@@ -14,7 +14,7 @@ from aiofabric.sim.objects import (CompletionQueue, MemoryProtectionError, Notif
 
 MAC = bytes.fromhex("020af0123456")
 GID = bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 7])
-NQ, L2_CMPL, RX = bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, bnxt.RING_ALLOC_REQ_RING_TYPE_RX
+NQ, L2_CMPL, RX = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TYPE_{kind}") for kind in ("NQ", "L2_CMPL", "RX"))
 Q = "CMDQ_MODIFY_QP_MODIFY_MASK_"
 INIT_MASK = sum(getattr(bnxt, Q + f) for f in ("STATE", "ACCESS", "PKEY"))
 RTR_MASK = sum(getattr(bnxt, Q + f) for f in ("STATE", "DGID", "SGID_INDEX", "DEST_MAC", "PATH_MTU", "RQ_PSN",
@@ -39,6 +39,7 @@ class Driver:
         self.fw = Firmware(self.mem, FirmwareConfig(mac=MAC, **config))
         self.seq = self.cookie = 0
         self.response = self.alloc()
+        self.side_buffers: dict[int, int] = {}  # cookie -> where a query's result lands
 
     def alloc(self, pages: int = 1) -> int:
         start, self.next_page = self.next_page, self.next_page + pages * PAGE
@@ -131,7 +132,7 @@ class Driver:
         for offset in range(0, 16, 4):
             self.fw.rcfw.mailbox_write(offset, int.from_bytes(bytes(init)[offset:offset + 4], "little"))
 
-    def post(self, name: str, opcode: int | None = None, **fields) -> int:
+    def post(self, name: str, opcode: int | None = None, cmd_size: int | None = None, **fields) -> int:
         """Write one command into the CMDQ and publish the producer (no trigger yet); returns its cookie."""
         request = getattr(bnxt, f"cmdq_{name}")
         slots = -(-ctypes.sizeof(request) // 16)
@@ -139,8 +140,10 @@ class Driver:
         side = getattr(bnxt, f"creq_{name}_resp_sb", None)
         if side is not None:
             fields.update(resp_addr=self.alloc(), resp_size=-(-ctypes.sizeof(side) // 16))
+            self.side_buffers[self.cookie] = fields["resp_addr"]
         data = bytes(request(opcode=getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}") if opcode is None else opcode,
-                             cmd_size=slots, cookie=self.cookie, **fields)).ljust(slots * 16, b"\0")
+                             cmd_size=slots if cmd_size is None else cmd_size, cookie=self.cookie,
+                             **fields)).ljust(slots * 16, b"\0")
         for i in range(slots):
             self.mem.write(self.cmdq.address((self.cmdq_producer + i) % self.cmdq_depth * 16), data[i * 16:i * 16 + 16])
         self.cmdq_producer += slots
@@ -175,15 +178,12 @@ class Driver:
         cookie = self.post(name, **fields)
         self.run()
         entry = next(e for e in self.drain() if int.from_bytes(e[2:4], "little") == cookie)
-        assert entry[0] == bnxt.CREQ_BASE_TYPE_QP_EVENT and entry[9] == getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}")
+        assert (entry[0], entry[9]) == (bnxt.CREQ_BASE_TYPE_QP_EVENT, getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}"))
         assert entry[1] == expect, f"{name}: status {entry[1]} ({self.fw.last_error})"
-        side = getattr(bnxt, f"creq_{name}_resp_sb", None)
+        side, address = getattr(bnxt, f"creq_{name}_resp_sb", None), self.side_buffers.pop(cookie, None)
         if side is not None and entry[1] == SUCCESS:
-            return side.from_buffer_copy(self.mem.read(fields.get("resp_addr") or self.last_side(), ctypes.sizeof(side)))
+            return side.from_buffer_copy(self.mem.read(address, ctypes.sizeof(side)))
         return getattr(bnxt, f"creq_{name}_resp").from_buffer_copy(entry)
-
-    def last_side(self) -> int:
-        return self.next_page - PAGE  # `post` allocated the side buffer last
 
     def doorbell(self, xid: int, kind: int, index: int, epoch: int = 0) -> None:
         self.fw.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch))
@@ -199,7 +199,9 @@ class Driver:
         self.stat_ctx = self.hwrm("stat_ctx_alloc", stats_dma_addr=self.alloc(), stats_dma_length=176).stat_ctx_id
         self.rcfw("initialize_fw", stat_ctx_id=self.stat_ctx)
         self.nq_id = self.ring(NQ, 64, logical_id=2)
-        self.gid_index = self.rcfw("add_gid", gid=struct.unpack("<4I", GID[::-1]), src_mac=struct.unpack(">3H", MAC)).xid
+        # ADD_GID wants the GID fully byte-reversed and the MAC byte-swapped within each 16-bit word
+        self.gid_index = self.rcfw("add_gid", gid=struct.unpack("<4I", GID[::-1]),
+                                   src_mac=struct.unpack(">3H", MAC)).xid
 
     # -- verbs objects ----------------------------------------------------------------------------------------------
     def create_cq(self, size: int = 64, handle: int = 0xC0FFEE_0000_0001) -> int:
@@ -213,7 +215,8 @@ class Driver:
         return self.rcfw("create_qp", type=bnxt.CMDQ_CREATE_QP_TYPE_RC, qp_handle=0x1234,
                          qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED, sq_size=sq_slots,
                          sq_fwo_sq_sge=2, sq_pg_size_sq_lvl=1, sq_pbl=self.page_table(sq, 1, queue=True),
-                         rq_size=rq_size, rq_fwo_rq_sge=2, rq_pg_size_rq_lvl=1, rq_pbl=self.page_table(rq, 1, queue=True),
+                         rq_size=rq_size, rq_fwo_rq_sge=2, rq_pg_size_rq_lvl=1,
+                         rq_pbl=self.page_table(rq, 1, queue=True),
                          scq_cid=cq, rcq_cid=cq, **fields).xid
 
     def connect(self, qpn: int, peer: int) -> None:
@@ -262,6 +265,7 @@ def test_unknown_hwrm_opcode_is_not_supported_and_unanswerable_requests_get_noth
     ("ring_alloc", dict(ring_type=9, length=16)),
     ("ring_alloc", dict(ring_type=NQ, length=0)),
     ("ring_alloc", dict(ring_type=L2_CMPL, length=16)),  # no NQ to hang off
+    ("ring_alloc", dict(ring_type=RX, length=16, enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID, nq_ring_id=1)),
     ("ring_free", dict(ring_type=RX, ring_id=0x7777)),
     ("vnic_cfg", dict(vnic_id=5)),
     ("port_phy_cfg", dict(enables=bnxt.PORT_PHY_CFG_REQ_ENABLES_LPBK, lpbk=7)),
@@ -404,6 +408,26 @@ def test_unknown_and_unemulated_opcodes_are_answered(driver):
     assert (entry[1], int.from_bytes(entry[2:4], "little"), entry[9]) == (bnxt.CREQ_QP_EVENT_STATUS_INVALID_CMD,
                                                                          cookie, 0x77)
     driver.rcfw("create_srq", expect=bnxt.CREQ_QP_EVENT_STATUS_NOT_IMPLEMENTED)
+
+
+def test_malformed_commands_are_answered_and_the_channel_goes_on(driver):
+    bad = driver.post("query_version", cmd_size=0)
+    good = driver.post("query_version")
+    assert driver.run() == 2
+    answers = {int.from_bytes(e[2:4], "little"): e[1] for e in driver.drain()}
+    assert answers == {bad: INVALID_PARAMETER, good: SUCCESS}
+
+
+def test_a_cmdq_init_naming_no_nq_ring_leaves_the_channel_deaf(driver):
+    rcfw = driver.fw.rcfw
+    rcfw.mailbox_write(8, int.from_bytes(rcfw.mailbox[8:10], "little") | 0x77 << 16)  # creq_ring_id 0x77
+    driver.first = True
+    driver.post("query_version")
+    assert driver.run() == 0 and "creq_ring_id 119" in driver.fw.last_error
+    rcfw.mailbox_write(8, int.from_bytes(rcfw.mailbox[8:10], "little") | driver.creq_id << 16)
+    driver.cmdq_producer, driver.creq_consumer, driver.first = 0, 0, True  # the driver starts its rings over
+    driver.mem.write(driver.fw.rings[driver.creq_id].pages.address(0), bytes(16 * driver.creq_length))
+    driver.rcfw("query_version")
 
 
 def test_injected_errors_fail_the_next_commands_only(driver):

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from ..autogen import bnxt
 from .memory import PAGE, BusMemory, DmaFault
-from .objects import (PAGE_SIZES, BackingStoreArea, CommandError, L2Filter, NotificationQueue, PageTableError, Ring, StatContext,
-                      Vnic, lowest_free_id, map_memory)
+from .objects import (PAGE_SIZES, BackingStoreArea, CommandError, L2Filter, NotificationQueue, PageTableError, Ring,
+                      StatContext, Vnic, lowest_free_id, map_memory)
 from .rcfw import Rcfw
 
 HWRM_HEADER = struct.Struct("<HHHHQ")  # req_type, cmpl_ring, seq_id, target_id, resp_addr
@@ -35,7 +35,7 @@ L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TY
                                           ("L2_CMPL", "TX", "RX", "ROCE_CMPL", "RX_AGG", "NQ"))
 RING_ENTRY_SIZES = {L2_CMPL: 16, TX: 16, RX: 16, ROCE_CMPL: 32, RX_AGG: 16, NQ: 16}
 RING_LIMITS = {L2_CMPL: 128, TX: 128, RX: 128, ROCE_CMPL: 128, RX_AGG: 128, NQ: 64}
-MAX_VNICS, MAX_STAT_CTXS, MAX_L2_FILTERS, MAX_RSS_CONTEXTS = 128, 512, 1024, 64
+MAX_L2_FILTERS, MAX_RSS_CONTEXTS = 1024, 64
 
 
 @dataclass
@@ -69,19 +69,21 @@ class ContextType:
 # A Thor2-like set, small enough for an emulator's arena: Linux sizes QPs as split0 (L2) + split1 (QP1) + extra RoCE
 # QPs, CQs as split0 + 2 * extra QPs, TIM like QPs. TX_CK is reported but not valid for this function.
 CONTEXT_TYPES = {ctx.kind: ctx for ctx in (
-    ContextType(0x00, 704, TYPE_VALID | CTX_INIT, 0, 0xFF, 2, 64, 256, 2048, (128, 2, 0)),  # QP
-    ContextType(0x01, 192, TYPE_VALID | CTX_INIT, 0, 0xFF, 1, 64, 64, 1024, (128,)),  # SRQ
-    ContextType(0x02, 128, TYPE_VALID | CTX_INIT, 0, 0xFF, 3, 64, 256, 8192, (256,)),  # CQ
-    ContextType(0x03, 256, TYPE_VALID, 0, 0, 0, 1, 1, 128, (128,)),  # VNIC
-    ContextType(0x04, 256, TYPE_VALID, 0, 0, 0, 1, 1, MAX_STAT_CTXS),  # STAT
-    ContextType(0x05, 64, TYPE_VALID, 0x1, 0, 0, 64, 64, 16384),  # SP_TQM_RING
-    ContextType(0x06, 32, TYPE_VALID, 0xFF, 0, 0, 64, 64, 16384),  # FP_TQM_RING: one ring per traffic class
-    ContextType(0x0E, 128, TYPE_VALID | CTX_INIT, 0, 0x80, 1, 64, 64, 8192),  # MRAV
-    ContextType(0x0F, 16, TYPE_VALID, 0, 0, 0, 1, 1, 2048),  # TIM
-    ContextType(0x13, 0, 0, 0, 0, 0, 0, 0, 0),  # TX_CK
+    #           type  size flags                 instances init  offset multiple min  max    splits
+    ContextType(0x00, 704, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 2,     64,      256, 2048,  (128, 2, 0)),  # QP
+    ContextType(0x01, 192, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 1,     64,      64,  1024,  (128,)),  # SRQ
+    ContextType(0x02, 128, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 3,     64,      256, 8192,  (256,)),  # CQ
+    ContextType(0x03, 256, TYPE_VALID,            0x00,     0,    0,     1,       1,   128,   (128,)),  # VNIC
+    ContextType(0x04, 256, TYPE_VALID,            0x00,     0,    0,     1,       1,   512),  # STAT
+    ContextType(0x05, 64,  TYPE_VALID,            0x01,     0,    0,     64,      64,  16384),  # SP_TQM_RING
+    ContextType(0x06, 32,  TYPE_VALID,            0xFF,     0,    0,     64,      64,  16384),  # FP_TQM_RING, per TC
+    ContextType(0x0E, 128, TYPE_VALID | CTX_INIT, 0x00,     0x80, 1,     64,      64,  8192),  # MRAV
+    ContextType(0x0F, 16,  TYPE_VALID,            0x00,     0,    0,     1,       1,   2048),  # TIM
+    ContextType(0x13, 0,   0,                     0x00,     0,    0,     0,       0,   0),  # TX_CK
 )}
 _kinds = sorted(CONTEXT_TYPES)
 NEXT_CONTEXT_TYPE = dict(zip(_kinds, _kinds[1:] + [bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_TYPE_INVALID]))
+MAX_VNICS, MAX_STAT_CTXS = CONTEXT_TYPES[0x03].max_entries, CONTEXT_TYPES[0x04].max_entries
 
 
 @dataclass(frozen=True)
@@ -365,13 +367,13 @@ class Firmware:
             nq_ring_id = request.nq_ring_id
             if not isinstance(self.rings.get(nq_ring_id), NotificationQueue):
                 raise CommandError(INVALID_PARAMS, f"nq_ring_id {nq_ring_id} is not an NQ ring")
-        elif kind == L2_CMPL:
-            raise CommandError(INVALID_PARAMS, "an L2 completion ring hangs off an NQ: set NQ_RING_ID_VALID")
+        elif kind in (L2_CMPL, RX, RX_AGG):  # on P5+ these hang off an NQ (bnxt.c hwrm_ring_alloc_send_msg)
+            raise CommandError(INVALID_PARAMS, f"a ring of type {kind} needs an NQ: set NQ_RING_ID_VALID")
         pages = map_memory(self.mem, request.page_tbl_depth, request.page_tbl_addr,
                            request.length * RING_ENTRY_SIZES[kind], 1 << (request.page_size or 12), queue=True)
         ring_id = self._new_id(self.rings, 0xFFFE, "rings")  # 0xFFFF means "no ring"
-        fields = (ring_id, kind, self.mem, pages, request.length, request.logical_id, RING_ENTRY_SIZES[kind], nq_ring_id)
-        self.rings[ring_id] = NotificationQueue(*fields, interrupts=self.interrupts) if kind == NQ else Ring(*fields)
+        ring = (ring_id, kind, self.mem, pages, request.length, request.logical_id, RING_ENTRY_SIZES[kind], nq_ring_id)
+        self.rings[ring_id] = NotificationQueue(*ring, interrupts=self.interrupts) if kind == NQ else Ring(*ring)
         return {"ring_id": ring_id, "logical_ring_id": request.logical_id}
 
     def _ring_free(self, request: Any) -> dict[str, Any]:
