@@ -108,8 +108,10 @@ class Firmware:
         self.sq_doorbells: list[int] = []  # QP numbers whose SQ / RQ producer moved, for the data path
         self.rq_doorbells: list[int] = []
         self.injected_errors: dict[str, list[int]] = {}  # command name -> [status, remaining count]
+        # counters for the debug channel: errors, internal_errors (emulator bugs), ctx_init_missing, legacy_doorbells,
+        # l2_doorbells, ignored_doorbells, doorbells_without_valid, ignored_triggers, creq_dropped, hwrm_unanswerable
         self.stats: collections.Counter[str] = collections.Counter()
-        self.last_error = ""
+        self.last_error = ""  # why the last command failed or was ignored
         self.rings: dict[int, Ring] = {}
         self.stat_ctxs: dict[int, StatContext] = {}
         self.vnics: dict[int, Vnic] = {}

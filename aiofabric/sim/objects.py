@@ -201,7 +201,7 @@ class CompletionQueue:
     produced: int = 0
     consumed: int = 0
     armed: CqArm = CqArm.NONE
-    toggle: int = 0  # 2-bit count of notifications, echoed in nq_cn and expected back in arm doorbells
+    toggle: int = 0  # 2-bit notification count, sent in nq_cn (drivers echo it in arm doorbells; not checked)
     notifications: int = 0  # reported by DESTROY_CQ (total_cnq_events) so the driver can drain its NQ
 
     def post(self, cqe: bytes, solicited: bool = False) -> bool:
@@ -220,12 +220,11 @@ class CompletionQueue:
     def notify(self) -> bool:
         """Post a CQ_NOTIFICATION to the NQ (disarming the CQ); False if the NQ had no room."""
         self.armed = CqArm.NONE
-        self.toggle = (self.toggle + 1) & 3
-        entry = NQ_CN.pack(NQ_CQ_NOTIFICATION | self.toggle << bnxt.NQ_CN_TOGGLE_SFT, 0, self.handle & 0xFFFFFFFF, 0,
-                           self.handle >> 32 & 0xFFFFFFFF)
-        if not self.nq.post(entry):
-            return False
-        self.notifications += 1
+        toggle = (self.toggle + 1) & 3
+        if not self.nq.post(NQ_CN.pack(NQ_CQ_NOTIFICATION | toggle << bnxt.NQ_CN_TOGGLE_SFT, 0,
+                                       self.handle & 0xFFFFFFFF, 0, self.handle >> 32 & 0xFFFFFFFF)):
+            return False  # the NQ overflowed: this notification is lost, as on hardware
+        self.toggle, self.notifications = toggle, self.notifications + 1
         return True
 
     def doorbell(self, kind: int, index: int, epoch: int) -> None:
@@ -285,7 +284,6 @@ class QueuePair:
     rq_size: int  # WQEs
     rq_wqe_size: int  # bytes
     rq_sge: int
-    srq_id: int | None
     irrq_addr: int
     orrq_addr: int
     state: QpState = QpState.RESET

@@ -373,7 +373,7 @@ class Rcfw:
         self.qps[qpn] = QueuePair(
             qpn, request.qp_handle, request.type, request.qp_flags, request.pd_id, scq, rcq, sq, request.sq_size,
             sq_slots, request.sq_fwo_sq_sge & bnxt.CMDQ_CREATE_QP_SQ_SGE_MASK, rq, request.rq_size, rq_wqe_size,
-            rq_sge, None, request.irrq_addr, request.orrq_addr)
+            rq_sge, request.irrq_addr, request.orrq_addr)
         return {"xid": qpn}
 
     def _modify_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
