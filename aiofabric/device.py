@@ -104,7 +104,7 @@ class DeviceEvent:
 class Device:
     """One BNXT function driven from userspace. Use `aiofabric.open_nic`, which boots and closes it."""
 
-    def __init__(self, pci: PCIDevice, ip: str = "127.0.0.1", *, hwrm_timeout: float = HWRM_TIMEOUT,
+    def __init__(self, pci: PCIDevice, ip: str, *, hwrm_timeout: float = HWRM_TIMEOUT,
                  rcfw_timeout: float = RCFW_TIMEOUT) -> None:
         self.pci, self.ip, self.gid = pci, ip, ipv4_gid(ip)
         self.hwrm_timeout, self.rcfw_timeout = hwrm_timeout, rcfw_timeout

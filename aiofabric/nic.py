@@ -4,24 +4,47 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
+import socket
 from typing import Any, AsyncIterator
 
 import anyio
 
 from .device import Device, log
 from .pci import DmaBuffer, PCIDevice, PCIError, SysfsPCIDevice
+from .poller import Poller
 from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair
 
 PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 _sim_numbers = itertools.count()
+_loopback_hosts = itertools.count(2)
+ROCE_PORT = 4791
+
+
+def free_loopback_ip() -> str:
+    """A 127.0.0.x address whose RoCE port is free, for an emulated NIC that was given no address."""
+    for _ in range(250):
+        ip = f"127.0.0.{2 + (next(_loopback_hosts) - 2) % 250}"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((ip, ROCE_PORT))
+            except OSError:
+                continue
+        return ip
+    raise PCIError("no free 127.0.0.x address with UDP port 4791 available for an emulated NIC")
 
 
 class NIC(Device):
     """A booted NIC. Verbs objects created here are destroyed (QPs first) when the NIC closes."""
 
+    async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
+        await super().boot(task_group)
+        self.poller = Poller(self)
+        task_group.start_soon(self.poller.run)
+
     async def create_cq(self, depth: int = 4096) -> CompletionQueue:
         cq = CompletionQueue(self, depth)
         await cq._create()
+        self.poller.add(cq)
         return cq
 
     async def create_qp(self, cq: CompletionQueue | None = None, *, send_cq: CompletionQueue | None = None,
@@ -39,8 +62,8 @@ class NIC(Device):
 
     async def register_mr(self, memory: DmaBuffer | int, access: Access = ALL_ACCESS) -> MemoryRegion:
         """Register `memory` (a DMA buffer, or a size to allocate) for local and remote access."""
-        buffer = self.pci.alloc_dma(memory) if isinstance(memory, int) else memory
-        mr = MemoryRegion(self, buffer, access)
+        owned = isinstance(memory, int)
+        mr = MemoryRegion(self, self.pci.alloc_dma(memory) if owned else memory, access, owns_buffer=owned)
         await mr._register()
         return mr
 
@@ -78,13 +101,19 @@ def open_pci(spec: str, **options: Any) -> PCIDevice:
 
 
 @contextlib.asynccontextmanager
-async def open_nic(spec: str = "sim", *, ip: str = "127.0.0.1", hwrm_timeout: float | None = None,
+async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: float | None = None,
                    **options: Any) -> AsyncIterator[NIC]:
     """Boot the NIC named by `spec` and close it (freeing every firmware object) when the block exits.
 
-    `ip` is the NIC's IPv4 address (its GID is ::ffff:ip). Extra `options` configure an emulated NIC
-    (for example `fw_latency_us`).
+    `ip` is the NIC's IPv4 address (its GID is ::ffff:ip); an emulated NIC without one gets a free 127.0.0.x.
+    Extra `options` configure an emulated NIC: `fw_latency_us`, `transport` ("udp" or "raw"), `loss`, `dup`,
+    `reorder`, `corrupt`, `seed` (wire faults) and `pcap` (a file to write every packet to).
     """
+    if spec.startswith("sim"):
+        ip = ip or free_loopback_ip()
+        options["ip"] = ip  # the emulated NIC owns this address on the wire
+    elif ip is None and PCI_ADDRESS.fullmatch(spec):
+        raise PCIError(f"{spec}: give the NIC's IPv4 address (ip=...)")
     pci = await anyio.to_thread.run_sync(lambda: open_pci(spec, **options))
     try:
         async with anyio.create_task_group() as tasks:

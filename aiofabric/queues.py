@@ -5,20 +5,37 @@ RCFW commands on its `Device`; its host memory (rings, page tables) is freed onl
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import enum
 import itertools
-from typing import Any
+import random
+import struct
+from typing import Any, Iterator
+
+import anyio
 
 from .autogen import bnxt
-from .device import Device, DeviceEvent
+from .completions import (RECV_FLUSHED, RECV_STATUSES, SEND_FLUSHED, SEND_STATUSES, Completion, CompletionError,
+                          finished)
+from .device import Device, DeviceEvent, log
 from .pci import DmaBuffer
-from .rings import Ring, page_table
+from .rings import Ring, doorbell, page_table
 
 SQ_SLOT = 16
 SQ_SLOT_ALIGN = 256  # Linux sizes variable-WQE send queues in slots aligned to 256 (BNXT_VAR_MAX_SLOT_ALIGN)
 WQE_HEADER_SLOTS = 2
 CQE_SIZE = 32
+CQE_REQ, CQE_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
+REQ_CQE = struct.Struct("<QH")  # cq_req: qp_handle, sq_cons_idx
+RES_CQE = struct.Struct("<IIQ")  # cq_res_rc: length, imm_data_or_inv_r_key, qp_handle
+RES_CQE_TAIL = struct.Struct("<HI")  # cq_res_rc @26: flags, srq_or_rq_wr_id
+RDMA_HEADER = struct.Struct("<BBBxIIxxxxQII")  # sq_rdma_hdr
+SEND_HEADER = struct.Struct("<BBBxIIIIIxxxxI")  # sq_send_hdr
+SGE = struct.Struct("<QII")  # sq_sge
+RECV_HEADER = struct.Struct("<BBBxxxxxQ16x")  # rq_wqe_hdr: wqe_type, flags, wqe_size, wr_id
+MSN_ENTRY = struct.Struct("<Q")
 PATH_MTUS = {256: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_256, 512: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_512,
              1024: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_1024, 2048: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_2048,
              4096: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_4096}
@@ -71,14 +88,47 @@ class QPInfo:
         return cls(int(data["qpn"]), bytes.fromhex(data["gid"]), data["mac"], int(data["psn"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class RemoteRegion:
+    """A peer's registered memory as the wire names it: remote address, rkey, and (if known) its length."""
+    addr: int
+    rkey: int
+    length: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"addr": self.addr, "rkey": self.rkey, "length": self.length}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RemoteRegion:
+        return cls(int(data["addr"]), int(data["rkey"]), data.get("length"))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalBuffer:
+    """A raw scatter/gather element (address, lkey, length), unchecked: the NIC validates it, as hardware does."""
+    addr: int
+    lkey: int
+    length: int
+
+
+class _SendWork:
+    __slots__ = ("index", "slots", "completion")
+
+    def __init__(self, index: int, slots: int, completion: Completion) -> None:
+        self.index, self.slots, self.completion = index, slots, completion
+
+
 class CompletionQueue:
-    """A CQ of `depth` 32-byte CQEs (power of two), notified through the device's NQ."""
+    """A CQ of `depth` 32-byte CQEs (power of two), notified through the device's NQ, drained by the NIC's poller."""
 
     def __init__(self, device: Device, depth: int) -> None:
         self.device, self.depth, self.handle = device, depth, next(_handles)
         self.ring = Ring(device.pci, depth, CQE_SIZE)
         self.id = -1
         self.errors: list[DeviceEvent] = []
+        self.qps: dict[int, QueuePair] = {}  # by qp_handle, as CQEs name them
+        self.outstanding = 0  # work requests whose completion lands here
+        self.armed, self.toggle = False, 0
 
     async def _create(self) -> None:
         try:
@@ -93,11 +143,58 @@ class CompletionQueue:
         self.device.route_events("cq_error", self.id, self.errors.append)
         self.device.objects[id(self)] = self
 
+    @property
+    def busy(self) -> bool:
+        return self.outstanding > 0
+
+    def poll(self, budget: int = 512) -> int:
+        """Consume up to `budget` new CQEs, completing their work requests; return the CQ credit to the NIC."""
+        ring, view = self.ring, self.ring.view
+        count = 0
+        while count < budget:
+            offset = ring.offset(ring.consumer)
+            type_toggle = view[offset + 24]
+            if type_toggle & 1 != 1 - ring.epoch(ring.consumer):
+                break
+            kind, status = type_toggle & bnxt.CQ_BASE_CQE_TYPE_MASK, view[offset + 25]
+            if kind == CQE_REQ:
+                handle, consumer = REQ_CQE.unpack_from(view, offset)
+                qp = self.qps.get(handle)
+                if qp is not None:
+                    qp._send_completed(consumer, status)
+            elif kind == CQE_RES_RC:
+                length, imm, handle = RES_CQE.unpack_from(view, offset)
+                flags, wr_id = RES_CQE_TAIL.unpack_from(view, offset + 26)
+                qp = self.qps.get(handle)
+                if qp is not None:
+                    qp._recv_completed(wr_id, status, length, imm if flags & bnxt.CQ_RES_RC_FLAGS_IMM else None)
+            ring.consumer += 1
+            count += 1
+        if count:
+            self._doorbell(bnxt.DBC_DBC_TYPE_CQ)
+        return count
+
+    def arm(self) -> None:
+        self.armed = True
+        self._doorbell(bnxt.DBC_DBC_TYPE_CQ_ARMALL, self.toggle)
+
+    def _doorbell(self, kind: int, toggle: int = 0) -> None:
+        ring = self.ring
+        self.device.doorbells.write64(self.device.db_offset, doorbell(
+            self.id, kind, ring.offset(ring.consumer) // CQE_SIZE, ring.epoch(ring.consumer), toggle))
+
+    def fail_all(self, error: BaseException) -> None:
+        for qp in list(self.qps.values()):
+            qp._fail_outstanding(error)
+
     async def destroy(self) -> None:
         if self.id < 0:
             return
         await self.device.rcfw("destroy_cq", cq_cid=self.id)
         self.device.route_events("cq_error", self.id, None)
+        poller = getattr(self.device, "poller", None)
+        if poller is not None:
+            poller.remove(self)
         self.device.objects.pop(id(self), None)
         self.id = -1
         self.ring.free()
@@ -121,8 +218,20 @@ class QueuePair:
         self.read_queues: list[DmaBuffer] = [device.pci.alloc_dma(0x1000), device.pci.alloc_dma(0x1000)]
         self.qpn = -1
         self.state = QPState.RESET
-        self.psn = 0
+        self.psn = random.getrandbits(24)  # like perftest: a random initial PSN per QP
+        self.mtu = 1024
         self.errors: list[DeviceEvent] = []
+        self.sq_producer = self.sq_consumer = 0  # in 16-byte slots, free-running
+        self.wqe_count = 0  # WQEs posted, free-running (CQEs report sq_cons_idx in WQE units, mod 2^16)
+        self.msn = 0
+        self.unsignaled_run = 0
+        self.max_unsignaled = max(1, self.sq_slots // wqe_slots // 2)
+        self.pending: collections.deque[_SendWork] = collections.deque()
+        self.receives: collections.deque[tuple[int, Completion]] = collections.deque()
+        self.rq_producer = 0
+        self._space = anyio.Event()
+        self._batch_depth = 0
+        self._doorbell_due = False
 
     async def _create(self) -> None:
         irrq, orrq = self.read_queues
@@ -141,10 +250,40 @@ class QueuePair:
         self.qpn = reply.xid
         self.device.route_events("qp_error", self.qpn, self._on_error)
         self.device.objects[id(self)] = self
+        self.send_cq.qps[self.handle] = self
+        self.recv_cq.qps[self.handle] = self
 
     def _on_error(self, event: DeviceEvent) -> None:
+        """QP error notification: completions already written are delivered first, the rest are flushed."""
         self.errors.append(event)
+        self._enter_error()
+
+    def _enter_error(self) -> None:
         self.state = QPState.ERR
+        self.send_cq.poll()
+        self.recv_cq.poll()
+        self._flush()
+
+    def _flush(self) -> None:
+        self._fail_outstanding(None)
+
+    def _fail_outstanding(self, error: BaseException | None) -> None:
+        """Complete every outstanding work request with `error` (None: the verbs FLUSHED status)."""
+        while self.pending:
+            work = self.pending.popleft()
+            self.sq_consumer += work.slots
+            self.send_cq.outstanding -= 1
+            work.completion.finish(error or CompletionError(work.completion.verb, self.qpn, SEND_FLUSHED,
+                                                            SEND_STATUSES[SEND_FLUSHED]))
+        while self.receives:
+            _, completion = self.receives.popleft()
+            self.recv_cq.outstanding -= 1
+            completion.finish(error or CompletionError("recv", self.qpn, RECV_FLUSHED, RECV_STATUSES[RECV_FLUSHED]))
+        self._wake_posters()
+
+    def _wake_posters(self) -> None:
+        self._space.set()
+        self._space = anyio.Event()
 
     def info(self) -> QPInfo:
         return QPInfo(self.qpn, self.device.gid, self.device.mac, self.psn)
@@ -157,6 +296,8 @@ class QueuePair:
             network_type_en_sqd_async_notify_new_state=int(state) | bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_ROCEV2_IPV4,
             **fields)
         self.state = state
+        if state == QPState.ERR:
+            self._enter_error()
 
     async def to_init(self, access: Access = ALL_ACCESS) -> None:
         await self.modify(QPState.INIT, bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_ACCESS | bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PKEY,
@@ -189,6 +330,182 @@ class QueuePair:
             timeout=timeout, retry_cnt=retry_cnt, rnr_retry=rnr_retry, sq_psn=self.psn, max_rd_atomic=max_rd_atomic)
         self.mtu, self.peer = mtu, peer
 
+
+    # -- data verbs ------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Post several work requests and ring the SQ doorbell once, when the block ends."""
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if not self._batch_depth and self._doorbell_due:
+                self._ring_sq()
+
+    async def post_write(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion,
+                         size: int | None = None, *, local_offset: int = 0, remote_offset: int = 0,
+                         signaled: bool = True) -> Completion:
+        """Post an RDMA WRITE of `size` bytes from `local` to `remote`; returns once posted (waits for SQ space)."""
+        size, sge = _local(local, local_offset, size)
+        addr, rkey = _remote(remote, remote_offset, size)
+        return await self._post("write", bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, sge, size, addr, rkey, 0, signaled)
+
+    async def post_write_with_imm(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion,
+                                  imm: int, size: int | None = None, *, local_offset: int = 0,
+                                  remote_offset: int = 0, signaled: bool = True) -> Completion:
+        """RDMA WRITE with immediate: the data lands at `remote`, `imm` completes a receive at the peer."""
+        size, sge = _local(local, local_offset, size)
+        addr, rkey = _remote(remote, remote_offset, size)
+        return await self._post("write_with_imm", bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_W_IMMEAD, sge, size, addr, rkey,
+                                imm, signaled)
+
+    async def post_read(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion,
+                        size: int | None = None, *, local_offset: int = 0, remote_offset: int = 0,
+                        signaled: bool = True) -> Completion:
+        """Post an RDMA READ of `size` bytes from `remote` into `local`."""
+        size, sge = _local(local, local_offset, size)
+        addr, rkey = _remote(remote, remote_offset, size)
+        return await self._post("read", bnxt.SQ_RDMA_HDR_WQE_TYPE_READ_WQE, sge, size, addr, rkey, 0, signaled)
+
+    async def post_send(self, local: MemoryRegion | LocalBuffer, size: int | None = None, *, local_offset: int = 0,
+                        imm: int | None = None, signaled: bool = True) -> Completion:
+        """Post a SEND (with immediate if `imm` is given) into the peer's next posted receive."""
+        size, sge = _local(local, local_offset, size)
+        kind = bnxt.SQ_SEND_HDR_WQE_TYPE_SEND if imm is None else bnxt.SQ_SEND_HDR_WQE_TYPE_SEND_W_IMMEAD
+        return await self._post("send", kind, sge, size, 0, 0, imm or 0, signaled)
+
+    async def post_recv(self, local: MemoryRegion | LocalBuffer, size: int | None = None, *,
+                        local_offset: int = 0) -> Completion:
+        """Post a receive buffer; its completion carries `byte_len` and `imm`."""
+        size, sge = _local(local, local_offset, size)
+        if self.state == QPState.ERR:
+            return finished("recv", CompletionError("recv", self.qpn, RECV_FLUSHED, RECV_STATUSES[RECV_FLUSHED]))
+        while len(self.receives) >= self.rq.depth:
+            await self._wait_for_space()
+        tag = self.rq_producer & 0xFFFFF
+        wqe = RECV_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.rq_wqe_size // SQ_SLOT, tag)
+        if sge is not None:
+            wqe += SGE.pack(*sge)
+        offset = self.rq.offset(self.rq_producer)
+        self.rq.view[offset:offset + len(wqe)] = wqe
+        completion = Completion("recv")
+        self.receives.append((tag, completion))
+        self.recv_cq.outstanding += 1
+        self.rq_producer += 1
+        self.device.doorbells.write64(self.device.db_offset, doorbell(
+            self.qpn, bnxt.DBC_DBC_TYPE_RQ, self.rq.offset(self.rq_producer) // self.rq_wqe_size,
+            self.rq.epoch(self.rq_producer)))
+        self.device.poller.work_posted(self.recv_cq)
+        return completion
+
+    async def write(self, local, remote, size=None, **kw) -> Completion:
+        return await (await self.post_write(local, remote, size, **kw))
+
+    async def write_with_imm(self, local, remote, imm, size=None, **kw) -> Completion:
+        return await (await self.post_write_with_imm(local, remote, imm, size, **kw))
+
+    async def read(self, local, remote, size=None, **kw) -> Completion:
+        return await (await self.post_read(local, remote, size, **kw))
+
+    async def send(self, local, size=None, **kw) -> Completion:
+        return await (await self.post_send(local, size, **kw))
+
+    async def recv(self, local, size=None, **kw) -> Completion:
+        return await (await self.post_recv(local, size, **kw))
+
+    async def _post(self, verb: str, wqe_type: int, sge: tuple[int, int, int] | None, length: int, remote_addr: int,
+                    rkey: int, imm: int, signaled: bool) -> Completion:
+        if self.state == QPState.ERR:
+            return finished(verb, CompletionError(verb, self.qpn, SEND_FLUSHED, SEND_STATUSES[SEND_FLUSHED]))
+        if self.state != QPState.RTS:
+            raise RuntimeError(f"{verb} on QP {self.qpn:#x} in state {self.state.name}: connect() it first")
+        slots = WQE_HEADER_SLOTS + (sge is not None)
+        while self.sq_slots - (self.sq_producer - self.sq_consumer) < slots:
+            await self._wait_for_space()
+        self.unsignaled_run = 0 if signaled or self.unsignaled_run >= self.max_unsignaled else self.unsignaled_run + 1
+        flags = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP if self.unsignaled_run == 0 else 0
+        if wqe_type >= bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE:
+            wqe = RDMA_HEADER.pack(wqe_type, flags, slots, imm, length, remote_addr, rkey, 0)
+        else:
+            wqe = SEND_HEADER.pack(wqe_type, flags, slots, imm, length, 0, 0, 0, 0)
+        if sge is not None:
+            wqe += SGE.pack(*sge)
+        start = self.sq_producer
+        offset, ring_bytes = self.sq.offset(start), self.sq_slots * SQ_SLOT
+        view = self.sq.view
+        if offset + len(wqe) <= ring_bytes:
+            view[offset:offset + len(wqe)] = wqe
+        else:  # slots wrap one by one at the end of the ring
+            first = ring_bytes - offset
+            view[offset:ring_bytes] = wqe[:first]
+            view[0:len(wqe) - first] = wqe[first:]
+        packets = max(1, -(-length // self.mtu))
+        next_psn = (self.psn + packets) & 0xFFFFFF
+        MSN_ENTRY.pack_into(view, ring_bytes + (self.msn & (self.msn_entries - 1)) * 8,
+                            self.psn | next_psn << 24 | (start & (self.sq_slots - 1)) << 48)
+        self.psn, self.msn = next_psn, self.msn + 1
+        completion = Completion(verb)
+        self.pending.append(_SendWork(self.wqe_count & 0xFFFF, slots, completion))
+        self.wqe_count += 1
+        self.sq_producer += slots
+        self.send_cq.outstanding += 1
+        if self._batch_depth:
+            self._doorbell_due = True
+        else:
+            self._ring_sq()
+        self.device.poller.work_posted(self.send_cq)
+        return completion
+
+    def _ring_sq(self) -> None:
+        self._doorbell_due = False
+        self.device.doorbells.write64(self.device.db_offset, doorbell(
+            self.qpn, bnxt.DBC_DBC_TYPE_SQ, self.sq_producer & (self.sq_slots - 1), self.sq.epoch(self.sq_producer)))
+
+    async def _wait_for_space(self) -> None:
+        if self._doorbell_due:
+            self._ring_sq()  # the WQEs we wait on must reach the NIC first
+        self.device._check_alive()
+        await self._space.wait()
+        self.device._check_alive()
+
+    def _send_completed(self, consumer: int, status: int) -> None:
+        """A requester CQE: every WQE before `consumer` (WQE units, mod 2^16) is done; the last one has `status`."""
+        pending = self.pending
+        while pending:
+            work = pending[0]
+            distance = (consumer - work.index) & 0xFFFF
+            if distance == 0 or distance > 0x8000:
+                break
+            pending.popleft()
+            self.sq_consumer += work.slots
+            self.send_cq.outstanding -= 1
+            if distance == 1 and status:
+                work.completion.finish(CompletionError(work.completion.verb, self.qpn, status,
+                                                       SEND_STATUSES.get(status, "UNKNOWN")))
+                if status != SEND_FLUSHED:
+                    self.state = QPState.ERR
+                    self._flush()
+            else:
+                work.completion.finish()
+        self._wake_posters()
+
+    def _recv_completed(self, wr_id: int, status: int, length: int, imm: int | None) -> None:
+        if not self.receives:
+            return
+        tag, completion = self.receives.popleft()
+        self.recv_cq.outstanding -= 1
+        if tag != wr_id & 0xFFFFF:
+            log.warning("QP %#x: receive completion for wr_id %#x, expected %#x", self.qpn, wr_id, tag)
+        if status:
+            completion.finish(CompletionError("recv", self.qpn, status, RECV_STATUSES.get(status, "UNKNOWN")))
+            if status != RECV_FLUSHED:
+                self.state = QPState.ERR
+                self._flush()
+        else:
+            completion.finish(None, length, imm)
+        self._wake_posters()
+
     async def query(self) -> Any:
         """QUERY_QP: the firmware's view of this QP (creq_query_qp_resp_sb)."""
         return await self.device.rcfw("query_qp", qp_cid=self.qpn)
@@ -199,6 +516,9 @@ class QueuePair:
         await self.device.rcfw("destroy_qp", qp_cid=self.qpn)
         self.device.route_events("qp_error", self.qpn, None)
         self.device.objects.pop(id(self), None)
+        self.send_cq.qps.pop(self.handle, None)
+        self.recv_cq.qps.pop(self.handle, None)
+        self._fail_outstanding(None)
         self.qpn = -1
         self._free_memory()
 
@@ -212,8 +532,8 @@ class QueuePair:
 class MemoryRegion:
     """A registered range of DMA memory: `lkey` for local SGEs, `rkey` for peers, `addr` as the peer's remote VA."""
 
-    def __init__(self, device: Device, buffer: DmaBuffer, access: Access) -> None:
-        self.device, self.buffer, self.access = device, buffer, access
+    def __init__(self, device: Device, buffer: DmaBuffer, access: Access, owns_buffer: bool = False) -> None:
+        self.device, self.buffer, self.access, self.owns_buffer = device, buffer, access, owns_buffer
         self.addr, self.length = buffer.bus_addr, buffer.size
         self.table = page_table(device.pci, buffer.bus_addrs, queue=False)
         self.lkey = self.rkey = -1
@@ -235,6 +555,10 @@ class MemoryRegion:
     def view(self) -> memoryview:
         return self.buffer.view
 
+    def remote(self, offset: int = 0, length: int | None = None) -> RemoteRegion:
+        """How a peer names this region (send it over the out-of-band channel)."""
+        return RemoteRegion(self.addr + offset, self.rkey, self.length - offset if length is None else length)
+
     async def deregister(self) -> None:
         if self.lkey < 0:
             return
@@ -242,3 +566,25 @@ class MemoryRegion:
         self.device.objects.pop(id(self), None)
         self.lkey = self.rkey = -1
         self.table.free()
+        if self.owns_buffer:
+            self.buffer.free()
+
+
+def _local(local: MemoryRegion | LocalBuffer, offset: int, size: int | None) -> tuple[int, tuple[int, int, int] | None]:
+    """The SGE for `size` bytes at `offset` of `local` (None for a zero-length transfer)."""
+    if size is None:
+        size = local.length - offset
+    if isinstance(local, MemoryRegion):
+        if local.lkey < 0:
+            raise ValueError("memory region is not registered")
+        if offset < 0 or size < 0 or offset + size > local.length:
+            raise ValueError(f"{size} bytes at offset {offset} exceed the {local.length}-byte memory region")
+    return size, ((local.addr + offset, local.lkey, size) if size else None)
+
+
+def _remote(remote: RemoteRegion | MemoryRegion, offset: int, size: int) -> tuple[int, int]:
+    if isinstance(remote, MemoryRegion):
+        remote = remote.remote()
+    if remote.length is not None and (offset < 0 or offset + size > remote.length):
+        raise ValueError(f"{size} bytes at remote offset {offset} exceed the {remote.length}-byte remote region")
+    return remote.addr + offset, remote.rkey

@@ -1,0 +1,122 @@
+"""One completion poller per NIC: drains CQEs in batches and completes awaitables; sleeps when idle.
+
+Adaptive, like a NAPI loop: while completions keep coming it polls; when they stop it spins a bounded time (yielding
+to other tasks between polls), then arms the busy CQs (CQ_ARMALL), re-checks to close the race, and sleeps on the
+notification queue's interrupt eventfd, with a slow safety poll in case an interrupt is ever lost.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import anyio
+import anyio.lowlevel
+
+from .autogen import bnxt
+from .device import NQ_VECTOR, Device, _ack
+from .rings import doorbell
+
+log = logging.getLogger("aiofabric.poller")
+
+SPIN_SECONDS = 80e-6
+SAFETY_POLL = 0.1
+NQ_CQ_NOTIFICATION = bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
+
+
+class Pollable(Protocol):
+    handle: int
+    armed: bool
+    toggle: int
+
+    @property
+    def busy(self) -> bool: ...  # has work requests outstanding
+    def poll(self) -> int: ...  # drain CQEs; return how many
+    def arm(self) -> None: ...  # CQ_ARMALL: notify on the next CQE
+    def fail_all(self, error: BaseException) -> None: ...
+
+
+class Poller:
+    def __init__(self, device: Device, spin: float = SPIN_SECONDS) -> None:
+        self.device, self.spin = device, spin
+        self.cqs: dict[int, Pollable] = {}  # by cq_handle, as NQ notifications name them
+        self.sleeping = False
+        self.stats = {"wakeups": 0, "polls": 0, "cqes": 0, "spins_found": 0}
+
+    def add(self, cq: Pollable) -> None:
+        self.cqs[cq.handle] = cq
+
+    def remove(self, cq: Pollable) -> None:
+        self.cqs.pop(cq.handle, None)
+
+    def poll_all(self) -> int:
+        found = 0
+        for cq in list(self.cqs.values()):
+            if cq.busy:
+                found += cq.poll()
+        self.stats["polls"] += 1
+        self.stats["cqes"] += found
+        return found
+
+    def work_posted(self, cq: Pollable) -> None:
+        """Called after a post: a sleeping poller only hears about CQs that are armed."""
+        if self.sleeping and not cq.armed:
+            cq.arm()
+
+    async def run(self) -> None:
+        nq, fd = self.device.nq, self.device._irq[NQ_VECTOR]
+        while self.device.alive:
+            if self.poll_all():
+                await anyio.lowlevel.checkpoint()
+                continue
+            if any(cq.busy for cq in self.cqs.values()) and await self._spin():
+                continue
+            self.sleeping = True
+            try:
+                for cq in self.cqs.values():
+                    if cq.busy and not cq.armed:
+                        cq.arm()
+                self._drain_nq(nq)
+                if self.poll_all():
+                    continue
+                with anyio.move_on_after(SAFETY_POLL):
+                    if fd is None:
+                        await anyio.sleep(SAFETY_POLL / 10)
+                    else:
+                        await anyio.wait_readable(fd)
+                _ack(fd)
+                self.stats["wakeups"] += 1
+                self._drain_nq(nq)
+            finally:
+                self.sleeping = False
+        error = self.device._lost
+        for cq in self.cqs.values():
+            cq.fail_all(error)
+
+    async def _spin(self) -> bool:
+        deadline = time.perf_counter() + self.spin
+        while time.perf_counter() < deadline:
+            await anyio.lowlevel.checkpoint()
+            if self.poll_all():
+                self.stats["spins_found"] += 1
+                return True
+        return False
+
+    def _drain_nq(self, nq) -> None:
+        """Consume CQ notifications (each one disarms its CQ) and re-arm the NQ."""
+        view = nq.view
+        while True:
+            offset = nq.offset(nq.consumer)
+            if (view[offset + 8] & 1) != 1 - nq.epoch(nq.consumer):
+                break
+            kind = view[offset] & bnxt.NQ_CN_TYPE_MASK
+            if kind == NQ_CQ_NOTIFICATION:
+                handle = int.from_bytes(view[offset + 4:offset + 8], "little") \
+                    | int.from_bytes(view[offset + 12:offset + 16], "little") << 32
+                cq = self.cqs.get(handle)
+                if cq is not None:
+                    cq.armed = False
+                    cq.toggle = view[offset] >> bnxt.NQ_CN_TOGGLE_SFT & 3
+            nq.consumer += 1
+        self.device.doorbells.write64(self.device.db_offset, doorbell(
+            self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.offset(nq.consumer) // 16, nq.epoch(nq.consumer)))
