@@ -335,9 +335,8 @@ class Device:
                 await anyio.sleep(1.0)
                 if self.pci.read_config(PCI_VENDOR_ID, 2) != 0xFFFF:
                     continue
-            status = getattr(getattr(self.pci, "process", None), "poll", lambda: None)()
-            self._device_lost(DeviceLostError(f"{self.pci.address} is gone" + (
-                f" (emulator exited with status {status})" if status is not None else "")))
+            reason = await anyio.to_thread.run_sync(self.pci.removal_reason)
+            self._device_lost(DeviceLostError(f"{self.pci.address} is gone" + (f" ({reason})" if reason else "")))
 
     def _device_lost(self, error: DeviceLostError) -> None:
         self._lost = error

@@ -115,6 +115,10 @@ class PCIDevice(abc.ABC):
         """An fd that becomes readable when the device is gone (emulator died); None if the platform has none."""
         return None
 
+    def removal_reason(self) -> str:
+        """Why the device went away, if the platform can tell (blocking; call it once, after removal)."""
+        return ""
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -143,6 +143,13 @@ class SimPCIDevice(PCIDevice):
     def removal_fd(self) -> int | None:
         return self._kick.fileno()
 
+    def removal_reason(self) -> str:
+        try:
+            status = self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return "emulator stopped answering"
+        return f"emulator exited with status {status}"
+
     @property
     def dma_bytes_in_use(self) -> int:
         return self._allocator.bytes_used
