@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -11,6 +12,7 @@ import anyio
 
 from . import __version__
 from .nic import open_nic
+from .perftest import TESTS, BenchConfig, format_table, run_bench, run_loopback
 
 Command = Callable[[argparse.Namespace], Awaitable[dict[str, Any]]]
 
@@ -23,6 +25,25 @@ async def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{key:<14} {info[key]}")
         print(f"{'caps':<14} " + ", ".join(f"{k}={v}" for k, v in info["caps"].items()))
     return info
+
+
+async def cmd_loopback(args: argparse.Namespace) -> dict[str, Any]:
+    result = await run_loopback(args.nic, args.size)
+    if not args.json:
+        print(f"PHY loopback RDMA WRITE of {result['bytes']} bytes between QPs {result['qpn'][0]:#x} -> "
+              f"{result['qpn'][1]:#x}: {'verified' if result['verified'] else 'MISMATCH'} "
+              f"({result['seconds'] * 1e6:.0f} us, {result['packets']} packets)")
+    return result
+
+
+async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
+    config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
+                            if hasattr(args, f.name)})
+    config.progress = not args.json and sys.stderr.isatty()
+    result = await run_bench(config)
+    if not args.json:
+        print(format_table(result, config))
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--ip", help="the NIC's IPv4 address; its GID is ::ffff:IP (emulated: a free 127.0.0.x)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(run=cmd_info)
+
+    loop = sub.add_parser("loopback", help="RDMA WRITE between two QPs of one NIC through its PHY loopback")
+    loop.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
+    loop.add_argument("--size", type=int, default=4096, help="bytes to write (default 4096)")
+    loop.add_argument("--json", action="store_true", help="print one JSON object")
+    loop.set_defaults(run=cmd_loopback)
+
+    bench = sub.add_parser("bench", help="perftest-style RDMA benchmark between emulated NICs, bytes verified")
+    bench.add_argument("test", choices=TESTS)
+    bench.add_argument("--qps", type=int, default=1, help="queue pairs (default 1)")
+    bench.add_argument("--size", type=int, default=65536, help="message size in bytes (default 65536)")
+    bench.add_argument("--iters", type=int, default=1000, help="messages per QP (default 1000)")
+    bench.add_argument("--depth", type=int, default=32, help="work requests in flight per QP (default 32)")
+    bench.add_argument("--nics", type=int, default=2, help="emulated NICs, paired up (default 2)")
+    bench.add_argument("--mtu", type=int, default=4096, choices=(256, 512, 1024, 2048, 4096))
+    bench.add_argument("--timeout", type=int, default=14, help="QP ACK timeout exponent (default 14: 67 ms)")
+    for fault in ("loss", "reorder", "dup", "corrupt"):
+        bench.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
+                           help=f"probability of {fault} per packet on the emulated wire")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
+    bench.add_argument("--pcap", metavar="FILE", help="write every packet the first NIC sends and receives")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(run=cmd_bench)
     return parser
 
 
