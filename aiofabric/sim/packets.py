@@ -32,6 +32,10 @@ class BadPacket(ValueError):
     """A datagram that is not a well-formed RoCEv2 packet, or whose ICRC does not match. The message says why."""
 
 
+class IcrcMismatch(BadPacket):
+    """The ICRC does not match the packet: it was corrupted in flight, or the IP header assumed for it is wrong."""
+
+
 class Op(enum.IntEnum):
     """BTH opcodes of the RC transport (reference §1.3), plus the RoCEv2 congestion notification packet."""
 
@@ -236,7 +240,7 @@ def encode_ipv4_header(p: Packet, udp_payload_length: int) -> bytes:
 
 
 def encode_ipv4(p: Packet) -> bytes:
-    """The whole IPv4 packet of `p` (header with checksum, UDP with checksum 0, BTH .. ICRC): for raw sockets and pcaps."""
+    """The whole IPv4 packet of `p` (header, UDP with checksum 0, BTH .. ICRC): for raw sockets and pcaps."""
     udp_payload = encode(p)
     return encode_ipv4_header(p, len(udp_payload)) + udp_payload
 
@@ -289,7 +293,7 @@ def _decode(view: memoryview, src: bytes, dst: bytes, src_port: int, dst_port: i
         crc = zlib.crc32(view[BTH_SIZE:size - ICRC_SIZE], crc)
         (got,) = _ICRC.unpack_from(view, size - ICRC_SIZE)
         if crc != got:
-            raise BadPacket(f"ICRC mismatch: expected {_ICRC.pack(crc).hex()}, got {_ICRC.pack(got).hex()} "
+            raise IcrcMismatch(f"ICRC mismatch: expected {_ICRC.pack(crc).hex()}, got {_ICRC.pack(got).hex()} "
                             f"(wire bytes; assumed IP ID {ip_id})")
     layout = _LAYOUTS.get(opcode)
     if layout is None:

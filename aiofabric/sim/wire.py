@@ -1,0 +1,395 @@
+"""The emulated NIC's Ethernet port: moves `Packet`s between NICs over real sockets, with seeded faults and a pcap tap.
+
+This is the thin I/O shell around the sans-IO codec in `packets`. A transport is driven from the emulator's selector
+loop: register `fileno()`, call `receive()` when it is readable, `send()` whatever the protocol engine emits, and
+call `flush()` once `flush_deadline` passes. Nothing here blocks except `send()` on a full socket buffer, which is
+the backpressure a real NIC gets from its transmit queue.
+
+Three transports:
+* `UdpTransport` (default): one UDP socket on (ip, 4791). Needs no privileges; the ICRC assumes IP ID 0.
+* `RawTransport`: whole IPv4 packets through raw sockets. Needs CAP_NET_RAW; real per-QP source ports and IP IDs.
+* `LoopbackTransport`: the PHY loopback of port_phy_cfg LPBK_LOCAL; what is sent comes back, no socket.
+
+`send()` stamps the addressing the wire actually uses onto the packet (its source IP is always the port's, and the UDP
+transport also forces its bound source port and IP ID 0) because the ICRC covers those header fields.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import random
+import socket
+import time
+from types import TracebackType
+from typing import Any
+
+from .packets import (
+    ROCE_PORT, BadPacket, IcrcMismatch, Packet, decode, decode_ipv4, encode, encode_ipv4_header,
+)
+from .pcap import PcapWriter
+
+IP_MTU_DISCOVER = 10  # Linux socket options Python 3.11's socket module does not name
+IP_PMTUDISC_DO = 2  # always set DF, never fragment: with it, unconnected UDP sockets send IP ID 0
+SO_SNDBUFFORCE = 32  # like SO_SNDBUF/SO_RCVBUF, but past net.core.[wr]mem_max when we have CAP_NET_ADMIN
+SO_RCVBUFFORCE = 33
+SOCKET_BUFFER = 4 << 20  # enough for a window of 128 x 4 KiB packets per QP on a few QPs
+MAX_DATAGRAM = 65536
+_FECN_BECN_BYTE = 4  # byte of the BTH masked out of the ICRC: a bit flip there would go unnoticed
+
+
+def mac_for_ip(ip: str) -> bytes:
+    """A locally administered unicast MAC derived from an IPv4 address: 02:00:a:b:c:d.
+
+    The emulated wire has no ARP; MACs derived from addresses keep the two ends of a flow apart in a capture.
+    """
+    return b"\x02\x00" + socket.inet_aton(ip)
+
+
+@dataclasses.dataclass
+class Faults:
+    """What the wire does to packets, as independent per-packet probabilities; deterministic for a given seed.
+
+    Every packet sent consumes the same four draws (loss, dup, reorder, corrupt) whatever the probabilities, so with
+    a fixed seed and traffic the loss pattern does not change when, say, the corruption rate does.
+    """
+
+    loss: float = 0.0  # the packet never arrives
+    dup: float = 0.0  # it arrives twice
+    reorder: float = 0.0  # it is held back and sent after the next packet (or after reorder_hold seconds)
+    corrupt: float = 0.0  # one bit flips after the ICRC was computed, so the receiver drops it
+    seed: int = 0
+    reorder_hold: float = 0.001  # how long a held packet waits for a successor before it goes out alone
+
+    def __post_init__(self) -> None:
+        for name in ("loss", "dup", "reorder", "corrupt"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"fault probability {name}={getattr(self, name)} is not between 0 and 1")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.loss or self.dup or self.reorder or self.corrupt)
+
+
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """A packet the reorder fault holds back, with the bytes and copy count decided when it was sent."""
+
+    packet: Packet
+    udp_payload: bytes
+    copies: int
+    deadline: float
+
+
+class Transport:
+    """A NIC port owning one IPv4 address. Subclasses move datagrams; this class encodes, injects faults and taps.
+
+    counters: "sent" (datagrams put on the wire, duplicates included), "received" (packets decoded), "dropped_icrc",
+    "dropped_malformed", and one per fault injected: "lost", "duplicated", "reordered", "corrupted".
+    """
+
+    def __init__(self, ip: str, faults: Faults | None = None, pcap: PcapWriter | None = None,
+                 mac: bytes | None = None) -> None:
+        self.ip = ip
+        self.faults = faults or Faults()
+        self.pcap = pcap  # owned by the caller, which closes it
+        self.mac = mac or mac_for_ip(ip)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._faulty = self.faults.active
+        self._decisions = random.Random(self.faults.seed)
+        self._bit_flips = random.Random(f"{self.faults.seed}/bit flips")  # apart, so flips do not shift decisions
+        self._held: _Held | None = None
+
+    def fileno(self) -> int | None:
+        """The descriptor that becomes readable when packets arrive; None: call receive() every loop iteration."""
+        return None
+
+    @property
+    def flush_deadline(self) -> float | None:
+        """time.monotonic() by which flush() must be called to release a held (reordered) packet, if one is held."""
+        return self._held.deadline if self._held is not None else None
+
+    def send(self, packet: Packet) -> None:
+        """Encode `packet` and put it on the wire, subject to the faults."""
+        self._stamp(packet)
+        udp_payload = encode(packet)
+        if not self._faulty:
+            self._put(packet, udp_payload)
+            return
+        faults, draw = self.faults, self._decisions.random
+        lost, duplicated, reordered, corrupted = (draw() < faults.loss, draw() < faults.dup, draw() < faults.reorder,
+                                                  draw() < faults.corrupt)
+        held, self._held = self._held, None
+        if lost:
+            self.counters["lost"] += 1
+        else:
+            if corrupted:
+                udp_payload = self._flip_a_bit(udp_payload)
+                self.counters["corrupted"] += 1
+            copies = 2 if duplicated else 1
+            if duplicated:
+                self.counters["duplicated"] += 1
+            if reordered and held is None:
+                # A copy: the caller may reuse its Packet before this one goes out.
+                deadline = time.monotonic() + faults.reorder_hold
+                self._held = _Held(dataclasses.replace(packet), udp_payload, copies, deadline)
+                self.counters["reordered"] += 1
+            else:
+                for _ in range(copies):
+                    self._put(packet, udp_payload)
+        if held is not None:
+            for _ in range(held.copies):
+                self._put(held.packet, held.udp_payload)
+
+    def flush(self) -> None:
+        """Send the packet the reorder fault is holding back, if any."""
+        held, self._held = self._held, None
+        if held is not None:
+            for _ in range(held.copies):
+                self._put(held.packet, held.udp_payload)
+
+    def receive(self, budget: int = 64) -> list[Packet]:
+        """Up to `budget` packets that have arrived, without waiting. Bad packets are counted and dropped."""
+        if self._held is not None and time.monotonic() >= self._held.deadline:
+            self.flush()
+        packets = []
+        for datagram in self._receive(budget):
+            try:
+                packets.append(self._decode(datagram))
+            except IcrcMismatch:
+                self.counters["dropped_icrc"] += 1
+            except BadPacket:
+                self.counters["dropped_malformed"] += 1
+        self.counters["received"] += len(packets)
+        return packets
+
+    def close(self) -> None:
+        """Send any held packet and release the port."""
+        self.flush()
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    # What subclasses provide.
+
+    def _stamp(self, packet: Packet) -> None:
+        """Set the header fields this transport's wire will actually carry, which the ICRC covers."""
+        packet.src_ip = self.ip
+
+    def _transmit(self, packet: Packet, udp_payload: bytes) -> None:
+        """Put one datagram on the wire."""
+        raise NotImplementedError
+
+    def _receive(self, budget: int) -> list[Any]:
+        """Up to `budget` datagrams that have arrived, in whatever form this transport's `_decode` takes."""
+        raise NotImplementedError
+
+    def _decode(self, datagram: Any) -> Packet:
+        """Decode one datagram from `_receive`, raising BadPacket."""
+        raise NotImplementedError
+
+    # Helpers.
+
+    def _put(self, packet: Packet, udp_payload: bytes) -> None:
+        self._transmit(packet, udp_payload)
+        self.counters["sent"] += 1
+        if self.pcap is not None:
+            self.pcap.write(encode_ipv4_header(packet, len(udp_payload)) + udp_payload, self.mac,
+                            mac_for_ip(packet.dst_ip))
+
+    def _flip_a_bit(self, udp_payload: bytes) -> bytes:
+        """Flip one bit anywhere the ICRC covers (so anywhere but BTH byte 4), ICRC bytes included."""
+        corrupted = bytearray(udp_payload)
+        index = self._bit_flips.randrange(len(corrupted) - 1)
+        index += index >= _FECN_BECN_BYTE
+        corrupted[index] ^= 1 << self._bit_flips.randrange(8)
+        return bytes(corrupted)
+
+
+def _udp_socket(ip: str, buffer_size: int) -> socket.socket:
+    """A blocking UDP socket bound to (ip, 4791) with DF always set (so IP ID 0) and large buffers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        _set_buffers(sock, buffer_size)
+        try:
+            sock.bind((ip, ROCE_PORT))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(e.errno, f"UDP {ip}:{ROCE_PORT} is taken: another emulated NIC has this address, or "
+                                       "rdma_rxe is loaded (it binds 4791 on every address)") from e
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise OSError(e.errno, f"{ip} is not an address of this host (use 127.0.0.x or a veth address)") from e
+            raise
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _set_buffers(sock: socket.socket, size: int) -> None:
+    """Socket buffers of `size` bytes: past the sysctl limits when privileged, else as large as they allow."""
+    for forced, plain in ((SO_SNDBUFFORCE, socket.SO_SNDBUF), (SO_RCVBUFFORCE, socket.SO_RCVBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, forced, size)
+        except PermissionError:
+            sock.setsockopt(socket.SOL_SOCKET, plain, size)
+
+
+class UdpTransport(Transport):
+    """RoCEv2 over an ordinary UDP socket bound to (ip, 4791): no privileges needed.
+
+    The UDP source port is always the bound 4791, not the per-QP port Linux RoCE stacks use: per-QP source ports would
+    need a socket per flow. The kernel writes the IP header: with DF forced on an unconnected socket it writes IP ID 0,
+    so the ICRC computed for ID 0 is valid on the wire (and in a capture). On receive a plain socket cannot see the IP
+    ID, so the ICRC is checked assuming 0: packets from stacks that send other IDs (or from a connect()ed socket) are
+    dropped as ICRC failures; use RawTransport to talk to those.
+    """
+
+    def __init__(self, ip: str, faults: Faults | None = None, pcap: PcapWriter | None = None,
+                 mac: bytes | None = None, buffer_size: int = SOCKET_BUFFER) -> None:
+        super().__init__(ip, faults, pcap, mac)
+        self._socket = _udp_socket(ip, buffer_size)
+        self._tos, self._ttl = 0, self._socket.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
+
+    def fileno(self) -> int | None:
+        return self._socket.fileno()
+
+    def close(self) -> None:
+        super().close()
+        self._socket.close()
+
+    def _stamp(self, packet: Packet) -> None:
+        packet.src_ip, packet.src_port, packet.dst_port, packet.ip_id = self.ip, ROCE_PORT, ROCE_PORT, 0
+        # TOS and TTL are the socket's: set them when a packet asks for others (DSCP marking), so captures are true.
+        if packet.tos != self._tos:
+            self._socket.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, packet.tos)
+            self._tos = packet.tos
+        if packet.ttl != self._ttl:
+            self._socket.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, packet.ttl)
+            self._ttl = packet.ttl
+
+    def _transmit(self, packet: Packet, udp_payload: bytes) -> None:
+        self._socket.sendto(udp_payload, (packet.dst_ip, ROCE_PORT))
+
+    def _receive(self, budget: int) -> list[tuple[bytes, tuple[str, int]]]:
+        datagrams = []
+        recvfrom = self._socket.recvfrom
+        try:
+            for _ in range(budget):
+                datagrams.append(recvfrom(MAX_DATAGRAM, socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            pass
+        return datagrams
+
+    def _decode(self, datagram: tuple[bytes, tuple[str, int]]) -> Packet:
+        data, (src_ip, src_port) = datagram
+        return decode(data, src_ip, self.ip, src_port)
+
+
+class RawTransport(Transport):
+    """RoCEv2 as whole IPv4 packets through raw sockets (root or CAP_NET_RAW): the wire exactly as a NIC makes it.
+
+    Sends carry the packet's own UDP source port (per QP, see packets.udp_source_port) and IP ID, and receives check
+    the ICRC over the real IPv4 header, so foreign RoCE stacks interoperate whatever IP IDs they send. The kernel's
+    UDP stack sees the same incoming packets; a plain UDP socket bound to (ip, 4791) absorbs them (and is drained
+    here) so the kernel answers none of them with ICMP port unreachable.
+    """
+
+    def __init__(self, ip: str, faults: Faults | None = None, pcap: PcapWriter | None = None,
+                 mac: bytes | None = None, buffer_size: int = SOCKET_BUFFER) -> None:
+        super().__init__(ip, faults, pcap, mac)
+        try:
+            self._sender = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+        except PermissionError as e:
+            raise PermissionError(f"the raw transport needs root or CAP_NET_RAW ({e.strerror}); "
+                                  "the 'udp' transport needs no privileges") from e
+        self._receiver = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+        self._sink = None
+        try:
+            self._sender.setsockopt(socket.IPPROTO_IP, socket.IP_HDRINCL, 1)
+            _set_buffers(self._sender, buffer_size)
+            _set_buffers(self._receiver, buffer_size)
+            self._receiver.bind((ip, 0))  # the kernel then delivers only packets addressed to ip
+            self._sink = _udp_socket(ip, 0)  # the kernel rounds a zero buffer up to its minimum
+        except BaseException:
+            self._close_sockets()
+            raise
+
+    def fileno(self) -> int | None:
+        return self._receiver.fileno()
+
+    def close(self) -> None:
+        super().close()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._sender, self._receiver, self._sink):
+            if sock is not None:
+                sock.close()
+
+    def _transmit(self, packet: Packet, udp_payload: bytes) -> None:
+        # With DF set Linux keeps an IP ID of 0 as written (it would pick one for a non-DF packet with ID 0).
+        self._sender.sendto(encode_ipv4_header(packet, len(udp_payload)) + udp_payload, (packet.dst_ip, 0))
+
+    def _receive(self, budget: int) -> list[bytes]:
+        datagrams = []
+        try:
+            for _ in range(budget):
+                datagram = self._receiver.recv(MAX_DATAGRAM, socket.MSG_DONTWAIT)
+                if _is_roce(datagram):  # the raw socket sees all UDP to this address
+                    datagrams.append(datagram)
+        except BlockingIOError:
+            pass
+        try:
+            for _ in range(budget):
+                self._sink.recv(MAX_DATAGRAM, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        return datagrams
+
+    def _decode(self, datagram: bytes) -> Packet:
+        return decode_ipv4(datagram)
+
+
+def _is_roce(ipv4_packet: bytes) -> bool:
+    """Whether an IPv4/UDP packet is addressed to UDP port 4791 (anything else is not ours to count)."""
+    udp = (ipv4_packet[0] & 0x0F) * 4
+    return len(ipv4_packet) >= udp + 4 and ipv4_packet[udp + 2] << 8 | ipv4_packet[udp + 3] == ROCE_PORT
+
+
+class LoopbackTransport(Transport):
+    """PHY loopback (port_phy_cfg LPBK_LOCAL): every packet sent comes back to receive(), in order, faults applied.
+
+    Packets travel as whole IPv4 packets and are decoded with the real header, so the codec runs as on a real wire.
+    """
+
+    def __init__(self, ip: str, faults: Faults | None = None, pcap: PcapWriter | None = None,
+                 mac: bytes | None = None) -> None:
+        super().__init__(ip, faults, pcap, mac)
+        self._looped: collections.deque[bytes] = collections.deque()
+
+    def _transmit(self, packet: Packet, udp_payload: bytes) -> None:
+        self._looped.append(encode_ipv4_header(packet, len(udp_payload)) + udp_payload)
+
+    def _receive(self, budget: int) -> list[bytes]:
+        return [self._looped.popleft() for _ in range(min(budget, len(self._looped)))]
+
+    def _decode(self, datagram: bytes) -> Packet:
+        return decode_ipv4(datagram)
+
+
+TRANSPORTS: dict[str, type[Transport]] = {"udp": UdpTransport, "raw": RawTransport, "loopback": LoopbackTransport}
+
+
+def open_transport(kind: str, ip: str, **kwargs) -> Transport:  # noqa: ANN003 - the chosen class's keywords
+    """A transport by name: "udp" (default choice, unprivileged), "raw" (CAP_NET_RAW) or "loopback"."""
+    try:
+        cls = TRANSPORTS[kind]
+    except KeyError:
+        raise ValueError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORTS)}") from None
+    return cls(ip, **kwargs)

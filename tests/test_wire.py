@@ -1,0 +1,276 @@
+"""Transports on 127.0.0.0/8: real sockets, seeded faults, pcap captures (checked by scapy and, if present, tshark)."""
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from aiofabric.sim.packets import (
+    ACK_UNLIMITED, ROCE_PORT, Op, Packet, decode, decode_ipv4, encode_ipv4, udp_source_port,
+)
+from aiofabric.sim.pcap import PcapWriter
+from aiofabric.sim.wire import (
+    IP_MTU_DISCOVER, IP_PMTUDISC_DO, Faults, LoopbackTransport, RawTransport, Transport, UdpTransport, open_transport,
+)
+
+scapy_all = pytest.importorskip("scapy.all")
+roce = pytest.importorskip("scapy.contrib.roce")
+
+A, B = "127.0.0.101", "127.0.0.102"
+N = 200
+
+
+def write(psn: int, dst_ip: str = B, payload: bytes = b"0123456789") -> Packet:
+    return Packet(Op.RDMA_WRITE_ONLY, 0x12, psn, ack_req=True, remote_addr=0x1000, rkey=0x77,
+                  dma_length=len(payload), payload=payload, dst_ip=dst_ip, src_port=udp_source_port(0x11, 0x12))
+
+
+def pump(transport: Transport, done: Callable[[list[Packet]], bool], timeout: float = 5.0) -> list[Packet]:
+    """Receive until done(packets so far) or the timeout: a bounded loop, as the emulator's selector loop runs."""
+    packets: list[Packet] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(transport.fileno(), selectors.EVENT_READ)
+        while not done(packets) and (remaining := deadline - time.monotonic()) > 0:
+            selector.select(remaining)
+            packets += transport.receive()
+    return packets
+
+
+def received(count: int) -> Callable[[list[Packet]], bool]:
+    return lambda packets: len(packets) >= count
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[UdpTransport, UdpTransport]]:
+    with UdpTransport(A) as a, UdpTransport(B) as b:
+        yield a, b
+
+
+def loopback_psns(faults: Faults, count: int = N) -> tuple[list[int], LoopbackTransport]:
+    with LoopbackTransport(A, faults) as port:
+        for psn in range(count):
+            port.send(write(psn, dst_ip=A))
+        port.flush()
+        return [p.psn for p in port.receive(budget=3 * count)], port
+
+
+def test_udp_transports_exchange_packets_both_ways(pair: tuple[UdpTransport, UdpTransport]):
+    a, b = pair
+    for psn in range(N):
+        a.send(write(psn, B, payload=bytes([psn % 256]) * (psn % 67)))
+    ack = Packet(Op.ACKNOWLEDGE, 0x11, N - 1, syndrome=ACK_UNLIMITED, msn=N, dst_ip=A)
+    b.send(ack)
+    at_b = pump(b, received(N))
+    at_a = pump(a, received(1))
+    assert [p.psn for p in at_b] == list(range(N))
+    assert all(bytes(p.payload) == bytes([p.psn % 256]) * (p.psn % 67) for p in at_b)
+    assert (at_b[0].src_ip, at_b[0].src_port, at_b[0].dst_ip, at_b[0].ip_id) == (A, ROCE_PORT, B, 0)
+    assert (at_a[0].opcode, at_a[0].syndrome, at_a[0].msn, at_a[0].src_ip) == (Op.ACKNOWLEDGE, ACK_UNLIMITED, N, B)
+    assert a.counters["sent"] == b.counters["received"] == N and b.counters["sent"] == a.counters["received"] == 1
+    assert not (b.counters["dropped_icrc"] or b.counters["dropped_malformed"])
+
+
+def test_send_stamps_the_addressing_the_udp_wire_uses(pair: tuple[UdpTransport, UdpTransport]):
+    a, _ = pair
+    packet = write(1, B)
+    a.send(packet)
+    assert (packet.src_ip, packet.src_port, packet.dst_port, packet.ip_id) == (A, ROCE_PORT, ROCE_PORT, 0)
+
+
+def test_4096_byte_payloads_cross_udp_and_loopback(pair: tuple[UdpTransport, UdpTransport]):
+    a, b = pair
+    payload = os.urandom(4096)
+    a.send(write(7, B, payload))
+    (packet,) = pump(b, received(1))
+    assert bytes(packet.payload) == payload
+    with LoopbackTransport(A) as port:
+        port.send(write(8, A, payload))
+        (looped,) = port.receive()
+        assert bytes(looped.payload) == payload and looped.psn == 8
+
+
+def test_loopback_returns_what_was_sent_in_order():
+    with open_transport("loopback", A) as port:
+        assert port.fileno() is None and port.receive() == []
+        sent = [write(psn, dst_ip=A) for psn in range(10)]
+        for packet in sent:
+            port.send(packet)
+        assert port.receive(budget=4) == sent[:4]
+        assert port.receive() == sent[4:]
+        assert port.counters["sent"] == port.counters["received"] == 10
+
+
+def test_faults_are_deterministic_for_a_seed_and_counted():
+    faults = Faults(loss=0.2, seed=7)
+    first, port = loopback_psns(faults)
+    second, _ = loopback_psns(Faults(loss=0.2, seed=7))
+    other, _ = loopback_psns(Faults(loss=0.2, seed=8))
+    assert first == second != other
+    assert len(first) + port.counters["lost"] == N and 0 < port.counters["lost"] < N
+    # The decisions do not depend on the other probabilities: adding corruption leaves the loss pattern alone.
+    with_corruption, port = loopback_psns(Faults(loss=0.2, corrupt=0.3, seed=7))
+    assert set(with_corruption) <= set(first)
+    assert len(with_corruption) + port.counters["dropped_icrc"] == len(first)
+    assert port.counters["corrupted"] == port.counters["dropped_icrc"] > 0
+
+
+def test_loss_drops_everything_at_probability_one():
+    psns, port = loopback_psns(Faults(loss=1.0))
+    assert psns == [] and port.counters["lost"] == N and port.counters["sent"] == 0
+
+
+def test_dup_sends_everything_twice():
+    psns, port = loopback_psns(Faults(dup=1.0), count=3)
+    assert psns == [0, 0, 1, 1, 2, 2]
+    assert port.counters["duplicated"] == 3 and port.counters["sent"] == 6
+
+
+def test_reorder_swaps_a_packet_with_its_successor():
+    psns, port = loopback_psns(Faults(reorder=1.0), count=5)
+    assert psns == [1, 0, 3, 2, 4]  # 4 had no successor: the final flush() sent it
+    assert port.counters["reordered"] == 3
+
+
+def test_a_held_packet_goes_out_alone_after_the_hold_time():
+    with LoopbackTransport(A, Faults(reorder=1.0, reorder_hold=0.01)) as port:
+        port.send(write(1, dst_ip=A))
+        assert port.receive() == [] and port.flush_deadline is not None
+        time.sleep(max(0.0, port.flush_deadline - time.monotonic()))
+        assert [p.psn for p in port.receive()] == [1]
+        assert port.flush_deadline is None
+
+
+def test_corruption_makes_the_receiver_drop_on_the_icrc(pair: tuple[UdpTransport, UdpTransport]):
+    _, b = pair
+    with UdpTransport("127.0.0.103", Faults(corrupt=1.0, seed=3)) as a:
+        for psn in range(N):
+            a.send(write(psn, B))
+        assert pump(b, lambda _: b.counters["dropped_icrc"] >= N) == []
+    assert a.counters["corrupted"] == b.counters["dropped_icrc"] == N and b.counters["received"] == 0
+
+
+def test_malformed_datagrams_are_counted_not_raised(pair: tuple[UdpTransport, UdpTransport]):
+    _, b = pair
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+        stranger.bind(("127.0.0.104", 0))
+        stranger.sendto(b"\0" * 5, (B, ROCE_PORT))  # shorter than a BTH
+        stranger.sendto(b"\0" * 64, (B, ROCE_PORT))  # long enough, but the ICRC cannot match
+    pump(b, lambda _: b.counters["dropped_malformed"] + b.counters["dropped_icrc"] >= 2)
+    assert (b.counters["dropped_malformed"], b.counters["dropped_icrc"], b.counters["received"]) == (1, 1, 0)
+
+
+def test_udp_receive_assumes_ip_id_0_like_an_unconnected_df_socket_sends(pair: tuple[UdpTransport, UdpTransport]):
+    _, b = pair
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as foreign:
+        foreign.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        foreign.bind(("127.0.0.104", 0))
+        port = foreign.getsockname()[1]
+        good = write(1, B)
+        good.src_ip, good.src_port = "127.0.0.104", port
+        foreign.sendto(encode_ipv4(good)[28:], (B, ROCE_PORT))
+        (packet,) = pump(b, received(1))
+        assert (packet.src_ip, packet.src_port, packet.psn) == ("127.0.0.104", port, 1)
+
+
+def test_pcap_capture_of_both_directions_decodes(tmp_path: Path, pair: tuple[UdpTransport, UdpTransport]):
+    a, b = pair
+    capture = tmp_path / "wire.pcap"
+    with PcapWriter(capture) as pcap:
+        a.pcap = b.pcap = pcap
+        a.send(write(5, B, payload=bytes(61)))
+        b.send(Packet(Op.ACKNOWLEDGE, 0x11, 5, syndrome=ACK_UNLIMITED, msn=1, dst_ip=A))
+        a.send(Packet(Op.RDMA_READ_REQUEST, 0x12, 6, ack_req=True, remote_addr=0x2000, rkey=0x77, dma_length=32,
+                      dst_ip=B))
+        b.send(Packet(Op.RDMA_READ_RESPONSE_ONLY, 0x11, 6, syndrome=ACK_UNLIMITED, msn=2, payload=bytes(32),
+                      dst_ip=A))
+    frames = scapy_all.rdpcap(str(capture))
+    opcodes = [Op.RDMA_WRITE_ONLY, Op.ACKNOWLEDGE, Op.RDMA_READ_REQUEST, Op.RDMA_READ_RESPONSE_ONLY]
+    assert [frame[roce.BTH].opcode for frame in frames] == opcodes
+    assert [frame[scapy_all.IP].src for frame in frames] == [A, B, A, B]
+    assert frames[0][scapy_all.Ether].src == "02:00:7f:00:00:65"
+    for frame in frames:
+        assert decode_ipv4(scapy_all.raw(frame)[14:]).dst_port == ROCE_PORT  # the ICRC checks out
+    # What the capture says went on the wire is what arrived.
+    assert [p.psn for p in pump(b, received(2))] == [5, 6]
+    if shutil.which("tshark") is None:
+        pytest.skip("tshark is not installed: pcap checked with scapy only")
+    fields = subprocess.run(["tshark", "-r", str(capture), "-T", "fields", "-e", "frame.protocols",
+                             "-e", "infiniband.bth.opcode", "-e", "infiniband.bth.padcnt",
+                             "-e", "infiniband.reth.dmalen"],
+                            capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+    rows = [line.split("\t") for line in fields]
+    assert all(":udp:infiniband" in row[0] for row in rows), rows
+    assert [int(row[1]) for row in rows] == opcodes
+    assert (rows[0][2], rows[0][3]) == ("3", "61")
+
+
+def test_open_transport_rejects_unknown_kinds_and_taken_addresses(pair: tuple[UdpTransport, UdpTransport]):
+    with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+        open_transport("tcp", A)
+    with pytest.raises(OSError, match="is taken"):
+        open_transport("udp", A)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        Faults(loss=1.5)
+
+
+def _raw_sockets_allowed() -> bool:
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW).close()
+    except PermissionError:
+        return False
+    return True
+
+
+needs_raw = pytest.mark.skipif(not _raw_sockets_allowed(), reason="raw sockets need root or CAP_NET_RAW")
+
+
+@needs_raw
+def test_raw_transport_checks_the_icrc_over_a_real_nonzero_ip_id():
+    packet = write(9, "127.0.0.105")
+    packet.src_ip, packet.ip_id = "127.0.0.106", 0x1234
+    with RawTransport("127.0.0.105") as port, \
+            socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as injector:
+        injector.sendto(encode_ipv4(packet), ("127.0.0.105", 0))
+        scapy_built = (scapy_all.IP(src="127.0.0.106", dst="127.0.0.105", id=0xBEEF, flags="DF")
+                       / scapy_all.UDP(sport=udp_source_port(3, 4), dport=ROCE_PORT, chksum=0)
+                       / roce.BTH(opcode=Op.SEND_ONLY, dqpn=3, psn=10) / scapy_all.Raw(b"scapy!!!"))
+        injector.sendto(scapy_all.raw(scapy_built), ("127.0.0.105", 0))
+        first, second = pump(port, received(2))
+    assert (first.ip_id, first.src_port, first.psn) == (0x1234, packet.src_port, 9)
+    assert (second.ip_id, second.src_port, bytes(second.payload)) == (0xBEEF, udp_source_port(3, 4), b"scapy!!!")
+    assert port.counters["dropped_icrc"] == 0
+
+
+@needs_raw
+def test_raw_transport_sends_real_per_qp_source_ports():
+    source_port = udp_source_port(0x11, 0x12)
+    with RawTransport("127.0.0.107") as sender, RawTransport("127.0.0.108") as receiver:
+        sender.send(write(3, "127.0.0.108"))
+        (packet,) = pump(receiver, received(1))
+        assert (packet.src_ip, packet.src_port, packet.ip_id) == ("127.0.0.107", source_port, 0)
+    # A plain socket at the destination sees the same port, and the datagram checks out assuming IP ID 0.
+    with RawTransport("127.0.0.107") as sender, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as plain:
+        plain.bind(("127.0.0.109", ROCE_PORT))
+        plain.settimeout(5)
+        sender.send(write(4, "127.0.0.109"))
+        data, (src_ip, src_port) = plain.recvfrom(65536)
+        assert (src_ip, src_port) == ("127.0.0.107", source_port)
+        assert decode(data, src_ip, "127.0.0.109", src_port).psn == 4
+
+
+@needs_raw
+def test_raw_and_udp_transports_interoperate():
+    with RawTransport("127.0.0.110") as raw, UdpTransport("127.0.0.111") as udp:
+        raw.send(write(1, "127.0.0.111"))
+        udp.send(write(2, "127.0.0.110"))
+        assert [p.psn for p in pump(udp, received(1))] == [1]
+        assert [p.psn for p in pump(raw, received(1))] == [2]
+        assert raw.counters["dropped_icrc"] == udp.counters["dropped_icrc"] == 0
