@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import socket
 import struct
 import zlib
+from collections.abc import Callable
 
 ROCE_PORT = 4791
 PSN_MASK = 0xFFFFFF
@@ -140,6 +142,7 @@ class _Layout:
     header: struct.Struct  # BTH + extension headers
     icrc_prefix: struct.Struct  # masked IPv4 + UDP pseudo header, masked BTH, extension headers: the ICRC's start
     fields: tuple[str, ...]  # Packet attributes for the extension headers, in wire order (AETH handled apart)
+    get_fields: Callable[[Packet], tuple[int, ...]]  # those attributes' values, by a C-speed attrgetter
     aeth: bool
     payload: bool
 
@@ -177,8 +180,12 @@ def _layout(op: Op) -> _Layout:
     if op == Op.CNP:
         formats.append("16x")
     ext = "".join(formats)
+    if len(fields) > 1:
+        get_fields = operator.attrgetter(*fields)
+    else:  # attrgetter returns a bare value for one name and needs at least one
+        get_fields = (lambda p, get=operator.attrgetter(*fields): (get(p),)) if fields else (lambda p: ())
     return _Layout(struct.Struct(">" + _BTH_FORMAT + ext), struct.Struct(">" + _PSEUDO_FORMAT + _BTH_FORMAT + ext),
-                   tuple(fields), op in HAS_AETH, op in HAS_PAYLOAD)
+                   tuple(fields), get_fields, op in HAS_AETH, op in HAS_PAYLOAD)
 
 
 _LAYOUTS: dict[int, _Layout] = {op.value: _layout(op) for op in Op}
@@ -195,7 +202,7 @@ def _wire_fields(p: Packet, layout: _Layout, pad: int) -> tuple[int, ...]:
            p.fecn << 31 | p.becn << 30 | p.dest_qp & QPN_MASK, p.ack_req << 31 | p.psn & PSN_MASK)
     if layout.aeth:
         bth += ((p.syndrome & 0xFF) << 24 | p.msn & 0xFFFFFF,)
-    return bth + tuple(getattr(p, name) for name in layout.fields)
+    return bth + layout.get_fields(p)
 
 
 def encode(p: Packet) -> bytes:
@@ -229,14 +236,15 @@ def encode(p: Packet) -> bytes:
 def encode_ipv4_header(p: Packet, udp_payload_length: int) -> bytes:
     """The 28-byte IPv4 (DF, correct checksum) and UDP (checksum 0, as RoCE sends) headers in front of a UDP payload."""
     total = IPV4_HEADER_SIZE + UDP_HEADER_SIZE + udp_payload_length
-    header = bytearray(_IPV4_UDP.pack(0x45, p.tos, total, p.ip_id, IPV4_DONT_FRAGMENT, p.ttl, socket.IPPROTO_UDP, 0,
-                                      socket.inet_aton(p.src_ip), socket.inet_aton(p.dst_ip), p.src_port, p.dst_port,
-                                      UDP_HEADER_SIZE + udp_payload_length, 0))
-    checksum = sum(struct.unpack_from(">10H", header))
-    checksum = (checksum & 0xFFFF) + (checksum >> 16)
-    checksum = (checksum & 0xFFFF) + (checksum >> 16)
-    header[10:12] = (~checksum & 0xFFFF).to_bytes(2, "big")
-    return bytes(header)
+    src, dst = socket.inet_aton(p.src_ip), socket.inet_aton(p.dst_ip)
+    # The one's-complement sum of the header's 16-bit words, from the fields rather than from packed bytes.
+    addresses = int.from_bytes(src, "big") + int.from_bytes(dst, "big")
+    checksum = ((0x45 << 8 | p.tos) + total + p.ip_id + IPV4_DONT_FRAGMENT + (p.ttl << 8 | socket.IPPROTO_UDP)
+                + (addresses >> 16) + (addresses & 0xFFFF))
+    while checksum > 0xFFFF:
+        checksum = (checksum & 0xFFFF) + (checksum >> 16)
+    return _IPV4_UDP.pack(0x45, p.tos, total, p.ip_id, IPV4_DONT_FRAGMENT, p.ttl, socket.IPPROTO_UDP, ~checksum & 0xFFFF,
+                          src, dst, p.src_port, p.dst_port, UDP_HEADER_SIZE + udp_payload_length, 0)
 
 
 def encode_ipv4(p: Packet) -> bytes:

@@ -56,7 +56,7 @@ class Faults:
 
     loss: float = 0.0  # the packet never arrives
     dup: float = 0.0  # it arrives twice
-    reorder: float = 0.0  # it is held back and sent after the next packet (or after reorder_hold seconds)
+    reorder: float = 0.0  # it is held back and sent after the next packet (or after reorder_hold); one at a time
     corrupt: float = 0.0  # one bit flips after the ICRC was computed, so the receiver drops it
     seed: int = 0
     reorder_hold: float = 0.001  # how long a held packet waits for a successor before it goes out alone
@@ -138,15 +138,13 @@ class Transport:
                 for _ in range(copies):
                     self._put(packet, udp_payload)
         if held is not None:
-            for _ in range(held.copies):
-                self._put(held.packet, held.udp_payload)
+            self._release(held)
 
     def flush(self) -> None:
         """Send the packet the reorder fault is holding back, if any."""
         held, self._held = self._held, None
         if held is not None:
-            for _ in range(held.copies):
-                self._put(held.packet, held.udp_payload)
+            self._release(held)
 
     def receive(self, budget: int = 64) -> list[Packet]:
         """Up to `budget` packets that have arrived, without waiting. Bad packets are counted and dropped."""
@@ -200,6 +198,10 @@ class Transport:
         if self.pcap is not None:
             self.pcap.write(encode_ipv4_header(packet, len(udp_payload)) + udp_payload, self.mac,
                             mac_for_ip(packet.dst_ip))
+
+    def _release(self, held: _Held) -> None:
+        for _ in range(held.copies):
+            self._put(held.packet, held.udp_payload)
 
     def _flip_a_bit(self, udp_payload: bytes) -> bytes:
         """Flip one bit anywhere the ICRC covers (so anywhere but BTH byte 4), ICRC bytes included."""
