@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..autogen import bnxt
 from .memory import PAGE, BusMemory, DmaFault
@@ -316,6 +317,9 @@ class QueuePair:
     rq_producer: int = 0
     rq_producer_epoch: int = 0
     rq_consumer: int = 0
+    # Called as observer(qp, old_state, new_state) whenever `state` is assigned (MODIFY_QP, or the data path moving the
+    # QP to ERR): the data path uses it to flush on ERR, start on RTS and forget its context on RESET.
+    observer: Callable[[QueuePair, QpState, QpState], None] | None = field(default=None, repr=False)
 
     @property
     def variable_wqe(self) -> bool:
@@ -324,6 +328,21 @@ class QueuePair:
     @property
     def force_completion(self) -> bool:
         return bool(self.flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_FORCE_COMPLETION)
+
+
+def _qp_state(qp: QueuePair) -> QpState:
+    return qp._state
+
+
+def _set_qp_state(qp: QueuePair, new: QpState) -> None:
+    old = getattr(qp, "_state", None)
+    qp._state = new
+    observer = getattr(qp, "observer", None)
+    if observer is not None and old is not None:
+        observer(qp, old, new)
+
+
+QueuePair.state = property(_qp_state, _set_qp_state, doc="The QP state; assigning it notifies `observer`.")
 
 
 @dataclass(eq=False)

@@ -1,0 +1,282 @@
+"""The emulated NIC's RoCE data path (sans-IO): doorbells, packets and time in; packets, CQEs and events out.
+
+One `Datapath` per NIC, beside its `Firmware`. The I/O shell (process.py) feeds it:
+
+    dp.doorbells(now)          after kicks: SQ/RQ producers the firmware recorded in fw.sq_doorbells / rq_doorbells
+    dp.receive(packets, now)   a batch of decoded packets from the wire; ACKs owed are sent once, at the batch end
+    dp.advance(now)            fire due timers (retransmission, RNR waits)
+    dp.pump(now, budget)       turn posted work into request packets (round-robin over QPs, window permitting)
+    dp.outbox                  packets to transmit; the shell sends and clears it
+    dp.next_deadline()         when to call advance() again: None (nothing pending), or a time (<= now: at once)
+
+CQEs land in host memory through `CompletionQueue.post`; interrupts collect in fw.interrupts; QP errors reach the CREQ
+through `rcfw.post_event("qp_error")`. Per QP a `QpContext` holds the `Requester` (requester.py) and `Responder`
+(responder.py); it is created on first use and watches the QP's state (`QueuePair.observer`): ERR flushes, RTS starts
+the send queue, RESET forgets everything.
+
+Deviations from rxe/hardware, on purpose: retry_cnt 7 means 7 retries (rxe: infinite; rnr_retry 7 stays infinite);
+`max_rd_atomic` 0 is treated as 1; no source-address check on received packets (the socket binding filters);
+atomics, SEND with invalidate, SRQs, UD and UC are not emulated (an atomic request gets NAK invalid request).
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import socket
+
+from ..autogen import bnxt
+from . import packets as pk
+from .objects import CompletionQueue, QpState, QueuePair
+from .requester import Requester
+from .responder import Responder
+
+QUANTUM = 32  # packets one QP may send before the next ready QP gets its turn
+RTS, RTR, SQD, ERR, RESET = QpState.RTS, QpState.RTR, QpState.SQD, QpState.ERR, QpState.RESET
+RESPONSES = range(pk.Op.RDMA_READ_RESPONSE_FIRST, pk.Op.ATOMIC_ACKNOWLEDGE + 1)
+ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE = int(pk.Op.ACKNOWLEDGE), int(pk.Op.ATOMIC_ACKNOWLEDGE)
+CQ_OVERFLOW = {True: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_REQ_CQ_OVERFLOW_ERROR,
+               False: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_RES_CQ_OVERFLOW_ERROR}
+
+
+class QpContext:
+    """The data path's state for one QP: requester, responder, the addressing of its packets, scheduling marks."""
+
+    def __init__(self, dp: Datapath, qp: QueuePair) -> None:
+        self.dp, self.qp = dp, qp
+        self.address: tuple = ()
+        self.refresh()
+        self.requester = Requester(self)
+        self.responder = Responder(self)
+        self.queued = False  # in dp.ready
+        self.timer_at: float | None = None  # earliest entry of ours in dp's timer heap
+        self.error_reasons: tuple[int, int] | None = None  # set by the data path before it moves the QP to ERR
+        qp.observer = dp.on_state
+
+    def refresh(self) -> None:
+        """Recompute what every packet of this QP carries (after MODIFY_QP changed the path)."""
+        qp = self.qp
+        self.address = (qp.dest_qp_id, qp.pkey, self.dp.ip, socket.inet_ntoa(bytes(qp.dgid[12:16])),
+                        pk.udp_source_port(qp.qpn, qp.dest_qp_id), qp.traffic_class, qp.hop_limit or 64)
+
+    def wake(self) -> None:
+        if not self.queued and self.requester.has_work():
+            self.queued = True
+            self.dp.ready.append(self)
+
+    def sq_doorbell(self) -> None:
+        state = self.qp.state
+        if state == ERR:
+            self.requester.fetch(flush=True)
+        elif state == RTS:
+            if not self.requester.started:
+                self.requester.start()
+            self.requester.fetch()
+            if self.requester.settle():
+                self.wake()
+
+
+class Datapath:
+    """The RC engine of one NIC."""
+
+    def __init__(self, fw, ip: str = "0.0.0.0") -> None:
+        self.fw, self.rcfw, self.mem, self.mrs = fw, fw.rcfw, fw.mem, fw.rcfw.mrs
+        self.ip = ip
+        # packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts,
+        # implied_naks, acks_received, naks_received, rnr_naks_received, stale_acks, dropped (+ dropped_* reasons),
+        # request_errors, qp_errors, cqes, cq_overflows, bad_doorbells, internal_errors
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.outbox: list[pk.Packet] = []
+        self.contexts: dict[int, QpContext] = {}
+        self.ready: collections.deque[QpContext] = collections.deque()
+        self.acks_due: list = []  # responders owing a coalesced ACK at the end of this batch
+        self._timers: list[tuple[float, int, QpContext]] = []
+        self._sequence = itertools.count()
+        self._overflowed: set[int] = set()
+        self.last_error = ""
+
+    # -- contexts ----------------------------------------------------------------------------------------------------
+    def context(self, qpn: int) -> QpContext | None:
+        qp = self.rcfw.qps.get(qpn)
+        if qp is None or qp.qp_type != bnxt.CMDQ_CREATE_QP_TYPE_RC:
+            return None
+        ctx = self.contexts.get(qpn)
+        if ctx is None or ctx.qp is not qp:
+            ctx = self.contexts[qpn] = QpContext(self, qp)
+        return ctx
+
+    def on_state(self, qp: QueuePair, old: QpState, new: QpState) -> None:
+        """QueuePair.observer: MODIFY_QP (or we) changed a QP's state."""
+        ctx = self.contexts.get(qp.qpn)
+        if ctx is None or ctx.qp is not qp:
+            return
+        if new == ERR:
+            if old != ERR:
+                ctx.requester.flush()
+                ctx.responder.flush()
+                if ctx.error_reasons is not None:
+                    self.stats["qp_errors"] += 1
+                    self.rcfw.post_event("qp_error", xid=qp.qpn, reason=ctx.error_reasons[0],
+                                         res_reason=ctx.error_reasons[1])
+                ctx.error_reasons = None
+        elif new == RESET:
+            del self.contexts[qp.qpn]
+            qp.observer = None
+        elif new == RTR:
+            ctx.refresh()
+            if not ctx.responder.started:
+                ctx.responder.start()
+        elif new == RTS:
+            ctx.refresh()
+            if not ctx.responder.started:
+                ctx.responder.start()
+            ctx.sq_doorbell()  # WQEs posted before RTS waited for it
+
+    def qp_error(self, ctx: QpContext, req_reason: int = 0, res_reason: int = 0) -> None:
+        """Move a QP to ERR because of a protocol or memory error: flush it and tell the driver on the CREQ."""
+        if ctx.qp.state != ERR:
+            ctx.error_reasons = (req_reason, res_reason)
+            ctx.qp.state = ERR
+
+    def post_cqe(self, cq: CompletionQueue, cqe: bytes, solicited: bool = False) -> None:
+        if cq.post(cqe, solicited):
+            self.stats["cqes"] += 1
+            return
+        self.stats["cq_overflows"] += 1  # the driver sized its CQ too small: the CQE is lost, as on hardware
+        if cq.cq_id not in self._overflowed:
+            self._overflowed.add(cq.cq_id)
+            self.rcfw.post_event("cq_error", xid=cq.cq_id, reason=CQ_OVERFLOW[cqe[24] & 0x1E == 0])
+
+    # -- inputs ------------------------------------------------------------------------------------------------------
+    def doorbells(self, now: float) -> None:
+        """Act on the SQ and RQ doorbells the firmware recorded since the last call."""
+        fw = self.fw
+        if fw.sq_doorbells:
+            qpns = dict.fromkeys(fw.sq_doorbells)
+            fw.sq_doorbells.clear()
+            for qpn in qpns:
+                self._guarded(self._sq_doorbell, qpn)
+        if fw.rq_doorbells:
+            qpns = dict.fromkeys(fw.rq_doorbells)
+            fw.rq_doorbells.clear()
+            for qpn in qpns:
+                self._guarded(self._rq_doorbell, qpn)
+
+    def _sq_doorbell(self, qpn: int) -> None:
+        ctx = self.context(qpn)
+        if ctx is not None:
+            ctx.sq_doorbell()
+
+    def _rq_doorbell(self, qpn: int) -> None:
+        ctx = self.context(qpn)
+        if ctx is not None and ctx.qp.state == ERR:
+            ctx.responder.flush()  # receives posted to a QP in ERR complete FLUSHED at once
+
+    def _guarded(self, action, *args) -> None:
+        try:
+            action(*args)
+        except Exception as exc:  # an emulator bug must not take the device down: count it, keep going
+            self._internal_error(exc)
+
+    def _internal_error(self, exc: Exception) -> None:
+        self.stats["internal_errors"] += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def receive(self, packets: list[pk.Packet], now: float) -> None:
+        """Process a batch of received packets, then send the ACKs it earned (one per QP)."""
+        contexts, qps, stats = self.contexts, self.rcfw.qps, self.stats
+        stats["packets_received"] += len(packets)
+        for p in packets:
+            try:
+                qpn = p.dest_qp
+                ctx = contexts.get(qpn)
+                if ctx is None or ctx.qp is not qps.get(qpn):
+                    ctx = self.context(qpn)
+                    if ctx is None:
+                        stats["dropped"] += 1
+                        stats["dropped_no_qp"] += 1
+                        continue
+                op = p.opcode
+                state = ctx.qp.state
+                if op in RESPONSES:
+                    if state != RTS and state != SQD:
+                        stats["dropped"] += 1
+                        stats["dropped_qp_state"] += 1
+                    elif op == ACKNOWLEDGE:
+                        ctx.requester.on_acknowledge(p, now)
+                        ctx.wake()
+                    elif op == ATOMIC_ACKNOWLEDGE:
+                        stats["dropped"] += 1
+                        stats["dropped_unexpected"] += 1
+                    else:
+                        ctx.requester.on_read_response(p, now)
+                        ctx.wake()
+                elif state == RTS or state == RTR or state == SQD:
+                    ctx.responder.on_request(p, now)
+                else:
+                    stats["dropped"] += 1
+                    stats["dropped_qp_state"] += 1
+            except Exception as exc:
+                self._internal_error(exc)
+        self.flush_acks()
+
+    def flush_acks(self) -> None:
+        for responder in self.acks_due:
+            responder.flush_ack()
+        self.acks_due.clear()
+
+    # -- time and transmission ---------------------------------------------------------------------------------------
+    def schedule(self, ctx: QpContext, when: float) -> None:
+        """Make sure advance() looks at `ctx` no later than `when` (its own deadlines may since have moved later)."""
+        if ctx.timer_at is None or when < ctx.timer_at:
+            ctx.timer_at = when
+            heapq.heappush(self._timers, (when, next(self._sequence), ctx))
+
+    def advance(self, now: float) -> None:
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, ctx = heapq.heappop(timers)
+            ctx.timer_at = None
+            if self.contexts.get(ctx.qp.qpn) is not ctx or ctx.qp.state == ERR:
+                continue
+            try:
+                ctx.requester.on_timer(now)
+            except Exception as exc:
+                self._internal_error(exc)
+            deadline = ctx.requester.deadline()
+            if deadline is not None:
+                self.schedule(ctx, max(deadline, now + 1e-6))
+            ctx.wake()
+
+    def wake(self, ctx: QpContext) -> None:
+        ctx.wake()
+
+    def pump(self, now: float, budget: int = 1 << 30) -> int:
+        """Queue request packets from QPs with work, round-robin; the number queued."""
+        ready, outbox = self.ready, self.outbox
+        start = len(outbox)
+        while ready and len(outbox) - start < budget:
+            ctx = ready.popleft()
+            ctx.queued = False
+            if ctx.qp.state != RTS:
+                continue
+            try:
+                more = ctx.requester.pump(now, min(QUANTUM, budget - (len(outbox) - start)))
+            except Exception as exc:
+                self._internal_error(exc)
+                more = False
+            if more:
+                ctx.queued = True
+                ready.append(ctx)
+        return len(outbox) - start
+
+    def next_deadline(self) -> float | None:
+        """When advance()/pump() next have something to do: 0.0 for "now", None for "only on new input"."""
+        if self.ready:
+            return 0.0
+        timers = self._timers
+        return timers[0][0] if timers else None
+
+    def take_outbox(self) -> list[pk.Packet]:
+        packets, self.outbox = self.outbox, []
+        return packets

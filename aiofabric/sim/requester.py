@@ -1,0 +1,507 @@
+"""The requester and completer of one RC QP (sans-IO): SQ WQEs in, request packets out, ACKs and read responses in,
+requester CQEs out.
+
+WQEs are fetched from the SQ ring when its doorbell moves the producer and get their PSN range at once (one PSN per
+packet; a READ takes as many as its responses). `pump()` turns them into packets within the 128-PSN window and the
+ORRQ limit (`max_rd_atomic` READs in flight); the completer retires them in order as ACKs arrive (an ACK for PSN n
+acknowledges every PSN up to n), lands read responses in the local SGEs and retransmits go-back-N from the oldest
+unacknowledged PSN on a NAK-sequence, an implied NAK (an ACK past an unfinished READ, a gap in read responses) or a
+timeout. Behaviour follows rxe (rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise.
+"""
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+from ..autogen import bnxt
+from . import packets as pk
+from .dma import (ACCESS_ERRORS, CQE_REQ, EMPTY, MR_LOCAL_WRITE, PSN_MASK, REQ_CQE, REQ_NAK_ARRIVAL,
+                  REQ_RNR_TIMEOUT_RETRY_LIMIT, REQ_RX_MEMORY_ERROR, REQ_TIMEOUT_RETRY_LIMIT, REQ_TX_MEMORY_ERROR,
+                  REQ_WQE_FORMAT_ERROR, SGE, SLOT, ScatterGather, map_sges, producer_count, psn_diff)
+from .objects import QpState
+
+if TYPE_CHECKING:
+    from .datapath import QpContext
+
+WINDOW = 128  # RXE_MAX_UNACKED_PSNS
+ACK_EVERY = 64  # AckReq at least this often inside long messages (RXE_MAX_PKT_PER_ACK)
+MAX_SGES = 30
+STATIC_WQE_SLOTS = 8
+LOCAL_ACK_TIMEOUT_US = 4.096
+HEADER = struct.Struct("<BBBxIIIQI")  # sq_rdma_hdr / sq_send_hdr: type, flags, size, imm, length, -, remote_va, rkey
+
+S = bnxt
+OK, FLUSHED = S.CQ_REQ_STATUS_OK, S.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
+NAK_STATUS = {pk.NAK_INVALID_REQUEST: S.CQ_REQ_STATUS_REMOTE_INVALID_REQUEST_ERR,
+              pk.NAK_REMOTE_ACCESS: S.CQ_REQ_STATUS_REMOTE_ACCESS_ERR,
+              pk.NAK_REMOTE_OPERATIONAL: S.CQ_REQ_STATUS_REMOTE_OPERATION_ERR}
+# opcodes by position in the message: index (first << 1) | last -> middle, last, first, only
+O = pk.Op
+SEND_OPS = (O.SEND_MIDDLE, O.SEND_LAST, O.SEND_FIRST, O.SEND_ONLY)
+SEND_IMM_OPS = (O.SEND_MIDDLE, O.SEND_LAST_WITH_IMMEDIATE, O.SEND_FIRST, O.SEND_ONLY_WITH_IMMEDIATE)
+WRITE_OPS = (O.RDMA_WRITE_MIDDLE, O.RDMA_WRITE_LAST, O.RDMA_WRITE_FIRST, O.RDMA_WRITE_ONLY)
+WRITE_IMM_OPS = (O.RDMA_WRITE_MIDDLE, O.RDMA_WRITE_LAST_WITH_IMMEDIATE, O.RDMA_WRITE_FIRST,
+                 O.RDMA_WRITE_ONLY_WITH_IMMEDIATE)
+KINDS = {S.SQ_BASE_WQE_TYPE_SEND: (tuple(map(int, SEND_OPS)), False, False),
+         S.SQ_BASE_WQE_TYPE_SEND_W_IMMEAD: (tuple(map(int, SEND_IMM_OPS)), True, False),
+         S.SQ_BASE_WQE_TYPE_WRITE_WQE: (tuple(map(int, WRITE_OPS)), False, True),
+         S.SQ_BASE_WQE_TYPE_WRITE_W_IMMEAD: (tuple(map(int, WRITE_IMM_OPS)), True, True),
+         S.SQ_BASE_WQE_TYPE_READ_WQE: (None, False, True)}
+READ_REQUEST = int(O.RDMA_READ_REQUEST)
+RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
+    int(O.RDMA_READ_RESPONSE_FIRST), int(O.RDMA_READ_RESPONSE_MIDDLE), int(O.RDMA_READ_RESPONSE_LAST),
+    int(O.RDMA_READ_RESPONSE_ONLY))
+SIGNAL, FENCE, SOLICIT, INLINE = (S.SQ_SEND_FLAGS_SIGNAL_COMP, S.SQ_SEND_FLAGS_RD_OR_ATOMIC_FENCE,
+                                  S.SQ_SEND_FLAGS_SE, S.SQ_SEND_FLAGS_INLINE)
+
+
+class SendWqe:
+    """One fetched SQ WQE and its progress."""
+
+    __slots__ = ("index", "ops", "read", "signaled", "solicited", "fence", "length", "remote_va", "rkey", "imm",
+                 "sgl", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason")
+
+    def __init__(self, index: int) -> None:
+        self.index = index  # free-running WQE count: sq_cons_idx of its CQE is index + 1
+        self.ops, self.read, self.requested = None, False, False
+        self.signaled = self.solicited = self.fence = False
+        self.length = self.remote_va = self.rkey = self.imm = 0
+        self.sgl = EMPTY
+        self.first_psn = self.last_psn = 0
+        self.npkts, self.received = 1, 0  # READ: response packets landed so far
+        self.status = None  # a local error found at fetch: completes with it when every earlier WQE has
+        self.reason = 0
+
+
+class Requester:
+    """Send side of one QP: fetch, segment, transmit, complete, retransmit."""
+
+    def __init__(self, ctx: QpContext) -> None:
+        self.ctx, self.qp, self.dp = ctx, ctx.qp, ctx.dp
+        self.mem, self.mrs, self.stats = ctx.dp.mem, ctx.dp.mrs, ctx.dp.stats
+        self.wqes: list[SendWqe] = []
+        self.done = 0  # wqes[:done] are completed (trimmed now and then)
+        self.send = 0  # wqes[send] is being transmitted, from packet send_pkt
+        self.send_pkt = 0
+        self.fetched_slots = 0  # free-running SQ slots taken off the ring
+        self.fetched = 0  # free-running WQEs taken off the ring
+        self.started = False
+        self.next_psn = self.una = self.sent_hi = 0  # next PSN to assign; oldest unacked; one past the highest sent
+        self.reads = 0  # READs requested and not complete (ORRQ entries in use)
+        self.noack = 0
+        self.retry_left = self.rnr_left = 0
+        self.started_retry = False
+        self.rto_at: float | None = None
+        self.rnr_until: float | None = None
+
+    # -- state ---------------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The QP reached RTS: PSNs start at sq_psn."""
+        qp = self.qp
+        self.started = True
+        self.next_psn = self.una = self.sent_hi = qp.sq_psn & PSN_MASK
+        self.retry_left, self.rnr_left = qp.retry_cnt & 7, qp.rnr_retry & 7
+
+    @property
+    def interval(self) -> float | None:
+        timeout = self.qp.timeout & 0x1F
+        return LOCAL_ACK_TIMEOUT_US * 1e-6 * (1 << timeout) if timeout else None
+
+    def deadline(self) -> float | None:
+        rto, rnr = self.rto_at, self.rnr_until
+        if rnr is not None:
+            return rnr
+        return rto
+
+    def has_work(self) -> bool:
+        return self.send < len(self.wqes) and self.rnr_until is None
+
+    # -- fetching WQEs ---------------------------------------------------------------------------------------------
+    def _slots(self, first: int, count: int) -> memoryview | bytes:
+        """`count` 16-byte slots from ring slot `first`, wrapping slot by slot."""
+        qp = self.qp
+        ring, pages = qp.sq_slots, qp.sq
+        if first + count <= ring and (pages.contiguous or (first * SLOT & pages.page_mask) + count * SLOT
+                                      <= pages.page_size):
+            return self.mem.view(pages.address(first * SLOT), count * SLOT)
+        return b"".join(self.mem.view(pages.address((first + i) % ring * SLOT), SLOT) for i in range(count))
+
+    def fetch(self, flush: bool = False) -> None:
+        """Take every WQE the driver published off the SQ (flushing each at once when `flush`)."""
+        qp = self.qp
+        unit = 1 if qp.variable_wqe else STATIC_WQE_SLOTS
+        ring = qp.sq_slots
+        produced = producer_count(self.fetched_slots // unit, qp.sq_producer, qp.sq_producer_epoch, ring // unit)
+        if produced is None:
+            self.stats["bad_doorbells"] += 1
+            return
+        produced *= unit
+        while self.fetched_slots < produced:
+            available = produced - self.fetched_slots
+            first = self.fetched_slots % ring
+            w = SendWqe(self.fetched)
+            try:
+                kind, flags, size, imm, length, _, remote_va, rkey = HEADER.unpack_from(self._slots(first, 2))
+            except ACCESS_ERRORS:
+                kind = flags = size = 0xFF
+            stride = size if unit == 1 else STATIC_WQE_SLOTS
+            if not 2 <= size <= min(available, 2 + MAX_SGES, STATIC_WQE_SLOTS if unit > 1 else ring):
+                w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, REQ_WQE_FORMAT_ERROR
+                stride = available  # nothing after a malformed WQE can be parsed: it takes the rest
+            self.fetched_slots += stride
+            self.fetched += 1
+            if flush:
+                self._post(w, FLUSHED)
+                continue
+            if w.status is None:
+                self._parse(w, first, kind, flags, size, imm, length, remote_va, rkey)
+            self.wqes.append(w)
+        if flush:
+            qp.sq_consumer = self.fetched
+
+    def _parse(self, w: SendWqe, first: int, kind: int, flags: int, size: int, imm: int, length: int,
+               remote_va: int, rkey: int) -> None:
+        qp = self.qp
+        known = KINDS.get(kind)
+        if known is None:
+            w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, REQ_WQE_FORMAT_ERROR
+            return
+        w.ops, has_imm, rdma = known
+        w.read = w.ops is None
+        w.signaled = bool(flags & SIGNAL) or qp.force_completion
+        w.solicited, w.fence = bool(flags & SOLICIT), bool(flags & FENCE)
+        w.length, w.imm = length, imm
+        if rdma:
+            w.remote_va, w.rkey = remote_va, rkey
+        try:
+            body = self._slots((first + 2) % qp.sq_slots, size - 2) if size > 2 else b""
+            if flags & INLINE and not w.read:
+                if length > len(body):
+                    raise ValueError("inline data longer than the WQE")
+                w.sgl = ScatterGather([memoryview(bytes(body[:length]))]) if length else EMPTY
+            else:
+                sges = [SGE.unpack_from(body, i * SLOT) for i in range(size - 2)]
+                w.sgl = map_sges(self.mem, self.mrs, sges, qp.pd, MR_LOCAL_WRITE if w.read else 0)
+                if w.sgl.length < length:
+                    w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, REQ_TX_MEMORY_ERROR
+        except ACCESS_ERRORS:
+            w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, REQ_TX_MEMORY_ERROR
+        except ValueError:
+            w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, REQ_WQE_FORMAT_ERROR
+        if w.status is not None:
+            return
+        mtu = qp.path_mtu
+        w.npkts = max(1, -(-length // mtu))
+        w.first_psn = self.next_psn
+        w.last_psn = (self.next_psn + w.npkts - 1) & PSN_MASK
+        self.next_psn = (self.next_psn + w.npkts) & PSN_MASK
+
+    # -- transmitting ---------------------------------------------------------------------------------------------
+    def pump(self, now: float, budget: int) -> bool:
+        """Queue up to `budget` packets; True when it stopped only because the budget ran out."""
+        if self.rnr_until is not None:
+            return False
+        wqes, qp, ctx = self.wqes, self.qp, self.ctx
+        out, packet = self.dp.outbox, pk.Packet
+        mtu, una = qp.path_mtu, self.una
+        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = ctx.address
+        sent = retransmits = 0
+        while self.send < len(wqes):
+            w = wqes[self.send]
+            if w.status is not None:
+                break  # a local error: it completes once every earlier WQE has
+            if w.read:
+                k = w.received
+                if not w.requested:
+                    if self.reads >= max(1, qp.max_rd_atomic):
+                        break
+                psn = (w.first_psn + k) & PSN_MASK
+                if psn_diff(psn, una) >= WINDOW:
+                    break
+                if sent >= budget:
+                    break
+                if not w.requested:
+                    w.requested = True
+                    self.reads += 1
+                offset = k * mtu
+                out.append(packet(READ_REQUEST, dest_qp, psn, True, False, pkey, False, False, w.remote_va + offset,
+                                  w.rkey, w.length - offset, 0, 0, 0, b"", src_ip, dst_ip, sport, 4791, 0, tos, ttl))
+                self.noack = 0
+                self.send += 1
+                self.send_pkt = 0
+                end = (w.last_psn + 1) & PSN_MASK
+            else:
+                k = self.send_pkt
+                if k == 0 and w.fence and self.reads:
+                    break
+                psn = (w.first_psn + k) & PSN_MASK
+                if psn_diff(psn, una) >= WINDOW:
+                    break
+                if sent >= budget:
+                    break
+                npkts = w.npkts
+                offset = k * mtu
+                last = k == npkts - 1
+                size = w.length - offset if last else mtu
+                self.noack += 1
+                ack = last or self.noack >= ACK_EVERY
+                if ack:
+                    self.noack = 0
+                ops = w.ops
+                if k == 0:
+                    # RETH only on WRITE FIRST/ONLY: the codec ignores fields an opcode does not carry
+                    out.append(packet(ops[2 | last], dest_qp, psn, ack, last and w.solicited, pkey, False, False,
+                                      w.remote_va, w.rkey, w.length, 0, 0, w.imm, w.sgl.read(0, size), src_ip,
+                                      dst_ip, sport, 4791, 0, tos, ttl))
+                else:
+                    out.append(packet(ops[last], dest_qp, psn, ack, last and w.solicited, pkey, False, False, 0, 0,
+                                      0, 0, 0, w.imm, w.sgl.read(offset, size), src_ip, dst_ip, sport, 4791, 0, tos,
+                                      ttl))
+                if last:
+                    self.send += 1
+                    self.send_pkt = 0
+                else:
+                    self.send_pkt = k + 1
+                end = (psn + 1) & PSN_MASK
+            sent += 1
+            if psn_diff(psn, self.sent_hi) < 0:
+                retransmits += 1
+            if psn_diff(end, self.sent_hi) > 0:
+                self.sent_hi = end
+        if sent:
+            self.stats["packets_sent"] += sent
+            if retransmits:
+                self.stats["retransmits"] += retransmits
+            if self.rto_at is None:
+                interval = self.interval
+                if interval is not None:
+                    self.rto_at = now + interval
+                    self.dp.schedule(ctx, self.rto_at)
+        return sent >= budget and self.has_work()
+
+    # -- completing ------------------------------------------------------------------------------------------------
+    def _post(self, w: SendWqe, status: int) -> None:
+        if status or w.signaled:
+            self.dp.post_cqe(self.qp.scq, REQ_CQE.pack(self.qp.handle, (w.index + 1) & 0xFFFF, CQE_REQ, status))
+
+    def _retire(self) -> None:
+        """Complete wqes[done] successfully."""
+        w = self.wqes[self.done]
+        if w.read:
+            self.reads -= 1
+        self.done += 1
+        self._post(w, OK)
+        self.qp.sq_consumer = w.index + 1
+
+    def _trim(self) -> None:
+        if self.done >= 256 and self.done * 2 >= len(self.wqes):
+            del self.wqes[:self.done]
+            self.send -= self.done
+            self.done = 0
+
+    def _progress(self, now: float) -> None:
+        """Forward progress: fresh retry budgets, the retransmission timer restarted (or stopped when idle)."""
+        qp = self.qp
+        self.retry_left, self.rnr_left = qp.retry_cnt & 7, qp.rnr_retry & 7
+        self.started_retry = False
+        if psn_diff(self.sent_hi, self.una) > 0:
+            interval = self.interval
+            if interval is not None:
+                armed = self.rto_at is not None
+                self.rto_at = now + interval
+                if not armed:
+                    self.dp.schedule(self.ctx, self.rto_at)
+        else:
+            self.rto_at = None
+
+    def acked_through(self, psn: int, now: float) -> bool:
+        """Everything up to `psn` was received by the responder: retire what that completes. False if the QP failed.
+
+        An acknowledgement that reaches the last PSN of a READ still missing data means the READ or some of its
+        responses were lost: an implied NAK, answered by going back to the READ.
+        """
+        wqes, progressed, implied = self.wqes, False, False
+        while self.done < len(wqes):
+            w = wqes[self.done]
+            if w.status is not None:
+                self.fail(w.status, w.reason)
+                return False
+            if psn_diff(w.last_psn, psn) > 0:
+                break
+            if w.read:
+                resume = (w.first_psn + w.received) & PSN_MASK
+                if psn_diff(resume, self.una) > 0:
+                    self.una, progressed = resume, True
+                implied = True
+                break
+            self._retire()
+            progressed = True
+        una = (psn + 1) & PSN_MASK
+        if self.done < len(wqes) and wqes[self.done].read:  # inside a READ only its responses move una
+            w = wqes[self.done]
+            resume = (w.first_psn + w.received) & PSN_MASK
+            if psn_diff(una, resume) > 0:
+                una = resume
+        if psn_diff(una, self.una) > 0:
+            self.una, progressed = una, True
+        if self.send < self.done:
+            self.send, self.send_pkt = self.done, 0
+        if self.send == self.done < len(wqes) and not wqes[self.send].read:  # skip segments already acknowledged
+            self.send_pkt = max(self.send_pkt, psn_diff(self.una, wqes[self.send].first_psn))
+        if progressed:
+            self._progress(now)
+            self._trim()
+        if implied:
+            self.stats["implied_naks"] += 1
+            self._retry(now)
+        return self.settle()
+
+    def settle(self) -> bool:
+        """Report a local error once every WQE before it has completed; False if the QP failed."""
+        if self.qp.state == QpState.ERR:
+            return False
+        if self.done < len(self.wqes) and self.wqes[self.done].status is not None:
+            w = self.wqes[self.done]
+            self.fail(w.status, w.reason)
+            return False
+        return True
+
+    def fail(self, status: int, reason: int) -> None:
+        """Complete the oldest WQE with `status` and put the QP in ERR (which flushes everything else)."""
+        if self.done < len(self.wqes):
+            w = self.wqes[self.done]
+            if w.read:
+                self.reads -= 1
+            self.done += 1
+            self._post(w, status)
+            self.qp.sq_consumer = w.index + 1
+        self.dp.qp_error(self.ctx, req_reason=reason)
+
+    def flush(self) -> None:
+        """The QP is in ERR: every WQE not yet completed, and every WQE still on the ring, completes FLUSHED."""
+        for w in self.wqes[self.done:]:
+            self._post(w, FLUSHED)
+        if len(self.wqes) > self.done:
+            self.qp.sq_consumer = self.wqes[-1].index + 1
+        self.wqes, self.done, self.send, self.send_pkt, self.reads = [], 0, 0, 0, 0
+        self.rto_at = self.rnr_until = None
+        self.fetch(flush=True)
+
+    # -- retransmission ---------------------------------------------------------------------------------------------
+    def _rewind(self) -> None:
+        """Go back to the packet carrying the oldest unacknowledged PSN (go-back-N)."""
+        una, wqes = self.una, self.wqes
+        for i in range(self.done, min(self.send + 1, len(wqes))):
+            w = wqes[i]
+            if w.status is not None or psn_diff(una, w.last_psn) <= 0:
+                self.send = i
+                self.send_pkt = 0 if w.read else max(0, psn_diff(una, w.first_psn))
+                break
+        self.noack = 0
+        self.ctx.wake()
+
+    def _retry(self, now: float, timeout: bool = False) -> None:
+        if self.started_retry and not timeout:
+            return  # one retry per loss until something new is acknowledged (rxe's started_retry)
+        if self.retry_left <= 0:
+            self.fail(S.CQ_REQ_STATUS_TRANSPORT_RETRY_CNT_ERR, REQ_TIMEOUT_RETRY_LIMIT)
+            return
+        self.retry_left -= 1
+        self.started_retry = True
+        self.rto_at = None  # re-armed by the first retransmitted packet
+        self._rewind()
+
+    def on_timer(self, now: float) -> None:
+        if self.rnr_until is not None:
+            if now < self.rnr_until:
+                return
+            self.rnr_until = None
+            self._rewind()
+        if self.rto_at is not None and now >= self.rto_at:
+            self.rto_at = None
+            if self.done < len(self.wqes) and psn_diff(self.sent_hi, self.una) > 0:
+                self.stats["timeouts"] += 1
+                self._retry(now, timeout=True)
+
+    # -- responses ---------------------------------------------------------------------------------------------------
+    def on_acknowledge(self, p: pk.Packet, now: float) -> None:
+        """An ACKNOWLEDGE: ACK, RNR NAK or NAK with the PSN it refers to."""
+        psn, syndrome = p.psn, p.syndrome
+        if psn_diff(psn, self.sent_hi) >= 0:
+            self.stats["dropped_unexpected"] += 1  # acknowledges something never sent
+            return
+        kind = syndrome & pk.SYNDROME_TYPE_MASK
+        if kind == pk.ACK:
+            self.stats["acks_received"] += 1
+            if psn_diff(psn, self.una) < 0:
+                self.stats["stale_acks"] += 1
+                return
+            self.acked_through(psn, now)
+            return
+        self.stats["naks_received"] += 1
+        if psn_diff(psn, self.una) < 0:
+            self.stats["stale_acks"] += 1
+            return
+        if not self.acked_through((psn - 1) & PSN_MASK, now):  # a NAK acknowledges everything before its PSN
+            return
+        if kind == pk.RNR_NAK:
+            self.stats["rnr_naks_received"] += 1
+            if self.rnr_until is not None:
+                return
+            if self.rnr_left <= 0:
+                self.fail(S.CQ_REQ_STATUS_RNR_NAK_RETRY_CNT_ERR, REQ_RNR_TIMEOUT_RETRY_LIMIT)
+                return
+            if self.qp.rnr_retry & 7 != 7:
+                self.rnr_left -= 1
+            self._rewind()
+            self.rto_at = None
+            self.rnr_until = now + pk.RNR_TIMER_US[syndrome & 0x1F] * 1e-6
+            self.dp.schedule(self.ctx, self.rnr_until)
+        elif syndrome == pk.NAK_PSN_SEQ:
+            if self.rnr_until is None and self.done < len(self.wqes):
+                self._retry(now)
+        else:
+            self.fail(NAK_STATUS.get(syndrome, S.CQ_REQ_STATUS_REMOTE_OPERATION_ERR), REQ_NAK_ARRIVAL)
+
+    def on_read_response(self, p: pk.Packet, now: float) -> None:
+        psn = p.psn
+        if psn_diff(psn, self.una) < 0:
+            self.stats["duplicates"] += 1
+            return
+        if psn_diff(psn, self.sent_hi) >= 0:
+            self.stats["dropped_unexpected"] += 1
+            return
+        # a read response acknowledges every request before the READ it answers
+        if not self.acked_through((psn - 1) & PSN_MASK, now) or self.done >= len(self.wqes):
+            return
+        w = self.wqes[self.done]
+        if not w.read or psn_diff(psn, w.last_psn) > 0:
+            self.stats["dropped_unexpected"] += 1
+            return
+        expected = (w.first_psn + w.received) & PSN_MASK
+        if psn != expected:
+            self.stats["out_of_sequence"] += 1  # a response was lost: ask again from the gap
+            self._retry(now)
+            return
+        mtu, k, op = self.qp.path_mtu, w.received, p.opcode
+        last = k == w.npkts - 1
+        size = w.length - k * mtu if last else mtu
+        payload = p.payload
+        if len(payload) != size or last != (op == RESPONSE_LAST or op == RESPONSE_ONLY) \
+                or (op != RESPONSE_MIDDLE and p.syndrome & pk.SYNDROME_TYPE_MASK != pk.ACK):
+            self.stats["dropped_malformed"] += 1
+            return
+        try:
+            w.sgl.write(k * mtu, payload)
+        except ACCESS_ERRORS:
+            self.fail(S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, REQ_RX_MEMORY_ERROR)
+            return
+        w.received = k + 1
+        self.una = (psn + 1) & PSN_MASK
+        if last:
+            self._retire()
+            if self.send < self.done:
+                self.send, self.send_pkt = self.done, 0
+            self._trim()
+        self._progress(now)
+        self.settle()

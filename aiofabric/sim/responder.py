@@ -1,0 +1,318 @@
+"""The responder of one RC QP (sans-IO): request packets in; DMA, RQ consumption, responder CQEs, ACKs, NAKs and
+read responses out.
+
+PSN check first (rxe_resp.c `check_psn`): the expected PSN is executed; a later PSN earns one NAK-sequence and then
+silence until the gap closes; an earlier one is a duplicate, re-acknowledged (SEND/WRITE) or answered again from
+memory (READ), never executed twice. ACKs are coalesced: a packet with AckReq only notes the PSN, and `flush_ack()`
+(called by the data path at the end of every receive batch) sends one ACK for the highest. Invalid requests and
+access violations answer with a NAK and put the QP in ERR, as rxe's class C errors do.
+"""
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+from ..autogen import bnxt
+from . import packets as pk
+from .dma import (ACCESS_ERRORS, CQE_RES_RC, EMPTY, MR_LOCAL_WRITE, MR_REMOTE_READ, MR_REMOTE_WRITE, MSN_MASK,
+                  PSN_MASK, QP_REMOTE_READ, QP_REMOTE_WRITE, RES_CQE, RES_EXCEEDS_WQE, RES_MEMORY_ERROR,
+                  RES_OPCODE_ERROR, RES_RX_INVALID_R_KEY, SGE, SLOT, map_remote, map_sges, producer_count, psn_diff)
+
+if TYPE_CHECKING:
+    from .datapath import QpContext
+
+RQ_HEADER = struct.Struct("<BBBxxxxxI")  # rq_wqe_hdr: wqe_type, flags, wqe_size, wr_id[0]
+S = bnxt
+OK, FLUSHED = S.CQ_RES_RC_STATUS_OK, S.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
+IMM, RDMA = S.CQ_RES_RC_FLAGS_IMM, S.CQ_RES_RC_FLAGS_RDMA
+WR_ID_MASK = S.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
+O = pk.Op
+SEND_FIRST, SEND_MIDDLE, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM = (
+    int(O.SEND_FIRST), int(O.SEND_MIDDLE), int(O.SEND_LAST_WITH_IMMEDIATE), int(O.SEND_ONLY),
+    int(O.SEND_ONLY_WITH_IMMEDIATE))
+WRITE_FIRST, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM = (
+    int(O.RDMA_WRITE_FIRST), int(O.RDMA_WRITE_LAST), int(O.RDMA_WRITE_LAST_WITH_IMMEDIATE), int(O.RDMA_WRITE_ONLY),
+    int(O.RDMA_WRITE_ONLY_WITH_IMMEDIATE))
+READ_REQUEST, ACKNOWLEDGE = int(O.RDMA_READ_REQUEST), int(O.ACKNOWLEDGE)
+RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
+    int(O.RDMA_READ_RESPONSE_FIRST), int(O.RDMA_READ_RESPONSE_MIDDLE), int(O.RDMA_READ_RESPONSE_LAST),
+    int(O.RDMA_READ_RESPONSE_ONLY))
+IN_SEND, IN_WRITE = 1, 2
+
+
+class Responder:
+    """Receive side of one QP."""
+
+    def __init__(self, ctx: QpContext) -> None:
+        self.ctx, self.qp, self.dp = ctx, ctx.qp, ctx.dp
+        self.mem, self.mrs, self.stats = ctx.dp.mem, ctx.dp.mrs, ctx.dp.stats
+        self.started = False
+        self.epsn = self.msn = 0
+        self.nak_sent = False  # a NAK (sequence or RNR) is out for epsn: drop later PSNs silently until it arrives
+        self.in_msg = 0  # IN_SEND / IN_WRITE while a multi-packet message is half received
+        self.target = EMPTY  # where the current message lands
+        self.offset = self.msg_length = 0
+        self.wr_id = 0  # of the RQ WQE the current SEND fills
+        self.ack_psn: int | None = None  # the coalesced ACK owed at the end of this receive batch
+
+    def start(self) -> None:
+        """The QP reached RTR: expect rq_psn."""
+        self.started = True
+        self.epsn, self.msn = self.qp.rq_psn & PSN_MASK, 0
+        self.nak_sent, self.in_msg, self.ack_psn = False, 0, None
+
+    # -- packets out -----------------------------------------------------------------------------------------------
+    def _acknowledge(self, psn: int, syndrome: int) -> None:
+        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.ctx.address
+        self.dp.outbox.append(pk.Packet(ACKNOWLEDGE, dest_qp, psn, False, False, pkey, False, False, 0, 0, 0,
+                                        syndrome, self.msn, 0, b"", src_ip, dst_ip, sport, 4791, 0, tos, ttl))
+        self.stats["packets_sent"] += 1
+
+    def flush_ack(self) -> None:
+        if self.ack_psn is not None:
+            self._acknowledge(self.ack_psn, pk.ACK_UNLIMITED)
+            self.ack_psn = None
+            self.stats["acks"] += 1
+
+    def _owe_ack(self, psn: int) -> None:
+        if self.ack_psn is None:
+            self.dp.acks_due.append(self)
+        self.ack_psn = psn
+
+    def _nak(self, syndrome: int, psn: int) -> None:
+        self.ack_psn = None  # a NAK acknowledges everything before its PSN
+        self._acknowledge(psn, syndrome)
+        self.stats["naks"] += 1
+
+    def _respond(self, psn: int, source, length: int) -> None:
+        """READ responses for `length` bytes of `source` from PSN `psn` (AETH on FIRST, LAST and ONLY)."""
+        mtu = self.qp.path_mtu
+        count = max(1, -(-length // mtu))
+        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.ctx.address
+        out, packet, msn = self.dp.outbox, pk.Packet, self.msn
+        for i in range(count):
+            offset = i * mtu
+            op = RESPONSE_ONLY if count == 1 else RESPONSE_FIRST if i == 0 else \
+                RESPONSE_LAST if i == count - 1 else RESPONSE_MIDDLE
+            out.append(packet(op, dest_qp, (psn + i) & PSN_MASK, False, False, pkey, False, False, 0, 0, 0,
+                              pk.ACK_UNLIMITED, msn, 0, source.read(offset, min(mtu, length - offset)), src_ip,
+                              dst_ip, sport, 4791, 0, tos, ttl))
+        self.stats["packets_sent"] += count
+
+    # -- completions and errors ------------------------------------------------------------------------------------
+    def _complete(self, status: int, length: int = 0, imm: int = 0, flags: int = 0, solicited: bool = False) -> None:
+        """Complete the RQ WQE at the consumer."""
+        qp = self.qp
+        self.dp.post_cqe(qp.rcq, RES_CQE.pack(length, imm, qp.handle, 0, CQE_RES_RC, status, flags,
+                                              self.wr_id & WR_ID_MASK), solicited)
+        qp.rq_consumer += 1
+
+    def _error(self, p: pk.Packet, syndrome: int, reason: int, status: int | None = None) -> None:
+        """A class C error: NAK it, complete the RQ WQE involved with `status`, put the QP in ERR."""
+        self._nak(syndrome, p.psn)
+        self.stats["request_errors"] += 1
+        if status is not None:
+            self._complete(status)
+        self.dp.qp_error(self.ctx, res_reason=reason)
+
+    def flush(self) -> None:
+        """The QP is in ERR: every posted receive completes FLUSHED."""
+        qp = self.qp
+        self.in_msg, self.ack_psn = 0, None
+        if qp.rq is None or not qp.rq_size:
+            return
+        produced = producer_count(qp.rq_consumer, qp.rq_producer, qp.rq_producer_epoch, qp.rq_size)
+        while produced is not None and qp.rq_consumer < produced:
+            try:
+                self.wr_id = self._rq_wqe()[3]
+            except ACCESS_ERRORS:
+                self.wr_id = 0
+            self._complete(FLUSHED)
+
+    def _rq_wqe(self) -> tuple:
+        """(wqe_type, flags, wqe_size, wr_id, view) of the RQ WQE at the consumer."""
+        qp = self.qp
+        size, pages = qp.rq_wqe_size, qp.rq
+        offset = qp.rq_consumer % qp.rq_size * size
+        if pages.contiguous or (offset & pages.page_mask) + size <= pages.page_size:
+            view = self.mem.view(pages.address(offset), size)
+        else:
+            view = b"".join(self.mem.view(pages.address(offset + i), SLOT) for i in range(0, size, SLOT))
+        return (*RQ_HEADER.unpack_from(view), view)
+
+    def _take_rq(self, p: pk.Packet, scatter: bool) -> bool:
+        """Hold the next RQ WQE for this message (its SGEs mapped when `scatter`); on False a NAK was sent."""
+        qp = self.qp
+        if qp.rq is None or not qp.rq_size:
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)  # a QP without an RQ takes no SENDs
+            return False
+        produced = producer_count(qp.rq_consumer, qp.rq_producer, qp.rq_producer_epoch, qp.rq_size)
+        if produced is None or produced == qp.rq_consumer:
+            self._nak(pk.RNR_NAK | qp.min_rnr_timer & 0x1F, p.psn)
+            self.nak_sent = True  # what follows in flight is dropped quietly until the retry arrives
+            self.stats["rnr_naks"] += 1
+            return False
+        try:
+            _, _, wqe_size, self.wr_id, view = self._rq_wqe()
+            if scatter:
+                count = min(max(wqe_size - 2, 0), qp.rq_sge, qp.rq_wqe_size // SLOT - 2)
+                self.target = map_sges(self.mem, self.mrs, [SGE.unpack_from(view, 32 + i * SLOT)
+                                                            for i in range(count)], qp.pd, MR_LOCAL_WRITE)
+        except ACCESS_ERRORS:
+            self._error(p, pk.NAK_REMOTE_OPERATIONAL, RES_MEMORY_ERROR, S.CQ_RES_RC_STATUS_LOCAL_PROTECTION_ERR)
+            return False
+        return True
+
+    # -- requests ----------------------------------------------------------------------------------------------------
+    def on_request(self, p: pk.Packet, now: float) -> None:
+        if not self.started:
+            self.start()
+        psn = p.psn
+        d = psn_diff(psn, self.epsn)
+        if d > 0:
+            self.stats["out_of_sequence"] += 1
+            if self.nak_sent:
+                self.stats["dropped"] += 1
+            else:
+                self.nak_sent = True
+                self._nak(pk.NAK_PSN_SEQ, self.epsn)
+            return
+        if d < 0:
+            self._duplicate(p)
+            return
+        self.nak_sent = False
+        op = p.opcode
+        if op <= SEND_ONLY_IMM:
+            self._send(p, op)
+        elif op <= WRITE_ONLY_IMM:
+            self._write(p, op)
+        elif op == READ_REQUEST:
+            self._read(p)
+        elif op == pk.Op.CNP:
+            self.stats["cnps"] += 1
+        else:  # atomics, SEND with invalidate: not emulated
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)
+
+    def _send(self, p: pk.Packet, op: int) -> None:
+        first, last = op == SEND_FIRST or op >= SEND_ONLY, op > SEND_MIDDLE
+        if first:
+            if self.in_msg:
+                self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
+                            S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
+                return
+            if not self._take_rq(p, True):
+                return
+            self.in_msg, self.offset = IN_SEND, 0
+        elif self.in_msg != IN_SEND:
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
+                        S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg else None)
+            return
+        payload = p.payload
+        size, mtu = len(payload), self.qp.path_mtu
+        if size > mtu or (not last and size != mtu):
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR, S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR)
+            return
+        if self.offset + size > self.target.length:
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_EXCEEDS_WQE, S.CQ_RES_RC_STATUS_LOCAL_LENGTH_ERR)
+            return
+        try:
+            self.target.write(self.offset, payload)
+        except ACCESS_ERRORS:
+            self._error(p, pk.NAK_REMOTE_OPERATIONAL, RES_MEMORY_ERROR, S.CQ_RES_RC_STATUS_LOCAL_PROTECTION_ERR)
+            return
+        self.offset += size
+        self.epsn = (p.psn + 1) & PSN_MASK
+        if last:
+            imm = op == SEND_LAST_IMM or op == SEND_ONLY_IMM
+            self.in_msg, self.target = 0, EMPTY
+            self.msn = (self.msn + 1) & MSN_MASK
+            self._complete(OK, self.offset, p.immediate if imm else 0, IMM if imm else 0, p.solicited)
+        if p.ack_req:
+            self._owe_ack(p.psn)
+
+    def _write(self, p: pk.Packet, op: int) -> None:
+        first = op == WRITE_FIRST or op >= WRITE_ONLY
+        last = op >= WRITE_LAST and op != WRITE_FIRST
+        imm = op == WRITE_LAST_IMM or op == WRITE_ONLY_IMM
+        qp = self.qp
+        if first:
+            if self.in_msg:
+                self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
+                            S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
+                return
+        elif self.in_msg != IN_WRITE:
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
+                        S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg else None)
+            return
+        if imm and not self._take_rq(p, False):  # RNR before anything lands; the retry repeats this packet
+            return
+        if first:
+            try:
+                if not qp.access & QP_REMOTE_WRITE:
+                    raise PermissionError
+                self.target = map_remote(self.mem, self.mrs, p.remote_addr, p.rkey, p.dma_length, qp.pd,
+                                         MR_REMOTE_WRITE)
+            except (*ACCESS_ERRORS, PermissionError):
+                self._error(p, pk.NAK_REMOTE_ACCESS, RES_RX_INVALID_R_KEY)
+                return
+            self.in_msg, self.offset, self.msg_length = IN_WRITE, 0, p.dma_length
+        payload = p.payload
+        size, mtu = len(payload), qp.path_mtu
+        end = self.offset + size
+        if size > mtu or (not last and size != mtu) or end > self.msg_length or (last and end != self.msg_length):
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)
+            return
+        try:
+            self.target.write(self.offset, payload)
+        except ACCESS_ERRORS:
+            self._error(p, pk.NAK_REMOTE_ACCESS, RES_MEMORY_ERROR)
+            return
+        self.offset = end
+        self.epsn = (p.psn + 1) & PSN_MASK
+        if last:
+            self.in_msg, self.target = 0, EMPTY
+            self.msn = (self.msn + 1) & MSN_MASK
+            if imm:
+                self._complete(OK, self.msg_length, p.immediate, RDMA | IMM, p.solicited)
+        if p.ack_req:
+            self._owe_ack(p.psn)
+
+    def _read_source(self, p: pk.Packet):
+        qp = self.qp
+        if not qp.access & QP_REMOTE_READ:
+            raise PermissionError
+        return map_remote(self.mem, self.mrs, p.remote_addr, p.rkey, p.dma_length, qp.pd, MR_REMOTE_READ)
+
+    def _read(self, p: pk.Packet) -> None:
+        if self.in_msg:
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
+                        S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
+            return
+        try:
+            source = self._read_source(p)
+        except (*ACCESS_ERRORS, PermissionError):
+            self._error(p, pk.NAK_REMOTE_ACCESS, RES_RX_INVALID_R_KEY)
+            return
+        self.msn = (self.msn + 1) & MSN_MASK
+        self._respond(p.psn, source, p.dma_length)
+        self.epsn = (p.psn + max(1, -(-p.dma_length // self.qp.path_mtu))) & PSN_MASK
+
+    def _duplicate(self, p: pk.Packet) -> None:
+        """A request already executed: acknowledge again, or answer a READ again from memory as it is now."""
+        self.stats["duplicates"] += 1
+        op = p.opcode
+        if op == READ_REQUEST:
+            count = max(1, -(-p.dma_length // self.qp.path_mtu))
+            if psn_diff((p.psn + count) & PSN_MASK, self.epsn) > 0:
+                self.stats["dropped_malformed"] += 1  # claims responses beyond anything requested before
+                return
+            try:
+                source = self._read_source(p)
+            except (*ACCESS_ERRORS, PermissionError):
+                self.stats["dropped"] += 1  # the region went away since: nothing sensible to answer
+                return
+            self._respond(p.psn, source, p.dma_length)
+        elif op <= WRITE_ONLY_IMM:
+            self._owe_ack((self.epsn - 1) & PSN_MASK)
+        else:
+            self.stats["dropped"] += 1

@@ -1,0 +1,653 @@
+"""The emulated NIC's RC data path without any I/O: two firmware instances, each with its own host memory (a
+bytearray), objects created through the real RCFW commands, WQEs written into SQ memory the way a driver writes
+them, doorbells rung, and packets carried by an in-memory wire (through the real codec, with seeded loss,
+duplication and reordering when a test asks). Time is a fake clock that jumps to the engine's next deadline."""
+import random
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from aiofabric.autogen import bnxt
+from aiofabric.sim import packets as pk
+from aiofabric.sim.datapath import Datapath
+from aiofabric.sim.hwrm import NQ, Firmware, FirmwareConfig
+from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
+from aiofabric.sim.objects import NotificationQueue, PageList, QpState
+from aiofabric.sim.rcfw import PendingCommand
+
+SUCCESS = bnxt.CREQ_QP_EVENT_STATUS_SUCCESS
+Q = "CMDQ_MODIFY_QP_MODIFY_MASK_"
+MASK = {name: getattr(bnxt, Q + name) for name in (
+    "STATE", "ACCESS", "PKEY", "DGID", "PATH_MTU", "RQ_PSN", "DEST_QP_ID", "MAX_DEST_RD_ATOMIC", "MIN_RNR_TIMER",
+    "TIMEOUT", "RETRY_CNT", "RNR_RETRY", "SQ_PSN", "MAX_RD_ATOMIC")}
+MTU_CODES = {256: 0x00, 512: 0x10, 1024: 0x20, 2048: 0x30, 4096: 0x40}
+READ, WRITE, WRITE_IMM, SEND, SEND_IMM = (bnxt.SQ_BASE_WQE_TYPE_READ_WQE, bnxt.SQ_BASE_WQE_TYPE_WRITE_WQE,
+                                          bnxt.SQ_BASE_WQE_TYPE_WRITE_W_IMMEAD, bnxt.SQ_BASE_WQE_TYPE_SEND,
+                                          bnxt.SQ_BASE_WQE_TYPE_SEND_W_IMMEAD)
+RDMA_HEADER = struct.Struct("<BBBxIIIQII")
+SGE = struct.Struct("<QII")
+ALL_MR_ACCESS = 0x7  # LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE
+REQ_OK, FLUSHED = bnxt.CQ_REQ_STATUS_OK, bnxt.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
+RES_FLUSHED = bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
+
+
+class Host:
+    """One emulated NIC driven like a driver would, plus the bookkeeping a test needs to check it."""
+
+    def __init__(self, ip: str, memory: int = 8 << 20) -> None:
+        self.ip, self.mem = ip, BusMemory(bytearray(memory))
+        self.next_page = BUS_BASE
+        self.fw = Firmware(self.mem, FirmwareConfig(mac=bytes(6)))
+        self.fw.rcfw.initialized = True
+        self.dp = Datapath(self.fw, ip)
+        self.cookie = 0
+        self.creq = self.nq(4096, logical_id=0)  # long enough that tests need not return credits
+        self.fw.rcfw.creq = self.creq
+        self.cq_nq = self.nq(4096, logical_id=1)
+        self.cqs: dict[int, list] = {}  # cq id -> [pages, size, consumed]
+
+    def alloc(self, size: int) -> int:
+        start = self.next_page
+        self.next_page += -(-max(size, 1) // PAGE) * PAGE
+        return start
+
+    def nq(self, length: int, logical_id: int) -> NotificationQueue:
+        ring_id = max(self.fw.rings, default=0) + 1
+        nq = NotificationQueue(ring_id, NQ, self.mem, PageList([self.alloc(length * 16)], contiguous=True), length,
+                               logical_id, interrupts=self.fw.interrupts)
+        self.fw.rings[ring_id] = nq
+        return nq
+
+    def command(self, name: str, **fields) -> int:
+        self.cookie += 1
+        request = getattr(bnxt, f"cmdq_{name}")(opcode=getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}"),
+                                                 cookie=self.cookie, **fields)
+        answer = self.fw.rcfw.execute(PendingCommand(request.opcode, self.cookie, 0, 0, bytes(request), True))
+        assert answer[1] == SUCCESS, f"{name}: {self.fw.last_error}"
+        return int.from_bytes(answer[4:8], "little")
+
+    # -- objects -----------------------------------------------------------------------------------------------------
+    def create_cq(self, size: int = 1024) -> int:
+        pages = self.alloc(size * 32)
+        cq = self.command("create_cq", cq_handle=0xC0 + len(self.cqs), cq_size=size, cq_fco_cnq_id=self.cq_nq.ring_id,
+                          pg_size_lvl=0, pbl=pages)
+        self.cqs[cq] = [pages, size, 0]
+        return cq
+
+    def register(self, size: int, access: int = ALL_MR_ACCESS) -> tuple[int, int]:
+        """A registered region: (address = its va, key)."""
+        address = self.alloc(size)
+        key = self.command("register_mr", flags=bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR, key=1, access=access,
+                           log2_pg_size_lvl=12 << bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_SFT, log2_pbl_pg_size=12,
+                           pbl=address, va=address, mr_size=size)
+        return address, key
+
+    def create_qp(self, cq: int, sq_slots: int = 256, rq_size: int = 64, rq_sge: int = 2) -> int:
+        self.sq_slots, self.rq_size, self.rq_sge = sq_slots, rq_size, rq_sge
+        self.sq = self.alloc(sq_slots * 16 + sq_slots // 2 * 8)  # ring + MSN table
+        self.rq = self.alloc(rq_size * (32 + 16 * rq_sge))
+        qpn = self.command("create_qp", type=bnxt.CMDQ_CREATE_QP_TYPE_RC, qp_handle=0xAB00 + sq_slots,
+                           qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED, sq_size=sq_slots,
+                           sq_fwo_sq_sge=6, sq_pg_size_sq_lvl=0, sq_pbl=self.sq, rq_size=rq_size,
+                           rq_fwo_rq_sge=rq_sge, rq_pg_size_rq_lvl=0, rq_pbl=self.rq, scq_cid=cq, rcq_cid=cq, pd_id=1)
+        self.qpn, self.cq = qpn, cq
+        self.sq_producer = self.wqe_count = self.rq_producer = 0
+        return qpn
+
+    def modify(self, state: QpState, mask: int = 0, **fields) -> None:
+        self.command("modify_qp", qp_cid=self.qpn, modify_mask=MASK["STATE"] | mask,
+                     network_type_en_sqd_async_notify_new_state=state | bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_ROCEV2_IPV4,
+                     **fields)
+
+    def connect(self, peer: "Host", *, mtu: int = 1024, sq_psn: int = 0x1000, rq_psn: int = 0x2000,
+                timeout: int = 10, retry_cnt: int = 7, rnr_retry: int = 7, rts: bool = True) -> None:
+        m = MASK
+        self.modify(QpState.INIT, m["ACCESS"] | m["PKEY"], access=7, pkey=0xFFFF)
+        gid = bytes(10) + b"\xff\xff" + bytes(map(int, peer.ip.split(".")))
+        self.modify(QpState.RTR, m["DGID"] | m["PATH_MTU"] | m["RQ_PSN"] | m["DEST_QP_ID"] | m["MAX_DEST_RD_ATOMIC"]
+                    | m["MIN_RNR_TIMER"], dgid=struct.unpack("<4I", gid), dest_qp_id=peer.qpn, rq_psn=rq_psn,
+                    path_mtu_pingpong_push_enable=MTU_CODES[mtu], max_dest_rd_atomic=4, min_rnr_timer=1)
+        if rts:
+            self.rts(sq_psn, timeout, retry_cnt, rnr_retry)
+
+    def rts(self, sq_psn: int = 0x1000, timeout: int = 10, retry_cnt: int = 7, rnr_retry: int = 7) -> None:
+        m = MASK
+        self.modify(QpState.RTS, m["TIMEOUT"] | m["RETRY_CNT"] | m["RNR_RETRY"] | m["SQ_PSN"] | m["MAX_RD_ATOMIC"],
+                    timeout=timeout, retry_cnt=retry_cnt, rnr_retry=rnr_retry, sq_psn=sq_psn, max_rd_atomic=4)
+
+    # -- work requests -----------------------------------------------------------------------------------------------
+    def post(self, kind: int, sges: list[tuple[int, int, int]], *, remote: int = 0, rkey: int = 0, imm: int = 0,
+             signaled: bool = True, length: int | None = None, ring: bool = True) -> int:
+        """Write one WQE (32-byte header + SGE slots, each slot wrapping on its own) and ring the SQ doorbell."""
+        length = sum(size for _, _, size in sges) if length is None else length
+        slots = 2 + len(sges)
+        header = RDMA_HEADER.pack(kind, bnxt.SQ_SEND_FLAGS_SIGNAL_COMP if signaled else 0, slots, imm, length, 0,
+                                  remote, rkey, 0)
+        data = header + b"".join(SGE.pack(*sge) for sge in sges)
+        for i in range(slots):
+            self.mem.write(self.sq + (self.sq_producer + i) % self.sq_slots * 16, data[i * 16:i * 16 + 16])
+        self.sq_producer += slots
+        self.wqe_count += 1
+        if ring:
+            self.ring_sq()
+        return self.wqe_count
+
+    def ring_sq(self) -> None:
+        self.doorbell(bnxt.DBC_DBC_TYPE_SQ, self.sq_producer % self.sq_slots, self.sq_producer // self.sq_slots & 1)
+
+    def post_recv(self, sges: list[tuple[int, int, int]], tag: int) -> None:
+        stride = 32 + 16 * self.rq_sge
+        wqe = struct.pack("<BBBxxxxxII16x", bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, stride // 16, tag, 0)
+        wqe += b"".join(SGE.pack(*sge) for sge in sges)
+        self.mem.write(self.rq + self.rq_producer % self.rq_size * stride, wqe.ljust(stride, b"\0"))
+        self.rq_producer += 1
+        self.doorbell(bnxt.DBC_DBC_TYPE_RQ, self.rq_producer % self.rq_size, self.rq_producer // self.rq_size & 1)
+
+    def doorbell(self, kind: int, index: int, epoch: int) -> None:
+        high = self.qpn | bnxt.DBC_DBC_PATH_ROCE | kind | bnxt.DBC_DBC_VALID
+        self.fw.doorbell(self.fw.roce_db_offset, high << 32 | index | epoch << 24)
+
+    def poll(self) -> list[tuple]:
+        """New CQEs: ("req", status, sq_cons_idx, handle) or ("res", status, length, imm, flags, wr_id)."""
+        found = []
+        for cq_id, entry in self.cqs.items():
+            pages, size, consumed = entry
+            while True:
+                lap, slot = divmod(consumed, size)
+                cqe = self.mem.read(pages + slot * 32, 32)
+                if cqe[24] & 1 != 1 - lap % 2:
+                    break
+                consumed += 1
+                if cqe[24] & 0x1E == bnxt.CQ_BASE_CQE_TYPE_REQ:
+                    handle, index = struct.unpack_from("<QH", cqe)
+                    found.append(("req", cqe[25], index, handle))
+                else:
+                    length, imm, handle = struct.unpack_from("<IIQ", cqe)
+                    flags, wr_id = struct.unpack_from("<HI", cqe, 26)
+                    found.append(("res", cqe[25], length, imm, flags, wr_id))
+            entry[2] = consumed
+            self.fw.rcfw.cqs[cq_id].consumed = consumed
+        return found
+
+    def creq_events(self) -> list[bytes]:
+        entries = [self.mem.read(self.creq.pages.address(i % self.creq.length * 16), 16)
+                   for i in range(self.creq.produced)]
+        return [e for e in entries if e[9] == bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION]
+
+
+class Wire:
+    """Carries packets between hosts through the real codec, with seeded faults; a fake clock drives the engines."""
+
+    def __init__(self, *hosts: Host, loss: float = 0.0, dup: float = 0.0, reorder: float = 0.0, seed: int = 0,
+                 black_hole: bool = False) -> None:
+        self.hosts = {host.ip: host for host in hosts}
+        self.loss, self.dup, self.reorder, self.black_hole = loss, dup, reorder, black_hole
+        self.random = random.Random(seed)
+        self.now = 0.0
+        self.log: list[pk.Packet] = []  # every packet put on the wire
+
+    def step(self) -> bool:
+        """One round: doorbells, timers, transmission, delivery. False when nothing happened."""
+        busy = False
+        for host in self.hosts.values():
+            host.dp.doorbells(self.now)
+            host.dp.advance(self.now)
+            host.dp.pump(self.now)
+        for host in self.hosts.values():
+            batch = {}
+            for packet in host.dp.take_outbox():
+                busy = True
+                self.log.append(packet)
+                if self.black_hole or self.random.random() < self.loss:
+                    continue
+                copies = 2 if self.random.random() < self.dup else 1
+                wire = pk.encode(packet)
+                for _ in range(copies):
+                    batch.setdefault(packet.dst_ip, []).append(
+                        pk.decode(wire, packet.src_ip, packet.dst_ip, packet.src_port))
+            for ip, packets in batch.items():
+                if self.reorder:
+                    for i in range(len(packets) - 1):
+                        if self.random.random() < self.reorder:
+                            packets[i], packets[i + 1] = packets[i + 1], packets[i]
+                self.hosts[ip].dp.receive(packets, self.now)
+        return busy
+
+    def run(self, until=None, max_time: float = 60.0, max_steps: int = 100_000) -> None:
+        """Step until `until()` is true or nothing is left to do; the clock jumps to the next deadline when idle."""
+        for _ in range(max_steps):
+            if until is not None and until():
+                return
+            if self.step():
+                continue
+            deadlines = [d for host in self.hosts.values() if (d := host.dp.next_deadline()) is not None]
+            if not deadlines:
+                return
+            self.now = max(self.now, min(deadlines))
+            if self.now > max_time:
+                return
+        raise AssertionError("the wire did not settle")
+
+
+def pair(mtu: int = 1024, loss: float = 0.0, dup: float = 0.0, reorder: float = 0.0, seed: int = 0,
+         sq_slots: int = 256, sq_psn: int = 0x1000, rq_psn: int = 0x2000, **connect):
+    a, b = Host("127.0.0.2"), Host("127.0.0.3")
+    for host in (a, b):
+        host.create_qp(host.create_cq(), sq_slots=sq_slots)
+    a.connect(b, mtu=mtu, sq_psn=sq_psn, rq_psn=rq_psn, **connect)
+    b.connect(a, mtu=mtu, sq_psn=rq_psn, rq_psn=sq_psn, **connect)
+    return a, b, Wire(a, b, loss=loss, dup=dup, reorder=reorder, seed=seed)
+
+
+def fill(host: Host, address: int, size: int, seed: int) -> bytes:
+    data = random.Random(seed).randbytes(size)
+    host.mem.write(address, data)
+    return data
+
+
+# -- transfers -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mtu", [1024, 4096])
+def test_write_lands_exactly(mtu):
+    a, b, wire = pair(mtu=mtu)
+    src, lkey = a.register(1 << 16)
+    dst, rkey = b.register(1 << 16)
+    data = fill(a, src, 1 << 16, 1)
+    for size in (0, 1, 61, 4096, 10000):
+        b.mem.write(dst, bytes(1 << 15))
+        index = a.post(WRITE, [(src, lkey, size)], remote=dst + 7, rkey=rkey)
+        wire.run()
+        assert a.poll() == [("req", REQ_OK, index, a.fw.rcfw.qps[a.qpn].handle)]
+        assert b.mem.read(dst + 7, size) == data[:size]
+        assert not any(b.mem.read(dst, 7)) and not any(b.mem.read(dst + 7 + size, 64))
+        assert b.poll() == []  # a plain WRITE completes nothing at the responder
+    packets = [p for p in wire.log if p.opcode != pk.Op.ACKNOWLEDGE]
+    assert len(packets) == sum(max(1, -(-size // mtu)) for size in (0, 1, 61, 4096, 10000))
+    assert all(p.ack_req for p in packets if p.opcode in (pk.Op.RDMA_WRITE_LAST, pk.Op.RDMA_WRITE_ONLY))
+    assert a.dp.stats["retransmits"] == 0
+
+
+def test_write_opcodes_reth_and_psns():
+    a, b, wire = pair(mtu=1024, sq_psn=0x10)
+    src, lkey = a.register(8192)
+    dst, rkey = b.register(8192)
+    a.post(WRITE, [(src, lkey, 3000)], remote=dst, rkey=rkey)
+    wire.run()
+    requests = [p for p in wire.log if p.src_ip == a.ip]
+    assert [(p.opcode, p.psn, p.ack_req, len(p.payload)) for p in requests] == [
+        (pk.Op.RDMA_WRITE_FIRST, 0x10, False, 1024), (pk.Op.RDMA_WRITE_MIDDLE, 0x11, False, 1024),
+        (pk.Op.RDMA_WRITE_LAST, 0x12, True, 952)]
+    assert (requests[0].remote_addr, requests[0].rkey, requests[0].dma_length) == (dst, rkey, 3000)
+    assert requests[0].dest_qp == b.qpn and requests[0].src_port == pk.udp_source_port(a.qpn, b.qpn)
+    acks = [p for p in wire.log if p.src_ip == b.ip]
+    assert [(p.opcode, p.psn, p.syndrome, p.msn) for p in acks] == [(pk.Op.ACKNOWLEDGE, 0x12, 0x1F, 1)]
+
+
+def test_ack_request_every_64_packets():
+    a, b, wire = pair(mtu=256)
+    src, lkey = a.register(1 << 16)
+    dst, rkey = b.register(1 << 16)
+    a.post(WRITE, [(src, lkey, 200 * 256)], remote=dst, rkey=rkey)
+    wire.run()
+    requests = [p for p in wire.log if p.src_ip == a.ip]
+    assert len(requests) == 200 and len({p.psn for p in requests}) == 200
+    assert [i for i, p in enumerate(requests) if p.ack_req] == [63, 127, 191, 199]
+    assert a.poll()[0][1] == REQ_OK
+
+
+def test_read():
+    a, b, wire = pair(mtu=512)
+    local, lkey = a.register(8192)
+    remote, rkey = b.register(8192)
+    data = fill(b, remote, 8192, 2)
+    index = a.post(READ, [(local + 100, lkey, 1000), (local + 2000, lkey, 2000)], remote=remote + 200, rkey=rkey)
+    wire.run()
+    assert a.poll() == [("req", REQ_OK, index, a.fw.rcfw.qps[a.qpn].handle)]
+    assert a.mem.read(local + 100, 1000) == data[200:1200]
+    assert a.mem.read(local + 2000, 2000) == data[1200:3200]
+    responses = [p.opcode for p in wire.log if p.src_ip == b.ip]
+    assert responses == [pk.Op.RDMA_READ_RESPONSE_FIRST] + [pk.Op.RDMA_READ_RESPONSE_MIDDLE] * 4 + \
+        [pk.Op.RDMA_READ_RESPONSE_LAST]
+    assert b.poll() == []
+
+
+def test_read_needs_local_write_on_the_landing_region():
+    a, b, wire = pair()
+    local, lkey = a.register(4096, access=bnxt.CMDQ_REGISTER_MR_ACCESS_REMOTE_READ)
+    remote, rkey = b.register(4096)
+    a.post(READ, [(local, lkey, 100)], remote=remote, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [bnxt.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR]
+    assert a.fw.rcfw.qps[a.qpn].state == QpState.ERR
+
+
+def test_send_into_posted_receives():
+    a, b, wire = pair(mtu=512)
+    src, lkey = a.register(8192)
+    inbox, inbox_key = b.register(8192)
+    data = fill(a, src, 8192, 3)
+    b.post_recv([(inbox, inbox_key, 1000), (inbox + 4096, inbox_key, 1000)], tag=0x11)
+    b.post_recv([(inbox + 2048, inbox_key, 64)], tag=0x12)
+    a.post(SEND, [(src, lkey, 1500)])
+    a.post(SEND_IMM, [(src + 3000, lkey, 61)], imm=0xCAFEBABE)
+    wire.run()
+    assert [c[:2] for c in a.poll()] == [("req", REQ_OK)] * 2
+    assert b.poll() == [("res", 0, 1500, 0, 0, 0x11), ("res", 0, 61, 0xCAFEBABE, bnxt.CQ_RES_RC_FLAGS_IMM, 0x12)]
+    assert b.mem.read(inbox, 1000) == data[:1000] and b.mem.read(inbox + 4096, 500) == data[1000:1500]
+    assert b.mem.read(inbox + 2048, 61) == data[3000:3061]
+    imm_packets = [p for p in wire.log if p.opcode == pk.Op.SEND_ONLY_WITH_IMMEDIATE]
+    assert imm_packets[0].immediate == 0xCAFEBABE
+    assert pk.encode(imm_packets[0])[12:16] == bytes.fromhex("cafebabe")  # ImmDt is big-endian on the wire
+
+
+def test_write_with_immediate_consumes_a_receive():
+    a, b, wire = pair(mtu=1024)
+    src, lkey = a.register(8192)
+    dst, rkey = b.register(8192)
+    data = fill(a, src, 8192, 4)
+    b.post_recv([], tag=0x77)
+    a.post(WRITE_IMM, [(src, lkey, 5000)], remote=dst, rkey=rkey, imm=0x01020304)
+    wire.run()
+    assert [c[:2] for c in a.poll()] == [("req", REQ_OK)]
+    flags = bnxt.CQ_RES_RC_FLAGS_RDMA | bnxt.CQ_RES_RC_FLAGS_IMM
+    assert b.poll() == [("res", 0, 5000, 0x01020304, flags, 0x77)]
+    assert b.mem.read(dst, 5000) == data[:5000]
+
+
+def test_unsignaled_wqes_are_retired_by_a_later_cqe():
+    a, b, wire = pair()
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    for i in range(5):
+        a.post(WRITE, [(src, lkey, 64)], remote=dst + 64 * i, rkey=rkey, signaled=i == 4, ring=False)
+    a.ring_sq()  # one doorbell, five WQEs
+    wire.run()
+    assert [(c[1], c[2]) for c in a.poll()] == [(REQ_OK, 5)]
+
+
+def test_wqe_straddling_the_sq_ring_end():
+    a, b, wire = pair(sq_slots=256)
+    src, lkey = a.register(1 << 16)
+    dst, rkey = b.register(1 << 16)
+    data = fill(a, src, 1 << 16, 5)
+    done = []
+    for i in range(150):  # 3- and 4-slot WQEs: headers and SGEs land on both sides of the wrap, again and again
+        sges = [(src + 100 * i, lkey, 50)] + ([(src + 100 * i + 50, lkey, 50)] if i % 2 else [])
+        a.post(WRITE, sges, remote=dst + 100 * i, rkey=rkey)
+        wire.run()
+        done += a.poll()
+    assert [c[1:3] for c in done] == [(REQ_OK, i + 1) for i in range(150)]
+    assert a.sq_producer > 2 * 256
+    for i in range(150):
+        size = 100 if i % 2 else 50
+        assert b.mem.read(dst + 100 * i, size) == data[100 * i:100 * i + size]
+
+
+def test_sq_cons_idx_is_free_running_mod_2_16():
+    a, b, wire = pair(sq_slots=256)
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    a.dp.context(a.qpn).requester.fetched = 0xFFFE  # as if 65534 WQEs had gone before
+    for _ in range(3):
+        a.post(WRITE, [(src, lkey, 8)], remote=dst, rkey=rkey)
+    wire.run()
+    assert [c[2] for c in a.poll()] == [0xFFFF, 0, 1]
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+def test_bad_rkey_fails_the_wqe_and_flushes_the_rest():
+    a, b, wire = pair()
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey)
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey ^ 0x100)  # no such key
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)
+    a.post(READ, [(src, lkey, 64)], remote=dst, rkey=rkey)
+    wire.run()
+    assert [c[1:3] for c in a.poll()] == [(REQ_OK, 1), (bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR, 2), (FLUSHED, 3),
+                                          (FLUSHED, 4)]
+    assert a.fw.rcfw.qps[a.qpn].state == QpState.ERR
+    assert len(a.creq_events()) == 1 and int.from_bytes(a.creq_events()[0][4:8], "little") == a.qpn
+    assert b.fw.rcfw.qps[b.qpn].state == QpState.ERR  # class C error: the responder QP fails too
+    # WQEs posted to a QP in ERR complete FLUSHED at once
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)
+    wire.run()
+    assert [c[1:3] for c in a.poll()] == [(FLUSHED, 5)]
+    assert [p.syndrome for p in wire.log if p.src_ip == b.ip][-1] == pk.NAK_REMOTE_ACCESS
+
+
+def test_write_beyond_the_region_is_a_remote_access_error():
+    a, b, wire = pair()
+    src, lkey = a.register(8192)
+    dst, rkey = b.register(4096)
+    a.post(WRITE, [(src, lkey, 200)], remote=dst + 4000, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR]
+    assert not any(b.mem.read(dst, 4096))
+
+
+def test_bad_lkey_is_a_local_protection_error():
+    a, b, wire = pair()
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)
+    a.post(WRITE, [(src, lkey + 0x100, 64)], remote=dst, rkey=rkey)
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey)
+    wire.run()
+    assert [c[1:3] for c in a.poll()] == [(bnxt.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, 2), (FLUSHED, 3)]
+    assert a.fw.rcfw.qps[a.qpn].state == QpState.ERR
+    assert b.fw.rcfw.qps[b.qpn].state == QpState.RTS
+
+
+def test_send_larger_than_the_receive_is_a_length_error():
+    a, b, wire = pair()
+    src, lkey = a.register(4096)
+    inbox, key = b.register(4096)
+    b.post_recv([(inbox, key, 100)], tag=1)
+    b.post_recv([(inbox, key, 100)], tag=2)
+    a.post(SEND, [(src, lkey, 200)])
+    wire.run()
+    assert [c[1] for c in a.poll()] == [bnxt.CQ_REQ_STATUS_REMOTE_INVALID_REQUEST_ERR]
+    assert b.poll() == [("res", bnxt.CQ_RES_RC_STATUS_LOCAL_LENGTH_ERR, 0, 0, 0, 1), ("res", RES_FLUSHED, 0, 0, 0, 2)]
+
+
+def test_send_with_empty_rq_gets_rnr_nak_then_succeeds():
+    a, b, wire = pair()
+    src, lkey = a.register(4096)
+    inbox, key = b.register(4096)
+    fill(a, src, 4096, 6)
+    a.post(SEND, [(src, lkey, 3000)])
+    wire.run(until=lambda: any(p.syndrome & 0x60 == pk.RNR_NAK for p in wire.log if p.opcode == pk.Op.ACKNOWLEDGE))
+    assert a.poll() == [] and b.poll() == []
+    started = wire.now
+    b.post_recv([(inbox, key, 4096)], tag=9)
+    wire.run()
+    assert [c[:2] for c in a.poll()] == [("req", REQ_OK)]
+    assert b.poll() == [("res", 0, 3000, 0, 0, 9)]
+    assert b.mem.read(inbox, 3000) == a.mem.read(src, 3000)
+    assert wire.now - started >= pk.RNR_TIMER_US[1] * 1e-6 * 0.99  # waited for the RNR timer (min_rnr_timer 1)
+    assert b.dp.stats["rnr_naks"] >= 1 and a.dp.stats["rnr_naks_received"] >= 1
+
+
+def test_rnr_retries_exhausted():
+    a, b, wire = pair(rnr_retry=2)
+    src, lkey = a.register(4096)
+    a.post(SEND, [(src, lkey, 10)])
+    wire.run()
+    assert [c[1] for c in a.poll()] == [bnxt.CQ_REQ_STATUS_RNR_NAK_RETRY_CNT_ERR]
+    assert b.dp.stats["rnr_naks"] == 3
+
+
+def test_retry_exhaustion_on_a_black_hole():
+    a, b, wire = pair(timeout=1, retry_cnt=3)
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    a.post(WRITE, [(src, lkey, 3000)], remote=dst, rkey=rkey)
+    a.post(WRITE, [(src, lkey, 10)], remote=dst, rkey=rkey, signaled=False)
+    wire.black_hole = True
+    wire.run()
+    assert [c[1] for c in a.poll()] == [bnxt.CQ_REQ_STATUS_TRANSPORT_RETRY_CNT_ERR, FLUSHED]
+    interval = 4.096e-6 * 2
+    assert a.dp.stats["timeouts"] == 4 and wire.now == pytest.approx(4 * interval)
+    assert len([p for p in wire.log if p.src_ip == a.ip]) == 4 * 4  # the original and three retries of 4 packets
+    assert a.fw.rcfw.qps[a.qpn].state == QpState.ERR and len(a.creq_events()) == 1
+
+
+def test_lost_packet_is_recovered_by_nak_sequence():
+    a, b, wire = pair(mtu=256)
+    src, lkey = a.register(8192)
+    dst, rkey = b.register(8192)
+    data = fill(a, src, 8192, 7)
+    original = b.dp.receive
+    dropped = []
+
+    def lose_third_packet(packets, now):
+        keep = [p for p in packets if not (p.psn == 0x1002 and not dropped and not dropped.append(p))]
+        original(keep, now)
+    b.dp.receive = lose_third_packet
+    a.post(WRITE, [(src, lkey, 2000)], remote=dst, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] and b.mem.read(dst, 2000) == data[:2000]
+    naks = [p for p in wire.log if p.opcode == pk.Op.ACKNOWLEDGE and p.syndrome == pk.NAK_PSN_SEQ]
+    assert [p.psn for p in naks] == [0x1002]  # one NAK for the gap, the rest dropped quietly
+    assert a.dp.stats["timeouts"] == 0 and a.dp.stats["retransmits"] == 6
+
+
+def test_acks_are_coalesced_per_receive_batch():
+    a, b, wire = pair()
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    for i in range(20):
+        a.post(WRITE, [(src, lkey, 8)], remote=dst + 8 * i, rkey=rkey, signaled=False, ring=False)
+    a.post(WRITE, [(src, lkey, 8)], remote=dst + 160, rkey=rkey)
+    a.ring_sq()
+    wire.run()
+    acks = [p for p in wire.log if p.opcode == pk.Op.ACKNOWLEDGE]
+    assert len(acks) == 1 and acks[0].msn == 21
+    assert [c[1:3] for c in a.poll()] == [(REQ_OK, 21)]
+
+
+def test_psn_wraps_at_2_24():
+    a, b, wire = pair(mtu=256, sq_psn=0xFFFFF0, rq_psn=0xFFFFFE, loss=0.1, seed=3)
+    src, lkey = a.register(1 << 16)
+    dst, rkey = b.register(1 << 16)
+    data = fill(a, src, 1 << 16, 8)
+    for i in range(4):
+        a.post(WRITE, [(src + 8192 * i, lkey, 8000)], remote=dst + 8192 * i, rkey=rkey)
+    a.post(READ, [(src + 40000, lkey, 3000)], remote=dst, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] * 5
+    for i in range(4):
+        assert b.mem.read(dst + 8192 * i, 8000) == data[8192 * i:8192 * i + 8000]
+    assert a.mem.read(src + 40000, 3000) == data[:3000]
+    assert a.dp.contexts[a.qpn].requester.next_psn == (0xFFFFF0 + 4 * 32 + 12) & 0xFFFFFF
+    assert min(p.psn for p in wire.log if p.src_ip == a.ip) == 0
+
+
+def test_modify_qp_to_err_flushes_everything():
+    a, b, wire = pair()
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    wire.black_hole = True
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)
+    a.post(READ, [(src, lkey, 64)], remote=dst, rkey=rkey)
+    a.post_recv([(src, lkey, 64)], tag=5)
+    wire.step()
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)  # still on the ring
+    a.modify(QpState.ERR)
+    flushed = a.poll()
+    assert sorted(c[1:3] for c in flushed if c[0] == "req") == [(FLUSHED, 1), (FLUSHED, 2), (FLUSHED, 3)]
+    assert [c for c in flushed if c[0] == "res"] == [("res", RES_FLUSHED, 0, 0, 0, 5)]
+    assert a.creq_events() == []  # the driver asked for ERR: no error event
+    a.post_recv([(src, lkey, 64)], tag=6)
+    a.dp.doorbells(wire.now)
+    assert a.poll() == [("res", RES_FLUSHED, 0, 0, 0, 6)]
+    a.modify(QpState.RESET)
+    assert a.qpn not in a.dp.contexts
+
+
+def test_wqes_posted_before_rts_wait_for_it():
+    a, b = Host("127.0.0.2"), Host("127.0.0.3")
+    for host in (a, b):
+        host.create_qp(host.create_cq())
+    a.connect(b, rts=False)
+    b.connect(a, sq_psn=0x2000, rq_psn=0x1000)
+    wire = Wire(a, b)
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    fill(a, src, 4096, 9)
+    a.post(WRITE, [(src, lkey, 100)], remote=dst, rkey=rkey)
+    wire.run()
+    assert a.poll() == [] and not any(b.mem.read(dst, 100))
+    a.rts()
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] and b.mem.read(dst, 100) == a.mem.read(src, 100)
+
+
+def test_bad_packets_are_dropped_or_nakked_not_raised():
+    a, b, wire = pair()
+    dst, rkey = b.register(4096)
+    ctx = a.dp.context(a.qpn)
+    _, pkey, src_ip, dst_ip, sport, _, _ = ctx.address
+    mess = [pk.Packet(pk.Op.ACKNOWLEDGE, a.qpn, 0x123, syndrome=0x1F),  # acks nothing ever sent
+            pk.Packet(pk.Op.RDMA_READ_RESPONSE_ONLY, a.qpn, 0x1000, payload=b"x"),
+            pk.Packet(pk.Op.RDMA_WRITE_ONLY, 0xFFFF, 0, payload=b"x"),  # no such QP
+            pk.Packet(pk.Op.RDMA_WRITE_MIDDLE, b.qpn, 0x1000, payload=b"x" * 1024)]  # MIDDLE without FIRST
+    for p in mess:
+        p.src_ip, p.dst_ip, p.src_port = src_ip, dst_ip, sport
+    b.dp.receive(mess[2:], 0.0)
+    a.dp.receive(mess[:2], 0.0)
+    assert a.dp.stats["internal_errors"] == b.dp.stats["internal_errors"] == 0
+    assert b.dp.stats["dropped_no_qp"] == 1
+    assert [p.syndrome for p in b.dp.take_outbox()] == [pk.NAK_INVALID_REQUEST]
+    assert b.fw.rcfw.qps[b.qpn].state == QpState.ERR
+
+
+# -- faults ----------------------------------------------------------------------------------------------------------
+OPERATIONS = st.lists(st.tuples(st.sampled_from(["write", "read", "send", "write_imm"]), st.integers(0, 9000),
+                                st.booleans()), min_size=1, max_size=40)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations=OPERATIONS, seed=st.integers(0, 1 << 16), mtu=st.sampled_from([256, 1024, 4096]),
+       faults=st.sampled_from([(0.1, 0.1, 0.2), (0.15, 0.0, 0.0), (0.0, 0.3, 0.3), (0.05, 0.05, 0.5)]))
+def test_every_byte_arrives_once_under_faults(operations, seed, mtu, faults):
+    loss, dup, reorder = faults
+    a, b, wire = pair(mtu=mtu, loss=loss, dup=dup, reorder=reorder, seed=seed, timeout=3)
+    size = 10000 * (len(operations) + 1)
+    src, lkey = a.register(size)
+    dst, rkey = b.register(size)
+    local = fill(a, src, size, seed)
+    remote = fill(b, dst, size, seed + 1)
+    expected_local, expected_remote = bytearray(local), bytearray(remote)
+    receives = 0
+    for i, (kind, length, signaled) in enumerate(operations):
+        slot = 10000 * i
+        if kind == "read":
+            a.post(READ, [(src + slot, lkey, length)], remote=dst + slot, rkey=rkey, signaled=signaled)
+            expected_local[slot:slot + length] = expected_remote[slot:slot + length]
+        elif kind in ("send", "write_imm"):
+            b.post_recv([(dst + slot, rkey, 10000)], tag=i)
+            receives += 1
+            if kind == "send":
+                a.post(SEND, [(src + slot, lkey, length)], signaled=signaled)
+            else:
+                a.post(WRITE_IMM, [(src + slot, lkey, length)], remote=dst + slot, rkey=rkey, imm=i,
+                       signaled=signaled)
+            expected_remote[slot:slot + length] = expected_local[slot:slot + length]
+        else:
+            a.post(WRITE, [(src + slot, lkey, length)], remote=dst + slot, rkey=rkey, signaled=signaled)
+            expected_remote[slot:slot + length] = expected_local[slot:slot + length]
+    a.post(WRITE, [(src, lkey, 0)], remote=dst, rkey=rkey)  # a final signaled WQE retires everything before it
+    wire.run(max_time=600)
+    requester = [c for c in a.poll() if c[0] == "req"]
+    assert all(c[1] == REQ_OK for c in requester), (requester, a.dp.stats, b.dp.stats)
+    assert [c[2] for c in requester] == [i + 1 for i, op in enumerate(operations) if op[2]] + [len(operations) + 1]
+    responder = b.poll()
+    assert [(c[1], c[5]) for c in responder] == [(0, i) for i, op in enumerate(operations)
+                                                 if op[0] in ("send", "write_imm")]
+    assert len(responder) == receives
+    assert a.mem.read(src, size) == bytes(expected_local)
+    assert b.mem.read(dst, size) == bytes(expected_remote)
+    assert a.fw.rcfw.qps[a.qpn].state == b.fw.rcfw.qps[b.qpn].state == QpState.RTS
+    assert a.dp.stats["internal_errors"] == b.dp.stats["internal_errors"] == 0
