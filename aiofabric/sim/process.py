@@ -1,8 +1,20 @@
-"""The emulated NIC's process: the I/O shell around the sans-IO firmware.
+"""The emulated NIC's process: the I/O shell around the sans-IO firmware and data path.
 
 Started by `SimPCIDevice` as `python -m aiofabric.sim.process CONFIG_JSON`. It reads MMIO kicks in order, runs
-firmware commands one at a time at the configured latency, writes responses into host memory and fires MSI-X
-eventfds. It exits when the driver closes the kick socket, and (PR_SET_PDEATHSIG) when the driver process dies.
+firmware commands one at a time at the configured latency, writes responses into host memory, runs the RoCE data
+path (datapath.py) between doorbells, the wire and its timers, and fires MSI-X eventfds. It blocks in select() when
+there is nothing to do. It exits when the driver closes the kick socket, and (PR_SET_PDEATHSIG) when the driver
+process dies.
+
+Config keys (JSON): name, bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds (from SimPCIDevice); mac; fw_latency_us;
+ip (the NIC's IPv4 address; without one the NIC only has its PHY loopback); transport ("udp" default, or "raw");
+loss, dup, reorder, corrupt (wire fault probabilities) and seed; pcap (a file that gets every packet sent).
+While port_phy_cfg selects LPBK_LOCAL, packets go through an in-process loopback transport instead of the wire.
+
+Debug "stats" reply: the shell's counters (hwrm, rcfw, kicks, interrupts, ...), the firmware's, the data path's
+(packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts, ...; see
+Datapath.stats), `dropped` = every packet dropped on receive (bad ICRC and malformed datagrams included),
+`dropped_icrc`, and the transports' own counters prefixed with "wire_" (wire_sent, wire_lost, wire_corrupted, ...).
 """
 from __future__ import annotations
 
@@ -18,9 +30,12 @@ import sys
 import time
 
 from ..autogen import bnxt
+from .datapath import Datapath
 from .host import CONFIG_SPACE, KICK
 from .hwrm import Firmware, FirmwareConfig
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
+from .pcap import PcapWriter
+from .wire import Faults, Transport, open_transport
 
 log = logging.getLogger("aiofabric.sim")
 
@@ -30,6 +45,9 @@ RCFW_BASE = bnxt.RCFW_COMM_BASE_OFFSET
 RCFW_TRIGGER = RCFW_BASE + bnxt.RCFW_COMM_TRIG_OFFSET
 PR_SET_PDEATHSIG, PR_SET_TIMERSLACK = 1, 29
 DEFAULT_LATENCY_US = 30.0
+RX_BUDGET = 256  # packets taken off a transport per round
+TX_BUDGET = 256  # request packets generated per round
+MAX_ROUNDS = 64  # rounds of receive/transmit before the loop looks at kicks and the debug channel again
 
 
 def _prctl(option: int, value: int) -> None:
@@ -65,19 +83,102 @@ class Emulator:
         self.partial = b""
         self.debug_buffer = b""
         self.running = True
+        self.ip = config.get("ip")
+        self.datapath = Datapath(self.fw, self.ip or "0.0.0.0")
+        faults = {name: config.get(name, 0.0) for name in ("loss", "dup", "reorder", "corrupt")}
+        self.pcap = PcapWriter(config["pcap"]) if config.get("pcap") else None
+        self.wire: Transport | None = None
+        if self.ip:
+            self.wire = open_transport(config.get("transport", "udp"), self.ip, pcap=self.pcap,
+                                       faults=Faults(**faults, seed=config.get("seed", 0)))
+        self.loopback = open_transport("loopback", self.ip or "127.0.0.1", pcap=self.pcap,
+                                       faults=Faults(**faults, seed=config.get("seed", 0)))
 
     # -- main loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self.kick, selectors.EVENT_READ, self.on_kick)
         selector.register(self.debug, selectors.EVENT_READ, self.on_debug)
-        while self.running:
-            for key, _ in selector.select():
-                key.data()
-                if not self.running:
-                    break
-            self.run_rcfw()
-            self.fire_interrupts()
+        if self.wire is not None and self.wire.fileno() is not None:
+            selector.register(self.wire.fileno(), selectors.EVENT_READ, lambda: None)  # service() reads it
+        try:
+            while self.running:
+                for key, _ in selector.select(self.timeout()):
+                    key.data()
+                    if not self.running:
+                        break
+                self.run_rcfw()
+                self.service()
+                self.fire_interrupts()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for transport in (self.wire, self.loopback):
+            if transport is not None:
+                transport.close()
+        if self.pcap is not None:
+            self.pcap.close()
+
+    # -- data path -------------------------------------------------------------------------------------------------
+    @property
+    def port(self) -> Transport:
+        """Where packets go: the PHY loopback while port_phy_cfg asks for it (or without an address), else the wire."""
+        if self.wire is None or self.fw.loopback == bnxt.PORT_PHY_CFG_REQ_LPBK_LOCAL:
+            return self.loopback
+        return self.wire
+
+    def timeout(self) -> float | None:
+        """How long select() may block: until the data path's next timer or a held (reordered) packet is due."""
+        deadlines = [self.datapath.next_deadline()]
+        deadlines += [transport.flush_deadline for transport in (self.wire, self.loopback) if transport is not None]
+        deadlines = [d for d in deadlines if d is not None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def service(self) -> None:
+        """Doorbells, received packets, timers and transmission, round after round until nothing moves."""
+        dp, port = self.datapath, self.port
+        transports = [t for t in (self.wire, self.loopback) if t is not None]
+        for _ in range(MAX_ROUNDS):
+            now = time.monotonic()
+            dp.doorbells(now)
+            moved = 0
+            for transport in transports:
+                packets = transport.receive(RX_BUDGET)
+                if packets:
+                    moved += len(packets)
+                    dp.receive(packets, now)
+            dp.advance(now)
+            dp.pump(now, TX_BUDGET)
+            outbox = dp.take_outbox()
+            if outbox:
+                moved += len(outbox)
+                send = port.send
+                for packet in outbox:
+                    send(packet)
+            if self.fw.interrupts:
+                self.fire_interrupts()
+            if not moved:
+                break
+        for transport in transports:
+            deadline = transport.flush_deadline
+            if deadline is not None and deadline <= time.monotonic():
+                transport.flush()
+
+    def wire_stats(self) -> dict[str, int]:
+        dp = self.datapath.stats
+        stats = {name: dp[name] for name in ("packets_sent", "packets_received", "retransmits", "acks", "naks",
+                                             "duplicates", "timeouts", "rnr_naks", "out_of_sequence")}
+        counters = [t.counters for t in (self.wire, self.loopback) if t is not None]
+        icrc = sum(c["dropped_icrc"] for c in counters)
+        stats.update(dp, dropped=dp["dropped"] + icrc + sum(c["dropped_malformed"] for c in counters),
+                     dropped_icrc=icrc)
+        for c in counters:
+            for name, value in c.items():
+                stats[f"wire_{name}"] = stats.get(f"wire_{name}", 0) + value
+        return stats
 
     def on_kick(self, blocking: bool = True) -> None:
         try:
@@ -180,7 +281,10 @@ class Emulator:
         if op == "objects":
             return {"objects": self.fw.objects()}
         if op == "stats":
-            return {"stats": {**self.stats, **self.fw.stats}}
+            return {"stats": {**self.stats, **self.fw.stats, **self.wire_stats()}}
+        if op == "datapath":
+            return {"qps": self.datapath.describe(), "now": time.monotonic(), "timers": len(self.datapath._timers),
+                    "last_error": self.datapath.last_error}
         if op == "inject":
             self.fw.inject_error(request["command"], request["status"], request.get("count", 1))
             return {}
