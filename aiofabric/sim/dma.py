@@ -1,7 +1,8 @@
 """What the RC engine shares: scatter/gather lists over host memory, CQE layouts, PSN arithmetic, error reasons.
 
 A message's memory (the local SGEs of a WQE, or the target range of an RETH) is translated once, when the engine first
-needs it, into memoryviews of host memory; per packet the engine only slices them. Translation failures surface as
+needs it, into a memoryview of host memory (a `ScatterGather` when it is in pieces); per packet the engine only
+slices it. Translation failures surface as
 `MemoryProtectionError` (bad key, PD, access or bounds) or `DmaFault` (a page outside host memory); the requester and
 responder turn both into completion errors and NAKs, never into exceptions that escape the engine.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+from typing import Union
 
 from ..autogen import bnxt
 from .memory import BusMemory, DmaFault
@@ -64,9 +66,13 @@ def producer_count(consumed: int, index: int, epoch: int, length: int) -> int | 
 
 
 class ScatterGather:
-    """A message's memory as memoryviews, addressed by message offset (one view in the common case)."""
+    """A message's memory in several pieces, sliced like one memoryview: sg[a:b] reads, sg[a:b] = data writes.
 
-    __slots__ = ("views", "starts", "length", "single")
+    Most messages live in one piece, and the data path then holds a plain memoryview instead: both support len(),
+    slicing and slice assignment, so the per-packet code does not care which it has.
+    """
+
+    __slots__ = ("views", "starts", "length")
 
     def __init__(self, views: list[memoryview]) -> None:
         self.views, self.starts, position = views, [], 0
@@ -74,12 +80,13 @@ class ScatterGather:
             self.starts.append(position)
             position += len(view)
         self.length = position
-        self.single = views[0] if len(views) == 1 else None
 
-    def read(self, offset: int, length: int) -> memoryview | bytes:
-        single = self.single
-        if single is not None:
-            return single[offset:offset + length]
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, span: slice) -> memoryview | bytes:
+        offset, end, _ = span.indices(self.length)
+        length = max(0, end - offset)
         if not length:
             return b""
         i = bisect.bisect_right(self.starts, offset) - 1
@@ -95,12 +102,11 @@ class ScatterGather:
             i, within = i + 1, 0
         return b"".join(parts)
 
-    def write(self, offset: int, data: bytes | memoryview) -> None:
+    def __setitem__(self, span: slice, data: bytes | memoryview) -> None:
+        offset, end, _ = span.indices(self.length)
         length = len(data)
-        single = self.single
-        if single is not None:
-            single[offset:offset + length] = data
-            return
+        if end - offset != length:
+            raise ValueError(f"{length} bytes do not fit [{offset}, {end})")
         if not length:
             return
         i = bisect.bisect_right(self.starts, offset) - 1
@@ -114,11 +120,16 @@ class ScatterGather:
             i, within = i + 1, 0
 
 
-EMPTY = ScatterGather([])
+EMPTY = memoryview(bytearray())  # a zero-length message's memory
+Buffer = Union[memoryview, ScatterGather]
+
+
+def gather(views: list[memoryview]) -> Buffer:
+    return views[0] if len(views) == 1 else ScatterGather(views) if views else EMPTY
 
 
 def map_sges(mem: BusMemory, mrs: dict[int, MemoryRegion], sges: list[tuple[int, int, int]], pd: int,
-             access: int) -> ScatterGather:
+             access: int) -> Buffer:
     """Translate (va, lkey, size) SGEs through the MR table; MemoryProtectionError or DmaFault when one is bad."""
     views: list[memoryview] = []
     for va, key, size in sges:
@@ -127,17 +138,16 @@ def map_sges(mem: BusMemory, mrs: dict[int, MemoryRegion], sges: list[tuple[int,
         region = mrs.get(key)
         if region is None:
             raise MemoryProtectionError(f"lkey {key:#x} does not exist")
-        for address, length in region.translate(va, size, access, pd):
-            views.append(mem.view(address, length))
-    return ScatterGather(views) if views else EMPTY
+        views += region.views(mem, va, size, access, pd)
+    return gather(views)
 
 
 def map_remote(mem: BusMemory, mrs: dict[int, MemoryRegion], va: int, key: int, length: int, pd: int,
-               access: int) -> ScatterGather:
+               access: int) -> Buffer:
     """Translate an RETH target; a zero-length access needs no valid key (IBA 9.4.1.1)."""
     if not length:
         return EMPTY
     region = mrs.get(key)
     if region is None:
         raise MemoryProtectionError(f"rkey {key:#x} does not exist")
-    return ScatterGather([mem.view(address, size) for address, size in region.translate(va, length, access, pd)])
+    return gather(region.views(mem, va, length, access, pd))

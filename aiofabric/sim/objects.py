@@ -360,10 +360,36 @@ class MemoryRegion:
     size: int = 0
     pages: PageList | None = None  # None until registered
     allocated_by_register: bool = False  # REGISTER_MR with ALLOC_MR made the key; DEREGISTER_MR frees it again
+    # the whole region as one memoryview when its pages are physically contiguous (False when they are not), and the
+    # PageList that was computed for: the data path slices it instead of translating page by page
+    _whole: memoryview | bool | None = field(default=None, init=False, repr=False, compare=False)
+    _whole_pages: PageList | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def registered(self) -> bool:
         return self.pages is not None
+
+    def views(self, mem: BusMemory, va: int, length: int, need_access: int = 0,
+              pd: int | None = None) -> list[memoryview]:
+        """Like `translate`, as memoryviews of host memory: one slice of a cached view when the region is contiguous."""
+        pages = self.pages
+        if pages is not None and pages is self._whole_pages and self._whole is not False \
+                and (pd is None or pd == self.pd) and not need_access & ~self.access:
+            offset = va - self.va
+            if 0 <= offset and 0 <= length and offset + length <= self.size:
+                return [self._whole[offset:offset + length]] if length else []
+        if pages is not None and pages is not self._whole_pages:
+            self._whole_pages = pages
+            first = pages.pages[0] + (self.va & pages.page_mask) if pages.pages else 0
+            span = (self.va & pages.page_mask) + self.size
+            contiguous = pages.contiguous or all(page == pages.pages[0] + i * pages.page_size
+                                                 for i, page in enumerate(pages.pages[:-(-span // pages.page_size)]))
+            try:
+                self._whole = mem.view(first, self.size) if contiguous and self.size else False
+            except DmaFault:
+                self._whole = False
+            return self.views(mem, va, length, need_access, pd)
+        return [mem.view(address, size) for address, size in self.translate(va, length, need_access, pd)]
 
     def translate(self, va: int, length: int, need_access: int = 0, pd: int | None = None) -> list[tuple[int, int]]:
         """Bus (address, length) chunks for [va, va+length), merging physically contiguous pages.

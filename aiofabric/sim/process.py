@@ -158,8 +158,6 @@ class Emulator:
                 send = port.send
                 for packet in outbox:
                     send(packet)
-            if self.fw.interrupts:
-                self.fire_interrupts()
             if not moved:
                 break
         for transport in transports:
@@ -309,7 +307,14 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     if os.getppid() == 1:
         return  # the driver died before we got here
-    Emulator(config).run()
+    emulator = Emulator(config)
+    profile = os.environ.get("AIOFABRIC_SIM_PROFILE")  # a path: cProfile the emulator, dump stats there at exit
+    if profile:
+        import cProfile
+        cProfile.runctx("emulator.run()", globals(), {"emulator": emulator},
+                        profile.replace("%p", str(os.getpid())).replace("%n", emulator.name))
+    else:
+        emulator.run()
 
 
 if __name__ == "__main__":

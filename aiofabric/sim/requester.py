@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from ..autogen import bnxt
 from . import packets as pk
-from .dma import (ACCESS_ERRORS, CQE_REQ, EMPTY, MR_LOCAL_WRITE, PSN_MASK, REQ_CQE, REQ_NAK_ARRIVAL,
+from .dma import (ACCESS_ERRORS, CQE_REQ, EMPTY, Buffer, MR_LOCAL_WRITE, PSN_MASK, REQ_CQE, REQ_NAK_ARRIVAL,
                   REQ_RNR_TIMEOUT_RETRY_LIMIT, REQ_RX_MEMORY_ERROR, REQ_TIMEOUT_RETRY_LIMIT, REQ_TX_MEMORY_ERROR,
-                  REQ_WQE_FORMAT_ERROR, SGE, SLOT, ScatterGather, map_sges, producer_count, psn_diff)
+                  REQ_WQE_FORMAT_ERROR, SGE, SLOT, map_sges, producer_count, psn_diff)
 from .objects import QpState
 
 if TYPE_CHECKING:
@@ -59,18 +59,19 @@ class SendWqe:
     """One fetched SQ WQE and its progress."""
 
     __slots__ = ("index", "ops", "read", "signaled", "solicited", "fence", "length", "remote_va", "rkey", "imm",
-                 "sgl", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason")
+                 "data", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, ops: tuple | None = None, read: bool = False, signaled: bool = False,
+                 solicited: bool = False, fence: bool = False, length: int = 0, remote_va: int = 0, rkey: int = 0,
+                 imm: int = 0, data: Buffer = EMPTY, first_psn: int = 0, npkts: int = 1,
+                 status: int | None = None, reason: int = 0) -> None:
         self.index = index  # free-running WQE count: sq_cons_idx of its CQE is index + 1
-        self.ops, self.read, self.requested = None, False, False
-        self.signaled = self.solicited = self.fence = False
-        self.length = self.remote_va = self.rkey = self.imm = 0
-        self.sgl = EMPTY
-        self.first_psn = self.last_psn = 0
-        self.npkts, self.received = 1, 0  # READ: response packets landed so far
-        self.status = None  # a local error found at fetch: completes with it when every earlier WQE has
-        self.reason = 0
+        self.ops, self.read, self.signaled, self.solicited, self.fence = ops, read, signaled, solicited, fence
+        self.length, self.remote_va, self.rkey, self.imm, self.data = length, remote_va, rkey, imm, data
+        self.first_psn, self.npkts = first_psn, npkts
+        self.last_psn = (first_psn + npkts - 1) & PSN_MASK
+        self.received, self.requested = 0, False  # READ: response packets landed; request sent at least once
+        self.status, self.reason = status, reason  # a local error found at fetch: reported once all before it are
 
 
 class Requester:
@@ -93,6 +94,7 @@ class Requester:
         self.started_retry = False
         self.rto_at: float | None = None
         self.rnr_until: float | None = None
+        self._ring_views: tuple[list[memoryview], int, int] | None = None
 
     # -- state ---------------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,14 +119,24 @@ class Requester:
         return self.send < len(self.wqes) and self.rnr_until is None
 
     # -- fetching WQEs ---------------------------------------------------------------------------------------------
-    def _slots(self, first: int, count: int) -> memoryview | bytes:
-        """`count` 16-byte slots from ring slot `first`, wrapping slot by slot."""
-        qp = self.qp
-        ring, pages = qp.sq_slots, qp.sq
-        if first + count <= ring and (pages.contiguous or (first * SLOT & pages.page_mask) + count * SLOT
-                                      <= pages.page_size):
-            return self.mem.view(pages.address(first * SLOT), count * SLOT)
-        return b"".join(self.mem.view(pages.address((first + i) % ring * SLOT), SLOT) for i in range(count))
+    def _ring(self) -> tuple[list[memoryview], int, int]:
+        """The SQ ring as memoryviews and how to find slot s in them: views[s >> shift], offset (s << 4) & mask."""
+        if self._ring_views is None:
+            qp = self.qp
+            pages = qp.sq
+            if pages.contiguous:
+                self._ring_views = ([self.mem.view(pages.pages[0], qp.sq_slots * SLOT)], 62, (1 << 62) - 1)
+            else:
+                per_page = pages.page_size // SLOT
+                count = -(-qp.sq_slots // per_page)
+                self._ring_views = ([self.mem.view(page, pages.page_size) for page in pages.pages[:count]],
+                                    per_page.bit_length() - 1, pages.page_size - 1)
+        return self._ring_views
+
+    def _slot(self, slot: int) -> bytes:
+        views, shift, mask = self._ring()
+        offset = (slot << 4) & mask
+        return bytes(views[slot >> shift][offset:offset + SLOT])
 
     def fetch(self, flush: bool = False) -> None:
         """Take every WQE the driver published off the SQ (flushing each at once when `flush`)."""
@@ -136,65 +148,72 @@ class Requester:
             self.stats["bad_doorbells"] += 1
             return
         produced *= unit
+        try:
+            views, shift, mask = self._ring()
+        except ACCESS_ERRORS:
+            views, shift, mask = [], 0, 0
+        largest = min(2 + MAX_SGES, STATIC_WQE_SLOTS if unit > 1 else ring)
+        unpack_header, append = HEADER.unpack_from, self.wqes.append
         while self.fetched_slots < produced:
             available = produced - self.fetched_slots
             first = self.fetched_slots % ring
-            w = SendWqe(self.fetched)
+            second = first + 1
             try:
-                kind, flags, size, imm, length, _, remote_va, rkey = HEADER.unpack_from(self._slots(first, 2))
-            except ACCESS_ERRORS:
-                kind = flags = size = 0xFF
-            stride = size if unit == 1 else STATIC_WQE_SLOTS
-            if not 2 <= size <= min(available, 2 + MAX_SGES, STATIC_WQE_SLOTS if unit > 1 else ring):
-                w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, REQ_WQE_FORMAT_ERROR
-                stride = available  # nothing after a malformed WQE can be parsed: it takes the rest
+                if second < ring and second >> shift == first >> shift:
+                    header = unpack_header(views[first >> shift], (first << 4) & mask)
+                else:
+                    header = unpack_header(self._slot(first) + self._slot(second % ring))
+            except (*ACCESS_ERRORS, IndexError):
+                header = (0xFF,) * 8
+            size = header[2]
+            if 2 <= size <= min(available, largest):
+                stride = size if unit == 1 else STATIC_WQE_SLOTS
+                w = self._parse(first, *header) if not flush else SendWqe(self.fetched)
+            else:  # nothing after a malformed WQE can be parsed: it takes the rest of what was published
+                stride = available
+                w = SendWqe(self.fetched, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=REQ_WQE_FORMAT_ERROR)
             self.fetched_slots += stride
             self.fetched += 1
             if flush:
                 self._post(w, FLUSHED)
-                continue
-            if w.status is None:
-                self._parse(w, first, kind, flags, size, imm, length, remote_va, rkey)
-            self.wqes.append(w)
+            else:
+                append(w)
         if flush:
             qp.sq_consumer = self.fetched
 
-    def _parse(self, w: SendWqe, first: int, kind: int, flags: int, size: int, imm: int, length: int,
-               remote_va: int, rkey: int) -> None:
-        qp = self.qp
+    def _parse(self, first: int, kind: int, flags: int, size: int, imm: int, length: int, _: int, remote_va: int,
+               rkey: int) -> SendWqe:
+        """A SendWqe from a header, with its local memory mapped and its PSNs assigned (or the local error found)."""
+        qp, index = self.qp, self.fetched
         known = KINDS.get(kind)
         if known is None:
-            w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, REQ_WQE_FORMAT_ERROR
-            return
-        w.ops, has_imm, rdma = known
-        w.read = w.ops is None
-        w.signaled = bool(flags & SIGNAL) or qp.force_completion
-        w.solicited, w.fence = bool(flags & SOLICIT), bool(flags & FENCE)
-        w.length, w.imm = length, imm
-        if rdma:
-            w.remote_va, w.rkey = remote_va, rkey
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=REQ_WQE_FORMAT_ERROR)
+        ops, _, rdma = known
+        read = ops is None
+        ring = qp.sq_slots
         try:
-            body = self._slots((first + 2) % qp.sq_slots, size - 2) if size > 2 else b""
-            if flags & INLINE and not w.read:
+            if flags & INLINE and not read:
+                body = b"".join(self._slot((first + 2 + i) % ring) for i in range(size - 2))
                 if length > len(body):
-                    raise ValueError("inline data longer than the WQE")
-                w.sgl = ScatterGather([memoryview(bytes(body[:length]))]) if length else EMPTY
+                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=REQ_WQE_FORMAT_ERROR)
+                data: Buffer = memoryview(bytearray(body[:length]))
             else:
-                sges = [SGE.unpack_from(body, i * SLOT) for i in range(size - 2)]
-                w.sgl = map_sges(self.mem, self.mrs, sges, qp.pd, MR_LOCAL_WRITE if w.read else 0)
-                if w.sgl.length < length:
-                    w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, REQ_TX_MEMORY_ERROR
+                views, shift, mask = self._ring()
+                sges = []
+                for i in range(size - 2):
+                    slot = (first + 2 + i) % ring
+                    sges.append(SGE.unpack_from(views[slot >> shift], (slot << 4) & mask))
+                data = map_sges(self.mem, self.mrs, sges, qp.pd, MR_LOCAL_WRITE if read else 0)
+                if len(data) < length:
+                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=REQ_TX_MEMORY_ERROR)
         except ACCESS_ERRORS:
-            w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, REQ_TX_MEMORY_ERROR
-        except ValueError:
-            w.status, w.reason = S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, REQ_WQE_FORMAT_ERROR
-        if w.status is not None:
-            return
-        mtu = qp.path_mtu
-        w.npkts = max(1, -(-length // mtu))
-        w.first_psn = self.next_psn
-        w.last_psn = (self.next_psn + w.npkts - 1) & PSN_MASK
-        self.next_psn = (self.next_psn + w.npkts) & PSN_MASK
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=REQ_TX_MEMORY_ERROR)
+        npkts = -(-length // qp.path_mtu) or 1
+        first_psn = self.next_psn
+        self.next_psn = (first_psn + npkts) & PSN_MASK
+        return SendWqe(index, ops, read, bool(flags & SIGNAL) or qp.force_completion, bool(flags & SOLICIT),
+                       bool(flags & FENCE), length, remote_va if rdma else 0, rkey if rdma else 0, imm, data,
+                       first_psn, npkts)
 
     # -- transmitting ---------------------------------------------------------------------------------------------
     def pump(self, now: float, budget: int) -> bool:
@@ -251,11 +270,11 @@ class Requester:
                 if k == 0:
                     # RETH only on WRITE FIRST/ONLY: the codec ignores fields an opcode does not carry
                     out.append(packet(ops[2 | last], dest_qp, psn, ack, last and w.solicited, pkey, False, False,
-                                      w.remote_va, w.rkey, w.length, 0, 0, w.imm, w.sgl.read(0, size), src_ip,
+                                      w.remote_va, w.rkey, w.length, 0, 0, w.imm, w.data[:size], src_ip,
                                       dst_ip, sport, 4791, 0, tos, ttl))
                 else:
                     out.append(packet(ops[last], dest_qp, psn, ack, last and w.solicited, pkey, False, False, 0, 0,
-                                      0, 0, 0, w.imm, w.sgl.read(offset, size), src_ip, dst_ip, sport, 4791, 0, tos,
+                                      0, 0, 0, w.imm, w.data[offset:offset + size], src_ip, dst_ip, sport, 4791, 0, tos,
                                       ttl))
                 if last:
                     self.send += 1
@@ -492,7 +511,7 @@ class Requester:
             self.stats["dropped_malformed"] += 1
             return
         try:
-            w.sgl.write(k * mtu, payload)
+            w.data[k * mtu:k * mtu + size] = payload
         except ACCESS_ERRORS:
             self.fail(S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, REQ_RX_MEMORY_ERROR)
             return

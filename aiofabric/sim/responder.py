@@ -95,7 +95,7 @@ class Responder:
             op = RESPONSE_ONLY if count == 1 else RESPONSE_FIRST if i == 0 else \
                 RESPONSE_LAST if i == count - 1 else RESPONSE_MIDDLE
             out.append(packet(op, dest_qp, (psn + i) & PSN_MASK, False, False, pkey, False, False, 0, 0, 0,
-                              pk.ACK_UNLIMITED, msn, 0, source.read(offset, min(mtu, length - offset)), src_ip,
+                              pk.ACK_UNLIMITED, msn, 0, source[offset:offset + min(mtu, length - offset)], src_ip,
                               dst_ip, sport, 4791, 0, tos, ttl))
         self.stats["packets_sent"] += count
 
@@ -212,11 +212,11 @@ class Responder:
         if size > mtu or (not last and size != mtu):
             self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR, S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR)
             return
-        if self.offset + size > self.target.length:
+        if self.offset + size > len(self.target):
             self._error(p, pk.NAK_INVALID_REQUEST, RES_EXCEEDS_WQE, S.CQ_RES_RC_STATUS_LOCAL_LENGTH_ERR)
             return
         try:
-            self.target.write(self.offset, payload)
+            self.target[self.offset:self.offset + size] = payload
         except ACCESS_ERRORS:
             self._error(p, pk.NAK_REMOTE_OPERATIONAL, RES_MEMORY_ERROR, S.CQ_RES_RC_STATUS_LOCAL_PROTECTION_ERR)
             return
@@ -263,7 +263,7 @@ class Responder:
             self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)
             return
         try:
-            self.target.write(self.offset, payload)
+            self.target[self.offset:self.offset + size] = payload
         except ACCESS_ERRORS:
             self._error(p, pk.NAK_REMOTE_ACCESS, RES_MEMORY_ERROR)
             return
