@@ -387,7 +387,7 @@ def test_sq_cons_idx_is_free_running_mod_2_16():
     a, b, wire = pair(sq_slots=256)
     src, lkey = a.register(4096)
     dst, rkey = b.register(4096)
-    a.dp.context(a.qpn).requester.fetched = 0xFFFE  # as if 65534 WQEs had gone before
+    a.dp.context(a.qpn).requester.sq.fetched = 0xFFFE  # as if 65534 WQEs had gone before
     for _ in range(3):
         a.post(WRITE, [(src, lkey, 8)], remote=dst, rkey=rkey)
     wire.run()

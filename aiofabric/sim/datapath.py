@@ -283,7 +283,8 @@ class Datapath:
         for qpn, ctx in self.contexts.items():
             r, s = ctx.requester, ctx.responder
             report[str(qpn)] = {
-                "state": ctx.qp.state.name, "timeout": ctx.qp.timeout, "retry_cnt": ctx.qp.retry_cnt, "wqes_outstanding": len(r.wqes) - r.done, "unsent": len(r.wqes) - r.send,
+                "state": ctx.qp.state.name, "timeout": ctx.qp.timeout, "retry_cnt": ctx.qp.retry_cnt,
+                "wqes_outstanding": len(r.wqes) - r.done, "unsent": len(r.wqes) - r.send,
                 "next_psn": r.next_psn, "una": r.una, "sent_hi": r.sent_hi, "reads": r.reads,
                 "retry_left": r.retry_left, "rnr_left": r.rnr_left, "rto_at": r.rto_at, "rnr_until": r.rnr_until,
                 "epsn": s.epsn, "msn": s.msn, "nak_sent": s.nak_sent, "queued": ctx.queued, "timer_at": ctx.timer_at}

@@ -1,77 +1,43 @@
 """The requester and completer of one RC QP (sans-IO): SQ WQEs in, request packets out, ACKs and read responses in,
 requester CQEs out.
 
-WQEs are fetched from the SQ ring when its doorbell moves the producer and get their PSN range at once (one PSN per
-packet; a READ takes as many as its responses). `pump()` turns them into packets within the 128-PSN window and the
-ORRQ limit (`max_rd_atomic` READs in flight); the completer retires them in order as ACKs arrive (an ACK for PSN n
-acknowledges every PSN up to n), lands read responses in the local SGEs and retransmits go-back-N from the oldest
-unacknowledged PSN on a NAK-sequence, an implied NAK (an ACK past an unfinished READ, a gap in read responses) or a
-timeout. Behaviour follows rxe (rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise.
+WQEs are fetched from the SQ ring (sendqueue.py) when its doorbell moves the producer and get their PSN range at
+once (one PSN per packet; a READ takes as many as its responses). `pump()` turns them into packets within the
+128-PSN window and the ORRQ limit (`max_rd_atomic` READs in flight); the completer retires them in order as ACKs
+arrive (an ACK for PSN n acknowledges every PSN up to n), lands read responses in the local SGEs and retransmits
+go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an implied NAK (an ACK past an unfinished READ, a gap
+in read responses) or a timeout. Behaviour follows rxe (rxe_req.c, rxe_comp.c) except where the module docstring of
+`datapath` says otherwise.
 """
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING
 
 from ..autogen import bnxt
 from . import packets as pk
-from .dma import (ACCESS_ERRORS, CQE_REQ, EMPTY, Buffer, MR_LOCAL_WRITE, PSN_MASK, REQ_CQE, REQ_NAK_ARRIVAL,
-                  REQ_RNR_TIMEOUT_RETRY_LIMIT, REQ_RX_MEMORY_ERROR, REQ_TIMEOUT_RETRY_LIMIT, REQ_TX_MEMORY_ERROR,
-                  REQ_WQE_FORMAT_ERROR, SGE, SLOT, map_sges, producer_count, psn_diff)
+from .dma import (ACCESS_ERRORS, CQE_REQ, PSN_MASK, REQ_CQE, REQ_NAK_ARRIVAL, REQ_RNR_TIMEOUT_RETRY_LIMIT,
+                  REQ_RX_MEMORY_ERROR, REQ_TIMEOUT_RETRY_LIMIT, psn_diff)
 from .objects import QpState
+from .sendqueue import SendQueue, SendWqe
 
 if TYPE_CHECKING:
     from .datapath import QpContext
 
 WINDOW = 128  # RXE_MAX_UNACKED_PSNS
 ACK_EVERY = 64  # AckReq at least this often inside long messages (RXE_MAX_PKT_PER_ACK)
-MAX_SGES = 30
-STATIC_WQE_SLOTS = 8
 LOCAL_ACK_TIMEOUT_US = 4.096
-HEADER = struct.Struct("<BBBxIIIQI")  # sq_rdma_hdr / sq_send_hdr: type, flags, size, imm, length, -, remote_va, rkey
 
 S = bnxt
 OK, FLUSHED = S.CQ_REQ_STATUS_OK, S.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
 NAK_STATUS = {pk.NAK_INVALID_REQUEST: S.CQ_REQ_STATUS_REMOTE_INVALID_REQUEST_ERR,
               pk.NAK_REMOTE_ACCESS: S.CQ_REQ_STATUS_REMOTE_ACCESS_ERR,
               pk.NAK_REMOTE_OPERATIONAL: S.CQ_REQ_STATUS_REMOTE_OPERATION_ERR}
-# opcodes by position in the message: index (first << 1) | last -> middle, last, first, only
 O = pk.Op
-SEND_OPS = (O.SEND_MIDDLE, O.SEND_LAST, O.SEND_FIRST, O.SEND_ONLY)
-SEND_IMM_OPS = (O.SEND_MIDDLE, O.SEND_LAST_WITH_IMMEDIATE, O.SEND_FIRST, O.SEND_ONLY_WITH_IMMEDIATE)
-WRITE_OPS = (O.RDMA_WRITE_MIDDLE, O.RDMA_WRITE_LAST, O.RDMA_WRITE_FIRST, O.RDMA_WRITE_ONLY)
-WRITE_IMM_OPS = (O.RDMA_WRITE_MIDDLE, O.RDMA_WRITE_LAST_WITH_IMMEDIATE, O.RDMA_WRITE_FIRST,
-                 O.RDMA_WRITE_ONLY_WITH_IMMEDIATE)
-KINDS = {S.SQ_BASE_WQE_TYPE_SEND: (tuple(map(int, SEND_OPS)), False, False),
-         S.SQ_BASE_WQE_TYPE_SEND_W_IMMEAD: (tuple(map(int, SEND_IMM_OPS)), True, False),
-         S.SQ_BASE_WQE_TYPE_WRITE_WQE: (tuple(map(int, WRITE_OPS)), False, True),
-         S.SQ_BASE_WQE_TYPE_WRITE_W_IMMEAD: (tuple(map(int, WRITE_IMM_OPS)), True, True),
-         S.SQ_BASE_WQE_TYPE_READ_WQE: (None, False, True)}
 READ_REQUEST = int(O.RDMA_READ_REQUEST)
 RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
     int(O.RDMA_READ_RESPONSE_FIRST), int(O.RDMA_READ_RESPONSE_MIDDLE), int(O.RDMA_READ_RESPONSE_LAST),
     int(O.RDMA_READ_RESPONSE_ONLY))
-SIGNAL, FENCE, SOLICIT, INLINE = (S.SQ_SEND_FLAGS_SIGNAL_COMP, S.SQ_SEND_FLAGS_RD_OR_ATOMIC_FENCE,
-                                  S.SQ_SEND_FLAGS_SE, S.SQ_SEND_FLAGS_INLINE)
 
-
-class SendWqe:
-    """One fetched SQ WQE and its progress."""
-
-    __slots__ = ("index", "ops", "read", "signaled", "solicited", "fence", "length", "remote_va", "rkey", "imm",
-                 "data", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason")
-
-    def __init__(self, index: int, ops: tuple | None = None, read: bool = False, signaled: bool = False,
-                 solicited: bool = False, fence: bool = False, length: int = 0, remote_va: int = 0, rkey: int = 0,
-                 imm: int = 0, data: Buffer = EMPTY, first_psn: int = 0, npkts: int = 1,
-                 status: int | None = None, reason: int = 0) -> None:
-        self.index = index  # free-running WQE count: sq_cons_idx of its CQE is index + 1
-        self.ops, self.read, self.signaled, self.solicited, self.fence = ops, read, signaled, solicited, fence
-        self.length, self.remote_va, self.rkey, self.imm, self.data = length, remote_va, rkey, imm, data
-        self.first_psn, self.npkts = first_psn, npkts
-        self.last_psn = (first_psn + npkts - 1) & PSN_MASK
-        self.received, self.requested = 0, False  # READ: response packets landed; request sent at least once
-        self.status, self.reason = status, reason  # a local error found at fetch: reported once all before it are
 
 
 class Requester:
@@ -84,8 +50,7 @@ class Requester:
         self.done = 0  # wqes[:done] are completed (trimmed now and then)
         self.send = 0  # wqes[send] is being transmitted, from packet send_pkt
         self.send_pkt = 0
-        self.fetched_slots = 0  # free-running SQ slots taken off the ring
-        self.fetched = 0  # free-running WQEs taken off the ring
+        self.sq = SendQueue(ctx.qp, ctx.dp.mem, ctx.dp.mrs)
         self.started = False
         self.next_psn = self.una = self.sent_hi = 0  # next PSN to assign; oldest unacked; one past the highest sent
         self.reads = 0  # READs requested and not complete (ORRQ entries in use)
@@ -94,7 +59,6 @@ class Requester:
         self.started_retry = False
         self.rto_at: float | None = None
         self.rnr_until: float | None = None
-        self._ring_views: tuple[list[memoryview], int, int] | None = None
 
     # -- state ---------------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -119,101 +83,17 @@ class Requester:
         return self.send < len(self.wqes) and self.rnr_until is None
 
     # -- fetching WQEs ---------------------------------------------------------------------------------------------
-    def _ring(self) -> tuple[list[memoryview], int, int]:
-        """The SQ ring as memoryviews and how to find slot s in them: views[s >> shift], offset (s << 4) & mask."""
-        if self._ring_views is None:
-            qp = self.qp
-            pages = qp.sq
-            if pages.contiguous:
-                self._ring_views = ([self.mem.view(pages.pages[0], qp.sq_slots * SLOT)], 62, (1 << 62) - 1)
-            else:
-                per_page = pages.page_size // SLOT
-                count = -(-qp.sq_slots // per_page)
-                self._ring_views = ([self.mem.view(page, pages.page_size) for page in pages.pages[:count]],
-                                    per_page.bit_length() - 1, pages.page_size - 1)
-        return self._ring_views
-
-    def _slot(self, slot: int) -> bytes:
-        views, shift, mask = self._ring()
-        offset = (slot << 4) & mask
-        return bytes(views[slot >> shift][offset:offset + SLOT])
-
     def fetch(self, flush: bool = False) -> None:
-        """Take every WQE the driver published off the SQ (flushing each at once when `flush`)."""
-        qp = self.qp
-        unit = 1 if qp.variable_wqe else STATIC_WQE_SLOTS
-        ring = qp.sq_slots
-        produced = producer_count(self.fetched_slots // unit, qp.sq_producer, qp.sq_producer_epoch, ring // unit)
-        if produced is None:
+        """Take every WQE the driver published off the SQ (completing each FLUSHED at once when `flush`)."""
+        wqes = self.sq.fetch(self, flush)
+        if wqes is None:
             self.stats["bad_doorbells"] += 1
-            return
-        produced *= unit
-        try:
-            views, shift, mask = self._ring()
-        except ACCESS_ERRORS:
-            views, shift, mask = [], 0, 0
-        largest = min(2 + MAX_SGES, STATIC_WQE_SLOTS if unit > 1 else ring)
-        unpack_header, append = HEADER.unpack_from, self.wqes.append
-        while self.fetched_slots < produced:
-            available = produced - self.fetched_slots
-            first = self.fetched_slots % ring
-            second = first + 1
-            try:
-                if second < ring and second >> shift == first >> shift:
-                    header = unpack_header(views[first >> shift], (first << 4) & mask)
-                else:
-                    header = unpack_header(self._slot(first) + self._slot(second % ring))
-            except (*ACCESS_ERRORS, IndexError):
-                header = (0xFF,) * 8
-            size = header[2]
-            if 2 <= size <= min(available, largest):
-                stride = size if unit == 1 else STATIC_WQE_SLOTS
-                w = self._parse(first, *header) if not flush else SendWqe(self.fetched)
-            else:  # nothing after a malformed WQE can be parsed: it takes the rest of what was published
-                stride = available
-                w = SendWqe(self.fetched, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=REQ_WQE_FORMAT_ERROR)
-            self.fetched_slots += stride
-            self.fetched += 1
-            if flush:
+        elif flush:
+            for w in wqes:
                 self._post(w, FLUSHED)
-            else:
-                append(w)
-        if flush:
-            qp.sq_consumer = self.fetched
-
-    def _parse(self, first: int, kind: int, flags: int, size: int, imm: int, length: int, _: int, remote_va: int,
-               rkey: int) -> SendWqe:
-        """A SendWqe from a header, with its local memory mapped and its PSNs assigned (or the local error found)."""
-        qp, index = self.qp, self.fetched
-        known = KINDS.get(kind)
-        if known is None:
-            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=REQ_WQE_FORMAT_ERROR)
-        ops, _, rdma = known
-        read = ops is None
-        ring = qp.sq_slots
-        try:
-            if flags & INLINE and not read:
-                body = b"".join(self._slot((first + 2 + i) % ring) for i in range(size - 2))
-                if length > len(body):
-                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=REQ_WQE_FORMAT_ERROR)
-                data: Buffer = memoryview(bytearray(body[:length]))
-            else:
-                views, shift, mask = self._ring()
-                sges = []
-                for i in range(size - 2):
-                    slot = (first + 2 + i) % ring
-                    sges.append(SGE.unpack_from(views[slot >> shift], (slot << 4) & mask))
-                data = map_sges(self.mem, self.mrs, sges, qp.pd, MR_LOCAL_WRITE if read else 0)
-                if len(data) < length:
-                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=REQ_TX_MEMORY_ERROR)
-        except ACCESS_ERRORS:
-            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=REQ_TX_MEMORY_ERROR)
-        npkts = -(-length // qp.path_mtu) or 1
-        first_psn = self.next_psn
-        self.next_psn = (first_psn + npkts) & PSN_MASK
-        return SendWqe(index, ops, read, bool(flags & SIGNAL) or qp.force_completion, bool(flags & SOLICIT),
-                       bool(flags & FENCE), length, remote_va if rdma else 0, rkey if rdma else 0, imm, data,
-                       first_psn, npkts)
+            self.qp.sq_consumer = self.sq.fetched
+        else:
+            self.wqes += wqes
 
     # -- transmitting ---------------------------------------------------------------------------------------------
     def pump(self, now: float, budget: int) -> bool:
