@@ -133,8 +133,11 @@ class Device:
         self.hw_retransmit = False
 
     # -- HWRM: one command in flight -------------------------------------------------------------------------------
-    async def hwrm(self, name: str, *, timeout: float | None = None, **fields: Any) -> ctypes.Structure:
-        """Run HWRM command `name` (e.g. "func_qcaps") with the given input fields; return its output structure."""
+    async def hwrm(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        """Run HWRM command `name` (e.g. "func_qcaps") with the given input fields; return its output structure.
+
+        `command_timeout` (seconds) overrides the channel's default; it is not called `timeout` because firmware
+        structures have fields of that name."""
         request_type, response_type, opcode = _hwrm_types(name)
         request = build(request_type, f"HWRM {name}", fields, HWRM_HEADER)
         async with self._hwrm_lock:
@@ -155,7 +158,7 @@ class Device:
                 return 8 <= length <= len(resp) and int.from_bytes(resp[4:6], "little") == seq \
                     and resp[length - 1] != 0
 
-            await self._wait(answered, self._irq[HWRM_VECTOR], timeout or self.hwrm_timeout, f"HWRM {name}")
+            await self._wait(answered, self._irq[HWRM_VECTOR], command_timeout or self.hwrm_timeout, f"HWRM {name}")
             length = int.from_bytes(resp[6:8], "little")
             raw = bytes(resp[:length])
             resp[length - 1] = 0  # clear the valid byte, as Linux does, so a stale answer never looks new
@@ -183,13 +186,13 @@ class Device:
             raise FirmwareTimeoutError(f"{what}: no answer from {self.pci.address} within {timeout:g} s") from None
 
     # -- RCFW: many commands in flight, matched by cookie ------------------------------------------------------------
-    async def rcfw(self, name: str, *, timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+    async def rcfw(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
         """Run RoCE firmware command `name` (e.g. "create_qp"); return the side-buffer result or the CREQ reply."""
         request_type, response_type, side_type, opcode = _rcfw_types(name)
         request = build(request_type, f"RCFW {name}", fields, CMDQ_HEADER)
         slots = -(-ctypes.sizeof(request_type) // CMDQ_SLOT)
         side: DmaBuffer | None = self.pci.alloc_dma(ctypes.sizeof(side_type)) if side_type else None
-        timeout = timeout or self.rcfw_timeout
+        timeout = command_timeout or self.rcfw_timeout
         try:
             with anyio.fail_after(timeout):
                 while slots >= self._cmdq.free_entries() or len(self._pending) >= bnxt.RCFW_MAX_COOKIE_VALUE:
@@ -366,7 +369,7 @@ class Device:
             self._max_request = min(ver.max_req_win_len, 0x100)
         if ver.def_req_timeout:
             self.hwrm_timeout = max(self.hwrm_timeout, ver.def_req_timeout / 1000)
-        await self.hwrm("func_reset", timeout=4 * self.hwrm_timeout)
+        await self.hwrm("func_reset", command_timeout=4 * self.hwrm_timeout)
         caps = await self.hwrm("func_qcaps", fid=0xFFFF)
         if not caps.flags & bnxt.FUNC_QCAPS_RESP_FLAGS_ROCE_V2_SUPPORTED:
             raise FirmwareError("HWRM func_qcaps", 0, "NO_ROCE", f"{self.pci.address} does not support RoCE v2")
