@@ -230,6 +230,7 @@ class QueuePair:
         self.receives: collections.deque[tuple[int, Completion]] = collections.deque()
         self.rq_producer = 0
         self._space = anyio.Event()
+        self._space_waiters = 0
         self._batch_depth = 0
         self._doorbell_due = False
 
@@ -282,8 +283,9 @@ class QueuePair:
         self._wake_posters()
 
     def _wake_posters(self) -> None:
-        self._space.set()
-        self._space = anyio.Event()
+        if self._space_waiters:  # an event per wake-up only when someone waits: this runs once per CQE
+            self._space.set()
+            self._space = anyio.Event()
 
     def info(self) -> QPInfo:
         return QPInfo(self.qpn, self.device.gid, self.device.mac, self.psn)
@@ -466,7 +468,11 @@ class QueuePair:
         if self._doorbell_due:
             self._ring_sq()  # the WQEs we wait on must reach the NIC first
         self.device._check_alive()
-        await self._space.wait()
+        self._space_waiters += 1
+        try:
+            await self._space.wait()
+        finally:
+            self._space_waiters -= 1
         self.device._check_alive()
 
     def _send_completed(self, consumer: int, status: int) -> None:
