@@ -45,9 +45,9 @@ RCFW_BASE = bnxt.RCFW_COMM_BASE_OFFSET
 RCFW_TRIGGER = RCFW_BASE + bnxt.RCFW_COMM_TRIG_OFFSET
 PR_SET_PDEATHSIG, PR_SET_TIMERSLACK = 1, 29
 DEFAULT_LATENCY_US = 30.0
-RX_BUDGET = 256  # packets taken off a transport per round
-TX_BUDGET = 256  # request packets generated per round
-MAX_ROUNDS = 64  # rounds of receive/transmit before the loop looks at kicks and the debug channel again
+RX_BUDGET = 128  # packets taken off a transport per round
+TX_BUDGET = 128  # request packets generated per round
+SERVICE_SLICE = 0.0005  # seconds of receive/transmit rounds before the loop looks at kicks (doorbells) again
 
 
 def _prctl(option: int, value: int) -> None:
@@ -141,7 +141,8 @@ class Emulator:
         """Doorbells, received packets, timers and transmission, round after round until nothing moves."""
         dp, port = self.datapath, self.port
         transports = [t for t in (self.wire, self.loopback) if t is not None]
-        for _ in range(MAX_ROUNDS):
+        until = time.monotonic() + SERVICE_SLICE
+        while True:
             now = time.monotonic()
             dp.doorbells(now)
             moved = 0
@@ -158,7 +159,7 @@ class Emulator:
                 send = port.send
                 for packet in outbox:
                     send(packet)
-            if not moved:
+            if not moved or now > until:
                 break
         for transport in transports:
             deadline = transport.flush_deadline
