@@ -14,9 +14,9 @@ from typing import Protocol
 from ..autogen import bnxt
 from . import packets as pk
 from .dma import (ACCESS_ERRORS, EMPTY, MR_LOCAL_WRITE, PSN_MASK, REQ_TX_MEMORY_ERROR, REQ_WQE_FORMAT_ERROR, SGE,
-                  SLOT, Buffer, map_sges, producer_count)
+                  SLOT, Buffer, gather, map_sges, producer_count)
 from .memory import BusMemory
-from .objects import MemoryRegion, QueuePair
+from .objects import MemoryProtectionError, MemoryRegion, QueuePair
 
 MAX_SGES = 30
 STATIC_WQE_SLOTS = 8
@@ -70,6 +70,7 @@ class SendQueue:
         self.fetched_slots = 0  # free-running SQ slots taken off the ring
         self.fetched = 0  # free-running WQEs taken off the ring
         self._ring_views: tuple[list[memoryview], int, int] | None = None
+        self.force_completion = qp.force_completion
 
     def _ring(self) -> tuple[list[memoryview], int, int]:
         """The SQ ring as memoryviews and how to find slot s in them: views[s >> shift], offset (s << 4) & mask."""
@@ -147,11 +148,21 @@ class SendQueue:
                 data: Buffer = memoryview(bytearray(body[:length]))
             else:
                 views, shift, mask = self._ring()
-                sges = []
-                for i in range(size - 2):
-                    slot = (first + 2 + i) % ring
-                    sges.append(SGE.unpack_from(views[slot >> shift], (slot << 4) & mask))
-                data = map_sges(self.mem, self.mrs, sges, qp.pd, MR_LOCAL_WRITE if read else 0)
+                access = MR_LOCAL_WRITE if read else 0
+                if size == 3:  # one SGE, the common case: no list, no ScatterGather
+                    slot = (first + 2) % ring
+                    va, key, sge_size = SGE.unpack_from(views[slot >> shift], (slot << 4) & mask)
+                    region = self.mrs.get(key)
+                    if region is None:
+                        raise MemoryProtectionError(f"lkey {key:#x} does not exist")
+                    pieces = region.views(self.mem, va, sge_size, access, qp.pd) if sge_size else []
+                    data = pieces[0] if len(pieces) == 1 else gather(pieces)
+                else:
+                    sges = []
+                    for i in range(size - 2):
+                        slot = (first + 2 + i) % ring
+                        sges.append(SGE.unpack_from(views[slot >> shift], (slot << 4) & mask))
+                    data = map_sges(self.mem, self.mrs, sges, qp.pd, access)
                 if len(data) < length:
                     return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=REQ_TX_MEMORY_ERROR)
         except ACCESS_ERRORS:
@@ -159,6 +170,6 @@ class SendQueue:
         npkts = -(-length // qp.path_mtu) or 1
         first_psn = psns.next_psn
         psns.next_psn = (first_psn + npkts) & PSN_MASK
-        return SendWqe(index, ops, read, bool(flags & SIGNAL) or qp.force_completion, bool(flags & SOLICIT),
+        return SendWqe(index, ops, read, bool(flags & SIGNAL) or self.force_completion, bool(flags & SOLICIT),
                        bool(flags & FENCE), length, remote_va if rdma else 0, rkey if rdma else 0, imm, data,
                        first_psn, npkts)
