@@ -513,6 +513,42 @@ def test_lost_packet_is_recovered_by_nak_sequence():
     assert a.dp.stats["timeouts"] == 0 and a.dp.stats["retransmits"] == 6
 
 
+def test_lost_read_responses_are_recovered_by_the_implied_nak():
+    a, b, wire = pair(mtu=1024)
+    local, lkey = a.register(8192)
+    remote, rkey = b.register(8192)
+    data = fill(b, remote, 8192, 10)
+    original, lost = a.dp.receive, []
+
+    def lose_first_read_responses(packets, now):
+        keep = [p for p in packets if not (p.opcode in (pk.Op.RDMA_READ_RESPONSE_FIRST, pk.Op.RDMA_READ_RESPONSE_LAST)
+                                           and len(lost) < 2 and not lost.append(p))]
+        original(keep, now)
+    a.dp.receive = lose_first_read_responses
+    a.post(READ, [(local, lkey, 2000)], remote=remote, rkey=rkey)
+    a.post(WRITE, [(local + 4096, lkey, 10)], remote=remote + 4096, rkey=rkey)
+    wire.run()
+    assert [c[1:3] for c in a.poll()] == [(REQ_OK, 1), (REQ_OK, 2)]
+    assert a.mem.read(local, 2000) == data[:2000]
+    assert a.dp.stats["implied_naks"] == 1 and a.dp.stats["timeouts"] == 0  # the WRITE's ACK told us, not a timer
+
+
+def test_reads_in_flight_are_limited_by_max_rd_atomic():
+    a, b, wire = pair(mtu=256)
+    a.modify(QpState.RTS, MASK["MAX_RD_ATOMIC"], max_rd_atomic=1)
+    local, lkey = a.register(8192)
+    remote, rkey = b.register(8192)
+    data = fill(b, remote, 8192, 11)
+    for i in range(3):
+        a.post(READ, [(local + 2048 * i, lkey, 1000)], remote=remote + 2048 * i, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] * 3
+    order = [p.opcode for p in wire.log if p.opcode in (pk.Op.RDMA_READ_REQUEST, pk.Op.RDMA_READ_RESPONSE_LAST)]
+    assert order == [pk.Op.RDMA_READ_REQUEST, pk.Op.RDMA_READ_RESPONSE_LAST] * 3  # one READ at a time
+    for i in range(3):
+        assert a.mem.read(local + 2048 * i, 1000) == data[2048 * i:2048 * i + 1000]
+
+
 def test_acks_are_coalesced_per_receive_batch():
     a, b, wire = pair()
     src, lkey = a.register(4096)

@@ -14,9 +14,16 @@ through `rcfw.post_event("qp_error")`. Per QP a `QpContext` holds the `Requester
 (responder.py); it is created on first use and watches the QP's state (`QueuePair.observer`): ERR flushes, RTS starts
 the send queue, RESET forgets everything.
 
-Deviations from rxe/hardware, on purpose: retry_cnt 7 means 7 retries (rxe: infinite; rnr_retry 7 stays infinite);
-`max_rd_atomic` 0 is treated as 1; no source-address check on received packets (the socket binding filters);
-atomics, SEND with invalidate, SRQs, UD and UC are not emulated (an atomic request gets NAK invalid request).
+Deviations from rxe/hardware, on purpose:
+- retry_cnt 7 means 7 retries (rxe: infinite); rnr_retry 7 is infinite, as everywhere.
+- ACKs are coalesced per receive batch (one ACK for the last AckReq PSN), where rxe answers every AckReq packet.
+- A gap in READ responses re-requests the rest at once (rxe waits for the timeout); it counts as a retry.
+- After an RNR NAK the responder drops later PSNs quietly until the retried one arrives (no NAK-sequence on top).
+- A duplicate READ is answered from its own RETH (rkey checked again, memory read again); responder READ resources
+  (max_dest_rd_atomic, the IRRQ) are not limited, and the ORRQ/IRRQ and MSN-table memory is not used: the engine
+  keeps that state itself. `max_rd_atomic` 0 is treated as 1.
+- No P_Key or source-address check on received packets (the socket binding does the addressing).
+- Atomics, SEND with invalidate, SRQs, UD and UC are not emulated (atomic requests get NAK invalid request).
 """
 from __future__ import annotations
 
@@ -247,9 +254,6 @@ class Datapath:
             if deadline is not None:
                 self.schedule(ctx, max(deadline, now + 1e-6))
             ctx.wake()
-
-    def wake(self, ctx: QpContext) -> None:
-        ctx.wake()
 
     def pump(self, now: float, budget: int = 1 << 30) -> int:
         """Queue request packets from QPs with work, round-robin; the number queued."""
