@@ -147,7 +147,11 @@ class Emulator:
             dp.doorbells(now)
             moved = 0
             for transport in transports:
-                packets = transport.receive(RX_BUDGET)
+                try:
+                    packets = transport.receive(RX_BUDGET)
+                except OSError as exc:  # e.g. an ICMP error queued on the socket: the packet is gone, not the NIC
+                    self.note_wire_error("receive", exc)
+                    continue
                 if packets:
                     moved += len(packets)
                     dp.receive(packets, now)
@@ -158,13 +162,21 @@ class Emulator:
                 moved += len(outbox)
                 send = port.send
                 for packet in outbox:
-                    send(packet)
+                    try:
+                        send(packet)
+                    except OSError as exc:  # unreachable, too big for the link (DF), ...: lost like on a wire
+                        self.note_wire_error("send", exc)
             if not moved or now > until:
                 break
         for transport in transports:
             deadline = transport.flush_deadline
             if deadline is not None and deadline <= time.monotonic():
                 transport.flush()
+
+    def note_wire_error(self, what: str, exc: OSError) -> None:
+        self.stats[f"wire_{what}_errors"] = self.stats.get(f"wire_{what}_errors", 0) + 1
+        if self.stats[f"wire_{what}_errors"] == 1:
+            log.warning("%s: wire %s failed: %s (counted in stats as wire_%s_errors)", self.name, what, exc, what)
 
     def wire_stats(self) -> dict[str, int]:
         dp = self.datapath.stats
