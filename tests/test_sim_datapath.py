@@ -602,6 +602,19 @@ def test_modify_qp_to_err_flushes_everything():
     assert a.qpn not in a.dp.contexts
 
 
+def test_a_destroyed_qp_stops_retransmitting():
+    a, b, wire = pair(timeout=1)
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    wire.black_hole = True
+    a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey)
+    wire.step()
+    a.command("destroy_qp", qp_cid=a.qpn)
+    sent = len(wire.log)
+    wire.run()
+    assert len(wire.log) == sent and a.poll() == []  # no retransmission, no CQE into a CQ the driver may reuse
+
+
 def test_wqes_posted_before_rts_wait_for_it():
     a, b = Host("127.0.0.2"), Host("127.0.0.3")
     for host in (a, b):

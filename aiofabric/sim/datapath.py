@@ -66,6 +66,11 @@ class QpContext:
         self.address = (qp.dest_qp_id, qp.pkey, self.dp.ip, socket.inet_ntoa(bytes(qp.dgid[12:16])),
                         pk.udp_source_port(qp.qpn, qp.dest_qp_id), qp.traffic_class, qp.hop_limit or 64)
 
+    @property
+    def alive(self) -> bool:
+        """False once DESTROY_QP (or FUNC_RESET) took the QP away: its timers and queued work must not run."""
+        return self.dp.rcfw.qps.get(self.qp.qpn) is self.qp
+
     def wake(self) -> None:
         if not self.queued and self.requester.has_work():
             self.queued = True
@@ -244,7 +249,7 @@ class Datapath:
         while timers and timers[0][0] <= now:
             _, _, ctx = heapq.heappop(timers)
             ctx.timer_at = None
-            if self.contexts.get(ctx.qp.qpn) is not ctx or ctx.qp.state == ERR:
+            if self.contexts.get(ctx.qp.qpn) is not ctx or not ctx.alive or ctx.qp.state == ERR:
                 continue
             try:
                 ctx.requester.on_timer(now)
@@ -262,7 +267,7 @@ class Datapath:
         while ready and len(outbox) - start < budget:
             ctx = ready.popleft()
             ctx.queued = False
-            if ctx.qp.state != RTS:
+            if ctx.qp.state != RTS or not ctx.alive:
                 continue
             try:
                 more = ctx.requester.pump(now, min(QUANTUM, budget - (len(outbox) - start)))
