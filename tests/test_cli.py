@@ -59,3 +59,11 @@ def test_bad_arguments_fail_with_a_reason():
     assert code == 1 and result["ok"] is False and "--nics" in result["error"]
     code, result, _ = run("info", "--nic", "eth0", "--json")
     assert code == 1 and result["ok"] is False and "bad NIC spec" in result["error"]
+
+
+@pytest.mark.parametrize("example,args", [("loopback.py", []), ("multi_qp.py", ["--qps", "8", "--writes", "40"])])
+def test_examples_run_as_is(example, args):
+    path = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / example
+    process = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
+    assert process.returncode == 0, process.stderr
+    assert "passed" in process.stdout or "verified" in process.stdout
