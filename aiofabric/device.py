@@ -29,6 +29,7 @@ log = logging.getLogger("aiofabric.device")
 HWRM_TIMEOUT = 2.0  # Linux: 500 ms default; generous for loaded CI machines
 RCFW_TIMEOUT = 20.0  # Linux RCFW_CMD_WAIT_TIME_MS
 SAFETY_POLL = 0.05  # re-check memory this often even without an interrupt (lost-interrupt insurance)
+POLL_INTERVAL = 0.001  # how often to look at memory on a platform without interrupts
 HWRM_VECTOR, CREQ_VECTOR, NQ_VECTOR = 0, 1, 2
 CMDQ_DEPTH = 4096  # 16-byte slots; Linux uses 8192 (256 on old firmware)
 CREQ_DEPTH = 4096
@@ -175,12 +176,7 @@ class Device:
             with anyio.fail_after(timeout):
                 while not ready():
                     self._check_alive()
-                    with anyio.move_on_after(SAFETY_POLL):
-                        if fd is None:
-                            await anyio.sleep(SAFETY_POLL / 10)
-                        else:
-                            await anyio.wait_readable(fd)
-                    _ack(fd)
+                    await wait_for_interrupt(fd, SAFETY_POLL)
         except TimeoutError:
             self._check_alive()
             raise FirmwareTimeoutError(f"{what}: no answer from {self.pci.address} within {timeout:g} s") from None
@@ -253,12 +249,7 @@ class Device:
         fd = self._irq[CREQ_VECTOR]
         while True:
             self._drain_creq()
-            with anyio.move_on_after(SAFETY_POLL * 4):
-                if fd is None:
-                    await anyio.sleep(SAFETY_POLL / 10)
-                else:
-                    await anyio.wait_readable(fd)
-            _ack(fd)
+            await wait_for_interrupt(fd, SAFETY_POLL * 4)
             if self._lost:
                 return
 
@@ -530,12 +521,18 @@ def _free_all(*items: Any) -> None:
         item.free()
 
 
-def _ack(fd: int | None) -> None:
-    if fd is not None:
-        try:
-            os.eventfd_read(fd)
-        except BlockingIOError:
-            pass
+async def wait_for_interrupt(fd: int | None, timeout: float) -> None:
+    """Sleep until the MSI-X vector behind `fd` fires, or `timeout` passes (insurance against a lost interrupt),
+    and acknowledge it. Without interrupts (`fd` None: plain sysfs) this is a short poll interval."""
+    if fd is None:
+        await anyio.sleep(min(timeout, POLL_INTERVAL))
+        return
+    with anyio.move_on_after(timeout):
+        await anyio.wait_readable(fd)
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass
 
 
 def _gid_words(gid: bytes) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ import anyio
 import anyio.lowlevel
 
 from .autogen import bnxt
-from .device import NQ_VECTOR, Device, _ack
+from .device import NQ_VECTOR, Device, wait_for_interrupt
 from .rings import doorbell
 
 log = logging.getLogger("aiofabric.poller")
@@ -79,12 +79,7 @@ class Poller:
                 self._drain_nq(nq)
                 if self.poll_all():
                     continue
-                with anyio.move_on_after(SAFETY_POLL):
-                    if fd is None:
-                        await anyio.sleep(SAFETY_POLL / 10)
-                    else:
-                        await anyio.wait_readable(fd)
-                _ack(fd)
+                await wait_for_interrupt(fd, SAFETY_POLL)
                 self.stats["wakeups"] += 1
                 self._drain_nq(nq)
             finally:
