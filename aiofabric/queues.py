@@ -36,6 +36,8 @@ SEND_HEADER = struct.Struct("<BBBxIIIIIxxxxI")  # sq_send_hdr
 SGE = struct.Struct("<QII")  # sq_sge
 RECV_HEADER = struct.Struct("<BBBxxxxxQ16x")  # rq_wqe_hdr: wqe_type, flags, wqe_size, wr_id
 MSN_ENTRY = struct.Struct("<Q")
+SIGNAL_COMP = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP
+RDMA_WQE_TYPES = bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE  # WRITE, WRITE_W_IMMEAD and READ use sq_rdma_hdr
 PATH_MTUS = {256: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_256, 512: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_512,
              1024: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_1024, 2048: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_2048,
              4096: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_4096}
@@ -212,6 +214,8 @@ class QueuePair:
         slots = -(-sq_depth * wqe_slots // SQ_SLOT_ALIGN) * SQ_SLOT_ALIGN
         self.sq_slots = 1 << (slots - 1).bit_length()
         self.msn_entries = self.sq_slots // 2  # roundup_pow2(slots) / 2 in variable-WQE mode
+        self._ring_bytes, self._slot_mask, self._msn_mask = self.sq_slots * SQ_SLOT, self.sq_slots - 1, \
+            self.msn_entries - 1
         self.sq = Ring(device.pci, self.sq_slots, SQ_SLOT, extra=self.msn_entries * 8)
         self.rq_wqe_size = (WQE_HEADER_SLOTS + max_recv_sge) * SQ_SLOT
         self.rq = Ring(device.pci, 1 << (max(rq_depth, 1) - 1).bit_length(), self.rq_wqe_size)
@@ -231,6 +235,7 @@ class QueuePair:
         self.rq_producer = 0
         self._space = anyio.Event()
         self._space_waiters = 0
+        self._poller = device.poller
         self._batch_depth = 0
         self._doorbell_due = False
 
@@ -398,7 +403,8 @@ class QueuePair:
         self.device.doorbells.write64(self.device.db_offset, doorbell(
             self.qpn, bnxt.DBC_DBC_TYPE_RQ, self.rq.offset(self.rq_producer) // self.rq_wqe_size,
             self.rq.epoch(self.rq_producer)))
-        self.device.poller.work_posted(self.recv_cq)
+        if self._poller.sleeping:
+            self._poller.work_posted(self.recv_cq)
         return completion
 
     async def write(self, local, remote, size=None, **kw) -> Completion:
@@ -418,45 +424,51 @@ class QueuePair:
 
     async def _post(self, verb: str, wqe_type: int, sge: tuple[int, int, int] | None, length: int, remote_addr: int,
                     rkey: int, imm: int, signaled: bool) -> Completion:
-        if self.state == QPState.ERR:
-            return finished(verb, CompletionError(verb, self.qpn, SEND_FLUSHED, SEND_STATUSES[SEND_FLUSHED]))
-        if self.state != QPState.RTS:
+        """Write one WQE (header + at most one SGE) at the SQ producer, its MSN entry after the ring, and ring
+        the doorbell unless batching. This is the per-operation hot path: keep it lean."""
+        if self.state is not QPState.RTS:
+            if self.state is QPState.ERR:
+                return finished(verb, CompletionError(verb, self.qpn, SEND_FLUSHED, SEND_STATUSES[SEND_FLUSHED]))
             raise RuntimeError(f"{verb} on QP {self.qpn:#x} in state {self.state.name}: connect() it first")
-        slots = WQE_HEADER_SLOTS + (sge is not None)
+        slots = 2 if sge is None else 3
         while self.sq_slots - (self.sq_producer - self.sq_consumer) < slots:
             await self._wait_for_space()
-        self.unsignaled_run = 0 if signaled or self.unsignaled_run >= self.max_unsignaled else self.unsignaled_run + 1
-        flags = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP if self.unsignaled_run == 0 else 0
-        if wqe_type >= bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE:
+        if signaled or self.unsignaled_run >= self.max_unsignaled:
+            self.unsignaled_run, flags = 0, SIGNAL_COMP
+        else:
+            self.unsignaled_run, flags = self.unsignaled_run + 1, 0
+        if wqe_type >= RDMA_WQE_TYPES:
             wqe = RDMA_HEADER.pack(wqe_type, flags, slots, imm, length, remote_addr, rkey, 0)
         else:
             wqe = SEND_HEADER.pack(wqe_type, flags, slots, imm, length, 0, 0, 0, 0)
         if sge is not None:
             wqe += SGE.pack(*sge)
         start = self.sq_producer
-        offset, ring_bytes = self.sq.offset(start), self.sq_slots * SQ_SLOT
-        view = self.sq.view
-        if offset + len(wqe) <= ring_bytes:
-            view[offset:offset + len(wqe)] = wqe
+        ring_bytes, view = self._ring_bytes, self.sq.view
+        offset = (start & self._slot_mask) * SQ_SLOT
+        end = offset + len(wqe)
+        if end <= ring_bytes:
+            view[offset:end] = wqe
         else:  # slots wrap one by one at the end of the ring
             first = ring_bytes - offset
             view[offset:ring_bytes] = wqe[:first]
             view[0:len(wqe) - first] = wqe[first:]
-        packets = max(1, -(-length // self.mtu))
-        next_psn = (self.psn + packets) & 0xFFFFFF
-        MSN_ENTRY.pack_into(view, ring_bytes + (self.msn & (self.msn_entries - 1)) * 8,
-                            self.psn | next_psn << 24 | (start & (self.sq_slots - 1)) << 48)
+        psn = self.psn
+        next_psn = (psn + (length - 1) // self.mtu + 1 if length else psn + 1) & 0xFFFFFF
+        MSN_ENTRY.pack_into(view, ring_bytes + (self.msn & self._msn_mask) * 8,
+                            psn | next_psn << 24 | (start & self._slot_mask) << 48)
         self.psn, self.msn = next_psn, self.msn + 1
         completion = Completion(verb)
         self.pending.append(_SendWork(self.wqe_count & 0xFFFF, slots, completion))
         self.wqe_count += 1
-        self.sq_producer += slots
+        self.sq_producer = start + slots
         self.send_cq.outstanding += 1
         if self._batch_depth:
             self._doorbell_due = True
         else:
             self._ring_sq()
-        self.device.poller.work_posted(self.send_cq)
+        if self._poller.sleeping:
+            self._poller.work_posted(self.send_cq)
         return completion
 
     def _ring_sq(self) -> None:
@@ -589,8 +601,6 @@ def _local(local: MemoryRegion | LocalBuffer, offset: int, size: int | None) -> 
 
 
 def _remote(remote: RemoteRegion | MemoryRegion, offset: int, size: int) -> tuple[int, int]:
-    if isinstance(remote, MemoryRegion):
-        remote = remote.remote()
     if remote.length is not None and (offset < 0 or offset + size > remote.length):
         raise ValueError(f"{size} bytes at remote offset {offset} exceed the {remote.length}-byte remote region")
     return remote.addr + offset, remote.rkey
