@@ -65,7 +65,8 @@ class SimBar(Bar):
 
 
 class SimPCIDevice(PCIDevice):
-    """An emulated BNXT NIC in its own OS process. `options` go to the emulator (ip, mac, fw_latency_us, ...)."""
+    """An emulated BNXT NIC in its own OS process. `options` go to the emulator (ip, mac, fw_latency_us, ...);
+    `netns` starts the process inside that network namespace, so its wire is the namespace's interfaces."""
 
     def __init__(self, name: str = "sim", **options) -> None:
         self.address, self.name = f"sim:{name}", name
@@ -85,8 +86,10 @@ class SimPCIDevice(PCIDevice):
         struct.pack_into("<HH", self._config, PCI_VENDOR_ID, 0x14E4, DEVICE_ID_BCM57608)
         config = {"name": name, "bar0_fd": self._bar0_fd, "arena_fd": self._arena_fd, "kick_fd": kick_peer.fileno(),
                   "debug_fd": debug_peer.fileno(), "irq_fds": self._irqs, **options}
+        netns = options.get("netns")  # run the NIC inside a network namespace: another host on the same machine
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "aiofabric.sim.process", json.dumps(config)],
+            [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", "aiofabric.sim.process",
+             json.dumps(config)],
             pass_fds=[self._bar0_fd, self._arena_fd, kick_peer.fileno(), debug_peer.fileno(), *self._irqs],
             stdin=subprocess.DEVNULL)
         kick_peer.close()
