@@ -2,9 +2,14 @@
 
 Only RC opcodes (plus the CNP) exist here because the emulated NIC speaks RC. The layout of every packet is a table
 lookup: each opcode maps to one precompiled `struct.Struct` covering BTH and its extension headers, so encoding is
-two `pack` calls, one `join` and a few `zlib.crc32` calls, and decoding is the mirror image. `icrc()` is the ICRC
-rule written plainly (reference §2); the hot paths compute the same CRC incrementally over a masked pseudo header
-instead of copying the packet, and the tests hold the two (and scapy) equal.
+one `pack_into`, a payload copy and one `zlib.crc32` over the packet (`encode_into` writes straight into a transmit
+buffer), and decoding is the mirror image. `icrc()` is the ICRC rule written plainly (reference §2); the hot paths
+compute the same CRC without building the masked copy it describes, and the tests hold the two (and scapy) equal:
+- the masked IPv4/UDP pseudo header only depends on the addresses, ports, IP ID and length, so the CRC state after it
+  is remembered per header (`_icrc_start`);
+- the CRC runs over the packet as sent, with BTH byte 4 (FECN/BECN) unmasked, and is then corrected: CRC-32 is
+  affine, so replacing that byte by 0xFF changes the result by a constant that only depends on the byte's value and
+  on how many bytes follow it (`_mask_byte4`).
 
 Addresses and ports live on the `Packet` because the ICRC covers the IPv4 and UDP headers: a packet's bytes are only
 meaningful together with the header the wire gives it.
@@ -140,7 +145,6 @@ class _Layout:
     """How one opcode is laid out: BTH plus extension headers as one struct, and the Packet fields that fill them."""
 
     header: struct.Struct  # BTH + extension headers
-    icrc_prefix: struct.Struct  # masked IPv4 + UDP pseudo header, masked BTH, extension headers: the ICRC's start
     fields: tuple[str, ...]  # Packet attributes for the extension headers, in wire order (AETH handled apart)
     get_fields: Callable[[Packet], tuple[int, ...]]  # those attributes' values, by a C-speed attrgetter
     aeth: bool
@@ -151,11 +155,52 @@ _BTH_FORMAT = "BBHII"  # opcode, SE|M|PadCnt|TVer, P_Key, FECN|BECN|resv6|DestQP
 _PSEUDO_FORMAT = "BBHHHBBH4s4sHHHH"  # IPv4: ver/IHL, TOS, length, ID, flags, TTL, proto, checksum, src, dst; UDP
 _BTH = struct.Struct(">" + _BTH_FORMAT)
 _IPV4_UDP = struct.Struct(">" + _PSEUDO_FORMAT)
-_BTH_ICRC_PREFIX = struct.Struct(">" + _PSEUDO_FORMAT + _BTH_FORMAT)  # what decode needs before the opcode is known
 _ICRC = struct.Struct("<I")  # the CRC-32 is stored little-endian: rxe writes its u32 in host order (x86)
 # crc32 state after the masked LRH rxe folds into its seed 0xdebb20e3: eight 0xFF bytes (reference §2).
 _ICRC_SEED = zlib.crc32(b"\xff" * 8)
 _PADS = (b"", b"\0", b"\0\0", b"\0\0\0")
+_FECN_BECN_BYTE = 4  # the BTH byte the ICRC masks to 0xFF
+_CACHE_LIMIT = 4096  # entries per memo below; a run uses a handful (peers x packet sizes), so this only bounds abuse
+_ICRC_STARTS: dict[tuple, int] = {}
+_BYTE4_MASKS: dict[int, int] = {}
+_ADDRESSES: dict[str, bytes] = {}
+
+
+def _icrc_start(src: bytes, dst: bytes, src_port: int, dst_port: int, ip_id: int, flags_fragment: int,
+                udp_length: int) -> int:
+    """The ICRC's crc32 state after the seed and the masked IPv4 + UDP header (TOS, TTL and checksums all ones)."""
+    key = (src, dst, src_port, dst_port, ip_id, flags_fragment, udp_length)
+    crc = _ICRC_STARTS.get(key)
+    if crc is None:
+        if len(_ICRC_STARTS) >= _CACHE_LIMIT:
+            _ICRC_STARTS.clear()
+        crc = _ICRC_STARTS[key] = zlib.crc32(_IPV4_UDP.pack(
+            0x45, 0xFF, IPV4_HEADER_SIZE + udp_length, ip_id, flags_fragment, 0xFF, socket.IPPROTO_UDP, 0xFFFF, src,
+            dst, src_port, dst_port, udp_length, 0xFFFF), _ICRC_SEED)
+    return crc
+
+
+def _mask_byte4(value: int, following: int) -> int:
+    """What to XOR into a crc32 computed with BTH byte 4 = `value` to get the one with byte 4 = 0xFF, when
+    `following` bytes come after it: crc32(a, s) ^ crc32(b, s) = crc32 of (a ^ b) from a zero register, and a ^ b is
+    one nonzero byte followed by zeros."""
+    key = following << 8 | value
+    mask = _BYTE4_MASKS.get(key)
+    if mask is None:
+        if len(_BYTE4_MASKS) >= _CACHE_LIMIT:
+            _BYTE4_MASKS.clear()
+        mask = _BYTE4_MASKS[key] = zlib.crc32(bytes((value ^ 0xFF,)) + bytes(following), 0xFFFFFFFF) ^ 0xFFFFFFFF
+    return mask
+
+
+def _aton(ip: str) -> bytes:
+    """socket.inet_aton, remembered: packets name their addresses as strings, the ICRC needs the 4 bytes."""
+    address = _ADDRESSES.get(ip)
+    if address is None:
+        if len(_ADDRESSES) >= _CACHE_LIMIT:
+            _ADDRESSES.clear()
+        address = _ADDRESSES[ip] = socket.inet_aton(ip)
+    return address
 
 
 def _layout(op: Op) -> _Layout:
@@ -184,8 +229,8 @@ def _layout(op: Op) -> _Layout:
         get_fields = operator.attrgetter(*fields)
     else:  # attrgetter returns a bare value for one name and needs at least one
         get_fields = (lambda p, get=operator.attrgetter(*fields): (get(p),)) if fields else (lambda p: ())
-    return _Layout(struct.Struct(">" + _BTH_FORMAT + ext), struct.Struct(">" + _PSEUDO_FORMAT + _BTH_FORMAT + ext),
-                   tuple(fields), get_fields, op in HAS_AETH, op in HAS_PAYLOAD)
+    return _Layout(struct.Struct(">" + _BTH_FORMAT + ext), tuple(fields), get_fields, op in HAS_AETH,
+                   op in HAS_PAYLOAD)
 
 
 _LAYOUTS: dict[int, _Layout] = {op.value: _layout(op) for op in Op}
@@ -213,24 +258,35 @@ def encode(p: Packet) -> bytes:
     why ip_id defaults to 0.
     """
     layout = _LAYOUTS.get(p.opcode)
+    size = (layout.header.size if layout is not None else 0) + len(p.payload) + 3 + ICRC_SIZE
+    buffer = bytearray(size)
+    return bytes(memoryview(buffer)[:encode_into(p, memoryview(buffer))])
+
+
+def encode_into(p: Packet, buffer: memoryview, offset: int = 0) -> int:
+    """Write the UDP payload of `p` (as `encode` makes it) into the writable byte view `buffer` at `offset`; returns
+    its length. For transmit buffers: the payload is copied once, into the buffer, and nothing is allocated."""
+    layout = _LAYOUTS.get(p.opcode)
     if layout is None:
         raise ValueError(f"cannot encode opcode {p.opcode:#x}: not an RC opcode")
     payload = p.payload
-    if payload and not layout.payload:
-        raise ValueError(f"{Op(p.opcode).name} carries no payload, got {len(payload)} bytes")
-    pad = -len(payload) % 4
-    values = _wire_fields(p, layout, pad)
-    header = layout.header.pack(*values)
-    udp_length = UDP_HEADER_SIZE + len(header) + len(payload) + pad + ICRC_SIZE
-    crc = zlib.crc32(layout.icrc_prefix.pack(
-        0x45, 0xFF, IPV4_HEADER_SIZE + udp_length, p.ip_id, IPV4_DONT_FRAGMENT, 0xFF, socket.IPPROTO_UDP, 0xFFFF,
-        socket.inet_aton(p.src_ip), socket.inet_aton(p.dst_ip), p.src_port, p.dst_port, udp_length, 0xFFFF,
-        values[0], values[1], values[2], values[3] | 0xFF000000, *values[4:]), _ICRC_SEED)
-    if payload:
-        crc = zlib.crc32(payload, crc)
-        if pad:
-            crc = zlib.crc32(_PADS[pad], crc)
-    return b"".join((header, payload, _PADS[pad], _ICRC.pack(crc)))
+    size = len(payload)
+    if size and not layout.payload:
+        raise ValueError(f"{Op(p.opcode).name} carries no payload, got {size} bytes")
+    pad = -size % 4
+    header = layout.header
+    start = offset + header.size
+    end = start + size + pad  # where the ICRC goes
+    header.pack_into(buffer, offset, *_wire_fields(p, layout, pad))
+    buffer[start:start + size] = payload
+    if pad:
+        buffer[end - pad:end] = _PADS[pad]
+    length = end - offset
+    crc = zlib.crc32(buffer[offset:end], _icrc_start(_aton(p.src_ip), _aton(p.dst_ip), p.src_port, p.dst_port,
+                                                     p.ip_id, IPV4_DONT_FRAGMENT,
+                                                     UDP_HEADER_SIZE + length + ICRC_SIZE))
+    _ICRC.pack_into(buffer, end, crc ^ _mask_byte4(buffer[offset + _FECN_BECN_BYTE], length - _FECN_BECN_BYTE - 1))
+    return length + ICRC_SIZE
 
 
 def encode_ipv4_header(p: Packet, udp_payload_length: int) -> bytes:
@@ -261,8 +317,8 @@ def decode(udp_payload: bytes | bytearray | memoryview, src_ip: str, dst_ip: str
     UDP socket cannot see (hence the default 0, what Linux writes for unconnected DF sockets). The returned payload is
     a view into `udp_payload`: do not reuse that buffer while the packet is alive.
     """
-    return _decode(memoryview(udp_payload), socket.inet_aton(src_ip), socket.inet_aton(dst_ip), src_port, dst_port,
-                   ip_id, IPV4_DONT_FRAGMENT, check_icrc, src_ip, dst_ip, 0, 64)
+    return _decode(memoryview(udp_payload), _aton(src_ip), _aton(dst_ip), src_port, dst_port, ip_id,
+                   IPV4_DONT_FRAGMENT, check_icrc, src_ip, dst_ip, 0, 64)
 
 
 def decode_ipv4(packet: bytes | bytearray | memoryview, *, check_icrc: bool = True) -> Packet:
@@ -293,12 +349,9 @@ def _decode(view: memoryview, src: bytes, dst: bytes, src_port: int, dst_port: i
         raise BadPacket(f"too short for BTH + ICRC: {size} bytes")
     opcode, flags, pkey, qpn_word, psn_word = _BTH.unpack_from(view)
     if check_icrc:  # first, so that a corrupted packet is reported as such and not as whatever the flip looks like
-        udp_length = UDP_HEADER_SIZE + size
-        crc = zlib.crc32(_BTH_ICRC_PREFIX.pack(
-            0x45, 0xFF, IPV4_HEADER_SIZE + udp_length, ip_id, flags_fragment, 0xFF, socket.IPPROTO_UDP, 0xFFFF, src,
-            dst, src_port, dst_port, udp_length, 0xFFFF, opcode, flags, pkey, qpn_word | 0xFF000000, psn_word),
-            _ICRC_SEED)
-        crc = zlib.crc32(view[BTH_SIZE:size - ICRC_SIZE], crc)
+        crc = zlib.crc32(view[:size - ICRC_SIZE], _icrc_start(src, dst, src_port, dst_port, ip_id, flags_fragment,
+                                                              UDP_HEADER_SIZE + size))
+        crc ^= _mask_byte4(qpn_word >> 24, size - ICRC_SIZE - _FECN_BECN_BYTE - 1)
         (got,) = _ICRC.unpack_from(view, size - ICRC_SIZE)
         if crc != got:
             raise IcrcMismatch(f"ICRC mismatch: expected {_ICRC.pack(crc).hex()}, got {_ICRC.pack(got).hex()} "
