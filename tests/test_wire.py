@@ -1,6 +1,7 @@
 """Transports on 127.0.0.0/8: real sockets, seeded faults, pcap captures (checked by scapy and, if present, tshark)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
 import shutil
@@ -15,9 +16,11 @@ import pytest
 from aiofabric.sim.packets import (
     ACK_UNLIMITED, ROCE_PORT, Op, Packet, decode, decode_ipv4, encode_ipv4, udp_source_port,
 )
+from aiofabric.sim import mmsg
 from aiofabric.sim.pcap import PcapWriter
 from aiofabric.sim.wire import (
-    IP_MTU_DISCOVER, IP_PMTUDISC_DO, Faults, LoopbackTransport, RawTransport, Transport, UdpTransport, open_transport,
+    BATCH, IP_MTU_DISCOVER, IP_PMTUDISC_DO, Faults, LoopbackTransport, RawTransport, Transport, UdpTransport,
+    open_transport,
 )
 
 scapy_all = pytest.importorskip("scapy.all")
@@ -40,7 +43,8 @@ def pump(transport: Transport, done: Callable[[list[Packet]], bool], timeout: fl
         selector.register(transport.fileno(), selectors.EVENT_READ)
         while not done(packets) and (remaining := deadline - time.monotonic()) > 0:
             selector.select(remaining)
-            packets += transport.receive()
+            # receive() may reuse its buffers on the next call: keep copies of the payloads
+            packets += [dataclasses.replace(p, payload=bytes(p.payload)) for p in transport.receive()]
     return packets
 
 
@@ -83,6 +87,23 @@ def test_send_stamps_the_addressing_the_udp_wire_uses(pair: tuple[UdpTransport, 
     packet = write(1, B)
     a.send(packet)
     assert (packet.src_ip, packet.src_port, packet.dst_port, packet.ip_id) == (A, ROCE_PORT, ROCE_PORT, 0)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["mmsg", "socket-calls"])
+def test_send_all_keeps_order_across_bursts_and_loses_only_what_the_socket_refuses(monkeypatch, batched: bool):
+    if not batched:
+        monkeypatch.setattr(mmsg, "available", lambda: False)
+    with UdpTransport("127.0.0.112") as a, UdpTransport("127.0.0.113") as b:
+        packets = [write(psn, "127.0.0.113", payload=bytes([psn % 256]) * (psn % 4097))
+                   for psn in range(3 * BATCH + 5)]
+        packets[7].dst_ip = "255.255.255.255"  # EACCES: a UDP socket without SO_BROADCAST may not send there
+        packets[BATCH + 1].tos = 0x68  # DSCP 26, as RoCE is marked: a socket option, so that burst is split there
+        a.send_all(packets)
+        arrived = pump(b, received(len(packets) - 1))
+        assert [p.psn for p in arrived] == [p.psn for p in packets if p.psn != 7]
+        assert all(bytes(p.payload) == bytes([p.psn % 256]) * (p.psn % 4097) for p in arrived)
+        assert (a.counters["sent"], a.counters["send_errors"]) == (len(packets) - 1, 1)
+        assert b.counters["received"] == len(packets) - 1 and not b.counters["dropped_icrc"]
 
 
 def test_4096_byte_payloads_cross_udp_and_loopback(pair: tuple[UdpTransport, UdpTransport]):

@@ -37,8 +37,6 @@ from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .pcap import PcapWriter
 from .wire import Faults, Transport, open_transport
 
-log = logging.getLogger("aiofabric.sim")
-
 HWRM_VECTOR = 0
 HWRM_TRIGGER = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER
 RCFW_BASE = bnxt.RCFW_COMM_BASE_OFFSET
@@ -147,36 +145,22 @@ class Emulator:
             dp.doorbells(now)
             moved = 0
             for transport in transports:
-                try:
-                    packets = transport.receive(RX_BUDGET)
-                except OSError as exc:  # e.g. an ICMP error queued on the socket: the packet is gone, not the NIC
-                    self.note_wire_error("receive", exc)
-                    continue
+                packets = transport.receive(RX_BUDGET)
                 if packets:
                     moved += len(packets)
-                    dp.receive(packets, now)
+                    dp.receive(packets, now)  # before the next receive(), which may reuse the packets' buffers
             dp.advance(now)
             dp.pump(now, TX_BUDGET)
             outbox = dp.take_outbox()
             if outbox:
                 moved += len(outbox)
-                send = port.send
-                for packet in outbox:
-                    try:
-                        send(packet)
-                    except OSError as exc:  # unreachable, too big for the link (DF), ...: lost like on a wire
-                        self.note_wire_error("send", exc)
+                port.send_all(outbox)
             if not moved or now > until:
                 break
         for transport in transports:
             deadline = transport.flush_deadline
             if deadline is not None and deadline <= time.monotonic():
                 transport.flush()
-
-    def note_wire_error(self, what: str, exc: OSError) -> None:
-        self.stats[f"wire_{what}_errors"] = self.stats.get(f"wire_{what}_errors", 0) + 1
-        if self.stats[f"wire_{what}_errors"] == 1:
-            log.warning("%s: wire %s failed: %s (counted in stats as wire_%s_errors)", self.name, what, exc, what)
 
     def wire_stats(self) -> dict[str, int]:
         dp = self.datapath.stats

@@ -1,12 +1,14 @@
 """The emulated NIC's Ethernet port: moves `Packet`s between NICs over real sockets, with seeded faults and a pcap tap.
 
 This is the thin I/O shell around the sans-IO codec in `packets`. A transport is driven from the emulator's selector
-loop: register `fileno()`, call `receive()` when it is readable, `send()` whatever the protocol engine emits, and
-call `flush()` once `flush_deadline` passes. Nothing here blocks except `send()` on a full socket buffer, which is
-the backpressure a real NIC gets from its transmit queue.
+loop: register `fileno()`, call `receive()` when it is readable, `send_all()` whatever the protocol engine emits, and
+call `flush()` once `flush_deadline` passes. Nothing here blocks except sending on a full socket buffer, which is
+the backpressure a real NIC gets from its transmit queue. A socket error loses the packet (like a wire would) and is
+counted ("send_errors", "receive_errors"), never raised into the emulator.
 
 Three transports:
-* `UdpTransport` (default): one UDP socket on (ip, 4791). Needs no privileges; the ICRC assumes IP ID 0.
+* `UdpTransport` (default): one UDP socket on (ip, 4791). Needs no privileges; the ICRC assumes IP ID 0. Bursts go
+  out and come in many datagrams per system call (mmsg.py).
 * `RawTransport`: whole IPv4 packets through raw sockets. Needs CAP_NET_RAW; real per-QP source ports and IP IDs.
 * `LoopbackTransport`: the PHY loopback of port_phy_cfg LPBK_LOCAL; what is sent comes back, no socket.
 
@@ -18,16 +20,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import logging
 import random
 import socket
 import time
 from types import TracebackType
 from typing import Any
 
+from . import mmsg
 from .packets import (
-    ROCE_PORT, BadPacket, IcrcMismatch, Packet, decode, decode_ipv4, encode, encode_ipv4_header,
+    ROCE_PORT, BadPacket, IcrcMismatch, Packet, decode, decode_ipv4, encode, encode_into, encode_ipv4_header,
 )
 from .pcap import PcapWriter
+
+log = logging.getLogger("aiofabric.sim")
 
 IP_MTU_DISCOVER = 10  # Linux socket options Python 3.11's socket module does not name
 IP_PMTUDISC_DO = 2  # always set DF, never fragment: with it, unconnected UDP sockets send IP ID 0
@@ -35,6 +41,9 @@ SO_SNDBUFFORCE = 32  # like SO_SNDBUF/SO_RCVBUF, but past net.core.[wr]mem_max w
 SO_RCVBUFFORCE = 33
 SOCKET_BUFFER = 4 << 20  # enough for a window of 128 x 4 KiB packets per QP on a few QPs
 MAX_DATAGRAM = 65536
+BATCH = 128  # datagrams per sendmmsg/recvmmsg call (and at most this many per receive())
+TX_SLOT = 8192  # bytes per transmit slot: a packet of the largest path MTU (4096) with every header fits
+TX_HEADROOM = 64  # BTH + extension headers + pad + ICRC never take more than this
 _FECN_BECN_BYTE = 4  # byte of the BTH masked out of the ICRC: a bit flip there would go unnoticed
 
 
@@ -85,7 +94,8 @@ class Transport:
     """A NIC port owning one IPv4 address. Subclasses move datagrams; this class encodes, injects faults and taps.
 
     counters: "sent" (datagrams put on the wire, duplicates included), "received" (packets decoded), "dropped_icrc",
-    "dropped_malformed", and one per fault injected: "lost", "duplicated", "reordered", "corrupted".
+    "dropped_malformed", "send_errors" and "receive_errors" (socket errors: those packets are lost), and one per
+    fault injected: "lost", "duplicated", "reordered", "corrupted".
     """
 
     def __init__(self, ip: str, faults: Faults | None = None, pcap: PcapWriter | None = None,
@@ -140,6 +150,14 @@ class Transport:
         if held is not None:
             self._release(held)
 
+    def send_all(self, packets: list[Packet]) -> None:
+        """Send `packets` in order. One the socket refuses (unreachable, too big for DF, ...) is lost and counted."""
+        for packet in packets:
+            try:
+                self.send(packet)
+            except OSError as exc:
+                self._send_failed(exc)
+
     def flush(self) -> None:
         """Send the packet the reorder fault is holding back, if any."""
         held, self._held = self._held, None
@@ -147,11 +165,19 @@ class Transport:
             self._release(held)
 
     def receive(self, budget: int = 64) -> list[Packet]:
-        """Up to `budget` packets that have arrived, without waiting. Bad packets are counted and dropped."""
+        """Up to `budget` packets that have arrived, without waiting. Bad packets are counted and dropped.
+
+        A packet's payload may be a view of a receive buffer that the next receive() reuses: use it before then.
+        """
         if self._held is not None and time.monotonic() >= self._held.deadline:
             self.flush()
         packets = []
-        for datagram in self._receive(budget):
+        try:
+            datagrams = self._receive(budget)
+        except OSError as exc:  # e.g. an ICMP error queued on the socket: the packet is gone, not the port
+            self._count_error("receive_errors", exc)
+            return packets
+        for datagram in datagrams:
             try:
                 packets.append(self._decode(datagram))
             except IcrcMismatch:
@@ -202,6 +228,14 @@ class Transport:
     def _release(self, held: _Held) -> None:
         for _ in range(held.copies):
             self._put(held.packet, held.udp_payload)
+
+    def _send_failed(self, exc: OSError) -> None:
+        self._count_error("send_errors", exc)
+
+    def _count_error(self, counter: str, exc: OSError) -> None:
+        self.counters[counter] += 1
+        if self.counters[counter] == 1:
+            log.warning("wire %s: %s failed: %s (counted as %s)", self.ip, counter.split("_")[0], exc, counter)
 
     def _flip_a_bit(self, udp_payload: bytes) -> bytes:
         """Flip one bit anywhere the ICRC covers (so anywhere but BTH byte 4), ICRC bytes included."""
@@ -257,6 +291,10 @@ class UdpTransport(Transport):
         super().__init__(ip, faults, pcap, mac)
         self._socket = _udp_socket(ip, buffer_size)
         self._tos, self._ttl = 0, self._socket.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
+        batched = mmsg.available()
+        self._sender = mmsg.Sender(self._socket, BATCH, TX_SLOT) if batched else None
+        self._receiver = mmsg.Receiver(self._socket, BATCH) if batched else None
+        self._peers: dict[bytes, str] = {}  # source addresses as received -> as Packet.src_ip names them
 
     def fileno(self) -> int | None:
         return self._socket.fileno()
@@ -275,21 +313,61 @@ class UdpTransport(Transport):
             self._socket.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, packet.ttl)
             self._ttl = packet.ttl
 
+    def send_all(self, packets: list[Packet]) -> None:
+        """Encode packets straight into the sender's slots and send each burst with one system call.
+
+        Faults and the pcap tap need each packet on its own, and so does a packet larger than a slot or one asking for
+        other socket options (TOS/TTL) than the burst before it: those take the one-at-a-time path.
+        """
+        sender = self._sender
+        if sender is None or self._faulty or self.pcap is not None:
+            super().send_all(packets)
+            return
+        view, slot, staged = sender.view, sender.slot_size, 0
+        for packet in packets:
+            if packet.tos != self._tos or packet.ttl != self._ttl or len(packet.payload) > slot - TX_HEADROOM:
+                staged = self._send_staged(staged)
+                super().send_all([packet])
+                continue
+            self._stamp(packet)
+            sender.stage(staged, encode_into(packet, view, staged * slot), packet.dst_ip, ROCE_PORT)
+            staged += 1
+            if staged == sender.count:
+                staged = self._send_staged(staged)
+        self._send_staged(staged)
+
+    def _send_staged(self, count: int) -> int:
+        if count:
+            errors = self._sender.send(count)
+            self.counters["sent"] += count - len(errors)
+            for exc in errors:
+                self._send_failed(exc)
+        return 0
+
     def _transmit(self, packet: Packet, udp_payload: bytes) -> None:
         self._socket.sendto(udp_payload, (packet.dst_ip, ROCE_PORT))
 
-    def _receive(self, budget: int) -> list[tuple[bytes, tuple[str, int]]]:
+    def _receive(self, budget: int) -> list[tuple[Any, bytes, int]]:
+        """(data, source address as 4 bytes, source port) per datagram."""
+        if self._receiver is not None:
+            return self._receiver.receive(budget)
         datagrams = []
         recvfrom = self._socket.recvfrom
         try:
             for _ in range(budget):
-                datagrams.append(recvfrom(MAX_DATAGRAM, socket.MSG_DONTWAIT))
+                data, (src_ip, src_port) = recvfrom(MAX_DATAGRAM, socket.MSG_DONTWAIT)
+                datagrams.append((data, socket.inet_aton(src_ip), src_port))
         except BlockingIOError:
             pass
         return datagrams
 
-    def _decode(self, datagram: tuple[bytes, tuple[str, int]]) -> Packet:
-        data, (src_ip, src_port) = datagram
+    def _decode(self, datagram: tuple[Any, bytes, int]) -> Packet:
+        data, source, src_port = datagram
+        src_ip = self._peers.get(source)
+        if src_ip is None:
+            if len(self._peers) >= 1024:  # peers come and go over a long life; their names need not stay
+                self._peers.clear()
+            src_ip = self._peers[source] = socket.inet_ntoa(source)
         return decode(data, src_ip, self.ip, src_port)
 
 
