@@ -369,6 +369,17 @@ class MemoryRegion:
     def registered(self) -> bool:
         return self.pages is not None
 
+    def view(self, va: int, length: int, need_access: int = 0, pd: int | None = None) -> memoryview | None:
+        """[va, va + length) as one slice of the cached view of the whole region, when there is one and the access is
+        allowed; None otherwise (then `views` tells what is wrong, or gives the pieces)."""
+        whole = self._whole
+        if whole and self.pages is self._whole_pages and (pd is None or pd == self.pd) \
+                and not need_access & ~self.access:
+            offset = va - self.va
+            if 0 <= offset and 0 < length and offset + length <= self.size:
+                return whole[offset:offset + length]
+        return None
+
     def views(self, mem: BusMemory, va: int, length: int, need_access: int = 0,
               pd: int | None = None) -> list[memoryview]:
         """Like `translate`, as memoryviews of host memory: one slice of a cached view when the region is contiguous."""

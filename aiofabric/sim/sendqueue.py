@@ -21,6 +21,7 @@ from .objects import MemoryProtectionError, MemoryRegion, QueuePair
 MAX_SGES = 30
 STATIC_WQE_SLOTS = 8
 HEADER = struct.Struct("<BBBxIIIQI")  # sq_rdma_hdr / sq_send_hdr: type, flags, size, imm, length, -, remote_va, rkey
+HEADER_AND_SGE = struct.Struct(HEADER.format + "4x" + SGE.format[1:])  # a one-SGE WQE's three slots in one go
 S = bnxt
 O = pk.Op
 # opcodes by position in the message: index (first << 1) | last -> middle, last, first, only
@@ -106,22 +107,22 @@ class SendQueue:
         except ACCESS_ERRORS:
             views, shift, mask = [], 0, 0
         largest = min(2 + MAX_SGES, STATIC_WQE_SLOTS if unit > 1 else ring)
-        unpack_header, append = HEADER.unpack_from, wqes.append
+        unpack, append = HEADER_AND_SGE.unpack_from, wqes.append
         while self.fetched_slots < produced:
             available = produced - self.fetched_slots
             first = self.fetched_slots % ring
-            second = first + 1
+            third = first + 2  # header and first SGE; the SGE slot is ignored unless the header says it is one
             try:
-                if second < ring and second >> shift == first >> shift:
-                    header = unpack_header(views[first >> shift], (first << 4) & mask)
+                if third < ring and third >> shift == first >> shift:
+                    fields = unpack(views[first >> shift], (first << 4) & mask)
                 else:
-                    header = unpack_header(self._slot(first) + self._slot(second % ring))
+                    fields = unpack(self._slot(first) + self._slot((first + 1) % ring) + self._slot(third % ring))
             except (*ACCESS_ERRORS, IndexError):
-                header = (0xFF,) * 8
-            size = header[2]
+                fields = (0xFF,) * 11
+            size = fields[2]
             if 2 <= size <= min(available, largest):
                 stride = size if unit == 1 else STATIC_WQE_SLOTS
-                w = self._parse(psns, first, *header) if not flush else SendWqe(self.fetched)
+                w = self._parse(psns, first, fields) if not flush else SendWqe(self.fetched)
             else:  # nothing after a malformed WQE can be parsed: it takes the rest of what was published
                 stride = available
                 w = SendWqe(self.fetched, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=REQ_WQE_FORMAT_ERROR)
@@ -130,9 +131,10 @@ class SendQueue:
             append(w)
         return wqes
 
-    def _parse(self, psns: PsnAllocator, first: int, kind: int, flags: int, size: int, imm: int, length: int, _: int,
-               remote_va: int, rkey: int) -> SendWqe:
-        """A SendWqe from a header, with its local memory mapped and its PSNs assigned (or the local error found)."""
+    def _parse(self, psns: PsnAllocator, first: int, fields: tuple[int, ...]) -> SendWqe:
+        """A SendWqe from its header and first SGE slot (HEADER_AND_SGE), with its local memory mapped and its PSNs
+        assigned (or the local error found)."""
+        kind, flags, size, imm, length, _, remote_va, rkey, va, key, sge_size = fields
         qp, index = self.qp, self.fetched
         known = KINDS.get(kind)
         if known is None:
@@ -147,17 +149,16 @@ class SendQueue:
                     return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=REQ_WQE_FORMAT_ERROR)
                 data: Buffer = memoryview(bytearray(body[:length]))
             else:
-                views, shift, mask = self._ring()
                 access = MR_LOCAL_WRITE if read else 0
                 if size == 3:  # one SGE, the common case: no list, no ScatterGather
-                    slot = (first + 2) % ring
-                    va, key, sge_size = SGE.unpack_from(views[slot >> shift], (slot << 4) & mask)
                     region = self.mrs.get(key)
                     if region is None:
                         raise MemoryProtectionError(f"lkey {key:#x} does not exist")
-                    pieces = region.views(self.mem, va, sge_size, access, qp.pd) if sge_size else []
-                    data = pieces[0] if len(pieces) == 1 else gather(pieces)
+                    data = region.view(va, sge_size, access, qp.pd) if sge_size else EMPTY
+                    if data is None:
+                        data = gather(region.views(self.mem, va, sge_size, access, qp.pd))
                 else:
+                    views, shift, mask = self._ring()
                     sges = []
                     for i in range(size - 2):
                         slot = (first + 2 + i) % ring
@@ -170,6 +171,6 @@ class SendQueue:
         npkts = -(-length // qp.path_mtu) or 1
         first_psn = psns.next_psn
         psns.next_psn = (first_psn + npkts) & PSN_MASK
-        return SendWqe(index, ops, read, bool(flags & SIGNAL) or self.force_completion, bool(flags & SOLICIT),
-                       bool(flags & FENCE), length, remote_va if rdma else 0, rkey if rdma else 0, imm, data,
-                       first_psn, npkts)
+        return SendWqe(index, ops, read, flags & SIGNAL != 0 or self.force_completion, flags & SOLICIT != 0,
+                       flags & FENCE != 0, length, remote_va if rdma else 0, rkey if rdma else 0, imm, data, first_psn,
+                       npkts)
