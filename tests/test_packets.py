@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from aiofabric.sim.packets import (
     ACK_UNLIMITED, HAS_AETH, HAS_ATOMIC_ACK_ETH, HAS_ATOMIC_ETH, HAS_IETH, HAS_IMM, HAS_PAYLOAD, HAS_RETH,
-    NAK_PSN_SEQ, NAK_REMOTE_ACCESS, RNR_NAK, RNR_TIMER_US, ROCE_PORT, BadPacket, Op, Packet, decode, decode_ipv4,
-    encode, encode_ipv4, encode_ipv4_header, header_size, icrc, psn_diff, udp_source_port,
+    NAK_PSN_SEQ, NAK_REMOTE_ACCESS, RNR_NAK, RNR_TIMER_US, ROCE_PORT, BadPacket, Op, Packet, Segments, decode,
+    decode_ipv4, encode, encode_into, encode_ipv4, encode_ipv4_header, encode_segments_into, expand, header_size, icrc,
+    psn_diff, udp_source_port,
 )
 
 scapy_all = pytest.importorskip("scapy.all")
@@ -95,6 +96,8 @@ def test_every_opcode_round_trips(p: Packet):
     udp_payload = encode(p)
     assert len(udp_payload) == header_size(p.opcode) + len(p.payload) + (-len(p.payload) % 4) + 4
     assert len(udp_payload) % 4 == 0
+    into = memoryview(bytearray(len(udp_payload) + 10))
+    assert encode_into(p, into, 7) == len(udp_payload) and into[7:7 + len(udp_payload)] == udp_payload
     decoded = decode(udp_payload, p.src_ip, p.dst_ip, p.src_port, ROCE_PORT, p.ip_id)
     assert decoded == dataclasses.replace(p, tos=0, ttl=64)  # a UDP socket sees neither
     assert bytes(decoded.payload) == p.payload
@@ -116,6 +119,35 @@ def test_scapy_parses_our_packets_and_computes_the_same_icrc(p: Packet):
     del dissected[scapy_all.IP].chksum
     assert scapy_all.raw(dissected)[:20] == wire[:20], "our IPv4 header checksum differs from scapy's"
     assert scapy_icrc(wire) == wire[-4:] == icrc(wire[:-4]) == reference_icrc_v4(wire[:-4])
+
+
+MESSAGE_OPCODES = [
+    (Op.SEND_MIDDLE, Op.SEND_LAST, Op.SEND_FIRST, Op.SEND_ONLY),
+    (Op.SEND_MIDDLE, Op.SEND_LAST_WITH_IMMEDIATE, Op.SEND_FIRST, Op.SEND_ONLY_WITH_IMMEDIATE),
+    (Op.RDMA_WRITE_MIDDLE, Op.RDMA_WRITE_LAST, Op.RDMA_WRITE_FIRST, Op.RDMA_WRITE_ONLY),
+    (Op.RDMA_WRITE_MIDDLE, Op.RDMA_WRITE_LAST_WITH_IMMEDIATE, Op.RDMA_WRITE_FIRST, Op.RDMA_WRITE_ONLY_WITH_IMMEDIATE)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(MESSAGE_OPCODES), st.sampled_from([256, 1024, 4096]), st.integers(0, 5 * 4096), u24, u24,
+       st.data())
+def test_segments_encode_as_the_packets_they_stand_for(opcodes, mtu: int, length: int, first_psn: int, qpn: int,
+                                                       data: st.DataObject):
+    npkts = max(1, -(-length // mtu))
+    start = data.draw(st.integers(0, npkts - 1))
+    count = data.draw(st.integers(1, npkts - start))
+    message = bytes(range(251)) * 100  # longer than any message drawn; 251 is prime, so segments differ
+    segments = Segments(tuple(map(int, opcodes)), qpn, first_psn, npkts, mtu, memoryview(message)[:length],
+                        length, data.draw(u64), data.draw(u32), data.draw(u32), data.draw(st.booleans()), start,
+                        count, data.draw(st.integers(0, 2**count - 1)), data.draw(u16), data.draw(ipv4),
+                        data.draw(ipv4), data.draw(u16))
+    packets = segments.packets()
+    assert [p.psn for p in packets] == [(first_psn + k) % 2**24 for k in range(start, start + count)]
+    assert b"".join(bytes(p.payload) for p in packets) == message[start * mtu:min(length, (start + count) * mtu)]
+    buffer = memoryview(bytearray(count * 4200))
+    lengths = encode_segments_into(segments, start, count, buffer, 0, 4200)
+    assert [bytes(buffer[i * 4200:i * 4200 + n]) for i, n in enumerate(lengths)] == [encode(p) for p in packets]
+    assert expand([packets[0], segments]) == packets[:1] + packets
 
 
 def test_icrc_over_nonzero_ip_ids_matches_scapy():

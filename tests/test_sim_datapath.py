@@ -196,7 +196,7 @@ class Wire:
             host.dp.pump(self.now)
         for host in self.hosts.values():
             batch = {}
-            for packet in host.dp.take_outbox():
+            for packet in pk.expand(host.dp.take_outbox()):
                 busy = True
                 self.log.append(packet)
                 if self.black_hole or self.random.random() < self.loss:
@@ -648,7 +648,7 @@ def test_bad_packets_are_dropped_or_nakked_not_raised():
     a.dp.receive(mess[:2], 0.0)
     assert a.dp.stats["internal_errors"] == b.dp.stats["internal_errors"] == 0
     assert b.dp.stats["dropped_no_qp"] == 1
-    assert [p.syndrome for p in b.dp.take_outbox()] == [pk.NAK_INVALID_REQUEST]
+    assert [p.syndrome for p in pk.expand(b.dp.take_outbox())] == [pk.NAK_INVALID_REQUEST]
     assert b.fw.rcfw.qps[b.qpn].state == QpState.ERR
 
 

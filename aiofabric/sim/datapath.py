@@ -6,7 +6,8 @@ One `Datapath` per NIC, beside its `Firmware`. The I/O shell (process.py) feeds 
     dp.receive(packets, now)   a batch of decoded packets from the wire; ACKs owed are sent once, at the batch end
     dp.advance(now)            fire due timers (retransmission, RNR waits)
     dp.pump(now, budget)       turn posted work into request packets (round-robin over QPs, window permitting)
-    dp.outbox                  packets to transmit; the shell sends and clears it
+    dp.outbox                  packets to transmit (`Packet`s, and `Segments` for WRITE/SEND data); the shell
+                               sends and clears it
     dp.next_deadline()         when to call advance() again: None (nothing pending), or a time (<= now: at once)
 
 CQEs land in host memory through `CompletionQueue.post`; interrupts collect in fw.interrupts; QP errors reach the CREQ
@@ -98,7 +99,7 @@ class Datapath:
         # implied_naks, acks_received, naks_received, rnr_naks_received, stale_acks, dropped (+ dropped_* reasons),
         # request_errors, qp_errors, cqes, cq_overflows, bad_doorbells, internal_errors
         self.stats: collections.Counter[str] = collections.Counter()
-        self.outbox: list[pk.Packet] = []
+        self.outbox: list[pk.Packet | pk.Segments] = []
         self.contexts: dict[int, QpContext] = {}
         self.ready: collections.deque[QpContext] = collections.deque()
         self.acks_due: list = []  # responders owing a coalesced ACK at the end of this batch
@@ -262,22 +263,24 @@ class Datapath:
 
     def pump(self, now: float, budget: int = 1 << 30) -> int:
         """Queue request packets from QPs with work, round-robin; the number queued."""
-        ready, outbox = self.ready, self.outbox
-        start = len(outbox)
-        while ready and len(outbox) - start < budget:
+        ready = self.ready
+        queued = 0
+        while ready and queued < budget:
             ctx = ready.popleft()
             ctx.queued = False
             if ctx.qp.state != RTS or not ctx.alive:
                 continue
+            quantum = min(QUANTUM, budget - queued)
             try:
-                more = ctx.requester.pump(now, min(QUANTUM, budget - (len(outbox) - start)))
+                sent = ctx.requester.pump(now, quantum)
             except Exception as exc:
                 self._internal_error(exc)
-                more = False
-            if more:
+                continue
+            queued += sent
+            if sent >= quantum and ctx.requester.has_work():  # it stopped only because its turn ended
                 ctx.queued = True
                 ready.append(ctx)
-        return len(outbox) - start
+        return queued
 
     def next_deadline(self) -> float | None:
         """When advance()/pump() next have something to do: 0.0 for "now", None for "only on new input"."""
@@ -299,6 +302,6 @@ class Datapath:
                 "epsn": s.epsn, "msn": s.msn, "nak_sent": s.nak_sent, "queued": ctx.queued, "timer_at": ctx.timer_at}
         return report
 
-    def take_outbox(self) -> list[pk.Packet]:
+    def take_outbox(self) -> list[pk.Packet | pk.Segments]:
         packets, self.outbox = self.outbox, []
         return packets

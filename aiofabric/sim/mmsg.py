@@ -82,7 +82,7 @@ class _Batch:
 
 
 class Sender(_Batch):
-    """Stages datagrams in slots (`view[i * slot_size:]`, then `stage(i, length, ip, port)`) and sends them at once."""
+    """Stages datagrams in slots (`view[i * slot_size:]`, then `stage(i, lengths, ip, port)`), sends them at once."""
 
     def __init__(self, sock: socket.socket, count: int, slot_size: int) -> None:
         super().__init__(sock, count, slot_size)
@@ -90,13 +90,15 @@ class Sender(_Batch):
             self._messages[i].hdr.namelen = _SOCKADDR_SIZE
         self._destinations: dict[tuple[str, int], ctypes.Array] = {}
 
-    def stage(self, i: int, length: int, ip: str, port: int) -> None:
-        """Slot i holds a datagram of `length` bytes for ip:port."""
-        self._iovec_words[2 * i + 1] = length
+    def stage(self, i: int, lengths: list[int], ip: str, port: int) -> None:
+        """Slots i, i + 1, ... hold datagrams of `lengths` bytes for ip:port."""
         destination = self._destinations.get((ip, port))
         if destination is None:
             destination = self._destination(ip, port)
-        self._message_words[(i * _MESSAGE_SIZE + _NAME) // _POINTER_SIZE] = ctypes.addressof(destination)
+        pointer, iovecs, messages = ctypes.addressof(destination), self._iovec_words, self._message_words
+        for i, length in enumerate(lengths, i):
+            iovecs[2 * i + 1] = length
+            messages[(i * _MESSAGE_SIZE + _NAME) // _POINTER_SIZE] = pointer
 
     def _destination(self, ip: str, port: int) -> ctypes.Array:
         if len(self._destinations) >= 1024:  # peers come and go over a long life; their addresses need not stay

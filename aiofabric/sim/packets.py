@@ -23,6 +23,7 @@ import socket
 import struct
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 ROCE_PORT = 4791
 PSN_MASK = 0xFFFFFF
@@ -150,6 +151,18 @@ class _Layout:
     aeth: bool
     payload: bool
 
+    def set_fields(self, p: Packet, values: tuple[int, ...]) -> None:
+        """Set p's extension-header fields from the values `header` unpacked (the BTH's five first)."""
+        if self.fields is _RETH_FIELDS:  # WRITE FIRST/ONLY and READ requests: most packets with extension headers
+            p.remote_addr, p.rkey, p.dma_length = values[5], values[6], values[7]
+            return
+        ext = values[5:]
+        if self.aeth:
+            p.syndrome, p.msn = ext[0] >> 24, ext[0] & 0xFFFFFF
+            ext = ext[1:]
+        for name, value in zip(self.fields, ext):
+            setattr(p, name, value)
+
 
 _BTH_FORMAT = "BBHII"  # opcode, SE|M|PadCnt|TVer, P_Key, FECN|BECN|resv6|DestQP, A|resv7|PSN
 _PSEUDO_FORMAT = "BBHHHBBH4s4sHHHH"  # IPv4: ver/IHL, TOS, length, ID, flags, TTL, proto, checksum, src, dst; UDP
@@ -166,17 +179,21 @@ _BYTE4_MASKS: dict[int, int] = {}
 _ADDRESSES: dict[str, bytes] = {}
 
 
-def _icrc_start(src: bytes, dst: bytes, src_port: int, dst_port: int, ip_id: int, flags_fragment: int,
+def _icrc_start(src: str | bytes, dst: str | bytes, src_port: int, dst_port: int, ip_id: int, flags_fragment: int,
                 udp_length: int) -> int:
-    """The ICRC's crc32 state after the seed and the masked IPv4 + UDP header (TOS, TTL and checksums all ones)."""
+    """The ICRC's crc32 state after the seed and the masked IPv4 + UDP header (TOS, TTL and checksums all ones).
+
+    Addresses are dotted strings (as packets name them) or 4 bytes (as headers carry them), whichever the caller has.
+    """
     key = (src, dst, src_port, dst_port, ip_id, flags_fragment, udp_length)
     crc = _ICRC_STARTS.get(key)
     if crc is None:
         if len(_ICRC_STARTS) >= _CACHE_LIMIT:
             _ICRC_STARTS.clear()
         crc = _ICRC_STARTS[key] = zlib.crc32(_IPV4_UDP.pack(
-            0x45, 0xFF, IPV4_HEADER_SIZE + udp_length, ip_id, flags_fragment, 0xFF, socket.IPPROTO_UDP, 0xFFFF, src,
-            dst, src_port, dst_port, udp_length, 0xFFFF), _ICRC_SEED)
+            0x45, 0xFF, IPV4_HEADER_SIZE + udp_length, ip_id, flags_fragment, 0xFF, socket.IPPROTO_UDP, 0xFFFF,
+            _aton(src) if isinstance(src, str) else src, _aton(dst) if isinstance(dst, str) else dst, src_port,
+            dst_port, udp_length, 0xFFFF), _ICRC_SEED)
     return crc
 
 
@@ -201,6 +218,9 @@ def _aton(ip: str) -> bytes:
             _ADDRESSES.clear()
         address = _ADDRESSES[ip] = socket.inet_aton(ip)
     return address
+
+
+_RETH_FIELDS = ("remote_addr", "rkey", "dma_length")
 
 
 def _layout(op: Op) -> _Layout:
@@ -229,8 +249,8 @@ def _layout(op: Op) -> _Layout:
         get_fields = operator.attrgetter(*fields)
     else:  # attrgetter returns a bare value for one name and needs at least one
         get_fields = (lambda p, get=operator.attrgetter(*fields): (get(p),)) if fields else (lambda p: ())
-    return _Layout(struct.Struct(">" + _BTH_FORMAT + ext), tuple(fields), get_fields, op in HAS_AETH,
-                   op in HAS_PAYLOAD)
+    fields = _RETH_FIELDS if tuple(fields) == _RETH_FIELDS else tuple(fields)  # set_fields knows this one by identity
+    return _Layout(struct.Struct(">" + _BTH_FORMAT + ext), fields, get_fields, op in HAS_AETH, op in HAS_PAYLOAD)
 
 
 _LAYOUTS: dict[int, _Layout] = {op.value: _layout(op) for op in Op}
@@ -275,18 +295,122 @@ def encode_into(p: Packet, buffer: memoryview, offset: int = 0) -> int:
         raise ValueError(f"{Op(p.opcode).name} carries no payload, got {size} bytes")
     pad = -size % 4
     header = layout.header
+    header.pack_into(buffer, offset, *_wire_fields(p, layout, pad))
     start = offset + header.size
     end = start + size + pad  # where the ICRC goes
-    header.pack_into(buffer, offset, *_wire_fields(p, layout, pad))
     buffer[start:start + size] = payload
     if pad:
         buffer[end - pad:end] = _PADS[pad]
     length = end - offset
-    crc = zlib.crc32(buffer[offset:end], _icrc_start(_aton(p.src_ip), _aton(p.dst_ip), p.src_port, p.dst_port,
-                                                     p.ip_id, IPV4_DONT_FRAGMENT,
-                                                     UDP_HEADER_SIZE + length + ICRC_SIZE))
+    crc = zlib.crc32(buffer[offset:end], _icrc_start(p.src_ip, p.dst_ip, p.src_port, p.dst_port, p.ip_id,
+                                                     IPV4_DONT_FRAGMENT, UDP_HEADER_SIZE + length + ICRC_SIZE))
     _ICRC.pack_into(buffer, end, crc ^ _mask_byte4(buffer[offset + _FECN_BECN_BYTE], length - _FECN_BECN_BYTE - 1))
     return length + ICRC_SIZE
+
+
+@dataclasses.dataclass(slots=True)
+class Segments:
+    """Packets `start` .. `start + count - 1` of one WRITE or SEND message, described once instead of as Packets.
+
+    A message of `dma_length` bytes at path MTU `mtu` travels as `npkts` packets (reference §1.5): packet k has PSN
+    first_psn + k, opcode opcodes[(k is the first) << 1 | (k is the last)] and the bytes data[k * mtu:][:mtu]. The
+    first carries the RETH (remote_addr, rkey, dma_length) when its opcode has one, the last the solicited bit, and
+    every packet whose opcode has an ImmDt the immediate. Bit i of `acks` sets AckReq on packet start + i. Addressing
+    fields are as on Packet, and transports stamp them the same way.
+
+    The requester queues its bulk output like this so that a transport can encode it straight into its transmit
+    buffers (`encode_segments_into`), without a Packet per packet; `packets()` spells it out wherever Packets are
+    wanted (faults, the pcap tap, tests).
+    """
+
+    opcodes: tuple[int, int, int, int]  # middle, last, first, only
+    dest_qp: int
+    first_psn: int
+    npkts: int
+    mtu: int
+    data: Any  # the message's memory: a memoryview or anything else with len() and slicing
+    dma_length: int
+    remote_addr: int
+    rkey: int
+    immediate: int
+    solicited: bool
+    start: int
+    count: int
+    acks: int
+    pkey: int = 0xFFFF
+    src_ip: str = ""
+    dst_ip: str = ""
+    src_port: int = 0
+    dst_port: int = ROCE_PORT
+    ip_id: int = 0
+    tos: int = 0
+    ttl: int = 64
+
+    def packet(self, k: int) -> Packet:
+        """Packet k of the message, as a Packet."""
+        first, last = k == 0, k == self.npkts - 1
+        begin = k * self.mtu
+        return Packet(self.opcodes[first << 1 | last], self.dest_qp, (self.first_psn + k) & PSN_MASK,
+                      bool(self.acks >> (k - self.start) & 1), last and self.solicited, self.pkey, False, False,
+                      self.remote_addr if first else 0, self.rkey if first else 0, self.dma_length if first else 0,
+                      0, 0, self.immediate, self.data[begin:self.dma_length if last else begin + self.mtu],
+                      self.src_ip, self.dst_ip, self.src_port, self.dst_port, self.ip_id, self.tos, self.ttl)
+
+    def packets(self) -> list[Packet]:
+        return [self.packet(k) for k in range(self.start, self.start + self.count)]
+
+
+def encode_segments_into(s: Segments, k: int, count: int, buffer: memoryview, offset: int, stride: int) -> list[int]:
+    """Write packets k .. k + count - 1 of `s`'s message (as `encode(s.packet(k))` makes each) into `buffer` at
+    offset, offset + stride, ...; their lengths.
+
+    One loop for the whole burst: MIDDLE packets, most of a long message, share their length and so the ICRC's start
+    (BTH byte 4 is always 0 here), which is looked up once per length.
+    """
+    mtu, npkts, data, dma_length, acks, start = s.mtu, s.npkts, s.data, s.dma_length, s.acks, s.start
+    opcodes, qpn, pkey, first_psn = s.opcodes, s.dest_qp & QPN_MASK, s.pkey, s.first_psn
+    solicited = s.solicited << 7
+    lengths = []
+    known_length = crc_start = mask = 0
+    for k in range(k, k + count):
+        last = k == npkts - 1
+        opcode = opcodes[(k == 0) << 1 | last]
+        layout = _LAYOUTS[opcode]
+        header = layout.header
+        begin = k * mtu
+        end = dma_length if last else begin + mtu
+        pad = (begin - end) & 3
+        flags = (solicited if last else 0) | pad << 4
+        psn_word = (acks >> (k - start) & 1) << 31 | (first_psn + k) & PSN_MASK
+        if layout.fields:  # RETH on FIRST/ONLY, ImmDt on the ..._WITH_IMMEDIATE ones: named alike on Segments
+            header.pack_into(buffer, offset, opcode, flags, pkey, qpn, psn_word, *layout.get_fields(s))
+        else:
+            header.pack_into(buffer, offset, opcode, flags, pkey, qpn, psn_word)
+        payload_at = offset + header.size
+        icrc_at = payload_at + end - begin + pad
+        buffer[payload_at:icrc_at - pad] = data[begin:end]
+        if pad:
+            buffer[icrc_at - pad:icrc_at] = _PADS[pad]
+        length = icrc_at - offset + ICRC_SIZE
+        if length != known_length:
+            known_length, crc_start = length, _icrc_start(s.src_ip, s.dst_ip, s.src_port, s.dst_port, s.ip_id,
+                                                          IPV4_DONT_FRAGMENT, UDP_HEADER_SIZE + length)
+            mask = _mask_byte4(0, length - ICRC_SIZE - _FECN_BECN_BYTE - 1)
+        _ICRC.pack_into(buffer, icrc_at, zlib.crc32(buffer[offset:icrc_at], crc_start) ^ mask)
+        lengths.append(length)
+        offset += stride
+    return lengths
+
+
+def expand(items: list[Packet | Segments]) -> list[Packet]:
+    """The Packets a list of Packets and Segments stands for, in order."""
+    packets: list[Packet] = []
+    for item in items:
+        if type(item) is Packet:
+            packets.append(item)
+        else:
+            packets += item.packets()
+    return packets
 
 
 def encode_ipv4_header(p: Packet, udp_payload_length: int) -> bytes:
@@ -317,8 +441,8 @@ def decode(udp_payload: bytes | bytearray | memoryview, src_ip: str, dst_ip: str
     UDP socket cannot see (hence the default 0, what Linux writes for unconnected DF sockets). The returned payload is
     a view into `udp_payload`: do not reuse that buffer while the packet is alive.
     """
-    return _decode(memoryview(udp_payload), _aton(src_ip), _aton(dst_ip), src_port, dst_port, ip_id,
-                   IPV4_DONT_FRAGMENT, check_icrc, src_ip, dst_ip, 0, 64)
+    return _decode(memoryview(udp_payload), src_ip, dst_ip, src_port, dst_port, ip_id, IPV4_DONT_FRAGMENT, check_icrc,
+                   src_ip, dst_ip, 0, 64)
 
 
 def decode_ipv4(packet: bytes | bytearray | memoryview, *, check_icrc: bool = True) -> Packet:
@@ -342,20 +466,20 @@ def decode_ipv4(packet: bytes | bytearray | memoryview, *, check_icrc: bool = Tr
                    flags_fragment, check_icrc, socket.inet_ntoa(src), socket.inet_ntoa(dst), tos, ttl)
 
 
-def _decode(view: memoryview, src: bytes, dst: bytes, src_port: int, dst_port: int, ip_id: int, flags_fragment: int,
-            check_icrc: bool, src_ip: str, dst_ip: str, tos: int, ttl: int) -> Packet:
+def _decode(view: memoryview, src: str | bytes, dst: str | bytes, src_port: int, dst_port: int, ip_id: int,
+            flags_fragment: int, check_icrc: bool, src_ip: str, dst_ip: str, tos: int, ttl: int) -> Packet:
     size = len(view)
     if size < BTH_SIZE + ICRC_SIZE:
         raise BadPacket(f"too short for BTH + ICRC: {size} bytes")
-    opcode, flags, pkey, qpn_word, psn_word = _BTH.unpack_from(view)
     if check_icrc:  # first, so that a corrupted packet is reported as such and not as whatever the flip looks like
         crc = zlib.crc32(view[:size - ICRC_SIZE], _icrc_start(src, dst, src_port, dst_port, ip_id, flags_fragment,
                                                               UDP_HEADER_SIZE + size))
-        crc ^= _mask_byte4(qpn_word >> 24, size - ICRC_SIZE - _FECN_BECN_BYTE - 1)
+        crc ^= _mask_byte4(view[_FECN_BECN_BYTE], size - ICRC_SIZE - _FECN_BECN_BYTE - 1)
         (got,) = _ICRC.unpack_from(view, size - ICRC_SIZE)
         if crc != got:
             raise IcrcMismatch(f"ICRC mismatch: expected {_ICRC.pack(crc).hex()}, got {_ICRC.pack(got).hex()} "
-                            f"(wire bytes; assumed IP ID {ip_id})")
+                               f"(wire bytes; assumed IP ID {ip_id})")
+    opcode, flags = view[0], view[1]
     layout = _LAYOUTS.get(opcode)
     if layout is None:
         raise BadPacket(f"unsupported opcode {opcode:#04x} (only RC opcodes and CNP)")
@@ -375,16 +499,14 @@ def _decode(view: memoryview, src: bytes, dst: bytes, src_port: int, dst_port: i
         raise BadPacket(f"payload plus pad is {size - header_end - ICRC_SIZE} bytes, not a multiple of 4 "
                         f"(PadCnt {pad})")
     values = layout.header.unpack_from(view)
-    # Positional (extension-header fields zero, set below): twice as fast as keywords on this per-packet path.
-    p = Packet(opcode, qpn_word & QPN_MASK, psn_word & PSN_MASK, bool(psn_word >> 31), bool(flags & 0x80), pkey,
-               bool(qpn_word >> 31), bool(qpn_word >> 30 & 1), 0, 0, 0, 0, 0, 0, view[header_end:payload_end],
-               src_ip, dst_ip, src_port, dst_port, ip_id, tos, ttl, bool(flags & 0x40))
-    ext = values[5:]
-    if layout.aeth:
-        p.syndrome, p.msn = ext[0] >> 24, ext[0] & 0xFFFFFF
-        ext = ext[1:]
-    for name, value in zip(layout.fields, ext):
-        setattr(p, name, value)
+    pkey, qpn_word, psn_word = values[2], values[3], values[4]
+    # Positional (extension-header fields zero, set below): twice as fast as keywords on this per-packet path;
+    # comparisons make the flag bools without a bool() call each.
+    p = Packet(opcode, qpn_word & QPN_MASK, psn_word & PSN_MASK, psn_word >= 0x80000000, flags >= 0x80, pkey,
+               qpn_word >= 0x80000000, qpn_word & 0x40000000 != 0, 0, 0, 0, 0, 0, 0, view[header_end:payload_end],
+               src_ip, dst_ip, src_port, dst_port, ip_id, tos, ttl, flags & 0x40 != 0)
+    if layout.fields or layout.aeth:
+        layout.set_fields(p, values)
     return p
 
 

@@ -96,77 +96,66 @@ class Requester:
             self.wqes += wqes
 
     # -- transmitting ---------------------------------------------------------------------------------------------
-    def pump(self, now: float, budget: int) -> bool:
-        """Queue up to `budget` packets; True when it stopped only because the budget ran out."""
+    def pump(self, now: float, budget: int) -> int:
+        """Queue up to `budget` packets on the outbox (a WRITE or SEND as Segments, a READ request as a Packet); the
+        number queued."""
         if self.rnr_until is not None:
-            return False
+            return 0
         wqes, qp, ctx = self.wqes, self.qp, self.ctx
-        out, packet = self.dp.outbox, pk.Packet
-        mtu, una = qp.path_mtu, self.una
+        out = self.dp.outbox
+        mtu, una, sent_hi = qp.path_mtu, self.una, self.sent_hi
         dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = ctx.address
         sent = retransmits = 0
-        while self.send < len(wqes):
+        while self.send < len(wqes) and sent < budget:
             w = wqes[self.send]
             if w.status is not None:
                 break  # a local error: it completes once every earlier WQE has
             if w.read:
                 k = w.received
-                if not w.requested:
-                    if self.reads >= max(1, qp.max_rd_atomic):
-                        break
+                if not w.requested and self.reads >= max(1, qp.max_rd_atomic):
+                    break
                 psn = (w.first_psn + k) & PSN_MASK
                 if psn_diff(psn, una) >= WINDOW:
-                    break
-                if sent >= budget:
                     break
                 if not w.requested:
                     w.requested = True
                     self.reads += 1
                 offset = k * mtu
-                out.append(packet(READ_REQUEST, dest_qp, psn, True, False, pkey, False, False, w.remote_va + offset,
-                                  w.rkey, w.length - offset, 0, 0, 0, b"", src_ip, dst_ip, sport, 4791, 0, tos, ttl))
+                out.append(pk.Packet(READ_REQUEST, dest_qp, psn, True, False, pkey, False, False,
+                                     w.remote_va + offset, w.rkey, w.length - offset, 0, 0, 0, b"", src_ip, dst_ip,
+                                     sport, 4791, 0, tos, ttl))
                 self.noack = 0
                 self.send += 1
                 self.send_pkt = 0
-                end = (w.last_psn + 1) & PSN_MASK
+                count, end = 1, (w.last_psn + 1) & PSN_MASK
             else:
                 k = self.send_pkt
                 if k == 0 and w.fence and self.reads:
                     break
                 psn = (w.first_psn + k) & PSN_MASK
-                if psn_diff(psn, una) >= WINDOW:
-                    break
-                if sent >= budget:
+                room = WINDOW - psn_diff(psn, una)
+                if room <= 0:
                     break
                 npkts = w.npkts
-                offset = k * mtu
-                last = k == npkts - 1
-                size = w.length - offset if last else mtu
-                self.noack += 1
-                ack = last or self.noack >= ACK_EVERY
-                if ack:
-                    self.noack = 0
-                ops = w.ops
-                if k == 0:
-                    # RETH only on WRITE FIRST/ONLY: the codec ignores fields an opcode does not carry
-                    out.append(packet(ops[2 | last], dest_qp, psn, ack, last and w.solicited, pkey, False, False,
-                                      w.remote_va, w.rkey, w.length, 0, 0, w.imm, w.data[:size], src_ip,
-                                      dst_ip, sport, 4791, 0, tos, ttl))
-                else:
-                    out.append(packet(ops[last], dest_qp, psn, ack, last and w.solicited, pkey, False, False, 0, 0,
-                                      0, 0, 0, w.imm, w.data[offset:offset + size], src_ip, dst_ip, sport, 4791, 0, tos,
-                                      ttl))
+                count = min(npkts - k, room, budget - sent)
+                last = k + count == npkts
+                acks = self._ack_requests(count, last)
+                out.append(pk.Segments(w.ops, dest_qp, w.first_psn, npkts, mtu, w.data, w.length, w.remote_va,
+                                       w.rkey, w.imm, w.solicited, k, count, acks, pkey, src_ip, dst_ip, sport,
+                                       4791, 0, tos, ttl))
                 if last:
                     self.send += 1
                     self.send_pkt = 0
                 else:
-                    self.send_pkt = k + 1
-                end = (psn + 1) & PSN_MASK
-            sent += 1
-            if psn_diff(psn, self.sent_hi) < 0:
-                retransmits += 1
-            if psn_diff(end, self.sent_hi) > 0:
-                self.sent_hi = end
+                    self.send_pkt = k + count
+                end = (psn + count) & PSN_MASK
+            sent += count
+            behind = psn_diff(sent_hi, psn)  # this many of the packets just queued were sent before
+            if behind > 0:
+                retransmits += min(behind, count)
+            if psn_diff(end, sent_hi) > 0:
+                sent_hi = end
+        self.sent_hi = sent_hi
         if sent:
             self.stats["packets_sent"] += sent
             if retransmits:
@@ -176,7 +165,19 @@ class Requester:
                 if interval is not None:
                     self.rto_at = now + interval
                     self.dp.schedule(ctx, self.rto_at)
-        return sent >= budget and self.has_work()
+        return sent
+
+    def _ack_requests(self, count: int, ends_message: bool) -> int:
+        """AckReq bits for `count` data packets about to go: every ACK_EVERY-th packet since the last AckReq (rxe's
+        noack_pkts rule), and the message's last packet."""
+        acks, i = 0, ACK_EVERY - 1 - self.noack
+        while i < count:
+            acks |= 1 << i
+            i += ACK_EVERY
+        if ends_message:
+            acks |= 1 << (count - 1)
+        self.noack = count - acks.bit_length() if acks else self.noack + count
+        return acks
 
     # -- completing ------------------------------------------------------------------------------------------------
     def _post(self, w: SendWqe, status: int) -> None:

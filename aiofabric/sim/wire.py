@@ -29,7 +29,8 @@ from typing import Any
 
 from . import mmsg
 from .packets import (
-    ROCE_PORT, BadPacket, IcrcMismatch, Packet, decode, decode_ipv4, encode, encode_into, encode_ipv4_header,
+    ROCE_PORT, BadPacket, IcrcMismatch, Packet, Segments, decode, decode_ipv4, encode, encode_into,
+    encode_ipv4_header, encode_segments_into, expand,
 )
 from .pcap import PcapWriter
 
@@ -41,8 +42,8 @@ SO_SNDBUFFORCE = 32  # like SO_SNDBUF/SO_RCVBUF, but past net.core.[wr]mem_max w
 SO_RCVBUFFORCE = 33
 SOCKET_BUFFER = 4 << 20  # enough for a window of 128 x 4 KiB packets per QP on a few QPs
 MAX_DATAGRAM = 65536
-BATCH = 128  # datagrams per sendmmsg/recvmmsg call (and at most this many per receive())
-TX_SLOT = 8192  # bytes per transmit slot: a packet of the largest path MTU (4096) with every header fits
+BATCH = 64  # datagrams per sendmmsg/recvmmsg call (and at most this many per receive())
+TX_SLOT = 4224  # bytes per transmit slot: a packet of the largest path MTU (4096) with every header fits
 TX_HEADROOM = 64  # BTH + extension headers + pad + ICRC never take more than this
 _FECN_BECN_BYTE = 4  # byte of the BTH masked out of the ICRC: a bit flip there would go unnoticed
 
@@ -150,9 +151,9 @@ class Transport:
         if held is not None:
             self._release(held)
 
-    def send_all(self, packets: list[Packet]) -> None:
+    def send_all(self, packets: list[Packet | Segments]) -> None:
         """Send `packets` in order. One the socket refuses (unreachable, too big for DF, ...) is lost and counted."""
-        for packet in packets:
+        for packet in expand(packets):
             try:
                 self.send(packet)
             except OSError as exc:
@@ -200,7 +201,7 @@ class Transport:
 
     # What subclasses provide.
 
-    def _stamp(self, packet: Packet) -> None:
+    def _stamp(self, packet: Packet | Segments) -> None:
         """Set the header fields this transport's wire will actually carry, which the ICRC covers."""
         packet.src_ip = self.ip
 
@@ -303,7 +304,7 @@ class UdpTransport(Transport):
         super().close()
         self._socket.close()
 
-    def _stamp(self, packet: Packet) -> None:
+    def _stamp(self, packet: Packet | Segments) -> None:
         packet.src_ip, packet.src_port, packet.dst_port, packet.ip_id = self.ip, ROCE_PORT, ROCE_PORT, 0
         # TOS and TTL are the socket's: set them when a packet asks for others (DSCP marking), so captures are true.
         if packet.tos != self._tos:
@@ -313,7 +314,7 @@ class UdpTransport(Transport):
             self._socket.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, packet.ttl)
             self._ttl = packet.ttl
 
-    def send_all(self, packets: list[Packet]) -> None:
+    def send_all(self, packets: list[Packet | Segments]) -> None:
         """Encode packets straight into the sender's slots and send each burst with one system call.
 
         Faults and the pcap tap need each packet on its own, and so does a packet larger than a slot or one asking for
@@ -323,15 +324,27 @@ class UdpTransport(Transport):
         if sender is None or self._faulty or self.pcap is not None:
             super().send_all(packets)
             return
-        view, slot, staged = sender.view, sender.slot_size, 0
-        for packet in packets:
-            if packet.tos != self._tos or packet.ttl != self._ttl or len(packet.payload) > slot - TX_HEADROOM:
+        view, slot, staged, room = sender.view, sender.slot_size, 0, sender.slot_size - TX_HEADROOM
+        for item in packets:
+            single = type(item) is Packet
+            if item.tos != self._tos or item.ttl != self._ttl or (len(item.payload) if single else item.mtu) > room:
                 staged = self._send_staged(staged)
-                super().send_all([packet])
+                super().send_all([item])
                 continue
-            self._stamp(packet)
-            sender.stage(staged, encode_into(packet, view, staged * slot), packet.dst_ip, ROCE_PORT)
-            staged += 1
+            self._stamp(item)
+            if single:
+                sender.stage(staged, [encode_into(item, view, staged * slot)], item.dst_ip, ROCE_PORT)
+                staged += 1
+            else:
+                k, end = item.start, item.start + item.count
+                while k < end:
+                    count = min(end - k, sender.count - staged)
+                    sender.stage(staged, encode_segments_into(item, k, count, view, staged * slot, slot), item.dst_ip,
+                                 ROCE_PORT)
+                    k += count
+                    staged += count
+                    if staged == sender.count:
+                        staged = self._send_staged(staged)
             if staged == sender.count:
                 staged = self._send_staged(staged)
         self._send_staged(staged)
