@@ -41,8 +41,8 @@ from .responder import Responder
 
 QUANTUM = 32  # packets one QP may send before the next ready QP gets its turn
 RTS, RTR, SQD, ERR, RESET = QpState.RTS, QpState.RTR, QpState.SQD, QpState.ERR, QpState.RESET
-RESPONSES = range(pk.Op.RDMA_READ_RESPONSE_FIRST, pk.Op.ATOMIC_ACKNOWLEDGE + 1)
-ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE = int(pk.Op.ACKNOWLEDGE), int(pk.Op.ATOMIC_ACKNOWLEDGE)
+RESPONSE_FIRST, ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE = (  # responses (to the requester) are the opcodes in between
+    int(pk.Op.RDMA_READ_RESPONSE_FIRST), int(pk.Op.ACKNOWLEDGE), int(pk.Op.ATOMIC_ACKNOWLEDGE))
 CQ_OVERFLOW = {True: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_REQ_CQ_OVERFLOW_ERROR,
                False: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_RES_CQ_OVERFLOW_ERROR}
 
@@ -211,24 +211,24 @@ class Datapath:
                         continue
                 op = p.opcode
                 state = ctx.qp.state
-                if op in RESPONSES:
-                    if state != RTS and state != SQD:
+                if not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE:  # a request, for the responder
+                    if state == RTS or state == RTR or state == SQD:
+                        ctx.responder.on_request(p, now)
+                    else:
                         stats["dropped"] += 1
                         stats["dropped_qp_state"] += 1
-                    elif op == ACKNOWLEDGE:
-                        ctx.requester.on_acknowledge(p, now)
-                        ctx.wake()
-                    elif op == ATOMIC_ACKNOWLEDGE:
-                        stats["dropped"] += 1
-                        stats["dropped_unexpected"] += 1
-                    else:
-                        ctx.requester.on_read_response(p, now)
-                        ctx.wake()
-                elif state == RTS or state == RTR or state == SQD:
-                    ctx.responder.on_request(p, now)
-                else:
+                elif state != RTS and state != SQD:
                     stats["dropped"] += 1
                     stats["dropped_qp_state"] += 1
+                elif op == ACKNOWLEDGE:
+                    ctx.requester.on_acknowledge(p, now)
+                    ctx.wake()
+                elif op == ATOMIC_ACKNOWLEDGE:
+                    stats["dropped"] += 1
+                    stats["dropped_unexpected"] += 1
+                else:
+                    ctx.requester.on_read_response(p, now)
+                    ctx.wake()
             except Exception as exc:
                 self._internal_error(exc)
         self.flush_acks()

@@ -6,10 +6,10 @@ one `pack_into`, a payload copy and one `zlib.crc32` over the packet (`encode_in
 buffer), and decoding is the mirror image. `icrc()` is the ICRC rule written plainly (reference §2); the hot paths
 compute the same CRC without building the masked copy it describes, and the tests hold the two (and scapy) equal:
 - the masked IPv4/UDP pseudo header only depends on the addresses, ports, IP ID and length, so the CRC state after it
-  is remembered per header (`_icrc_start`);
+  is remembered per header (`_icrc_basis`);
 - the CRC runs over the packet as sent, with BTH byte 4 (FECN/BECN) unmasked, and is then corrected: CRC-32 is
   affine, so replacing that byte by 0xFF changes the result by a constant that only depends on the byte's value and
-  on how many bytes follow it (`_mask_byte4`).
+  on how many bytes follow it (`_mask_byte4`; the one for the usual value 0 is remembered with the header's state).
 
 Addresses and ports live on the `Packet` because the ICRC covers the IPv4 and UDP headers: a packet's bytes are only
 meaningful together with the header the wire gives it.
@@ -174,27 +174,30 @@ _ICRC_SEED = zlib.crc32(b"\xff" * 8)
 _PADS = (b"", b"\0", b"\0\0", b"\0\0\0")
 _FECN_BECN_BYTE = 4  # the BTH byte the ICRC masks to 0xFF
 _CACHE_LIMIT = 4096  # entries per memo below; a run uses a handful (peers x packet sizes), so this only bounds abuse
-_ICRC_STARTS: dict[tuple, int] = {}
+_ICRC_BASES: dict[tuple, tuple[int, int]] = {}
+_BYTES_UP_TO_BYTE4 = UDP_HEADER_SIZE + _FECN_BECN_BYTE + 1 + ICRC_SIZE  # UDP length - bytes after BTH byte 4 (ICRC out)
 _BYTE4_MASKS: dict[int, int] = {}
 _ADDRESSES: dict[str, bytes] = {}
 
 
-def _icrc_start(src: str | bytes, dst: str | bytes, src_port: int, dst_port: int, ip_id: int, flags_fragment: int,
-                udp_length: int) -> int:
-    """The ICRC's crc32 state after the seed and the masked IPv4 + UDP header (TOS, TTL and checksums all ones).
+def _icrc_basis(src: str | bytes, dst: str | bytes, src_port: int, dst_port: int, ip_id: int, flags_fragment: int,
+                udp_length: int) -> tuple[int, int]:
+    """For a packet of `udp_length` under this IPv4/UDP header: the ICRC's crc32 state after the seed and the masked
+    header (TOS, TTL and checksums all ones), and the XOR that masks its BTH byte 4 when that byte is 0 (as it is
+    unless FECN/BECN are set).
 
     Addresses are dotted strings (as packets name them) or 4 bytes (as headers carry them), whichever the caller has.
     """
     key = (src, dst, src_port, dst_port, ip_id, flags_fragment, udp_length)
-    crc = _ICRC_STARTS.get(key)
-    if crc is None:
-        if len(_ICRC_STARTS) >= _CACHE_LIMIT:
-            _ICRC_STARTS.clear()
-        crc = _ICRC_STARTS[key] = zlib.crc32(_IPV4_UDP.pack(
+    basis = _ICRC_BASES.get(key)
+    if basis is None:
+        if len(_ICRC_BASES) >= _CACHE_LIMIT:
+            _ICRC_BASES.clear()
+        basis = _ICRC_BASES[key] = (zlib.crc32(_IPV4_UDP.pack(
             0x45, 0xFF, IPV4_HEADER_SIZE + udp_length, ip_id, flags_fragment, 0xFF, socket.IPPROTO_UDP, 0xFFFF,
             _aton(src) if isinstance(src, str) else src, _aton(dst) if isinstance(dst, str) else dst, src_port,
-            dst_port, udp_length, 0xFFFF), _ICRC_SEED)
-    return crc
+            dst_port, udp_length, 0xFFFF), _ICRC_SEED), _mask_byte4(0, udp_length - _BYTES_UP_TO_BYTE4))
+    return basis
 
 
 def _mask_byte4(value: int, following: int) -> int:
@@ -302,9 +305,12 @@ def encode_into(p: Packet, buffer: memoryview, offset: int = 0) -> int:
     if pad:
         buffer[end - pad:end] = _PADS[pad]
     length = end - offset
-    crc = zlib.crc32(buffer[offset:end], _icrc_start(p.src_ip, p.dst_ip, p.src_port, p.dst_port, p.ip_id,
-                                                     IPV4_DONT_FRAGMENT, UDP_HEADER_SIZE + length + ICRC_SIZE))
-    _ICRC.pack_into(buffer, end, crc ^ _mask_byte4(buffer[offset + _FECN_BECN_BYTE], length - _FECN_BECN_BYTE - 1))
+    crc_start, mask = _icrc_basis(p.src_ip, p.dst_ip, p.src_port, p.dst_port, p.ip_id, IPV4_DONT_FRAGMENT,
+                                  UDP_HEADER_SIZE + length + ICRC_SIZE)
+    byte4 = buffer[offset + _FECN_BECN_BYTE]
+    if byte4:
+        mask = _mask_byte4(byte4, length - _FECN_BECN_BYTE - 1)
+    _ICRC.pack_into(buffer, end, zlib.crc32(buffer[offset:end], crc_start) ^ mask)
     return length + ICRC_SIZE
 
 
@@ -371,7 +377,7 @@ def encode_segments_into(s: Segments, k: int, count: int, buffer: memoryview, of
     opcodes, qpn, pkey, first_psn = s.opcodes, s.dest_qp & QPN_MASK, s.pkey, s.first_psn
     solicited = s.solicited << 7
     lengths = []
-    known_length = crc_start = mask = 0
+    known_length = crc_start = mask = 0  # the ICRC basis of the last length seen
     for k in range(k, k + count):
         last = k == npkts - 1
         opcode = opcodes[(k == 0) << 1 | last]
@@ -393,9 +399,8 @@ def encode_segments_into(s: Segments, k: int, count: int, buffer: memoryview, of
             buffer[icrc_at - pad:icrc_at] = _PADS[pad]
         length = icrc_at - offset + ICRC_SIZE
         if length != known_length:
-            known_length, crc_start = length, _icrc_start(s.src_ip, s.dst_ip, s.src_port, s.dst_port, s.ip_id,
-                                                          IPV4_DONT_FRAGMENT, UDP_HEADER_SIZE + length)
-            mask = _mask_byte4(0, length - ICRC_SIZE - _FECN_BECN_BYTE - 1)
+            known_length, (crc_start, mask) = length, _icrc_basis(s.src_ip, s.dst_ip, s.src_port, s.dst_port, s.ip_id,
+                                                                  IPV4_DONT_FRAGMENT, UDP_HEADER_SIZE + length)
         _ICRC.pack_into(buffer, icrc_at, zlib.crc32(buffer[offset:icrc_at], crc_start) ^ mask)
         lengths.append(length)
         offset += stride
@@ -441,8 +446,9 @@ def decode(udp_payload: bytes | bytearray | memoryview, src_ip: str, dst_ip: str
     UDP socket cannot see (hence the default 0, what Linux writes for unconnected DF sockets). The returned payload is
     a view into `udp_payload`: do not reuse that buffer while the packet is alive.
     """
-    return _decode(memoryview(udp_payload), src_ip, dst_ip, src_port, dst_port, ip_id, IPV4_DONT_FRAGMENT, check_icrc,
-                   src_ip, dst_ip, 0, 64)
+    view = udp_payload if type(udp_payload) is memoryview else memoryview(udp_payload)
+    return _decode(view, src_ip, dst_ip, src_port, dst_port, ip_id, IPV4_DONT_FRAGMENT, check_icrc, src_ip, dst_ip, 0,
+                   64)
 
 
 def decode_ipv4(packet: bytes | bytearray | memoryview, *, check_icrc: bool = True) -> Packet:
@@ -472,9 +478,11 @@ def _decode(view: memoryview, src: str | bytes, dst: str | bytes, src_port: int,
     if size < BTH_SIZE + ICRC_SIZE:
         raise BadPacket(f"too short for BTH + ICRC: {size} bytes")
     if check_icrc:  # first, so that a corrupted packet is reported as such and not as whatever the flip looks like
-        crc = zlib.crc32(view[:size - ICRC_SIZE], _icrc_start(src, dst, src_port, dst_port, ip_id, flags_fragment,
-                                                              UDP_HEADER_SIZE + size))
-        crc ^= _mask_byte4(view[_FECN_BECN_BYTE], size - ICRC_SIZE - _FECN_BECN_BYTE - 1)
+        crc_start, mask = _icrc_basis(src, dst, src_port, dst_port, ip_id, flags_fragment, UDP_HEADER_SIZE + size)
+        byte4 = view[_FECN_BECN_BYTE]
+        if byte4:
+            mask = _mask_byte4(byte4, size - ICRC_SIZE - _FECN_BECN_BYTE - 1)
+        crc = zlib.crc32(view[:size - ICRC_SIZE], crc_start) ^ mask
         (got,) = _ICRC.unpack_from(view, size - ICRC_SIZE)
         if crc != got:
             raise IcrcMismatch(f"ICRC mismatch: expected {_ICRC.pack(crc).hex()}, got {_ICRC.pack(got).hex()} "

@@ -139,7 +139,10 @@ class Requester:
                 npkts = w.npkts
                 count = min(npkts - k, room, budget - sent)
                 last = k + count == npkts
-                acks = self._ack_requests(count, last)
+                if count == 1 and last:  # the usual small message: its one packet asks for an ACK
+                    acks, self.noack = 1, 0
+                else:
+                    acks = self._ack_requests(count, last)
                 out.append(pk.Segments(w.ops, dest_qp, w.first_psn, npkts, mtu, w.data, w.length, w.remote_va,
                                        w.rkey, w.imm, w.solicited, k, count, acks, pkey, src_ip, dst_ip, sport,
                                        4791, 0, tos, ttl))
@@ -150,11 +153,14 @@ class Requester:
                     self.send_pkt = k + count
                 end = (psn + count) & PSN_MASK
             sent += count
-            behind = psn_diff(sent_hi, psn)  # this many of the packets just queued were sent before
-            if behind > 0:
-                retransmits += min(behind, count)
-            if psn_diff(end, sent_hi) > 0:
+            if psn == sent_hi:  # all new
                 sent_hi = end
+            else:
+                behind = psn_diff(sent_hi, psn)  # this many of the packets just queued were sent before
+                if behind > 0:
+                    retransmits += min(behind, count)
+                if psn_diff(end, sent_hi) > 0:
+                    sent_hi = end
         self.sent_hi = sent_hi
         if sent:
             self.stats["packets_sent"] += sent
@@ -221,21 +227,27 @@ class Requester:
         responses were lost: an implied NAK, answered by going back to the READ.
         """
         wqes, progressed, implied = self.wqes, False, False
-        while self.done < len(wqes):
-            w = wqes[self.done]
+        done, fetched = self.done, len(wqes)
+        while done < fetched:  # retire the WRITEs and SENDs it covers, the way _retire does
+            w = wqes[done]
+            if w.status is not None or w.read or psn_diff(w.last_psn, psn) > 0:
+                break
+            done += 1
+            if w.signaled:
+                self._post(w, OK)
+        if done != self.done:
+            self.done, progressed = done, True
+            self.qp.sq_consumer = wqes[done - 1].index + 1
+        if done < fetched:
+            w = wqes[done]
             if w.status is not None:
                 self.fail(w.status, w.reason)
                 return False
-            if psn_diff(w.last_psn, psn) > 0:
-                break
-            if w.read:
+            if w.read and psn_diff(w.last_psn, psn) <= 0:
                 resume = (w.first_psn + w.received) & PSN_MASK
                 if psn_diff(resume, self.una) > 0:
                     self.una, progressed = resume, True
                 implied = True
-                break
-            self._retire()
-            progressed = True
         una = (psn + 1) & PSN_MASK
         if self.done < len(wqes) and wqes[self.done].read:  # inside a READ only its responses move una
             w = wqes[self.done]

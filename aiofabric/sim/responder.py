@@ -38,6 +38,9 @@ RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
     int(O.RDMA_READ_RESPONSE_FIRST), int(O.RDMA_READ_RESPONSE_MIDDLE), int(O.RDMA_READ_RESPONSE_LAST),
     int(O.RDMA_READ_RESPONSE_ONLY))
 IN_SEND, IN_WRITE = 1, 2
+# WRITE opcodes WRITE_FIRST.. WRITE_ONLY_IMM -> (starts a message, ends it, carries an immediate)
+WRITE_POSITIONS = tuple((op in (WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM), op not in (WRITE_FIRST, WRITE_FIRST + 1),
+                         op in (WRITE_LAST_IMM, WRITE_ONLY_IMM)) for op in range(WRITE_FIRST, WRITE_ONLY_IMM + 1))
 
 
 class Responder:
@@ -168,8 +171,10 @@ class Responder:
         if not self.started:
             self.start()
         psn = p.psn
-        d = psn_diff(psn, self.epsn)
-        if d > 0:
+        if psn != self.epsn:
+            if psn_diff(psn, self.epsn) < 0:
+                self._duplicate(p)
+                return
             self.stats["out_of_sequence"] += 1
             if self.nak_sent:
                 self.stats["dropped"] += 1
@@ -177,15 +182,12 @@ class Responder:
                 self.nak_sent = True
                 self._nak(pk.NAK_PSN_SEQ, self.epsn)
             return
-        if d < 0:
-            self._duplicate(p)
-            return
         self.nak_sent = False
         op = p.opcode
-        if op <= SEND_ONLY_IMM:
-            self._send(p, op)
-        elif op <= WRITE_ONLY_IMM:
+        if WRITE_FIRST <= op <= WRITE_ONLY_IMM:
             self._write(p, op)
+        elif op <= SEND_ONLY_IMM:
+            self._send(p, op)
         elif op == READ_REQUEST:
             self._read(p)
         elif op == pk.Op.CNP:
@@ -231,9 +233,7 @@ class Responder:
             self._owe_ack(p.psn)
 
     def _write(self, p: pk.Packet, op: int) -> None:
-        first = op == WRITE_FIRST or op >= WRITE_ONLY
-        last = op >= WRITE_LAST and op != WRITE_FIRST
-        imm = op == WRITE_LAST_IMM or op == WRITE_ONLY_IMM
+        first, last, imm = WRITE_POSITIONS[op - WRITE_FIRST]
         qp = self.qp
         if first:
             if self.in_msg:
