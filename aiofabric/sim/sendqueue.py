@@ -120,7 +120,7 @@ class SendQueue:
             except (*ACCESS_ERRORS, IndexError):
                 fields = (0xFF,) * 11
             size = fields[2]
-            if 2 <= size <= min(available, largest):
+            if 2 <= size <= available and size <= largest:
                 stride = size if unit == 1 else STATIC_WQE_SLOTS
                 w = self._parse(psns, first, fields) if not flush else SendWqe(self.fetched)
             else:  # nothing after a malformed WQE can be parsed: it takes the rest of what was published

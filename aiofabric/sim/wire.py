@@ -325,13 +325,15 @@ class UdpTransport(Transport):
             super().send_all(packets)
             return
         view, slot, staged, room = sender.view, sender.slot_size, 0, sender.slot_size - TX_HEADROOM
+        ip, tos, ttl = self.ip, self._tos, self._ttl
         for item in packets:
             single = type(item) is Packet
-            if item.tos != self._tos or item.ttl != self._ttl or (len(item.payload) if single else item.mtu) > room:
+            if item.tos != tos or item.ttl != ttl or (len(item.payload) if single else item.mtu) > room:
                 staged = self._send_staged(staged)
                 super().send_all([item])
+                tos, ttl = self._tos, self._ttl
                 continue
-            self._stamp(item)
+            item.src_ip, item.src_port, item.dst_port, item.ip_id = ip, ROCE_PORT, ROCE_PORT, 0  # as _stamp does
             if single:
                 sender.stage(staged, [encode_into(item, view, staged * slot)], item.dst_ip, ROCE_PORT)
                 staged += 1
