@@ -295,6 +295,25 @@ def test_ack_request_every_64_packets():
     assert a.poll()[0][1] == REQ_OK
 
 
+def test_long_messages_in_one_receive_batch_land_and_are_acknowledged_where_asked():
+    a, b, wire = pair(mtu=256)
+    src, lkey = a.register(1 << 16)
+    dst, rkey = b.register(1 << 16)
+    data = fill(a, src, 1 << 16, 9)
+    a.post(WRITE, [(src, lkey, 200 * 256)], remote=dst, rkey=rkey)  # MIDDLE runs broken by AckReq at 63, 127, 191
+    wire.run()
+    assert a.poll()[0][1] == REQ_OK and b.mem.read(dst, 200 * 256) == data[:200 * 256]
+    assert max(p.psn for p in wire.log if p.src_ip == b.ip) == 0x1000 + 199
+    # A SEND's MIDDLE packets overrunning the receive buffer: the run stops there and the error is reported as usual.
+    inbox, key = b.register(4096)
+    b.post_recv([(inbox, key, 600)], tag=3)
+    a.post(SEND, [(src, lkey, 4 * 256)])
+    wire.run()
+    assert [c[1] for c in a.poll()] == [bnxt.CQ_REQ_STATUS_REMOTE_INVALID_REQUEST_ERR]
+    assert b.poll() == [("res", bnxt.CQ_RES_RC_STATUS_LOCAL_LENGTH_ERR, 0, 0, 0, 3)]
+    assert b.mem.read(inbox, 512) == data[:512]
+
+
 def test_read():
     a, b, wire = pair(mtu=512)
     local, lkey = a.register(8192)

@@ -199,7 +199,10 @@ class Datapath:
         """Process a batch of received packets, then send the ACKs it earned (one per QP)."""
         contexts, qps, stats = self.contexts, self.rcfw.qps, self.stats
         stats["packets_received"] += len(packets)
-        for p in packets:
+        i, count = 0, len(packets)
+        while i < count:
+            p = packets[i]
+            i += 1
             try:
                 qpn = p.dest_qp
                 ctx = contexts.get(qpn)
@@ -213,7 +216,7 @@ class Datapath:
                 state = ctx.qp.state
                 if not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE:  # a request, for the responder
                     if state == RTS or state == RTR or state == SQD:
-                        ctx.responder.on_request(p, now)
+                        i = ctx.responder.on_requests(packets, i - 1, now)
                     else:
                         stats["dropped"] += 1
                         stats["dropped_qp_state"] += 1

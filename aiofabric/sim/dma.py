@@ -150,4 +150,5 @@ def map_remote(mem: BusMemory, mrs: dict[int, MemoryRegion], va: int, key: int, 
     region = mrs.get(key)
     if region is None:
         raise MemoryProtectionError(f"rkey {key:#x} does not exist")
-    return gather(region.views(mem, va, length, access, pd))
+    view = region.view(va, length, access, pd)
+    return view if view is not None else gather(region.views(mem, va, length, access, pd))

@@ -81,6 +81,7 @@ class Emulator:
         self.partial = b""
         self.debug_buffer = b""
         self.running = True
+        self.wire_readable = False  # select() said so since service() last looked
         self.ip = config.get("ip")
         self.datapath = Datapath(self.fw, self.ip or "0.0.0.0")
         faults = {name: config.get(name, 0.0) for name in ("loss", "dup", "reorder", "corrupt")}
@@ -98,7 +99,7 @@ class Emulator:
         selector.register(self.kick, selectors.EVENT_READ, self.on_kick)
         selector.register(self.debug, selectors.EVENT_READ, self.on_debug)
         if self.wire is not None and self.wire.fileno() is not None:
-            selector.register(self.wire.fileno(), selectors.EVENT_READ, lambda: None)  # service() reads it
+            selector.register(self.wire.fileno(), selectors.EVENT_READ, self.on_wire)  # service() reads it
         try:
             while self.running:
                 for key, _ in selector.select(self.timeout()):
@@ -135,16 +136,27 @@ class Emulator:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
 
+    def on_wire(self) -> None:
+        self.wire_readable = True
+
     def service(self) -> None:
-        """Doorbells, received packets, timers and transmission, round after round until nothing moves."""
+        """Doorbells, received packets, timers and transmission, round after round until nothing moves.
+
+        The wire is read when select() found it readable and then every round while the pass keeps moving packets
+        (more arrive meanwhile); a wake-up for doorbells alone costs no empty receive.
+        """
         dp, port = self.datapath, self.port
         transports = [t for t in (self.wire, self.loopback) if t is not None]
+        wire_idle = not self.wire_readable and self.wire is not None and self.wire.fileno() is not None
+        self.wire_readable = False
         until = time.monotonic() + SERVICE_SLICE
         while True:
             now = time.monotonic()
             dp.doorbells(now)
             moved = 0
             for transport in transports:
+                if wire_idle and transport is self.wire:
+                    continue
                 packets = transport.receive(RX_BUDGET)
                 if packets:
                     moved += len(packets)
@@ -157,6 +169,7 @@ class Emulator:
                 port.send_all(outbox)
             if not moved or now > until:
                 break
+            wire_idle = False
         for transport in transports:
             deadline = transport.flush_deadline
             if deadline is not None and deadline <= time.monotonic():

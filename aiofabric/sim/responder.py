@@ -30,16 +30,16 @@ O = pk.Op
 SEND_FIRST, SEND_MIDDLE, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM = (
     int(O.SEND_FIRST), int(O.SEND_MIDDLE), int(O.SEND_LAST_WITH_IMMEDIATE), int(O.SEND_ONLY),
     int(O.SEND_ONLY_WITH_IMMEDIATE))
-WRITE_FIRST, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM = (
-    int(O.RDMA_WRITE_FIRST), int(O.RDMA_WRITE_LAST), int(O.RDMA_WRITE_LAST_WITH_IMMEDIATE), int(O.RDMA_WRITE_ONLY),
-    int(O.RDMA_WRITE_ONLY_WITH_IMMEDIATE))
+WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM = (
+    int(O.RDMA_WRITE_FIRST), int(O.RDMA_WRITE_MIDDLE), int(O.RDMA_WRITE_LAST), int(O.RDMA_WRITE_LAST_WITH_IMMEDIATE),
+    int(O.RDMA_WRITE_ONLY), int(O.RDMA_WRITE_ONLY_WITH_IMMEDIATE))
 READ_REQUEST, ACKNOWLEDGE = int(O.RDMA_READ_REQUEST), int(O.ACKNOWLEDGE)
 RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
     int(O.RDMA_READ_RESPONSE_FIRST), int(O.RDMA_READ_RESPONSE_MIDDLE), int(O.RDMA_READ_RESPONSE_LAST),
     int(O.RDMA_READ_RESPONSE_ONLY))
 IN_SEND, IN_WRITE = 1, 2
 # WRITE opcodes WRITE_FIRST.. WRITE_ONLY_IMM -> (starts a message, ends it, carries an immediate)
-WRITE_POSITIONS = tuple((op in (WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM), op not in (WRITE_FIRST, WRITE_FIRST + 1),
+WRITE_POSITIONS = tuple((op in (WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM), op not in (WRITE_FIRST, WRITE_MIDDLE),
                          op in (WRITE_LAST_IMM, WRITE_ONLY_IMM)) for op in range(WRITE_FIRST, WRITE_ONLY_IMM + 1))
 
 
@@ -167,6 +167,41 @@ class Responder:
         return True
 
     # -- requests ----------------------------------------------------------------------------------------------------
+    def on_requests(self, packets: list[pk.Packet], i: int, now: float) -> int:
+        """Handle packets[i], then the MIDDLE packets right behind it that continue the same message in sequence;
+        the index of the first packet left for the caller.
+
+        A long message's MIDDLE packets are most of what a busy responder receives, and all that is left to do for
+        one is a copy: that is done here in a tight loop. Anything unusual (another QP or opcode, a PSN gap, AckReq,
+        a size that does not fit) stops it, and that packet goes through on_request like any other.
+        """
+        self.on_request(packets[i], now)
+        i += 1
+        if self.in_msg == IN_WRITE:
+            middle, room = WRITE_MIDDLE, self.msg_length
+        elif self.in_msg == IN_SEND:
+            middle, room = SEND_MIDDLE, len(self.target)
+        else:
+            return i
+        qpn, mtu, target, offset, epsn = self.qp.qpn, self.qp.path_mtu, self.target, self.offset, self.epsn
+        count = len(packets)
+        while i < count:
+            p = packets[i]
+            if p.opcode != middle or p.dest_qp != qpn or p.psn != epsn or p.ack_req or offset + mtu > room:
+                break
+            payload = p.payload
+            if len(payload) != mtu:
+                break
+            try:
+                target[offset:offset + mtu] = payload
+            except ACCESS_ERRORS:
+                break  # on_request reports it
+            offset += mtu
+            epsn = (epsn + 1) & PSN_MASK
+            i += 1
+        self.offset, self.epsn = offset, epsn
+        return i
+
     def on_request(self, p: pk.Packet, now: float) -> None:
         if not self.started:
             self.start()
