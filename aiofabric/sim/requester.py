@@ -3,11 +3,12 @@ requester CQEs out.
 
 WQEs are fetched from the SQ ring (sendqueue.py) when its doorbell moves the producer and get their PSN range at
 once (one PSN per packet; a READ takes as many as its responses). `pump()` turns them into packets within the
-128-PSN window and the ORRQ limit (`max_rd_atomic` READs in flight); the completer retires them in order as ACKs
-arrive (an ACK for PSN n acknowledges every PSN up to n), lands read responses in the local SGEs and retransmits
-go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an implied NAK (an ACK past an unfinished READ, a gap
-in read responses) or a timeout. Behaviour follows rxe (rxe_req.c, rxe_comp.c) except where the module docstring of
-`datapath` says otherwise.
+128-PSN window and the ORRQ limit (`max_rd_atomic` READs in flight): a WRITE's or SEND's packets as one
+`packets.Segments` per burst (the transport encodes them without a Packet each), a READ request as a Packet. The
+completer retires WQEs in order as ACKs arrive (an ACK for PSN n acknowledges every PSN up to n), lands read
+responses in the local SGEs and retransmits go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an
+implied NAK (an ACK past an unfinished READ, a gap in read responses) or a timeout. Behaviour follows rxe
+(rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise.
 """
 from __future__ import annotations
 
