@@ -19,8 +19,8 @@ from aiofabric.sim.packets import (
 from aiofabric.sim import mmsg
 from aiofabric.sim.pcap import PcapWriter
 from aiofabric.sim.wire import (
-    BATCH, IP_MTU_DISCOVER, IP_PMTUDISC_DO, Faults, LoopbackTransport, RawTransport, Transport, UdpTransport,
-    open_transport,
+    BATCH, IP_MTU_DISCOVER, IP_PMTUDISC_DO, SO_RCVBUFFORCE, Faults, LoopbackTransport, RawTransport, Transport,
+    UdpTransport, open_transport,
 )
 
 scapy_all = pytest.importorskip("scapy.all")
@@ -295,3 +295,32 @@ def test_raw_and_udp_transports_interoperate():
         assert [p.psn for p in pump(udp, received(1))] == [1]
         assert [p.psn for p in pump(raw, received(1))] == [2]
         assert raw.counters["dropped_icrc"] == udp.counters["dropped_icrc"] == 0
+
+
+@needs_raw
+def test_bursts_leave_with_ip_id_0_so_the_icrc_holds_on_the_wire():
+    """What a capture of the loopback device sees of a sendmmsg burst: DF, IP ID 0, an ICRC valid over that header."""
+    count = 60
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003)) as tap, \
+            UdpTransport("127.0.0.114") as a, UdpTransport("127.0.0.115") as b:
+        try:  # room for everyone's loopback traffic meanwhile (lo shows every frame twice)
+            tap.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
+        except PermissionError:
+            tap.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+        tap.bind(("lo", 0))
+        tap.settimeout(0.2)
+        a.send_all([write(psn, "127.0.0.115", payload=bytes(psn % 97)) for psn in range(count)])
+        assert len(pump(b, received(count))) == count
+        seen = []
+        for _ in range(50 * count):  # bounded: other loopback traffic is skipped
+            try:
+                frame, address = tap.recvfrom(1 << 16)
+            except socket.timeout:
+                break
+            ip = frame[14:]
+            if address[2] != socket.PACKET_OUTGOING and ip[12:20] == socket.inet_aton("127.0.0.114") + \
+                    socket.inet_aton("127.0.0.115"):
+                seen.append(ip)
+    assert len(seen) == count
+    assert all(ip[4:6] == b"\0\0" and ip[6] & 0x40 for ip in seen)  # IP ID 0, DF
+    assert [decode_ipv4(ip).psn for ip in seen] == list(range(count))  # decode_ipv4 checks the ICRC over the real header
