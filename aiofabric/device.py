@@ -127,7 +127,7 @@ class Device:
         self._teardown: list[tuple[str, Callable[[], Any]]] = []  # firmware objects, freed in reverse order
         self.objects: dict[int, Any] = {}  # live verbs objects (CQs, QPs, MRs) by id()
         self._closed = False
-        self.fw_version = self.mac = ""
+        self.fw_version = self.hwrm_version = self.mac = ""
         self.port_id = self.db_offset = 0
         self.gid_index = -1
         self.caps: dict[str, int] = {}

@@ -193,7 +193,7 @@ def format_table(result: dict[str, Any], config: BenchConfig) -> str:
     rule = "-" * 95
     lines = [rule, f"                    {verb} BW Test (aiofabric, emulated BNXT)",
              f" Number of qps   : {config.qps}\t\tTransport type : IB",
-             f" Connection type : RC\t\tUsing SRQ      : OFF",
+             " Connection type : RC\t\tUsing SRQ      : OFF",
              f" TX depth        : {config.depth}\t\tNICs           : {config.nics}",
              f" Mtu             : {config.mtu}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
              f" Firmware        : {result['fw_version']}", rule,

@@ -16,7 +16,7 @@ import struct
 import subprocess
 import sys
 
-from ..pci import PCI_COMMAND, PCI_DEVICE_ID, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError
+from ..pci import PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError
 from .memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
 
 KICK = struct.Struct("<BxxxIQ")  # space (0 = BAR0, 2 = BAR2, CONFIG_SPACE), offset, value
