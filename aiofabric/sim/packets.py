@@ -373,6 +373,8 @@ def encode_segments_into(s: Segments, k: int, count: int, buffer: memoryview, of
     One loop for the whole burst: MIDDLE packets, most of a long message, share their length and so the ICRC's start
     (BTH byte 4 is always 0 here), which is looked up once per length.
     """
+    if count == 1 and s.npkts == 1:
+        return [_encode_only_into(s, buffer, offset)]
     mtu, npkts, data, dma_length, acks, start = s.mtu, s.npkts, s.data, s.dma_length, s.acks, s.start
     opcodes, qpn, pkey, first_psn = s.opcodes, s.dest_qp & QPN_MASK, s.pkey, s.first_psn
     solicited = s.solicited << 7
@@ -388,7 +390,10 @@ def encode_segments_into(s: Segments, k: int, count: int, buffer: memoryview, of
         pad = (begin - end) & 3
         flags = (solicited if last else 0) | pad << 4
         psn_word = (acks >> (k - start) & 1) << 31 | (first_psn + k) & PSN_MASK
-        if layout.fields:  # RETH on FIRST/ONLY, ImmDt on the ..._WITH_IMMEDIATE ones: named alike on Segments
+        fields = layout.fields
+        if fields is _RETH_FIELDS:  # WRITE FIRST/ONLY: spelled out, a third cheaper than through get_fields
+            header.pack_into(buffer, offset, opcode, flags, pkey, qpn, psn_word, s.remote_addr, s.rkey, dma_length)
+        elif fields:  # the ..._WITH_IMMEDIATE ones: their fields are named alike on Segments
             header.pack_into(buffer, offset, opcode, flags, pkey, qpn, psn_word, *layout.get_fields(s))
         else:
             header.pack_into(buffer, offset, opcode, flags, pkey, qpn, psn_word)
@@ -405,6 +410,30 @@ def encode_segments_into(s: Segments, k: int, count: int, buffer: memoryview, of
         lengths.append(length)
         offset += stride
     return lengths
+
+
+def _encode_only_into(s: Segments, buffer: memoryview, offset: int) -> int:
+    """encode_segments_into for a one-packet message (the usual small WRITE or SEND), without the burst's loop."""
+    opcode = s.opcodes[3]
+    layout = _LAYOUTS[opcode]
+    header, fields, length = layout.header, layout.fields, s.dma_length
+    pad = -length & 3
+    flags, qpn, psn_word = s.solicited << 7 | pad << 4, s.dest_qp & QPN_MASK, (s.acks & 1) << 31 | s.first_psn & PSN_MASK
+    if fields is _RETH_FIELDS:
+        header.pack_into(buffer, offset, opcode, flags, s.pkey, qpn, psn_word, s.remote_addr, s.rkey, length)
+    elif fields:
+        header.pack_into(buffer, offset, opcode, flags, s.pkey, qpn, psn_word, *layout.get_fields(s))
+    else:
+        header.pack_into(buffer, offset, opcode, flags, s.pkey, qpn, psn_word)
+    payload_at = offset + header.size
+    icrc_at = payload_at + length + pad
+    buffer[payload_at:icrc_at - pad] = s.data[:length]
+    if pad:
+        buffer[icrc_at - pad:icrc_at] = _PADS[pad]
+    crc_start, mask = _icrc_basis(s.src_ip, s.dst_ip, s.src_port, s.dst_port, s.ip_id, IPV4_DONT_FRAGMENT,
+                                  UDP_HEADER_SIZE + icrc_at - offset + ICRC_SIZE)
+    _ICRC.pack_into(buffer, icrc_at, zlib.crc32(buffer[offset:icrc_at], crc_start) ^ mask)
+    return icrc_at - offset + ICRC_SIZE
 
 
 def expand(items: list[Packet | Segments]) -> list[Packet]:
