@@ -3,8 +3,9 @@
 Started by `SimPCIDevice` as `python -m aiofabric.sim.process CONFIG_JSON`. It reads MMIO kicks in order, runs
 firmware commands one at a time at the configured latency, writes responses into host memory, runs the RoCE data
 path (datapath.py) between doorbells, the wire and its timers, and fires MSI-X eventfds. It blocks in select() when
-there is nothing to do. It exits when the driver closes the kick socket, and (PR_SET_PDEATHSIG) when the driver
-process dies.
+there is nothing to do (it never spins: on a machine with fewer cores than busy processes, polling costs the driver
+and the other NIC more than it saves), and runs as SCHED_BATCH so that its wake-ups do not preempt them either. It
+exits when the driver closes the kick socket, and (PR_SET_PDEATHSIG) when the driver process dies.
 
 Config keys (JSON): name, bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds (from SimPCIDevice); mac; fw_latency_us;
 ip (the NIC's IPv4 address; without one the NIC only has its PHY loopback); transport ("udp" default, or "raw");
