@@ -324,37 +324,45 @@ class UdpTransport(Transport):
         if sender is None or self._faulty or self.pcap is not None:
             super().send_all(packets)
             return
-        view, slot, staged, room = sender.view, sender.slot_size, 0, sender.slot_size - TX_HEADROOM
+        view, slot, capacity, room = sender.view, sender.slot_size, sender.count, sender.slot_size - TX_HEADROOM
         ip, tos, ttl = self.ip, self._tos, self._ttl
+        staged, run, destination = 0, [], None  # slots filled; the lengths of the last ones, all for `destination`
         for item in packets:
             single = type(item) is Packet
             if item.tos != tos or item.ttl != ttl or (len(item.payload) if single else item.mtu) > room:
-                staged = self._send_staged(staged)
+                staged, run = self._send_slots(staged, run, destination), []
                 super().send_all([item])
                 tos, ttl = self._tos, self._ttl
                 continue
+            if item.dst_ip != destination:
+                if run:
+                    sender.stage(staged - len(run), run, destination, ROCE_PORT)
+                    run = []
+                destination = item.dst_ip
             item.src_ip, item.src_port, item.dst_port, item.ip_id = ip, ROCE_PORT, ROCE_PORT, 0  # as _stamp does
             if single:
-                sender.stage(staged, [encode_into(item, view, staged * slot)], item.dst_ip, ROCE_PORT)
+                run.append(encode_into(item, view, staged * slot))
                 staged += 1
             else:
                 k, end = item.start, item.start + item.count
                 while k < end:
-                    count = min(end - k, sender.count - staged)
-                    sender.stage(staged, encode_segments_into(item, k, count, view, staged * slot, slot), item.dst_ip,
-                                 ROCE_PORT)
+                    count = min(end - k, capacity - staged)
+                    run += encode_segments_into(item, k, count, view, staged * slot, slot)
                     k += count
                     staged += count
-                    if staged == sender.count:
-                        staged = self._send_staged(staged)
-            if staged == sender.count:
-                staged = self._send_staged(staged)
-        self._send_staged(staged)
+                    if staged == capacity:
+                        staged, run = self._send_slots(staged, run, destination), []
+            if staged == capacity:
+                staged, run = self._send_slots(staged, run, destination), []
+        self._send_slots(staged, run, destination)
 
-    def _send_staged(self, count: int) -> int:
-        if count:
-            errors = self._sender.send(count)
-            self.counters["sent"] += count - len(errors)
+    def _send_slots(self, staged: int, run: list[int], destination: str | None) -> int:
+        """Send the `staged` slots, the last len(run) of which (not staged yet) are for `destination`; 0."""
+        if run:
+            self._sender.stage(staged - len(run), run, destination, ROCE_PORT)
+        if staged:
+            errors = self._sender.send(staged)
+            self.counters["sent"] += staged - len(errors)
             for exc in errors:
                 self._send_failed(exc)
         return 0
