@@ -220,6 +220,7 @@ def test_pcap_capture_of_both_directions_decodes(tmp_path: Path, pair: tuple[Udp
     for frame in frames:
         assert decode_ipv4(scapy_all.raw(frame)[14:]).dst_port == ROCE_PORT  # the ICRC checks out
     # What the capture says went on the wire is what arrived.
+    a.pcap = b.pcap = None
     assert [p.psn for p in pump(b, received(2))] == [5, 6]
     if shutil.which("tshark") is None:
         pytest.skip("tshark is not installed: pcap checked with scapy only")
@@ -324,3 +325,21 @@ def test_bursts_leave_with_ip_id_0_so_the_icrc_holds_on_the_wire():
     assert len(seen) == count
     assert all(ip[4:6] == b"\0\0" and ip[6] & 0x40 for ip in seen)  # IP ID 0, DF
     assert [decode_ipv4(ip).psn for ip in seen] == list(range(count))  # decode_ipv4 checks the ICRC over the real header
+
+
+def test_one_ports_capture_shows_both_directions(tmp_path: Path, pair: tuple[UdpTransport, UdpTransport]):
+    a, b = pair
+    capture = tmp_path / "a.pcap"
+    with PcapWriter(capture) as pcap:
+        a.pcap = pcap
+        a.send(write(9, B, payload=bytes(100)))
+        assert [p.psn for p in pump(b, received(1))] == [9]
+        b.send(Packet(Op.ACKNOWLEDGE, 0x11, 9, syndrome=ACK_UNLIMITED, msn=1, dst_ip=A))
+        assert [p.psn for p in pump(a, received(1))] == [9]
+        a.pcap = None
+    frames = scapy_all.rdpcap(str(capture))
+    assert [(f[scapy_all.IP].src, f[roce.BTH].opcode) for f in frames] == [(A, Op.RDMA_WRITE_ONLY),
+                                                                          (B, Op.ACKNOWLEDGE)]
+    assert frames[1][scapy_all.IP].id == 0 and frames[1][scapy_all.Ether].dst == "02:00:7f:00:00:65"
+    for frame in frames:
+        decode_ipv4(scapy_all.raw(frame)[14:])  # the ICRC of the arrival holds over the reconstructed header

@@ -178,7 +178,12 @@ class Transport:
         except OSError as exc:  # e.g. an ICMP error queued on the socket: the packet is gone, not the port
             self._count_error("receive_errors", exc)
             return packets
+        pcap = self.pcap
         for datagram in datagrams:
+            if pcap is not None:  # the capture shows both directions, corrupted arrivals included
+                frame = self._arrived_frame(datagram)
+                if frame is not None:
+                    pcap.write(frame, mac_for_ip(socket.inet_ntoa(frame[12:16])), self.mac)
             try:
                 packets.append(self._decode(datagram))
             except IcrcMismatch:
@@ -216,6 +221,10 @@ class Transport:
     def _decode(self, datagram: Any) -> Packet:
         """Decode one datagram from `_receive`, raising BadPacket."""
         raise NotImplementedError
+
+    def _arrived_frame(self, datagram: Any) -> bytes | None:
+        """The IPv4 packet as it crossed the wire into this port, for the pcap (None: already captured on send)."""
+        return None
 
     # Helpers.
 
@@ -393,6 +402,12 @@ class UdpTransport(Transport):
             src_ip = self._peers[source] = socket.inet_ntoa(source)
         return decode(data, src_ip, self.ip, src_port)
 
+    def _arrived_frame(self, datagram: tuple[Any, bytes, int]) -> bytes:
+        # A UDP socket hides the IPv4 header; the sender's kernel wrote it with ID 0 and DF (see the class notes).
+        data, source, src_port = datagram
+        header = Packet(0, 0, 0, src_ip=socket.inet_ntoa(source), dst_ip=self.ip, src_port=src_port)
+        return encode_ipv4_header(header, len(data)) + bytes(data)
+
 
 class RawTransport(Transport):
     """RoCEv2 as whole IPv4 packets through raw sockets (root or CAP_NET_RAW): the wire exactly as a NIC makes it.
@@ -457,6 +472,9 @@ class RawTransport(Transport):
 
     def _decode(self, datagram: bytes) -> Packet:
         return decode_ipv4(datagram)
+
+    def _arrived_frame(self, datagram: bytes) -> bytes:
+        return bytes(datagram)
 
 
 def _is_roce(ipv4_packet: bytes) -> bool:
