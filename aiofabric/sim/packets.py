@@ -2,7 +2,7 @@
 
 Only RC opcodes (plus the CNP) exist here because the emulated NIC speaks RC. The layout of every packet is a table
 lookup: each opcode maps to one precompiled `struct.Struct` covering BTH and its extension headers, so encoding is
-one `pack_into`, a payload copy and one `zlib.crc32` over the packet (`encode_into` writes straight into a transmit
+one `pack_into`, a payload copy and one CRC-32 over the packet (`encode_into` writes straight into a transmit
 buffer), and decoding is the mirror image. `icrc()` is the ICRC rule written plainly (reference §2); the hot paths
 compute the same CRC without building the masked copy it describes, and the tests hold the two (and scapy) equal:
 - the masked IPv4/UDP pseudo header only depends on the addresses, ports, IP ID and length, so the CRC state after it
@@ -22,6 +22,11 @@ import operator
 import socket
 import struct
 import zlib
+
+try:  # ISA-L's CRC-32 is the same function, ~7x faster on 4 KiB packets (0.10 vs 0.73 us); zlib is the fallback
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - platforms without isal wheels
+    from zlib import crc32
 from collections.abc import Callable
 from typing import Any
 
@@ -310,7 +315,7 @@ def encode_into(p: Packet, buffer: memoryview, offset: int = 0) -> int:
     byte4 = buffer[offset + _FECN_BECN_BYTE]
     if byte4:
         mask = _mask_byte4(byte4, length - _FECN_BECN_BYTE - 1)
-    _ICRC.pack_into(buffer, end, zlib.crc32(buffer[offset:end], crc_start) ^ mask)
+    _ICRC.pack_into(buffer, end, crc32(buffer[offset:end], crc_start) ^ mask)
     return length + ICRC_SIZE
 
 
@@ -406,7 +411,7 @@ def encode_segments_into(s: Segments, k: int, count: int, buffer: memoryview, of
         if length != known_length:
             known_length, (crc_start, mask) = length, _icrc_basis(s.src_ip, s.dst_ip, s.src_port, s.dst_port, s.ip_id,
                                                                   IPV4_DONT_FRAGMENT, UDP_HEADER_SIZE + length)
-        _ICRC.pack_into(buffer, icrc_at, zlib.crc32(buffer[offset:icrc_at], crc_start) ^ mask)
+        _ICRC.pack_into(buffer, icrc_at, crc32(buffer[offset:icrc_at], crc_start) ^ mask)
         lengths.append(length)
         offset += stride
     return lengths
@@ -432,7 +437,7 @@ def _encode_only_into(s: Segments, buffer: memoryview, offset: int) -> int:
         buffer[icrc_at - pad:icrc_at] = _PADS[pad]
     crc_start, mask = _icrc_basis(s.src_ip, s.dst_ip, s.src_port, s.dst_port, s.ip_id, IPV4_DONT_FRAGMENT,
                                   UDP_HEADER_SIZE + icrc_at - offset + ICRC_SIZE)
-    _ICRC.pack_into(buffer, icrc_at, zlib.crc32(buffer[offset:icrc_at], crc_start) ^ mask)
+    _ICRC.pack_into(buffer, icrc_at, crc32(buffer[offset:icrc_at], crc_start) ^ mask)
     return icrc_at - offset + ICRC_SIZE
 
 
@@ -511,7 +516,7 @@ def _decode(view: memoryview, src: str | bytes, dst: str | bytes, src_port: int,
         byte4 = view[_FECN_BECN_BYTE]
         if byte4:
             mask = _mask_byte4(byte4, size - ICRC_SIZE - _FECN_BECN_BYTE - 1)
-        crc = zlib.crc32(view[:size - ICRC_SIZE], crc_start) ^ mask
+        crc = crc32(view[:size - ICRC_SIZE], crc_start) ^ mask
         (got,) = _ICRC.unpack_from(view, size - ICRC_SIZE)
         if crc != got:
             raise IcrcMismatch(f"ICRC mismatch: expected {_ICRC.pack(crc).hex()}, got {_ICRC.pack(got).hex()} "
