@@ -3,6 +3,7 @@
 The raw transport reads whole IPv4 packets, so it checks the ICRC over the real header, including a nonzero IP ID,
 as a foreign stack (Soft-RoCE, hardware) sends it. Needs root (CAP_NET_RAW); skipped with the reason otherwise.
 """
+import contextlib
 import os
 import random
 import select
@@ -62,14 +63,20 @@ class ScapyPeer:
             s.close()
 
 
+@contextlib.asynccontextmanager
+async def nic_facing_the_peer(name: str, ip: str, psn: int):
+    """An emulated NIC on the raw transport with one RC QP connected to the scapy peer."""
+    async with open_nic(f"sim:{name}", ip=ip, transport="raw") as nic:
+        qp = await nic.create_qp(await nic.create_cq(64))
+        await qp.connect(QPInfo(PEER_QPN, ipv4_gid(PEER_IP), PEER_MAC, psn))
+        yield nic, qp
+
+
 @needs_root
 async def test_scapy_requester_writes_into_an_aiofabric_memory_region_and_is_acked():
     peer, psn = ScapyPeer(), random.getrandbits(24)
     try:
-        async with open_nic("sim:interop-rx", ip="127.0.0.77", transport="raw") as nic:
-            cq = await nic.create_cq(64)
-            qp = await nic.create_qp(cq)
-            await qp.connect(QPInfo(PEER_QPN, ipv4_gid(PEER_IP), PEER_MAC, psn))
+        async with nic_facing_the_peer("interop-rx", "127.0.0.77", psn) as (nic, qp):
             target = await nic.register_mr(4096)
             payload = bytes(range(61))  # odd length: PadCnt 3, pad inside the ICRC
             reth = struct.pack("!QII", target.addr + 100, target.rkey, len(payload))
@@ -91,10 +98,7 @@ async def test_scapy_requester_writes_into_an_aiofabric_memory_region_and_is_ack
 async def test_aiofabric_writes_into_a_scapy_responder():
     peer, psn = ScapyPeer(), random.getrandbits(24)
     try:
-        async with open_nic("sim:interop-tx", ip="127.0.0.79", transport="raw") as nic:
-            cq = await nic.create_cq(64)
-            qp = await nic.create_qp(cq)
-            await qp.connect(QPInfo(PEER_QPN, ipv4_gid(PEER_IP), PEER_MAC, psn))
+        async with nic_facing_the_peer("interop-tx", "127.0.0.79", psn) as (nic, qp):
             source = await nic.register_mr(4096)
             source.view[:100] = random.randbytes(100)
             completion = await qp.post_write(source, RemoteRegion(0xABC000, 0x4242, 4096), 100)
