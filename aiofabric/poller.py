@@ -41,6 +41,7 @@ class Poller:
         self.device, self.spin = device, spin
         self.cqs: dict[int, Pollable] = {}  # by cq_handle, as NQ notifications name them
         self.sleeping = False
+        self.nq_armed = False
         self.stats = {"wakeups": 0, "polls": 0, "cqes": 0, "spins_found": 0}
 
     def add(self, cq: Pollable) -> None:
@@ -99,7 +100,7 @@ class Poller:
 
     def _drain_nq(self, nq) -> None:
         """Consume CQ notifications (each one disarms its CQ) and re-arm the NQ."""
-        view = nq.view
+        view, consumed = nq.view, False
         while True:
             offset = nq.offset(nq.consumer)
             if (view[offset + 8] & 1) != 1 - nq.epoch(nq.consumer):
@@ -113,5 +114,8 @@ class Poller:
                     cq.armed = False
                     cq.toggle = view[offset] >> bnxt.NQ_CN_TOGGLE_SFT & 3
             nq.consumer += 1
-        self.device.doorbells.write64(self.device.db_offset, doorbell(
-            self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.offset(nq.consumer) // 16, nq.epoch(nq.consumer)))
+            consumed = True
+        if consumed or not self.nq_armed:  # an NQ that fired is disarmed; one that did not is still armed
+            self.device.doorbells.write64(self.device.db_offset, doorbell(
+                self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.offset(nq.consumer) // 16, nq.epoch(nq.consumer)))
+            self.nq_armed = True
