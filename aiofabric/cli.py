@@ -6,16 +6,13 @@ import dataclasses
 import json
 import logging
 import sys
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import anyio
 
 from . import __version__
 from .nic import open_nic
 from .perftest import TESTS, BenchConfig, format_table, run_bench, run_loopback
-
-Command = Callable[[argparse.Namespace], Awaitable[dict[str, Any]]]
-
 
 async def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
     async with open_nic(args.nic, ip=args.ip) as nic:

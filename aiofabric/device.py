@@ -433,6 +433,7 @@ class Device:
                          max_qp_wr=function.max_qp_wr, max_sge=function.max_sge, max_cqe=function.max_cqe,
                          max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data)
         self._stats = self.pci.alloc_dma(PAGE_SIZE)
+        self._on_close("statistics memory", self._stats.free)
         stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr, stats_dma_length=176,
                                update_period_ms=1000, stat_ctx_flags=bnxt.STAT_CTX_ALLOC_REQ_STAT_CTX_FLAGS_ROCE)
         self._stat_ctx_id = stat.stat_ctx_id

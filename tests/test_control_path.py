@@ -34,6 +34,7 @@ async def test_boot_reports_identity_and_frees_everything_on_close():
         await nic.close()
         left = {k: v for k, v in counts(nic).items() if isinstance(v, int) and v}
         assert left == {}, f"firmware objects leaked: {left}"
+        assert nic.pci.dma_bytes_in_use == 0  # and every ring, page table and buffer went back
 
 
 async def test_hwrm_bad_input_gets_clear_errors():
