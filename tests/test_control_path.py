@@ -198,3 +198,34 @@ async def test_bad_spec_is_refused():
     with pytest.raises(Exception, match="bad NIC spec"):
         async with open_nic("eth0"):
             pass
+
+
+def test_emulator_exits_when_the_driver_process_dies():
+    """No orphans: SIGKILL the driver process and its emulator goes away by itself."""
+    import subprocess
+    import sys
+    script = ("import anyio, aiofabric\n"
+              "async def main():\n"
+              "    async with aiofabric.open_nic('sim:orphan') as nic:\n"
+              "        print(nic.pci.pid, flush=True)\n"
+              "        await anyio.sleep(60)\n"
+              "anyio.run(main)\n")
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        emulator = int(driver.stdout.readline())
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{emulator}/stat") as stat:
+                    if stat.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, waiting to be reaped
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(emulator, signal.SIGKILL)
+            pytest.fail("the emulator outlived its driver")
+    finally:
+        driver.kill()
