@@ -565,6 +565,8 @@ class MemoryRegion:
                 key=0, pbl=self.table.base, va=self.addr, mr_size=self.length)
         except BaseException:
             self.table.free()
+            if self.owns_buffer:
+                self.buffer.free()
             raise
         self.lkey = self.rkey = reply.xid
         self.device.objects[id(self)] = self
