@@ -16,6 +16,7 @@ from aiofabric import open_nic
 pytestmark = pytest.mark.anyio
 NS = (f"aiofab-a{os.getpid()}", f"aiofab-b{os.getpid()}")
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
+VETH = (f"afa{os.getpid() % 100000}", f"afb{os.getpid() % 100000}")  # interface names: at most 15 characters
 
 
 def ip(*args: str) -> None:
@@ -32,16 +33,17 @@ def two_hosts():
         pytest.skip(f"ip netns unavailable here: {exc.stderr.decode().strip()}")
     try:
         ip("netns", "add", NS[1])
-        ip("link", "add", "afv0", "type", "veth", "peer", "name", "afv1")
+        ip("link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
         for i in (0, 1):
-            ip("link", "set", f"afv{i}", "netns", NS[i])
-            ip("-n", NS[i], "addr", "add", f"{ADDRESSES[i]}/24", "dev", f"afv{i}")
-            ip("-n", NS[i], "link", "set", f"afv{i}", "mtu", "9000", "up")
+            ip("link", "set", VETH[i], "netns", NS[i])
+            ip("-n", NS[i], "addr", "add", f"{ADDRESSES[i]}/24", "dev", VETH[i])
+            ip("-n", NS[i], "link", "set", VETH[i], "mtu", "9000", "up")
             ip("-n", NS[i], "link", "set", "lo", "up")
         yield
     finally:
-        for name in NS:
+        for name in NS:  # deleting a namespace deletes the veth end inside it, and with it the pair
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+        subprocess.run(["ip", "link", "del", VETH[0]], capture_output=True, timeout=20)  # if it never moved
 
 
 async def test_rdma_between_two_namespaces(two_hosts):
