@@ -6,16 +6,11 @@ from typing import Any, Generator
 import anyio
 
 from .autogen import bnxt
-from .errors import FabricError
+from .errors import FabricError, status_names
 
 
-def _names(prefix: str) -> dict[int, str]:
-    return {value: name[len(prefix):] for name, value in vars(bnxt).items()
-            if name.startswith(prefix) and not name.endswith("_LAST")}
-
-
-SEND_STATUSES = _names("CQ_REQ_STATUS_")
-RECV_STATUSES = _names("CQ_RES_RC_STATUS_")
+SEND_STATUSES = status_names("CQ_REQ_STATUS_")
+RECV_STATUSES = status_names("CQ_RES_RC_STATUS_")
 SEND_FLUSHED = bnxt.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
 RECV_FLUSHED = bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 from .autogen import bnxt
 
 
-def _names(prefix: str) -> dict[int, str]:
+def status_names(prefix: str) -> dict[int, str]:
+    """Value -> name (without `prefix`) of the bindings' constants that start with `prefix`."""
     return {value: name[len(prefix):] for name, value in vars(bnxt).items()
             if name.startswith(prefix) and not name.endswith("_LAST")}
 
 
-HWRM_ERRORS = _names("HWRM_ERR_CODE_")
-RCFW_STATUSES = _names("CREQ_QP_EVENT_STATUS_")
+HWRM_ERRORS = status_names("HWRM_ERR_CODE_")
+RCFW_STATUSES = status_names("CREQ_QP_EVENT_STATUS_")
 
 
 class FabricError(Exception):
