@@ -39,5 +39,9 @@ class FirmwareTimeoutError(FabricError, TimeoutError):
     """The firmware did not answer a command in time."""
 
 
+class ClosedError(FabricError):
+    """The object (NIC, QP, CQ, MR) was closed or destroyed; it refuses every use (trio's ClosedResourceError)."""
+
+
 class DeviceLostError(FabricError):
     """The device is gone (emulator process died, surprise removal); every pending operation fails with this."""
