@@ -16,11 +16,19 @@ RECV_FLUSHED = bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
 
 
 class CompletionError(FabricError):
-    """A work request completed with an error status (decoded from the CQE)."""
+    """A work request completed with an error status (decoded from the CQE).
 
-    def __init__(self, verb: str, qpn: int, status: int, reason: str) -> None:
-        self.verb, self.qpn, self.status, self.reason = verb, qpn, status, reason
-        super().__init__(f"{verb} on QP {qpn:#x} failed: {reason} ({status})")
+    A flushed work request (its QP had already failed) names the error that moved the QP to ERR: `root` holds it
+    (also chained as `__cause__`), so the first failure is what the user reads, even when it hit an unsignaled
+    work request nobody awaited."""
+
+    def __init__(self, verb: str, qpn: int, status: int, reason: str, root: BaseException | None = None) -> None:
+        self.verb, self.qpn, self.status, self.reason, self.root = verb, qpn, status, reason, root
+        message = f"{verb} on QP {qpn:#x} failed: {reason} ({status})"
+        if root is not None:
+            message = f"{verb} on QP {qpn:#x} was flushed ({reason}) because the QP failed earlier: {root}"
+        super().__init__(message)
+        self.__cause__ = root
 
     @property
     def flushed(self) -> bool:

@@ -20,7 +20,7 @@ import anyio
 
 from . import __version__
 from .autogen import bnxt
-from .errors import DeviceLostError, FirmwareError, FirmwareTimeoutError
+from .errors import ClosedError, DeviceLostError, FirmwareError, FirmwareTimeoutError
 from .pci import PAGE_SIZE, PCI_VENDOR_ID, DmaBuffer, PCIDevice
 from .rings import Ring, doorbell, page_table
 
@@ -126,7 +126,8 @@ class Device:
         self.events: collections.deque[DeviceEvent] = collections.deque(maxlen=256)
         self._teardown: list[tuple[str, Callable[[], Any]]] = []  # firmware objects, freed in reverse order
         self.objects: dict[int, Any] = {}  # live verbs objects (CQs, QPs, MRs) by id()
-        self._closed = False
+        self._closing = False  # close() started: the public API refuses, teardown still runs commands
+        self._creq_reader = False  # a task is serving the CREQ (only one may wait on its interrupt fd)
         self.fw_version = self.hwrm_version = self.mac = ""
         self.port_id = self.db_offset = 0
         self.gid_index = -1
@@ -138,7 +139,12 @@ class Device:
         """Run HWRM command `name` (e.g. "func_qcaps") with the given input fields; return its output structure.
 
         `command_timeout` (seconds) overrides the channel's default; it is not called `timeout` because firmware
-        structures have fields of that name."""
+        structures have fields of that name. Once posted, a command is waited for even if the caller is cancelled
+        (bounded by the timeout), so a cancelled allocation never leaves an object the driver does not know of."""
+        self.check_open()
+        return await self._hwrm(name, command_timeout=command_timeout, **fields)
+
+    async def _hwrm(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
         request_type, response_type, opcode = _hwrm_types(name)
         request = build(request_type, f"HWRM {name}", fields, HWRM_HEADER)
         async with self._hwrm_lock:
@@ -173,7 +179,7 @@ class Device:
     async def _wait(self, ready: Callable[[], bool], fd: int | None, timeout: float, what: str) -> None:
         """Sleep on an interrupt fd until `ready()`; memory is re-checked on every wake and every SAFETY_POLL."""
         try:
-            with anyio.fail_after(timeout):
+            with anyio.CancelScope(shield=True), anyio.fail_after(timeout):
                 while not ready():
                     self._check_alive()
                     await wait_for_interrupt(fd, SAFETY_POLL)
@@ -183,11 +189,16 @@ class Device:
 
     # -- RCFW: many commands in flight, matched by cookie ------------------------------------------------------------
     async def rcfw(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
-        """Run RoCE firmware command `name` (e.g. "create_qp"); return the side-buffer result or the CREQ reply."""
+        """Run RoCE firmware command `name` (e.g. "create_qp"); return the side-buffer result or the CREQ reply.
+
+        Like `hwrm`, a posted command is waited for even if the caller is cancelled (bounded by the timeout)."""
+        self.check_open()
+        return await self._rcfw(name, command_timeout=command_timeout, **fields)
+
+    async def _rcfw(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
         request_type, response_type, side_type, opcode = _rcfw_types(name)
         request = build(request_type, f"RCFW {name}", fields, CMDQ_HEADER)
         slots = -(-ctypes.sizeof(request_type) // CMDQ_SLOT)
-        side: DmaBuffer | None = self.pci.alloc_dma(ctypes.sizeof(side_type)) if side_type else None
         timeout = command_timeout or self.rcfw_timeout
         try:
             with anyio.fail_after(timeout):
@@ -197,15 +208,23 @@ class Device:
         except TimeoutError:
             raise FirmwareTimeoutError(f"RCFW {name}: no command queue space within {timeout:g} s") from None
         self._check_alive()
+        side: DmaBuffer | None = self.pci.alloc_dma(ctypes.sizeof(side_type)) if side_type else None
         cookie = self._next_cookie()
         request.opcode, request.cmd_size, request.cookie = opcode, slots, cookie
         if side is not None:
             request.resp_addr, request.resp_size = side.bus_addr, -(-ctypes.sizeof(side_type) // CMDQ_SLOT)
         pending = self._pending[cookie] = _Pending(name, slots)
         self._post_command(bytes(request).ljust(slots * CMDQ_SLOT, b"\0"))
-        with anyio.move_on_after(timeout):
-            await pending.done.wait()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            while pending.entry is None and pending.error is None:
+                if self._creq_reader:
+                    await pending.done.wait()
+                    pending.done = anyio.Event()  # woken because the reader left: look again
+                else:  # no reader (its task was cancelled, or none started yet): serve the CREQ until answered
+                    await self._serve_creq(until=pending)
         if pending.error is not None:
+            if side is not None:
+                side.free()
             raise pending.error
         if pending.entry is None:  # the side buffer stays allocated: a late answer may still be DMA'd into it
             self._pending.pop(cookie, None)
@@ -244,14 +263,30 @@ class Device:
         self._cmdq_space.set()
         self._cmdq_space = anyio.Event()
 
-    async def _serve_creq(self) -> None:
-        """The one task that reads the CREQ: replies go to their waiters by cookie, events to their handlers."""
+    async def _creq_service(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """The NIC's background CREQ reader (also delivers asynchronous events while no command waits)."""
+        self._creq_reader = True  # before started(): no command can find the CREQ unserved and read it too
+        task_status.started()
+        await self._serve_creq()
+
+    async def _serve_creq(self, until: _Pending | None = None) -> None:
+        """Read the CREQ: replies go to their waiters by cookie, events to their handlers.
+
+        One task at a time may do this (it waits on the CREQ's interrupt fd): the NIC's background reader, or, while
+        there is none, a command waiting for its own reply (`until`). Whoever leaves wakes the waiters, so another
+        takes over."""
         fd = self._irq[CREQ_VECTOR]
-        while True:
-            self._drain_creq()
-            await wait_for_interrupt(fd, SAFETY_POLL * 4)
-            if self._lost:
-                return
+        self._creq_reader = True
+        try:
+            while until is None or until.entry is None:
+                self._drain_creq()
+                if self._lost or (until is not None and until.entry is not None):
+                    return
+                await wait_for_interrupt(fd, SAFETY_POLL * 4)
+        finally:
+            self._creq_reader = False
+            for waiter in self._pending.values():
+                waiter.done.set()
 
     def _drain_creq(self) -> None:
         creq, view = self._creq, self._creq.view
@@ -320,6 +355,13 @@ class Device:
         if self._lost is not None:
             raise self._lost
 
+    def check_open(self) -> None:
+        """Raise at once if the NIC is lost (DeviceLostError) or closed (ClosedError): the public API's guard."""
+        if self._lost is not None:
+            raise self._lost
+        if self._closing:
+            raise ClosedError(f"{self.pci.address} is closed")
+
     async def _watch_removal(self) -> None:
         fd = self.pci.removal_fd()
         while self._lost is None:
@@ -340,6 +382,8 @@ class Device:
             pending.done.set()
         self._pending.clear()
         self._signal_space()
+        for obj in list(self.objects.values()):  # work in flight fails now; new work raises at once
+            obj._device_lost(error)
         for fd in self._irq:  # wake every interrupt waiter so it notices
             if fd is not None:
                 os.eventfd_write(fd, 1)
@@ -372,7 +416,7 @@ class Device:
                         | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER, os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
                         **dict(zip(("ver_maj_8b", "ver_min_8b", "ver_upd_8b"),
                                    (int(x) for x in __version__.split(".")))))
-        self._on_close("HWRM func_drv_unrgtr", lambda: self.hwrm("func_drv_unrgtr"))
+        self._on_close("HWRM func_drv_unrgtr", lambda: self._hwrm("func_drv_unrgtr"))
         qcfg = await self.hwrm("func_qcfg", fid=0xFFFF)
         self.db_offset = -(-qcfg.legacy_l2_db_size_kb * 1024 // PAGE_SIZE) * PAGE_SIZE
         await self._configure_backing_store()
@@ -381,7 +425,7 @@ class Device:
         gid = await self.rcfw("add_gid", gid=_gid_words(self.gid), src_mac=_mac_words(bytes.fromhex(
             self.mac.replace(":", ""))))
         self.gid_index = gid.xid
-        self._on_close("RCFW delete_gid", lambda: self.rcfw("delete_gid", gid_index=self.gid_index))
+        self._on_close("RCFW delete_gid", lambda: self._rcfw("delete_gid", gid_index=self.gid_index))
         log.info("%s: booted fw %s mac %s gid %s", self.pci.address, self.fw_version, self.mac, self.ip)
 
     def _on_close(self, what: str, action: Callable[[], Any]) -> None:
@@ -425,7 +469,7 @@ class Device:
                               cmdq_size_cmdq_lvl=(CMDQ_DEPTH << bnxt.CMDQ_INIT_CMDQ_SIZE_SFT)
                               & bnxt.CMDQ_INIT_CMDQ_SIZE_MASK | self._cmdq.level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK)
         self.bar0.write_block(bnxt.RCFW_COMM_BASE_OFFSET, bytes(init))
-        task_group.start_soon(self._serve_creq)
+        await task_group.start(self._creq_service)
 
         function = await self.rcfw("query_func")
         self.hw_retransmit = bool(function.dev_cap_ext_flags_2 & HOST_MSN_TABLE)
@@ -437,10 +481,10 @@ class Device:
         stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr, stats_dma_length=176,
                                update_period_ms=1000, stat_ctx_flags=bnxt.STAT_CTX_ALLOC_REQ_STAT_CTX_FLAGS_ROCE)
         self._stat_ctx_id = stat.stat_ctx_id
-        self._on_close("HWRM stat_ctx_free", lambda: self.hwrm("stat_ctx_free", stat_ctx_id=self._stat_ctx_id))
+        self._on_close("HWRM stat_ctx_free", lambda: self._hwrm("stat_ctx_free", stat_ctx_id=self._stat_ctx_id))
         flags = bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED if self.hw_retransmit else 0
         await self.rcfw("initialize_fw", stat_ctx_id=self._stat_ctx_id, log2_dbr_pg_size=0, flags=flags)
-        self._on_close("RCFW deinitialize_fw", lambda: self.rcfw("deinitialize_fw"))
+        self._on_close("RCFW deinitialize_fw", lambda: self._rcfw("deinitialize_fw"))
         self.nq = Ring(self.pci, NQ_DEPTH, 16)
         self.nq_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, self.nq, NQ_VECTOR)
 
@@ -454,7 +498,7 @@ class Device:
 
     async def _free_ring(self, ring_type: int, ring_id: int, ring: Ring) -> None:
         try:
-            await self.hwrm("ring_free", ring_type=ring_type, ring_id=ring_id)
+            await self._hwrm("ring_free", ring_type=ring_type, ring_id=ring_id)
         finally:
             ring.free()
 
@@ -469,7 +513,7 @@ class Device:
                                        enables=nq_enable | bnxt.RING_ALLOC_REQ_ENABLES_RX_BUF_SIZE_VALID,
                                        nq_ring_id=self.nq_id)
         vnic = (await self.hwrm("vnic_alloc")).vnic_id
-        self._on_close("HWRM vnic_free", lambda: self.hwrm("vnic_free", vnic_id=vnic))
+        self._on_close("HWRM vnic_free", lambda: self._hwrm("vnic_free", vnic_id=vnic))
         await self.hwrm("vnic_cfg", vnic_id=vnic, mru=9018, default_rx_ring_id=rx_id, default_cmpl_ring_id=cmpl_id,
                         enables=bnxt.VNIC_CFG_REQ_ENABLES_MRU | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_RX_RING_ID
                         | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_CMPL_RING_ID)
@@ -480,7 +524,7 @@ class Device:
             enables=bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR_MASK
             | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID)
         filter_id = l2_filter.l2_filter_id
-        self._on_close("HWRM cfa_l2_filter_free", lambda: self.hwrm("cfa_l2_filter_free", l2_filter_id=filter_id))
+        self._on_close("HWRM cfa_l2_filter_free", lambda: self._hwrm("cfa_l2_filter_free", l2_filter_id=filter_id))
 
     async def set_loopback(self, mode: int) -> None:
         """PHY loopback: bnxt PORT_PHY_CFG_REQ_LPBK_NONE / _LOCAL / _REMOTE / _EXTERNAL."""
@@ -488,10 +532,16 @@ class Device:
 
     # -- close -----------------------------------------------------------------------------------------------------
     async def close(self) -> None:
-        """Free every firmware object in reverse order of creation; memory is freed even when the firmware is gone."""
-        if self._closed:
+        """Free every firmware object in reverse order of creation; memory is freed even when the firmware is gone.
+
+        From the first call on, the public API raises ClosedError. It works without the NIC's background tasks (a
+        cancelled block has lost them): each command then reads its own reply."""
+        if self._closing:
             return
-        self._closed = True
+        self._closing = True
+        await self._teardown_all()
+
+    async def _teardown_all(self) -> None:
         failures = []
         while self._teardown:
             what, action = self._teardown.pop()

@@ -2,22 +2,30 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
 import socket
+import sys
 from typing import Any, AsyncIterator
 
 import anyio
+import anyio.lowlevel
 
 from .device import Device, log
+from .errors import ClosedError
 from .pci import DmaBuffer, PCIDevice, PCIError, SysfsPCIDevice
 from .poller import Poller
-from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair
+from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair, check_range
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 _sim_numbers = itertools.count()
 _loopback_hosts = itertools.count(2)
 ROCE_PORT = 4791
+CLOSE_TIMEOUT = 10.0  # seconds a close may spend on the firmware before it leaves the rest to the device's reset
 
 
 def free_loopback_ip() -> str:
@@ -42,7 +50,10 @@ class NIC(Device):
         task_group.start_soon(self.poller.run)
 
     async def create_cq(self, depth: int = 4096) -> CompletionQueue:
-        cq = CompletionQueue(self, depth)
+        """A CQ with room for at least `depth` completions (rounded up to a power of two)."""
+        self.check_open()
+        check_range("depth", depth, 1, self.caps.get("max_cqe") or 1 << 22)
+        cq = CompletionQueue(self, 1 << (depth - 1).bit_length())
         await cq._create()
         self.poller.add(cq)
         return cq
@@ -51,32 +62,50 @@ class NIC(Device):
                         recv_cq: CompletionQueue | None = None, sq_depth: int = 128, rq_depth: int = 128,
                         max_send_sge: int = 1, max_recv_sge: int = 1) -> QueuePair:
         """An RC QP in INIT. Pass one `cq` for both directions, or `send_cq` and `recv_cq`."""
+        self.check_open()
         send_cq, recv_cq = send_cq or cq, recv_cq or cq
         if send_cq is None or recv_cq is None:
             raise ValueError("create_qp needs a completion queue: cq=, or send_cq= and recv_cq=")
+        for queue in (send_cq, recv_cq):
+            if queue.device is not self:
+                raise ValueError(f"CQ {queue.id:#x} belongs to {queue.device.pci.address}, not {self.pci.address}")
+            if queue.closed:
+                raise ClosedError(f"CQ {queue.id:#x} was destroyed")
+        max_wr, max_sge = self.caps.get("max_qp_wr") or 0xFFFF, self.caps.get("max_sge") or 6
+        check_range("sq_depth", sq_depth, 1, max_wr)
+        check_range("rq_depth", rq_depth, 1, max_wr)
+        check_range("max_send_sge", max_send_sge, 1, max_sge)
+        check_range("max_recv_sge", max_recv_sge, 1, max_sge)
         qp = QueuePair(self, send_cq, recv_cq, sq_depth=sq_depth, rq_depth=rq_depth, max_send_sge=max_send_sge,
                        max_recv_sge=max_recv_sge)
         await qp._create()
-        await qp.to_init()
+        try:
+            await qp.to_init()
+        except BaseException:  # cancelled or refused: the caller never gets the QP, so it must not outlive this
+            with anyio.CancelScope(shield=True):
+                await qp.destroy()
+            raise
         return qp
 
     async def register_mr(self, memory: DmaBuffer | int, access: Access = ALL_ACCESS) -> MemoryRegion:
-        """Register `memory` (a DMA buffer, or a size to allocate) for local and remote access."""
+        """Register `memory` (a DMA buffer, or a size in bytes to allocate) for local and remote access."""
+        self.check_open()
         owned = isinstance(memory, int)
+        if owned:
+            check_range("size", memory, 1, self.caps.get("max_mr_size") or 1 << 40)
         mr = MemoryRegion(self, self.pci.alloc_dma(memory) if owned else memory, access, owns_buffer=owned)
         await mr._register()
         return mr
 
-    async def close(self) -> None:
-        # QPs first (they hold CQs), then the rest, newest first
+    async def _teardown_all(self) -> None:
+        # QPs first (they hold CQs), then the rest, newest first; then the device's own objects
         for obj in sorted(reversed(list(self.objects.values())), key=lambda o: not isinstance(o, QueuePair)):
             try:
-                if self.alive:
-                    await (obj.destroy() if isinstance(obj, (QueuePair, CompletionQueue)) else obj.deregister())
+                await (obj.destroy() if isinstance(obj, (QueuePair, CompletionQueue)) else obj.deregister())
             except Exception as exc:  # still close the rest
                 log.warning("%s: close: %s", self.pci.address, exc)
         self.objects.clear()
-        await super().close()
+        await super()._teardown_all()
 
     def info(self) -> dict[str, Any]:
         return {"nic": self.pci.address, "fw_version": self.fw_version, "hwrm_version": self.hwrm_version,
@@ -105,26 +134,72 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
                    **options: Any) -> AsyncIterator[NIC]:
     """Boot the NIC named by `spec` and close it (freeing every firmware object) when the block exits.
 
-    `ip` is the NIC's IPv4 address (its GID is ::ffff:ip); an emulated NIC without one gets a free 127.0.0.x.
+    `ip` is the NIC's IPv4 address (its GID is ::ffff:ip); an emulated NIC without one picks a free 127.0.0.x.
     Extra `options` configure an emulated NIC: `fw_latency_us`, `transport` ("udp" or "raw"), `loss`, `dup`,
-    `reorder`, `corrupt`, `seed` (wire faults) and `pcap` (a file to write every packet to).
+    `reorder`, `corrupt`, `seed` (wire faults), `pcap` (a file to write every packet to) and `netns` (a network
+    namespace to run in).
+
+    An exception raised in the block leaves it as itself. The close runs even when the block is cancelled from
+    outside, shielded and bounded (CLOSE_TIMEOUT); whatever it could not free goes with the emulator process.
     """
     if spec.startswith("sim"):
-        ip = ip or free_loopback_ip()
-        options["ip"] = ip  # the emulated NIC owns this address on the wire
+        ip = options["ip"] = ip or free_loopback_ip()
     elif ip is None and PCI_ADDRESS.fullmatch(spec):
         raise PCIError(f"{spec}: give the NIC's IPv4 address (ip=...)")
-    pci = await anyio.to_thread.run_sync(lambda: open_pci(spec, **options))
+    pci = await _start(spec, options)
     try:
-        async with anyio.create_task_group() as tasks:
-            nic = NIC(pci, ip, **({"hwrm_timeout": hwrm_timeout} if hwrm_timeout else {}))
-            try:
-                await nic.boot(tasks)
-                yield nic
-            finally:
-                with anyio.CancelScope(shield=True):
-                    with anyio.move_on_after(30):
-                        await nic.close()
-                tasks.cancel_scope.cancel()
-    finally:
+        nic = NIC(pci, getattr(pci, "ip", None) or ip, **({"hwrm_timeout": hwrm_timeout} if hwrm_timeout else {}))
+    except BaseException:
         pci.close()
+        raise
+    try:
+        error: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as services:  # the CREQ reader, the poller, the removal watch
+                try:
+                    await nic.boot(services)
+                    yield nic
+                finally:
+                    services.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the task group is ours, not the caller's: unwrap what it wrapped
+            error = _sole_error(group)
+            if error is None:
+                raise
+        if error is not None:
+            raise error
+    finally:
+        try:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+                await nic.close()
+        finally:
+            pci.close()
+
+
+async def _start(spec: str, options: dict[str, Any]) -> PCIDevice:
+    """Open the seam in a worker thread (an emulator takes ~0.1 s to start). A cancel that arrives meanwhile is
+    delivered after the device is open, so it is closed again rather than lost with its process and memory."""
+    with anyio.CancelScope(shield=True):
+        pci = await anyio.to_thread.run_sync(functools.partial(open_pci, spec, **options))
+    try:
+        await anyio.lowlevel.checkpoint()
+    except BaseException:
+        pci.close()
+        raise
+    return pci
+
+
+def _sole_error(group: BaseExceptionGroup) -> BaseException | None:
+    """The one exception in `group` that is not a cancellation (or the one cancellation), else None."""
+    leaves: list[BaseException] = []
+
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        else:
+            leaves.append(error)
+
+    collect(group)
+    cancelled = anyio.get_cancelled_exc_class()
+    errors = [leaf for leaf in leaves if not isinstance(leaf, cancelled)] or leaves
+    return errors[0] if len(errors) == 1 else None

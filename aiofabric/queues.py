@@ -20,6 +20,7 @@ from .autogen import bnxt
 from .completions import (RECV_FLUSHED, RECV_STATUSES, SEND_FLUSHED, SEND_STATUSES, Completion, CompletionError,
                           finished)
 from .device import Device, DeviceEvent, log
+from .errors import ClosedError, FabricError, status_names
 from .pci import DmaBuffer
 from .rings import Ring, doorbell, page_table
 
@@ -42,6 +43,8 @@ PATH_MTUS = {256: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_256, 512: bnxt.CMDQ_MODIFY_QP
              1024: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_1024, 2048: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_2048,
              4096: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_4096}
 _handles = itertools.count(1)
+QP_ERROR_REASONS = {"req_err_state_reason": status_names("CREQ_QP_ERROR_NOTIFICATION_REQ_ERR_STATE_REASON_"),
+                    "res_err_state_reason": status_names("CREQ_QP_ERROR_NOTIFICATION_RES_ERR_STATE_REASON_")}
 
 
 class Access(enum.IntFlag):
@@ -72,6 +75,9 @@ class QPState(enum.IntEnum):
     SQD = bnxt.CMDQ_MODIFY_QP_NEW_STATE_SQD
     SQE = bnxt.CMDQ_MODIFY_QP_NEW_STATE_SQE
     ERR = bnxt.CMDQ_MODIFY_QP_NEW_STATE_ERR
+
+
+RECV_STATES = frozenset((QPState.INIT, QPState.RTR, QPState.RTS))  # where ibverbs accepts receives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +133,7 @@ class CompletionQueue:
         self.device, self.depth, self.handle = device, depth, next(_handles)
         self.ring = Ring(device.pci, depth, CQE_SIZE)
         self.id = -1
+        self.closed = False
         self.errors: list[DeviceEvent] = []
         self.qps: dict[int, QueuePair] = {}  # by qp_handle, as CQEs name them
         self.outstanding = 0  # work requests whose completion lands here
@@ -141,7 +148,7 @@ class CompletionQueue:
         except BaseException:
             self.ring.free()
             raise
-        self.id = reply.xid
+        self.id = reply.xid  # no checkpoint from the reply to here: a cancelled create still registers the CQ
         self.device.route_events("cq_error", self.id, self.errors.append)
         self.device.objects[id(self)] = self
 
@@ -189,16 +196,22 @@ class CompletionQueue:
         for qp in list(self.qps.values()):
             qp._fail_outstanding(error)
 
+    def _device_lost(self, error: BaseException) -> None:
+        self.fail_all(error)
+
     async def destroy(self) -> None:
-        if self.id < 0:
+        """DESTROY_CQ and free the ring; the firmware refuses while QPs still use the CQ (FirmwareError)."""
+        if self.closed:
             return
-        await self.device.rcfw("destroy_cq", cq_cid=self.id)
+        if self.device.alive:
+            await self.device._rcfw("destroy_cq", cq_cid=self.id)
+        self.closed = True
         self.device.route_events("cq_error", self.id, None)
         poller = getattr(self.device, "poller", None)
         if poller is not None:
             poller.remove(self)
         self.device.objects.pop(id(self), None)
-        self.id = -1
+        self.fail_all(ClosedError(f"CQ {self.id:#x} was destroyed"))
         self.ring.free()
 
 
@@ -222,6 +235,8 @@ class QueuePair:
         self.read_queues: list[DmaBuffer] = [device.pci.alloc_dma(0x1000), device.pci.alloc_dma(0x1000)]
         self.qpn = -1
         self.state = QPState.RESET
+        self.closed = False
+        self.error: BaseException | None = None  # what moved the QP to ERR; flushed work requests name it
         self.psn = random.getrandbits(24)  # like perftest: a random initial PSN per QP
         self.mtu = 1024
         self.errors: list[DeviceEvent] = []
@@ -253,7 +268,7 @@ class QueuePair:
         except BaseException:
             self._free_memory()
             raise
-        self.qpn = reply.xid
+        self.qpn = reply.xid  # no checkpoint from the reply to here: a cancelled create still registers the QP
         self.device.route_events("qp_error", self.qpn, self._on_error)
         self.device.objects[id(self)] = self
         self.send_cq.qps[self.handle] = self
@@ -262,6 +277,10 @@ class QueuePair:
     def _on_error(self, event: DeviceEvent) -> None:
         """QP error notification: completions already written are delivered first, the rest are flushed."""
         self.errors.append(event)
+        if self.error is None:
+            reasons = ", ".join(f"{name}={QP_ERROR_REASONS[name].get(value, value)}"
+                                for name, value in event.detail.items() if name in QP_ERROR_REASONS and value)
+            self.error = FabricError(f"QP {self.qpn:#x} moved to ERR by the firmware ({reasons or 'no reason given'})")
         self._enter_error()
 
     def _enter_error(self) -> None:
@@ -270,8 +289,20 @@ class QueuePair:
         self.recv_cq.poll()
         self._flush()
 
+    def _failed(self, error: CompletionError) -> None:
+        """A work request failed with a real (non-flush) status: the QP is in ERR, everything after it flushes."""
+        if self.error is None:
+            self.error = error
+        self.state = QPState.ERR
+        self._flush()
+
     def _flush(self) -> None:
         self._fail_outstanding(None)
+
+    def _flushed(self, verb: str) -> CompletionError:
+        if verb == "recv":
+            return CompletionError(verb, self.qpn, RECV_FLUSHED, RECV_STATUSES[RECV_FLUSHED], self.error)
+        return CompletionError(verb, self.qpn, SEND_FLUSHED, SEND_STATUSES[SEND_FLUSHED], self.error)
 
     def _fail_outstanding(self, error: BaseException | None) -> None:
         """Complete every outstanding work request with `error` (None: the verbs FLUSHED status)."""
@@ -279,13 +310,29 @@ class QueuePair:
             work = self.pending.popleft()
             self.sq_consumer += work.slots
             self.send_cq.outstanding -= 1
-            work.completion.finish(error or CompletionError(work.completion.verb, self.qpn, SEND_FLUSHED,
-                                                            SEND_STATUSES[SEND_FLUSHED]))
+            work.completion.finish(error or self._flushed(work.completion.verb))
         while self.receives:
             _, completion = self.receives.popleft()
             self.recv_cq.outstanding -= 1
-            completion.finish(error or CompletionError("recv", self.qpn, RECV_FLUSHED, RECV_STATUSES[RECV_FLUSHED]))
+            completion.finish(error or self._flushed("recv"))
         self._wake_posters()
+
+    def _device_lost(self, error: BaseException) -> None:
+        self.state = QPState.ERR  # the post paths' slow branch raises the loss
+        self._fail_outstanding(error)
+
+    def _refuse(self, verb: str) -> None:
+        """Raise if the QP cannot be used at all: the device is lost, or the QP is destroyed."""
+        self.device._check_alive()
+        if self.closed:
+            raise ClosedError(f"{verb} on QP {self.qpn:#x}: the QP was destroyed")
+
+    def _refused(self, verb: str, hint: str) -> Completion:
+        """The slow branch of posting to a QP in the wrong state: raise, or complete at once as flushed (ERR)."""
+        self._refuse(verb)
+        if self.state is QPState.ERR:
+            return finished(verb, self._flushed(verb))
+        raise RuntimeError(f"{verb} on QP {self.qpn:#x} in state {self.state.name}: {hint}")
 
     def _wake_posters(self) -> None:
         if self._space_waiters:  # an event per wake-up only when someone waits: this runs once per CQE
@@ -297,6 +344,7 @@ class QueuePair:
 
     async def modify(self, state: QPState, mask: int = 0, **fields: Any) -> None:
         """MODIFY_QP to `state`; `mask` selects which of `fields` the firmware applies (CMDQ_MODIFY_QP_MODIFY_MASK_*)."""
+        self._refuse("modify")
         await self.device.rcfw(
             "modify_qp", qp_cid=self.qpn, qp_type=bnxt.CMDQ_MODIFY_QP_QP_TYPE_RC,
             modify_mask=mask | bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_STATE,
@@ -312,9 +360,17 @@ class QueuePair:
 
     async def connect(self, peer: QPInfo, *, mtu: int = 1024, timeout: int = 14, retry_cnt: int = 7,
                       rnr_retry: int = 7, min_rnr_timer: int = 12, max_rd_atomic: int = 16) -> None:
-        """INIT (if needed) → RTR → RTS towards `peer`. Defaults follow perftest (timeout 14 ≈ 67 ms, retries 7)."""
+        """INIT (if needed) → RTR → RTS towards `peer`. Defaults follow perftest (timeout 14 ≈ 67 ms, retries 7).
+
+        `timeout` is the local ACK timeout exponent (4.096 us * 2^timeout; 0 waits forever), `retry_cnt` and
+        `rnr_retry` count retransmissions (rnr_retry 7 retries forever), `min_rnr_timer` is the IB RNR timer code."""
         if mtu not in PATH_MTUS:
             raise ValueError(f"path MTU must be one of {sorted(PATH_MTUS)}, not {mtu}")
+        check_range("timeout", timeout, 0, 31)
+        check_range("retry_cnt", retry_cnt, 0, 7)
+        check_range("rnr_retry", rnr_retry, 0, 7)
+        check_range("min_rnr_timer", min_rnr_timer, 0, 31)
+        check_range("max_rd_atomic", max_rd_atomic, 1, self.device.caps.get("max_qp_rd_atom") or 255)
         if self.state == QPState.RESET:
             await self.to_init()
         m = bnxt
@@ -362,6 +418,7 @@ class QueuePair:
                                   imm: int, size: int | None = None, *, local_offset: int = 0,
                                   remote_offset: int = 0, signaled: bool = True) -> Completion:
         """RDMA WRITE with immediate: the data lands at `remote`, `imm` completes a receive at the peer."""
+        check_range("imm", imm, 0, 0xFFFFFFFF)
         size, sge = _local(local, local_offset, size)
         addr, rkey = _remote(remote, remote_offset, size)
         return await self._post("write_with_imm", bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_W_IMMEAD, sge, size, addr, rkey,
@@ -378,6 +435,8 @@ class QueuePair:
     async def post_send(self, local: MemoryRegion | LocalBuffer, size: int | None = None, *, local_offset: int = 0,
                         imm: int | None = None, signaled: bool = True) -> Completion:
         """Post a SEND (with immediate if `imm` is given) into the peer's next posted receive."""
+        if imm is not None:
+            check_range("imm", imm, 0, 0xFFFFFFFF)
         size, sge = _local(local, local_offset, size)
         kind = bnxt.SQ_SEND_HDR_WQE_TYPE_SEND if imm is None else bnxt.SQ_SEND_HDR_WQE_TYPE_SEND_W_IMMEAD
         return await self._post("send", kind, sge, size, 0, 0, imm or 0, signaled)
@@ -386,10 +445,10 @@ class QueuePair:
                         local_offset: int = 0) -> Completion:
         """Post a receive buffer; its completion carries `byte_len` and `imm`."""
         size, sge = _local(local, local_offset, size)
-        if self.state == QPState.ERR:
-            return finished("recv", CompletionError("recv", self.qpn, RECV_FLUSHED, RECV_STATUSES[RECV_FLUSHED]))
-        while len(self.receives) >= self.rq.depth:
-            await self._wait_for_space()
+        while self.state not in RECV_STATES or len(self.receives) >= self.rq.depth:
+            if self.state not in RECV_STATES:
+                return self._refused("recv", "receives need INIT, RTR or RTS")
+            await self._wait_for_space("recv")
         tag = self.rq_producer & 0xFFFFF
         wqe = RECV_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.rq_wqe_size // SQ_SLOT, tag)
         if sge is not None:
@@ -426,13 +485,11 @@ class QueuePair:
                     rkey: int, imm: int, signaled: bool) -> Completion:
         """Write one WQE (header + at most one SGE) at the SQ producer, its MSN entry after the ring, and ring
         the doorbell unless batching. This is the per-operation hot path: keep it lean."""
-        if self.state is not QPState.RTS:
-            if self.state is QPState.ERR:
-                return finished(verb, CompletionError(verb, self.qpn, SEND_FLUSHED, SEND_STATUSES[SEND_FLUSHED]))
-            raise RuntimeError(f"{verb} on QP {self.qpn:#x} in state {self.state.name}: connect() it first")
         slots = 2 if sge is None else 3
-        while self.sq_slots - (self.sq_producer - self.sq_consumer) < slots:
-            await self._wait_for_space()
+        while self.state is not QPState.RTS or self.sq_slots - (self.sq_producer - self.sq_consumer) < slots:
+            if self.state is not QPState.RTS:
+                return self._refused(verb, "connect() it first")
+            await self._wait_for_space(verb)
         if signaled or self.unsignaled_run >= self.max_unsignaled:
             self.unsignaled_run, flags = 0, SIGNAL_COMP
         else:
@@ -476,16 +533,16 @@ class QueuePair:
         self.device.doorbells.write64(self.device.db_offset, doorbell(
             self.qpn, bnxt.DBC_DBC_TYPE_SQ, self.sq_producer & (self.sq_slots - 1), self.sq.epoch(self.sq_producer)))
 
-    async def _wait_for_space(self) -> None:
+    async def _wait_for_space(self, verb: str) -> None:
         if self._doorbell_due:
             self._ring_sq()  # the WQEs we wait on must reach the NIC first
-        self.device._check_alive()
+        self._refuse(verb)
         self._space_waiters += 1
         try:
             await self._space.wait()
         finally:
             self._space_waiters -= 1
-        self.device._check_alive()
+        self._refuse(verb)
 
     def _send_completed(self, consumer: int, status: int) -> None:
         """A requester CQE: every WQE before `consumer` (WQE units, mod 2^16) is done; the last one has `status`."""
@@ -499,11 +556,12 @@ class QueuePair:
             self.sq_consumer += work.slots
             self.send_cq.outstanding -= 1
             if distance == 1 and status:
-                work.completion.finish(CompletionError(work.completion.verb, self.qpn, status,
-                                                       SEND_STATUSES.get(status, "UNKNOWN")))
-                if status != SEND_FLUSHED:
-                    self.state = QPState.ERR
-                    self._flush()
+                if status == SEND_FLUSHED:
+                    work.completion.finish(self._flushed(work.completion.verb))
+                else:
+                    error = CompletionError(work.completion.verb, self.qpn, status, SEND_STATUSES.get(status, "UNKNOWN"))
+                    work.completion.finish(error)
+                    self._failed(error)
             else:
                 work.completion.finish()
         self._wake_posters()
@@ -515,29 +573,41 @@ class QueuePair:
         self.recv_cq.outstanding -= 1
         if tag != wr_id & 0xFFFFF:
             log.warning("QP %#x: receive completion for wr_id %#x, expected %#x", self.qpn, wr_id, tag)
-        if status:
-            completion.finish(CompletionError("recv", self.qpn, status, RECV_STATUSES.get(status, "UNKNOWN")))
-            if status != RECV_FLUSHED:
-                self.state = QPState.ERR
-                self._flush()
+        if status == RECV_FLUSHED:
+            completion.finish(self._flushed("recv"))
+        elif status:
+            error = CompletionError("recv", self.qpn, status, RECV_STATUSES.get(status, "UNKNOWN"))
+            completion.finish(error)
+            self._failed(error)
         else:
             completion.finish(None, length, imm)
         self._wake_posters()
 
     async def query(self) -> Any:
         """QUERY_QP: the firmware's view of this QP (creq_query_qp_resp_sb)."""
+        self._refuse("query")
         return await self.device.rcfw("query_qp", qp_cid=self.qpn)
 
     async def destroy(self) -> None:
-        if self.qpn < 0:
+        """DESTROY_QP, then fail what is still outstanding with ClosedError and free the rings. From the first call
+        on, every use of the QP raises ClosedError; its memory is freed only once the firmware let go of it."""
+        if self.closed:
             return
-        await self.device.rcfw("destroy_qp", qp_cid=self.qpn)
+        self.closed, state = True, self.state
+        self.state = QPState.RESET  # the post paths' slow branch raises ClosedError
+        if self.device.alive:
+            try:
+                await self.device._rcfw("destroy_qp", qp_cid=self.qpn)
+            except FabricError:  # the firmware kept the QP: so do we
+                self.closed, self.state = False, state
+                raise
+            self.send_cq.poll()  # completions the NIC wrote before it let go are delivered as they are
+            self.recv_cq.poll()
         self.device.route_events("qp_error", self.qpn, None)
         self.device.objects.pop(id(self), None)
         self.send_cq.qps.pop(self.handle, None)
         self.recv_cq.qps.pop(self.handle, None)
-        self._fail_outstanding(None)
-        self.qpn = -1
+        self._fail_outstanding(ClosedError(f"QP {self.qpn:#x} was destroyed with this work request outstanding"))
         self._free_memory()
 
     def _free_memory(self) -> None:
@@ -555,6 +625,7 @@ class MemoryRegion:
         self.addr, self.length = buffer.bus_addr, buffer.size
         self.table = page_table(device.pci, buffer.bus_addrs, queue=False)
         self.lkey = self.rkey = -1
+        self.closed = False
 
     async def _register(self) -> None:
         try:
@@ -568,23 +639,35 @@ class MemoryRegion:
             if self.owns_buffer:
                 self.buffer.free()
             raise
-        self.lkey = self.rkey = reply.xid
+        self.lkey = self.rkey = reply.xid  # no checkpoint from the reply to here (see QueuePair._create)
         self.device.objects[id(self)] = self
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"memory region (lkey {self.lkey:#x}) was deregistered")
 
     @property
     def view(self) -> memoryview:
+        """The CPU's view of the region's memory (raises ClosedError once deregistered: it may be reused)."""
+        self._check_open()
         return self.buffer.view
 
     def remote(self, offset: int = 0, length: int | None = None) -> RemoteRegion:
         """How a peer names this region (send it over the out-of-band channel)."""
+        self._check_open()
         return RemoteRegion(self.addr + offset, self.rkey, self.length - offset if length is None else length)
 
+    def _device_lost(self, error: BaseException) -> None:
+        pass  # nothing in flight belongs to an MR
+
     async def deregister(self) -> None:
-        if self.lkey < 0:
+        """DEREGISTER_MR and free what the registration allocated; every later use raises ClosedError."""
+        if self.closed:
             return
-        await self.device.rcfw("deregister_mr", lkey=self.lkey)
+        self.closed = True
+        if self.device.alive:
+            await self.device._rcfw("deregister_mr", lkey=self.lkey)
         self.device.objects.pop(id(self), None)
-        self.lkey = self.rkey = -1
         self.table.free()
         if self.owns_buffer:
             self.buffer.free()
@@ -595,14 +678,20 @@ def _local(local: MemoryRegion | LocalBuffer, offset: int, size: int | None) -> 
     if size is None:
         size = local.length - offset
     if isinstance(local, MemoryRegion):
-        if local.lkey < 0:
-            raise ValueError("memory region is not registered")
+        local._check_open()
         if offset < 0 or size < 0 or offset + size > local.length:
             raise ValueError(f"{size} bytes at offset {offset} exceed the {local.length}-byte memory region")
     return size, ((local.addr + offset, local.lkey, size) if size else None)
 
 
 def _remote(remote: RemoteRegion | MemoryRegion, offset: int, size: int) -> tuple[int, int]:
+    if isinstance(remote, MemoryRegion):
+        remote._check_open()
     if remote.length is not None and (offset < 0 or offset + size > remote.length):
         raise ValueError(f"{size} bytes at remote offset {offset} exceed the {remote.length}-byte remote region")
     return remote.addr + offset, remote.rkey
+
+
+def check_range(name: str, value: int, low: int, high: int) -> None:
+    if not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], not {value!r}")

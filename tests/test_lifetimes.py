@@ -1,0 +1,324 @@
+"""Lifetimes, cancellation and errors: every object refuses use after close, nothing hangs, errors name the cause.
+
+Each test is the repro of a defect once seen on the real objects (issue 6), run on asyncio, uvloop and trio.
+"""
+import os
+import random
+import time
+
+import anyio
+import pytest
+
+from aiofabric import ClosedError, CompletionError, DeviceLostError, FirmwareError, QPInfo, QPState, open_nic
+
+pytestmark = pytest.mark.anyio
+
+
+def counts(nic):
+    return nic.pci.debug({"op": "objects"})["objects"]
+
+
+def unreachable(qp):
+    """A peer that never answers: the real NIC's GID and MAC, a QP number nobody owns (the responder drops it)."""
+    return QPInfo(0xFFFF00, qp.device.gid, qp.device.mac, 0)
+
+
+async def test_use_after_destroy_is_refused_and_never_touches_freed_memory():
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=256)
+        qp = await nic.create_qp(cq, sq_depth=16)
+        await qp.connect(unreachable(qp))
+        source = await nic.register_mr(8192)
+        pending = await qp.post_write(source, source, 64)  # no ACK will ever come
+        await qp.destroy()
+        with pytest.raises(ClosedError, match=f"QP {qp.qpn:#x} was destroyed"):
+            with anyio.fail_after(1):
+                await pending  # failed at destroy time, not left hanging
+        fresh = await nic.register_mr(1 << 20)  # first fit lands on the QP's freed rings
+        fresh.view[:] = b"\xa5" * len(fresh.view)
+        for post in (lambda: qp.post_write(source, source, 64), lambda: qp.post_send(source, 8),
+                     lambda: qp.post_read(source, source, 64), lambda: qp.post_recv(source, 64),
+                     lambda: qp.query(), lambda: qp.connect(unreachable(qp))):
+            with pytest.raises(ClosedError, match="destroyed"):
+                await post()
+        assert bytes(fresh.view) == b"\xa5" * len(fresh.view)  # nothing was written into the freed SQ
+        await qp.destroy()  # idempotent
+
+        await source.deregister()
+        with pytest.raises(ClosedError, match="deregistered"):
+            source.view
+        with pytest.raises(ClosedError, match="deregistered"):
+            source.remote()
+        other = await nic.create_qp(cq)
+        await other.connect(unreachable(other))
+        with pytest.raises(ClosedError, match="deregistered"):
+            await other.post_write(source, fresh, 64)
+        with pytest.raises(ClosedError, match="deregistered"):
+            await other.post_write(fresh, source, 64)
+        await other.destroy()
+        await cq.destroy()
+        with pytest.raises(ClosedError, match="destroyed"):
+            await nic.create_qp(cq)
+        assert {k: counts(nic)[k] for k in ("qps", "cqs", "mrs")} == {"qps": 0, "cqs": 0, "mrs": 1}
+
+
+async def test_a_poster_waiting_for_space_learns_of_destroy():
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=256)
+        qp = await nic.create_qp(cq, sq_depth=4)
+        await qp.connect(unreachable(qp))
+        mr = await nic.register_mr(4096)
+        outcome = []
+
+        async def fill():
+            try:
+                while True:
+                    await qp.post_write(mr, mr, 8, signaled=False)
+            except ClosedError as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(fill)
+            await anyio.sleep(0.05)  # the SQ is full: fill() waits for space that never comes
+            with anyio.fail_after(2):
+                await qp.destroy()
+        assert outcome and "destroyed" in str(outcome[0])
+
+
+async def test_device_lost_fails_new_work_at_once():
+    async with open_nic() as a, open_nic() as b:
+        cq_a, cq_b = await a.create_cq(depth=256), await b.create_cq(depth=256)
+        qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
+        await qa.connect(qb.info())
+        await qb.connect(qa.info())
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        await qa.write(source, target, 64)
+        os.kill(a.pci.pid, 9)
+        with anyio.fail_after(5):
+            while a.alive:
+                await anyio.sleep(0.01)
+        with anyio.fail_after(1):  # every one of these raised at once, none hangs
+            with pytest.raises(DeviceLostError, match="gone"):
+                await qa.write(source, target, 64)
+            with pytest.raises(DeviceLostError):
+                await qa.post_send(source, 8)
+            with pytest.raises(DeviceLostError):
+                await qa.post_recv(source, 8)
+            with pytest.raises(DeviceLostError):
+                await a.create_cq(depth=64)
+            with pytest.raises(DeviceLostError):
+                await a.register_mr(4096)
+            with pytest.raises(DeviceLostError):
+                await a.hwrm("func_qcfg", fid=0xFFFF)
+        assert (await b.hwrm("func_qcfg", fid=0xFFFF)).legacy_l2_db_size_kb > 0  # the other NIC is unaffected
+    assert b.pci.process.poll() is not None
+
+
+async def test_device_lost_fails_work_in_flight():
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=256)
+        qp = await nic.create_qp(cq)
+        await qp.connect(unreachable(qp))
+        mr = await nic.register_mr(4096)
+        pending = await qp.post_write(mr, mr, 64)
+        os.kill(nic.pci.pid, 9)
+        with anyio.fail_after(5), pytest.raises(DeviceLostError):
+            await pending
+
+
+async def test_block_cancelled_from_outside_closes_promptly_and_frees_everything():
+    nics = []
+    started = time.monotonic()
+    with anyio.move_on_after(1):
+        async with open_nic() as a, open_nic() as b:
+            nics += [a, b]
+            cq_a, cq_b = await a.create_cq(depth=256), await b.create_cq(depth=256)
+            qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
+            await qa.connect(qb.info())
+            await qb.connect(qa.info())
+            source = await a.register_mr(4096)
+            await qa.send(source, 100)  # no receive posted: RNR retries forever, until the outer scope fires
+    assert time.monotonic() - started < 3, "close under cancellation took more than 1 s per NIC"
+    for nic in nics:
+        assert nic.objects == {} and nic.pci.dma_bytes_in_use == 0  # every firmware object and DMA byte freed
+        assert nic.pci.process.poll() is not None
+
+
+def _fds():
+    return sorted(os.listdir("/proc/self/fd"))
+
+
+def _children():
+    me = str(os.getpid())
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[1] == me:
+                    found.append(pid)
+        except (FileNotFoundError, IndexError, ProcessLookupError, NotADirectoryError):
+            pass
+    return found
+
+
+async def test_boots_cancelled_at_random_moments_leave_nothing_behind():
+    before_fds, before_children = len(_fds()), len(_children())
+    rng = random.Random(6)
+    opened = []
+    for _ in range(40):
+        with anyio.move_on_after(rng.uniform(0, 0.35)):
+            async with open_nic() as nic:
+                opened.append(nic)
+                cq = await nic.create_cq(depth=64)
+                qp = await nic.create_qp(cq)
+                await nic.register_mr(8192)
+                await qp.connect(unreachable(qp))
+                await anyio.sleep(1)
+    assert opened, "no boot got far enough to open"
+    for nic in opened:
+        assert nic.objects == {} and nic.pci.dma_bytes_in_use == 0
+    with anyio.fail_after(5):
+        while len(_children()) > before_children:
+            await anyio.sleep(0.05)  # every emulator process is gone
+    assert len(_fds()) <= before_fds, "file descriptors (memfds, sockets, eventfds) leaked"
+
+
+async def test_creations_cancelled_at_random_moments_leave_no_orphan_objects():
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=256)
+        rng = random.Random(7)
+        kinds = [lambda: nic.create_cq(depth=64), lambda: nic.create_qp(cq), lambda: nic.register_mr(3 * 4096)]
+        for _ in range(90):
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tasks:
+                    async def cancel_later(delay=rng.uniform(0, 300e-6)):
+                        await anyio.sleep(delay)
+                        scope.cancel()
+                    tasks.start_soon(cancel_later)
+                    await rng.choice(kinds)()
+                    tasks.cancel_scope.cancel()
+        live = list(nic.objects.values())
+        firmware = counts(nic)
+        assert firmware["qps"] == sum(type(o).__name__ == "QueuePair" for o in live)
+        assert firmware["cqs"] == sum(type(o).__name__ == "CompletionQueue" for o in live)
+        assert firmware["mrs"] == sum(type(o).__name__ == "MemoryRegion" for o in live)
+        await nic.close()
+        assert {k: v for k, v in counts(nic).items() if isinstance(v, int) and v} == {}
+        assert nic.pci.dma_bytes_in_use == 0
+
+
+async def test_errors_leave_the_block_as_themselves():
+    error = KeyError("mine")
+    with pytest.raises(KeyError) as caught:
+        async with open_nic():
+            raise error
+    assert caught.value is error
+    try:
+        async with open_nic() as nic:
+            cq = await nic.create_cq(depth=64)
+            qp, peer = await nic.create_qp(cq), await nic.create_qp(cq)
+            await qp.connect(peer.info())
+            await peer.connect(qp.info())
+            mr = await nic.register_mr(4096)
+            bad = mr.remote()
+            await qp.write(mr, type(bad)(bad.addr, bad.rkey ^ 0x55, bad.length), 8)
+    except CompletionError as exc:  # no ExceptionGroup in the way
+        assert exc.reason == "REMOTE_ACCESS_ERR"
+    else:
+        pytest.fail("the write with a bad rkey succeeded")
+
+
+async def test_flushed_work_names_the_error_that_moved_the_qp_to_err():
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=256)
+        qp = await nic.create_qp(cq, sq_depth=32)
+        await qp.connect(unreachable(qp), timeout=1, retry_cnt=1)
+        mr = await nic.register_mr(4096)
+        with qp.batch():
+            first = await qp.post_write(mr, mr, 64, signaled=False)  # fails: nobody awaits it
+            for _ in range(6):
+                await qp.post_write(mr, mr, 64, signaled=False)
+            last = await qp.post_write(mr, mr, 64)
+        with anyio.fail_after(10), pytest.raises(CompletionError) as caught:
+            await last
+        assert caught.value.flushed
+        assert "TRANSPORT_RETRY_CNT_ERR" in str(caught.value)  # the root cause, not just FLUSHED
+        assert caught.value.root is qp.error and qp.error.reason == "TRANSPORT_RETRY_CNT_ERR"
+        assert caught.value.__cause__ is qp.error
+        assert first.error is qp.error
+        late = await qp.post_send(mr, 8)  # posting to the ERR QP completes at once, naming the root too
+        with pytest.raises(CompletionError, match="TRANSPORT_RETRY_CNT_ERR"):
+            await late
+
+
+async def test_a_closed_nic_refuses_at_once():
+    async with open_nic() as nic:
+        await nic.close()
+        with anyio.fail_after(1):
+            for call in (lambda: nic.create_cq(depth=64), lambda: nic.register_mr(4096),
+                         lambda: nic.hwrm("func_qcfg", fid=0xFFFF), lambda: nic.rcfw("query_func")):
+                with pytest.raises(ClosedError, match="closed"):
+                    await call()
+    with pytest.raises(ClosedError, match="closed"):
+        await nic.hwrm("func_qcfg", fid=0xFFFF)
+    with pytest.raises(ClosedError, match="closed"):
+        await nic.rcfw("query_func")
+
+
+async def test_objects_of_a_closed_nic_refuse_use():
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=64)
+        qp = await nic.create_qp(cq)
+        mr = await nic.register_mr(4096)
+    with pytest.raises(ClosedError):
+        await qp.post_recv(mr, 8)
+    with pytest.raises(ClosedError):
+        mr.view
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda nic, cq: nic.register_mr(0), r"size must be an integer in \[1, "),
+    (lambda nic, cq: nic.register_mr(-1), r"size must be an integer in \[1, "),
+    (lambda nic, cq: nic.create_qp(cq, sq_depth=-1), r"sq_depth must be an integer in \[1, 65535\]"),
+    (lambda nic, cq: nic.create_qp(cq, sq_depth=0), r"sq_depth must be an integer in \[1, 65535\]"),
+    (lambda nic, cq: nic.create_qp(cq, sq_depth=70000), r"sq_depth must be an integer in \[1, 65535\]"),
+    (lambda nic, cq: nic.create_qp(cq, rq_depth=0), r"rq_depth"),
+    (lambda nic, cq: nic.create_qp(cq, max_send_sge=100), r"max_send_sge must be an integer in \[1, \d+\]"),
+    (lambda nic, cq: nic.create_cq(depth=0), r"depth must be an integer in \[1, "),
+])
+async def test_bad_arguments_name_the_argument_and_its_range(call, match):
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=64)
+        with pytest.raises(ValueError, match=match):
+            await call(nic, cq)
+        assert counts(nic)["qps"] == 0 and counts(nic)["mrs"] == 0
+
+
+async def test_bad_connect_and_post_arguments():
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=64)
+        qp = await nic.create_qp(cq)
+        mr = await nic.register_mr(4096)
+        for field, value in (("timeout", 99), ("timeout", -1), ("retry_cnt", 8), ("rnr_retry", -1),
+                             ("min_rnr_timer", 32)):
+            with pytest.raises(ValueError, match=f"{field} must be an integer in"):
+                await qp.connect(qp.info(), **{field: value})
+        assert qp.state == QPState.INIT  # nothing was sent to the firmware
+        await qp.modify(QPState.RESET)
+        with pytest.raises(RuntimeError, match="state RESET"):
+            await qp.post_recv(mr, 64)
+        await qp.connect(qp.info())
+        with pytest.raises(ValueError, match="imm"):
+            await qp.post_send(mr, 8, imm=1 << 32)
+
+
+async def test_firmware_refusal_of_destroy_keeps_the_object_usable():
+    async with open_nic() as nic:
+        cq = await nic.create_cq(depth=64)
+        qp = await nic.create_qp(cq)
+        with pytest.raises(FirmwareError, match="destroy_cq"):
+            await cq.destroy()  # still used by the QP
+        assert not cq.closed
+        await qp.destroy()
+        await cq.destroy()
+        assert cq.closed
