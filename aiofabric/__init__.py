@@ -1,9 +1,44 @@
-"""aiofabric: an async-first userspace driver for Broadcom BNXT RoCEv2 NICs, with an emulated NIC."""
+"""aiofabric: an async-first userspace driver for Broadcom BNXT RoCEv2 NICs, with an emulated NIC.
+
+The names below are imported on first use (PEP 562), so `import aiofabric` stays cheap and the emulator process,
+which imports `aiofabric.sim.process`, never loads the driver or anyio.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .errors import DeviceLostError, FabricError, FirmwareError, FirmwareTimeoutError  # noqa: E402
-from .nic import NIC, open_nic  # noqa: E402
-from .queues import Access, CompletionQueue, MemoryRegion, QPInfo, QPState, QueuePair  # noqa: E402
+_HOMES = {
+    ".nic": ("NIC", "open_nic"),
+    ".queues": ("Access", "CompletionQueue", "MemoryRegion", "QPInfo", "QPState", "QueuePair", "RemoteRegion",
+                "LocalBuffer"),
+    ".completions": ("Completion", "CompletionError"),
+    ".errors": ("FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "ClosedError"),
+    ".pci": ("PCIError",),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-__all__ = ["NIC", "open_nic", "Access", "CompletionQueue", "MemoryRegion", "QPInfo", "QPState", "QueuePair",
-           "FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "__version__"]
+__all__ = [*_MODULE_OF, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiofabric' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
+    from .completions import Completion, CompletionError
+    from .errors import ClosedError, DeviceLostError, FabricError, FirmwareError, FirmwareTimeoutError
+    from .nic import NIC, open_nic
+    from .pci import PCIError
+    from .queues import Access, CompletionQueue, LocalBuffer, MemoryRegion, QPInfo, QPState, QueuePair, RemoteRegion

@@ -3,6 +3,7 @@
 Everything the driver knows about a NIC it learns through a `PCIDevice`. Two implementations exist: the real
 hardware behind sysfs (`SysfsPCIDevice`, below) and the emulated NIC (`aiofabric.sim.host.SimPCIDevice`), which
 presents the same shape VFIO gives real hardware: MMIO writes reach the device in order, interrupts are eventfds.
+Doorbells go through `Bar.write64_doorbell`, which puts `memory_barrier()` before the write.
 """
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import dataclasses
 import errno
 import mmap
 import os
+import platform
 import re
+import warnings
 from typing import Callable
+
+from .errors import FabricError
 
 PAGE_SIZE = 0x1000
 
@@ -23,7 +28,7 @@ PCI_COMMAND_MEMORY, PCI_COMMAND_MASTER = 0x2, 0x4
 BROADCOM_VENDOR_ID = 0x14E4
 
 
-class PCIError(RuntimeError):
+class PCIError(FabricError, RuntimeError):
     """The device could not be opened or used through the seam (missing device, driver bound, privileges...)."""
 
 
@@ -44,6 +49,12 @@ class Bar(abc.ABC):
     @abc.abstractmethod
     def write64(self, offset: int, value: int) -> None: ...
 
+    def write64_doorbell(self, offset: int, value: int) -> None:
+        """Ring a doorbell: a 64-bit MMIO write that the device must see after every earlier store to DMA memory
+        (the WQEs or ring entries it announces), hence the barrier first."""
+        memory_barrier()
+        self.write64(offset, value)
+
     def write_block(self, offset: int, data: bytes) -> None:
         """Write `data` (a multiple of 4 bytes) as consecutive 32-bit MMIO writes, lowest address first."""
         words = memoryview(bytes(data)).cast("I")
@@ -63,10 +74,14 @@ class DmaBuffer:
     bus_addrs: list[int]
     contiguous: bool
     _release: Callable[[], None] | None = dataclasses.field(default=None, repr=False)
+    _size: int = dataclasses.field(init=False, repr=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._size = len(self.view)  # kept: the view is released on free()
 
     @property
     def size(self) -> int:
-        return len(self.view)
+        return self._size
 
     @property
     def bus_addr(self) -> int:
@@ -79,9 +94,18 @@ class DmaBuffer:
         return self.bus_addrs[offset // PAGE_SIZE] + offset % PAGE_SIZE
 
     def free(self) -> None:
+        """Give the memory back. `view` is released, so a use after free raises instead of touching memory the
+        device may already have been given for something else. Idempotent."""
+        self.release_view()
         release, self._release = self._release, None
         if release is not None:
             release()
+
+    def release_view(self) -> None:
+        try:
+            self.view.release()
+        except BufferError:  # the caller exported it (numpy, ctypes): that export keeps the memory mapped
+            pass
 
 
 class PCIDevice(abc.ABC):
@@ -232,10 +256,10 @@ def _phys_addr(pagemap_fd: int, virt: int) -> int:
 
 
 def _release_mapping(view: memoryview, m: mmap.mmap) -> None:
-    view.release()
     try:
+        view.release()
         m.close()
-    except BufferError:  # someone still holds a slice of the view: the memory goes when the last slice does
+    except BufferError:  # someone still holds a slice or an export of the view: the memory goes when they do
         pass
 
 
@@ -377,3 +401,67 @@ class SysfsPCIDevice(PCIDevice):
         if self._config_fd >= 0:
             os.close(self._config_fd)
             self._config_fd = -1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The barrier before a doorbell. The driver writes WQEs and ring entries to DMA memory, then tells the device with an
+# MMIO write; the device must not see the doorbell before those stores. x86 keeps stores in program order, stores to
+# uncached MMIO (sysfs `resource<N>` maps are uncached) included, so nothing is needed there (Linux's writel() is a
+# plain mov on x86 too). Weakly ordered CPUs need a real fence. Python has none and ctypes cannot inline one, so the
+# fence is a two-instruction function in an executable page: the instruction rdma-core's udma_to_device_barrier()
+# uses, then return. Encodings checked with llvm-mc (tests/test_pci_sysfs.py re-checks them where llvm-mc exists).
+# A ctypes call costs ~0.1 us; it is paid only on those CPUs.
+
+_STRONGLY_ORDERED = frozenset({"x86_64", "amd64", "i386", "i686"})
+BARRIER_CODE: dict[str, bytes] = {
+    "aarch64": bytes.fromhex("9f3e03d5" "c0035fd6"),  # dsb st; ret
+    "ppc64le": bytes.fromhex("ac04007c" "2000804e"),  # sync; blr (ELFv2: a function pointer is its code address)
+    "riscv64": bytes.fromhex("0f00f00f" "67800000"),  # fence iorw,iorw; ret
+    "x86_64": bytes.fromhex("0faef0" "c3"),  # mfence; ret: never needed on x86, kept so the mechanism is testable
+}
+_PROT_READ_EXEC = mmap.PROT_READ | mmap.PROT_EXEC
+
+
+def _no_barrier() -> None:
+    """Nothing: this CPU keeps stores to memory and to MMIO in program order."""
+
+
+def machine_code_barrier(machine: str) -> Callable[[], None]:
+    """A callable that runs the full store fence of CPU `machine` (a `platform.machine()` name).
+
+    Raises KeyError for an unknown CPU and OSError where the system forbids executable anonymous memory.
+    """
+    code = BARRIER_CODE[machine]
+    page = mmap.mmap(-1, PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    page[:len(code)] = code
+    address = _virt_addr(page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(PAGE_SIZE), _PROT_READ_EXEC) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot make the barrier page executable: {os.strerror(err)}")
+    fence = ctypes.CFUNCTYPE(None)(address)
+    fence._page = page  # the code lives as long as the function
+    return fence
+
+
+def _choose_barrier(machine: str) -> Callable[[], None]:
+    if machine in _STRONGLY_ORDERED:
+        return _no_barrier
+    try:
+        return machine_code_barrier(machine)
+    except (KeyError, OSError) as exc:
+        reason = f"no barrier instruction known for {machine}" if isinstance(exc, KeyError) else str(exc)
+        warned = []
+
+        def unordered() -> None:
+            if not warned:
+                warned.append(True)
+                warnings.warn(f"aiofabric: doorbells are not fenced on this CPU ({reason}); a real NIC may read "
+                              "stale work requests", RuntimeWarning, stacklevel=3)
+
+        return unordered
+
+
+# memory_barrier(): every earlier store to DMA memory is ordered before the next MMIO write; call it before a doorbell
+# (Bar.write64_doorbell does). Chosen once at import: _no_barrier on x86, the machine-code fence elsewhere.
+memory_barrier: Callable[[], None] = _choose_barrier(platform.machine())

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import struct
+import subprocess
 
 import pytest
 
-from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCIError, SysfsPCIDevice, _phys_addr
+from aiofabric import pci as seam
+from aiofabric.errors import FabricError
+from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, DmaBuffer, PCIError, SysfsPCIDevice, _phys_addr
 
 ADDR = "0000:41:00.0"
 BAR_SIZE = 64 * 1024
@@ -203,3 +208,62 @@ def test_alloc_dma_contiguous(pci, hugepages):
 def test_contiguous_limit(pci):
     with pytest.raises(PCIError, match="2 MiB"):
         pci.alloc_dma((2 << 20) + 1, contiguous=True)
+
+
+def test_pci_error_is_a_fabric_error():
+    with pytest.raises(FabricError):
+        SysfsPCIDevice("bogus")
+    assert issubclass(PCIError, RuntimeError)  # callers that caught RuntimeError still do
+
+
+def test_doorbell_write_lands_in_the_bar(pci, tree):
+    pci.map_bar(2).write64_doorbell(0x40, 0x8000_0001_0000_0002)
+    assert struct.unpack_from("<Q", (tree / "resource2").read_bytes(), 0x40)[0] == 0x8000_0001_0000_0002
+
+
+def test_freed_buffer_refuses_its_view():
+    released = []
+    buffer = DmaBuffer(memoryview(bytearray(2 * PAGE_SIZE)), [0x1000, 0x2000], False, lambda: released.append(1))
+    buffer.free()
+    buffer.free()
+    assert released == [1] and buffer.size == 2 * PAGE_SIZE
+    with pytest.raises(ValueError):
+        buffer.view[0]
+
+
+def test_freeing_a_buffer_whose_view_is_exported_still_frees_it():
+    import ctypes
+    released = []
+    buffer = DmaBuffer(memoryview(bytearray(PAGE_SIZE)), [0x1000], True, lambda: released.append(1))
+    export = ctypes.c_char.from_buffer(buffer.view)  # like numpy.frombuffer: the view cannot be released now
+    buffer.free()
+    assert released == [1]
+    del export
+
+
+def test_memory_barrier_costs_nothing_on_x86():
+    if platform.machine() not in ("x86_64", "amd64", "i386", "i686"):
+        pytest.skip("x86 only")
+    assert seam.memory_barrier is seam._no_barrier
+
+
+@pytest.mark.skipif(platform.machine() not in seam.BARRIER_CODE, reason="no barrier code for this CPU")
+def test_machine_code_barrier_runs():
+    fence = seam.machine_code_barrier(platform.machine())
+    for _ in range(3):
+        assert fence() is None
+
+
+@pytest.mark.skipif(not shutil.which("llvm-mc"), reason="llvm-mc (LLVM's assembler) is not installed")
+@pytest.mark.parametrize("machine, triple, source", [
+    ("aarch64", "aarch64", "dsb st; ret"),
+    ("ppc64le", "powerpc64le", "sync; blr"),
+    ("riscv64", "riscv64", "fence iorw, iorw; ret"),
+    ("x86_64", "x86_64", "mfence; ret"),
+])
+def test_barrier_code_is_what_it_says(machine, triple, source):
+    listing = subprocess.run(["llvm-mc", f"-triple={triple}", "-show-encoding"], input=source.replace("; ", "\n"),
+                             capture_output=True, text=True, check=True).stdout
+    encoded = bytes(int(b, 16) for line in listing.splitlines() if "encoding: [" in line
+                    for b in line.split("encoding: [")[1].rstrip("]").split(","))
+    assert seam.BARRIER_CODE[machine] == encoded

@@ -4,10 +4,17 @@ BAR0 and the DMA arena are memfds mapped by both processes. MMIO writes that hav
 HWRM trigger, the RCFW mailbox and producer, every doorbell, config-space writes) additionally travel to the emulator
 as 16-byte "kick" records on a stream socket, so the device sees them in program order, like posted PCIe writes.
 MSI-X vectors are eventfds the emulator writes. When the emulator dies, the kick socket reads EOF: that is the
-removal fd. A second socket carries the debug channel (object counts, fault injection), never used by the driver.
+removal fd. A second socket carries the debug channel (object counts, fault injection), never used by the driver;
+its first line is the emulator's start-up answer: ready (with the address it bound) or why it could not start.
+
+The emulator lives exactly as long as the driver *process* (it watches the driver's pidfd, see process.py) or until
+close(). close() releases everything at once, even while a caller still holds a view of DMA memory: such views are
+left pointing at private zero pages, never at the memfd.
 """
 from __future__ import annotations
 
+import ctypes
+import ipaddress
 import json
 import mmap
 import os
@@ -15,8 +22,9 @@ import socket
 import struct
 import subprocess
 import sys
+from typing import Any
 
-from ..pci import PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError
+from ..pci import PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError, _virt_addr
 from .memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
 
 KICK = struct.Struct("<BxxxIQ")  # space (0 = BAR0, 2 = BAR2, CONFIG_SPACE), offset, value
@@ -25,6 +33,92 @@ BAR0_KICK_FROM = 0x100  # BAR0 below this is the HWRM request window: plain memo
 DEVICE_ID_BCM57608 = 0x1760
 NUM_VECTORS = 8
 START_TIMEOUT = 20.0
+FAULTS = ("loss", "dup", "reorder", "corrupt")
+TRANSPORTS = ("udp", "raw")
+# Every option the emulator reads (process.py), plus netns, which places the process.
+OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "netns")
+NETNS_DIR = "/run/netns"  # where `ip netns add` puts its namespaces
+
+_MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+
+
+def _map_at(address: int, length: int, flags: int, fd: int) -> None:
+    """mmap(2) with MAP_FIXED: replace whatever is mapped at [address, address + length)."""
+    got = _libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, flags | _MAP_FIXED, fd, 0)
+    if got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap at {address:#x}: {os.strerror(err)}")
+
+
+def _map_shared(fd: int, length: int) -> tuple[mmap.mmap, int]:
+    """Map a memfd shared, as an mmap object that holds no descriptor of its own.
+
+    mmap.mmap(fd) keeps a dup of fd for its whole life, which a still-exported mapping stretches until GC. So the
+    object maps anonymous memory and the memfd is mapped over it in place; the object unmaps that range when closed.
+    """
+    m = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
+    address = _virt_addr(m)
+    try:
+        _map_at(address, length, mmap.MAP_SHARED, fd)
+    except BaseException:
+        m.close()
+        raise
+    return m, address
+
+
+def _unmap(m: mmap.mmap, address: int, length: int) -> None:
+    """Close a mapping from _map_shared now. If a caller still holds a view of it, the range becomes private zero
+    pages instead: the view stays safe to touch, and the memfd's pages are no longer mapped here."""
+    try:
+        m.close()
+    except BufferError:
+        _map_at(address, length, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
+
+
+def check_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options as the emulator takes them (None means the default); ValueError naming any it would choke on,
+    so that it is refused before a process starts."""
+    options = {key: value for key, value in options.items() if value is not None}
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown emulated-NIC option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+                         f"valid options: {', '.join(OPTIONS)}")
+    for name in FAULTS:
+        value = options.get(name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"{name}={value!r}: a fault probability must be a number in [0, 1)")
+    if options.get("transport", "udp") not in TRANSPORTS:
+        raise ValueError(f"transport={options['transport']!r}: choose one of {', '.join(TRANSPORTS)}")
+    if "ip" in options:
+        try:
+            ip = ipaddress.IPv4Address(str(options["ip"]))
+        except ValueError:
+            raise ValueError(f"ip={options['ip']!r} is not an IPv4 address") from None
+        if ip.is_unspecified or ip.is_multicast:
+            raise ValueError(f"ip={options['ip']!r}: a NIC needs a unicast address")
+        options["ip"] = str(ip)
+    latency = options.get("fw_latency_us", 0)
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0:
+        raise ValueError(f"fw_latency_us={latency!r}: must be a number >= 0")
+    seed = options.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r}: must be an int")
+    mac = options.get("mac")
+    if mac is not None:
+        try:
+            if len(bytes.fromhex(mac.replace(":", ""))) != 6:
+                raise ValueError
+        except (AttributeError, ValueError):
+            raise ValueError(f"mac={mac!r}: expected six hex bytes like 02:0a:f0:00:00:01") from None
+    if "pcap" in options:
+        options["pcap"] = os.fspath(options["pcap"])
+    for name in ("pcap", "netns"):
+        if name in options and not isinstance(options[name], str):
+            raise ValueError(f"{name}={options[name]!r}: must be a string")
+    return options
 
 
 class SimBar(Bar):
@@ -57,6 +151,12 @@ class SimBar(Bar):
         if offset >= self._kick_from:
             self._send(offset, value)
 
+    def close(self) -> None:
+        """Drop the register view; later reads see a removed device (all ones), writes vanish."""
+        if self._words is not None:
+            self._words.release()
+            self._words = None
+
     def _send(self, offset: int, value: int) -> None:
         try:
             self._kick.sendall(KICK.pack(self.index, offset, value))
@@ -65,44 +165,83 @@ class SimBar(Bar):
 
 
 class SimPCIDevice(PCIDevice):
-    """An emulated BNXT NIC in its own OS process. `options` go to the emulator (ip, mac, fw_latency_us, ...);
-    `netns` starts the process inside that network namespace, so its wire is the namespace's interfaces."""
+    """An emulated BNXT NIC in its own OS process.
 
-    def __init__(self, name: str = "sim", **options) -> None:
+    `options` go to the emulator; see OPTIONS and the README: `ip` (without one the emulator binds a free 127.0.0.x
+    itself, race-free across processes; `self.ip` says which), `mac`, `fw_latency_us`, `transport`, the wire faults
+    `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, and `netns`, which starts the process inside that network
+    namespace, so its wire is the namespace's interfaces. Bad options raise ValueError before anything starts; an
+    emulator that cannot start raises PCIError with its reason.
+    """
+
+    ip: str
+
+    def __init__(self, name: str = "sim", **options: Any) -> None:
+        options = check_options(options)
         self.address, self.name = f"sim:{name}", name
+        netns = options.get("netns")  # run the NIC inside a network namespace: another host on the same machine
+        if netns and not os.path.exists(os.path.join(NETNS_DIR, netns)):
+            raise PCIError(f"{self.address}: no network namespace {netns!r} (see `ip netns list`)")
+        self._closed = True  # until there is something to close
         self._bar0_fd = os.memfd_create(f"aiofabric-{name}-bar0")
         self._arena_fd = os.memfd_create(f"aiofabric-{name}-dma")
         os.ftruncate(self._bar0_fd, BAR0_SIZE)
         os.ftruncate(self._arena_fd, ARENA_SIZE)
-        self._bar0_mem = mmap.mmap(self._bar0_fd, BAR0_SIZE)
-        self._arena = mmap.mmap(self._arena_fd, ARENA_SIZE)
+        self._bar0_mem, self._bar0_address = _map_shared(self._bar0_fd, BAR0_SIZE)
+        self._arena, self._arena_address = _map_shared(self._arena_fd, ARENA_SIZE)
         self._arena_view = memoryview(self._arena)
         self._allocator = PageAllocator(ARENA_SIZE)
         self._live: dict[int, DmaBuffer] = {}
         self._irqs = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(NUM_VECTORS)]
         self._kick, kick_peer = socket.socketpair()
         self._debug, debug_peer = socket.socketpair()
+        self._debug_file = self._debug.makefile("rwb", buffering=0)
         self._config = bytearray(256)
         struct.pack_into("<HH", self._config, PCI_VENDOR_ID, 0x14E4, DEVICE_ID_BCM57608)
         config = {"name": name, "bar0_fd": self._bar0_fd, "arena_fd": self._arena_fd, "kick_fd": kick_peer.fileno(),
-                  "debug_fd": debug_peer.fileno(), "irq_fds": self._irqs, **options}
-        netns = options.get("netns")  # run the NIC inside a network namespace: another host on the same machine
-        self.process = subprocess.Popen(
-            [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", "aiofabric.sim.process",
-             json.dumps(config)],
-            pass_fds=[self._bar0_fd, self._arena_fd, kick_peer.fileno(), debug_peer.fileno(), *self._irqs],
-            stdin=subprocess.DEVNULL)
-        kick_peer.close()
-        debug_peer.close()
-        self._debug_file = self._debug.makefile("rwb", buffering=0)
+                  "debug_fd": debug_peer.fileno(), "irq_fds": self._irqs, "driver_pid": os.getpid(), **options}
         self._bars = {0: SimBar(0, self._bar0_mem, BAR0_SIZE, self._kick, BAR0_KICK_FROM),
                       2: SimBar(2, None, BAR2_SIZE, self._kick, 0)}
-        self._closed = False
         try:
-            self.debug({"op": "ping"}, timeout=START_TIMEOUT)
-        except Exception:
+            self.process = subprocess.Popen(
+                [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", "aiofabric.sim.process",
+                 json.dumps(config)],
+                pass_fds=[self._bar0_fd, self._arena_fd, kick_peer.fileno(), debug_peer.fileno(), *self._irqs],
+                stdin=subprocess.DEVNULL)
+        except BaseException:
+            self.process = None
+            self._closed = False
             self.close()
             raise
+        finally:
+            kick_peer.close()
+            debug_peer.close()
+        self._closed = False
+        try:
+            self.ip = self._wait_until_started()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_until_started(self) -> str:
+        """The emulator's one start-up line: its address, or PCIError with the reason it gives (or its exit)."""
+        self._debug.settimeout(START_TIMEOUT)
+        try:
+            line = self._debug_file.readline()
+        except (OSError, socket.timeout) as exc:
+            reason = f"no answer in {START_TIMEOUT:g} s ({exc or type(exc).__name__})"
+        else:
+            reply = json.loads(line) if line.startswith(b"{") else {}
+            if reply.get("ready"):
+                return reply["ip"]
+            reason = reply.get("error") or self._exit_reason()
+        raise PCIError(f"{self.address}: emulator failed to start: {reason}")
+
+    def _exit_reason(self) -> str:
+        try:
+            return f"it exited with status {self.process.wait(timeout=2)} (its stderr may say why)"
+        except subprocess.TimeoutExpired:
+            return "it closed its debug channel without an answer"
 
     @property
     def pid(self) -> int:
@@ -123,6 +262,8 @@ class SimPCIDevice(PCIDevice):
             self._kick.sendall(KICK.pack(CONFIG_SPACE, offset, value))
 
     def alloc_dma(self, size: int, contiguous: bool = False) -> DmaBuffer:
+        if self._closed:
+            raise PCIError(f"{self.address} is closed")
         length = -(-max(size, 1) // PAGE) * PAGE
         start = self._allocator.alloc(length)
         view = self._arena_view[start:start + length]
@@ -133,8 +274,8 @@ class SimPCIDevice(PCIDevice):
         return buffer
 
     def _free(self, start: int) -> None:
-        self._live.pop(start, None)
-        self._allocator.free(start)
+        if self._live.pop(start, None) is not None:
+            self._allocator.free(start)
 
     @property
     def num_vectors(self) -> int:
@@ -174,25 +315,27 @@ class SimPCIDevice(PCIDevice):
         return reply
 
     def close(self) -> None:
+        """Stop the emulator and release every descriptor and mapping now, whatever views callers still hold."""
         if self._closed:
             return
         self._closed = True
+        self._debug_file.close()  # a makefile holds the socket's descriptor open past socket.close()
         self._kick.close()  # EOF tells the emulator to exit
         self._debug.close()
-        try:
-            self.process.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
         for fd in self._irqs:
             os.close(fd)
+        for buffer in self._live.values():  # the driver's own views first; callers' slices are handled by _unmap
+            buffer.release_view()
         self._live.clear()
         self._arena_view.release()
-        for m in (self._arena, self._bar0_mem):
-            try:
-                m.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes when it does
+        self._bars[0].close()
+        _unmap(self._arena, self._arena_address, ARENA_SIZE)
+        _unmap(self._bar0_mem, self._bar0_address, BAR0_SIZE)
         os.close(self._bar0_fd)
         os.close(self._arena_fd)
-

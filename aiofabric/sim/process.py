@@ -5,12 +5,16 @@ firmware commands one at a time at the configured latency, writes responses into
 path (datapath.py) between doorbells, the wire and its timers, and fires MSI-X eventfds. It blocks in select() when
 there is nothing to do (it never spins: on a machine with fewer cores than busy processes, polling costs the driver
 and the other NIC more than it saves), and runs as SCHED_BATCH so that its wake-ups do not preempt them either. It
-exits when the driver closes the kick socket, and (PR_SET_PDEATHSIG) when the driver process dies.
+exits when the driver closes the kick socket, or when the driver process exits (a pidfd in the selector).
 
-Config keys (JSON): name, bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds (from SimPCIDevice); mac; fw_latency_us;
-ip (the NIC's IPv4 address; without one the NIC only has its PHY loopback); transport ("udp" default, or "raw");
-loss, dup, reorder, corrupt (wire fault probabilities) and seed; pcap (a file that gets every packet sent).
-While port_phy_cfg selects LPBK_LOCAL, packets go through an in-process loopback transport instead of the wire.
+Start-up: before serving, the emulator writes exactly one line on the debug socket: {"ready": true, "ip": ..., "pid":
+...} or {"error": "<why, in one line>"} (then it exits with status 1). SimPCIDevice waits for that line.
+
+Config keys (JSON): name, bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds, driver_pid (from SimPCIDevice); mac;
+fw_latency_us; ip (the NIC's IPv4 address; when null the emulator binds the first free 127.0.0.x from a pid-derived
+start and reports it); transport ("udp" default, or "raw"); loss, dup, reorder, corrupt (wire fault probabilities)
+and seed; pcap (a file that gets every packet sent and received). While port_phy_cfg selects LPBK_LOCAL, packets go
+through an in-process loopback transport instead of the wire. The log level comes from AIOFABRIC_SIM_LOG (WARNING).
 
 Debug "stats" reply: the shell's counters (hwrm, rcfw, kicks, interrupts, ...), the firmware's, the data path's
 (packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts, ...; see
@@ -20,12 +24,12 @@ Datapath.stats), `dropped` = every packet dropped on receive (bad ICRC and malfo
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import mmap
 import os
 import selectors
-import signal
 import socket
 import sys
 import time
@@ -36,13 +40,13 @@ from .host import CONFIG_SPACE, KICK
 from .hwrm import Firmware, FirmwareConfig
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .pcap import PcapWriter
-from .wire import Faults, Transport, open_transport
+from .wire import LOOPBACK_HOSTS, Faults, Transport, open_on_free_loopback, open_transport
 
 HWRM_VECTOR = 0
 HWRM_TRIGGER = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER
 RCFW_BASE = bnxt.RCFW_COMM_BASE_OFFSET
 RCFW_TRIGGER = RCFW_BASE + bnxt.RCFW_COMM_TRIG_OFFSET
-PR_SET_PDEATHSIG, PR_SET_TIMERSLACK = 1, 29
+PR_SET_TIMERSLACK = 29
 DEFAULT_LATENCY_US = 30.0
 RX_BUDGET = 128  # packets taken off a transport per round
 TX_BUDGET = 128  # request packets generated per round
@@ -62,15 +66,51 @@ def mac_for(name: str) -> bytes:
     return bytes([0x02, 0x0A, 0xF0]) + digest.to_bytes(3, "big")
 
 
+class StartupError(Exception):
+    """The emulator cannot start as configured; the message goes to the driver as the reason."""
+
+
+class DriverGone(Exception):
+    """The driver process exited before the emulator started: nobody is left to serve."""
+
+
+def watch_driver(driver_pid: int) -> int | None:
+    """A pidfd that becomes readable when the driver process exits (None on kernels before 5.3, which have none).
+    Raises DriverGone if it has exited already.
+
+    Not PR_SET_PDEATHSIG: that fires when the *thread* that forked us exits, and drivers start emulators from worker
+    threads that come and go (trio retires idle ones after 10 s). The kick socket's EOF is the normal way out; the
+    pidfd also covers a driver that dies while a forked child of it still holds the socket.
+    """
+    try:
+        pidfd = os.pidfd_open(driver_pid)
+    except ProcessLookupError:
+        raise DriverGone() from None
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        logging.getLogger("aiofabric.sim").warning("no pidfd_open on this kernel: the kick socket alone ends the "
+                                                   "emulator, so a forked child of the driver may keep it alive")
+        return None
+    # The driver may have died between forking us and pidfd_open, and its pid been reused: while it is still our
+    # parent the pidfd names the right process (`ip netns exec` execs, so the parent is the driver there too). A
+    # parent other than the driver with the driver's pid alive means a launcher in between: trust the pidfd.
+    if os.getppid() != driver_pid and not os.path.exists(f"/proc/{driver_pid}"):
+        os.close(pidfd)
+        raise DriverGone()
+    return pidfd
+
+
 class Emulator:
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, debug: socket.socket, driver_fd: int | None = None) -> None:
         self.name = config["name"]
         self.bar0_map = mmap.mmap(config["bar0_fd"], BAR0_SIZE)
         self.arena_map = mmap.mmap(config["arena_fd"], ARENA_SIZE)
         self.bar0 = memoryview(self.bar0_map)
         self.mem = BusMemory(self.arena_map)
         self.kick = socket.socket(fileno=config["kick_fd"])
-        self.debug = socket.socket(fileno=config["debug_fd"])
+        self.debug = debug
+        self.driver_fd = driver_fd
         self.irq_fds: list[int] = config["irq_fds"]
         mac = bytes.fromhex(config["mac"].replace(":", "")) if config.get("mac") else mac_for(self.name)
         self.fw = Firmware(self.mem, FirmwareConfig(mac=mac))
@@ -83,22 +123,41 @@ class Emulator:
         self.debug_buffer = b""
         self.running = True
         self.wire_readable = False  # select() said so since service() last looked
-        self.ip = config.get("ip")
-        self.datapath = Datapath(self.fw, self.ip or "0.0.0.0")
         faults = {name: config.get(name, 0.0) for name in ("loss", "dup", "reorder", "corrupt")}
-        self.pcap = PcapWriter(config["pcap"]) if config.get("pcap") else None
+        Faults(**faults)  # a bad probability fails here, before anything is opened
+        self.pcap: PcapWriter | None = None
         self.wire: Transport | None = None
-        if self.ip:
-            self.wire = open_transport(config.get("transport", "udp"), self.ip, pcap=self.pcap,
-                                       faults=Faults(**faults, seed=config.get("seed", 0)))
-        self.loopback = open_transport("loopback", self.ip or "127.0.0.1", pcap=self.pcap,
-                                       faults=Faults(**faults, seed=config.get("seed", 0)))
+        if config.get("pcap"):
+            try:
+                self.pcap = PcapWriter(config["pcap"])
+            except OSError as exc:
+                raise StartupError(f"cannot write pcap {config['pcap']}: [Errno {exc.errno}] {exc.strerror}") from exc
+        kind = config.get("transport", "udp")
+        seed = config.get("seed", 0)
+        wire_options = {"pcap": self.pcap, "faults": Faults(**faults, seed=seed)}
+        try:
+            if config.get("ip"):
+                self.wire = open_transport(kind, config["ip"], **wire_options)
+            else:  # pick a free loopback address ourselves; starting apart keeps concurrent NICs from colliding
+                self.wire = open_on_free_loopback(kind, LOOPBACK_HOSTS.start + os.getpid() % len(LOOPBACK_HOSTS),
+                                                  **wire_options)
+        except OSError as exc:
+            self.close()
+            raise StartupError(f"cannot open the {kind} transport: {exc.strerror or exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+        self.ip = self.wire.ip
+        self.datapath = Datapath(self.fw, self.ip)
+        self.loopback = open_transport("loopback", self.ip, pcap=self.pcap, faults=Faults(**faults, seed=seed))
 
     # -- main loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self.kick, selectors.EVENT_READ, self.on_kick)
         selector.register(self.debug, selectors.EVENT_READ, self.on_debug)
+        if self.driver_fd is not None:
+            selector.register(self.driver_fd, selectors.EVENT_READ, self.on_driver_exit)
         if self.wire is not None and self.wire.fileno() is not None:
             selector.register(self.wire.fileno(), selectors.EVENT_READ, self.on_wire)  # service() reads it
         try:
@@ -114,11 +173,14 @@ class Emulator:
             self.close()
 
     def close(self) -> None:
-        for transport in (self.wire, self.loopback):
+        for transport in (self.wire, getattr(self, "loopback", None)):
             if transport is not None:
                 transport.close()
         if self.pcap is not None:
             self.pcap.close()
+
+    def on_driver_exit(self) -> None:
+        self.running = False  # the driver process is gone: no one will ever close the device
 
     # -- data path -------------------------------------------------------------------------------------------------
     @property
@@ -323,16 +385,27 @@ def _batch_scheduling() -> None:
         pass
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, (StartupError, ValueError)) and text else f"{type(exc).__name__}: {text}"
+
+
 def main() -> None:
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no orphans if the driver process dies
     _prctl(PR_SET_TIMERSLACK, 1)  # microsecond firmware latencies need precise sleeps
     _batch_scheduling()
     logging.basicConfig(level=os.environ.get("AIOFABRIC_SIM_LOG", "WARNING"), stream=sys.stderr,
                         format="sim %(name)s: %(message)s")
     config = json.loads(sys.argv[1])
-    if os.getppid() == 1:
-        return  # the driver died before we got here
-    emulator = Emulator(config)
+    debug = socket.socket(fileno=config["debug_fd"])
+    try:
+        emulator = Emulator(config, debug, watch_driver(config["driver_pid"]))
+    except DriverGone:
+        return
+    except Exception as exc:  # the driver raises this reason; nothing else needs to see a traceback
+        logging.getLogger("aiofabric.sim").debug("start-up failed", exc_info=True)
+        debug.sendall(json.dumps({"error": _one_line(exc)}).encode() + b"\n")
+        sys.exit(1)
+    debug.sendall(json.dumps({"ready": True, "ip": emulator.ip, "pid": os.getpid()}).encode() + b"\n")
     profile = os.environ.get("AIOFABRIC_SIM_PROFILE")  # a path: cProfile the emulator, dump stats there at exit
     if profile:
         import cProfile

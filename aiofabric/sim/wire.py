@@ -514,3 +514,25 @@ def open_transport(kind: str, ip: str, **kwargs) -> Transport:  # noqa: ANN003 -
     except KeyError:
         raise ValueError(f"unknown transport {kind!r}; choose one of {', '.join(TRANSPORTS)}") from None
     return cls(ip, **kwargs)
+
+
+LOOPBACK_HOSTS = range(2, 255)  # 127.0.0.2 .. 127.0.0.254: 127.0.0.1 is left to everything else on the host
+
+
+def open_on_free_loopback(kind: str, first_host: int, **kwargs) -> Transport:  # noqa: ANN003 - as open_transport
+    """A transport on the first 127.0.0.x, trying host numbers from `first_host` on (wrapping), whose RoCE port is free.
+
+    The bind is the test, and the socket stays bound: of several processes racing for one address exactly one wins
+    and the others move on to the next (probing with a throwaway bind and binding later would let two pick the same).
+    """
+    count = len(LOOPBACK_HOSTS)
+    start = (first_host - LOOPBACK_HOSTS.start) % count
+    for i in range(count):
+        ip = f"127.0.0.{LOOPBACK_HOSTS[(start + i) % count]}"
+        try:
+            return open_transport(kind, ip, **kwargs)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"UDP port {ROCE_PORT} is taken on every address from 127.0.0.{LOOPBACK_HOSTS[0]} "
+                                    f"to 127.0.0.{LOOPBACK_HOSTS[-1]} (is rdma_rxe loaded? it binds every address)")
