@@ -21,6 +21,9 @@ from .nic import NIC, open_nic
 from .queues import QueuePair
 
 TESTS = ("write", "read", "send")
+MTUS = (256, 512, 1024, 2048, 4096)
+MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
+PATTERN_CHUNK = 1 << 20  # random.randbytes(n) overflows a C int above 256 MiB: fill the pattern 1 MiB at a time
 
 
 @dataclasses.dataclass
@@ -38,10 +41,13 @@ class BenchConfig:
     corrupt: float = 0.0
     seed: int = 0
     pcap: str | None = None
-    timeout: int = 14  # QP local ACK timeout exponent (4.096 us * 2^timeout), perftest's default
+    timeout: int = 14  # QP local ACK timeout: 4.096 us * 2^timeout (perftest's default); 0 waits forever, as in IB
     progress: bool = False
 
     def check(self) -> None:
+        """Refuse a bad value before any NIC boots, naming the flag and what it allows.
+
+        Limits of the firmware (QPs, work requests per QP, DMA memory) are left to the driver, which reports them."""
         if self.test not in TESTS:
             raise ValueError(f"test must be one of {TESTS}")
         if self.nics < 2 or self.nics % 2:
@@ -51,9 +57,19 @@ class BenchConfig:
                 raise ValueError(f"--{name} must be at least 1")
         if self.size < 1:
             raise ValueError("--size must be at least 1 byte")
+        if self.mtu not in MTUS:
+            raise ValueError(f"--mtu must be one of {MTUS}")
+        if not 0 <= self.timeout <= MAX_ACK_TIMEOUT:
+            raise ValueError(f"--timeout must be in [0, {MAX_ACK_TIMEOUT}] (a 5-bit exponent: 4.096 us * 2^timeout, "
+                             f"0 waits forever), not {self.timeout}")
         for name in ("loss", "reorder", "dup", "corrupt"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name} is a probability in [0, 1)")
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of each QP's buffers that the run writes (slots are reused once `depth` messages are posted)."""
+        return min(self.iters, self.depth) * self.size
 
 
 @dataclasses.dataclass
@@ -93,10 +109,17 @@ async def _connect(config: BenchConfig, nics: list[NIC]) -> list[_Flow]:
         await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout)
         await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout)
         source, target = await a.register_mr(span), await b.register_mr(span)
-        pattern = random.Random(config.seed * 7919 + i).randbytes(span)
-        (target if config.test == "read" else source).view[:span] = pattern
+        _fill_random((target if config.test == "read" else source).view, config.used_bytes, config.seed * 7919 + i)
         flows.append(_Flow(client, server, source, target))
     return flows
+
+
+def _fill_random(view: memoryview, length: int, seed: int) -> None:
+    """Seeded random bytes in view[:length], the data the run moves and then verifies."""
+    rng = random.Random(seed)
+    for start in range(0, length, PATTERN_CHUNK):
+        end = min(length, start + PATTERN_CHUNK)
+        view[start:end] = rng.randbytes(end - start)
 
 
 async def _drive(config: BenchConfig, flow: _Flow) -> None:
@@ -132,8 +155,8 @@ async def _drive(config: BenchConfig, flow: _Flow) -> None:
 
 
 def _verify(config: BenchConfig, flows: list[_Flow]) -> bool:
-    used = min(config.iters, config.depth) * config.size
-    return all(bytes(f.source.view[:used]) == bytes(f.target.view[:used]) for f in flows)
+    used = config.used_bytes
+    return all(f.source.view[:used] == f.target.view[:used] for f in flows)
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -213,6 +236,7 @@ async def run_loopback(spec: str, size: int) -> dict[str, Any]:
     async with open_nic(spec) as nic:
         cq = await nic.create_cq(depth=64)
         sender, receiver = await nic.create_qp(cq), await nic.create_qp(cq)
+        qpns = [sender.qpn, receiver.qpn]  # a destroyed QP's qpn is -1: keep them for the report
         await sender.connect(receiver.info())
         await receiver.connect(sender.info())
         source, target = await nic.register_mr(size), await nic.register_mr(size)
@@ -228,6 +252,6 @@ async def run_loopback(spec: str, size: int) -> dict[str, Any]:
         seconds = time.perf_counter() - started
         verified = bytes(target.view[:size]) == message
         stats = nic.pci.debug({"op": "stats"})["stats"] if hasattr(nic.pci, "debug") else {}
-    return {"verified": verified, "bytes": size, "seconds": seconds, "qpn": [sender.qpn, receiver.qpn],
+    return {"verified": verified, "bytes": size, "seconds": seconds, "qpn": qpns,
             "packets": stats.get("packets_sent", 0),
             **({"error": "loopback data differs from what was written"} if not verified else {})}
