@@ -21,7 +21,7 @@ import anyio
 from . import __version__
 from .autogen import bnxt
 from .errors import ClosedError, DeviceLostError, FirmwareError, FirmwareTimeoutError
-from .pci import PAGE_SIZE, PCI_VENDOR_ID, DmaBuffer, PCIDevice
+from .pci import PAGE_SIZE, PCI_VENDOR_ID, DmaBuffer, PCIDevice, memory_barrier
 from .rings import Ring, doorbell, page_table
 
 log = logging.getLogger("aiofabric.device")
@@ -256,6 +256,7 @@ class Device:
         if self._first_command:  # tells the firmware to reset its CMDQ/CREQ pointers
             producer |= 1 << bnxt.FIRMWARE_FIRST_FLAG
             self._first_command = False
+        memory_barrier()  # the command's slots in host memory before the producer the firmware reads them by
         self.bar0.write32(bnxt.RCFW_COMM_BASE_OFFSET + bnxt.RCFW_PF_VF_COMM_PROD_OFFSET, producer)
         self.bar0.write32(bnxt.RCFW_COMM_BASE_OFFSET + bnxt.RCFW_COMM_TRIG_OFFSET, bnxt.RCFW_CMDQ_TRIG_VAL)
 
@@ -298,7 +299,7 @@ class Device:
             entry = bytes(view[offset:offset + 16])
             creq.consumer += 1
             freed += self._dispatch(entry)
-        self.doorbells.write64(self.db_offset, doorbell(self._creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM,
+        self.doorbells.write64_doorbell(self.db_offset, doorbell(self._creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM,
                                                         creq.offset(creq.consumer) // 16, creq.epoch(creq.consumer)))
         if freed:
             self._signal_space()

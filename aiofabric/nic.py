@@ -5,7 +5,6 @@ import contextlib
 import functools
 import itertools
 import re
-import socket
 import sys
 from typing import Any, AsyncIterator
 
@@ -23,22 +22,7 @@ if sys.version_info < (3, 11):
 
 PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 _sim_numbers = itertools.count()
-_loopback_hosts = itertools.count(2)
-ROCE_PORT = 4791
 CLOSE_TIMEOUT = 10.0  # seconds a close may spend on the firmware before it leaves the rest to the device's reset
-
-
-def free_loopback_ip() -> str:
-    """A 127.0.0.x address whose RoCE port is free, for an emulated NIC that was given no address."""
-    for _ in range(250):
-        ip = f"127.0.0.{2 + (next(_loopback_hosts) - 2) % 250}"
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                probe.bind((ip, ROCE_PORT))
-            except OSError:
-                continue
-        return ip
-    raise PCIError("no free 127.0.0.x address with UDP port 4791 available for an emulated NIC")
 
 
 class NIC(Device):
@@ -143,12 +127,12 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
     outside, shielded and bounded (CLOSE_TIMEOUT); whatever it could not free goes with the emulator process.
     """
     if spec.startswith("sim"):
-        ip = options["ip"] = ip or free_loopback_ip()
+        options["ip"] = ip  # None: the emulator binds a free 127.0.0.x itself (race-free across processes)
     elif ip is None and PCI_ADDRESS.fullmatch(spec):
         raise PCIError(f"{spec}: give the NIC's IPv4 address (ip=...)")
     pci = await _start(spec, options)
     try:
-        nic = NIC(pci, getattr(pci, "ip", None) or ip, **({"hwrm_timeout": hwrm_timeout} if hwrm_timeout else {}))
+        nic = NIC(pci, ip or pci.ip, **({"hwrm_timeout": hwrm_timeout} if hwrm_timeout else {}))
     except BaseException:
         pci.close()
         raise

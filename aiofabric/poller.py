@@ -116,6 +116,6 @@ class Poller:
             nq.consumer += 1
             consumed = True
         if consumed or not self.nq_armed:  # an NQ that fired is disarmed; one that did not is still armed
-            self.device.doorbells.write64(self.device.db_offset, doorbell(
+            self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell(
                 self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.offset(nq.consumer) // 16, nq.epoch(nq.consumer)))
             self.nq_armed = True

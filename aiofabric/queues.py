@@ -189,7 +189,7 @@ class CompletionQueue:
 
     def _doorbell(self, kind: int, toggle: int = 0) -> None:
         ring = self.ring
-        self.device.doorbells.write64(self.device.db_offset, doorbell(
+        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell(
             self.id, kind, ring.offset(ring.consumer) // CQE_SIZE, ring.epoch(ring.consumer), toggle))
 
     def fail_all(self, error: BaseException) -> None:
@@ -459,7 +459,7 @@ class QueuePair:
         self.receives.append((tag, completion))
         self.recv_cq.outstanding += 1
         self.rq_producer += 1
-        self.device.doorbells.write64(self.device.db_offset, doorbell(
+        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell(
             self.qpn, bnxt.DBC_DBC_TYPE_RQ, self.rq.offset(self.rq_producer) // self.rq_wqe_size,
             self.rq.epoch(self.rq_producer)))
         if self._poller.sleeping:
@@ -530,7 +530,7 @@ class QueuePair:
 
     def _ring_sq(self) -> None:
         self._doorbell_due = False
-        self.device.doorbells.write64(self.device.db_offset, doorbell(
+        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell(
             self.qpn, bnxt.DBC_DBC_TYPE_SQ, self.sq_producer & (self.sq_slots - 1), self.sq.epoch(self.sq_producer)))
 
     async def _wait_for_space(self, verb: str) -> None:

@@ -186,7 +186,6 @@ def test_a_signal_closes_cleanly_and_prints_json(backend, signum, code, message)
     assert not [pid for pid in emulators if is_running(pid)]
 
 
-@pytest.mark.xfail(strict=False, reason="waiting for emulator-side address choice")
 def test_concurrent_runs_each_get_their_own_nics():
     processes = [subprocess.Popen([*CLI, "bench", "write", "--iters", "100", "--json"], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for _ in range(4)]
