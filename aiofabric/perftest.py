@@ -90,7 +90,7 @@ async def _nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
         for i in range(config.nics):
             options: dict[str, Any] = dict(faults, seed=config.seed + i) if faults else {}
             if config.pcap:
-                options["pcap"] = config.pcap if config.nics == 2 and i == 0 else f"{config.pcap}.{i}"
+                options["pcap"] = config.pcap if i == 0 else f"{config.pcap}.{i}"  # NIC N>0: FILE.N
             nics.append(await stack.enter_async_context(open_nic(f"sim:bench{os.getpid()}-{i}", **options)))
         yield nics
 

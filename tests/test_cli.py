@@ -199,3 +199,12 @@ def test_examples_run_as_is(example, args):
     process = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr
     assert "passed" in process.stdout or "verified" in process.stdout
+
+
+def test_bench_pcap_names_one_file_per_nic(tmp_path):
+    capture = tmp_path / "run.pcap"
+    code, result, process = run("bench", "write", "--nics", "4", "--qps", "2", "--size", "64", "--iters", "5",
+                                "--pcap", str(capture), "--json")
+    assert code == 0 and result["ok"], process.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pcap", "run.pcap.1", "run.pcap.2", "run.pcap.3"]
+    assert all(p.stat().st_size > 24 for p in tmp_path.iterdir())  # more than the pcap header: packets
