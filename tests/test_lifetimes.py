@@ -23,11 +23,17 @@ def unreachable(qp):
     return QPInfo(0xFFFF00, qp.device.gid, qp.device.mac, 0)
 
 
+async def stuck_qp(nic, sq_depth=16, **connect):
+    """A CQ and a connected QP whose work requests wait (for ACKs that never come) until the QP times out."""
+    cq = await nic.create_cq(depth=256)
+    qp = await nic.create_qp(cq, sq_depth=sq_depth)
+    await qp.connect(unreachable(qp), **connect)
+    return cq, qp
+
+
 async def test_use_after_destroy_is_refused_and_never_touches_freed_memory():
     async with open_nic() as nic:
-        cq = await nic.create_cq(depth=256)
-        qp = await nic.create_qp(cq, sq_depth=16)
-        await qp.connect(unreachable(qp))
+        cq, qp = await stuck_qp(nic)
         source = await nic.register_mr(8192)
         pending = await qp.post_write(source, source, 64)  # no ACK will ever come
         await qp.destroy()
@@ -64,9 +70,7 @@ async def test_use_after_destroy_is_refused_and_never_touches_freed_memory():
 
 async def test_a_poster_waiting_for_space_learns_of_destroy():
     async with open_nic() as nic:
-        cq = await nic.create_cq(depth=256)
-        qp = await nic.create_qp(cq, sq_depth=4)
-        await qp.connect(unreachable(qp))
+        _, qp = await stuck_qp(nic, sq_depth=4)
         mr = await nic.register_mr(4096)
         outcome = []
 
@@ -116,9 +120,7 @@ async def test_device_lost_fails_new_work_at_once():
 
 async def test_device_lost_fails_work_in_flight():
     async with open_nic() as nic:
-        cq = await nic.create_cq(depth=256)
-        qp = await nic.create_qp(cq)
-        await qp.connect(unreachable(qp))
+        _, qp = await stuck_qp(nic)
         mr = await nic.register_mr(4096)
         pending = await qp.post_write(mr, mr, 64)
         os.kill(nic.pci.pid, 9)
@@ -230,9 +232,7 @@ async def test_errors_leave_the_block_as_themselves():
 
 async def test_flushed_work_names_the_error_that_moved_the_qp_to_err():
     async with open_nic() as nic:
-        cq = await nic.create_cq(depth=256)
-        qp = await nic.create_qp(cq, sq_depth=32)
-        await qp.connect(unreachable(qp), timeout=1, retry_cnt=1)
+        _, qp = await stuck_qp(nic, sq_depth=32, timeout=1, retry_cnt=1)
         mr = await nic.register_mr(4096)
         with qp.batch():
             first = await qp.post_write(mr, mr, 64, signaled=False)  # fails: nobody awaits it
