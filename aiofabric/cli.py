@@ -143,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
         bench.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
                            help=f"probability of {fault} per packet on the emulated wire")
     bench.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
-    bench.add_argument("--pcap", metavar="FILE", help="write every packet the first NIC sends and receives")
+    bench.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC N: FILE.N)")
+    bench.add_argument("--inject-fault", metavar="KIND[:N[:OFFSET]]",
+                       help="make the server NICs misbehave, to see verification fail: skip_placement (ACK the next "
+                            "N writes without placing them) or misplace (place them OFFSET bytes off; default 64)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=cmd_bench)
     return parser

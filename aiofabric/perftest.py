@@ -2,7 +2,14 @@
 
 `bench` boots `nics` emulated NICs (one process each, talking RoCEv2 over UDP on 127.0.0.x), pairs them up
 (NIC 0 with 1, 2 with 3, ...), spreads `qps` client/server QP pairs over the pairs and drives every QP from one
-event loop with `depth` work requests in flight. Destination bytes are verified at the end.
+event loop with `depth` work requests in flight.
+
+Verification can fail: every operation moves its own bytes. When a QP's `iters * size` fit in FULL_CHECK_BYTES per
+NIC, each operation has its own slot of seeded random data and every operation's bytes are compared at its own
+offset. Otherwise slots are reused every `depth` operations and each operation stamps its slot with (QP, iteration)
+before it is posted; then the last pass is compared byte for byte, and the emulator's per-QP count of placed
+messages and bytes (debug channel, "placed") must equal what was posted: a lost, duplicated or misplaced message
+shows as a count or a byte that differs.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import struct
 import sys
 import time
 from typing import Any, AsyncIterator
@@ -24,6 +32,12 @@ TESTS = ("write", "read", "send")
 MTUS = (256, 512, 1024, 2048, 4096)
 MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
 PATTERN_CHUNK = 1 << 20  # random.randbytes(n) overflows a C int above 256 MiB: fill the pattern 1 MiB at a time
+FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its own bytes to compare at the end
+STAMP = struct.Struct("<Q")  # (flow << 40 | iteration) at the start of a reused slot, so each payload is distinct
+FAULT_KINDS = ("skip_placement", "misplace")
+LOOPBACK_BASE_SECONDS, LOOPBACK_SLOWEST_BPS = 10.0, 1 << 20  # loopback's time limit grows with the size
+PLACED_KEYS = {"write": ("write_messages", "write_bytes"), "send": ("send_messages", "send_bytes"),
+               "read": ("read_messages", "read_bytes")}
 
 
 @dataclasses.dataclass
@@ -42,6 +56,7 @@ class BenchConfig:
     seed: int = 0
     pcap: str | None = None
     timeout: int = 14  # QP local ACK timeout: 4.096 us * 2^timeout (perftest's default); 0 waits forever, as in IB
+    inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]": an emulator bug on the servers, to see verify fail
     progress: bool = False
 
     def check(self) -> None:
@@ -65,11 +80,32 @@ class BenchConfig:
         for name in ("loss", "reorder", "dup", "corrupt"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name} is a probability in [0, 1)")
+        if self.inject_fault is not None:
+            self.fault()
+
+    def fault(self) -> dict[str, Any] | None:
+        """The debug-channel request of --inject-fault KIND[:COUNT[:OFFSET]], or None."""
+        if self.inject_fault is None:
+            return None
+        kind, *numbers = self.inject_fault.split(":")
+        if kind not in FAULT_KINDS or len(numbers) > 2 or not all(n.isdigit() for n in numbers):
+            raise ValueError(f"--inject-fault must be KIND[:COUNT[:OFFSET]] with KIND one of {FAULT_KINDS}, "
+                             f"not {self.inject_fault!r}")
+        count, offset = (int(n) for n in (numbers + ["1", "64"])[:2])
+        return {"op": "fault", "kind": kind, "count": count, "offset": offset}
+
+    @property
+    def slots(self) -> int:
+        """Message slots per QP: one per operation when they fit in FULL_CHECK_BYTES per NIC, else `depth` reused."""
+        per_nic = -(-self.qps // (self.nics // 2))
+        if self.iters * self.size * per_nic <= FULL_CHECK_BYTES:
+            return self.iters
+        return min(self.iters, self.depth)
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of each QP's buffers that the run writes (slots are reused once `depth` messages are posted)."""
-        return min(self.iters, self.depth) * self.size
+        """Bytes of each QP's buffers that the run moves."""
+        return self.slots * self.size
 
 
 @dataclasses.dataclass
@@ -78,6 +114,7 @@ class _Flow:
     server: QueuePair
     source: Any  # MemoryRegion on the client
     target: Any  # MemoryRegion on the server
+    index: int = 0
     latencies: list[float] = dataclasses.field(default_factory=list)
     done: int = 0
 
@@ -97,7 +134,7 @@ async def _nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
 
 async def _connect(config: BenchConfig, nics: list[NIC]) -> list[_Flow]:
     flows = []
-    span = config.size * config.depth
+    span = config.used_bytes
     cqs = {}
     for nic in nics:
         per_nic = -(-config.qps // (config.nics // 2))
@@ -110,7 +147,11 @@ async def _connect(config: BenchConfig, nics: list[NIC]) -> list[_Flow]:
         await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout)
         source, target = await a.register_mr(span), await b.register_mr(span)
         _fill_random((target if config.test == "read" else source).view, config.used_bytes, config.seed * 7919 + i)
-        flows.append(_Flow(client, server, source, target))
+        flows.append(_Flow(client, server, source, target, i))
+    fault = config.fault()
+    if fault is not None:
+        for server_nic in nics[1::2]:
+            server_nic.pci.debug(fault)
     return flows
 
 
@@ -127,15 +168,20 @@ async def _drive(config: BenchConfig, flow: _Flow) -> None:
     chunk = max(1, config.depth // 2)
     in_flight: list[tuple[float, Any, int]] = []
     posted = 0
-    size = config.size
+    size, slots = config.size, config.slots
+    stamp = b"" if slots == config.iters or config.test == "read" else \
+        (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
+    data = flow.source.view
     while flow.done < config.iters:
         while posted < config.iters and posted - flow.done < config.depth:
             count = min(chunk, config.iters - posted, config.depth - (posted - flow.done))
             started = time.perf_counter()
             with flow.client.batch():
                 for k in range(count):
-                    slot = (posted + k) % config.depth * size
+                    slot = (posted + k) % slots * size
                     last = k == count - 1
+                    if stamp:  # the slot's previous message completed: posted - done < depth
+                        data[slot:slot + len(stamp)] = STAMP.pack((flow.index << 40) | (posted + k))[:len(stamp)]
                     if config.test == "write":
                         completion = await flow.client.post_write(flow.source, flow.target, size, local_offset=slot,
                                                                   remote_offset=slot, signaled=last)
@@ -154,9 +200,21 @@ async def _drive(config: BenchConfig, flow: _Flow) -> None:
         flow.done += count
 
 
-def _verify(config: BenchConfig, flows: list[_Flow]) -> bool:
+def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, dict[str, dict[str, int]]]) -> str | None:
+    """Why the run's bytes are wrong, or None: every slot's bytes, then the emulator's per-QP placement counts."""
     used = config.used_bytes
-    return all(f.source.view[:used] == f.target.view[:used] for f in flows)
+    for flow in flows:
+        if flow.source.view[:used] != flow.target.view[:used]:
+            offset = next(i for i in range(0, used, config.size)
+                          if flow.source.view[i:i + config.size] != flow.target.view[i:i + config.size])
+            return f"QP {flow.client.qpn:#x}: the bytes of message slot {offset // config.size} differ at the target"
+        placer = flow.client if config.test == "read" else flow.server  # who places the data in memory
+        counts = placed[placer.device].get(str(placer.qpn), {})
+        messages, size = (counts.get(key, 0) for key in PLACED_KEYS[config.test])
+        if (messages, size) != (config.iters, config.iters * config.size):
+            return (f"QP {placer.qpn:#x}: the NIC placed {messages} messages / {size} bytes, "
+                    f"{config.iters} / {config.iters * config.size} were posted")
+    return None
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -190,23 +248,24 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         cpu = time.process_time() - cpu_started
         if config.progress:
             print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
-        verified = _verify(config, flows)
-        wire = {key: 0 for key in ("packets", "retransmits", "dropped")}
+        mismatch = _verify(config, flows, {nic: nic.pci.debug({"op": "placed"})["qps"] for nic in nics})
+        wire = {key: 0 for key in ("packets", "retransmits", "dropped", "rx_overflow")}
         for nic in nics:
             stats, old = nic.pci.debug({"op": "stats"})["stats"], before[nic]
-            wire["packets"] += stats.get("packets_sent", 0) - old.get("packets_sent", 0)
-            wire["retransmits"] += stats.get("retransmits", 0) - old.get("retransmits", 0)
-            wire["dropped"] += stats.get("dropped", 0) - old.get("dropped", 0)
+            for key, name in (("packets", "packets_sent"), ("retransmits", "retransmits"), ("dropped", "dropped"),
+                              ("rx_overflow", "rx_overflow")):
+                wire[key] += stats.get(name, 0) - old.get(name, 0)
         first = nics[0].info()
     ops = config.qps * config.iters
     latencies = [x for f in flows for x in f.latencies]
     return {
-        "verified": verified, "test": config.test, "qps": config.qps, "size": config.size, "iters": config.iters,
+        "verified": mismatch is None, "test": config.test, "qps": config.qps, "size": config.size,
+        "iters": config.iters,
         "depth": config.depth, "mtu": config.mtu, "nics": config.nics, "ops": ops, "bytes": ops * config.size,
         "seconds": seconds, "msg_rate": ops / seconds, "bw_MiBps": ops * config.size / seconds / 2**20,
         "lat_us": {"p50": _percentile(latencies, 50) * 1e6, "p99": _percentile(latencies, 99) * 1e6},
         "driver_cpu_us_per_op": cpu / ops * 1e6, **wire, "fw_version": first["fw_version"],
-        **({"error": "destination bytes differ from the source"} if not verified else {}),
+        **({"error": f"verification failed: {mismatch}"} if mismatch else {}),
     }
 
 
@@ -225,7 +284,8 @@ def format_table(result: dict[str, Any], config: BenchConfig) -> str:
              f" {result['lat_us']['p50']:<15.1f} {result['lat_us']['p99']:.1f}", rule,
              f" verified: {'yes' if result['verified'] else 'NO'}   packets: {result['packets']}   "
              f"retransmits: {result['retransmits']}   dropped: {result['dropped']}   "
-             f"driver CPU: {result['driver_cpu_us_per_op']:.2f} us/op", rule]
+             f"rx overflow: {result['rx_overflow']}   driver CPU: {result['driver_cpu_us_per_op']:.2f} us/op",
+             *([f" {result['error']}"] if "error" in result else []), rule]
     return "\n".join(lines)
 
 
@@ -244,9 +304,14 @@ async def run_loopback(spec: str, size: int) -> dict[str, Any]:
         source.view[:size] = message
         await nic.set_loopback(bnxt.PORT_PHY_CFG_REQ_LPBK_LOCAL)
         started = time.perf_counter()
+        limit = LOOPBACK_BASE_SECONDS + size / LOOPBACK_SLOWEST_BPS
         try:
-            with anyio.fail_after(10):
+            with anyio.move_on_after(limit) as waited:
                 await sender.write(source, target, size)
+            if waited.cancelled_caught:
+                raise TimeoutError(f"PHY loopback: the {size}-byte RDMA WRITE did not complete within {limit:.0f} s "
+                                   f"(allowed: {LOOPBACK_BASE_SECONDS:g} s + 1 s per "
+                                   f"{LOOPBACK_SLOWEST_BPS // 2**20} MiB)")
         finally:
             await nic.set_loopback(bnxt.PORT_PHY_CFG_REQ_LPBK_NONE)
         seconds = time.perf_counter() - started

@@ -208,3 +208,30 @@ def test_bench_pcap_names_one_file_per_nic(tmp_path):
     assert code == 0 and result["ok"], process.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pcap", "run.pcap.1", "run.pcap.2", "run.pcap.3"]
     assert all(p.stat().st_size > 24 for p in tmp_path.iterdir())  # more than the pcap header: packets
+
+
+# -- verification can fail (issue 7): the emulator misbehaves on purpose and `bench` must notice ----------------------
+FULL = ("--size", "4096", "--iters", "64", "--depth", "8", "--mtu", "1024")  # every operation has its own slot
+REUSED = ("--size", "65536", "--iters", "1100", "--depth", "16")  # 68.75 MiB > 64 MiB: slots reused, stamped
+
+
+@pytest.mark.parametrize("shape", [FULL, REUSED], ids=["own-slots", "reused-slots"])
+@pytest.mark.parametrize("test", ["write", "read", "send"])
+def test_bench_verifies_every_operation(test, shape):
+    code, result, process = run("bench", test, *shape, "--json")
+    assert code == 0 and result["ok"] and result["verified"], process.stdout + process.stderr
+
+
+@pytest.mark.parametrize("shape,fault,why", [
+    (FULL, "skip_placement:1", "differ"), (FULL, "misplace:1:64", "differ"),
+    (REUSED, "skip_placement:1", "placed 1099 messages"), (REUSED, "misplace:1100:64", "differ"),
+], ids=["own-slots-skip", "own-slots-misplace", "reused-slots-skip", "reused-slots-misplace"])
+def test_bench_verification_fails_when_the_nic_misplaces_data(shape, fault, why):
+    code, result, process = run("bench", "write", *shape, "--inject-fault", fault, "--json")
+    assert code == 1 and result["ok"] is False and result["verified"] is False, process.stdout + process.stderr
+    assert why in result["error"]
+
+
+def test_bench_refuses_an_unknown_fault():
+    code, result, _ = run("bench", "write", "--inject-fault", "gremlins", "--json")
+    assert code == 1 and "--inject-fault must be KIND" in result["error"]
