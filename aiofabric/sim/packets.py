@@ -560,7 +560,10 @@ def icrc(ip_packet_without_icrc: bytes | bytearray | memoryview) -> bytes:
     already count the 4 ICRC bytes.
     """
     masked = bytearray(ip_packet_without_icrc)
-    ihl = (masked[0] & 0x0F) * 4
+    ihl = (masked[0] & 0x0F) * 4 if masked else 0
+    if len(masked) < ihl + UDP_HEADER_SIZE + BTH_SIZE or ihl < IPV4_HEADER_SIZE:
+        raise ValueError(f"not an IPv4 RoCEv2 packet: {len(masked)} bytes, IHL {ihl} (the ICRC needs IPv4, UDP and "
+                         f"a BTH)")
     masked[1] = masked[8] = 0xFF
     masked[10:12] = masked[ihl + 6:ihl + 8] = b"\xff\xff"
     masked[ihl + UDP_HEADER_SIZE + 4] = 0xFF
