@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from aiofabric.sim.packets import (
-    ACK_UNLIMITED, ROCE_PORT, Op, Packet, decode, decode_ipv4, encode_ipv4, udp_source_port,
+    ACK_UNLIMITED, ROCE_PORT, Op, Packet, Segments, decode, decode_ipv4, encode_ipv4, udp_source_port,
 )
 from aiofabric.sim import mmsg
 from aiofabric.sim.pcap import PcapWriter
@@ -127,6 +127,25 @@ def test_loopback_returns_what_was_sent_in_order():
         assert port.receive(budget=4) == sent[:4]
         assert port.receive() == sent[4:]
         assert port.counters["sent"] == port.counters["received"] == 10
+
+
+def test_loopback_bursts_come_back_as_the_packets_they_stand_for_and_announce_themselves():
+    """send_all encodes a WRITE's Segments in one go; what comes back decodes (ICRC checked) to the same packets. The
+    port has no descriptor, so `pending` is what tells the emulator's loop not to sleep while packets wait."""
+    data = os.urandom(3 * 1024 + 61)
+    burst = Segments(tuple(map(int, (Op.RDMA_WRITE_MIDDLE, Op.RDMA_WRITE_LAST, Op.RDMA_WRITE_FIRST,
+                                     Op.RDMA_WRITE_ONLY))), 0x12, 0x100, 4, 1024, memoryview(data), len(data),
+                     0x1000, 0x77, 0, False, 0, 4, 0b1010, dst_ip=A, src_port=udp_source_port(0x11, 0x12))
+    single = write(0x104, dst_ip=A)
+    with LoopbackTransport(A) as port:
+        assert not port.pending
+        port.send_all([burst, single])
+        assert port.pending and port.counters["sent"] == 5
+        back = port.receive(budget=100)
+        assert not port.pending and port.counters["dropped_icrc"] == 0
+        expected = [*burst.packets(), single]
+        assert [(p.opcode, p.psn, p.ack_req, p.remote_addr, p.dma_length, bytes(p.payload)) for p in back] == \
+               [(p.opcode, p.psn, p.ack_req, p.remote_addr, p.dma_length, bytes(p.payload)) for p in expected]
 
 
 def test_faults_are_deterministic_for_a_seed_and_counted():

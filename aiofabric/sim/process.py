@@ -191,7 +191,10 @@ class Emulator:
         return self.wire
 
     def timeout(self) -> float | None:
-        """How long select() may block: until the data path's next timer or a held (reordered) packet is due."""
+        """How long select() may block: until the data path's next timer or a held (reordered) packet is due; not at
+        all while the loopback holds packets (no descriptor announces them)."""
+        if self.loopback.pending:
+            return 0.0
         deadlines = [self.datapath.next_deadline()]
         deadlines += [transport.flush_deadline for transport in (self.wire, self.loopback) if transport is not None]
         deadlines = [d for d in deadlines if d is not None]
