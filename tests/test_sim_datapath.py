@@ -723,3 +723,67 @@ def test_every_byte_arrives_once_under_faults(operations, seed, mtu, faults):
     assert b.mem.read(dst, size) == bytes(expected_remote)
     assert a.fw.rcfw.qps[a.qpn].state == b.fw.rcfw.qps[b.qpn].state == QpState.RTS
     assert a.dp.stats["internal_errors"] == b.dp.stats["internal_errors"] == 0
+
+
+# -- placement accounting and deliberate placement bugs (debug "placed" and "fault") --------------------------------
+def test_placed_counts_every_message_once_under_loss_dup_and_reorder():
+    a, b, wire = pair(mtu=256, loss=0.1, dup=0.2, reorder=0.2, seed=5, timeout=3)
+    local, lkey = a.register(1 << 16)
+    remote, rkey = b.register(1 << 16)
+    fill(a, local, 1 << 16, 21)
+    fill(b, remote, 1 << 16, 22)
+    writes = [0, 1, 255, 256, 1000, 4000]  # zero-length is a message too
+    reads, sends = [3000, 1, 700], [300, 2000]
+    for i, size in enumerate(writes):
+        a.post(WRITE, [(local + 4096 * i, lkey, size)], remote=remote + 4096 * i, rkey=rkey, signaled=False)
+    b.post_recv([(remote + 40000, rkey, 2048)], tag=1)
+    a.post(WRITE_IMM, [(local, lkey, 1500)], remote=remote + 30000, rkey=rkey, imm=7, signaled=False)
+    for i, size in enumerate(reads):
+        a.post(READ, [(local + 50000 + 4096 * i, lkey, size)], remote=remote + 4096 * i, rkey=rkey, signaled=False)
+    for i, size in enumerate(sends):
+        b.post_recv([(remote + 44000 + 4096 * i, rkey, 4096)], tag=2 + i)
+        a.post(SEND, [(local + 4096 * i, lkey, size)], signaled=False)
+    a.post(WRITE, [(local, lkey, 0)], remote=remote, rkey=rkey)
+    wire.run(max_time=600)
+    assert [c[1] for c in a.poll()] == [REQ_OK]
+    assert b.dp.stats["duplicates"] > 0 and a.dp.stats["retransmits"] > 0  # the faults did bite
+    assert a.dp.placed_report()[str(a.qpn)] == {
+        "write_messages": 0, "write_bytes": 0, "send_messages": 0, "send_bytes": 0,
+        "read_messages": len(reads), "read_bytes": sum(reads)}
+    assert b.dp.placed_report()[str(b.qpn)] == {
+        "write_messages": len(writes) + 2, "write_bytes": sum(writes) + 1500,  # + the WRITE_IMM and the final one
+        "send_messages": len(sends), "send_bytes": sum(sends), "read_messages": 0, "read_bytes": 0}
+
+
+def test_skip_placement_fault_acknowledges_writes_without_placing_them():
+    a, b, wire = pair(mtu=1024)
+    src, lkey = a.register(1 << 16)
+    dst, rkey = b.register(1 << 16)
+    data = fill(a, src, 1 << 16, 23)
+    b.dp.inject_placement_fault("skip_placement", 2)
+    for i, size in enumerate((0, 5000, 100, 300)):  # the zero-length one has nothing to skip: it does not count
+        a.post(WRITE, [(src + 8192 * i, lkey, size)], remote=dst + 8192 * i, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] * 4  # acknowledged as if all was well
+    assert b.mem.read(dst + 8192, 5000) == bytes(5000) and b.mem.read(dst + 16384, 100) == bytes(100)
+    assert b.mem.read(dst + 24576, 300) == data[24576:24876]  # the fault is used up
+    placed = b.dp.placed_report()[str(b.qpn)]
+    assert (placed["write_messages"], placed["write_bytes"]) == (2, 300)
+
+
+def test_misplace_fault_shifts_the_payload_and_stays_inside_the_region():
+    a, b, wire = pair(mtu=1024)
+    src, lkey = a.register(8192)
+    dst, rkey = b.register(8192)
+    data = fill(a, src, 8192, 24)
+    b.dp.inject_placement_fault("misplace", 2, offset=64)
+    a.post(WRITE, [(src, lkey, 3000)], remote=dst + 1000, rkey=rkey)
+    a.post(WRITE, [(src, lkey, 2000)], remote=dst + 8192 - 2000, rkey=rkey)  # at the end: clamped, lands as asked
+    a.post(WRITE, [(src + 4096, lkey, 100)], remote=dst, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] * 3
+    assert b.mem.read(dst + 1064, 3000) == data[:3000] and b.mem.read(dst + 1000, 64) == bytes(64)
+    assert b.mem.read(dst + 8192 - 2000, 2000) == data[:2000]
+    assert b.mem.read(dst, 100) == data[4096:4196]
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        b.dp.inject_placement_fault("lose_everything", 1)

@@ -10,6 +10,9 @@ One `Datapath` per NIC, beside its `Firmware`. The I/O shell (process.py) feeds 
                                sends and clears it
     dp.next_deadline()         when to call advance() again: None (nothing pending), or a time (<= now: at once)
 
+    dp.placed_report()         per QP, the messages and bytes placed in memory (debug "placed")
+    dp.inject_placement_fault(kind, count, offset)   deliberately wrong WRITE placement (debug "fault")
+
 CQEs land in host memory through `CompletionQueue.post`; interrupts collect in fw.interrupts; QP errors reach the CREQ
 through `rcfw.post_event("qp_error")`. Per QP a `QpContext` holds the `Requester` (requester.py) and `Responder`
 (responder.py); it is created on first use and watches the QP's state (`QueuePair.observer`): ERR flushes, RTS starts
@@ -47,6 +50,26 @@ CQ_OVERFLOW = {True: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_REQ_CQ_OVERFL
                False: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_RES_CQ_OVERFLOW_ERROR}
 
 
+class PlacedCounts:
+    """What one QP placed in memory since it was created, each message counted once, when its last packet landed
+    (duplicates and retransmissions never count twice). Responder side: WRITE (with or without immediate) and SEND
+    payloads; requester side: READ response payloads."""
+
+    FIELDS = ("write_messages", "write_bytes", "send_messages", "send_bytes", "read_messages", "read_bytes")
+    __slots__ = ("qp", *FIELDS)
+
+    def __init__(self, qp: QueuePair | None = None) -> None:
+        self.qp = qp
+        for name in self.FIELDS:
+            setattr(self, name, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+
+PLACEMENT_FAULTS = ("skip_placement", "misplace")
+
+
 class QpContext:
     """The data path's state for one QP: requester, responder, the addressing of its packets, scheduling marks."""
 
@@ -59,6 +82,10 @@ class QpContext:
         self.queued = False  # in dp.ready
         self.timer_at: float | None = None  # earliest entry of ours in dp's timer heap
         self.error_reasons: tuple[int, int] | None = None  # set by the data path before it moves the QP to ERR
+        placed = dp.placed.get(qp.qpn)
+        if placed is None or placed.qp is not qp:  # a context is remade after RESET: the counts last as long as the QP
+            placed = dp.placed[qp.qpn] = PlacedCounts(qp)
+        self.placed = placed
         qp.observer = dp.on_state
 
     def refresh(self) -> None:
@@ -107,6 +134,11 @@ class Datapath:
         self._sequence = itertools.count()
         self._overflowed: set[int] = set()
         self.last_error = ""
+        self.placed: dict[int, PlacedCounts] = {}  # by QPN; an entry whose qp is not the live one is stale
+        # deliberate bugs for tests that prove a verification can fail: the next N WRITE messages carrying data are
+        # acknowledged as usual but not placed ("skip_placement"), or placed misplace_offset bytes off ("misplace")
+        self.placement_faults = dict.fromkeys(PLACEMENT_FAULTS, 0)
+        self.misplace_offset = 0
 
     # -- contexts ----------------------------------------------------------------------------------------------------
     def context(self, qpn: int) -> QpContext | None:
@@ -159,6 +191,42 @@ class Datapath:
         if cq.cq_id not in self._overflowed:
             self._overflowed.add(cq.cq_id)
             self.rcfw.post_event("cq_error", xid=cq.cq_id, reason=CQ_OVERFLOW[cqe[24] & 0x1E == 0])
+
+    # -- placement accounting and faults ---------------------------------------------------------------------------
+    def placed_report(self) -> dict[str, dict[str, int]]:
+        """{QPN as a string: PlacedCounts.as_dict()} for every live RC QP (zeros for one that never moved data)."""
+        report = {}
+        for qpn, qp in self.rcfw.qps.items():
+            if qp.qp_type != bnxt.CMDQ_CREATE_QP_TYPE_RC:
+                continue
+            placed = self.placed.get(qpn)
+            report[str(qpn)] = (placed if placed is not None and placed.qp is qp else PlacedCounts()).as_dict()
+        for qpn in [qpn for qpn, placed in self.placed.items() if self.rcfw.qps.get(qpn) is not placed.qp]:
+            del self.placed[qpn]  # destroyed QPs: forget them here rather than on every DESTROY_QP
+        return report
+
+    def inject_placement_fault(self, kind: str, count: int, offset: int = 0) -> None:
+        """Make the next `count` WRITE messages with data skip placement or land `offset` bytes off (the count
+        replaces any pending one of that kind; 0 cancels it)."""
+        if kind not in PLACEMENT_FAULTS:
+            raise ValueError(f"unknown fault kind {kind!r}; choose one of {', '.join(PLACEMENT_FAULTS)}")
+        if not isinstance(count, int) or count < 0:
+            raise ValueError(f"fault count must be a non-negative integer, not {count!r}")
+        if kind == "misplace":
+            if not isinstance(offset, int) or not offset:
+                raise ValueError(f"misplace needs a non-zero integer offset, not {offset!r}")
+            self.misplace_offset = offset
+        self.placement_faults[kind] = count
+
+    def placement_fault(self) -> str | None:
+        """The fault the WRITE message starting now suffers, if any (and one fewer is left)."""
+        faults = self.placement_faults
+        for kind in PLACEMENT_FAULTS:
+            if faults[kind]:
+                faults[kind] -= 1
+                self.stats[f"faulted_{kind}"] += 1
+                return kind
+        return None
 
     # -- inputs ------------------------------------------------------------------------------------------------------
     def doorbells(self, now: float) -> None:

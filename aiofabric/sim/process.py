@@ -20,6 +20,18 @@ Debug "stats" reply: the shell's counters (hwrm, rcfw, kicks, interrupts, ...), 
 (packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts, ...; see
 Datapath.stats), `dropped` = every packet dropped on receive (bad ICRC and malformed datagrams included),
 `dropped_icrc`, and the transports' own counters prefixed with "wire_" (wire_sent, wire_lost, wire_corrupted, ...).
+
+Debug "placed" reply: {"placed": {QPN as a string: {write_messages, write_bytes, send_messages, send_bytes,
+read_messages, read_bytes}}} for every live RC QP: what it placed in memory since it was created, each message counted
+once, when its last packet landed (duplicates and retransmissions never count twice). WRITE (with or without
+immediate) and SEND are counted by the responder, READ (the response payload placed locally) by the requester.
+
+Debug "fault" request: deliberate data-path bugs, so that tests can prove a verification fails when it should.
+{"op": "fault", "kind": "skip_placement", "count": N}: the next N incoming WRITE messages that carry data (FIRST..LAST or
+ONLY, with or without immediate) are acknowledged and completed as usual, but their payload is not placed (nor counted
+by "placed"). {"op": "fault", "kind": "misplace", "count": N, "offset": K}: their payload lands K bytes away from the
+RETH's address, clamped to stay inside the MR (it never faults); counted as placed. A request replaces the pending
+count of its kind (count 0 cancels it).
 """
 from __future__ import annotations
 
@@ -367,6 +379,11 @@ class Emulator:
             return {}
         if op == "latency":
             self.latency = request["us"] * 1e-6
+            return {}
+        if op == "placed":
+            return {"placed": self.datapath.placed_report()}
+        if op == "fault":
+            self.datapath.inject_placement_fault(request["kind"], request.get("count", 1), request.get("offset", 0))
             return {}
         if op == "event":
             self.fw.rcfw.post_event(**request["event"])

@@ -412,6 +412,9 @@ class Requester:
         w.received = k + 1
         self.una = (psn + 1) & PSN_MASK
         if last:
+            placed = self.ctx.placed
+            placed.read_messages += 1
+            placed.read_bytes += w.length
             self._retire()
             if self.send < self.done:
                 self.send, self.send_pkt = self.done, 0

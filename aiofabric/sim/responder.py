@@ -43,6 +43,16 @@ WRITE_POSITIONS = tuple((op in (WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM), op not
                          op in (WRITE_LAST_IMM, WRITE_ONLY_IMM)) for op in range(WRITE_FIRST, WRITE_ONLY_IMM + 1))
 
 
+class _Discard:
+    """A WRITE target that drops what is written to it: the "skip_placement" fault (datapath.inject_placement_fault)."""
+
+    def __setitem__(self, index: slice, data: object) -> None:
+        pass
+
+
+DISCARD = _Discard()
+
+
 class Responder:
     """Receive side of one QP."""
 
@@ -55,6 +65,7 @@ class Responder:
         self.in_msg = 0  # IN_SEND / IN_WRITE while a multi-packet message is half received
         self.target = EMPTY  # where the current message lands
         self.offset = self.msg_length = 0
+        self.placing = True  # the current WRITE's payload really lands (False only under the skip_placement fault)
         self.wr_id = 0  # of the RQ WQE the current SEND fills
         self.ack_psn: int | None = None  # the coalesced ACK owed at the end of this receive batch
 
@@ -263,6 +274,9 @@ class Responder:
             imm = op == SEND_LAST_IMM or op == SEND_ONLY_IMM
             self.in_msg, self.target = 0, EMPTY
             self.msn = (self.msn + 1) & MSN_MASK
+            placed = self.ctx.placed
+            placed.send_messages += 1
+            placed.send_bytes += self.offset
             self._complete(OK, self.offset, p.immediate if imm else 0, IMM if imm else 0, p.solicited)
         if p.ack_req:
             self._owe_ack(p.psn)
@@ -290,7 +304,10 @@ class Responder:
             except (*ACCESS_ERRORS, PermissionError):
                 self._error(p, pk.NAK_REMOTE_ACCESS, RES_RX_INVALID_R_KEY)
                 return
-            self.in_msg, self.offset, self.msg_length = IN_WRITE, 0, p.dma_length
+            self.in_msg, self.offset, self.msg_length, self.placing = IN_WRITE, 0, p.dma_length, True
+            faults = self.dp.placement_faults
+            if p.dma_length and (faults["skip_placement"] or faults["misplace"]):
+                self._fault_placement(p)
         payload = p.payload
         size, mtu = len(payload), qp.path_mtu
         end = self.offset + size
@@ -307,10 +324,28 @@ class Responder:
         if last:
             self.in_msg, self.target = 0, EMPTY
             self.msn = (self.msn + 1) & MSN_MASK
+            if self.placing:
+                placed = self.ctx.placed
+                placed.write_messages += 1
+                placed.write_bytes += self.msg_length
             if imm:
                 self._complete(OK, self.msg_length, p.immediate, RDMA | IMM, p.solicited)
         if p.ack_req:
             self._owe_ack(p.psn)
+
+    def _fault_placement(self, p: pk.Packet) -> None:
+        """Apply the deliberate placement bug armed for this WRITE message, if any: drop its payload, or land it
+        misplace_offset bytes away from the RETH's address, clamped to stay inside the region (so it never faults)."""
+        kind = self.dp.placement_fault()
+        if kind == "skip_placement":
+            self.target, self.placing = DISCARD, False
+        elif kind == "misplace":
+            region = self.mrs[p.rkey]  # map_remote found it for the true address
+            va = max(region.va, min(p.remote_addr + self.dp.misplace_offset, region.va + region.size - p.dma_length))
+            try:
+                self.target = map_remote(self.mem, self.mrs, va, p.rkey, p.dma_length, self.qp.pd, MR_REMOTE_WRITE)
+            except ACCESS_ERRORS:
+                pass  # the true target stays
 
     def _read_source(self, p: pk.Packet):
         qp = self.qp
