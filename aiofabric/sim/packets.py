@@ -42,11 +42,26 @@ IPV4_DONT_FRAGMENT = 0x4000  # RoCE stacks always set DF; Linux then writes IP I
 
 
 class BadPacket(ValueError):
-    """A datagram that is not a well-formed RoCEv2 packet, or whose ICRC does not match. The message says why."""
+    """A datagram that is not a well-formed RoCEv2 packet, or whose ICRC does not match. The message says why;
+    `reason` names the check that failed, for per-reason drop counters: one of DROP_REASONS."""
+
+    reason = "malformed"
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
 
 
 class IcrcMismatch(BadPacket):
     """The ICRC does not match the packet: it was corrupted in flight, or the IP header assumed for it is wrong."""
+
+    reason = "icrc"
+
+
+# Why decode() refuses a datagram: not IPv4/UDP to 4791 (raw transport only), shorter than BTH + ICRC, ICRC
+# mismatch, an opcode outside RC and CNP, a BTH transport version other than 0, a length its opcode and pad disallow.
+DROP_REASONS = ("ipv4", "short", "icrc", "opcode", "version", "length")
 
 
 class Op(enum.IntEnum):
@@ -489,19 +504,21 @@ def decode_ipv4(packet: bytes | bytearray | memoryview, *, check_icrc: bool = Tr
     """Parse a whole IPv4 packet (as a raw socket receives it), checking the ICRC over its real header."""
     view = memoryview(packet)
     if len(view) < IPV4_HEADER_SIZE + UDP_HEADER_SIZE:
-        raise BadPacket(f"too short for IPv4 + UDP: {len(view)} bytes")
+        raise BadPacket(f"too short for IPv4 + UDP: {len(view)} bytes", "ipv4")
     (version_ihl, tos, total, ip_id, flags_fragment, ttl, protocol, _, src, dst,
      src_port, dst_port, udp_length, _) = _IPV4_UDP.unpack_from(view)
     if version_ihl != 0x45:
-        raise BadPacket(f"not a plain IPv4 header (version/IHL byte {version_ihl:#04x}; RoCEv2 uses no IP options)")
+        raise BadPacket(f"not a plain IPv4 header (version/IHL byte {version_ihl:#04x}; RoCEv2 uses no IP options)",
+                        "ipv4")
     if protocol != socket.IPPROTO_UDP:
-        raise BadPacket(f"IP protocol {protocol}, not UDP")
+        raise BadPacket(f"IP protocol {protocol}, not UDP", "ipv4")
     if flags_fragment & 0x3FFF:
-        raise BadPacket("IPv4 fragment: RoCEv2 packets are never fragmented")
+        raise BadPacket("IPv4 fragment: RoCEv2 packets are never fragmented", "ipv4")
     if dst_port != ROCE_PORT:
-        raise BadPacket(f"UDP destination port {dst_port}, not {ROCE_PORT}")
+        raise BadPacket(f"UDP destination port {dst_port}, not {ROCE_PORT}", "ipv4")
     if not IPV4_HEADER_SIZE + UDP_HEADER_SIZE <= total <= len(view) or udp_length != total - IPV4_HEADER_SIZE:
-        raise BadPacket(f"IPv4 length {total} and UDP length {udp_length} disagree with the {len(view)} bytes received")
+        raise BadPacket(f"IPv4 length {total} and UDP length {udp_length} disagree with the {len(view)} bytes "
+                        f"received", "ipv4")
     return _decode(view[IPV4_HEADER_SIZE + UDP_HEADER_SIZE:total], src, dst, src_port, dst_port, ip_id,
                    flags_fragment, check_icrc, socket.inet_ntoa(src), socket.inet_ntoa(dst), tos, ttl)
 
@@ -510,7 +527,7 @@ def _decode(view: memoryview, src: str | bytes, dst: str | bytes, src_port: int,
             flags_fragment: int, check_icrc: bool, src_ip: str, dst_ip: str, tos: int, ttl: int) -> Packet:
     size = len(view)
     if size < BTH_SIZE + ICRC_SIZE:
-        raise BadPacket(f"too short for BTH + ICRC: {size} bytes")
+        raise BadPacket(f"too short for BTH + ICRC: {size} bytes", "short")
     if check_icrc:  # first, so that a corrupted packet is reported as such and not as whatever the flip looks like
         crc_start, mask = _icrc_basis(src, dst, src_port, dst_port, ip_id, flags_fragment, UDP_HEADER_SIZE + size)
         byte4 = view[_FECN_BECN_BYTE]
@@ -524,22 +541,22 @@ def _decode(view: memoryview, src: str | bytes, dst: str | bytes, src_port: int,
     opcode, flags = view[0], view[1]
     layout = _LAYOUTS.get(opcode)
     if layout is None:
-        raise BadPacket(f"unsupported opcode {opcode:#04x} (only RC opcodes and CNP)")
+        raise BadPacket(f"unsupported opcode {opcode:#04x} (only RC opcodes and CNP)", "opcode")
     if flags & 0x0F:
-        raise BadPacket(f"BTH transport header version {flags & 0x0F}, expected 0")
+        raise BadPacket(f"BTH transport header version {flags & 0x0F}, expected 0", "version")
     pad = flags >> 4 & 3
     header_end = layout.header.size
     payload_end = size - ICRC_SIZE - pad
     if not layout.payload:
         if pad or size != header_end + ICRC_SIZE:
             raise BadPacket(f"{Op(opcode).name} is {header_end + ICRC_SIZE} bytes with PadCnt 0, got {size} bytes "
-                            f"with PadCnt {pad}")
+                            f"with PadCnt {pad}", "length")
     elif payload_end < header_end:
         raise BadPacket(f"{Op(opcode).name} needs at least {header_end + pad + ICRC_SIZE} bytes (headers, pad {pad}, "
-                        f"ICRC), got {size}")
+                        f"ICRC), got {size}", "length")
     elif (size - header_end) % 4:
         raise BadPacket(f"payload plus pad is {size - header_end - ICRC_SIZE} bytes, not a multiple of 4 "
-                        f"(PadCnt {pad})")
+                        f"(PadCnt {pad})", "length")
     values = layout.header.unpack_from(view)
     pkey, qpn_word, psn_word = values[2], values[3], values[4]
     # Positional (extension-header fields zero, set below): twice as fast as keywords on this per-packet path;
