@@ -31,7 +31,7 @@ async def pair(**options):
 
 
 def placed(nic, qp) -> dict[str, int]:
-    return nic.pci.debug({"op": "placed"})["placed"][str(qp.qpn)]
+    return nic.pci.debug({"op": "placed"})["qps"][str(qp.qpn)]
 
 
 async def test_placed_counts_match_what_was_posted_under_loss_and_dup():

@@ -21,7 +21,7 @@ Debug "stats" reply: the shell's counters (hwrm, rcfw, kicks, interrupts, ...), 
 Datapath.stats), `dropped` = every packet dropped on receive (bad ICRC and malformed datagrams included),
 `dropped_icrc`, and the transports' own counters prefixed with "wire_" (wire_sent, wire_lost, wire_corrupted, ...).
 
-Debug "placed" reply: {"placed": {QPN as a string: {write_messages, write_bytes, send_messages, send_bytes,
+Debug "placed" reply: {"qps": {QPN as a string: {write_messages, write_bytes, send_messages, send_bytes,
 read_messages, read_bytes}}} for every live RC QP: what it placed in memory since it was created, each message counted
 once, when its last packet landed (duplicates and retransmissions never count twice). WRITE (with or without
 immediate) and SEND are counted by the responder, READ (the response payload placed locally) by the requester.
@@ -381,7 +381,7 @@ class Emulator:
             self.latency = request["us"] * 1e-6
             return {}
         if op == "placed":
-            return {"placed": self.datapath.placed_report()}
+            return {"qps": self.datapath.placed_report()}
         if op == "fault":
             self.datapath.inject_placement_fault(request["kind"], request.get("count", 1), request.get("offset", 0))
             return {}
