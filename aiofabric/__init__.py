@@ -17,6 +17,8 @@ _HOMES = {
     ".completions": ("Completion", "CompletionError"),
     ".errors": ("FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "ClosedError"),
     ".pci": ("PCIError",),
+    ".peer": ("PeerError",),  # asyncssh is imported only by connect_peer's module, on first use
+    ".peer.ssh": ("connect_peer",),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -41,4 +43,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from .errors import ClosedError, DeviceLostError, FabricError, FirmwareError, FirmwareTimeoutError
     from .nic import NIC, open_nic
     from .pci import PCIError
+    from .peer import PeerError
+    from .peer.ssh import connect_peer
     from .queues import Access, CompletionQueue, LocalBuffer, MemoryRegion, QPInfo, QPState, QueuePair, RemoteRegion

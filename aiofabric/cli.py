@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
+import os
 import signal
 import sys
+import time
 from typing import Any, Awaitable, Callable, NoReturn
 
 import anyio
@@ -110,6 +113,65 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+async def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
+    from .peer.serve import serve  # the remote endpoint: stdout carries the protocol, so no --json here
+    await serve()
+    return {}
+
+
+def _hosts(text: str, port: int) -> list[tuple[str | None, str, int]]:
+    """`--hosts`: a file with one `[user@]host[:port]` per line (# comments), or a comma-separated list."""
+    from .peer.client import parse_host
+    if "," not in text and os.path.isfile(text):
+        with open(text) as file:
+            specs = [line.split("#")[0].strip() for line in file]
+    else:
+        specs = text.split(",")
+    return [parse_host(spec, port) for spec in specs if spec.strip()]
+
+
+async def cmd_connect(args: argparse.Namespace) -> dict[str, Any]:
+    from .peer.client import parse_host
+    from .peer.connect import open_all, ring, two_hosts
+    from .peer.ssh import DEFAULT, connect_peer
+    if args.size < 1:
+        raise ValueError(f"--size must be at least 1 byte, not {args.size}")
+    known_hosts = DEFAULT if args.known_hosts is None else None if args.known_hosts == "none" else args.known_hosts
+    ssh = {"identity": args.identity, "known_hosts": known_hosts, "python": args.python, "push": args.push,
+           "connect_timeout": args.connect_timeout, "command_timeout": args.command_timeout}
+    started = time.perf_counter()
+    if args.hosts:
+        hosts = _hosts(args.hosts, args.port)
+        if len(hosts) < 2:
+            raise ValueError(f"--hosts needs at least 2 hosts for a ring, not {len(hosts)}")
+        openers = [functools.partial(connect_peer, host, port, user=user or args.user, **ssh)
+                   for user, host, port in hosts]
+        async with open_all(openers) as peers:
+            result = await ring(peers, nic=args.remote_nic, size=args.size, started=started)
+        if not args.json:
+            print(f"ring of {len(peers)} hosts ({' -> '.join(result['hosts'])} -> back): RDMA WRITE of {args.size} "
+                  f"bytes around it: {'verified' if result['verified'] else 'MISMATCH'} (handshake "
+                  f"{result['handshake_ms']:.0f} ms, transfer {result['transfer_ms']:.1f} ms)")
+        return result
+    user, host, port = parse_host(args.host, args.port)
+    async with connect_peer(host, port, user=user or args.user, **ssh) as peer:
+        result = await two_hosts(peer, nic=args.nic, remote_nic=args.remote_nic, local_ip=args.local_ip,
+                                 remote_ip=args.remote_ip, size=args.size, started=started)
+        result = {**result, "remote_host": peer.host, "pushed": peer.pushed_to is not None}
+    if not args.json:
+        print(f"{result['local_ip']} -> {peer.host} ({result['remote_ip']}): RDMA WRITE + READ of {args.size} bytes: "
+              f"{'verified' if result['verified'] else 'MISMATCH'} (handshake {result['handshake_ms']:.0f} ms, "
+              f"transfer {result['transfer_ms']:.1f} ms, write {result['write_MiBps']} MiB/s)")
+    return result
+
+
+def _check_connect(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
+    def check(args: argparse.Namespace) -> None:
+        if (args.host is None) == (args.hosts is None):
+            parser.error("give one HOST or --hosts FILE|h1,h2 (not both)")
+    return check
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="aiofabric", description="Async userspace driver for BNXT RoCEv2 NICs")
     parser.add_argument("--version", action="version", version=f"aiofabric {__version__}")
@@ -149,6 +211,35 @@ def build_parser() -> argparse.ArgumentParser:
                             "N writes without placing them) or misplace (place them OFFSET bytes off; default 64)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=cmd_bench)
+
+    serve = sub.add_parser("serve", help="the remote endpoint connect_peer starts over SSH: JSON-lines requests on "
+                                         "stdin, answers on stdout (protocol: aiofabric/peer/protocol.py)")
+    serve.set_defaults(run=cmd_serve, json=False)
+
+    connect = sub.add_parser("connect", help="start an endpoint on HOST over SSH, RDMA WRITE to it and READ back, "
+                                             "bytes verified by sha256 on both sides (--hosts: a ring)")
+    connect.add_argument("host", nargs="?", metavar="HOST", help="[user@]host[:port] to reach over SSH")
+    connect.add_argument("--hosts", metavar="FILE|h1,h2", help="a ring over these hosts (a file with one "
+                                                               "[user@]host[:port] per line, or a comma list)")
+    connect.add_argument("--port", type=int, default=22, help="SSH port (default 22)")
+    connect.add_argument("--user", help="SSH user (default: the SSH default)")
+    connect.add_argument("--identity", metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
+    connect.add_argument("--known-hosts", metavar="FILE|none",
+                         help="known_hosts file (default ~/.ssh/known_hosts); 'none' skips the check (insecure)")
+    connect.add_argument("--nic", default="sim", help="local NIC: 'sim', 'sim:NAME' or a PCI address (default sim)")
+    connect.add_argument("--remote-nic", default="sim", help="the remote host's NIC (default sim)")
+    connect.add_argument("--local-ip", help="local NIC's IPv4 address (emulated: a free 127.0.0.x)")
+    connect.add_argument("--remote-ip", help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there)")
+    connect.add_argument("--size", type=int, default=1 << 20, help="bytes to write and read back (default 1 MiB)")
+    connect.add_argument("--push", action="store_true",
+                         help="copy this aiofabric over SFTP to a private temp dir on the host and run it from there")
+    connect.add_argument("--python", default="python3", help="the remote interpreter (default python3)")
+    connect.add_argument("--connect-timeout", type=float, default=20.0, metavar="S",
+                         help="seconds for SSH connect + endpoint start (default 20)")
+    connect.add_argument("--command-timeout", type=float, default=60.0, metavar="S",
+                         help="seconds per remote request (default 60)")
+    connect.add_argument("--json", action="store_true", help="print one JSON object")
+    connect.set_defaults(run=cmd_connect, check=_check_connect(connect))
     return parser
 
 
@@ -214,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser().parse_args(argv)
+        if getattr(args, "check", None) is not None:
+            args.check(args)
     except UsageError as error:
         return usage_error(error, "--json" in argv)
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],

@@ -1,0 +1,371 @@
+"""The remote-endpoint protocol: JSON lines, pure (no I/O, no anyio, no driver imports), tested like h11.
+
+One protocol, several carriers: `aiofabric serve` speaks it on stdin/stdout (started over SSH by `connect_peer`),
+and a TCP carrier can speak it unchanged (`bench --server`). Everything here turns bytes into messages and back;
+the carriers only move lines.
+
+Framing
+    Each message is one JSON object on one line: UTF-8, ending in "\\n", at most MAX_LINE bytes.
+
+Messages
+    endpoint -> client, once, first:  {"ready": true, "protocol": 1, "version": "0.1.0", "pid": 4242}
+    client -> endpoint, a request:    {"id": 7, "op": "create_qp", "args": {"nic": 1, "cq": 2}}
+    endpoint -> client, its answer:   {"id": 7, "ok": true, "result": {"qp": 3, "info": {...}}}
+                     or an error:     {"id": 7, "ok": false, "error": {"type": "ValueError", "message": "..."}}
+
+    `id` is a non-negative integer the client chooses, unique among its requests in flight. Several requests may be in
+    flight; answers come in the order they finish, not the order asked. A request the endpoint cannot parse far
+    enough to find its id is answered with "id": null. An unknown op, a missing, unknown or mistyped field, an
+    unknown handle, and any exception the operation raises all become error answers: the endpoint never crashes on
+    a request. End of input means: close every object and exit 0.
+
+Handles
+    Remote objects (NICs, CQs, QPs, MRs) are named by integer handles the endpoint hands out, unique per endpoint.
+    Closing a NIC closes everything created on it.
+
+Operations (`args` fields; "=" marks a default, the rest are required)
+    ping         -                                            -> {"pid"}
+    open_nic     spec="sim", ip=null, options={}              -> {"nic", "ip", "gid", "mac"}
+                 (options: the emulated NIC's, e.g. {"netns": "B", "fw_latency_us": 30})
+    create_cq    nic, depth=256                               -> {"cq"}
+    create_qp    nic, cq, sq_depth=128, rq_depth=128          -> {"qp", "info": QP_INFO}
+    register_mr  nic, size                                    -> {"mr", "region": REGION}
+    fill         mr, seed=null, byte=0, offset=0, length=null -> {"sha256"}   (seed: pattern(seed, n), else byte)
+    sha256       mr, offset=0, length=null                    -> {"sha256"}   (of that range; length null: to the end)
+    connect_qp   qp, peer: QP_INFO, mtu=4096, timeout=14, retry_cnt=7     -> {"state"}
+    post         qp, verb, mr, size=null, local_offset=0, remote=null: REGION, remote_offset=0, imm=null,
+                 deadline=null (seconds)                      -> {"byte_len", "imm"}   (awaits the completion)
+                 verb: write, read, send, recv, write_with_imm; write/read need `remote`
+    close        handle                                       -> {"closed": handle}
+
+    QP_INFO = {"qpn": int, "gid": hex str (16 bytes), "mac": "aa:bb:..", "psn": int}
+    REGION  = {"addr": int, "rkey": int, "length": int|null}
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import re
+from typing import Any, Callable
+
+PROTOCOL_VERSION = 1
+MAX_LINE = 1 << 20
+VERBS = ("write", "read", "send", "recv", "write_with_imm")
+REQUIRED = object()  # marks a field without a default
+
+
+class ProtocolError(ValueError):
+    """A line that is not a valid message. `request_id` is the id it carried, if one could be read."""
+
+    def __init__(self, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+# -- field kinds: each checks (and normalises) a value or raises ValueError naming what it wanted ------------------
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"an integer, not {value!r}")
+    return value
+
+
+def _natural(value: Any) -> int:
+    if _int(value) < 0:
+        raise ValueError(f"a non-negative integer, not {value!r}")
+    return value
+
+
+def _handle(value: Any) -> int:
+    if _int(value) < 1:
+        raise ValueError(f"a handle (a positive integer), not {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"a string, not {value!r}")
+    return value
+
+
+def _optional(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        return None if value is None else kind(value)
+    return check
+
+
+def _options(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(v, (str, int, float, bool, type(None)))
+                                              for v in value.values()):
+        raise ValueError(f"an object of scalar options, not {value!r}")
+    return value
+
+
+def _verb(value: Any) -> str:
+    if value not in VERBS:
+        raise ValueError(f"one of {', '.join(VERBS)}, not {value!r}")
+    return value
+
+
+MAC = re.compile(r"[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}")
+
+
+def _qp_info(value: Any) -> dict[str, Any]:
+    try:
+        if not isinstance(value, dict) or set(value) != {"qpn", "gid", "mac", "psn"}:
+            raise ValueError
+        _natural(value["qpn"]), _natural(value["psn"])
+        if len(bytes.fromhex(_str(value["gid"]))) != 16 or not MAC.fullmatch(_str(value["mac"])):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f'a QP info {{"qpn", "gid" (32 hex digits), "mac", "psn"}}, not {value!r}') from None
+    return value
+
+
+def _region(value: Any) -> dict[str, Any]:
+    try:
+        if not isinstance(value, dict) or not {"addr", "rkey"} <= set(value) <= {"addr", "rkey", "length"}:
+            raise ValueError
+        _natural(value["addr"]), _natural(value["rkey"]), _optional(_natural)(value.get("length"))
+    except ValueError:
+        raise ValueError(f'a remote region {{"addr", "rkey", "length"}}, not {value!r}') from None
+    return {"length": None, **value}
+
+
+def _deadline(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
+    "ping": {},
+    "open_nic": {"spec": (_str, "sim"), "ip": (_optional(_str), None), "options": (_options, {})},
+    "create_cq": {"nic": (_handle, REQUIRED), "depth": (_int, 256)},
+    "create_qp": {"nic": (_handle, REQUIRED), "cq": (_handle, REQUIRED), "sq_depth": (_int, 128),
+                  "rq_depth": (_int, 128)},
+    "register_mr": {"nic": (_handle, REQUIRED), "size": (_int, REQUIRED)},
+    "fill": {"mr": (_handle, REQUIRED), "seed": (_optional(_int), None), "byte": (_int, 0),
+             "offset": (_natural, 0), "length": (_optional(_natural), None)},
+    "sha256": {"mr": (_handle, REQUIRED), "offset": (_natural, 0), "length": (_optional(_natural), None)},
+    "connect_qp": {"qp": (_handle, REQUIRED), "peer": (_qp_info, REQUIRED), "mtu": (_int, 4096),
+                   "timeout": (_int, 14), "retry_cnt": (_int, 7)},
+    "post": {"qp": (_handle, REQUIRED), "verb": (_verb, REQUIRED), "mr": (_handle, REQUIRED),
+             "size": (_optional(_natural), None), "local_offset": (_natural, 0),
+             "remote": (_optional(_region), None), "remote_offset": (_natural, 0), "imm": (_optional(_int), None),
+             "deadline": (_deadline, None)},
+    "close": {"handle": (_handle, REQUIRED)},
+}
+
+
+def check_args(op: str, args: Any) -> dict[str, Any]:
+    """`args` of `op` with defaults filled in; ValueError naming the op and the field that is wrong."""
+    fields = OPS.get(op)
+    if fields is None:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+    if not isinstance(args, dict):
+        raise ValueError(f"{op}: args must be an object, not {args!r}")
+    unknown = sorted(set(args) - set(fields))
+    if unknown:
+        raise ValueError(f"{op}: unknown field(s) {', '.join(unknown)}; known: {', '.join(fields) or 'none'}")
+    checked = {}
+    for name, (kind, default) in fields.items():
+        if name not in args:
+            if default is REQUIRED:
+                raise ValueError(f"{op}: missing field {name!r}")
+            checked[name] = dict(default) if isinstance(default, dict) else default
+            continue
+        try:
+            checked[name] = kind(args[name])
+        except ValueError as exc:
+            raise ValueError(f"{op}: field {name!r} must be {exc}") from None
+    if op == "post" and checked["verb"] in ("write", "read", "write_with_imm") and checked["remote"] is None:
+        raise ValueError(f"post: verb {checked['verb']!r} needs field 'remote'")
+    if op == "post" and checked["verb"] == "write_with_imm" and checked["imm"] is None:
+        raise ValueError("post: verb 'write_with_imm' needs field 'imm'")
+    return checked
+
+
+# -- messages ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """The endpoint started and speaks `protocol`."""
+    protocol: int
+    version: str
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    id: int
+    op: str
+    args: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """The outcome of request `id`: `result` if ok, else the remote exception's type name and message."""
+    id: int | None
+    ok: bool
+    result: dict[str, Any] | None = None
+    error_type: str = ""
+    error_message: str = ""
+
+
+def encode(message: Ready | Request | Answer) -> bytes:
+    """One message as one line."""
+    if isinstance(message, Ready):
+        data: dict[str, Any] = {"ready": True, "protocol": message.protocol, "version": message.version,
+                                "pid": message.pid}
+    elif isinstance(message, Request):
+        data = {"id": message.id, "op": message.op, "args": message.args}
+    elif message.ok:
+        data = {"id": message.id, "ok": True, "result": message.result or {}}
+    else:
+        data = {"id": message.id, "ok": False, "error": {"type": message.error_type, "message": message.error_message}}
+    line = json.dumps(data, separators=(",", ":")).encode() + b"\n"
+    if len(line) > MAX_LINE:
+        raise ProtocolError(f"message of {len(line)} bytes exceeds the {MAX_LINE}-byte line limit")
+    return line
+
+
+def _object(line: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(f"not a JSON object: {line[:80]!r}")
+    return data
+
+
+def decode_request(line: bytes) -> Request:
+    """A request line, its args checked; ProtocolError (with the id, if readable) otherwise."""
+    data = _object(line)
+    request_id = data.get("id")
+    if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+        raise ProtocolError(f"request without a valid id (a non-negative integer): {line[:80]!r}")
+    if set(data) - {"id", "op", "args"}:
+        raise ProtocolError(f"unknown request key(s) {sorted(set(data) - {'id', 'op', 'args'})}", request_id)
+    if not isinstance(data.get("op"), str):
+        raise ProtocolError("request without an op", request_id)
+    try:
+        return Request(request_id, data["op"], check_args(data["op"], data.get("args", {})))
+    except ValueError as exc:
+        raise ProtocolError(str(exc), request_id) from None
+
+
+def decode_reply(line: bytes) -> Ready | Answer:
+    """A line from the endpoint: Ready or Answer; ProtocolError otherwise."""
+    data = _object(line)
+    if data.get("ready") is True:
+        if not isinstance(data.get("protocol"), int):
+            raise ProtocolError(f"ready message without a protocol version: {line[:80]!r}")
+        return Ready(data["protocol"], str(data.get("version", "")), int(data.get("pid", 0)))
+    request_id = data.get("id")
+    if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, int)):
+        raise ProtocolError(f"answer with a bad id: {line[:80]!r}")
+    if data.get("ok") is True and isinstance(data.get("result"), dict):
+        return Answer(request_id, True, data["result"])
+    error = data.get("error")
+    if data.get("ok") is False and isinstance(error, dict):
+        return Answer(request_id, False, None, str(error.get("type", "")), str(error.get("message", "")))
+    raise ProtocolError(f"neither an answer nor a ready message: {line[:80]!r}")
+
+
+def error_answer(request_id: int | None, error: BaseException) -> Answer:
+    """The answer reporting `error`: its type name and its message on one line."""
+    return Answer(request_id, False, None, type(error).__name__, " ".join(str(error).split()))
+
+
+class LineBuffer:
+    """Bytes in, complete lines out (without their newline). A line longer than MAX_LINE raises ProtocolError, and
+    the buffer skips to the next newline, so one bad line does not poison the stream."""
+
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        self.max_line = max_line
+        self._buffer = bytearray()
+        self._skipping = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data
+        lines = []
+        while True:
+            end = self._buffer.find(b"\n")
+            if end < 0:
+                break
+            line = bytes(self._buffer[:end])
+            del self._buffer[:end + 1]
+            if self._skipping:
+                self._skipping = False
+            elif line.strip():
+                lines.append(line)
+        if len(self._buffer) > self.max_line:
+            self._buffer.clear()
+            if not self._skipping:
+                self._skipping = True
+                raise ProtocolError(f"line longer than {self.max_line} bytes")
+        return lines
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an unfinished line (at end of input: a truncated last line)."""
+        return len(self._buffer)
+
+
+class ClientState:
+    """The client's side as a small state machine: it hands out request ids, encodes requests (checked before they
+    leave, so a bad field fails here with the same message the endpoint would give) and matches answers to them."""
+
+    def __init__(self) -> None:
+        self.ready: Ready | None = None
+        self.in_flight: dict[int, str] = {}  # id -> op
+        self.forgotten: set[int] = set()
+        self._next_id = 1
+
+    def request(self, op: str, **args: Any) -> tuple[int, bytes]:
+        checked = check_args(op, args)
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        line = encode(Request(request_id, op, {k: v for k, v in args.items() if k in checked}))
+        self.in_flight[request_id] = op
+        return request_id, line
+
+    def forget(self, request_id: int) -> None:
+        """The caller gave up on `request_id` (timeout, cancellation): its late answer is dropped."""
+        if self.in_flight.pop(request_id, None) is not None:
+            self.forgotten.add(request_id)
+
+    def receive(self, line: bytes) -> Ready | Answer | None:
+        """The message on `line`; None for a late answer to a forgotten request."""
+        message = decode_reply(line)
+        if isinstance(message, Ready):
+            if self.ready is not None:
+                raise ProtocolError("a second ready message")
+            if message.protocol != PROTOCOL_VERSION:
+                raise ProtocolError(f"endpoint speaks protocol {message.protocol}, this client {PROTOCOL_VERSION}")
+            self.ready = message
+            return message
+        if self.ready is None:
+            raise ProtocolError("an answer before the ready message")
+        if message.id is None:
+            raise ProtocolError(f"the endpoint could not parse a request: {message.error_message}")
+        if self.in_flight.pop(message.id, None) is None:
+            if message.id in self.forgotten:
+                self.forgotten.discard(message.id)
+                return None
+            raise ProtocolError(f"an answer to request {message.id}, which is not in flight")
+        return message
+
+
+def pattern(seed: int, length: int) -> bytes:
+    """`length` pseudo-random bytes from `seed`: both sides compute the same bytes without sending them."""
+    return random.Random(seed).randbytes(length)
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()

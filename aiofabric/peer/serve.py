@@ -1,0 +1,270 @@
+"""`aiofabric serve`: the remote endpoint. Requests arrive as JSON lines on stdin, answers leave on stdout.
+
+The protocol (messages, operations, handles) is written down in `aiofabric.peer.protocol`. This module is its I/O
+shell on the public driver API: each request runs in its own task, so several are in flight and answers leave in
+the order they finish. A bad request gets an error answer; nothing a client sends crashes the endpoint. End of input
+(the client closed its side, or the SSH connection dropped) closes every NIC (freeing its firmware objects) and
+returns, so the process exits 0. Logs go to stderr, which `connect_peer` forwards to the client's logging.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from .. import __version__
+from ..nic import NIC, open_nic
+from ..queues import CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
+from . import protocol
+from .protocol import Answer, ProtocolError, Ready
+
+log = logging.getLogger("aiofabric.serve")
+READ_CHUNK = 1 << 16
+
+
+class _Fd:
+    """A pipe, socket or terminal fd read and written without blocking the event loop (any anyio backend).
+    A regular file (stdin redirected from one) cannot be polled: it is read in a worker thread instead."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pollable = not stat.S_ISREG(os.fstat(fd).st_mode)
+        if self.pollable:
+            os.set_blocking(fd, False)
+
+    async def read(self) -> bytes:
+        if not self.pollable:
+            return await anyio.to_thread.run_sync(os.read, self.fd, READ_CHUNK, abandon_on_cancel=True)
+        while True:
+            try:
+                return os.read(self.fd, READ_CHUNK)
+            except BlockingIOError:
+                await anyio.wait_readable(self.fd)
+
+    async def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.fd, view):]
+            except BlockingIOError:
+                await anyio.wait_writable(self.fd)
+
+
+class _NicSlot:
+    """An open NIC lives in its own task (open_nic's block must be left by the task that entered it)."""
+
+    def __init__(self) -> None:
+        self.nic: NIC | None = None
+        self.close_requested = anyio.Event()
+        self.closed = anyio.Event()
+
+
+class Endpoint:
+    """The objects one client created, by handle, and the operations on them."""
+
+    def __init__(self, tasks: anyio.abc.TaskGroup) -> None:
+        self.tasks = tasks
+        self.objects: dict[int, Any] = {}  # handle -> _NicSlot | CompletionQueue | QueuePair | MemoryRegion
+        self.owner: dict[int, int] = {}  # handle -> handle of its NIC
+        self._next_handle = 1
+
+    def _add(self, obj: Any, nic: int | None = None) -> int:
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        self.objects[handle] = obj
+        if nic is not None:
+            self.owner[handle] = nic
+        return handle
+
+    def _get(self, handle: int, kind: type, field: str) -> Any:
+        obj = self.objects.get(handle)
+        if isinstance(obj, _NicSlot) and kind is NIC:
+            return obj.nic
+        if not isinstance(obj, kind):
+            raise ValueError(f"{field}: no {kind.__name__} with handle {handle}")
+        return obj
+
+    async def handle(self, request: protocol.Request) -> dict[str, Any]:
+        return await getattr(self, f"op_{request.op}")(**request.args)
+
+    async def op_ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid()}
+
+    async def op_open_nic(self, spec: str, ip: str | None, options: dict[str, Any]) -> dict[str, Any]:
+        slot = _NicSlot()
+        await self.tasks.start(self._run_nic, slot, spec, ip, options)
+        nic = slot.nic
+        assert nic is not None
+        info = nic.info()
+        return {"nic": self._add(slot), "ip": info["ip"], "gid": info["gid"], "mac": info["mac"]}
+
+    async def _run_nic(self, slot: _NicSlot, spec: str, ip: str | None, options: dict[str, Any],
+                       *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        started = False
+        try:
+            async with open_nic(spec, ip=ip, **options) as nic:
+                slot.nic = nic
+                task_status.started()
+                started = True
+                await slot.close_requested.wait()
+        except Exception as exc:
+            if not started:
+                raise  # the open_nic request answers with it
+            log.warning("NIC %s failed: %s", spec, exc)
+        finally:
+            slot.closed.set()
+
+    async def op_create_cq(self, nic: int, depth: int) -> dict[str, Any]:
+        cq = await self._get(nic, NIC, "nic").create_cq(depth)
+        return {"cq": self._add(cq, nic)}
+
+    async def op_create_qp(self, nic: int, cq: int, sq_depth: int, rq_depth: int) -> dict[str, Any]:
+        queue = self._get(cq, CompletionQueue, "cq")
+        qp = await self._get(nic, NIC, "nic").create_qp(queue, sq_depth=sq_depth, rq_depth=rq_depth)
+        return {"qp": self._add(qp, nic), "info": qp.info().to_dict()}
+
+    async def op_register_mr(self, nic: int, size: int) -> dict[str, Any]:
+        mr = await self._get(nic, NIC, "nic").register_mr(size)
+        return {"mr": self._add(mr, nic), "region": mr.remote().to_dict()}
+
+    def _range(self, mr: int, offset: int, length: int | None) -> memoryview:
+        region = self._get(mr, MemoryRegion, "mr")
+        length = region.length - offset if length is None else length
+        if offset + length > region.length or length < 0:
+            raise ValueError(f"{length} bytes at offset {offset} exceed the {region.length}-byte memory region")
+        return region.view[offset:offset + length]
+
+    async def op_fill(self, mr: int, seed: int | None, byte: int, offset: int, length: int | None) -> dict[str, Any]:
+        view = self._range(mr, offset, length)
+        if seed is not None:
+            view[:] = protocol.pattern(seed, len(view))
+        else:
+            if not 0 <= byte <= 255:
+                raise ValueError(f"fill: byte must be in [0, 255], not {byte}")
+            view[:] = bytes([byte]) * len(view)
+        return {"sha256": protocol.sha256_hex(view)}
+
+    async def op_sha256(self, mr: int, offset: int, length: int | None) -> dict[str, Any]:
+        return {"sha256": protocol.sha256_hex(self._range(mr, offset, length))}
+
+    async def op_connect_qp(self, qp: int, peer: dict[str, Any], mtu: int, timeout: int,
+                            retry_cnt: int) -> dict[str, Any]:
+        queue_pair = self._get(qp, QueuePair, "qp")
+        await queue_pair.connect(QPInfo.from_dict(peer), mtu=mtu, timeout=timeout, retry_cnt=retry_cnt)
+        return {"state": queue_pair.state.name}
+
+    async def op_post(self, qp: int, verb: str, mr: int, size: int | None, local_offset: int,
+                      remote: dict[str, Any] | None, remote_offset: int, imm: int | None,
+                      deadline: float | None) -> dict[str, Any]:
+        queue_pair, local = self._get(qp, QueuePair, "qp"), self._get(mr, MemoryRegion, "mr")
+        with anyio.fail_after(deadline):
+            if verb in ("send", "recv"):
+                options = {"imm": imm} if verb == "send" else {}
+                completion = await getattr(queue_pair, verb)(local, size, local_offset=local_offset, **options)
+            else:
+                target = RemoteRegion.from_dict(remote or {})
+                extra = (imm,) if verb == "write_with_imm" else ()
+                completion = await getattr(queue_pair, verb)(local, target, *extra, size, local_offset=local_offset,
+                                                             remote_offset=remote_offset)
+        return {"byte_len": completion.byte_len, "imm": completion.imm}
+
+    async def op_close(self, handle: int) -> dict[str, Any]:
+        obj = self.objects.get(handle)
+        if obj is None:
+            raise ValueError(f"close: no object with handle {handle}")
+        if isinstance(obj, _NicSlot):
+            obj.close_requested.set()
+            with anyio.fail_after(30):
+                await obj.closed.wait()
+            for child in [h for h, owner in self.owner.items() if owner == handle]:
+                self.objects.pop(child, None)
+                self.owner.pop(child, None)
+        elif isinstance(obj, (QueuePair, CompletionQueue)):
+            await obj.destroy()
+        else:
+            await obj.deregister()
+        self.objects.pop(handle, None)
+        self.owner.pop(handle, None)
+        return {"closed": handle}
+
+    async def close_all(self) -> None:
+        for slot in [obj for obj in self.objects.values() if isinstance(obj, _NicSlot)]:
+            slot.close_requested.set()
+        for slot in [obj for obj in self.objects.values() if isinstance(obj, _NicSlot)]:
+            await slot.closed.wait()
+        self.objects.clear()
+        self.owner.clear()
+
+
+async def serve(input_fd: int = 0, output_fd: int = 1) -> None:
+    """Answer requests from `input_fd` on `output_fd` until end of input, then close every object and return."""
+    reader, writer = _Fd(input_fd), _Fd(output_fd)
+    write_lock = anyio.Lock()
+
+    async def send(answer: Answer | Ready) -> None:
+        async with write_lock:
+            await writer.write(protocol.encode(answer))
+
+    async def run(endpoint: Endpoint, request: protocol.Request) -> None:
+        try:
+            answer = Answer(request.id, True, await endpoint.handle(request))
+        except Exception as exc:  # every failure is an answer, never a crash
+            log.debug("request %d (%s) failed", request.id, request.op, exc_info=True)
+            answer = protocol.error_answer(request.id, exc)
+        try:
+            line = protocol.encode(answer)
+        except (ProtocolError, TypeError, ValueError) as exc:
+            line = protocol.encode(protocol.error_answer(request.id, exc))
+        try:
+            await send_line(line)
+        except OSError as exc:  # the client is gone (broken pipe): stop as at end of input
+            log.warning("cannot answer request %d: %s; stopping", request.id, exc)
+            stop.set()
+
+    stop = anyio.Event()
+
+    async def send_line(line: bytes) -> None:
+        async with write_lock:
+            await writer.write(line)
+
+    async def read_until_end(requests: anyio.abc.TaskGroup, endpoint: Endpoint) -> None:
+        lines = protocol.LineBuffer()
+        while True:
+            data = await reader.read()
+            if not data:
+                break
+            try:
+                batch = lines.feed(data)
+            except ProtocolError as exc:
+                await send(protocol.error_answer(None, exc))
+                continue
+            for line in batch:
+                try:
+                    request = protocol.decode_request(line)
+                except ProtocolError as exc:
+                    await send(protocol.error_answer(exc.request_id, exc))
+                    continue
+                requests.start_soon(run, endpoint, request)
+        stop.set()
+
+    async with anyio.create_task_group() as nics:  # NIC tasks outlive request tasks: closed last
+        endpoint = Endpoint(nics)
+        try:
+            async with anyio.create_task_group() as requests:
+                try:
+                    await send(Ready(protocol.PROTOCOL_VERSION, __version__, os.getpid()))
+                except OSError as exc:
+                    log.warning("cannot write to the client: %s", exc)
+                    return
+                requests.start_soon(read_until_end, requests, endpoint)
+                await stop.wait()
+                requests.cancel_scope.cancel()  # end of input: nobody is left to read the answers
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(60), contextlib.suppress(Exception):
+                await endpoint.close_all()
+            nics.cancel_scope.cancel()
+    log.debug("end of input: every object closed")
