@@ -2,6 +2,8 @@
 bytearray), objects created through the real RCFW commands, WQEs written into SQ memory the way a driver writes
 them, doorbells rung, and packets carried by an in-memory wire (through the real codec, with seeded loss,
 duplication and reordering when a test asks). Time is a fake clock that jumps to the engine's next deadline."""
+import collections
+import dataclasses
 import random
 import struct
 
@@ -787,3 +789,94 @@ def test_misplace_fault_shifts_the_payload_and_stays_inside_the_region():
     assert b.mem.read(dst, 100) == data[4096:4196]
     with pytest.raises(ValueError, match="unknown fault kind"):
         b.dp.inject_placement_fault("lose_everything", 1)
+
+
+# -- one NAK per sequence gap, one go-back per loss -----------------------------------------------------------------
+def sequence_naks(wire: Wire) -> list[int]:
+    return [p.psn for p in wire.log if p.opcode == pk.Op.ACKNOWLEDGE and p.syndrome == pk.NAK_PSN_SEQ]
+
+
+def test_a_reordered_pair_earns_one_nak_and_one_go_back():
+    """PSN 0x1005 overtakes 0x1004: NAK(0x1004); 0x1004 arrives and closes the gap, but 0x1005 was dropped meanwhile
+    and the requester's later packets race its go-back. rxe would NAK 0x1005 too, and the requester would go back a
+    second time for one reordering; the go-back NAK(0x1004) asked for re-sends 0x1005 anyway."""
+    a, b, wire = pair(mtu=256)
+    src, lkey = a.register(8192)
+    dst, rkey = b.register(8192)
+    data = fill(a, src, 8192, 31)
+    original, swapped = b.dp.receive, []
+
+    def swap_once(packets, now):
+        psns = [p.psn for p in packets]
+        if not swapped and 0x1004 in psns and 0x1005 in psns:
+            i = psns.index(0x1004)
+            packets[i], packets[i + 1] = packets[i + 1], packets[i]
+            swapped.append(True)
+        original(packets, now)
+    b.dp.receive = swap_once
+    a.post(WRITE, [(src, lkey, 30 * 256)], remote=dst, rkey=rkey)
+    wire.run()
+    assert swapped and [c[1] for c in a.poll()] == [REQ_OK] and b.mem.read(dst, 30 * 256) == data[:30 * 256]
+    assert sequence_naks(wire) == [0x1004]
+    assert a.dp.stats["go_backs"] == 1 and a.dp.stats["timeouts"] == 0
+
+
+def test_a_lost_retransmission_is_a_new_gap_with_its_own_nak():
+    """The go-back itself loses a packet: that gap is new (the packets around it are ones the responder saw before),
+    so it is NAKed at once rather than left to the retransmission timer."""
+    a, b, wire = pair(mtu=256)
+    src, lkey = a.register(8192)
+    dst, rkey = b.register(8192)
+    data = fill(a, src, 8192, 32)
+    original, seen = b.dp.receive, collections.Counter()
+
+    def lose(packets, now):
+        keep = []
+        for p in packets:
+            seen[p.psn] += 1
+            if (p.psn, seen[p.psn]) not in ((0x1004, 1), (0x1005, 2)):  # 0x1004 lost, then 0x1005's resend
+                keep.append(p)
+        original(keep, now)
+    b.dp.receive = lose
+    a.post(WRITE, [(src, lkey, 30 * 256)], remote=dst, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] and b.mem.read(dst, 30 * 256) == data[:30 * 256]
+    assert sequence_naks(wire) == [0x1004, 0x1005]
+    assert a.dp.stats["go_backs"] == 2 and a.dp.stats["timeouts"] == 0
+
+
+@pytest.mark.parametrize("second", ["duplicate NAK", "timeout first"])
+def test_the_requester_goes_back_once_per_loss(second):
+    """The same NAK twice (the wire duplicated it), or a NAK that arrives after the timer already went back to its
+    PSN: one go-back each, not two."""
+    a, b, wire = pair(mtu=256, timeout=1)
+    src, lkey = a.register(8192)
+    dst, rkey = b.register(8192)
+    data = fill(a, src, 8192, 33)
+    a.post(WRITE, [(src, lkey, 100)], remote=dst, rkey=rkey)  # PSN 0x1000, acknowledged: una moves to 0x1001
+    wire.run()
+    receive_b, receive_a, lost, held = b.dp.receive, a.dp.receive, [], []
+
+    def lose_first_packet(packets, now):
+        receive_b([p for p in packets if not (p.psn == 0x1001 and not lost and not lost.append(p))], now)
+
+    def nak_twice_or_late(packets, now):
+        out = []
+        for p in packets:
+            if p.opcode == pk.Op.ACKNOWLEDGE and p.syndrome == pk.NAK_PSN_SEQ:
+                if second == "duplicate NAK":
+                    out += [p, dataclasses.replace(p)]
+                else:
+                    held.append(p)  # delivered once the timer went back on its own
+                continue
+            out.append(p)
+        if held and a.dp.stats["timeouts"]:
+            out, held[:] = held + out, []
+        receive_a(out, now)
+    b.dp.receive, a.dp.receive = lose_first_packet, nak_twice_or_late
+    a.post(WRITE, [(src, lkey, 10 * 256)], remote=dst, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK, REQ_OK] and b.mem.read(dst, 2560) == data[:2560]
+    assert sequence_naks(wire) == [0x1001] and not held
+    assert a.dp.stats["go_backs"] == 1
+    assert a.dp.stats["timeouts"] == (1 if second == "timeout first" else 0)

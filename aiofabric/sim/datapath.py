@@ -23,6 +23,8 @@ Deviations from rxe/hardware, on purpose:
 - ACKs are coalesced per receive batch (one ACK for the last AckReq PSN), where rxe answers every AckReq packet.
 - A gap in READ responses re-requests the rest at once (rxe waits for the timeout); it counts as a retry.
 - After an RNR NAK the responder drops later PSNs quietly until the retried one arrives (no NAK-sequence on top).
+- When a reordered packet closes a NAKed gap, later packets that raced the requester's go-back are dropped without a
+  second NAK-sequence (rxe sends one; the requester would go back twice for one reordering): see responder.py.
 - A duplicate READ is answered from its own RETH (rkey checked again, memory read again); responder READ resources
   (max_dest_rd_atomic, the IRRQ) are not limited, and the ORRQ/IRRQ and MSN-table memory is not used: the engine
   keeps that state itself. `max_rd_atomic` 0 is treated as 1.
@@ -122,7 +124,8 @@ class Datapath:
     def __init__(self, fw, ip: str = "0.0.0.0") -> None:
         self.fw, self.rcfw, self.mem, self.mrs = fw, fw.rcfw, fw.mem, fw.rcfw.mrs
         self.ip = ip
-        # packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts,
+        # packets_sent, packets_received, retransmits, go_backs, acks, naks, rnr_naks, duplicates, out_of_sequence,
+        # timeouts,
         # implied_naks, acks_received, naks_received, rnr_naks_received, stale_acks, dropped (+ dropped_* reasons),
         # request_errors, qp_errors, cqes, cq_overflows, bad_doorbells, internal_errors
         self.stats: collections.Counter[str] = collections.Counter()

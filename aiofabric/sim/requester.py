@@ -7,7 +7,9 @@ once (one PSN per packet; a READ takes as many as its responses). `pump()` turns
 `packets.Segments` per burst (the transport encodes them without a Packet each), a READ request as a Packet. The
 completer retires WQEs in order as ACKs arrive (an ACK for PSN n acknowledges every PSN up to n), lands read
 responses in the local SGEs and retransmits go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an
-implied NAK (an ACK past an unfinished READ, a gap in read responses) or a timeout. Behaviour follows rxe
+implied NAK (an ACK past an unfinished READ, a gap in read responses) or a timeout, once per loss: a NAK that names
+the PSN a go-back already restarted from (a duplicate, or one slower than the timer) starts no second one (stat
+"go_backs" counts them). Behaviour follows rxe
 (rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise.
 """
 from __future__ import annotations
@@ -321,6 +323,7 @@ class Requester:
             return
         self.retry_left -= 1
         self.started_retry = True
+        self.stats["go_backs"] += 1
         self.rto_at = None  # re-armed by the first retransmitted packet
         self._rewind()
 

@@ -2,7 +2,8 @@
 read responses out.
 
 PSN check first (rxe_resp.c `check_psn`): the expected PSN is executed; a later PSN earns one NAK-sequence and then
-silence until the gap closes; an earlier one is a duplicate, re-acknowledged (SEND/WRITE) or answered again from
+silence until the gap closes (and, when a reordered packet closed it, until the go-back arrives: `_out_of_sequence`);
+an earlier one is a duplicate, re-acknowledged (SEND/WRITE) or answered again from
 memory (READ), never executed twice. ACKs are coalesced: a packet with AckReq only notes the PSN, and `flush_ack()`
 (called by the data path at the end of every receive batch) sends one ACK for the highest. Invalid requests and
 access violations answer with a NAK and put the QP in ERR, as rxe's class C errors do.
@@ -62,6 +63,11 @@ class Responder:
         self.started = False
         self.epsn = self.msn = 0
         self.nak_sent = False  # a NAK (sequence or RNR) is out for epsn: drop later PSNs silently until it arrives
+        # The go-back a NAK-sequence asks for has not reached us yet: nak_psn is the PSN it asked for, dropped_hi the
+        # highest PSN dropped silently since. The go-back re-sends everything up to dropped_hi, so a gap there is not
+        # a new loss while packets the requester sent before it saw the NAK are still arriving (see on_request).
+        self.go_back_due = False
+        self.nak_psn = self.dropped_hi = 0
         self.in_msg = 0  # IN_SEND / IN_WRITE while a multi-packet message is half received
         self.target = EMPTY  # where the current message lands
         self.offset = self.msg_length = 0
@@ -73,7 +79,7 @@ class Responder:
         """The QP reached RTR: expect rq_psn."""
         self.started = True
         self.epsn, self.msn = self.qp.rq_psn & PSN_MASK, 0
-        self.nak_sent, self.in_msg, self.ack_psn = False, 0, None
+        self.nak_sent, self.go_back_due, self.in_msg, self.ack_psn = False, False, 0, None
 
     # -- packets out -----------------------------------------------------------------------------------------------
     def _acknowledge(self, psn: int, syndrome: int) -> None:
@@ -188,6 +194,8 @@ class Responder:
         """
         self.on_request(packets[i], now)
         i += 1
+        if self.go_back_due:
+            return i  # on_request watches for the go-back's arrival
         if self.in_msg == IN_WRITE:
             middle, room = WRITE_MIDDLE, self.msg_length
         elif self.in_msg == IN_SEND:
@@ -219,15 +227,14 @@ class Responder:
         psn = p.psn
         if psn != self.epsn:
             if psn_diff(psn, self.epsn) < 0:
+                if self.go_back_due and psn_diff(psn, self.nak_psn) >= 0:
+                    self.go_back_due = False  # the go-back re-sends what we already have: it has reached us
                 self._duplicate(p)
                 return
-            self.stats["out_of_sequence"] += 1
-            if self.nak_sent:
-                self.stats["dropped"] += 1
-            else:
-                self.nak_sent = True
-                self._nak(pk.NAK_PSN_SEQ, self.epsn)
+            self._out_of_sequence(psn)
             return
+        if self.go_back_due and psn != self.nak_psn:
+            self.go_back_due = False  # a PSN we dropped is back: the go-back has reached us
         self.nak_sent = False
         op = p.opcode
         if WRITE_FIRST <= op <= WRITE_ONLY_IMM:
@@ -240,6 +247,26 @@ class Responder:
             self.stats["cnps"] += 1
         else:  # atomics, SEND with invalidate: not emulated
             self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)
+
+    def _out_of_sequence(self, psn: int) -> None:
+        """A PSN past the expected one: one NAK-sequence per gap, as the IBA and rxe do, then silence until the
+        expected PSN arrives.
+
+        Beyond rxe: once the NAKed PSN has arrived (a reordered packet, not a lost one), packets the requester sent
+        before it saw the NAK may still follow, each past a PSN we dropped meanwhile. The go-back the NAK asked for
+        re-sends those, so such a gap earns no second NAK (which would make the requester go back twice for one
+        reordering). A packet we have seen before (PSN <= dropped_hi) is the go-back itself: a gap then is a new loss.
+        """
+        self.stats["out_of_sequence"] += 1
+        racing = self.go_back_due and psn_diff(psn, self.dropped_hi) > 0
+        if self.nak_sent or racing:
+            self.stats["dropped"] += 1
+            if self.go_back_due and psn_diff(psn, self.dropped_hi) > 0:
+                self.dropped_hi = psn
+            return
+        self.nak_sent = self.go_back_due = True
+        self.nak_psn, self.dropped_hi = self.epsn, psn
+        self._nak(pk.NAK_PSN_SEQ, self.epsn)
 
     def _send(self, p: pk.Packet, op: int) -> None:
         first, last = op == SEND_FIRST or op >= SEND_ONLY, op > SEND_MIDDLE
