@@ -1,4 +1,4 @@
-"""A real SSH server for the peer tests (asyncssh): public-key auth, and each session's command really runs as
+"""A real SSH server for the peer tests (asyncssh): public-key auth, SFTP (asyncssh's, on the real filesystem), and each session's command really runs as
 `/bin/sh -c COMMAND` in a subprocess, as OpenSSH's sshd runs it, with stdin/stdout/stderr bridged to the channel.
 
 When the channel closes while the command still runs (the client dropped the connection), the command's whole
@@ -98,7 +98,7 @@ async def start_server(host: str, port: int, host_key: str, authorized_key: str,
     return await asyncssh.listen(
         host, port, server_host_keys=[host_key],
         authorized_client_keys=asyncssh.import_authorized_keys(open(authorized_key).read()),
-        process_factory=make_handler(cwd), encoding=None, allow_scp=False)
+        process_factory=make_handler(cwd), encoding=None, allow_scp=False, sftp_factory=True)
 
 
 async def _main(args: argparse.Namespace) -> None:

@@ -147,13 +147,14 @@ class Peer:
         if self._stop is not None:
             self._stop()
 
-    async def wait_ready(self, timeout: float) -> None:
+    async def wait_ready(self, timeout: float, *, budget: float | None = None) -> None:
+        """Wait for the endpoint's ready message, at most `timeout` s (what is left of a `budget`, for the message)."""
         with anyio.move_on_after(timeout):
             await self.ready.wait()
         if self.failure is not None:
             raise self.failure
         if not self.ready.is_set():
-            error = PeerError(f"{self.host}: the remote endpoint did not start within {timeout:g} s", host=self.host)
+            error = PeerError(f"{self.host}: the remote endpoint did not start within {budget or timeout:g} s", host=self.host)
             self.fail(error)
             raise error
 

@@ -246,7 +246,8 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                 tasks.start_soon(peer.reader)
                 tasks.start_soon(peer.pump_stderr)
                 try:
-                    await peer.wait_ready(max(0.1, connect_timeout - (time.perf_counter() - started)))
+                    await peer.wait_ready(max(0.1, connect_timeout - (time.perf_counter() - started)),
+                                          budget=connect_timeout)
                 except PeerError as exc:
                     hint = ("; the remote python cannot import aiofabric: install it there or use push=True "
                             "(connect --push)") if "No module named aiofabric" in str(exc) else ""
