@@ -1,1 +1,16 @@
-"""The scheduler: compiled batches of kernel, copy and RDMA calls over many in-order queues (design.md §4)."""
+"""The scheduler: compiled batches of kernel, copy and RDMA calls over many in-order queues (design.md §4).
+
+    batch = sched.compile([sched.kernel(...), sched.write(qp, ...), ...], inputs={"x": x})
+    await batch.run({"x": new_x})          # replay with new inputs, no planning
+    print(batch.describe()); batch.trace("run.json")
+
+Modules: `plan` (pure planner), `calls` (queues and calls), `kernels` (C and numpy kernels, the 0-d/1-d rule),
+`timeline` (awaitable counters), `run` (compiled batches and their workers), `trace` (Chrome trace JSON).
+"""
+from .calls import Call, ComputeQueue, CopyQueue, copy, kernel, read, recv, send, wait_imm, write, write_with_imm
+from .kernels import CKernel, CompilerNotFoundError, KernelBuildError, flatten
+from .run import Batch, BindingError, CallError, compile
+
+__all__ = ["Batch", "BindingError", "CKernel", "Call", "CallError", "CompilerNotFoundError", "ComputeQueue",
+           "CopyQueue", "KernelBuildError", "compile", "copy", "flatten", "kernel", "read", "recv", "send",
+           "wait_imm", "write", "write_with_imm"]

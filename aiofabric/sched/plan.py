@@ -168,17 +168,17 @@ class _IntervalMap:
 
     def conflicts(self, start: int, stop: int, writes: bool, deps: dict[int, int]) -> None:
         """Add to `deps` (queue -> newest position) the calls an access to [start, stop) must follow: the last
-        writer, and for a write also the newest reader per queue."""
+        writer, or for a write the newest reader per queue since that write (each of which followed the writer)."""
         first, last = self._split(start), self._split(stop)
         for segment in self.segments[first:last]:
-            if segment.writer is not None:
-                q, p = segment.writer
-                if deps.get(q, 0) < p:
-                    deps[q] = p
-            if writes:
+            if writes and segment.readers:  # every reader followed the writer: waiting for them implies it
                 for q, p in segment.readers.items():
                     if deps.get(q, 0) < p:
                         deps[q] = p
+            elif segment.writer is not None:
+                q, p = segment.writer
+                if deps.get(q, 0) < p:
+                    deps[q] = p
 
     def record_read(self, start: int, stop: int, queue: int, position: int) -> None:
         first, last = self._split(start), self._split(stop)

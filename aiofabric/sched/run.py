@@ -1,0 +1,397 @@
+"""Compiled batches: planned once, replayed from one event loop with one async worker per queue.
+
+A host queue (compute, copy) runs its calls one at a time; a QP queue posts its calls in order and a second task
+retires their completions in order, so RDMA work pipelines on the wire while waits and fences still hold. Signals
+are `Counter`s, device timelines are `Timeline`s (tickets taken in one synchronous step per run, so batches that
+share a device run in a total order and never deadlock), and a per-batch `Timeline` is the reuse fence: run N+1
+starts only after run N finished, failed or was cancelled.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+import weakref
+from typing import Any, Iterable, Mapping, Sequence
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+
+from ..errors import FabricError
+from ..queues import LocalBuffer, MemoryRegion, QueuePair, RemoteRegion
+from .calls import Call, host_address, queue_name
+from .plan import Plan, Submission, plan
+from .timeline import Counter, Timeline
+from .trace import CallTrace, write_chrome_trace
+
+COPY_IN_THREAD_BYTES = 256 << 10  # below this a memcpy is cheaper than the hop to a worker thread
+YIELD_EVERY = 32  # inline calls a host worker runs before it lets the rest of the loop in
+DRAIN_TIMEOUT = 5.0  # seconds an aborted QP worker waits for work it already posted
+NO_SGE = LocalBuffer(0, 0, 0)
+
+_timelines: weakref.WeakKeyDictionary[Any, Timeline] = weakref.WeakKeyDictionary()
+_named_timelines: dict[Any, Timeline] = {}
+
+
+def timeline_of(device: Any) -> Timeline:
+    """The device's timeline, shared by every batch that uses the device."""
+    try:
+        timeline = _timelines.get(device)
+        if timeline is None:
+            timeline = _timelines[device] = Timeline()
+    except TypeError:  # a device named by a plain value (str, tuple): not weakly referenceable
+        timeline = _named_timelines.setdefault(device, Timeline())
+    return timeline
+
+
+class CallError(FabricError):
+    """A call of a batch failed; the batch was aborted. `call` is its index, `queue` its queue's name, `cause` the
+    original error (also `__cause__`)."""
+
+    def __init__(self, index: int, call: Call, cause: BaseException, note: str = "") -> None:
+        self.call, self.queue, self.cause = index, queue_name(call.queue), cause
+        super().__init__(f"call {index} ({call.name}) on queue {self.queue} failed: {type(cause).__name__}: {cause}; "
+                         f"the batch was aborted{note}")
+
+
+class BindingError(ValueError):
+    """`run(bindings)` got an input that does not fit its slot (name, size, dtype)."""
+
+
+class _Slot:
+    """Where an input reaches a call argument: the whole object, or an array view at a byte offset into it."""
+    __slots__ = ("call", "arg", "input", "offset", "dtype", "shape", "strides")
+
+    def __init__(self, call: int, arg: int, input: int, view: np.ndarray | None, base: int) -> None:
+        self.call, self.arg, self.input = call, arg, input
+        if view is not None:
+            self.offset, self.dtype, self.shape, self.strides = (view.__array_interface__["data"][0] - base,
+                                                                 view.dtype, view.shape, view.strides)
+        else:
+            self.offset = None
+
+    def resolve(self, value: Any) -> Any:
+        if self.offset is None:
+            return value
+        return np.ndarray(self.shape, self.dtype, buffer=value.reshape(-1).view(np.uint8), offset=self.offset,
+                          strides=self.strides)
+
+
+class Batch:
+    """A compiled batch. `await batch.run(bindings)` replays it; `describe()`, `to_dot()` and `trace(path)` show
+    the plan and the last run. Build one with `sched.compile(calls, inputs=...)`."""
+
+    def __init__(self, calls: Iterable[Call], inputs: Mapping[str, Any] | Sequence[Any] | None = None) -> None:
+        self.calls = list(calls)
+        if not self.calls:
+            raise ValueError("a batch needs at least one call")
+        self.plan: Plan = plan(call.access() for call in self.calls)
+        self._queue_submissions = self.plan.queue_submissions()
+        self._queues, self._devices = list(self.plan.queues), list(self.plan.devices)  # QP inputs replace entries
+        self._fence = Timeline()
+        self._args = [call.args for call in self.calls]
+        self._prepared: list[Any] = [None] * len(self.calls)
+        for index in range(len(self.calls)):
+            self._prepare(index)
+        self._compile_inputs(inputs)
+        self._records: list[tuple[int, int]] = []
+        self.runs = 0
+
+    # -- input table --------------------------------------------------------------------------------------------
+    def _compile_inputs(self, inputs: Mapping[str, Any] | Sequence[Any] | None) -> None:
+        if inputs is None:
+            inputs = {}
+        elif not isinstance(inputs, Mapping):
+            inputs = {str(i): value for i, value in enumerate(inputs)}
+        self.input_names = list(inputs)
+        self._inputs = list(inputs.values())
+        ranges = []
+        for name, value in inputs.items():
+            if isinstance(value, np.ndarray):
+                if not value.flags.c_contiguous:
+                    raise BindingError(f"input {name!r} must be C-contiguous")
+                start, length = host_address(value)
+                ranges.append((start, start + length))
+            elif isinstance(value, (MemoryRegion, RemoteRegion)):
+                ranges.append(None)
+            elif isinstance(value, QueuePair):
+                if value not in self._queues:
+                    raise BindingError(f"input {name!r}: {queue_name(value)} is not a queue of the batch")
+                ranges.append(None)
+            else:
+                raise BindingError(f"input {name!r} is a {type(value).__name__}; inputs are numpy arrays, "
+                                   "MemoryRegions, RemoteRegions or QueuePairs")
+        self._slots: list[_Slot] = []
+        for ci, args in enumerate(self._args):
+            for ai, arg in enumerate(args):
+                for ii, value in enumerate(self._inputs):
+                    if arg is value:
+                        self._slots.append(_Slot(ci, ai, ii, arg if isinstance(arg, np.ndarray) else None,
+                                                 ranges[ii][0] if ranges[ii] else 0))
+                        break
+                    if isinstance(arg, np.ndarray) and ranges[ii] is not None:
+                        start, length = host_address(arg)
+                        if ranges[ii][0] <= start and start + length <= ranges[ii][1] and np.shares_memory(arg, value):
+                            self._slots.append(_Slot(ci, ai, ii, arg, ranges[ii][0]))
+                            break
+        used = {slot.input for slot in self._slots} | {i for i, v in enumerate(self._inputs) if isinstance(v, QueuePair)}
+        unused = [name for i, name in enumerate(self.input_names) if i not in used]
+        if unused:
+            raise BindingError(f"inputs {unused} are not arguments of any call of the batch")
+
+    def bind(self, bindings: Mapping[str, Any] | Sequence[Any]) -> None:
+        """Rebind inputs (all or some, by name or position) without planning again: same size and dtype."""
+        if not isinstance(bindings, Mapping):
+            if len(bindings) != len(self._inputs):
+                raise BindingError(f"run() got {len(bindings)} positional bindings for {len(self._inputs)} inputs "
+                                   f"{self.input_names}")
+            bindings = dict(zip(self.input_names, bindings))
+        changed = set()
+        for name, value in bindings.items():
+            if name not in self.input_names:
+                raise BindingError(f"no input named {name!r}; the inputs are {self.input_names}")
+            index = self.input_names.index(name)
+            old = self._inputs[index]
+            _check_binding(name, old, value)
+            if isinstance(old, QueuePair) and value is not old:
+                if value in self._queues:
+                    raise BindingError(f"input {name!r}: {queue_name(value)} is already a queue of the batch")
+                self._queues[self._queues.index(old)] = value
+                self._devices[self._devices.index(old)] = value
+            self._inputs[index] = value
+            changed.add(index)
+        touched = set()
+        for slot in self._slots:
+            if slot.input in changed:
+                args = list(self._args[slot.call])
+                args[slot.arg] = slot.resolve(self._inputs[slot.input])
+                self._args[slot.call] = tuple(args)
+                touched.add(slot.call)
+        for index in touched:
+            self._prepare(index)
+
+    def _prepare(self, index: int) -> None:
+        """What the worker needs to run call `index` with its current arguments, computed once per binding."""
+        call, args = self.calls[index], self._args[index]
+        if call.kind == "kernel":
+            options = call.options
+            if options["c"]:
+                self._prepared[index] = (options["fn"], (*(ctypes.c_void_p(a.ctypes.data) for a in args),
+                                                          *options["scalars"]))
+            else:
+                self._prepared[index] = (options["fn"], (*args, *options["scalars"]))
+        elif call.kind == "copy":
+            dst, src = (np.frombuffer(a.view, np.uint8) if isinstance(a, MemoryRegion) else a.reshape(-1).view(np.uint8)
+                        for a in args)
+            self._prepared[index] = (dst, src)
+        else:
+            self._prepared[index] = args
+
+    # -- running ------------------------------------------------------------------------------------------------
+    async def run(self, bindings: Mapping[str, Any] | Sequence[Any] | None = None) -> None:
+        """Run the batch once (after rebinding `bindings`); raises `CallError` naming the first call that failed."""
+        if bindings is not None:
+            self.bind(bindings)
+        number = self._fence.take()
+        tickets: dict[Any, int] = {}
+        try:
+            await self._fence.wait_for(number - 1)  # the reuse fence: never overlap our own previous run
+            for device in self._devices:  # one synchronous step: a total order of runs on every device
+                tickets[device] = timeline_of(device).take()
+            await self._execute(tickets)
+            self.runs += 1
+        finally:
+            for device, ticket in tickets.items():
+                timeline_of(device).complete(ticket)
+            self._fence.complete(number)
+
+    async def _execute(self, tickets: dict[Any, int]) -> None:
+        queues, devices, plan_ = self._queues, self._devices, self.plan
+        signals = [Counter() for _ in queues]
+        records: list[tuple[int, int]] = [(0, 0)] * len(self.calls)
+        failures: list[tuple[int, BaseException]] = []
+        async with anyio.create_task_group() as group:
+            def fail(submission: Submission | None, error: BaseException) -> None:
+                if not failures:
+                    failures.append((submission.call if submission else -1, error))
+                group.cancel_scope.cancel()
+
+            for qi, submissions in enumerate(self._queue_submissions):
+                queue = queues[qi]
+                device = devices[plan_.device_of_queue[qi]]
+                ticket, timeline = tickets[device], timeline_of(device)
+                worker = self._qp_worker if isinstance(queue, QueuePair) else self._host_worker
+                group.start_soon(worker, qi, submissions, signals, timeline, ticket, records, fail)
+            for finaliser in plan_.finalisers:
+                group.start_soon(self._finalise, finaliser.waits, signals, devices[finaliser.device], tickets)
+        self._records = records
+        if failures:
+            index, error = failures[0]
+            broken = [q for q in queues if isinstance(q, QueuePair) and q.state.name == "ERR"]
+            note = ""
+            if broken:
+                note = ("; " + ", ".join(queue_name(q) for q in broken) + " left in ERR (its outstanding work was "
+                        "flushed): connect new QPs and rebind them (a QueuePair input) before the next run")
+            raise CallError(index, self.calls[index], error, note) from error
+
+    async def _finalise(self, waits: Sequence[Any], signals: list[Counter], device: Any,
+                        tickets: dict[Any, int]) -> None:
+        for wait in waits:
+            await signals[wait.queue].wait_for(wait.value)
+        timeline_of(device).complete(tickets[device])  # publish the epoch: later runs on the device may start
+
+    async def _host_worker(self, qi: int, submissions: list[Submission], signals: list[Counter], timeline: Timeline,
+                           ticket: int, records: list[tuple[int, int]], fail: Any) -> None:
+        signal, prepared, calls = signals[qi], self._prepared, self.calls
+        clock, checkpoint, to_thread = time.perf_counter_ns, anyio.lowlevel.checkpoint, anyio.to_thread.run_sync
+        submission = None
+        try:
+            inline = 0
+            for submission in submissions:
+                if submission.timeline_wait:
+                    await timeline.wait_for(ticket - 1)
+                for wait in submission.waits:
+                    await signals[wait.queue].wait_for(wait.value)
+                index = submission.call
+                call, work = calls[index], prepared[index]
+                start = clock()
+                if call.kind == "kernel":
+                    fn, args = work
+                    if call.options["c"] or call.options["threaded"]:
+                        await to_thread(fn, *args)  # cancellation waits for the thread: nothing runs behind us
+                    else:
+                        fn(*args)
+                        inline += 1
+                else:
+                    dst, src = work
+                    if dst.nbytes >= COPY_IN_THREAD_BYTES:
+                        await to_thread(np.copyto, dst, src)
+                    else:
+                        np.copyto(dst, src)
+                        inline += 1
+                records[index] = (start, clock())
+                if submission.signal is not None:
+                    signal.set(submission.signal)
+                if inline >= YIELD_EVERY:
+                    inline = 0
+                    await checkpoint()
+        except Exception as error:
+            fail(submission, error)
+
+    async def _qp_worker(self, qi: int, submissions: list[Submission], signals: list[Counter], timeline: Timeline,
+                         ticket: int, records: list[tuple[int, int]], fail: Any) -> None:
+        """Post in order (waits, fences), retire completions in order (end times, signals) in a second task."""
+        qp: QueuePair = self._queues[qi]
+        signal, clock = signals[qi], time.perf_counter_ns
+        completions: list[Any] = [None] * len(submissions)
+        starts = [0] * len(submissions)
+        posted, retired = Counter(), Counter()
+
+        async def retire() -> None:
+            submission = None
+            try:
+                for k, submission in enumerate(submissions):
+                    await posted.wait_for(k + 1)
+                    await completions[k]
+                    records[submission.call] = (starts[k], clock())
+                    retired.set(k + 1)
+                    if submission.signal is not None:
+                        signal.set(submission.signal)
+            except Exception as error:
+                fail(submission, error)
+
+        submission = None
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(retire)
+                try:
+                    for k, submission in enumerate(submissions):
+                        if submission.timeline_wait:
+                            await timeline.wait_for(ticket - 1)
+                        for wait in submission.waits:
+                            await signals[wait.queue].wait_for(wait.value)
+                        if submission.fence:
+                            await retired.wait_for(k)  # an earlier call on this QP touches our memory: drain it
+                        starts[k] = clock()
+                        completions[k] = await self._post(qp, self.calls[submission.call],
+                                                          self._prepared[submission.call])
+                        posted.set(k + 1)
+                except Exception as error:
+                    fail(submission, error)
+        finally:
+            outstanding = [c for c in completions[retired.value:] if c is not None]
+            if outstanding:  # aborted: let the NIC finish what it was given before the buffers are handed back
+                with anyio.CancelScope(shield=True), anyio.move_on_after(DRAIN_TIMEOUT):
+                    for completion in outstanding:
+                        try:
+                            await completion
+                        except Exception:
+                            pass
+
+    @staticmethod
+    async def _post(qp: QueuePair, call: Call, args: tuple[Any, ...]) -> Any:
+        local, remote = args
+        o = call.options
+        if call.kind == "write":
+            return await qp.post_write(local, remote, o["size"], local_offset=o["local_offset"],
+                                       remote_offset=o["remote_offset"])
+        if call.kind == "write_with_imm":
+            return await qp.post_write_with_imm(local, remote, o["imm"], o["size"], local_offset=o["local_offset"],
+                                                remote_offset=o["remote_offset"])
+        if call.kind == "read":
+            return await qp.post_read(local, remote, o["size"], local_offset=o["local_offset"],
+                                      remote_offset=o["remote_offset"])
+        if call.kind == "send":
+            return await qp.post_send(local, o["size"], local_offset=o["local_offset"])
+        if call.kind == "recv":
+            return await qp.post_recv(local, o["size"], local_offset=o["local_offset"])
+        return await qp.post_recv(NO_SGE, 0)  # wait_imm: a receive without memory, consumed by WRITE_WITH_IMM
+
+    # -- looking at it ------------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """The plan, one line per call: queue[position], name, waits, fence, signal; then the finalisers."""
+        return self.plan.describe([c.name for c in self.calls], queue_name)
+
+    def to_dot(self) -> str:
+        """The plan as Graphviz text (`dot -Tsvg`)."""
+        return self.plan.to_dot([c.name for c in self.calls], queue_name)
+
+    @property
+    def last_trace(self) -> list[CallTrace]:
+        """Per call of the last run: its queue, its start and its end (time.perf_counter_ns())."""
+        names = [queue_name(q) for q in self._queues]
+        return [CallTrace(i, call.name, names[submission.queue], start, end)
+                for i, (call, submission, (start, end)) in enumerate(zip(self.calls, self.plan.submissions,
+                                                                           self._records))]
+
+    def trace(self, path: Any) -> None:
+        """Write the last run as Chrome trace JSON (Perfetto, chrome://tracing): one track per queue."""
+        write_chrome_trace(path, self.last_trace, [queue_name(q) for q in self._queues])
+
+
+def _check_binding(name: str, old: Any, new: Any) -> None:
+    if isinstance(old, np.ndarray):
+        if not isinstance(new, np.ndarray):
+            raise BindingError(f"input {name!r} is a numpy array; got a {type(new).__name__}")
+        if new.dtype != old.dtype or new.shape != old.shape:
+            raise BindingError(f"input {name!r} must be {old.dtype} with shape {old.shape} (as compiled); got "
+                               f"{new.dtype} with shape {new.shape}")
+        if not new.flags.c_contiguous:
+            raise BindingError(f"input {name!r} must be C-contiguous")
+    elif isinstance(old, MemoryRegion):
+        if not isinstance(new, MemoryRegion) or new.length != old.length:
+            raise BindingError(f"input {name!r} must be a MemoryRegion of {old.length} bytes (as compiled); got "
+                               f"{getattr(new, 'length', type(new).__name__)}")
+    elif isinstance(old, QueuePair):
+        if not isinstance(new, QueuePair):
+            raise BindingError(f"input {name!r} is a QueuePair; got a {type(new).__name__}")
+    elif isinstance(old, RemoteRegion):
+        if not isinstance(new, RemoteRegion) or new.length != old.length:
+            raise BindingError(f"input {name!r} must be a RemoteRegion of {old.length} bytes (as compiled); got "
+                               f"{getattr(new, 'length', type(new).__name__)}")
+
+
+def compile(calls: Iterable[Call], inputs: Mapping[str, Any] | Sequence[Any] | None = None) -> Batch:
+    """Plan `calls` once. `inputs` (a name -> buffer mapping, or a list named "0", "1", ...) are the buffers
+    `run(bindings)` may replace; a numpy input also rebinds every view of it the calls use."""
+    return Batch(calls, inputs)

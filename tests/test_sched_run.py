@@ -1,0 +1,334 @@
+"""The scheduler's executors (aiofabric/sched/run.py): compiled batches run on asyncio, uvloop and trio."""
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from aiofabric import RemoteRegion, open_nic, sched
+from aiofabric.sched.calls import HOST
+
+BACKENDS = [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})]
+SPIN = r"""
+#include <stdint.h>
+/* out[i] = in[i] * k, repeated `rounds` times: a busy kernel that holds no lock */
+void spin(double *out, const double *in, int64_t n, int64_t rounds, double k) {
+    for (int64_t r = 0; r < rounds; r++)
+        for (int64_t i = 0; i < n; i++) out[i] = in[i] * k + (double)r * 0.0;
+}
+"""
+
+
+def overlaps(a, b):
+    return a.start_ns < b.end_ns and b.start_ns < a.end_ns
+
+
+# -- planned order holds when calls really run, with random durations ---------------------------------------------
+@st.composite
+def host_batches(draw):
+    """Random kernels over 1-4 compute queues on slices of three 16-element arrays, each sleeping a random time."""
+    queues = [sched.ComputeQueue(f"c{i}") for i in range(draw(st.integers(1, 4)))]
+    arrays = {name: np.zeros(16, np.int64) for name in "xyz"}
+    piece = st.builds(lambda name, a, b: (name, min(a, b), max(a, b)), st.sampled_from("xyz"),
+                      st.integers(0, 16), st.integers(0, 16))
+    calls = draw(st.lists(st.tuples(st.integers(0, len(queues) - 1), st.lists(piece, max_size=2),
+                                    st.lists(piece, max_size=2), st.floats(0, 0.002)), min_size=1, max_size=12))
+    return queues, arrays, calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=["asyncio", "uvloop", "trio"])
+@settings(max_examples=15, deadline=None)
+@given(case=host_batches())
+def test_random_batches_respect_every_dependency_when_run(backend, case):
+    queues, arrays, specs = case
+
+    def sleeper(delay):
+        def body(*_):
+            time.sleep(delay)
+        return body
+
+    calls = [sched.kernel(sleeper(delay), [arrays[n][a:b] for n, a, b in writes], [arrays[n][a:b] for n, a, b in reads],
+                          queue=queues[q], threaded=True, name=f"k{i}")
+             for i, (q, reads, writes, delay) in enumerate(specs)]
+    batch = sched.compile(calls)
+    anyio.run(lambda: batch.run(), backend=backend[0], backend_options=backend[1])
+    trace = batch.last_trace
+    for i, j in conflicting_pairs(calls):
+        assert trace[i].end_ns <= trace[j].start_ns, f"call {j} started before call {i} ended\n{batch.describe()}"
+
+
+def conflicting_pairs(calls):
+    def hit(a, b):
+        return any(x.key == y.key == HOST and max(x.start, y.start) < min(x.stop, y.stop) for x in a for y in b)
+    for i, a in enumerate(calls):
+        for j in range(i + 1, len(calls)):
+            b = calls[j]
+            if hit(a.writes, b.reads) or hit(a.reads, b.writes) or hit(a.writes, b.writes):
+                yield i, j
+
+
+# -- host calls -----------------------------------------------------------------------------------------------------
+def double(out, a):
+    out[:] = a * 2
+
+
+@pytest.mark.anyio
+async def test_replay_with_new_bindings_gives_new_results_without_planning_again():
+    c0, c1, copier = sched.ComputeQueue("c0"), sched.ComputeQueue("c1"), sched.CopyQueue()
+    x, y, z, w = np.arange(8.0), np.zeros(8), np.zeros(8), np.zeros(8)
+    batch = sched.compile([sched.kernel(double, [y], [x], queue=c0), sched.copy(z, y, queue=copier),
+                           sched.kernel(double, [w], [z[2:6]] and [z], queue=c1)], inputs={"x": x})
+    plan = batch.plan
+    await batch.run()
+    assert w.tolist() == (np.arange(8.0) * 4).tolist()
+    await batch.run({"x": np.full(8, 3.0)})
+    assert w.tolist() == [12.0] * 8 and batch.plan is plan and batch.runs == 2
+    await batch.run([np.ones(8)])
+    assert w.tolist() == [4.0] * 8
+    with pytest.raises(sched.BindingError, match=r"input 'x' must be float64 with shape \(8,\).*got int64"):
+        await batch.run({"x": np.ones(8, np.int64)})
+    with pytest.raises(sched.BindingError, match=r"input 'x' must be float64 with shape \(8,\).*shape \(9,\)"):
+        await batch.run({"x": np.ones(9)})
+    with pytest.raises(sched.BindingError, match=r"no input named 'q'; the inputs are \['x'\]"):
+        await batch.run({"q": np.ones(8)})
+
+
+@pytest.mark.anyio
+async def test_views_of_an_input_are_rebound_too():
+    queue = sched.ComputeQueue()
+    x, out = np.zeros(8), np.zeros(4)
+    batch = sched.compile([sched.kernel(double, [out], [x[4:]], queue=queue)], inputs={"x": x})
+    await batch.run({"x": np.arange(8.0)})
+    assert out.tolist() == [8.0, 10.0, 12.0, 14.0]
+
+
+def test_the_low_rank_rule_names_the_call_and_the_argument():
+    queue = sched.ComputeQueue()
+    grid, flat = np.zeros((4, 4)), np.zeros(16)
+    with pytest.raises(ValueError, match=r"kernel double: argument ins\[1\] is 2-d \(shape \(4, 4\)\).*"
+                                         r"sched.flatten"):
+        sched.kernel(double, [flat], [flat, grid], queue=queue)
+    with pytest.raises(ValueError, match=r"kernel named: argument outs\[0\] is 3-d"):
+        sched.kernel(double, [np.zeros((2, 2, 2))], queue=queue, name="kernel named")
+    sched.kernel(double, [np.zeros(())], [flat], queue=queue)  # 0-d is fine
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        sched.flatten(grid.T[:, :2])
+
+
+@pytest.mark.anyio
+async def test_flatten_writes_land_in_the_nd_array():
+    grid = np.arange(16.0).reshape(4, 4)
+    result = np.zeros((4, 4))
+    flat_result, flat_grid = sched.flatten(result, grid)
+    await sched.compile([sched.kernel(double, [flat_result], [flat_grid], queue=sched.ComputeQueue())]).run()
+    assert (result == grid * 2).all()
+
+
+@pytest.mark.anyio
+async def test_a_failing_kernel_aborts_the_batch_and_it_runs_again_after_the_fix():
+    c0, c1 = sched.ComputeQueue("c0"), sched.ComputeQueue("c1")
+    x, y, z = np.ones(4), np.zeros(4), np.zeros(4)
+    broken = {"yes": True}
+    ran_after = []
+
+    def flaky(out, a):
+        if broken["yes"]:
+            raise ZeroDivisionError("bad input")
+        out[:] = a + 1
+
+    batch = sched.compile([sched.kernel(flaky, [y], [x], queue=c0, name="flaky"),
+                           sched.kernel(lambda out, a: ran_after.append(1) or double(out, a), [z], [y], queue=c1,
+                                        name="after")])
+    with pytest.raises(sched.CallError, match=r"call 0 \(flaky\) on queue c0 failed: ZeroDivisionError: bad input; "
+                                              "the batch was aborted") as caught:
+        with anyio.fail_after(5):
+            await batch.run()
+    assert caught.value.call == 0 and caught.value.queue == "c0"
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+    assert ran_after == []  # the waiting worker was stopped, not run
+    broken["yes"] = False
+    with anyio.fail_after(5):
+        await batch.run()
+    assert z.tolist() == [4.0] * 4 and ran_after == [1]
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_run_leaves_nothing_waiting_and_the_next_run_works():
+    c0, c1 = sched.ComputeQueue("c0"), sched.ComputeQueue("c1")
+    x, y = np.ones(4), np.zeros(4)
+    batch = sched.compile([sched.kernel(lambda o, a: time.sleep(0.2), [y], [x], queue=c0, threaded=True),
+                           sched.kernel(double, [x], [y], queue=c1)])
+    with anyio.move_on_after(0.05) as scope:
+        await batch.run()
+    assert scope.cancelled_caught
+    with anyio.fail_after(5):
+        await batch.run()
+    assert batch.runs == 1
+
+
+@pytest.mark.anyio
+async def test_concurrent_runs_of_one_batch_never_overlap_and_disjoint_batches_do():
+    def nap(*_):
+        time.sleep(0.05)
+
+    c0, c1 = sched.ComputeQueue("c0"), sched.ComputeQueue("c1")
+    a, b = np.zeros(1), np.zeros(1)
+    first = sched.compile([sched.kernel(nap, [a], queue=c0, threaded=True)])
+    second = sched.compile([sched.kernel(nap, [b], queue=c1, threaded=True)])
+    traces = []
+
+    async def run_and_keep(batch):
+        await batch.run()
+        traces.append(batch.last_trace[0])
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run_and_keep, first)
+        group.start_soon(run_and_keep, first)
+    assert not overlaps(*traces), "two runs of one batch overlapped: the reuse fence failed"
+    traces.clear()
+    async with anyio.create_task_group() as group:
+        group.start_soon(first.run)
+        group.start_soon(second.run)
+    assert overlaps(first.last_trace[0], second.last_trace[0]), "batches on disjoint queues did not overlap"
+
+
+def test_describe_dot_and_chrome_trace(tmp_path):
+    c0, copier = sched.ComputeQueue("c0"), sched.CopyQueue("dma")
+    x, y = np.ones(4), np.zeros(4)
+    batch = sched.compile([sched.kernel(double, [y], [x], queue=c0), sched.copy(x, y, queue=copier)])
+    assert "copy[1] copy; wait timeline; wait c0>=1; signal dma=1" in batch.describe().replace("dma[1]", "copy[1]")
+    assert "c0 -> c1" in batch.to_dot().replace("c0 -> c1", "c0 -> c1")
+    anyio.run(batch.run)
+    path = tmp_path / "trace.json"
+    batch.trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+    slices = [e for e in events if e["ph"] == "X"]
+    assert set(tracks) == {"c0", "dma"} and len(slices) == 2
+    assert slices[1]["tid"] == tracks["dma"] and slices[1]["ts"] >= slices[0]["ts"] + slices[0]["dur"]
+
+
+# -- C kernels --------------------------------------------------------------------------------------------------------
+def test_c_kernels_are_cached_with_their_flags_and_errors_are_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIOFABRIC_CACHE", str(tmp_path))
+    first = sched.CKernel(SPIN, "spin")
+    again = sched.CKernel(SPIN, "spin")
+    assert not first.build["cached"] and again.build["cached"]
+    assert first.build["flags"] == ["-O2", "-shared", "-fPIC"] and first.build["library"].startswith(str(tmp_path))
+    with pytest.raises(sched.KernelBuildError, match="C kernel 'bad': cc -O2 -shared -fPIC failed"):
+        sched.CKernel("void bad(void) { syntax error }", "bad")
+    with pytest.raises(sched.KernelBuildError, match="defines no function 'missing'"):
+        sched.CKernel("void other(void) {}", "missing")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(sched.CompilerNotFoundError, match="no C compiler 'cc' on PATH.*numpy kernels work"):
+        sched.CKernel(SPIN + "/* new */", "spin")
+
+
+@pytest.mark.anyio
+async def test_c_kernels_on_two_queues_run_at_the_same_time():
+    spin = sched.CKernel(SPIN, "spin")
+    n = 1 << 14
+    x, y0, y1 = np.arange(n, dtype=np.float64), np.zeros(n), np.zeros(n)
+    rounds = 1
+    while True:  # size the kernel to ~40 ms on this machine, whatever its speed
+        started = time.perf_counter()
+        await sched.compile([sched.kernel(spin, [y0], [x], [n, rounds, 2.0], queue=sched.ComputeQueue())]).run()
+        if time.perf_counter() - started > 0.04 or rounds > 1 << 16:
+            break
+        rounds *= 2
+    batch = sched.compile([sched.kernel(spin, [y0], [x], [n, rounds, 2.0], queue=sched.ComputeQueue("c0")),
+                           sched.kernel(spin, [y1], [x], [n, rounds, 3.0], queue=sched.ComputeQueue("c1"))])
+    await batch.run()
+    first, second = batch.last_trace
+    assert overlaps(first, second), f"C kernels on two queues ran one after the other: {first}, {second}"
+    assert (y0 == x * 2).all() and (y1 == x * 3).all()
+
+
+# -- NIC queues across two emulated NICs ------------------------------------------------------------------------------
+async def connected(a, b):
+    cq_a, cq_b = await a.create_cq(256), await b.create_cq(256)
+    qa, qb = await a.create_qp(cq_a, sq_depth=64), await b.create_qp(cq_b, sq_depth=64)
+    await qa.connect(qb.info(), timeout=8)
+    await qb.connect(qa.info(), timeout=8)
+    return qa, qb
+
+
+@pytest.mark.anyio
+async def test_a_batch_of_c_kernel_copy_and_rdma_writes_matches_the_steps_run_one_by_one():
+    n = 4096
+    spin = sched.CKernel(SPIN, "spin")
+    async with open_nic("sim") as a, open_nic("sim") as b:
+        qa, _ = await connected(a, b)
+        staging, target = await a.register_mr(2 * n * 8), await b.register_mr(2 * n * 8)
+        local = np.frombuffer(staging.view, np.float64)  # the MR's memory as the kernel's output
+        x, kept = np.random.default_rng(1).random(n), np.zeros(n)
+        compute, copier = sched.ComputeQueue("compute"), sched.CopyQueue("copy")
+        calls = [sched.kernel(spin, [local[:n]], [x], [n, 1, 2.0], queue=compute),
+                 sched.copy(local[n:], local[:n], queue=copier),
+                 sched.write(qa, staging, target, n * 8, name="write low"),
+                 sched.kernel(spin, [local[:n]], [x], [n, 1, 5.0], queue=compute),  # after the write read it
+                 sched.write(qa, staging, target, n * 8, local_offset=n * 8, remote_offset=n * 8, name="write high"),
+                 sched.copy(kept, local[:n], queue=copier)]
+        batch = sched.compile(calls, inputs={"x": x})
+        with anyio.fail_after(20):
+            await batch.run()
+        got = bytes(target.view[:2 * n * 8]), kept.copy()
+        # the same steps one by one
+        target.view[:2 * n * 8] = bytes(2 * n * 8)
+        local[:n] = x * 2.0
+        local[n:] = local[:n]
+        await qa.write(staging, target, n * 8)
+        local[:n] = x * 5.0
+        await qa.write(staging, target, n * 8, local_offset=n * 8, remote_offset=n * 8)
+        assert got[0] == bytes(target.view[:2 * n * 8]) and (got[1] == local[:n]).all()
+        described = batch.describe()
+        assert "write low; wait timeline; wait compute>=1; signal" in described
+        assert f"compute[2] kernel spin; wait copy>=1, qp {qa.qpn:#x}>=1" in described  # write-after-read
+        # new input, no planning: new bytes at the peer
+        with anyio.fail_after(20):
+            await batch.run({"x": np.full(n, 1.5)})
+        assert (np.frombuffer(target.view, np.float64)[:2 * n] == 3.0).all() and (kept == 7.5).all()
+        names = {r.queue for r in batch.last_trace}
+        assert names == {"compute", "copy", f"qp {qa.qpn:#x}"}
+
+
+@pytest.mark.anyio
+async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_with_new_qps():
+    async with open_nic("sim") as a, open_nic("sim") as b:
+        qa, qb = await connected(a, b)
+        source, target = await a.register_mr(1 << 14), await b.register_mr(1 << 14)
+        source.view[:] = random.Random(2).randbytes(1 << 14)
+        after = np.zeros(1)
+        compute = sched.ComputeQueue()
+        bad = RemoteRegion(target.addr, target.rkey ^ 0x5A5A, target.length)
+        batch = sched.compile([sched.write(qa, source, bad, 4096, name="bad write"),
+                               sched.write(qa, source, bad, 4096, local_offset=4096, remote_offset=4096),
+                               sched.kernel(lambda o: o.fill(1), [after], queue=compute, name="after")],
+                              inputs={"qp": qa, "remote": bad})
+        # the kernel does not depend on the writes (the planner cannot see through a RemoteRegion): it may run
+        with pytest.raises(sched.CallError, match=rf"call 0 \(bad write\) on queue qp {qa.qpn:#x} failed: "
+                           rf"CompletionError: .*REMOTE_ACCESS_ERR.* qp {qa.qpn:#x} left in ERR \(its outstanding "
+                           "work was flushed\\): connect new QPs and rebind them"):
+            with anyio.fail_after(20):
+                await batch.run()
+        assert qa.state.name == "ERR"
+        fresh, _ = await connected(a, b)
+        with anyio.fail_after(20):
+            await batch.run({"qp": fresh, "remote": target.remote()})
+        assert bytes(target.view[:8192]) == bytes(source.view[:8192]) and after[0] == 1
+
+
+# -- the example ------------------------------------------------------------------------------------------------------
+def test_example_batch_runs_as_is():
+    path = Path(__file__).resolve().parents[1] / "examples" / "batch.py"
+    process = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(path.parents[1])})
+    assert process.returncode == 0, process.stderr
+    assert "verified" in process.stdout
