@@ -147,7 +147,8 @@ async def cmd_connect(args: argparse.Namespace) -> dict[str, Any]:
         openers = [functools.partial(connect_peer, host, port, user=user or args.user, **ssh)
                    for user, host, port in hosts]
         async with open_all(openers) as peers:
-            result = await ring(peers, nic=args.remote_nic, size=args.size, started=started)
+            options = [{"ip": args.remote_ip}] * len(peers) if args.remote_ip else None
+            result = await ring(peers, nic=args.remote_nic, size=args.size, options=options, started=started)
         if not args.json:
             print(f"ring of {len(peers)} hosts ({' -> '.join(result['hosts'])} -> back): RDMA WRITE of {args.size} "
                   f"bytes around it: {'verified' if result['verified'] else 'MISMATCH'} (handshake "
@@ -229,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     connect.add_argument("--nic", default="sim", help="local NIC: 'sim', 'sim:NAME' or a PCI address (default sim)")
     connect.add_argument("--remote-nic", default="sim", help="the remote host's NIC (default sim)")
     connect.add_argument("--local-ip", help="local NIC's IPv4 address (emulated: a free 127.0.0.x)")
-    connect.add_argument("--remote-ip", help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there)")
+    connect.add_argument("--remote-ip", help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there); 'ssh': "
+                                             "the address the SSH connection reached (with --hosts: on every host)")
     connect.add_argument("--size", type=int, default=1 << 20, help="bytes to write and read back (default 1 MiB)")
     connect.add_argument("--push", action="store_true",
                          help="copy this aiofabric over SFTP to a private temp dir on the host and run it from there")

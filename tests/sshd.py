@@ -1,5 +1,5 @@
 """A real SSH server for the peer tests (asyncssh): public-key auth, SFTP (asyncssh's, on the real filesystem), and each session's command really runs as
-`/bin/sh -c COMMAND` in a subprocess, as OpenSSH's sshd runs it, with stdin/stdout/stderr bridged to the channel.
+`/bin/sh -c COMMAND` in a subprocess (with SSH_CONNECTION set), as OpenSSH's sshd runs it, with stdin/stdout/stderr bridged to the channel.
 
 When the channel closes while the command still runs (the client dropped the connection), the command's whole
 process group gets SIGTERM, then SIGKILL: a dropped client leaves nothing behind, as with sshd and a pty.
@@ -65,9 +65,11 @@ def _signal_group(pid: int, signum: int) -> None:
 
 def make_handler(cwd: str):
     async def handle(process: asyncssh.SSHServerProcess) -> None:
+        client, server = process.get_extra_info("peername"), process.get_extra_info("sockname")
+        environment = {**os.environ, "SSH_CONNECTION": f"{client[0]} {client[1]} {server[0]} {server[1]}"}
         child = await asyncio.create_subprocess_exec(
             "/bin/sh", "-c", process.command or "", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, cwd=cwd, start_new_session=True)
+            stderr=asyncio.subprocess.PIPE, cwd=cwd, start_new_session=True, env=environment)
         CHILDREN.add(child.pid)
         STARTED.append(child.pid)
         copy_in = asyncio.ensure_future(_copy(process.stdin, child.stdin, child.stdin.close))

@@ -102,7 +102,8 @@ async def open_all(openers: Sequence[Callable[[], contextlib.AbstractAsyncContex
 async def ring(peers: Sequence[Peer], *, nic: str = "sim", size: int = 1 << 20,
                options: Sequence[dict[str, Any]] | None = None, started: float | None = None) -> dict[str, Any]:
     """Host i writes to host i+1 (the last to host 0), in turn, each forwarding what it received; every host checks
-    the bytes it got by sha256. Needs at least 2 hosts."""
+    the bytes it got by sha256. Needs at least 2 hosts. `options[i]`: host i's open_nic arguments (ip=, netns=;
+    ip="ssh" takes the address its SSH connection reached)."""
     if len(peers) < 2:
         raise ValueError(f"a ring needs at least 2 hosts, not {len(peers)}")
     started = time.perf_counter() if started is None else started

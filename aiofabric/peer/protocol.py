@@ -26,7 +26,8 @@ Handles
 Operations (`args` fields; "=" marks a default, the rest are required)
     ping         -                                            -> {"pid"}
     open_nic     spec="sim", ip=null, options={}              -> {"nic", "ip", "gid", "mac"}
-                 (options: the emulated NIC's, e.g. {"netns": "B", "fw_latency_us": 30})
+                 (options: the emulated NIC's, e.g. {"netns": "B", "fw_latency_us": 30}; ip "ssh": the address
+                 the SSH connection reached, from SSH_CONNECTION)
     create_cq    nic, depth=256                               -> {"cq"}
     create_qp    nic, cq, sq_depth=128, rq_depth=128          -> {"qp", "info": QP_INFO}
     register_mr  nic, size                                    -> {"mr", "region": REGION}

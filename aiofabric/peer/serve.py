@@ -95,6 +95,12 @@ class Endpoint:
         return {"pid": os.getpid()}
 
     async def op_open_nic(self, spec: str, ip: str | None, options: dict[str, Any]) -> dict[str, Any]:
+        if ip == "ssh":  # the address the client's SSH connection reached: this host's address on that network
+            try:
+                ip = os.environ["SSH_CONNECTION"].split()[2]
+            except (KeyError, IndexError):
+                raise ValueError("open_nic: ip 'ssh' needs SSH_CONNECTION (set by sshd); this endpoint was not "
+                                 "started over SSH") from None
         slot = _NicSlot()
         await self.tasks.start(self._run_nic, slot, spec, ip, options)
         nic = slot.nic

@@ -1,0 +1,135 @@
+"""Remote peers across network namespaces: each namespace is a host, the SSH server (tests/sshd.py, a separate
+process) runs inside the remote ones, `aiofabric connect` runs inside namespace A, and RoCEv2 crosses veth links.
+
+Layout: namespace A holds a bridge; each remote namespace (B, C, D) is joined to it by a veth pair. Addresses
+(10.78.0.0/24) exist only inside these namespaces and go with them. Names carry the creating pid; a run that was
+killed is swept by the next one (as in tests/test_netns.py). Skipped with the reason where `ip netns` is unavailable.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sshd  # noqa: E402
+
+PID = os.getpid()
+TAG = PID % 100000
+NS = {name: f"aiopeer-{name.lower()}{PID}" for name in "ABCD"}
+ADDRESS = {"A": "10.78.0.1", "B": "10.78.0.2", "C": "10.78.0.3", "D": "10.78.0.4"}
+STALE_NS = re.compile(r"aiopeer-[abcd](\d+)")
+STALE_VETH = re.compile(r"ap[bcd][xy](\d+)")
+SSHD = Path(__file__).parent / "sshd.py"
+
+
+def ip(*args: str) -> str:
+    return subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20, text=True).stdout
+
+
+def sweep_stale_runs() -> None:
+    live = {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
+    for line in ip("netns", "list").splitlines():
+        name = line.split()[0] if line.strip() else ""
+        match = STALE_NS.fullmatch(name)
+        if match and int(match.group(1)) not in live:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+    tags = {pid % 100000 for pid in live}
+    for line in ip("-o", "link", "show", "type", "veth").splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        match = STALE_VETH.fullmatch(name)
+        if match and int(match.group(1)) not in tags:
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=20)
+
+
+def _teardown() -> None:
+    for name in NS.values():  # deleting a namespace deletes the veth ends inside it, and with them the pairs
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+    for host in "BCD":
+        subprocess.run(["ip", "link", "del", f"ap{host.lower()}x{TAG}"], capture_output=True, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """Namespaces A..D, a bridge in A, an SSH server in each of B, C, D: {host: port}, and the key directory."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("network namespaces need root and iproute2")
+    try:
+        sweep_stale_runs()
+        ip("netns", "add", NS["A"])
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"ip netns unavailable here: {exc.stderr.strip()}")
+    servers: list[subprocess.Popen] = []
+    try:
+        ip("-n", NS["A"], "link", "add", "br0", "type", "bridge")
+        ip("-n", NS["A"], "addr", "add", f"{ADDRESS['A']}/24", "dev", "br0")
+        ip("-n", NS["A"], "link", "set", "br0", "mtu", "9000", "up")
+        ip("-n", NS["A"], "link", "set", "lo", "up")
+        for host in "BCD":
+            near, far = f"ap{host.lower()}x{TAG}", f"ap{host.lower()}y{TAG}"
+            ip("netns", "add", NS[host])
+            ip("link", "add", near, "type", "veth", "peer", "name", far)
+            ip("link", "set", near, "netns", NS["A"])
+            ip("link", "set", far, "netns", NS[host])
+            ip("-n", NS["A"], "link", "set", near, "mtu", "9000")  # RoCE frames at MTU 4096 fit
+            ip("-n", NS["A"], "link", "set", near, "master", "br0", "up")
+            ip("-n", NS[host], "addr", "add", f"{ADDRESS[host]}/24", "dev", far)
+            ip("-n", NS[host], "link", "set", far, "mtu", "9000", "up")
+            ip("-n", NS[host], "link", "set", "lo", "up")
+        keys_dir = tmp_path_factory.mktemp("peer-netns")
+        keys = sshd.make_keys(str(keys_dir))
+        home = keys_dir / "home"
+        home.mkdir()
+        ports = {}
+        for host in "BCD":
+            server = subprocess.Popen(
+                ["ip", "netns", "exec", NS[host], sys.executable, str(SSHD), "--host", ADDRESS[host], "--port", "0",
+                 "--host-key", keys["host"], "--authorized-key", keys["client"] + ".pub", "--cwd", str(home)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            servers.append(server)
+            line = server.stdout.readline()  # "listening PORT" (or EOF if it failed)
+            assert line.startswith("listening "), f"SSH server in {NS[host]} failed to start"
+            ports[host] = int(line.split()[1])
+        known_hosts = keys_dir / "known_hosts"
+        known_hosts.write_text("".join(sshd.known_hosts_line(ADDRESS[h], ports[h], keys["host"]) for h in "BCD"))
+        yield {"ports": ports, "keys": keys, "known_hosts": str(known_hosts)}
+    finally:
+        for server in servers:
+            server.stdin.close()  # its stdin closing stops it (and its commands)
+        for server in servers:
+            try:
+                server.wait(10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        _teardown()
+
+
+def connect_in_a(hosts, *args, timeout=120):
+    """`aiofabric connect ... --json` run inside namespace A (host A); (exit code, JSON, stderr)."""
+    process = subprocess.run(
+        ["ip", "netns", "exec", NS["A"], sys.executable, "-m", "aiofabric", "connect", *args, "--identity",
+         hosts["keys"]["client"], "--known-hosts", hosts["known_hosts"], "--python", sys.executable, "--json"],
+        capture_output=True, text=True, timeout=timeout)
+    last = process.stdout.strip().splitlines()[-1] if process.stdout.strip() else ""
+    return process.returncode, json.loads(last) if last.startswith("{") else None, process.stderr
+
+
+def test_two_hosts_over_ssh_across_a_veth(hosts):
+    code, result, stderr = connect_in_a(hosts, ADDRESS["B"], "--port", str(hosts["ports"]["B"]), "--local-ip",
+                                        ADDRESS["A"], "--remote-ip", ADDRESS["B"], "--size", "1000000")
+    assert code == 0, stderr
+    assert result["verified"] and result["bytes"] == 1000000
+    assert (result["local_ip"], result["remote_ip"]) == (ADDRESS["A"], ADDRESS["B"])  # RoCEv2 crossed the veth
+    assert result["remote_host"] == f"{ADDRESS['B']}:{hosts['ports']['B']}"
+
+
+def test_ring_of_three_namespaces(hosts):
+    """Host B writes to C, C to D, D back to B: each through its own SSH server, addresses on the bridge."""
+    ring = ",".join(f"{ADDRESS[h]}:{hosts['ports'][h]}" for h in "BCD")
+    code, result, stderr = connect_in_a(hosts, "--hosts", ring, "--remote-ip", "ssh", "--size", "200000")
+    assert code == 0, stderr
+    assert result["verified"] and result["remote_ips"] == [ADDRESS[h] for h in "BCD"]
