@@ -111,7 +111,7 @@ class Plan:
                 parts.append(f"signal {qn[s.queue]}={s.signal}")
             lines.append("  " + "; ".join(parts))
         for f in self.finalisers:
-            lines.append(f"  finaliser {self.devices[f.device]}: wait "
+            lines.append(f"  finaliser {queue_name(self.devices[f.device])}: wait "
                          + ", ".join(f"{qn[w.queue]}>={w.value}" for w in f.waits) + "; publish epoch")
         return "\n".join(lines)
 
@@ -130,7 +130,7 @@ class Plan:
         for s in self.submissions:
             out.extend(f"  c{by_position[w.queue, w.value]} -> c{s.call};" for w in s.waits)
         for f in self.finalisers:
-            out.append(f'  f{f.device} [label="finalise {_dot(str(self.devices[f.device]))}", shape=oval];')
+            out.append(f'  f{f.device} [label="finalise {_dot(queue_name(self.devices[f.device]))}", shape=oval];')
             out.extend(f"  c{by_position[w.queue, w.value]} -> f{f.device} [style=dashed];" for w in f.waits)
         out.append("}")
         return "\n".join(out)
@@ -156,37 +156,45 @@ class _IntervalMap:
         self.starts: list[int] = [0]
         self.segments: list[_Segment] = [_Segment(None, {})]
 
-    def _split(self, at: int) -> int:
-        """Index of the segment starting at `at`, splitting the one that contains it."""
-        i = bisect.bisect_right(self.starts, at) - 1
-        if self.starts[i] == at:
-            return i
-        old = self.segments[i]
-        self.starts.insert(i + 1, at)
-        self.segments.insert(i + 1, _Segment(old.writer, dict(old.readers)))
-        return i + 1
+    def _range(self, start: int, stop: int) -> tuple[int, int]:
+        """Indices [first, last) of the segments covering [start, stop), splitting the ones that straddle an end."""
+        starts = self.starts
+        first = bisect.bisect_right(starts, start) - 1
+        if starts[first] != start:
+            old = self.segments[first]
+            first += 1
+            starts.insert(first, start)
+            self.segments.insert(first, _Segment(old.writer, dict(old.readers)))
+        last = bisect.bisect_right(starts, stop, first) - 1
+        if starts[last] != stop:
+            old = self.segments[last]
+            last += 1
+            starts.insert(last, stop)
+            self.segments.insert(last, _Segment(old.writer, dict(old.readers)))
+        return first, last
 
     def conflicts(self, start: int, stop: int, writes: bool, deps: dict[int, int]) -> None:
         """Add to `deps` (queue -> newest position) the calls an access to [start, stop) must follow: the last
         writer, or for a write the newest reader per queue since that write (each of which followed the writer)."""
-        first, last = self._split(start), self._split(stop)
+        first, last = self._range(start, stop)
+        get = deps.get
         for segment in self.segments[first:last]:
             if writes and segment.readers:  # every reader followed the writer: waiting for them implies it
                 for q, p in segment.readers.items():
-                    if deps.get(q, 0) < p:
+                    if get(q, 0) < p:
                         deps[q] = p
             elif segment.writer is not None:
                 q, p = segment.writer
-                if deps.get(q, 0) < p:
+                if get(q, 0) < p:
                     deps[q] = p
 
     def record_read(self, start: int, stop: int, queue: int, position: int) -> None:
-        first, last = self._split(start), self._split(stop)
+        first, last = self._range(start, stop)
         for segment in self.segments[first:last]:
             segment.readers[queue] = position  # positions grow per queue: this is the newest
 
     def record_write(self, start: int, stop: int, queue: int, position: int) -> None:
-        first, last = self._split(start), self._split(stop)
+        first, last = self._range(start, stop)
         self.starts[first:last] = [start]
         self.segments[first:last] = [_Segment((queue, position), {})]
 

@@ -1,0 +1,154 @@
+"""Scheduler benchmarks (issue 9): planning time vs batch size, replay overhead per call, and the overlap of C
+kernels on two compute queues with RDMA writes against the same calls run one after another.
+
+    python bench/sched.py [--json] [--skip-nic]
+"""
+import argparse
+import ctypes
+import json
+import random
+import statistics
+import time
+
+import anyio
+import numpy as np
+
+from aiofabric import open_nic, sched
+from aiofabric.sched.plan import Access, Span, plan
+
+SPIN = r"""
+#include <stdint.h>
+void spin(double *out, const double *in, int64_t n, int64_t rounds, double k) {
+    for (int64_t r = 0; r < rounds; r++)
+        for (int64_t i = 0; i < n; i++) out[i] = in[i] * k + (double)r * 0.0;
+}
+"""
+
+
+def planning(sizes=(1_000, 10_000, 100_000), queues=8, buffers=256):
+    """Per size: CPU seconds (best of several) to plan N calls over `queues` queues, each reading two and writing one of `buffers`
+    buffers (byte ranges of 4 KiB slots, so the interval maps split and coalesce)."""
+    rng = random.Random(1)
+    results = {}
+    for n in sizes:
+        def span():
+            slot = rng.randrange(4)
+            return Span(f"b{rng.randrange(buffers)}", slot * 4096, slot * 4096 + 4096)
+        calls = [Access(f"q{i % queues}", "host", (span(), span()), (span(),)) for i in range(n)]
+        results[n] = min(_cpu_timed(lambda: plan(calls)) for _ in range(5 if n < 100_000 else 3))
+    return results
+
+
+def _cpu_timed(fn):
+    """CPU seconds of this thread: the machine is shared, and time spent descheduled is not planning time."""
+    started = time.thread_time()
+    fn()
+    return time.thread_time() - started
+
+
+def _timed(fn):
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+async def replay_overhead(calls=10_000, queues=8):
+    """Median seconds per call to replay a compiled batch of `calls` no-op numpy kernels on `queues` queues."""
+    rng = random.Random(2)
+    arrays = [np.zeros(1) for _ in range(64)]
+    qs = [sched.ComputeQueue(f"c{i}") for i in range(queues)]
+
+    def noop(*_):
+        pass
+
+    batch = sched.compile([sched.kernel(noop, [arrays[rng.randrange(64)]], [arrays[rng.randrange(64)]],
+                                        queue=qs[i % queues]) for i in range(calls)])
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        await batch.run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) / calls, batch.plan.waits, batch.plan.signals
+
+
+async def overlap(kernels_per_queue=4, writes=32, write_bytes=1 << 16):
+    """(overlapped seconds, serial seconds): C kernels on two compute queues + RDMA writes on one QP, in one
+    batch, vs every call as its own batch one after another (same executors, nothing overlaps)."""
+    spin = sched.CKernel(SPIN, "spin")
+    n = 1 << 14
+    async with open_nic("sim") as a, open_nic("sim") as b:
+        cq_a, cq_b = await a.create_cq(256), await b.create_cq(256)
+        qa, qb = await a.create_qp(cq_a, sq_depth=64), await b.create_qp(cq_b, sq_depth=64)
+        await qa.connect(qb.info())
+        await qb.connect(qa.info())
+        source, target = await a.register_mr(writes * write_bytes), await b.register_mr(writes * write_bytes)
+        source.view[:] = random.Random(3).randbytes(writes * write_bytes)
+        x = np.arange(n, dtype=np.float64)
+        outs = [np.zeros(n) for _ in range(2 * kernels_per_queue)]
+        rounds = 1
+        while _timed(lambda: spin.function(ctypes.c_void_p(outs[0].ctypes.data), ctypes.c_void_p(x.ctypes.data),
+                                             ctypes.c_int64(n), ctypes.c_int64(rounds), ctypes.c_double(2.0))) < 0.02:
+            rounds *= 2  # ~20-40 ms per kernel on this machine
+        c0, c1 = sched.ComputeQueue("c0"), sched.ComputeQueue("c1")
+        calls = [sched.kernel(spin, [outs[i]], [x], [n, rounds, 2.0], queue=c0 if i % 2 else c1)
+                 for i in range(2 * kernels_per_queue)]
+        calls += [sched.write(qa, source, target, write_bytes, local_offset=i * write_bytes,
+                              remote_offset=i * write_bytes) for i in range(writes)]
+        together = sched.compile(calls)
+        alone = [sched.compile([call]) for call in calls]
+        await together.run()  # warm up: threads, emulator
+        overlapped, serial = [], []
+        for _ in range(3):
+            overlapped.append(await _timed_async(together.run))
+            serial.append(await _timed_async(lambda: _run_all(alone)))
+        assert bytes(target.view) == bytes(source.view)
+        kernel_time = statistics.median(r.end_ns - r.start_ns for r in together.last_trace[:len(outs)]) / 1e9
+        return statistics.median(overlapped), statistics.median(serial), kernel_time, len(calls)
+
+
+async def _run_all(batches):
+    for batch in batches:
+        await batch.run()
+
+
+async def _timed_async(fn):
+    started = time.perf_counter()
+    await fn()
+    return time.perf_counter() - started
+
+
+async def main(as_json: bool, skip_nic: bool) -> None:
+    result = {}
+    plans = planning()
+    result["plan_us_per_call"] = {n: seconds / n * 1e6 for n, seconds in plans.items()}
+    result["plan_ratio_10k_over_1k"] = plans[10_000] / plans[1_000]
+    result["plan_ratio_100k_over_10k"] = plans[100_000] / plans[10_000]
+    per_call, waits, signals = await replay_overhead()
+    result["replay_us_per_noop_call"] = per_call * 1e6
+    result["replay_plan"] = {"calls": 10_000, "waits": waits, "signals": signals}
+    if not skip_nic:
+        together, serial, kernel, count = await overlap()
+        result["overlap"] = {"calls": count, "overlapped_s": together, "serial_s": serial, "ratio": together / serial,
+                             "kernel_s": kernel}
+    if as_json:
+        print(json.dumps(result))
+        return
+    for n, us in result["plan_us_per_call"].items():
+        print(f"planning {n:>7} calls over 8 queues: {us:6.2f} us/call ({plans[n] * 1e3:8.1f} ms)")
+    print(f"10x calls -> {result['plan_ratio_10k_over_1k']:.2f}x time (1k->10k), "
+          f"{result['plan_ratio_100k_over_10k']:.2f}x (10k->100k)")
+    print(f"replay of 10k no-op kernels on 8 queues: {result['replay_us_per_noop_call']:.2f} us/call "
+          f"({waits} waits, {signals} signals)")
+    if "overlap" in result:
+        o = result["overlap"]
+        print(f"overlap: {o['calls']} calls (8 C kernels of {o['kernel_s'] * 1e3:.0f} ms on 2 queues + 32 RDMA writes): "
+              f"{o['overlapped_s'] * 1e3:.1f} ms vs serial {o['serial_s'] * 1e3:.1f} ms = {o['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--skip-nic", action="store_true", help="planning and replay only")
+    parser.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
+    args = parser.parse_args()
+    anyio.run(main, args.json, args.skip_nic, backend=args.backend)
