@@ -3,6 +3,7 @@ relies on, the deliberate placement bugs that prove it can fail, and the receive
 import contextlib
 import os
 import random
+import signal
 
 import anyio
 import pytest
@@ -77,3 +78,45 @@ async def test_placement_faults_through_the_debug_channel():
         assert placed(b, qb)["write_messages"] == 2
         with pytest.raises(PCIError, match="unknown fault kind"):
             b.pci.debug({"op": "fault", "kind": "nonsense"})
+
+
+async def test_rx_overflow_is_reported_apart_from_protocol_drops():
+    async with pair(loss=0.2, seed=4) as (a, b, qa, qb):
+        source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
+        with anyio.fail_after(30):
+            for i in range(8):
+                await qa.write(source, target, 8192, local_offset=8192 * i, remote_offset=8192 * i)
+        stats = b.pci.debug({"op": "stats"})["stats"]
+        assert stats["dropped"] > 0 and stats["rx_overflow"] == 0  # the wire lost packets; the socket kept up
+
+
+async def test_a_stalled_receiver_overflows_no_receive_buffer_under_fan_in():
+    """128 QPs x 128 one-packet WRITEs, every window full, arrive while the receiving emulator is stopped (SIGSTOP):
+    its socket must hold them all (the emulator sizes it for the QPs' windows). A 4 MiB buffer dropped thousands,
+    counted as rx_overflow and then recovered by retransmission."""
+    qps, depth = 128, 128
+    async with pair() as (a, b, _, _):
+        cq_a, cq_b = await a.create_cq(qps * depth), await b.create_cq(256)
+        source, target = await a.register_mr(64), await b.register_mr(qps * depth * 64)
+        flows = []
+        for _ in range(qps):
+            qa = await a.create_qp(cq_a, sq_depth=depth, rq_depth=1)
+            qb = await b.create_qp(cq_b, sq_depth=1, rq_depth=1)
+            await qa.connect(qb.info(), mtu=4096, timeout=20)  # 4 s: no retransmission while b is stopped
+            await qb.connect(qa.info(), mtu=4096)
+            flows.append(qa)
+        receiver = b.pci.debug({"op": "ping"})["pid"]
+        os.kill(receiver, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(60):
+                pending = [await qa.post_write(source, target, 64, remote_offset=64 * (depth * q + i))
+                           for q, qa in enumerate(flows) for i in range(depth)]
+                while a.pci.debug({"op": "stats"})["stats"]["packets_sent"] < qps * depth:
+                    await anyio.sleep(0.01)
+        finally:
+            os.kill(receiver, signal.SIGCONT)
+        with anyio.fail_after(60):
+            for completion in pending:
+                await completion
+        stats = b.pci.debug({"op": "stats"})["stats"]
+        assert stats["rx_overflow"] == 0 and a.pci.debug({"op": "stats"})["stats"]["retransmits"] == 0

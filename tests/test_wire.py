@@ -148,6 +148,18 @@ def test_loopback_bursts_come_back_as_the_packets_they_stand_for_and_announce_th
                [(p.opcode, p.psn, p.ack_req, p.remote_addr, p.dma_length, bytes(p.payload)) for p in expected]
 
 
+def test_rx_overflow_counts_what_the_kernel_dropped_and_a_sized_window_drops_nothing():
+    with UdpTransport(A) as a, UdpTransport(B, buffer_size=4096) as b:  # the kernel's minimum: a few datagrams
+        a.send_all([write(psn, B, bytes(1000)) for psn in range(100)])
+        arrived = pump(b, received(100), timeout=0.2)
+        assert 0 < b.rx_overflow == 100 - len(arrived)  # on loopback a full buffer drops at once, in sendmmsg
+        dropped = b.rx_overflow
+        b.receive_window(100 * 2 * (1000 + 128))  # the kernel charges about twice a datagram's size
+        a.send_all([write(psn, B, bytes(1000)) for psn in range(100)])
+        assert len(pump(b, received(100))) == 100 and b.rx_overflow == dropped
+    assert b.rx_overflow == 0  # closed: nothing to ask
+
+
 def test_faults_are_deterministic_for_a_seed_and_counted():
     faults = Faults(loss=0.2, seed=7)
     first, port = loopback_psns(faults)

@@ -19,7 +19,9 @@ through an in-process loopback transport instead of the wire. The log level come
 Debug "stats" reply: the shell's counters (hwrm, rcfw, kicks, interrupts, ...), the firmware's, the data path's
 (packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts, ...; see
 Datapath.stats), `dropped` = every packet dropped on receive (bad ICRC and malformed datagrams included),
-`dropped_icrc`, and the transports' own counters prefixed with "wire_" (wire_sent, wire_lost, wire_corrupted, ...).
+`dropped_icrc`, `rx_overflow` = datagrams the kernel dropped because the port's receive buffer was full (not part of
+`dropped`: the protocol never saw them; the buffer grows with the QP count, see RECEIVE_WINDOW_PER_QP), and the
+transports' own counters prefixed with "wire_" (wire_sent, wire_lost, wire_corrupted, ...).
 
 Debug "placed" reply: {"qps": {QPN as a string: {write_messages, write_bytes, send_messages, send_bytes,
 read_messages, read_bytes}}} for every live RC QP: what it placed in memory since it was created, each message counted
@@ -52,6 +54,7 @@ from .host import CONFIG_SPACE, KICK
 from .hwrm import Firmware, FirmwareConfig
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .pcap import PcapWriter
+from .requester import WINDOW
 from .wire import LOOPBACK_HOSTS, Faults, Transport, open_on_free_loopback, open_transport
 
 HWRM_VECTOR = 0
@@ -63,6 +66,10 @@ DEFAULT_LATENCY_US = 30.0
 RX_BUDGET = 128  # packets taken off a transport per round
 TX_BUDGET = 128  # request packets generated per round
 SERVICE_SLICE = 0.0005  # seconds of receive/transmit rounds before the loop looks at kicks (doorbells) again
+# Receive buffer per QP: its peer's full window (128 PSNs) of path-MTU-4096 packets, each costing the kernel twice its
+# size on loopback (skb truesize: 8448 bytes for a 4200-byte datagram). A clean wire then never overflows the socket
+# however many QPs send at once (up to wire.MAX_RECEIVE_BUFFER; beyond it drops are counted as rx_overflow).
+RECEIVE_WINDOW_PER_QP = WINDOW * 2 * (4096 + 128)
 
 
 def _prctl(option: int, value: int) -> None:
@@ -160,6 +167,7 @@ class Emulator:
             self.close()
             raise
         self.ip = self.wire.ip
+        self.window_qps = 0  # the QP count the receive buffer was last sized for
         self.datapath = Datapath(self.fw, self.ip)
         self.loopback = open_transport("loopback", self.ip, pcap=self.pcap, faults=Faults(**faults, seed=seed))
 
@@ -179,6 +187,7 @@ class Emulator:
                     if not self.running:
                         break
                 self.run_rcfw()
+                self.size_receive_window()
                 self.service()
                 self.fire_interrupts()
         finally:
@@ -214,6 +223,13 @@ class Emulator:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
 
+    def size_receive_window(self) -> None:
+        """Grow the wire's receive buffer with the number of QPs, so that their windows in flight fit in it."""
+        count = len(self.fw.rcfw.qps)
+        if count > self.window_qps and self.wire is not None:
+            self.window_qps = count
+            self.wire.receive_window(count * RECEIVE_WINDOW_PER_QP)
+
     def on_wire(self) -> None:
         self.wire_readable = True
 
@@ -232,14 +248,19 @@ class Emulator:
             now = time.monotonic()
             dp.doorbells(now)
             moved = 0
+            backlog = False
             for transport in transports:
                 if wire_idle and transport is self.wire:
                     continue
                 packets = transport.receive(RX_BUDGET)
                 if packets:
                     moved += len(packets)
+                    backlog |= len(packets) == RX_BUDGET
                     dp.receive(packets, now)  # before the next receive(), which may reuse the packets' buffers
-            dp.advance(now)
+            if not backlog:
+                # Timers fire once the arrivals queued before them are processed: a NIC keeps up with its wire, so
+                # an ACK waiting in our receive queue never loses the race against a timeout (a spurious go-back).
+                dp.advance(now)
             dp.pump(now, TX_BUDGET)
             outbox = dp.take_outbox()
             if outbox:
@@ -260,7 +281,7 @@ class Emulator:
         counters = [t.counters for t in (self.wire, self.loopback) if t is not None]
         icrc = sum(c["dropped_icrc"] for c in counters)
         stats.update(dp, dropped=dp["dropped"] + icrc + sum(c["dropped_malformed"] for c in counters),
-                     dropped_icrc=icrc)
+                     dropped_icrc=icrc, rx_overflow=sum(t.rx_overflow for t in (self.wire, self.loopback) if t))
         for c in counters:
             for name, value in c.items():
                 stats[f"wire_{name}"] = stats.get(f"wire_{name}", 0) + value

@@ -23,6 +23,7 @@ import errno
 import logging
 import random
 import socket
+import sys
 import time
 from types import TracebackType
 from typing import Any
@@ -40,7 +41,10 @@ IP_MTU_DISCOVER = 10  # Linux socket options Python 3.11's socket module does no
 IP_PMTUDISC_DO = 2  # always set DF, never fragment: with it, unconnected UDP sockets send IP ID 0
 SO_SNDBUFFORCE = 32  # like SO_SNDBUF/SO_RCVBUF, but past net.core.[wr]mem_max when we have CAP_NET_ADMIN
 SO_RCVBUFFORCE = 33
-SOCKET_BUFFER = 4 << 20  # enough for a window of 128 x 4 KiB packets per QP on a few QPs
+SOCKET_BUFFER = 4 << 20  # the least a port starts with: a window of 128 x 4 KiB packets on a few QPs
+MAX_RECEIVE_BUFFER = 512 << 20  # receive_window() stops here: past it, overflow drops are counted, not prevented
+SO_MEMINFO = 55  # getsockopt: the socket's memory counters (struct: SK_MEMINFO_VARS u32s)
+SK_MEMINFO_DROPS = 8  # ... of which this one counts the datagrams the socket dropped (receive buffer full)
 MAX_DATAGRAM = 65536
 BATCH = 64  # datagrams per sendmmsg/recvmmsg call (and at most this many per receive())
 TX_SLOT = 4224  # bytes per transmit slot: a packet of the largest path MTU (4096) with every header fits
@@ -114,6 +118,14 @@ class Transport:
     def fileno(self) -> int | None:
         """The descriptor that becomes readable when packets arrive; None: call receive() every loop iteration."""
         return None
+
+    @property
+    def rx_overflow(self) -> int:
+        """Datagrams the kernel dropped because this port's receive buffer was full (not the protocol's drops)."""
+        return 0
+
+    def receive_window(self, size: int) -> None:
+        """Let the receive buffer hold `size` bytes of queued datagrams (it only grows; capped at MAX_RECEIVE_BUFFER)."""
 
     @property
     def pending(self) -> bool:
@@ -282,13 +294,28 @@ def _udp_socket(ip: str, buffer_size: int) -> socket.socket:
     return sock
 
 
-def _set_buffers(sock: socket.socket, size: int) -> None:
+def _set_buffers(sock: socket.socket, size: int, send: bool = True) -> None:
     """Socket buffers of `size` bytes: past the sysctl limits when privileged, else as large as they allow."""
-    for forced, plain in ((SO_SNDBUFFORCE, socket.SO_SNDBUF), (SO_RCVBUFFORCE, socket.SO_RCVBUF)):
+    for forced, plain in ((SO_SNDBUFFORCE, socket.SO_SNDBUF), (SO_RCVBUFFORCE, socket.SO_RCVBUF))[0 if send else 1:]:
         try:
             sock.setsockopt(socket.SOL_SOCKET, forced, size)
         except PermissionError:
             sock.setsockopt(socket.SOL_SOCKET, plain, size)
+
+
+def _grow_receive_buffer(sock: socket.socket, size: int) -> None:
+    size = min(size, MAX_RECEIVE_BUFFER)
+    if size * 2 > sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF):  # Linux reports twice what was set
+        _set_buffers(sock, size, send=False)
+
+
+def _socket_drops(sock: socket.socket) -> int:
+    """The kernel's count of datagrams `sock` dropped (sk_drops: a full receive buffer, for our sockets)."""
+    try:
+        counters = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
+    except OSError:  # before Linux 3.x, or closed
+        return 0
+    return int.from_bytes(counters[4 * SK_MEMINFO_DROPS:4 * SK_MEMINFO_DROPS + 4], sys.byteorder)
 
 
 class UdpTransport(Transport):
@@ -313,6 +340,13 @@ class UdpTransport(Transport):
 
     def fileno(self) -> int | None:
         return self._socket.fileno()
+
+    @property
+    def rx_overflow(self) -> int:
+        return _socket_drops(self._socket)
+
+    def receive_window(self, size: int) -> None:
+        _grow_receive_buffer(self._socket, size)
 
     def close(self) -> None:
         super().close()
@@ -445,6 +479,13 @@ class RawTransport(Transport):
 
     def fileno(self) -> int | None:
         return self._receiver.fileno()
+
+    @property
+    def rx_overflow(self) -> int:
+        return _socket_drops(self._receiver)  # not the sink's: it is there to drop (see the class notes)
+
+    def receive_window(self, size: int) -> None:
+        _grow_receive_buffer(self._receiver, size)
 
     def close(self) -> None:
         super().close()
