@@ -1,6 +1,6 @@
 """Soak: many mixed RDMA operations over a faulty wire, every byte and every completion checked.
 
-    python bench/soak.py [--ops 100000] [--qps 16] [--nics 4] [--depth 16] [--mtu 4096] [--timeout 10]
+    python bench/soak.py [--ops 100000] [--qps 16] [--nics 4] [--depth 16] [--mtu 4096] [--timeout 12]
                          [--loss 0.05] [--reorder 0.02] [--dup 0.01] [--corrupt 0.01] [--seed 1]
                          [--backend asyncio] [--json]
 
@@ -119,7 +119,7 @@ async def _complete(op: Op, later: collections.deque[Op], source: aiofabric.Memo
 
 async def soak(ops: int = 100_000, qps: int = 16, nics: int = 4, depth: int = 16, loss: float = 0.05,
                reorder: float = 0.02, dup: float = 0.01, corrupt: float = 0.01, seed: int = 1,
-               timeout: int = 10, mtu: int = 4096, inject_fault: str | None = None) -> dict[str, Any]:
+               timeout: int = 12, mtu: int = 4096, inject_fault: str | None = None) -> dict[str, Any]:
     """Run the soak; return its summary, or raise SoakError naming the first wrong operation.
 
     `inject_fault` ("skip_placement:N" or "misplace:N:OFFSET") makes the responders misbehave: the soak must fail."""
@@ -181,7 +181,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     for name, kind, default in (("ops", int, 100_000), ("qps", int, 16), ("nics", int, 4), ("depth", int, 16),
                                 ("loss", float, 0.05), ("reorder", float, 0.02), ("dup", float, 0.01),
-                                ("corrupt", float, 0.01), ("seed", int, 1), ("timeout", int, 10),
+                                ("corrupt", float, 0.01), ("seed", int, 1), ("timeout", int, 12),
                                 ("mtu", int, 4096)):
         parser.add_argument(f"--{name}", type=kind, default=default)
     parser.add_argument("--inject-fault", metavar="KIND:N[:OFFSET]", help="make the responders misbehave (a check)")
@@ -192,8 +192,8 @@ def main() -> int:
     backend, backend_options = ("asyncio", {"use_uvloop": True}) if args.backend == "uvloop" else (args.backend, {})
     try:
         result = anyio.run(lambda: soak(**options), backend=backend, backend_options=backend_options)
-    except SoakError as exc:
-        result = {"ok": False, "error": str(exc)}
+    except (SoakError, aiofabric.FabricError) as exc:  # a wrong byte, or a work request that failed outright
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(result) if args.json else "\n".join(f"{k:>16}: {v}" for k, v in result.items()))
     return 0 if result["ok"] else 1
 
