@@ -367,7 +367,7 @@ async def firmware_phase(a: aiofabric.NIC, b: aiofabric.NIC, rng: random.Random,
     leaks = {k: objects_after[k] - objects_before[k] for k in objects_before if objects_after[k] != objects_before[k]}
     if a.pci.dma_bytes_in_use != dma_before:
         leaks["driver_dma_bytes"] = a.pci.dma_bytes_in_use - dma_before
-    internal = stats(a).get("internal_errors", 0)
+    internal = stats(a).get("fw_internal_errors", 0) + stats(a).get("internal_errors", 0)  # firmware + data path
     return {"hwrm": dict(hwrm_outcomes), "rcfw": dict(rcfw_outcomes), "cleanup_failures": failures, "leaks": leaks,
             "internal_errors": internal, "seconds": round(elapsed, 2)}
 

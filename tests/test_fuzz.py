@@ -212,10 +212,10 @@ async def test_hostile_datagrams_are_all_accounted_for_and_the_nic_keeps_serving
             assert set(result["fates"]) == {"received", "icrc", "malformed"}
             assert len(result["categories"]) == 8
         assert fuzz.objects(b) == before and fuzz.stats(b).get("internal_errors", 0) == 0
+        assert fuzz.stats(b).get("fw_internal_errors", 0) == 0
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(strict=True, reason="wire.py counts only dropped_malformed, not BadPacket.reason (see report)")
 async def test_malformed_drops_are_counted_per_reason():
     async with aiofabric.open_nic("sim", fw_latency_us=0) as nic:
         wire = fuzz.Wire(nic.ip)

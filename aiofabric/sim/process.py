@@ -388,7 +388,8 @@ class Emulator:
         if op == "objects":
             return {"objects": self.fw.objects()}
         if op == "stats":
-            return {"stats": {**self.stats, **self.fw.stats, **self.wire_stats()}}
+            return {"stats": {**self.stats, **self.fw.stats, **self.wire_stats(),
+                              "fw_internal_errors": self.fw.stats.get("internal_errors", 0)}}
         if op == "datapath":
             return {"qps": self.datapath.describe(), "now": time.monotonic(), "timers": len(self.datapath._timers),
                     "last_error": self.datapath.last_error}

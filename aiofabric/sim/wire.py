@@ -205,8 +205,9 @@ class Transport:
                 packets.append(self._decode(datagram))
             except IcrcMismatch:
                 self.counters["dropped_icrc"] += 1
-            except BadPacket:
+            except BadPacket as exc:
                 self.counters["dropped_malformed"] += 1
+                self.counters[f"dropped_{exc.reason}"] += 1  # by the decode check that refused it (DROP_REASONS)
         self.counters["received"] += len(packets)
         return packets
 
