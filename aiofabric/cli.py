@@ -108,10 +108,27 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
                             if hasattr(args, f.name)})
     config.progress = not args.json and sys.stderr.isatty()
-    result = await run_bench(config)
+    if args.peer is None:
+        result = await run_bench(config)
+    else:  # the server side on the peer's host, started over SSH
+        from .peer.client import parse_host
+        from .peer.ssh import connect_peer
+        config.check()  # before any SSH connection
+        user, host, port = parse_host(args.peer, args.port)
+        async with connect_peer(host, port, user=user or args.user, **_ssh_options(args)) as peer:
+            config.remote = peer
+            result = await run_bench(config)
     if not args.json:
         print(format_table(result, config))
     return result
+
+
+def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
+    """connect_peer's keywords from the SSH flags (_add_ssh_flags)."""
+    from .peer.ssh import DEFAULT
+    known_hosts = DEFAULT if args.known_hosts is None else None if args.known_hosts == "none" else args.known_hosts
+    return {"identity": args.identity, "known_hosts": known_hosts, "python": args.python, "push": args.push,
+            "connect_timeout": args.connect_timeout, "command_timeout": args.command_timeout}
 
 
 async def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,12 +151,10 @@ def _hosts(text: str, port: int) -> list[tuple[str | None, str, int]]:
 async def cmd_connect(args: argparse.Namespace) -> dict[str, Any]:
     from .peer.client import parse_host
     from .peer.connect import open_all, ring, two_hosts
-    from .peer.ssh import DEFAULT, connect_peer
+    from .peer.ssh import connect_peer
     if args.size < 1:
         raise ValueError(f"--size must be at least 1 byte, not {args.size}")
-    known_hosts = DEFAULT if args.known_hosts is None else None if args.known_hosts == "none" else args.known_hosts
-    ssh = {"identity": args.identity, "known_hosts": known_hosts, "python": args.python, "push": args.push,
-           "connect_timeout": args.connect_timeout, "command_timeout": args.command_timeout}
+    ssh = _ssh_options(args)
     started = time.perf_counter()
     if args.hosts:
         hosts = _hosts(args.hosts, args.port)
@@ -211,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--inject-fault", metavar="KIND[:N[:OFFSET]]",
                        help="make the server NICs misbehave, to see verification fail: skip_placement (ACK the next "
                             "N writes without placing them) or misplace (place them OFFSET bytes off; default 64)")
+    bench.add_argument("--peer", metavar="HOST", help="run the server side on [user@]HOST[:port], started over SSH "
+                                                     "(one NIC here, one there)")
+    bench.add_argument("--remote-nic", default="sim", help="with --peer: the NIC there (default sim)")
+    bench.add_argument("--remote-ip", help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
+    _add_ssh_flags(bench)
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(run=cmd_bench)
 
@@ -223,27 +243,32 @@ def build_parser() -> argparse.ArgumentParser:
     connect.add_argument("host", nargs="?", metavar="HOST", help="[user@]host[:port] to reach over SSH")
     connect.add_argument("--hosts", metavar="FILE|h1,h2", help="a ring over these hosts (a file with one "
                                                                "[user@]host[:port] per line, or a comma list)")
-    connect.add_argument("--port", type=int, default=22, help="SSH port (default 22)")
-    connect.add_argument("--user", help="SSH user (default: the SSH default)")
-    connect.add_argument("--identity", metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
-    connect.add_argument("--known-hosts", metavar="FILE|none",
-                         help="known_hosts file (default ~/.ssh/known_hosts); 'none' skips the check (insecure)")
     connect.add_argument("--nic", default="sim", help="local NIC: 'sim', 'sim:NAME' or a PCI address (default sim)")
     connect.add_argument("--remote-nic", default="sim", help="the remote host's NIC (default sim)")
     connect.add_argument("--local-ip", help="local NIC's IPv4 address (emulated: a free 127.0.0.x)")
     connect.add_argument("--remote-ip", help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there); 'ssh': "
                                              "the address the SSH connection reached (with --hosts: on every host)")
     connect.add_argument("--size", type=int, default=1 << 20, help="bytes to write and read back (default 1 MiB)")
-    connect.add_argument("--push", action="store_true",
-                         help="copy this aiofabric over SFTP to a private temp dir on the host and run it from there")
-    connect.add_argument("--python", default="python3", help="the remote interpreter (default python3)")
-    connect.add_argument("--connect-timeout", type=float, default=20.0, metavar="S",
-                         help="seconds for SSH connect + endpoint start (default 20)")
-    connect.add_argument("--command-timeout", type=float, default=60.0, metavar="S",
-                         help="seconds per remote request (default 60)")
+    _add_ssh_flags(connect)
     connect.add_argument("--json", action="store_true", help="print one JSON object")
     connect.set_defaults(run=cmd_connect, check=_check_connect(connect))
     return parser
+
+
+def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:
+    """How to reach a host over SSH (connect, bench --peer)."""
+    parser.add_argument("--port", type=int, default=22, help="SSH port (default 22)")
+    parser.add_argument("--user", help="SSH user (default: the SSH default)")
+    parser.add_argument("--identity", metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
+    parser.add_argument("--known-hosts", metavar="FILE|none",
+                        help="known_hosts file (default ~/.ssh/known_hosts); 'none' skips the check (insecure)")
+    parser.add_argument("--push", action="store_true",
+                        help="copy this aiofabric over SFTP to a private temp dir on the host and run it from there")
+    parser.add_argument("--python", default="python3", help="the remote interpreter (default python3)")
+    parser.add_argument("--connect-timeout", type=float, default=20.0, metavar="S",
+                        help="seconds for SSH connect + endpoint start (default 20)")
+    parser.add_argument("--command-timeout", type=float, default=60.0, metavar="S",
+                        help="seconds per remote request (default 60)")
 
 
 async def _watch_signals(scope: anyio.CancelScope, caught: list[int],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import random
 import struct
@@ -57,6 +58,9 @@ class BenchConfig:
     pcap: str | None = None
     timeout: int = 14  # QP local ACK timeout: 4.096 us * 2^timeout (perftest's default); 0 waits forever, as in IB
     inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]": an emulator bug on the servers, to see verify fail
+    remote: Any = None  # a connected aiofabric.peer Peer: the server side runs on its host (bench --peer)
+    remote_nic: str = "sim"  # the NIC the server side opens there
+    remote_ip: str | None = None
     progress: bool = False
 
     def check(self) -> None:
@@ -82,6 +86,10 @@ class BenchConfig:
                 raise ValueError(f"--{name} is a probability in [0, 1)")
         if self.inject_fault is not None:
             self.fault()
+        if self.remote is not None and self.nics != 2:
+            raise ValueError("--peer pairs one NIC here with one there: --nics must be 2")
+        if self.remote is not None and self.inject_fault is not None:
+            raise ValueError("--inject-fault needs the emulator's debug channel, which a peer does not offer")
 
     def fault(self) -> dict[str, Any] | None:
         """The debug-channel request of --inject-fault KIND[:COUNT[:OFFSET]], or None."""
@@ -115,17 +123,23 @@ class _Flow:
     source: Any  # MemoryRegion on the client
     target: Any  # MemoryRegion on the server
     index: int = 0
+    remote: Any = None  # the Peer the server side lives on (then server is a RemoteQP, target a RemoteMR)
+    digest: str = ""  # sha256 of the remote bytes a READ run moves (the remote filled them)
     latencies: list[float] = dataclasses.field(default_factory=list)
     done: int = 0
+
+    @property
+    def target_region(self) -> Any:
+        """What the client's RDMA work names as remote memory: the server's MR, or a peer's region."""
+        return self.target.remote() if self.remote is not None else self.target
 
 
 @contextlib.asynccontextmanager
 async def _nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
-    faults = {k: getattr(config, k) for k in ("loss", "reorder", "dup", "corrupt") if getattr(config, k)}
     async with contextlib.AsyncExitStack() as stack:
         nics = []
-        for i in range(config.nics):
-            options: dict[str, Any] = dict(faults, seed=config.seed + i) if faults else {}
+        for i in range(1 if config.remote is not None else config.nics):  # with a peer, the servers live there
+            options = _faults(config, seed=i)
             if config.pcap:
                 options["pcap"] = config.pcap if i == 0 else f"{config.pcap}.{i}"  # NIC N>0: FILE.N
             nics.append(await stack.enter_async_context(open_nic(f"sim:bench{os.getpid()}-{i}", **options)))
@@ -155,6 +169,46 @@ async def _connect(config: BenchConfig, nics: list[NIC]) -> list[_Flow]:
     return flows
 
 
+@contextlib.asynccontextmanager
+async def _flows(config: BenchConfig, nics: list[NIC]) -> AsyncIterator[list[_Flow]]:
+    """The run's QP pairs; with a peer, the server side is opened on its host and closed there afterwards."""
+    if config.remote is None:
+        yield await _connect(config, nics)
+        return
+    remote = await config.remote.open_nic(config.remote_nic, ip=config.remote_ip, **_faults(config, seed=1))
+    try:
+        yield await _connect_remote(config, nics[0], remote)
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            await config.remote.close(remote)
+
+
+def _faults(config: BenchConfig, seed: int) -> dict[str, Any]:
+    faults = {k: getattr(config, k) for k in ("loss", "reorder", "dup", "corrupt") if getattr(config, k)}
+    return dict(faults, seed=config.seed + seed) if faults else {}
+
+
+async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[_Flow]:
+    """The server side on the peer's host: one QP and one MR per flow on its NIC, connected both ways."""
+    peer = config.remote
+    depth = 1 << max(8, (config.qps * config.depth * 2 - 1).bit_length())
+    cq, remote_cq = await local.create_cq(depth=depth), await peer.create_cq(remote, depth)
+    flows = []
+    for i in range(config.qps):
+        client = await local.create_qp(cq, sq_depth=config.depth, rq_depth=config.depth)
+        server = await peer.create_qp(remote, remote_cq, sq_depth=config.depth, rq_depth=config.depth)
+        await client.connect(server.info, mtu=config.mtu, timeout=config.timeout)
+        await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout)
+        source, target = await local.register_mr(config.used_bytes), await peer.register_mr(remote, config.used_bytes)
+        flow = _Flow(client, server, source, target, i, remote=peer)
+        if config.test == "read":
+            flow.digest = await peer.fill(target, seed=config.seed * 7919 + i, length=config.used_bytes)
+        else:
+            _fill_random(source.view, config.used_bytes, config.seed * 7919 + i)
+        flows.append(flow)
+    return flows
+
+
 def _fill_random(view: memoryview, length: int, seed: int) -> None:
     """Seeded random bytes in view[:length], the data the run moves and then verifies."""
     rng = random.Random(seed)
@@ -171,11 +225,14 @@ async def _drive(config: BenchConfig, flow: _Flow) -> None:
     size, slots = config.size, config.slots
     stamp = b"" if slots == config.iters or config.test == "read" else \
         (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
-    data = flow.source.view
+    data, target = flow.source.view, flow.target_region
     while flow.done < config.iters:
         while posted < config.iters and posted - flow.done < config.depth:
             count = min(chunk, config.iters - posted, config.depth - (posted - flow.done))
             started = time.perf_counter()
+            if config.test == "send" and flow.remote is not None:  # the receives, posted there first
+                for offset, run in _runs(posted, count, slots):
+                    await flow.remote.post_recvs(flow.server, flow.target, run, size, offset=offset * size)
             with flow.client.batch():
                 for k in range(count):
                     slot = (posted + k) % slots * size
@@ -183,13 +240,14 @@ async def _drive(config: BenchConfig, flow: _Flow) -> None:
                     if stamp:  # the slot's previous message completed: posted - done < depth
                         data[slot:slot + len(stamp)] = STAMP.pack((flow.index << 40) | (posted + k))[:len(stamp)]
                     if config.test == "write":
-                        completion = await flow.client.post_write(flow.source, flow.target, size, local_offset=slot,
+                        completion = await flow.client.post_write(flow.source, target, size, local_offset=slot,
                                                                   remote_offset=slot, signaled=last)
                     elif config.test == "read":
-                        completion = await flow.client.post_read(flow.source, flow.target, size, local_offset=slot,
+                        completion = await flow.client.post_read(flow.source, target, size, local_offset=slot,
                                                                  remote_offset=slot, signaled=last)
                     else:
-                        await flow.server.post_recv(flow.target, size, local_offset=slot)
+                        if flow.remote is None:
+                            await flow.server.post_recv(flow.target, size, local_offset=slot)
                         completion = await flow.client.post_send(flow.source, size, local_offset=slot,
                                                                  signaled=last)
             in_flight.append((started, completion, count))
@@ -200,15 +258,30 @@ async def _drive(config: BenchConfig, flow: _Flow) -> None:
         flow.done += count
 
 
-def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, dict[str, dict[str, int]]]) -> str | None:
-    """Why the run's bytes are wrong, or None: every slot's bytes, then the emulator's per-QP placement counts."""
+def _runs(first: int, count: int, slots: int) -> list[tuple[int, int]]:
+    """Operations first .. first+count-1 as (first slot, how many) runs of consecutive slots (split where they wrap)."""
+    start = first % slots
+    head = min(count, slots - start)
+    return [(start, head)] + ([(0, count - head)] if count > head else [])
+
+
+async def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, dict[str, dict[str, int]]]) -> str | None:
+    """Why the run's bytes are wrong, or None: every slot's bytes (by sha256 where they live on a peer), then the
+    emulator's per-QP placement counts where the placing NIC is ours (a peer offers no debug channel)."""
     used = config.used_bytes
     for flow in flows:
-        if flow.source.view[:used] != flow.target.view[:used]:
+        if flow.remote is not None:
+            here = hashlib.sha256(flow.source.view[:used]).hexdigest()
+            there = flow.digest or await flow.remote.sha256(flow.target, 0, used)
+            if here != there:
+                return f"QP {flow.client.qpn:#x}: the bytes at {flow.remote.host} differ from the source (sha256)"
+        elif flow.source.view[:used] != flow.target.view[:used]:
             offset = next(i for i in range(0, used, config.size)
                           if flow.source.view[i:i + config.size] != flow.target.view[i:i + config.size])
             return f"QP {flow.client.qpn:#x}: the bytes of message slot {offset // config.size} differ at the target"
         placer = flow.client if config.test == "read" else flow.server  # who places the data in memory
+        if not isinstance(placer, QueuePair):
+            continue
         counts = placed[placer.device].get(str(placer.qpn), {})
         messages, size = (counts.get(key, 0) for key in PLACED_KEYS[config.test])
         if (messages, size) != (config.iters, config.iters * config.size):
@@ -233,8 +306,7 @@ async def _progress(flows: list[_Flow], total: int, started: float) -> None:
 
 async def run_bench(config: BenchConfig) -> dict[str, Any]:
     config.check()
-    async with _nics(config) as nics:
-        flows = await _connect(config, nics)
+    async with _nics(config) as nics, _flows(config, nics) as flows:
         before = {nic: nic.pci.debug({"op": "stats"})["stats"] for nic in nics}
         cpu_started, started = time.process_time(), time.perf_counter()
         async with anyio.create_task_group() as tasks:
@@ -248,7 +320,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         cpu = time.process_time() - cpu_started
         if config.progress:
             print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
-        mismatch = _verify(config, flows, {nic: nic.pci.debug({"op": "placed"})["qps"] for nic in nics})
+        mismatch = await _verify(config, flows, {nic: nic.pci.debug({"op": "placed"})["qps"] for nic in nics})
         wire = {key: 0 for key in ("packets", "retransmits", "dropped", "rx_overflow")}
         for nic in nics:
             stats, old = nic.pci.debug({"op": "stats"})["stats"], before[nic]
@@ -265,8 +337,17 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         "seconds": seconds, "msg_rate": ops / seconds, "bw_MiBps": ops * config.size / seconds / 2**20,
         "lat_us": {"p50": _percentile(latencies, 50) * 1e6, "p99": _percentile(latencies, 99) * 1e6},
         "driver_cpu_us_per_op": cpu / ops * 1e6, **wire, "fw_version": first["fw_version"],
+        "verification": _verification(config),
+        **({"remote_host": config.remote.host} if config.remote is not None else {}),
         **({"error": f"verification failed: {mismatch}"} if mismatch else {}),
     }
+
+
+def _verification(config: BenchConfig) -> str:
+    """How `verified` was decided (README: bench verification)."""
+    every = "every operation's bytes" if config.slots == config.iters else "the last pass's bytes"
+    counted = config.remote is None or config.test == "read"
+    return every + (" and the NIC's placement counts" if counted and config.slots != config.iters else "")
 
 
 def format_table(result: dict[str, Any], config: BenchConfig) -> str:

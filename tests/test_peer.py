@@ -261,6 +261,28 @@ async def test_cli_connect_and_ring_json(server):
     await assert_no_leftovers(server.sessions)
 
 
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("test,shape", [("write", ("--iters", "200", "--size", "4096")),
+                                        ("read", ("--iters", "200", "--size", "4096")),
+                                        ("send", ("--iters", "200", "--size", "4096")),
+                                        ("write", ("--iters", "1100", "--size", "65536", "--depth", "16"))],
+                         ids=["write", "read", "send", "write-reused-slots"])
+async def test_bench_with_the_server_side_on_a_peer(server, test, shape):
+    code, result, process, _ = await _cli("bench", test, "--peer", "127.0.0.1", *server.cli_flags(), "--qps", "2",
+                                          *shape, "--json", timeout=120)
+    assert code == 0 and result["ok"] and result["verified"], process.stderr.decode()[-3000:]
+    assert result["remote_host"] == f"127.0.0.1:{server.port}" and result["ops"] == 2 * int(shape[1])
+    assert result["verification"].endswith("bytes") or "placement counts" in result["verification"]
+    await assert_no_leftovers(server.sessions)
+
+
+@ASYNCIO_ONLY
+async def test_bench_through_a_peer_refuses_what_needs_the_emulators_debug_channel(server):
+    code, result, _, _ = await _cli("bench", "write", "--peer", "127.0.0.1", *server.cli_flags(), "--inject-fault",
+                                    "skip_placement:1", "--json")
+    assert code == 1 and "--inject-fault needs the emulator's debug channel" in result["error"]
+
+
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
 async def test_cli_failure_is_one_json_line_naming_the_host(server):
     code, result, _, seconds = await _cli("connect", "127.0.0.1", *server.cli_flags(), "--known-hosts",

@@ -238,6 +238,12 @@ class Peer:
                                   local_offset=local_offset, remote=None if remote is None else remote.to_dict(),
                                   remote_offset=remote_offset, imm=imm, deadline=deadline, timeout=timeout)
 
+    async def post_recvs(self, qp: RemoteQP | int, mr: RemoteMR | int, count: int, size: int, *, offset: int = 0,
+                         stride: int | None = None) -> int:
+        """Post `count` receives on the remote QP (at offset + i * stride) without awaiting their completions."""
+        return (await self.request("post_recvs", qp=_handle(qp), mr=_handle(mr), count=count, size=size,
+                                   offset=offset, stride=stride))["posted"]
+
     async def close(self, obj: RemoteNIC | RemoteQP | RemoteMR | int) -> None:
         """Close a remote NIC (and all on it), destroy a QP or CQ, deregister an MR."""
         await self.request("close", handle=_handle(obj))

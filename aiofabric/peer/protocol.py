@@ -37,6 +37,9 @@ Operations (`args` fields; "=" marks a default, the rest are required)
     post         qp, verb, mr, size=null, local_offset=0, remote=null: REGION, remote_offset=0, imm=null,
                  deadline=null (seconds)                      -> {"byte_len", "imm"}   (awaits the completion)
                  verb: write, read, send, recv, write_with_imm; write/read need `remote`
+    post_recvs   qp, mr, count, size, offset=0, stride=null    -> {"posted": count}
+                 (posts `count` receives of `size` bytes at offset + i * stride (stride null: size) and answers
+                 once they are posted, without awaiting them: the remote half of a SEND benchmark)
     close        handle                                       -> {"closed": handle}
 
     QP_INFO = {"qpn": int, "gid": hex str (16 bytes), "mac": "aa:bb:..", "psn": int}
@@ -159,6 +162,8 @@ OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
              "size": (_optional(_natural), None), "local_offset": (_natural, 0),
              "remote": (_optional(_region), None), "remote_offset": (_natural, 0), "imm": (_optional(_int), None),
              "deadline": (_deadline, None)},
+    "post_recvs": {"qp": (_handle, REQUIRED), "mr": (_handle, REQUIRED), "count": (_natural, REQUIRED),
+                   "size": (_natural, REQUIRED), "offset": (_natural, 0), "stride": (_optional(_natural), None)},
     "close": {"handle": (_handle, REQUIRED)},
 }
 

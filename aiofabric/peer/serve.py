@@ -178,6 +178,14 @@ class Endpoint:
                                                              remote_offset=remote_offset)
         return {"byte_len": completion.byte_len, "imm": completion.imm}
 
+    async def op_post_recvs(self, qp: int, mr: int, count: int, size: int, offset: int,
+                            stride: int | None) -> dict[str, Any]:
+        queue_pair, local = self._get(qp, QueuePair, "qp"), self._get(mr, MemoryRegion, "mr")
+        step = size if stride is None else stride
+        for i in range(count):  # each waits for receive-queue space, never overwrites; failures show at the sender
+            await queue_pair.post_recv(local, size, local_offset=offset + i * step)
+        return {"posted": count}
+
     async def op_close(self, handle: int) -> dict[str, Any]:
         obj = self.objects.get(handle)
         if obj is None:
