@@ -215,13 +215,7 @@ class Device:
             request.resp_addr, request.resp_size = side.bus_addr, -(-ctypes.sizeof(side_type) // CMDQ_SLOT)
         pending = self._pending[cookie] = _Pending(name, slots)
         self._post_command(bytes(request).ljust(slots * CMDQ_SLOT, b"\0"))
-        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-            while pending.entry is None and pending.error is None:
-                if self._creq_reader:
-                    await pending.done.wait()
-                    pending.done = anyio.Event()  # woken because the reader left: look again
-                else:  # no reader (its task was cancelled, or none started yet): serve the CREQ until answered
-                    await self._serve_creq(until=pending)
+        await self._await_reply(pending, timeout)
         if pending.error is not None:
             if side is not None:
                 side.free()
@@ -239,6 +233,16 @@ class Device:
         if status:
             raise FirmwareError.rcfw(name, status)
         return result if result is not None else response_type.from_buffer_copy(pending.entry)
+
+    async def _await_reply(self, pending: _Pending, timeout: float) -> None:
+        """Wait (shielded, at most `timeout`) until the CREQ answers `pending` or the device is lost."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            while pending.entry is None and pending.error is None:
+                if self._creq_reader:
+                    await pending.done.wait()
+                    pending.done = anyio.Event()  # woken because the reader left: look again
+                else:  # no reader (its task was cancelled, or none started yet): serve the CREQ until answered
+                    await self._serve_creq(until=pending)
 
     def _next_cookie(self) -> int:
         while True:

@@ -1,7 +1,12 @@
 """Exceptions the driver raises. Each names what failed and, where the device said why, the decoded reason."""
 from __future__ import annotations
 
+import sys
+
 from .autogen import bnxt
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 
 def status_names(prefix: str) -> dict[int, str]:
@@ -45,3 +50,21 @@ class ClosedError(FabricError):
 
 class DeviceLostError(FabricError):
     """The device is gone (emulator process died, surprise removal); every pending operation fails with this."""
+
+
+def sole_error(group: BaseExceptionGroup, cancelled: type[BaseException]) -> BaseException | None:
+    """The one exception in `group` (nested groups flattened) that is not a `cancelled` one, or the one cancellation;
+    None if there are several. Context managers that run a task group use it to re-raise the block's own error as
+    itself: the task group is theirs, not the caller's."""
+    leaves: list[BaseException] = []
+
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        else:
+            leaves.append(error)
+
+    collect(group)
+    errors = [leaf for leaf in leaves if not isinstance(leaf, cancelled)] or leaves
+    return errors[0] if len(errors) == 1 else None

@@ -12,7 +12,7 @@ import anyio
 import anyio.lowlevel
 
 from .device import Device, log
-from .errors import ClosedError
+from .errors import ClosedError, sole_error
 from .pci import DmaBuffer, PCIDevice, PCIError, SysfsPCIDevice
 from .poller import Poller
 from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair, check_range
@@ -146,7 +146,7 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
                 finally:
                     services.cancel_scope.cancel()
         except BaseExceptionGroup as group:  # the task group is ours, not the caller's: unwrap what it wrapped
-            error = _sole_error(group)
+            error = sole_error(group, anyio.get_cancelled_exc_class())
             if error is None:
                 raise
         if error is not None:
@@ -170,20 +170,3 @@ async def _start(spec: str, options: dict[str, Any]) -> PCIDevice:
         pci.close()
         raise
     return pci
-
-
-def _sole_error(group: BaseExceptionGroup) -> BaseException | None:
-    """The one exception in `group` that is not a cancellation (or the one cancellation), else None."""
-    leaves: list[BaseException] = []
-
-    def collect(error: BaseException) -> None:
-        if isinstance(error, BaseExceptionGroup):
-            for inner in error.exceptions:
-                collect(inner)
-        else:
-            leaves.append(error)
-
-    collect(group)
-    cancelled = anyio.get_cancelled_exc_class()
-    errors = [leaf for leaf in leaves if not isinstance(leaf, cancelled)] or leaves
-    return errors[0] if len(errors) == 1 else None

@@ -231,13 +231,7 @@ async def rcfw_raw(nic: aiofabric.NIC, rng: random.Random, pools: Pools) -> byte
             await nic._cmdq_space.wait()
     pending = nic._pending[cookie] = _Pending("fuzz", slots)
     nic._post_command(bytes(data))
-    with anyio.move_on_after(5):
-        while pending.entry is None:
-            if nic._creq_reader:
-                await pending.done.wait()
-                pending.done = anyio.Event()
-            else:
-                await nic._serve_creq(until=pending)
+    await nic._await_reply(pending, 5.0)
     if pending.entry is None:
         raise AssertionError(f"raw CMDQ command {opcode:#x} was not answered in 5 s: {bytes(data).hex()}")
     entry = pending.entry

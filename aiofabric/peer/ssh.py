@@ -24,6 +24,7 @@ import anyio
 import sniffio
 
 from . import PeerError
+from ..errors import sole_error
 from .client import Peer
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                             await peer.stop()
                     tasks.cancel_scope.cancel()
     except BaseExceptionGroup as group:  # the task group is ours, not the caller's: unwrap what it wrapped
-        error = _sole_error(group)
+        error = sole_error(group, anyio.get_cancelled_exc_class())
         if error is None:
             raise
     finally:
@@ -283,20 +284,3 @@ async def _push_step(connection: asyncssh.SSHClientConnection, where: str) -> st
         raise
     except Exception as exc:
         raise PeerError(f"{where}: push over SFTP failed: {type(exc).__name__}: {exc}", host=where) from None
-
-
-def _sole_error(group: BaseExceptionGroup) -> BaseException | None:
-    """The one exception in `group` that is not a cancellation (or the one cancellation), else None."""
-    leaves: list[BaseException] = []
-
-    def collect(error: BaseException) -> None:
-        if isinstance(error, BaseExceptionGroup):
-            for inner in error.exceptions:
-                collect(inner)
-        else:
-            leaves.append(error)
-
-    collect(group)
-    cancelled = anyio.get_cancelled_exc_class()
-    errors = [leaf for leaf in leaves if not isinstance(leaf, cancelled)] or leaves
-    return errors[0] if len(errors) == 1 else None
