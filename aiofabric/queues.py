@@ -353,6 +353,20 @@ class QueuePair:
         self.state = state
         if state == QPState.ERR:
             self._enter_error()
+        elif state == QPState.RESET:
+            self._reset()
+
+    def _reset(self) -> None:
+        """RESET empties both queues (the NIC starts them over at index 0, as ibv_modify_qp to RESET does):
+        outstanding work is flushed and the rings, indices and PSN start afresh, so the QP can connect again."""
+        self.send_cq.poll()
+        self.recv_cq.poll()
+        self._fail_outstanding(None)
+        self.sq.view[:] = bytes(len(self.sq.view))
+        self.rq.view[:] = bytes(len(self.rq.view))
+        self.sq_producer = self.sq_consumer = self.wqe_count = self.msn = self.unsignaled_run = self.rq_producer = 0
+        self.psn = random.getrandbits(24)
+        self.error = None
 
     async def to_init(self, access: Access = ALL_ACCESS) -> None:
         await self.modify(QPState.INIT, bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_ACCESS | bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PKEY,

@@ -322,3 +322,30 @@ async def test_firmware_refusal_of_destroy_keeps_the_object_usable():
         await qp.destroy()
         await cq.destroy()
         assert cq.closed
+
+
+async def test_a_failed_qp_pair_is_usable_again_after_reset():
+    async with open_nic() as a, open_nic() as b:
+        cq_a, cq_b = await a.create_cq(depth=256), await b.create_cq(depth=256)
+        qa, qb = await a.create_qp(cq_a, sq_depth=8), await b.create_qp(cq_b, sq_depth=8)
+        await qa.connect(qb.info())
+        await qb.connect(qa.info())
+        source, target = await a.register_mr(8192), await b.register_mr(8192)
+        for _ in range(5):  # move the rings' indices away from 0 first
+            await qa.write(source, target, 64)
+        bad = target.remote()
+        with pytest.raises(CompletionError, match="REMOTE_ACCESS_ERR"):
+            await qa.write(source, type(bad)(bad.addr, bad.rkey ^ 0x55, bad.length), 8)
+        assert qa.state == QPState.ERR
+        for qp in (qa, qb):
+            await qp.modify(QPState.RESET)
+            assert qp.error is None and qp.sq_producer == 0
+        await qa.connect(qb.info())  # new PSNs on both sides
+        await qb.connect(qa.info())
+        source.view[:8192] = bytes(range(256)) * 32
+        for i in range(20):  # more than the SQ holds: indices wrap on the fresh rings
+            await qa.write(source, target, 400, local_offset=i * 400, remote_offset=i * 400)
+        assert bytes(target.view[:8000]) == bytes(source.view[:8000])
+        receive = await qb.post_recv(target, 100)
+        await qa.send(source, 100)
+        assert (await receive).byte_len == 100
