@@ -29,7 +29,9 @@ from anyio.abc import TaskStatus
 
 from . import __version__
 from .nic import open_nic
+from . import plot
 from .perftest import MTUS, TESTS, BenchConfig, format_table, run_bench, run_loopback
+from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -104,7 +106,29 @@ async def cmd_loopback(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def size_argument(text: str) -> int:
+    """argparse type for sizes: "4096", "64K", "1M" (powers of 1024)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
+    def check(args: argparse.Namespace) -> None:
+        if args.all or args.min_size is not None or args.max_size is not None:
+            try:
+                args.sizes = sweep(args.min_size or SWEEP_MIN, args.max_size or SWEEP_MAX, args.factor)
+            except ValueError as exc:
+                parser.error(str(exc))
+        if args.plot and not getattr(args, "sizes", None):
+            parser.error("--plot draws a sweep: add -a or --min-size/--max-size")
+    return check
+
+
 async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.plot:
+        plot.require()  # before the run, not after it
     config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
                             if hasattr(args, f.name)})
     config.progress = not args.json and sys.stderr.isatty()
@@ -120,6 +144,11 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
             result = await run_bench(config)
     if not args.json:
         print(format_table(result, config))
+    if args.json_file:
+        with open(args.json_file, "w") as file:
+            json.dump({"ok": "error" not in result, **result}, file, indent=1)
+    if args.plot:
+        plot.plot_runs([result], args.plot)
     return result
 
 
@@ -129,6 +158,14 @@ def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
     known_hosts = DEFAULT if args.known_hosts is None else None if args.known_hosts == "none" else args.known_hosts
     return {"identity": args.identity, "known_hosts": known_hosts, "python": args.python, "push": args.push,
             "connect_timeout": args.connect_timeout, "command_timeout": args.command_timeout}
+
+
+async def cmd_plot(args: argparse.Namespace) -> dict[str, Any]:
+    runs = plot.load(args.results)
+    plot.plot_runs(runs, args.output)
+    if not args.json:
+        print(f"wrote {args.output}: {len(runs)} run(s)")
+    return {"output": args.output, "runs": len(runs)}
 
 
 async def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -211,9 +248,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="perftest-style RDMA benchmark between emulated NICs, bytes verified")
     bench.add_argument("test", choices=TESTS)
+    bench.add_argument("--nic", default="sim", help="'sim' (emulated NICs), 'sim:NAME', or a PCI address (with "
+                                                    "--peer: the NIC here)")
+    bench.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x)")
     bench.add_argument("--qps", type=int, default=1, help="queue pairs (default 1)")
-    bench.add_argument("--size", type=int, default=65536, help="message size in bytes (default 65536)")
+    bench.add_argument("-s", "--size", type=size_argument, default=65536,
+                       help="message size: bytes or with a K/M/G suffix, powers of 1024 (default 64K)")
+    bench.add_argument("-a", "--all", action="store_true", help="sweep sizes 2 B .. 8 MiB in powers of two")
+    bench.add_argument("--min-size", type=size_argument, help="sweep from this size (default 2; implies a sweep)")
+    bench.add_argument("--max-size", type=size_argument, help="sweep up to this size (default 8M; implies a sweep)")
+    bench.add_argument("--factor", type=int, default=2, help="sweep step: each size is the last times this (2)")
     bench.add_argument("--iters", type=int, default=1000, help="messages per QP (default 1000)")
+    bench.add_argument("-D", "--duration", type=float, metavar="SECONDS",
+                       help="run each size this long instead of --iters (the first 20%%, at most 2 s, is warm-up)")
+    bench.add_argument("-b", "--bidirectional", action="store_true", help="both NICs of a pair send at once")
+    bench.add_argument("--report-gbits", action="store_true", help="bandwidth in Gb/sec (10^9 bits), as links are "
+                                                                  "quoted")
     bench.add_argument("--depth", type=int, default=32, help="work requests in flight per QP (default 32)")
     bench.add_argument("--nics", type=int, default=2, help="emulated NICs, paired up (default 2)")
     bench.add_argument("--mtu", type=int, default=4096, choices=MTUS)
@@ -232,7 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--remote-ip", help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
     _add_ssh_flags(bench)
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.set_defaults(run=cmd_bench)
+    bench.add_argument("--json-file", metavar="FILE", help="also write the JSON object to FILE (perftest's "
+                                                          "--out_json_file)")
+    bench.add_argument("--plot", metavar="PNG", help="plot bandwidth and message rate against size (a sweep; needs "
+                                                    "the plot extra: pip install 'aiofabric[plot]')")
+    bench.set_defaults(run=cmd_bench, check=_check_bench(bench))
 
     serve = sub.add_parser("serve", help="the remote endpoint connect_peer starts over SSH: JSON-lines requests on "
                                          "stdin, answers on stdout (protocol: aiofabric/peer/protocol.py)")
@@ -252,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ssh_flags(connect)
     connect.add_argument("--json", action="store_true", help="print one JSON object")
     connect.set_defaults(run=cmd_connect, check=_check_connect(connect))
+
+    plotter = sub.add_parser("plot", help="overlay saved bench results (--json-file) in one PNG")
+    plotter.add_argument("results", nargs="+", metavar="RESULTS.json")
+    plotter.add_argument("-o", "--output", required=True, metavar="PNG")
+    plotter.add_argument("--json", action="store_true", help="print one JSON object")
+    plotter.set_defaults(run=cmd_plot)
     return parser
 
 
@@ -339,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         return usage_error(error, "--json" in argv)
     logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                         format="%(name)s: %(message)s", stream=sys.stderr)
+    if args.verbose:  # the emulator processes log at the same level (unless the environment already says)
+        os.environ.setdefault("AIOFABRIC_SIM_LOG", ("INFO", "DEBUG")[min(args.verbose, 2) - 1])
     result, code = execute(args)
     if args.json:
         print(json.dumps({"ok": code == EXIT_OK, **result}))

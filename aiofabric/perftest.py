@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 import anyio
 
 from .autogen import bnxt
-from .nic import NIC, open_nic
+from .nic import NIC, PCI_ADDRESS, open_nic
 from .queues import QueuePair
 
 TESTS = ("write", "read", "send")
@@ -34,6 +34,10 @@ MTUS = (256, 512, 1024, 2048, 4096)
 MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
 PATTERN_CHUNK = 1 << 20  # random.randbytes(n) overflows a C int above 256 MiB: fill the pattern 1 MiB at a time
 FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its own bytes to compare at the end
+REGION_BYTES = 256 << 20  # at most this much buffer per QP when slots are reused (a larger message gets one slot)
+MAX_SIZE = 512 << 20  # one message: source and target live in different NICs' 1 GiB DMA arenas
+PEAK_SAMPLE = 0.05  # seconds between the samples the peak bandwidth is the best of
+WARMUP_SHARE = 0.2  # with -D, this share of the time (at most 2 s) runs before measuring starts
 STAMP = struct.Struct("<Q")  # (flow << 40 | iteration) at the start of a reused slot, so each payload is distinct
 FAULT_KINDS = ("skip_placement", "misplace")
 LOOPBACK_BASE_SECONDS, LOOPBACK_SLOWEST_BPS = 10.0, 1 << 20  # loopback's time limit grows with the size
@@ -58,6 +62,12 @@ class BenchConfig:
     pcap: str | None = None
     timeout: int = 14  # QP local ACK timeout: 4.096 us * 2^timeout (perftest's default); 0 waits forever, as in IB
     inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]": an emulator bug on the servers, to see verify fail
+    sizes: list[int] | None = None  # a sweep (-a, --min-size/--max-size/--factor): one row per size
+    duration: float | None = None  # -D: seconds per size instead of `iters` (a warm-up share is not measured)
+    bidirectional: bool = False  # -b: both NICs of a pair send at once
+    report_gbits: bool = False  # table in Gb/sec (10^9 bits) instead of MB/sec (MiB)
+    nic: str = "sim"  # what the local NICs are: "sim", "sim:NAME" (numbered per NIC) or a PCI address (with a peer)
+    ip: str | None = None  # NIC 0's IPv4 address
     remote: Any = None  # a connected aiofabric.peer Peer: the server side runs on its host (bench --peer)
     remote_nic: str = "sim"  # the NIC the server side opens there
     remote_ip: str | None = None
@@ -90,6 +100,21 @@ class BenchConfig:
             raise ValueError("--peer pairs one NIC here with one there: --nics must be 2")
         if self.remote is not None and self.inject_fault is not None:
             raise ValueError("--inject-fault needs the emulator's debug channel, which a peer does not offer")
+        if self.duration is not None and not 0 < self.duration <= 86400:
+            raise ValueError(f"-D/--duration must be in (0, 86400] seconds, not {self.duration}")
+        if self.bidirectional and self.remote is not None:
+            raise ValueError("-b/--bidirectional needs both NICs here (not with --peer)")
+        if not (self.nic == "sim" or self.nic.startswith("sim:") or PCI_ADDRESS.fullmatch(self.nic)):
+            raise ValueError(f"bad NIC spec {self.nic!r} for --nic: use 'sim', 'sim:NAME' or a PCI address like "
+                             f"0000:41:00.0")
+        if not self.nic.startswith("sim") and self.remote is None:
+            raise ValueError(f"--nic {self.nic}: a PCI NIC needs its partner on another host: use --peer HOST")
+        if self.ip is not None and self.nics > 2 and self.remote is None:
+            raise ValueError("--ip names NIC 0's address: with --nics > 2 let the emulated NICs pick theirs")
+        for size in self.sizes or [self.size]:
+            if not 1 <= size <= MAX_SIZE:
+                raise ValueError(f"--size must be in [1, {MAX_SIZE}] bytes (one emulated NIC's DMA arena holds "
+                                 f"the buffers), not {size}")
 
     def fault(self) -> dict[str, Any] | None:
         """The debug-channel request of --inject-fault KIND[:COUNT[:OFFSET]], or None."""
@@ -104,11 +129,12 @@ class BenchConfig:
 
     @property
     def slots(self) -> int:
-        """Message slots per QP: one per operation when they fit in FULL_CHECK_BYTES per NIC, else `depth` reused."""
-        per_nic = -(-self.qps // (self.nics // 2))
-        if self.iters * self.size * per_nic <= FULL_CHECK_BYTES:
+        """Message slots per QP: one per operation when they fit in FULL_CHECK_BYTES per NIC, else `depth` reused
+        (fewer when `depth` slots of a large message would not fit REGION_BYTES: in-flight messages then share)."""
+        per_nic = -(-self.qps // (self.nics // 2)) * (2 if self.bidirectional else 1)
+        if self.duration is None and self.iters * self.size * per_nic <= FULL_CHECK_BYTES:
             return self.iters
-        return min(self.iters, self.depth)
+        return max(1, min(self.depth if self.duration else min(self.iters, self.depth), REGION_BYTES // self.size))
 
     @property
     def used_bytes(self) -> int:
@@ -123,6 +149,7 @@ class _Flow:
     source: Any  # MemoryRegion on the client
     target: Any  # MemoryRegion on the server
     index: int = 0
+    direction: int = 0  # 0: NIC 2k -> 2k+1; 1: the reverse (-b)
     remote: Any = None  # the Peer the server side lives on (then server is a RemoteQP, target a RemoteMR)
     digest: str = ""  # sha256 of the remote bytes a READ run moves (the remote filled them)
     latencies: list[float] = dataclasses.field(default_factory=list)
@@ -139,29 +166,40 @@ async def _nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
     async with contextlib.AsyncExitStack() as stack:
         nics = []
         for i in range(1 if config.remote is not None else config.nics):  # with a peer, the servers live there
+            if not config.nic.startswith("sim"):  # a real NIC: no emulator options
+                nics.append(await stack.enter_async_context(open_nic(config.nic, ip=config.ip)))
+                continue
             options = _faults(config, seed=i)
             if config.pcap:
                 options["pcap"] = config.pcap if i == 0 else f"{config.pcap}.{i}"  # NIC N>0: FILE.N
-            nics.append(await stack.enter_async_context(open_nic(f"sim:bench{os.getpid()}-{i}", **options)))
+            name = config.nic.partition(":")[2] or f"bench{os.getpid()}"
+            nics.append(await stack.enter_async_context(open_nic(f"sim:{name}-{i}", ip=config.ip if i == 0 else None,
+                                                                 **options)))
         yield nics
 
 
-async def _connect(config: BenchConfig, nics: list[NIC]) -> list[_Flow]:
-    flows = []
+async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> list[_Flow]:
+    """The QP pairs and buffers of one size, appended to `flows` as they are made (so a failure frees them too)."""
     span = config.used_bytes
     cqs = {}
+    directions = 2 if config.bidirectional else 1
     for nic in nics:
-        per_nic = -(-config.qps // (config.nics // 2))
+        per_nic = -(-config.qps // (config.nics // 2)) * directions
         cqs[nic] = await nic.create_cq(depth=1 << max(8, (per_nic * config.depth * 2 - 1).bit_length()))
-    for i in range(config.qps):
-        a, b = nics[2 * (i % (config.nics // 2))], nics[2 * (i % (config.nics // 2)) + 1]
+    for i in range(config.qps * directions):
+        pair, direction = divmod(i, directions)
+        a, b = nics[2 * (pair % (config.nics // 2))], nics[2 * (pair % (config.nics // 2)) + 1]
+        if direction:
+            a, b = b, a
         client = await a.create_qp(cqs[a], sq_depth=config.depth, rq_depth=config.depth)
         server = await b.create_qp(cqs[b], sq_depth=config.depth, rq_depth=config.depth)
+        flow = _Flow(client, server, None, None, i, direction)
+        flows.append(flow)
         await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout)
         await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout)
-        source, target = await a.register_mr(span), await b.register_mr(span)
-        _fill_random((target if config.test == "read" else source).view, config.used_bytes, config.seed * 7919 + i)
-        flows.append(_Flow(client, server, source, target, i))
+        flow.source, flow.target = await a.register_mr(span), await b.register_mr(span)
+        _fill_random((flow.target if config.test == "read" else flow.source).view, config.used_bytes,
+                     config.seed * 7919 + i)
     fault = config.fault()
     if fault is not None:
         for server_nic in nics[1::2]:
@@ -173,7 +211,12 @@ async def _connect(config: BenchConfig, nics: list[NIC]) -> list[_Flow]:
 async def _flows(config: BenchConfig, nics: list[NIC]) -> AsyncIterator[list[_Flow]]:
     """The run's QP pairs; with a peer, the server side is opened on its host and closed there afterwards."""
     if config.remote is None:
-        yield await _connect(config, nics)
+        flows: list[_Flow] = []
+        try:
+            yield await _connect(config, nics, flows)
+        finally:  # a sweep runs every size on the same NICs: give each size's QPs, CQs and memory back
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                await _release(flows)
         return
     remote = await config.remote.open_nic(config.remote_nic, ip=config.remote_ip, **_faults(config, seed=1))
     try:
@@ -209,6 +252,19 @@ async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[
     return flows
 
 
+async def _release(flows: list[_Flow]) -> None:
+    """Destroy the flows' QPs, then their CQs and memory (a NIC close would, but a sweep keeps its NICs)."""
+    cqs = {id(qp.send_cq): qp.send_cq for flow in flows for qp in (flow.client, flow.server)}
+    for flow in flows:
+        for obj in (flow.client, flow.server):
+            await obj.destroy()
+        for mr in (flow.source, flow.target):
+            if mr is not None:
+                await mr.deregister()
+    for cq in cqs.values():
+        await cq.destroy()
+
+
 def _fill_random(view: memoryview, length: int, seed: int) -> None:
     """Seeded random bytes in view[:length], the data the run moves and then verifies."""
     rng = random.Random(seed)
@@ -217,18 +273,22 @@ def _fill_random(view: memoryview, length: int, seed: int) -> None:
         view[start:end] = rng.randbytes(end - start)
 
 
-async def _drive(config: BenchConfig, flow: _Flow) -> None:
-    """Keep `depth` work requests in flight on one QP: post in half-depth chunks, signal each chunk's last."""
+async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None) -> None:
+    """Keep `depth` work requests in flight on one QP: post in half-depth chunks, signal each chunk's last. Posts
+    `iters` operations, or (deadline) until the deadline, then drains."""
     chunk = max(1, config.depth // 2)
     in_flight: list[tuple[float, Any, int]] = []
     posted = 0
     size, slots = config.size, config.slots
-    stamp = b"" if slots == config.iters or config.test == "read" else \
+    limit = config.iters if deadline is None else 1 << 62
+    stamp = b"" if slots == config.iters or config.test == "read" or slots < config.depth else \
         (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
     data, target = flow.source.view, flow.target_region
-    while flow.done < config.iters:
-        while posted < config.iters and posted - flow.done < config.depth:
-            count = min(chunk, config.iters - posted, config.depth - (posted - flow.done))
+    while True:
+        if deadline is not None and time.perf_counter() >= deadline:
+            limit = posted
+        while posted < limit and posted - flow.done < config.depth:
+            count = min(chunk, limit - posted, config.depth - (posted - flow.done))
             started = time.perf_counter()
             if config.test == "send" and flow.remote is not None:  # the receives, posted there first
                 for offset, run in _runs(posted, count, slots):
@@ -252,6 +312,8 @@ async def _drive(config: BenchConfig, flow: _Flow) -> None:
                                                                  signaled=last)
             in_flight.append((started, completion, count))
             posted += count
+        if not in_flight:
+            break
         started, completion, count = in_flight.pop(0)
         await completion
         flow.latencies.extend([time.perf_counter() - started] * count)
@@ -284,9 +346,9 @@ async def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, dic
             continue
         counts = placed[placer.device].get(str(placer.qpn), {})
         messages, size = (counts.get(key, 0) for key in PLACED_KEYS[config.test])
-        if (messages, size) != (config.iters, config.iters * config.size):
+        if (messages, size) != (flow.done, flow.done * config.size):
             return (f"QP {placer.qpn:#x}: the NIC placed {messages} messages / {size} bytes, "
-                    f"{config.iters} / {config.iters * config.size} were posted")
+                    f"{flow.done} / {flow.done * config.size} were posted")
     return None
 
 
@@ -295,31 +357,70 @@ def _percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] if ordered else 0.0
 
 
-async def _progress(flows: list[_Flow], total: int, started: float) -> None:
-    while True:
-        await anyio.sleep(0.5)
-        done = sum(f.done for f in flows)
-        elapsed = time.perf_counter() - started
-        if elapsed > 2:
-            print(f"\r  {done}/{total} ops  {done / elapsed / 1e6:.3f} Mpps", end="", file=sys.stderr, flush=True)
+class _Sampler:
+    """Bytes done over time, sampled every PEAK_SAMPLE: the average after the warm-up, and the best interval (peak);
+    on a TTY also a live line on stderr (size, ops, MiB/s, ETA)."""
+
+    def __init__(self, config: BenchConfig, flows: list[_Flow], started: float, warmup: float, total: int) -> None:
+        self.config, self.flows, self.started, self.warmup, self.total = config, flows, started, warmup, total
+        self.samples: list[tuple[float, int]] = []
+
+    def done(self) -> int:
+        return sum(flow.done for flow in self.flows)
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(PEAK_SAMPLE)
+            now, done = time.perf_counter(), self.done()
+            if now - self.started >= self.warmup:
+                self.samples.append((now, done))
+            if self.config.progress and now - self.started > 2:
+                rate = done * self.config.size / (now - self.started) / 2**20
+                left = (f"ETA {max(0.0, (self.total - done) / max(done, 1) * (now - self.started)):.0f} s"
+                        if self.total else "")
+                print(f"\r  {self.config.size} B  {done} ops  {rate:.1f} MiB/s  {left}   ", end="", file=sys.stderr,
+                      flush=True)
+
+    def peak(self) -> float:
+        """The best bytes/s over any sampled interval (0 when the run was too short to sample twice)."""
+        pairs = zip(self.samples, self.samples[1:])
+        return max(((b - a) * self.config.size / (t1 - t0) for (t0, a), (t1, b) in pairs if t1 > t0), default=0.0)
 
 
 async def run_bench(config: BenchConfig) -> dict[str, Any]:
+    """One size (`config.size`) or a sweep (`config.sizes`: one row per size in "rows", NICs booted once)."""
     config.check()
-    async with _nics(config) as nics, _flows(config, nics) as flows:
+    sizes = config.sizes or [config.size]
+    rows = []
+    async with _nics(config) as nics:
+        first = nics[0].info()
+        for size in sizes:
+            rows.append(await _run_size(dataclasses.replace(config, size=size), nics, first["fw_version"]))
+    if config.sizes is None:
+        return rows[0]
+    failed = [row for row in rows if "error" in row]
+    return {"verified": all(row["verified"] for row in rows), "test": config.test, "sizes": sizes, "rows": rows,
+            "fw_version": first["fw_version"],
+            **({"error": f"size {failed[0]['size']}: {failed[0]['error']}"} if failed else {})}
+
+
+async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> dict[str, Any]:
+    async with _flows(config, nics) as flows:
         before = {nic: nic.pci.debug({"op": "stats"})["stats"] for nic in nics}
         cpu_started, started = time.process_time(), time.perf_counter()
+        warmup = min(2.0, config.duration * WARMUP_SHARE) if config.duration else 0.0
+        deadline = started + warmup + config.duration if config.duration else None
+        sampler = _Sampler(config, flows, started, warmup, 0 if config.duration else len(flows) * config.iters)
         async with anyio.create_task_group() as tasks:
-            if config.progress:
-                tasks.start_soon(_progress, flows, config.qps * config.iters, started)
+            tasks.start_soon(sampler.run)
             async with anyio.create_task_group() as drivers:
                 for flow in flows:
-                    drivers.start_soon(_drive, config, flow)
+                    drivers.start_soon(_drive, config, flow, deadline)
             tasks.cancel_scope.cancel()
-        seconds = time.perf_counter() - started
+        ended = time.perf_counter()
         cpu = time.process_time() - cpu_started
         if config.progress:
-            print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+            print("\r" + " " * 70 + "\r", end="", file=sys.stderr)
         mismatch = await _verify(config, flows, {nic: nic.pci.debug({"op": "placed"})["qps"] for nic in nics})
         wire = {key: 0 for key in ("packets", "retransmits", "dropped", "rx_overflow")}
         for nic in nics:
@@ -327,20 +428,31 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
             for key, name in (("packets", "packets_sent"), ("retransmits", "retransmits"), ("dropped", "dropped"),
                               ("rx_overflow", "rx_overflow")):
                 wire[key] += stats.get(name, 0) - old.get(name, 0)
-        first = nics[0].info()
-    ops = config.qps * config.iters
+    ops = sum(flow.done for flow in flows)
+    measured_ops, seconds = ops, ended - started
+    if config.duration and sampler.samples:  # measure from the end of the warm-up
+        measured_ops, seconds = ops - sampler.samples[0][1], ended - sampler.samples[0][0]
+    seconds = max(seconds, 1e-9)
+    bandwidth = measured_ops * config.size / seconds
     latencies = [x for f in flows for x in f.latencies]
-    return {
+    result = {
         "verified": mismatch is None, "test": config.test, "qps": config.qps, "size": config.size,
-        "iters": config.iters,
+        "iters": config.iters if not config.duration else ops // max(len(flows), 1), "duration": config.duration,
         "depth": config.depth, "mtu": config.mtu, "nics": config.nics, "ops": ops, "bytes": ops * config.size,
-        "seconds": seconds, "msg_rate": ops / seconds, "bw_MiBps": ops * config.size / seconds / 2**20,
+        "seconds": seconds, "msg_rate": measured_ops / seconds, "bw_MiBps": bandwidth / 2**20,
+        "bw_peak_MiBps": max(sampler.peak(), bandwidth) / 2**20, "bw_Gbps": bandwidth * 8 / 1e9,
         "lat_us": {"p50": _percentile(latencies, 50) * 1e6, "p99": _percentile(latencies, 99) * 1e6},
-        "driver_cpu_us_per_op": cpu / ops * 1e6, **wire, "fw_version": first["fw_version"],
+        "driver_cpu_us_per_op": cpu / max(ops, 1) * 1e6, **wire, "fw_version": fw_version,
         "verification": _verification(config),
         **({"remote_host": config.remote.host} if config.remote is not None else {}),
         **({"error": f"verification failed: {mismatch}"} if mismatch else {}),
     }
+    if config.bidirectional:  # each direction's share of the same wall time
+        result["directions"] = [
+            {"from_nic": direction, "ops": sum(f.done for f in flows if f.direction == direction),
+             "bw_MiBps": sum(f.done for f in flows if f.direction == direction) * config.size / seconds / 2**20}
+            for direction in (0, 1)]
+    return result
 
 
 def _verification(config: BenchConfig) -> str:
@@ -351,22 +463,37 @@ def _verification(config: BenchConfig) -> str:
 
 
 def format_table(result: dict[str, Any], config: BenchConfig) -> str:
-    """perftest's banner and BW table (MB/sec = MiB/s), plus latency and wire counters."""
+    """perftest's banner and BW table (MB/sec = MiB/s, or Gb/sec), one row per size, then the loaded latency and
+    the wire counters of each row."""
     verb = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send"}[config.test]
-    rule = "-" * 95
-    lines = [rule, f"                    {verb} BW Test (aiofabric, emulated BNXT)",
+    rows = result.get("rows", [result])
+    rule = "-" * 103
+    unit = "Gb/sec" if config.report_gbits else "MB/sec"
+    lines = [rule, f"                    {verb} {'Bidirectional ' if config.bidirectional else ''}BW Test "
+                   f"(aiofabric{', peer ' + result['remote_host'] if 'remote_host' in result else ''})",
              f" Number of qps   : {config.qps}\t\tTransport type : IB",
              " Connection type : RC\t\tUsing SRQ      : OFF",
              f" TX depth        : {config.depth}\t\tNICs           : {config.nics}",
              f" Mtu             : {config.mtu}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
-             f" Firmware        : {result['fw_version']}", rule,
-             " #bytes     #iterations    BW average[MB/sec]   MsgRate[Mpps]   lat p50[usec]   lat p99[usec]",
-             f" {config.size:<10} {result['ops']:<14} {result['bw_MiBps']:<20.2f} {result['msg_rate'] / 1e6:<15.6f}"
-             f" {result['lat_us']['p50']:<15.1f} {result['lat_us']['p99']:.1f}", rule,
-             f" verified: {'yes' if result['verified'] else 'NO'}   packets: {result['packets']}   "
-             f"retransmits: {result['retransmits']}   dropped: {result['dropped']}   "
-             f"rx overflow: {result['rx_overflow']}   driver CPU: {result['driver_cpu_us_per_op']:.2f} us/op",
-             *([f" {result['error']}"] if "error" in result else []), rule]
+             f" Firmware        : {result['fw_version']}" + (f"\t\tDuration       : {config.duration:g} s"
+                                                         if config.duration else ""), rule,
+             f" #bytes     #iterations    BW peak[{unit}]    BW average[{unit}]   MsgRate[Mpps]   "
+             f"loaded lat p50/p99[usec]"]
+    for row in rows:
+        scale = (8e6 / 1e9 * 2**20 / 1e6) if config.report_gbits else 1.0  # MiB/s -> Gb/s
+        lines.append(f" {row['size']:<10} {row['ops']:<14} {row['bw_peak_MiBps'] * scale:<18.2f} "
+                     f"{row['bw_MiBps'] * scale:<21.2f} {row['msg_rate'] / 1e6:<15.6f} "
+                     f"{row['lat_us']['p50']:.1f} / {row['lat_us']['p99']:.1f}")
+        for direction in row.get("directions", []):
+            lines.append(f"   NIC {direction['from_nic']} sending: {direction['bw_MiBps'] * scale:.2f} {unit}")
+    lines.append(rule)
+    for row in rows:
+        lines.append(f" {row['size']:<10} verified: {'yes' if row['verified'] else 'NO'}   packets: {row['packets']}"
+                     f"   retransmits: {row['retransmits']}   dropped: {row['dropped']}   rx overflow: "
+                     f"{row['rx_overflow']}   driver CPU: {row['driver_cpu_us_per_op']:.2f} us/op")
+        if "error" in row:
+            lines.append(f"   {row['error']}")
+    lines.append(rule)
     return "\n".join(lines)
 
 

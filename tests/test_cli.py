@@ -99,7 +99,7 @@ def test_bench_refuses_an_ack_timeout_outside_its_5_bit_field(timeout):
     (["bench", "write", "--mtu", "1000"], "argument --mtu: invalid choice: 1000"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: command"),
-    (["bench", "write", "--nic", "4"], "unrecognized arguments: --nic 4"),  # not taken as --nics 4
+    (["bench", "write", "--dep", "4"], "unrecognized arguments: --dep 4"),  # not taken as --depth 4
     (["bench", "write", "--it", "5"], "unrecognized arguments: --it"),
     (["loopback", "--siz", "5"], "unrecognized arguments: --siz"),
 ])
@@ -235,3 +235,65 @@ def test_bench_verification_fails_when_the_nic_misplaces_data(shape, fault, why)
 def test_bench_refuses_an_unknown_fault():
     code, result, _ = run("bench", "write", "--inject-fault", "gremlins", "--json")
     assert code == 1 and "--inject-fault must be KIND" in result["error"]
+
+
+# -- bench as perftest users expect it (issue 10) ---------------------------------------------------------------------
+def test_sizes_take_suffixes_and_a_sweep_gives_one_row_per_size(tmp_path):
+    saved = tmp_path / "sweep.json"
+    code, result, process = run("bench", "write", "--min-size", "1K", "--max-size", "16K", "--factor", "4",
+                                "--iters", "40", "--depth", "8", "--json", "--json-file", str(saved))
+    assert code == 0 and result["ok"] and result["verified"], process.stderr
+    assert [row["size"] for row in result["rows"]] == [1024, 4096, 16384] and result["sizes"] == [1024, 4096, 16384]
+    assert all(row["verified"] and row["ops"] == 40 and row["bw_peak_MiBps"] >= row["bw_MiBps"] > 0
+               for row in result["rows"])
+    assert json.loads(saved.read_text())["rows"] == result["rows"]  # --json-file holds the same object
+    code, result, process = run("bench", "read", "-s", "2K", "--iters", "30", "--json")
+    assert code == 0 and result["size"] == 2048 and "rows" not in result  # a single size stays a flat object
+
+
+def test_table_with_gbits_and_both_directions():
+    code, _, process = run("bench", "write", "-s", "8K", "--iters", "60", "--depth", "8", "-b", "--report-gbits")
+    assert code == 0, process.stderr
+    assert "BW peak[Gb/sec]" in process.stdout and "BW average[Gb/sec]" in process.stdout
+    assert "Bidirectional" in process.stdout and "NIC 0 sending" in process.stdout and "NIC 1 sending" in \
+        process.stdout
+    code, result, _ = run("bench", "write", "-s", "8K", "--iters", "60", "--depth", "8", "-b", "--json")
+    assert code == 0 and result["verified"] and [d["ops"] for d in result["directions"]] == [60, 60]
+    assert abs(sum(d["bw_MiBps"] for d in result["directions"]) - result["bw_MiBps"]) < 0.01 * result["bw_MiBps"]
+    assert abs(result["bw_Gbps"] - result["bw_MiBps"] * 2**20 * 8 / 1e9) < 1e-6
+
+
+def test_duration_runs_for_a_time_and_verifies_what_it_posted():
+    code, result, process = run("bench", "write", "-s", "4K", "-D", "1.5", "--depth", "8", "--json")
+    assert code == 0 and result["verified"], process.stderr
+    assert result["duration"] == 1.5 and result["ops"] > 0 and 0.8 < result["seconds"] < 3
+    assert "placement counts" in result["verification"]
+
+
+def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
+    png, saved = tmp_path / "bw.png", tmp_path / "run.json"
+    code, result, process = run("bench", "write", "--min-size", "1K", "--max-size", "4K", "--iters", "20",
+                                "--plot", str(png), "--json-file", str(saved), "--json")
+    assert code == 0 and result["ok"], process.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    overlay = tmp_path / "overlay.png"
+    code, result, _ = run("plot", str(saved), str(saved), "-o", str(overlay), "--json")
+    assert code == 0 and result["runs"] == 2 and overlay.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["bench", "write", "-s", "64Q"], 2, "is not a size"),
+    (["bench", "write", "-s", "1G"], 1, "--size must be in [1, 536870912]"),
+    (["bench", "write", "-D", "0"], 1, "-D/--duration must be in (0, 86400]"),
+    (["bench", "write", "--min-size", "8K", "--max-size", "1K"], 2, "a sweep needs 1 <= --min-size <= --max-size"),
+    (["bench", "write", "-a", "--factor", "1"], 2, "--factor must be at least 2"),
+    (["bench", "write", "--plot", "x.png"], 2, "--plot draws a sweep"),
+    (["bench", "write", "--nic", "4"], 1, "bad NIC spec '4' for --nic"),
+    (["bench", "write", "--nic", "0000:41:00.0"], 1, "a PCI NIC needs its partner on another host"),
+    (["plot", "/nonexistent.json", "-o", "x.png"], 1, "No such file"),
+], ids=["suffix", "too-big", "duration-0", "sweep-order", "factor", "plot-no-sweep", "nic-spec", "pci-alone",
+        "plot-missing"])
+def test_bad_input_for_every_new_flag_is_one_line(args, code, message):
+    got, result, process = run(*args, "--json")
+    assert got == code and result["ok"] is False and message in result["error"], process.stdout + process.stderr
+    assert "\n" not in result["error"]

@@ -1,0 +1,68 @@
+"""Plots of bench sweeps: bandwidth and message rate against message size (log2 x-axis), one line per run.
+
+matplotlib is an optional extra (`pip install 'aiofabric[plot]'`); it is imported only when a plot is drawn, with the
+Agg backend, so plotting works without a display.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+EXTRA_HINT = "plotting needs matplotlib: pip install 'aiofabric[plot]'"
+
+
+def require() -> None:
+    """Fail early, naming the extra, when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise RuntimeError(EXTRA_HINT) from None
+
+
+def load(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """Saved bench results: a `--json-file`, or captured `--json` output (its last line)."""
+    runs = []
+    for path in paths:
+        with open(path) as file:
+            text = file.read().strip()
+        try:
+            run = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                run = json.loads(text.splitlines()[-1]) if text else None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not a bench result (JSON): {exc}") from None
+        if not isinstance(run, dict) or ("rows" not in run and "bw_MiBps" not in run):
+            raise ValueError(f"{path}: not a bench result: no 'rows' or 'bw_MiBps'")
+        runs.append(run)
+    return runs
+
+
+def label(run: dict[str, Any]) -> str:
+    first = run.get("rows", [run])[0]
+    return f"{run.get('test', first.get('test', '?'))} {first.get('qps', '?')} QP x {first.get('depth', '?')}"
+
+
+def plot_runs(runs: Sequence[dict[str, Any]], path: str, labels: Sequence[str] | None = None) -> None:
+    """Two panels (MiB/s and Mpps against size, log2 x) with one line per run; written to `path` (PNG)."""
+    require()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (bandwidth, rate) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for index, run in enumerate(runs):
+        rows = run.get("rows", [run])
+        sizes = [row["size"] for row in rows]
+        name = labels[index] if labels else label(run)
+        bandwidth.plot(sizes, [row["bw_MiBps"] for row in rows], marker="o", label=name)
+        rate.plot(sizes, [row["msg_rate"] / 1e6 for row in rows], marker="o", label=name)
+    for axes, title in ((bandwidth, "BW average [MiB/s]"), (rate, "message rate [Mpps]")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("message size [bytes]")
+        axes.set_title(title)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
