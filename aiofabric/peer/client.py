@@ -118,6 +118,9 @@ class Peer:
                         if waiter is not None:
                             waiter.answer = message
                             waiter.event.set()
+        except protocol.Refused as exc:
+            self.fail(PeerError(f"{self.host}: the endpoint turned this client away: {exc}", host=self.host))
+            return
         except ProtocolError as exc:
             self.fail(PeerError(f"{self.host}: the remote endpoint broke the protocol: {exc}", host=self.host))
             return

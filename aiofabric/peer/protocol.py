@@ -1,7 +1,7 @@
 """The remote-endpoint protocol: JSON lines, pure (no I/O, no anyio, no driver imports), tested like h11.
 
 One protocol, several carriers: `aiofabric serve` speaks it on stdin/stdout (started over SSH by `connect_peer`),
-and a TCP carrier can speak it unchanged (`bench --server`). Everything here turns bytes into messages and back;
+and `aiofabric.peer.tcp` speaks it unchanged over a TCP connection (`serve_tcp` / `connect_tcp`, `bench --server`). Everything here turns bytes into messages and back;
 the carriers only move lines.
 
 Framing
@@ -17,7 +17,12 @@ Messages
     flight; answers come in the order they finish, not the order asked. A request the endpoint cannot parse far
     enough to find its id is answered with "id": null. An unknown op, a missing, unknown or mistyped field, an
     unknown handle, and any exception the operation raises all become error answers: the endpoint never crashes on
-    a request. End of input means: close every object and exit 0.
+    a request. End of input means: close every object and exit 0 (over TCP: close every object this client
+    opened and wait for the next client).
+
+    Over TCP an endpoint also drops a client that sends bytes which are not JSON-object lines at all (a stray
+    connection, a port scanner, a client of another protocol): it answers the error ("id": null), closes that
+    client's objects and the connection. A well-formed request with a bad op or field is answered as above.
 
 Handles
     Remote objects (NICs, CQs, QPs, MRs) are named by integer handles the endpoint hands out, unique per endpoint.
@@ -27,7 +32,9 @@ Operations (`args` fields; "=" marks a default, the rest are required)
     ping         -                                            -> {"pid"}
     open_nic     spec="sim", ip=null, options={}              -> {"nic", "ip", "gid", "mac"}
                  (options: the emulated NIC's, e.g. {"netns": "B", "fw_latency_us": 30}; ip "ssh": the address
-                 the SSH connection reached, from SSH_CONNECTION)
+                 the SSH connection reached, from SSH_CONNECTION; ip "connection": the address the client's
+                 connection reached, whatever the carrier: the accepted socket's local address over TCP, as "ssh"
+                 over SSH)
     create_cq    nic, depth=256                               -> {"cq"}
     create_qp    nic, cq, sq_depth=128, rq_depth=128          -> {"qp", "info": QP_INFO}
     register_mr  nic, size                                    -> {"mr", "region": REGION}
@@ -41,6 +48,9 @@ Operations (`args` fields; "=" marks a default, the rest are required)
                  (posts `count` receives of `size` bytes at offset + i * stride (stride null: size) and answers
                  once they are posted, without awaiting them: the remote half of a SEND benchmark)
     close        handle                                       -> {"closed": handle}
+    report       result: object                               -> {"reported": true}
+                 (the client hands the endpoint a finished run's result, e.g. `run_bench`'s dict, so the server
+                 side can print the same table; an endpoint with nobody to show it to just logs it)
 
     QP_INFO = {"qpn": int, "gid": hex str (16 bytes), "mac": "aa:bb:..", "psn": int}
     REGION  = {"addr": int, "rkey": int, "length": int|null}
@@ -66,6 +76,15 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, request_id: int | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+class NotProtocolError(ProtocolError):
+    """Bytes that are not a JSON-object line at all (not JSON, not an object, an overlong line): the other side does
+    not speak this protocol. A TCP endpoint drops such a client; the stdin endpoint answers and reads on."""
+
+
+class Refused(ProtocolError):
+    """The endpoint answered before its ready message, with an error and no id: it turned this client away."""
 
 
 # -- field kinds: each checks (and normalises) a value or raises ValueError naming what it wanted ------------------
@@ -138,6 +157,12 @@ def _region(value: Any) -> dict[str, Any]:
     return {"length": None, **value}
 
 
+def _json_object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object, not {value!r}"[:200])
+    return value
+
+
 def _deadline(value: Any) -> float | None:
     if value is None:
         return None
@@ -165,6 +190,7 @@ OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
     "post_recvs": {"qp": (_handle, REQUIRED), "mr": (_handle, REQUIRED), "count": (_natural, REQUIRED),
                    "size": (_natural, REQUIRED), "offset": (_natural, 0), "stride": (_optional(_natural), None)},
     "close": {"handle": (_handle, REQUIRED)},
+    "report": {"result": (_json_object, REQUIRED)},
 }
 
 
@@ -244,9 +270,9 @@ def _object(line: bytes) -> dict[str, Any]:
     try:
         data = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"not JSON: {exc}") from None
+        raise NotProtocolError(f"not JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ProtocolError(f"not a JSON object: {line[:80]!r}")
+        raise NotProtocolError(f"not a JSON object: {line[:80]!r}")
     return data
 
 
@@ -286,7 +312,8 @@ def decode_reply(line: bytes) -> Ready | Answer:
 
 def error_answer(request_id: int | None, error: BaseException) -> Answer:
     """The answer reporting `error`: its type name and its message on one line."""
-    return Answer(request_id, False, None, type(error).__name__, " ".join(str(error).split()))
+    name = "ProtocolError" if isinstance(error, NotProtocolError) else type(error).__name__  # the wire's name
+    return Answer(request_id, False, None, name, " ".join(str(error).split()))
 
 
 class LineBuffer:
@@ -315,7 +342,7 @@ class LineBuffer:
             self._buffer.clear()
             if not self._skipping:
                 self._skipping = True
-                raise ProtocolError(f"line longer than {self.max_line} bytes")
+                raise NotProtocolError(f"line longer than {self.max_line} bytes")
         return lines
 
     @property
@@ -357,6 +384,8 @@ class ClientState:
             self.ready = message
             return message
         if self.ready is None:
+            if message.id is None and not message.ok:  # the endpoint turned this client away (a busy TCP server)
+                raise Refused(f"{message.error_type}: {message.error_message}")
             raise ProtocolError("an answer before the ready message")
         if message.id is None:
             raise ProtocolError(f"the endpoint could not parse a request: {message.error_message}")

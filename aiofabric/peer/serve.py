@@ -1,5 +1,8 @@
 """`aiofabric serve`: the remote endpoint. Requests arrive as JSON lines on stdin, answers leave on stdout.
 
+`serve_stream` is the request loop over any byte-stream pair: `serve` runs it on stdin/stdout, and
+`aiofabric.peer.tcp.serve_tcp` on each accepted TCP connection.
+
 The protocol (messages, operations, handles) is written down in `aiofabric.peer.protocol`. This module is its I/O
 shell on the public driver API: each request runs in its own task, so several are in flight and answers leave in
 the order they finish. A bad request gets an error answer; nothing a client sends crashes the endpoint. End of input
@@ -9,10 +12,11 @@ returns, so the process exits 0. Logs go to stderr, which `connect_peer` forward
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import stat
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -67,8 +71,11 @@ class _NicSlot:
 class Endpoint:
     """The objects one client created, by handle, and the operations on them."""
 
-    def __init__(self, tasks: anyio.abc.TaskGroup) -> None:
+    def __init__(self, tasks: anyio.abc.TaskGroup, *, on_report: Callable[[dict[str, Any]], Any] | None = None,
+                 connection_ip: str | None = None, summary: dict[str, Any] | None = None) -> None:
         self.tasks = tasks
+        self.on_report, self.connection_ip = on_report, connection_ip
+        self.summary = summary if summary is not None else {}
         self.objects: dict[int, Any] = {}  # handle -> _NicSlot | CompletionQueue | QueuePair | MemoryRegion
         self.owner: dict[int, int] = {}  # handle -> handle of its NIC
         self._next_handle = 1
@@ -100,7 +107,13 @@ class Endpoint:
                 ip = os.environ["SSH_CONNECTION"].split()[2]
             except (KeyError, IndexError):
                 raise ValueError("open_nic: ip 'ssh' needs SSH_CONNECTION (set by sshd); this endpoint was not "
-                                 "started over SSH") from None
+                                 "started over SSH (over TCP, use ip 'connection')") from None
+        elif ip == "connection":  # the address the client's connection reached, whatever the carrier
+            ssh = os.environ.get("SSH_CONNECTION", "").split()
+            ip = self.connection_ip or (ssh[2] if len(ssh) > 2 else None)
+            if ip is None:
+                raise ValueError("open_nic: ip 'connection': this endpoint does not know the address its client "
+                                 "reached (it runs neither over TCP nor over SSH)")
         slot = _NicSlot()
         await self.tasks.start(self._run_nic, slot, spec, ip, options)
         nic = slot.nic
@@ -205,6 +218,16 @@ class Endpoint:
         self.owner.pop(handle, None)
         return {"closed": handle}
 
+    async def op_report(self, result: dict[str, Any]) -> dict[str, Any]:
+        self.summary["reports"] = self.summary.get("reports", 0) + 1
+        if self.on_report is None:
+            log.info("the client reported: %s", result)
+        else:
+            outcome = self.on_report(result)
+            if inspect.isawaitable(outcome):
+                await outcome
+        return {"reported": True}
+
     async def close_all(self) -> None:
         for slot in [obj for obj in self.objects.values() if isinstance(obj, _NicSlot)]:
             slot.close_requested.set()
@@ -214,71 +237,132 @@ class Endpoint:
         self.owner.clear()
 
 
-async def serve(input_fd: int = 0, output_fd: int = 1) -> None:
-    """Answer requests from `input_fd` on `output_fd` until end of input, then close every object and return."""
-    reader, writer = _Fd(input_fd), _Fd(output_fd)
-    write_lock = anyio.Lock()
+Receive = Callable[[], Awaitable[bytes]]  # the next bytes from the client; b"" at end of input
+Send = Callable[[bytes], Awaitable[None]]
+_GONE = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)  # the client's side of the carrier is gone
 
-    async def send(answer: Answer | Ready) -> None:
+
+async def serve_stream(receive: Receive, send: Send, *, client: str = "", strict: bool = False,
+                       on_report: Callable[[dict[str, Any]], Any] | None = None,
+                       connection_ip: str | None = None) -> dict[str, Any]:
+    """Serve the endpoint protocol to one client over any byte-stream pair until end of input; then close every
+    object it opened and return a summary of the session.
+
+    `receive()` returns the next bytes (b"" at end of input); `send(data)` writes. `client` names the other side in
+    logs ("" for stdin). `strict` (the TCP carrier): bytes that are not JSON-object lines drop the client after their
+    error answer, and a disconnect with objects open or requests in flight is logged as a warning. `on_report` gets
+    the `result` of each `report` request (it may be a coroutine function). `connection_ip`: the address the
+    client's connection reached, for open_nic's ip "connection".
+
+    Summary: {"client", "outcome" ("end of input", "disconnected mid-run", "non-protocol bytes", "connection lost",
+    "cannot answer"), "error" (a one-line description, or None), "requests", "errors", "reports",
+    "objects_closed", "objects_left"}.
+    """
+    write_lock = anyio.Lock()
+    stop = anyio.Event()
+    in_flight: set[int] = set()
+    summary: dict[str, Any] = {"client": client, "outcome": "end of input", "error": None, "requests": 0,
+                               "errors": 0, "reports": 0, "objects_closed": 0, "objects_left": 0}
+    who = f"client {client}" if client else "the client"
+
+    def finish(outcome: str, error: str | None = None) -> None:
+        if not stop.is_set():
+            summary["outcome"], summary["error"] = outcome, error
+            stop.set()
+
+    async def send_line(line: bytes) -> None:
         async with write_lock:
-            await writer.write(protocol.encode(answer))
+            await send(line)
+
+    async def answer_error(request_id: int | None, exc: BaseException) -> None:
+        summary["errors"] += 1
+        try:
+            await send_line(protocol.encode(protocol.error_answer(request_id, exc)))
+        except _GONE as gone:
+            finish("cannot answer", f"{who}: cannot answer: {gone}")
 
     async def run(endpoint: Endpoint, request: protocol.Request) -> None:
+        in_flight.add(request.id)
         try:
             answer = Answer(request.id, True, await endpoint.handle(request))
         except Exception as exc:  # every failure is an answer, never a crash
             log.debug("request %d (%s) failed", request.id, request.op, exc_info=True)
             answer = protocol.error_answer(request.id, exc)
+        finally:
+            in_flight.discard(request.id)
+        if not answer.ok:
+            summary["errors"] += 1
         try:
             line = protocol.encode(answer)
         except (ProtocolError, TypeError, ValueError) as exc:
             line = protocol.encode(protocol.error_answer(request.id, exc))
         try:
             await send_line(line)
-        except OSError as exc:  # the client is gone (broken pipe): stop as at end of input
-            log.warning("cannot answer request %d: %s; stopping", request.id, exc)
-            stop.set()
-
-    stop = anyio.Event()
-
-    async def send_line(line: bytes) -> None:
-        async with write_lock:
-            await writer.write(line)
+        except _GONE as exc:  # the client is gone (broken pipe): stop as at end of input
+            if not strict:
+                log.warning("cannot answer request %d: %s; stopping", request.id, exc)
+            finish("cannot answer", f"{who}: cannot answer request {request.id}: {exc}")
 
     async def read_until_end(requests: anyio.abc.TaskGroup, endpoint: Endpoint) -> None:
         lines = protocol.LineBuffer()
-        while True:
-            data = await reader.read()
+        while not stop.is_set():
+            try:
+                data = await receive()
+            except _GONE as exc:
+                finish("connection lost", f"{who}: connection lost: {type(exc).__name__}: {exc}")
+                return
             if not data:
                 break
             try:
                 batch = lines.feed(data)
             except ProtocolError as exc:
-                await send(protocol.error_answer(None, exc))
+                await answer_error(None, exc)
+                if strict:
+                    finish("non-protocol bytes", f"{who} sent non-protocol bytes ({exc}); dropped it")
+                    return
                 continue
             for line in batch:
                 try:
                     request = protocol.decode_request(line)
                 except ProtocolError as exc:
-                    await send(protocol.error_answer(exc.request_id, exc))
+                    await answer_error(exc.request_id, exc)
+                    if strict and isinstance(exc, protocol.NotProtocolError):
+                        finish("non-protocol bytes", f"{who} sent non-protocol bytes ({exc}); dropped it")
+                        return
                     continue
+                summary["requests"] += 1
                 requests.start_soon(run, endpoint, request)
-        stop.set()
+        if endpoint.objects or in_flight:
+            finish("disconnected mid-run", f"{who} disconnected mid-run ({len(in_flight)} request(s) in flight, "
+                                           f"{len(endpoint.objects)} object(s) open); closed them")
+        finish("end of input")
 
     async with anyio.create_task_group() as nics:  # NIC tasks outlive request tasks: closed last
-        endpoint = Endpoint(nics)
+        endpoint = Endpoint(nics, on_report=on_report, connection_ip=connection_ip, summary=summary)
         try:
             async with anyio.create_task_group() as requests:
                 try:
-                    await send(Ready(protocol.PROTOCOL_VERSION, __version__, os.getpid()))
-                except OSError as exc:
+                    await send_line(protocol.encode(Ready(protocol.PROTOCOL_VERSION, __version__, os.getpid())))
+                except _GONE as exc:
                     log.warning("cannot write to the client: %s", exc)
-                    return
+                    finish("cannot answer", f"{who}: cannot write to it: {exc}")
+                    return summary
                 requests.start_soon(read_until_end, requests, endpoint)
                 await stop.wait()
                 requests.cancel_scope.cancel()  # end of input: nobody is left to read the answers
         finally:
+            summary["objects_closed"] = len(endpoint.objects)
             with anyio.CancelScope(shield=True), anyio.move_on_after(60), contextlib.suppress(Exception):
                 await endpoint.close_all()
+            summary["objects_left"] = len(endpoint.objects)
             nics.cancel_scope.cancel()
-    log.debug("end of input: every object closed")
+    if summary["error"] and (strict or summary["outcome"] == "connection lost"):
+        log.warning("%s", summary["error"])  # one line: who, what happened, that its objects were closed
+    log.debug("%s: every object closed", summary["outcome"])
+    return summary
+
+
+async def serve(input_fd: int = 0, output_fd: int = 1) -> None:
+    """Answer requests from `input_fd` on `output_fd` until end of input, then close every object and return."""
+    reader, writer = _Fd(input_fd), _Fd(output_fd)
+    await serve_stream(reader.read, writer.write)
