@@ -98,7 +98,7 @@ async def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def cmd_loopback(args: argparse.Namespace) -> dict[str, Any]:
-    result = await run_loopback(args.nic, args.size)
+    result = await run_loopback(args.nic, args.size, args.ip)
     if not args.json:
         print(f"PHY loopback RDMA WRITE of {result['bytes']} bytes between QPs {result['qpn'][0]:#x} -> "
               f"{result['qpn'][1]:#x}: {'verified' if result['verified'] else 'MISMATCH'} "
@@ -242,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     loop = sub.add_parser("loopback", help="RDMA WRITE between two QPs of one NIC through its PHY loopback")
     loop.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
-    loop.add_argument("--size", type=int, default=4096, help="bytes to write (default 4096)")
+    loop.add_argument("--ip", help="the NIC's IPv4 address (emulated: a free 127.0.0.x)")
+    loop.add_argument("-s", "--size", type=size_argument, default=4096,
+                      help="bytes to write, with an optional K/M/G suffix (default 4096)")
     loop.add_argument("--json", action="store_true", help="print one JSON object")
     loop.set_defaults(run=cmd_loopback)
 

@@ -497,11 +497,11 @@ def format_table(result: dict[str, Any], config: BenchConfig) -> str:
     return "\n".join(lines)
 
 
-async def run_loopback(spec: str, size: int) -> dict[str, Any]:
+async def run_loopback(spec: str, size: int, ip: str | None = None) -> dict[str, Any]:
     """The seed's PHY-loopback test: two QPs on one NIC, port in LPBK_LOCAL, one RDMA WRITE, verified."""
-    if size < 1:
-        raise ValueError("--size must be at least 1 byte")
-    async with open_nic(spec) as nic:
+    if not 1 <= size <= MAX_SIZE:
+        raise ValueError(f"--size must be in [1, {MAX_SIZE}] bytes, not {size}")
+    async with open_nic(spec, ip=ip) as nic:
         cq = await nic.create_cq(depth=64)
         sender, receiver = await nic.create_qp(cq), await nic.create_qp(cq)
         qpns = [sender.qpn, receiver.qpn]  # a destroyed QP's qpn is -1: keep them for the report

@@ -51,10 +51,10 @@ def test_loopback_human_output_names_live_qpns():
     assert code == 0 and re.search(r"between QPs 0x[0-9a-f]+ -> 0x[0-9a-f]+: verified", process.stdout), process.stdout
 
 
-@pytest.mark.parametrize("size", ["0", "-5"])
-def test_loopback_refuses_a_size_below_one_byte(size):
-    code, result, _ = run("loopback", "--size", size, "--json")
-    assert code == 1 and result["ok"] is False and "--size" in result["error"]
+@pytest.mark.parametrize("size,code,message", [("0", 1, "--size must be in [1, "), ("-5", 2, "is not a size")])
+def test_loopback_refuses_a_size_below_one_byte(size, code, message):
+    got, result, _ = run("loopback", f"--size={size}", "--json")
+    assert got == code and result["ok"] is False and message in result["error"]
 
 
 @pytest.mark.parametrize("test", ["write", "read", "send"])
