@@ -1,0 +1,492 @@
+"""perftest-style latency tests on emulated NICs: the engine behind `aiofabric lat {write,read,send}`.
+
+Two emulated NICs (one process each, RoCEv2 over UDP on 127.0.0.x) and one RC QP pair, driven as ib_*_lat drive
+theirs: one message at a time, `warmup` iterations first (excluded from the numbers), then `iters` measured ones.
+
+- WRITE (ib_write_lat): a ping-pong of RDMA WRITEs. The client writes `size` bytes into the server's target buffer;
+  the server polls the LAST byte of its own target until it holds the iteration's value, then writes back into the
+  client's target, whose last byte the client polls. No receive is involved: the poller is a tight loop reading the
+  byte with `anyio.lowlevel.checkpoint()` between reads (so the NIC's tasks run), bounded by a deadline.
+- SEND (ib_send_lat): the same ping-pong with SENDs into receives posted ahead on both sides.
+- READ (ib_read_lat): one-sided; the client times each RDMA READ from post to completion.
+
+Reported latency is ONE-WAY for WRITE and SEND: half the round trip the client measures (perftest reports RTT/2),
+and the whole post-to-completion time for READ (perftest's rtt_factor 1). Fields, all in microseconds: t_min, t_max,
+t_typical (the median), t_avg, t_stdev (population), p99 and p99.9 (nearest rank: the smallest sample with at least
+that share of samples at or below it), so t_min <= t_typical <= p99 <= p99.9 <= t_max always holds.
+
+Every wait is bounded by `LatConfig.wait_seconds` (long enough for the QP's retransmissions to recover a lost
+packet): a message that never arrives ends in a TimeoutError naming the side and the iteration, never a hang.
+`verified` checks the last ping's bytes on both sides (and, for READ, that the server's bytes are unchanged), and
+the emulator's count of messages each responder placed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import statistics
+import time
+from typing import Any, Awaitable, Callable
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+
+from . import perftest
+from .nic import NIC
+from .queues import MemoryRegion, QueuePair
+
+TESTS = perftest.TESTS
+MTUS = perftest.MTUS
+MAX_ACK_TIMEOUT = perftest.MAX_ACK_TIMEOUT
+MAX_SIZE = 1 << 28  # 256 MiB: a WRITE side holds two buffers, a SEND side up to three, in a 1 GiB DMA arena
+WARMUP = 8  # iterations run before measuring (perftest warms its latency loops up too)
+SQ_DEPTH = 64
+SIGNAL_EVERY = 16  # signal one send in SIGNAL_EVERY and await it SIGNAL_EVERY iterations later (errors surface)
+RX_SLOTS, RX_BYTES = 16, 64 << 20  # SEND: receives posted ahead, at most RX_BYTES of them (at least 2)
+RETRY_CNT = 7  # the QPs' retry count (perftest's default): a lost packet is resent up to 7 times
+WAIT_BASE_SECONDS, WAIT_SLOWEST_BPS = 5.0, 1 << 20  # an iteration's bound: 5 s + retransmissions + 1 s per MiB
+HISTOGRAM_SUBBUCKETS = 4  # each power-of-two octave [2^k, 2^(k+1)) us is split in 4 equal buckets
+HISTOGRAM_BAR = 50  # characters of the longest ASCII histogram bar
+VERBS = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send"}
+PLACED_KEYS = perftest.PLACED_KEYS
+HEADER = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]"
+          "   99% percentile[usec]   99.9% percentile[usec]")
+LATENCY_FIELDS = ("t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p99_9_us")
+
+
+@dataclasses.dataclass
+class LatConfig:
+    test: str = "write"
+    size: int = 2  # bytes per message (ib_*_lat's default)
+    iters: int = 1000  # measured iterations
+    mtu: int = 4096
+    loss: float = 0.0
+    reorder: float = 0.0
+    dup: float = 0.0
+    corrupt: float = 0.0
+    seed: int = 0
+    timeout: int = 14  # QP local ACK timeout: 4.096 us * 2^timeout (perftest's default); 0 waits forever, as in IB
+    histogram: bool = False  # perftest's -H: add a histogram of the samples
+    warmup: int = WARMUP  # iterations before the measured ones, excluded from the numbers
+    wait: float | None = None  # seconds one iteration may take before TimeoutError; None: wait_seconds decides
+    pcap: str | None = None  # capture NIC 0's packets in FILE and NIC 1's in FILE.1
+    inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]" on the server NIC (perftest.FAULT_KINDS)
+
+    def check(self) -> None:
+        """Refuse a bad value before any NIC boots, naming the flag and what it allows."""
+        if self.test not in TESTS:
+            raise ValueError(f"test must be one of {TESTS}, not {self.test!r}")
+        if not isinstance(self.size, int) or not 1 <= self.size <= MAX_SIZE:
+            raise ValueError(f"--size must be an integer in [1, {MAX_SIZE}] bytes, not {self.size!r}")
+        if not isinstance(self.iters, int) or self.iters < 1:
+            raise ValueError(f"--iters must be an integer of at least 1, not {self.iters!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"--warmup must be an integer of at least 0, not {self.warmup!r}")
+        if self.mtu not in MTUS:
+            raise ValueError(f"--mtu must be one of {MTUS}, not {self.mtu!r}")
+        if not isinstance(self.timeout, int) or not 0 <= self.timeout <= MAX_ACK_TIMEOUT:
+            raise ValueError(f"--timeout must be in [0, {MAX_ACK_TIMEOUT}] (a 5-bit exponent: 4.096 us * 2^timeout, "
+                             f"0 waits forever), not {self.timeout!r}")
+        for name in ("loss", "reorder", "dup", "corrupt"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name} is a probability in [0, 1), not {getattr(self, name)!r}")
+        if self.wait is not None and not self.wait > 0:
+            raise ValueError(f"--wait must be a positive number of seconds, not {self.wait!r}")
+        self.bench_config().fault()  # --inject-fault's syntax
+
+    @property
+    def wait_seconds(self) -> float:
+        """How long one iteration may take: enough for every retransmission of a lost packet in both directions
+        (4.096 us * 2^timeout, RETRY_CNT + 1 times each), plus WAIT_BASE_SECONDS, plus 1 s per MiB moved."""
+        if self.wait is not None:
+            return self.wait
+        ack = 4.096e-6 * 2 ** self.timeout if self.timeout else 0.0
+        return WAIT_BASE_SECONDS + 2 * (RETRY_CNT + 1) * ack + 2 * self.size / WAIT_SLOWEST_BPS
+
+    def bench_config(self) -> perftest.BenchConfig:
+        """The same NICs as `bench` with these options boots (perftest's helpers take a BenchConfig)."""
+        return perftest.BenchConfig(test=self.test, qps=1, size=self.size, iters=self.iters, depth=SQ_DEPTH, nics=2,
+                                    mtu=self.mtu, loss=self.loss, reorder=self.reorder, dup=self.dup,
+                                    corrupt=self.corrupt, seed=self.seed, pcap=self.pcap, timeout=self.timeout,
+                                    inject_fault=self.inject_fault)
+
+
+@dataclasses.dataclass
+class _Pair:
+    """One QP pair and one MR per side. WRITE: [0, size) source, [size, 2*size) target. SEND: [0, size) source,
+    then `rx_slots` receive slots. READ: the client's [0, size) receives the server's [0, size)."""
+    client: QueuePair
+    server: QueuePair
+    client_mr: MemoryRegion
+    server_mr: MemoryRegion
+    rx_slots: int = 0
+    client_receives: list[Any] = dataclasses.field(default_factory=list)
+    server_receives: list[Any] = dataclasses.field(default_factory=list)
+
+
+async def _connect(config: LatConfig, client_nic: NIC, server_nic: NIC) -> _Pair:
+    size = config.size
+    rx_slots = max(2, min(RX_SLOTS, RX_BYTES // size)) if config.test == "send" else 0
+    span = {"write": 2 * size, "send": size * (1 + rx_slots), "read": size}[config.test]
+    client_cq, server_cq = await client_nic.create_cq(depth=256), await server_nic.create_cq(depth=256)
+    client = await client_nic.create_qp(client_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1))
+    server = await server_nic.create_qp(server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1))
+    await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT)
+    await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT)
+    client_mr, server_mr = await client_nic.register_mr(span), await server_nic.register_mr(span)
+    # distinct seeded payloads on the two sides, so a pong that carried the ping's bytes would not verify
+    perftest._fill_random(server_mr.view, size, config.seed * 7919 + 1)
+    if config.test != "read":
+        perftest._fill_random(client_mr.view, size, config.seed * 7919)
+    return _Pair(client, server, client_mr, server_mr, rx_slots)
+
+
+def _value(i: int) -> int:
+    """The last byte of iteration i's message: consecutive iterations differ, and none equals the initial 0 byte."""
+    return i % 255 + 1
+
+
+def _stamp(view: memoryview, size: int, i: int) -> None:
+    """Make iteration i's message its own: the iteration in its first bytes, _value(i) in its last."""
+    head = min(4, size - 1)
+    if head:
+        view[:head] = (i & 0xFFFFFFFF).to_bytes(4, "little")[:head]
+    view[size - 1] = _value(i)
+
+
+async def _bounded(awaitable: Awaitable[Any], seconds: float, what: str) -> Any:
+    """`await awaitable`, or TimeoutError("<what> within N s") once `seconds` have passed."""
+    with anyio.move_on_after(seconds):
+        return await awaitable
+    raise TimeoutError(f"{what} within {seconds:.3g} s")
+
+
+def _iteration(config: LatConfig, i: int) -> str:
+    return f"warm-up iteration {i + 1}/{config.warmup}" if i < config.warmup else \
+        f"iteration {i - config.warmup + 1}/{config.iters}"
+
+
+async def _poll_last_byte(view: memoryview, index: int, value: int, qp: QueuePair, seconds: float,
+                          what: Callable[[], str]) -> None:
+    """Spin until view[index] == value, yielding to the event loop between reads; TimeoutError past `seconds`."""
+    if view[index] == value:
+        return
+    checkpoint, clock = anyio.lowlevel.checkpoint, time.perf_counter
+    deadline = clock() + seconds
+    while view[index] != value:
+        await checkpoint()
+        if qp.error is not None:  # the QP failed (retries exhausted, ...): the byte will never come
+            raise qp.error
+        if clock() > deadline:
+            raise TimeoutError(f"{what()} within {seconds:.3g} s (the last byte of the target still holds "
+                               f"{view[index]}, expected {value})")
+
+
+class _Sends:
+    """The send side's completions: one send in SIGNAL_EVERY is signaled, and awaited SIGNAL_EVERY iterations later
+    (long done by then), so a failed send raises without putting a completion wait in the timed path."""
+
+    def __init__(self, config: LatConfig, side: str) -> None:
+        self.config, self.side = config, side
+        self.total = config.warmup + config.iters
+        self.previous: tuple[int, Any] | None = None
+
+    def signaled(self, i: int) -> bool:
+        return i % SIGNAL_EVERY == SIGNAL_EVERY - 1 or i == self.total - 1
+
+    async def posted(self, i: int, completion: Any) -> None:
+        if not self.signaled(i):
+            return
+        await self.drain()
+        self.previous = (i, completion)
+
+    async def drain(self) -> None:
+        if self.previous is not None:
+            j, completion = self.previous
+            self.previous = None
+            await _bounded(completion, self.config.wait_seconds,
+                           f"{self.side}: {_iteration(self.config, j)}: the NIC did not complete its send")
+
+
+async def _run_pair(client: Callable[[], Awaitable[None]], server: Callable[[], Awaitable[None]]) -> None:
+    """Run the two sides at once; the first failure cancels the other and is raised as itself (no ExceptionGroup)."""
+    errors: list[BaseException] = []
+
+    async def guarded(side: Callable[[], Awaitable[None]], scope: anyio.CancelScope) -> None:
+        try:
+            await side()
+        except Exception as error:
+            errors.append(error)
+            scope.cancel()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(guarded, client, tasks.cancel_scope)
+        tasks.start_soon(guarded, server, tasks.cancel_scope)
+    if errors:
+        raise errors[0]
+
+
+async def _write_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
+    size, total, seconds = config.size, config.warmup + config.iters, config.wait_seconds
+    last = 2 * size - 1  # the last byte of each side's target, [size, 2*size)
+    samples: list[float] = []
+
+    async def client() -> None:
+        view, sends, clock = pair.client_mr.view, _Sends(config, "client"), time.perf_counter
+        for i in range(total):
+            value = _value(i)
+            _stamp(view, size, i)
+            started = clock()
+            completion = await _bounded(
+                pair.client.post_write(pair.client_mr, pair.server_mr, size, remote_offset=size,
+                                       signaled=sends.signaled(i)),
+                seconds, f"client: {_iteration(config, i)}: no room to post the ping")
+            await _poll_last_byte(view, last, value, pair.client, seconds,
+                                  lambda: f"client: {_iteration(config, i)}: the pong (the server's RDMA WRITE "
+                                          f"into the client's buffer) did not arrive")
+            rtt = clock() - started
+            if i >= config.warmup:
+                samples.append(rtt / 2 * 1e6)
+            await sends.posted(i, completion)
+        await sends.drain()
+
+    async def server() -> None:
+        view, sends = pair.server_mr.view, _Sends(config, "server")
+        for i in range(total):
+            await _poll_last_byte(view, last, _value(i), pair.server, seconds,
+                                  lambda: f"server: {_iteration(config, i)}: the ping (the client's RDMA WRITE "
+                                          f"into the server's buffer) did not arrive")
+            _stamp(view, size, i)
+            completion = await _bounded(
+                pair.server.post_write(pair.server_mr, pair.client_mr, size, remote_offset=size,
+                                       signaled=sends.signaled(i)),
+                seconds, f"server: {_iteration(config, i)}: no room to post the pong")
+            await sends.posted(i, completion)
+        await sends.drain()
+
+    await _run_pair(client, server)
+    return samples
+
+
+async def _send_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
+    size, total, seconds, slots = config.size, config.warmup + config.iters, config.wait_seconds, pair.rx_slots
+    samples: list[float] = []
+
+    async def post_recv(qp: QueuePair, mr: MemoryRegion, receives: list[Any], i: int) -> None:
+        receives.append(await qp.post_recv(mr, size, local_offset=size * (1 + i % slots)))
+
+    for i in range(min(slots, total)):  # receives posted ahead on both sides before the first SEND
+        await post_recv(pair.client, pair.client_mr, pair.client_receives, i)
+        await post_recv(pair.server, pair.server_mr, pair.server_receives, i)
+
+    async def received(side: str, qp: QueuePair, mr: MemoryRegion, receives: list[Any], i: int, what: str) -> None:
+        completion = await _bounded(receives[i], seconds, f"{side}: {_iteration(config, i)}: {what} did not arrive")
+        if completion.byte_len != size:
+            raise ValueError(f"{side}: {_iteration(config, i)}: received {completion.byte_len} bytes, sent {size}")
+        if i + slots < total:
+            await post_recv(qp, mr, receives, i + slots)
+
+    async def client() -> None:
+        view, sends, clock = pair.client_mr.view, _Sends(config, "client"), time.perf_counter
+        for i in range(total):
+            _stamp(view, size, i)
+            started = clock()
+            completion = await _bounded(pair.client.post_send(pair.client_mr, size, signaled=sends.signaled(i)),
+                                        seconds, f"client: {_iteration(config, i)}: no room to post the ping")
+            await received("client", pair.client, pair.client_mr, pair.client_receives, i,
+                           "the pong (the server's SEND)")
+            rtt = clock() - started
+            if i >= config.warmup:
+                samples.append(rtt / 2 * 1e6)
+            await sends.posted(i, completion)
+        await sends.drain()
+
+    async def server() -> None:
+        view, sends = pair.server_mr.view, _Sends(config, "server")
+        for i in range(total):
+            await received("server", pair.server, pair.server_mr, pair.server_receives, i,
+                           "the ping (the client's SEND)")
+            _stamp(view, size, i)
+            completion = await _bounded(pair.server.post_send(pair.server_mr, size, signaled=sends.signaled(i)),
+                                        seconds, f"server: {_iteration(config, i)}: no room to post the pong")
+            await sends.posted(i, completion)
+        await sends.drain()
+
+    await _run_pair(client, server)
+    return samples
+
+
+async def _read_loop(config: LatConfig, pair: _Pair) -> list[float]:
+    size, total, seconds = config.size, config.warmup + config.iters, config.wait_seconds
+    samples: list[float] = []
+    clock = time.perf_counter
+    for i in range(total):
+        if i == total - 1:  # the last READ must bring every byte again: invert what the earlier ones brought
+            local = np.frombuffer(pair.client_mr.view, dtype=np.uint8, count=size)
+            np.bitwise_not(local, out=local)
+        started = clock()
+        completion = await _bounded(pair.client.post_read(pair.client_mr, pair.server_mr, size), seconds,
+                                    f"client: {_iteration(config, i)}: no room to post the RDMA READ")
+        await _bounded(completion, seconds, f"client: {_iteration(config, i)}: the RDMA READ did not complete")
+        if i >= config.warmup:
+            samples.append((clock() - started) * 1e6)
+    return samples
+
+
+ENGINES = {"write": _write_pingpong, "send": _send_pingpong, "read": _read_loop}
+
+
+def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: tuple[dict, dict]) -> str | None:
+    """Why the run's bytes are wrong, or None: the last ping's and pong's bytes (both sides), the server's untouched
+    bytes for READ, and the emulator's count of messages each responder placed (each counted once)."""
+    size, total = config.size, config.warmup + config.iters
+    client, server = pair.client_mr.view, pair.server_mr.view
+    if config.test == "read":
+        if hashlib.sha256(server[:size]).hexdigest() != server_digest:
+            return "the server's buffer changed during the RDMA READs"
+        if client[:size] != server[:size]:
+            return "the last RDMA READ's bytes at the client differ from the server's buffer"
+        checks = [("client", pair.client, 0)]
+    else:
+        landed = size if config.test == "write" else size * (1 + (total - 1) % pair.rx_slots)
+        if server[landed:landed + size] != client[:size]:
+            return "the last ping's bytes at the server differ from what the client sent"
+        if client[landed:landed + size] != server[:size]:
+            return "the last pong's bytes at the client differ from what the server sent"
+        checks = [("server", pair.server, 1), ("client", pair.client, 0)]
+    messages_key, bytes_key = PLACED_KEYS[config.test]
+    for side, qp, nic in checks:
+        counts = placed[nic].get(str(qp.qpn), {})
+        got = (counts.get(messages_key, 0), counts.get(bytes_key, 0))
+        if got != (total, total * size):
+            return (f"the {side}'s NIC placed {got[0]} messages / {got[1]} bytes on QP {qp.qpn:#x}, "
+                    f"{total} / {total * size} were sent")
+    return None
+
+
+def _percentile(ordered: list[float], p: float) -> float:
+    """Nearest rank: the smallest sample with at least p% of the samples at or below it."""
+    rank = math.ceil(round(p / 100 * len(ordered), 9))  # round: 0.999 * 1000 is 999.0000000000001 in floats
+    return ordered[max(0, rank - 1)]
+
+
+def _bucket(us: float) -> float:
+    """The low edge of the histogram bucket holding `us`: [0, 1) us, then each octave in HISTOGRAM_SUBBUCKETS."""
+    if us < 1:
+        return 0.0
+    octave = 2.0 ** math.floor(math.log2(us))
+    step = octave / HISTOGRAM_SUBBUCKETS
+    return octave + step * min(HISTOGRAM_SUBBUCKETS - 1, int((us - octave) / step))
+
+
+def _next_bucket(low: float) -> float:
+    if low < 1:
+        return 1.0
+    octave = 2.0 ** math.floor(math.log2(low))
+    return low + octave / HISTOGRAM_SUBBUCKETS
+
+
+def histogram(samples: list[float]) -> list[list[float]]:
+    """[[bucket_low_us, count], ...] from the lowest to the highest non-empty bucket (empty ones between included)."""
+    if not samples:
+        return []
+    counts: dict[float, int] = {}
+    for us in samples:
+        low = _bucket(us)
+        counts[low] = counts.get(low, 0) + 1
+    rows, low, top = [], min(counts), max(counts)
+    while low <= top:
+        rows.append([low, counts.get(low, 0)])
+        low = _next_bucket(low)
+    return rows
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    """perftest's latency fields (us) of `samples`."""
+    ordered = sorted(samples)
+    return {"t_min_us": ordered[0], "t_max_us": ordered[-1], "t_typical_us": statistics.median(ordered),
+            "t_avg_us": statistics.fmean(ordered), "t_stdev_us": statistics.pstdev(ordered),
+            "p99_us": _percentile(ordered, 99), "p99_9_us": _percentile(ordered, 99.9)}
+
+
+async def run_latency(config: LatConfig) -> dict[str, Any]:
+    """Boot two emulated NICs, run `config.test`'s latency loop and report perftest's latency fields in us.
+
+    WRITE and SEND report one-way latency, half the client's round trip (as perftest: RTT/2); READ reports each
+    READ's post-to-completion time. Keys: the LATENCY_FIELDS, iters, size, test, mtu, warmup, verified, latency
+    (what was measured), seconds, packets, retransmits, dropped, fw_version; "histogram" with config.histogram;
+    "error" when verification failed. A lost message raises TimeoutError naming the side and the iteration."""
+    config.check()
+    bench = config.bench_config()
+    async with perftest._nics(bench) as nics:
+        client_nic, server_nic = nics
+        pair = await _connect(config, client_nic, server_nic)
+        fault = bench.fault()
+        if fault is not None:
+            server_nic.pci.debug(fault)
+        server_digest = hashlib.sha256(pair.server_mr.view[:config.size]).hexdigest()
+        before = [nic.pci.debug({"op": "stats"})["stats"] for nic in nics]
+        started = time.perf_counter()
+        samples = await ENGINES[config.test](config, pair)
+        seconds = time.perf_counter() - started
+        placed = tuple(nic.pci.debug({"op": "placed"})["qps"] for nic in nics)
+        mismatch = _verify(config, pair, server_digest, placed)  # type: ignore[arg-type]
+        wire = {"packets": 0, "retransmits": 0, "dropped": 0}
+        for nic, old in zip(nics, before):
+            stats = nic.pci.debug({"op": "stats"})["stats"]
+            for key, name in (("packets", "packets_sent"), ("retransmits", "retransmits"), ("dropped", "dropped")):
+                wire[key] += stats.get(name, 0) - old.get(name, 0)
+        fw_version = client_nic.info()["fw_version"]
+    return {
+        **summarize(samples), "iters": len(samples), "size": config.size, "test": config.test, "mtu": config.mtu,
+        "warmup": config.warmup, "verified": mismatch is None,
+        "latency": "one-way (RTT/2)" if config.test != "read" else "READ completion",
+        "seconds": seconds, **wire, "fw_version": fw_version,
+        **({"histogram": histogram(samples)} if config.histogram else {}),
+        **({"error": f"verification failed: {mismatch}"} if mismatch else {}),
+    }
+
+
+def _row(values: list[str]) -> str:
+    """Values placed under HEADER's columns, each starting where its column's title starts."""
+    starts = [1] + [HEADER.index(title) for title in ("#iterations", "t_min", "t_max", "t_typical", "t_avg",
+                                                      "t_stdev", "99%", "99.9%")]
+    line = ""
+    for start, value in zip(starts, values):
+        line = line.ljust(max(start, len(line) + 1)) + value
+    return line
+
+
+def format_histogram(rows: list[list[float]], width: int = HISTOGRAM_BAR) -> str:
+    """An ASCII histogram: one line per bucket, [low, high) in us, the count and a bar scaled to the largest."""
+    if not rows:
+        return " (no samples)"
+    peak = max(count for _, count in rows) or 1
+    lines = [" latency histogram [usec]          count"]
+    for low, count in rows:
+        high = _next_bucket(low)
+        bar = "#" * math.ceil(count / peak * width) if count else ""
+        lines.append(f" [{low:>10.2f}, {high:>10.2f})  {int(count):>8}  {bar}")
+    return "\n".join(lines)
+
+
+def format_latency_table(result: dict[str, Any], config: LatConfig) -> str:
+    """perftest's banner and latency table (us), the wire counters and, with config.histogram, an ASCII histogram."""
+    rule = "-" * len(HEADER)
+    measured = "one-way = RTT/2" if config.test != "read" else "READ post to completion"
+    values = [str(result["size"]), str(result["iters"])] + [f"{result[key]:.2f}" for key in LATENCY_FIELDS]
+    lines = [rule, f"                    {VERBS[config.test]} Latency Test (aiofabric, emulated BNXT)",
+             " Number of qps   : 1\t\tTransport type : IB",
+             " Connection type : RC\t\tUsing SRQ      : OFF",
+             f" Warm-up         : {result['warmup']} iterations\tLatency        : {measured}",
+             f" Mtu             : {config.mtu}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
+             f" Firmware        : {result['fw_version']}", rule, HEADER, _row(values), rule,
+             f" verified: {'yes' if result['verified'] else 'NO'}   packets: {result['packets']}   "
+             f"retransmits: {result['retransmits']}   dropped: {result['dropped']}   "
+             f"seconds: {result['seconds']:.2f}",
+             *([f" {result['error']}"] if "error" in result else []), rule]
+    if config.histogram and "histogram" in result:
+        lines += [format_histogram(result["histogram"]), rule]
+    return "\n".join(lines)
