@@ -30,6 +30,7 @@ from anyio.abc import TaskStatus
 from . import __version__
 from .nic import open_nic
 from . import plot
+from .latency import LatConfig, format_latency_table, run_latency
 from .perftest import MTUS, TESTS, BenchConfig, format_table, run_bench, run_loopback
 from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
 
@@ -158,6 +159,15 @@ def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
     known_hosts = DEFAULT if args.known_hosts is None else None if args.known_hosts == "none" else args.known_hosts
     return {"identity": args.identity, "known_hosts": known_hosts, "python": args.python, "push": args.push,
             "connect_timeout": args.connect_timeout, "command_timeout": args.command_timeout}
+
+
+async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
+    config = LatConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LatConfig)
+                          if hasattr(args, f.name)})
+    result = await run_latency(config)
+    if not args.json:
+        print(format_latency_table(result, config))
+    return result
 
 
 async def cmd_plot(args: argparse.Namespace) -> dict[str, Any]:
@@ -289,6 +299,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="PNG", help="plot bandwidth and message rate against size (a sweep; needs "
                                                     "the plot extra: pip install 'aiofabric[plot]')")
     bench.set_defaults(run=cmd_bench, check=_check_bench(bench))
+
+    lat = sub.add_parser("lat", help="perftest-style latency: a ping-pong between two emulated NICs (ib_*_lat)")
+    lat.add_argument("test", choices=TESTS)
+    lat.add_argument("-s", "--size", type=size_argument, default=2, help="message size (default 2 bytes)")
+    lat.add_argument("--iters", type=int, default=1000, help="measured iterations (default 1000)")
+    lat.add_argument("--warmup", type=int, default=8, help="iterations run first and not measured (default 8)")
+    lat.add_argument("--mtu", type=int, default=4096, choices=MTUS)
+    lat.add_argument("--timeout", type=int, default=14, help="QP ACK timeout exponent (default 14: 67 ms)")
+    for fault in ("loss", "reorder", "dup", "corrupt"):
+        lat.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
+                         help=f"probability of {fault} per packet on the emulated wire")
+    lat.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
+    lat.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC 1: FILE.1)")
+    lat.add_argument("-H", "--histogram", action="store_true", help="print a latency histogram")
+    lat.add_argument("--json", action="store_true", help="print one JSON object")
+    lat.set_defaults(run=cmd_lat)
 
     serve = sub.add_parser("serve", help="the remote endpoint connect_peer starts over SSH: JSON-lines requests on "
                                          "stdin, answers on stdout (protocol: aiofabric/peer/protocol.py)")

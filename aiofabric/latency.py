@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import statistics
 import time
 from typing import Any, Awaitable, Callable
@@ -170,12 +171,16 @@ def _iteration(config: LatConfig, i: int) -> str:
 
 async def _poll_last_byte(view: memoryview, index: int, value: int, qp: QueuePair, seconds: float,
                           what: Callable[[], str]) -> None:
-    """Spin until view[index] == value, yielding to the event loop between reads; TimeoutError past `seconds`."""
+    """Spin until view[index] == value, as ib_write_lat polls its buffer, yielding to the event loop and giving the
+    CPU away (sched_yield) between reads: a pure spin starves the NIC processes on a machine with few cores (the
+    emulated NICs run on the host's CPUs), and its numbers then swing between sub-ms and a scheduler slice.
+    TimeoutError past `seconds`."""
     if view[index] == value:
         return
-    checkpoint, clock = anyio.lowlevel.checkpoint, time.perf_counter
+    checkpoint, clock, give_away = anyio.lowlevel.checkpoint, time.perf_counter, os.sched_yield
     deadline = clock() + seconds
     while view[index] != value:
+        give_away()
         await checkpoint()
         if qp.error is not None:  # the QP failed (retries exhausted, ...): the byte will never come
             raise qp.error

@@ -297,3 +297,13 @@ def test_bad_input_for_every_new_flag_is_one_line(args, code, message):
     got, result, process = run(*args, "--json")
     assert got == code and result["ok"] is False and message in result["error"], process.stdout + process.stderr
     assert "\n" not in result["error"]
+
+
+@pytest.mark.parametrize("test", ["write", "read", "send"])
+def test_lat_reports_perftest_latency_fields(test):
+    code, result, process = run("lat", test, "--iters", "60", "-s", "64", "-H", "--json")
+    assert code == 0 and result["ok"] and result["verified"], process.stderr
+    assert result["t_min_us"] <= result["t_typical_us"] <= result["p99_us"] <= result["p99_9_us"] <= result["t_max_us"]
+    assert result["iters"] == 60 and sum(count for _, count in result["histogram"]) == 60
+    code, _, process = run("lat", test, "--iters", "20")
+    assert code == 0 and "t_typical[usec]" in process.stdout and "99.9% percentile[usec]" in process.stdout
