@@ -38,6 +38,7 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+SSH_PORT = 22
 SIGNAL_MESSAGES = {signal.SIGTERM: "terminated by SIGTERM", signal.SIGINT: "interrupted by SIGINT"}
 
 
@@ -124,6 +125,12 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
                 parser.error(str(exc))
         if args.plot and not getattr(args, "sizes", None):
             parser.error("--plot draws a sweep: add -a or --min-size/--max-size")
+        modes = [name for name, on in (("SERVER_HOST", args.server_host is not None), ("--server", args.server),
+                                       ("--peer", args.peer is not None)) if on]
+        if len(modes) > 1:
+            parser.error(f"choose one of SERVER_HOST, --server and --peer, not {' and '.join(modes)}")
+        if args.forever and not args.server:
+            parser.error("--forever goes with --server")
     return check
 
 
@@ -133,13 +140,24 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
                             if hasattr(args, f.name)})
     config.progress = not args.json and sys.stderr.isatty()
-    if args.peer is None:
+    if args.server:
+        return await _bench_server(args, config)
+    if args.server_host is not None:  # perftest's client: the server side is an `aiofabric bench --server` there
+        from .peer.tcp import DEFAULT_PORT, connect_tcp
+        config.check()
+        async with connect_tcp(args.server_host, args.port or DEFAULT_PORT,
+                               connect_timeout=args.connect_timeout, command_timeout=args.command_timeout) as peer:
+            config.remote = peer
+            config.remote_ip = args.remote_ip or "connection"  # the address this connection reached: routable
+            result = await run_bench(config)
+            await peer.request("report", result=result)  # the server prints the same table
+    elif args.peer is None:
         result = await run_bench(config)
     else:  # the server side on the peer's host, started over SSH
         from .peer.client import parse_host
         from .peer.ssh import connect_peer
         config.check()  # before any SSH connection
-        user, host, port = parse_host(args.peer, args.port)
+        user, host, port = parse_host(args.peer, args.port or SSH_PORT)
         async with connect_peer(host, port, user=user or args.user, **_ssh_options(args)) as peer:
             config.remote = peer
             result = await run_bench(config)
@@ -151,6 +169,25 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         plot.plot_runs([result], args.plot)
     return result
+
+
+async def _bench_server(args: argparse.Namespace, config: BenchConfig) -> dict[str, Any]:
+    """perftest's server: wait for `aiofabric bench ... SERVER_HOST` clients over TCP (one at a time; --forever: one
+    after another), let each drive the server side through the peer protocol, and print each one's table."""
+    from .peer.tcp import DEFAULT_PORT, serve_tcp
+
+    def show(result: dict[str, Any]) -> None:
+        if not args.json:
+            first = result.get("rows", [result])[0]
+            fields = {name: first[name] for name in ("test", "qps", "size", "iters", "depth", "mtu", "nics")
+                      if name in first}
+            print(format_table(result, dataclasses.replace(config, **fields)), flush=True)
+
+    print(f"aiofabric bench server: waiting for a client on {args.bind} TCP port {args.port or DEFAULT_PORT}",
+          file=sys.stderr, flush=True)
+    summary = await serve_tcp(args.bind, args.port or DEFAULT_PORT, forever=args.forever, on_report=show)
+    session_error = summary.pop("error", None)  # the client's trouble (logged), not the server's: still exit 0
+    return {"server": True, **summary, "client_error": session_error}
 
 
 def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -217,7 +254,7 @@ async def cmd_connect(args: argparse.Namespace) -> dict[str, Any]:
                   f"bytes around it: {'verified' if result['verified'] else 'MISMATCH'} (handshake "
                   f"{result['handshake_ms']:.0f} ms, transfer {result['transfer_ms']:.1f} ms)")
         return result
-    user, host, port = parse_host(args.host, args.port)
+    user, host, port = parse_host(args.host, args.port or SSH_PORT)
     async with connect_peer(host, port, user=user or args.user, **ssh) as peer:
         result = await two_hosts(peer, nic=args.nic, remote_nic=args.remote_nic, local_ip=args.local_ip,
                                  remote_ip=args.remote_ip, size=args.size, started=started)
@@ -260,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="perftest-style RDMA benchmark between emulated NICs, bytes verified")
     bench.add_argument("test", choices=TESTS)
+    bench.add_argument("server_host", nargs="?", metavar="SERVER_HOST",
+                       help="run as perftest's client: the server side is `aiofabric bench --server` on this host")
+    bench.add_argument("--server", action="store_true", help="run as perftest's server: wait for a client over TCP")
+    bench.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
+    bench.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
     bench.add_argument("--nic", default="sim", help="'sim' (emulated NICs), 'sim:NAME', or a PCI address (with "
                                                     "--peer: the NIC here)")
     bench.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x)")
@@ -345,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:
     """How to reach a host over SSH (connect, bench --peer)."""
-    parser.add_argument("--port", type=int, default=22, help="SSH port (default 22)")
+    parser.add_argument("--port", type=int, help="SSH port (default 22); for bench --server / SERVER_HOST the TCP "
+                                                  "port (default 18515)")
     parser.add_argument("--user", help="SSH user (default: the SSH default)")
     parser.add_argument("--identity", metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
     parser.add_argument("--known-hosts", metavar="FILE|none",

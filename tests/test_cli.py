@@ -291,8 +291,11 @@ def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
     (["bench", "write", "--nic", "4"], 1, "bad NIC spec '4' for --nic"),
     (["bench", "write", "--nic", "0000:41:00.0"], 1, "a PCI NIC needs its partner on another host"),
     (["plot", "/nonexistent.json", "-o", "x.png"], 1, "No such file"),
+    (["bench", "write", "127.0.0.1", "--port", "1"], 1, "no aiofabric bench server at 127.0.0.1:1"),
+    (["bench", "write", "--forever"], 2, "--forever goes with --server"),
+    (["bench", "write", "somehost", "--server"], 2, "choose one of SERVER_HOST, --server and --peer"),
 ], ids=["suffix", "too-big", "duration-0", "sweep-order", "factor", "plot-no-sweep", "nic-spec", "pci-alone",
-        "plot-missing"])
+        "plot-missing", "no-server", "forever-alone", "two-modes"])
 def test_bad_input_for_every_new_flag_is_one_line(args, code, message):
     got, result, process = run(*args, "--json")
     assert got == code and result["ok"] is False and message in result["error"], process.stdout + process.stderr
@@ -307,3 +310,34 @@ def test_lat_reports_perftest_latency_fields(test):
     assert result["iters"] == 60 and sum(count for _, count in result["histogram"]) == 60
     code, _, process = run("lat", test, "--iters", "20")
     assert code == 0 and "t_typical[usec]" in process.stdout and "99.9% percentile[usec]" in process.stdout
+
+
+def test_a_server_on_a_taken_port_says_so():
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, result, _ = run("bench", "write", "--server", "--bind", "127.0.0.1", "--port", str(port), "--json")
+    assert code == 1 and result["ok"] is False and f"port {port} is taken" in result["error"]
+
+
+def test_bench_server_and_client_on_one_host():
+    """perftest's two commands on loopback: a server that serves one client and prints the client's table."""
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    server = subprocess.Popen([*CLI, "bench", "read", "--server", "--bind", "127.0.0.1", "--port", port],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "waiting for a client" in server.stderr.readline()
+        code, result, process = run("bench", "read", "127.0.0.1", "--port", port, "-s", "4K", "--iters", "100",
+                                    "--json")
+        assert code == 0 and result["verified"] and result["remote_host"] == f"127.0.0.1:{port}", process.stderr
+        out, _ = server.communicate(timeout=30)
+        assert server.returncode == 0 and "RDMA_Read BW Test" in out and "verified: yes" in out
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)

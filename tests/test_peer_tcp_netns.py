@@ -1,5 +1,5 @@
-"""bench's server/client mode across two network namespaces: `serve_tcp` runs in namespace A, the client (connect_tcp
-+ run_bench) in namespace B; both the TCP connection and RoCEv2 cross the veth pair between them.
+"""bench's server/client mode across two network namespaces: `aiofabric bench --server` runs in namespace A, the
+client (`aiofabric bench TEST A_ADDRESS`) in namespace B; both the TCP connection and RoCEv2 cross the veth pair between them.
 
 Names carry the creating pid and stale ones are swept (as in tests/test_netns.py); addresses (10.79.0.0/24) live only
 inside the namespaces. Skipped with the reason where `ip netns` is unavailable (needs root and iproute2).
@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,6 @@ VETH = (f"ata{TAG}", f"atb{TAG}")
 ADDRESSES = ("10.79.0.1", "10.79.0.2")
 STALE_NS = re.compile(r"aiotcp-[ab](\d+)")
 STALE_VETH = re.compile(r"at[ab](\d+)")
-HELPER = Path(__file__).parent / "tcp_peer_helper.py"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def ip(*args: str) -> str:
@@ -68,34 +65,30 @@ def two_hosts():
         subprocess.run(["ip", "link", "del", VETH[0]], capture_output=True, timeout=20)  # if it never moved
 
 
-def _in(namespace: str, *args: str) -> list[str]:
-    return ["ip", "netns", "exec", namespace, sys.executable, str(HELPER), *args]
+def _cli(namespace: str, *args: str) -> list[str]:
+    return ["ip", "netns", "exec", namespace, sys.executable, "-m", "aiofabric", *args]
 
 
 @pytest.mark.parametrize("test", ["write", "send"])
 def test_bench_server_in_one_namespace_client_in_another(two_hosts, test):
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    server = subprocess.Popen(_in(NS[0], "serve", ADDRESSES[0]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=environment)
+    """perftest's two commands: `aiofabric bench TEST --server` on host A, `aiofabric bench TEST A` on host B."""
+    server = subprocess.Popen(_cli(NS[0], "bench", test, "--server", "--bind", ADDRESSES[0]), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
     try:
-        line = server.stdout.readline()  # "listening PORT" (or EOF if it failed)
-        assert line.startswith("listening "), server.stderr.read()
-        port = line.split()[1]
-        client = subprocess.run(_in(NS[1], "bench", ADDRESSES[0], port, test, ADDRESSES[1]), capture_output=True,
-                                text=True, timeout=60, env=environment)
+        line = server.stderr.readline()  # "aiofabric bench server: waiting ..." (or EOF if it failed)
+        assert "waiting for a client" in line, line + server.stderr.read()
+        client = subprocess.run(_cli(NS[1], "bench", test, ADDRESSES[0], "--ip", ADDRESSES[1], "--qps", "2",
+                                     "--iters", "200", "--size", "4K", "--json"),
+                                capture_output=True, text=True, timeout=90)
         assert client.returncode == 0, client.stderr[-3000:]
         result = json.loads(client.stdout.strip().splitlines()[-1])
-        assert result["verified"] and result["test"] == test and result["ops"] == 400
+        assert result["ok"] and result["verified"] and result["test"] == test and result["ops"] == 400
         assert result["packets"] > 0  # RoCEv2 from B's NIC (10.79.0.2, reachable only over the veth) to A's
-        assert result["remote_host"] == f"{ADDRESSES[0]}:{port}"
+        assert result["remote_host"] == f"{ADDRESSES[0]}:18515"
         out, err = server.communicate(timeout=30)
         assert server.returncode == 0, err[-3000:]
-        lines = out.splitlines()
-        report = json.loads(next(x for x in lines if x.startswith("report "))[len("report "):])
-        summary = json.loads(next(x for x in lines if x.startswith("summary "))[len("summary "):])
-        assert report == result  # the server got the table's numbers
-        assert summary["outcome"] == "end of input" and summary["objects_left"] == 0 and summary["reports"] == 1
-        assert summary["client"].startswith(f"{ADDRESSES[1]}:")  # TCP crossed the veth from B
+        assert "#bytes" in out and "BW average[MB/sec]" in out and " 4096 " in out  # the same table on the server
+        assert "verified: yes" in out
     finally:
         if server.poll() is None:
             server.kill()

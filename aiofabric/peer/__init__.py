@@ -1,7 +1,8 @@
 """Remote endpoints: drive NICs on other hosts from this event loop.
 
 `protocol` (pure JSON-lines messages), `serve` (the endpoint, `aiofabric serve`), `client` (the carrier-agnostic
-`Peer`) and `ssh` (`connect_peer`, the only module that imports asyncssh). Names here load lazily, so importing
+`Peer`), `ssh` (`connect_peer`, the only module that imports asyncssh) and `tcp` (`serve_tcp`/`connect_tcp`: the same
+protocol over TCP, for `bench --server` and `bench SERVER_HOST`). Names here load lazily, so importing
 this package costs nothing and never imports asyncssh.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ class PeerError(FabricError):
 
 
 _MODULE_OF = {"Peer": ".client", "RemoteNIC": ".client", "RemoteQP": ".client", "RemoteMR": ".client",
-              "connect_peer": ".ssh", "SSHPeer": ".ssh"}
+              "connect_peer": ".ssh", "SSHPeer": ".ssh", "connect_tcp": ".tcp", "serve_tcp": ".tcp",
+              "TCPPeer": ".tcp"}
 __all__ = ["PeerError", *_MODULE_OF]
 
 
