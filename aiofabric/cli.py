@@ -344,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     lat = sub.add_parser("lat", help="perftest-style latency: a ping-pong between two emulated NICs (ib_*_lat)")
     lat.add_argument("test", choices=TESTS)
+    lat.add_argument("--nic", default="sim", help="'sim' or 'sim:NAME': both ends are emulated NICs on this host")
+    lat.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x)")
     lat.add_argument("-s", "--size", type=size_argument, default=2, help="message size (default 2 bytes)")
     lat.add_argument("--iters", type=int, default=1000, help="measured iterations (default 1000)")
     lat.add_argument("--warmup", type=int, default=8, help="iterations run first and not measured (default 8)")

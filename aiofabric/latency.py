@@ -74,11 +74,15 @@ class LatConfig:
     wait: float | None = None  # seconds one iteration may take before TimeoutError; None: wait_seconds decides
     pcap: str | None = None  # capture NIC 0's packets in FILE and NIC 1's in FILE.1
     inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]" on the server NIC (perftest.FAULT_KINDS)
+    nic: str = "sim"  # the two NICs: "sim" or "sim:NAME" (emulated; a latency test needs both ends here)
+    ip: str | None = None  # NIC 0's IPv4 address
 
     def check(self) -> None:
         """Refuse a bad value before any NIC boots, naming the flag and what it allows."""
         if self.test not in TESTS:
             raise ValueError(f"test must be one of {TESTS}, not {self.test!r}")
+        if not (self.nic == "sim" or self.nic.startswith("sim:")):
+            raise ValueError(f"--nic {self.nic}: lat runs both ends here, on emulated NICs ('sim' or 'sim:NAME')")
         if not isinstance(self.size, int) or not 1 <= self.size <= MAX_SIZE:
             raise ValueError(f"--size must be an integer in [1, {MAX_SIZE}] bytes, not {self.size!r}")
         if not isinstance(self.iters, int) or self.iters < 1:
@@ -111,7 +115,7 @@ class LatConfig:
         return perftest.BenchConfig(test=self.test, qps=1, size=self.size, iters=self.iters, depth=SQ_DEPTH, nics=2,
                                     mtu=self.mtu, loss=self.loss, reorder=self.reorder, dup=self.dup,
                                     corrupt=self.corrupt, seed=self.seed, pcap=self.pcap, timeout=self.timeout,
-                                    inject_fault=self.inject_fault)
+                                    inject_fault=self.inject_fault, nic=self.nic, ip=self.ip)
 
 
 @dataclasses.dataclass
