@@ -131,6 +131,10 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
             parser.error(f"choose one of SERVER_HOST, --server and --peer, not {' and '.join(modes)}")
         if args.forever and not args.server:
             parser.error("--forever goes with --server")
+        if args.run_infinitely:
+            if getattr(args, "sizes", None):
+                parser.error("--run-infinitely runs one size: drop the sweep")
+            args.duration = args.duration or 5.0
     return check
 
 
@@ -315,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--iters", type=int, default=1000, help="messages per QP (default 1000)")
     bench.add_argument("-D", "--duration", type=float, metavar="SECONDS",
                        help="run each size this long instead of --iters (the first 20%%, at most 2 s, is warm-up)")
+    bench.add_argument("--run-infinitely", action="store_true",
+                       help="run until Ctrl-C, a report line every -D seconds (default 5); Ctrl-C prints the table")
     bench.add_argument("-b", "--bidirectional", action="store_true", help="both NICs of a pair send at once")
     bench.add_argument("--report-gbits", action="store_true", help="bandwidth in Gb/sec (10^9 bits), as links are "
                                                                   "quoted")
@@ -404,13 +410,17 @@ def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds per remote request (default 60)")
 
 
-async def _watch_signals(scope: anyio.CancelScope, caught: list[int],
+async def _watch_signals(scope: anyio.CancelScope, caught: list[int], stop: anyio.Event | None = None,
                          *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """On the first SIGTERM or SIGINT, note it and cancel `scope`. Leaving the receiver restores the default
-    handlers, so a second signal stops a clean-up that hangs."""
+    handlers, so a second signal stops a clean-up that hangs. A command that ends gracefully (`stop`, e.g. bench
+    --run-infinitely) gets the first SIGINT as `stop` instead, and finishes normally; a second one cancels."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         task_status.started()
         async for signum in signals:
+            if stop is not None and not stop.is_set() and signum == signal.SIGINT:
+                stop.set()
+                continue
             caught.append(signum)
             scope.cancel()
             return
@@ -423,7 +433,8 @@ async def run_command(command: Callable[[argparse.Namespace], Awaitable[dict[str
     caught: list[int] = []
     try:
         async with anyio.create_task_group() as tasks:
-            await tasks.start(_watch_signals, tasks.cancel_scope, caught)
+            stop = args.stop = anyio.Event() if getattr(args, "run_infinitely", False) else None
+            await tasks.start(_watch_signals, tasks.cancel_scope, caught, stop)
             result = await command(args)
             tasks.cancel_scope.cancel()
     except Exception as exc:  # a clean-up the cancellation broke: logged, the signal stays the outcome

@@ -65,6 +65,9 @@ class BenchConfig:
     sizes: list[int] | None = None  # a sweep (-a, --min-size/--max-size/--factor): one row per size
     duration: float | None = None  # -D: seconds per size instead of `iters` (a warm-up share is not measured)
     bidirectional: bool = False  # -b: both NICs of a pair send at once
+    run_infinitely: bool = False  # until `stop` is set: a report line every `duration` seconds
+    stop: Any = None  # an anyio.Event that ends a --run-infinitely run (the CLI sets it on Ctrl-C)
+    json: bool = False  # the caller prints one JSON object: interval reports go to stderr, not stdout
     report_gbits: bool = False  # table in Gb/sec (10^9 bits) instead of MB/sec (MiB)
     nic: str = "sim"  # what the local NICs are: "sim", "sim:NAME" (numbered per NIC) or a PCI address (with a peer)
     ip: str | None = None  # NIC 0's IPv4 address
@@ -273,19 +276,19 @@ def _fill_random(view: memoryview, length: int, seed: int) -> None:
         view[start:end] = rng.randbytes(end - start)
 
 
-async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None) -> None:
+async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop: Any = None) -> None:
     """Keep `depth` work requests in flight on one QP: post in half-depth chunks, signal each chunk's last. Posts
     `iters` operations, or (deadline) until the deadline, then drains."""
     chunk = max(1, config.depth // 2)
     in_flight: list[tuple[float, Any, int]] = []
     posted = 0
     size, slots = config.size, config.slots
-    limit = config.iters if deadline is None else 1 << 62
+    limit = config.iters if deadline is None and stop is None else 1 << 62
     stamp = b"" if slots == config.iters or config.test == "read" or slots < config.depth else \
         (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
     data, target = flow.source.view, flow.target_region
     while True:
-        if deadline is not None and time.perf_counter() >= deadline:
+        if deadline is not None and time.perf_counter() >= deadline or stop is not None and stop.is_set():
             limit = posted
         while posted < limit and posted - flow.done < config.depth:
             count = min(chunk, limit - posted, config.depth - (posted - flow.done))
@@ -357,6 +360,19 @@ def _percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] if ordered else 0.0
 
 
+async def _report_every(config: BenchConfig, sampler: _Sampler, stop: Any) -> None:
+    """--run-infinitely: a line on stdout every `duration` seconds with that interval's bandwidth, until `stop`."""
+    last_time, last_done = time.perf_counter(), sampler.done()
+    while not stop.is_set():
+        with anyio.move_on_after(config.duration):
+            await stop.wait()
+        now, done = time.perf_counter(), sampler.done()
+        rate = (done - last_done) * config.size / max(now - last_time, 1e-9)
+        print(f" {config.size:<10} {done - last_done:<14} {rate / 2**20:<20.2f} {rate / config.size / 1e6:.6f} "
+              f"(last {now - last_time:.1f} s)", file=sys.stderr if config.json else sys.stdout, flush=True)
+        last_time, last_done = now, done
+
+
 class _Sampler:
     """Bytes done over time, sampled every PEAK_SAMPLE: the average after the warm-up, and the best interval (peak);
     on a TTY also a live line on stderr (size, ops, MiB/s, ETA)."""
@@ -409,13 +425,16 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         before = {nic: nic.pci.debug({"op": "stats"})["stats"] for nic in nics}
         cpu_started, started = time.process_time(), time.perf_counter()
         warmup = min(2.0, config.duration * WARMUP_SHARE) if config.duration else 0.0
-        deadline = started + warmup + config.duration if config.duration else None
+        deadline = started + warmup + config.duration if config.duration and not config.run_infinitely else None
+        stop = config.stop if config.run_infinitely else None
         sampler = _Sampler(config, flows, started, warmup, 0 if config.duration else len(flows) * config.iters)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(sampler.run)
             async with anyio.create_task_group() as drivers:
                 for flow in flows:
-                    drivers.start_soon(_drive, config, flow, deadline)
+                    drivers.start_soon(_drive, config, flow, deadline, stop)
+                if config.run_infinitely:
+                    drivers.start_soon(_report_every, config, sampler, stop)
             tasks.cancel_scope.cancel()
         ended = time.perf_counter()
         cpu = time.process_time() - cpu_started

@@ -341,3 +341,41 @@ def test_bench_server_and_client_on_one_host():
         if server.poll() is None:
             server.kill()
             server.wait(10)
+
+
+def test_run_infinitely_reports_until_ctrl_c_then_prints_the_result():
+    process = subprocess.Popen([*CLI, "bench", "write", "-s", "4K", "-D", "0.5", "--run-infinitely", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        reports = []
+        while len(reports) < 2 and time.monotonic() < deadline:  # interval lines on stderr (stdout is the JSON)
+            line = process.stderr.readline()
+            if "(last" in line:
+                reports.append(line)
+        assert len(reports) == 2
+        process.send_signal(signal.SIGINT)  # a terminal's Ctrl-C: ends the run, not the program
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err[-2000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["ok"] and result["verified"] and result["ops"] > 0
+
+
+def test_ctrl_c_to_the_whole_process_group_closes_cleanly():
+    """A terminal's Ctrl-C signals every process of the foreground group, the emulated NICs included: they must
+    leave the ending to the driver (which frees every firmware object first), with no traceback anywhere."""
+    import os
+    process = subprocess.Popen([*CLI, "bench", "write", "--iters", "10000000", "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(3)
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130 and json.loads(out.strip().splitlines()[-1])["error"] == "interrupted by SIGINT"
+    assert "Traceback" not in err and "close:" not in err and "is gone" not in err, err[-3000:]

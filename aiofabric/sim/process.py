@@ -44,6 +44,7 @@ import logging
 import mmap
 import os
 import selectors
+import signal
 import socket
 import sys
 import time
@@ -433,6 +434,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main() -> None:
+    # Ctrl-C in a terminal signals the whole foreground process group, us included: the driver decides when its
+    # NIC goes away (it closes the kick socket after freeing every firmware object), so the device ignores SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _prctl(PR_SET_TIMERSLACK, 1)  # microsecond firmware latencies need precise sleeps
     _batch_scheduling()
     logging.basicConfig(level=os.environ.get("AIOFABRIC_SIM_LOG", "WARNING"), stream=sys.stderr,
