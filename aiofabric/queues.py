@@ -43,7 +43,11 @@ PATH_MTUS = {256: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_256, 512: bnxt.CMDQ_MODIFY_QP
              1024: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_1024, 2048: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_2048,
              4096: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_4096}
 _handles = itertools.count(1)
-QP_ERROR_REASONS = {"req_err_state_reason": status_names("CREQ_QP_ERROR_NOTIFICATION_REQ_ERR_STATE_REASON_"),
+# creq_qp_error_notification.req_err_state_reason values (roce_hsi.h; missing from the generated bindings)
+REQ_ERR_STATE_REASONS = {0x2: "REQ_TIMEOUT_RETRY_LIMIT", 0x3: "REQ_RNR_TIMEOUT_RETRY_LIMIT", 0x4: "REQ_NAK_ARRIVAL",
+                         0x8: "REQ_RX_MEMORY_ERROR", 0x9: "REQ_TX_MEMORY_ERROR", 0x11: "REQ_WQE_FORMAT_ERROR"}
+QP_ERROR_REASONS = {"req_err_state_reason": {**status_names("CREQ_QP_ERROR_NOTIFICATION_REQ_ERR_STATE_REASON_"),
+                                             **REQ_ERR_STATE_REASONS},
                     "res_err_state_reason": status_names("CREQ_QP_ERROR_NOTIFICATION_RES_ERR_STATE_REASON_")}
 
 
@@ -275,13 +279,17 @@ class QueuePair:
         self.recv_cq.qps[self.handle] = self
 
     def _on_error(self, event: DeviceEvent) -> None:
-        """QP error notification: completions already written are delivered first, the rest are flushed."""
+        """QP error notification: completions already written are delivered first (a failed one's status is the
+        root cause the flushed ones name; the notification's reason is the root only when no CQE said more)."""
         self.errors.append(event)
+        self.state = QPState.ERR
+        self.send_cq.poll()
+        self.recv_cq.poll()
         if self.error is None:
             reasons = ", ".join(f"{name}={QP_ERROR_REASONS[name].get(value, value)}"
                                 for name, value in event.detail.items() if name in QP_ERROR_REASONS and value)
             self.error = FabricError(f"QP {self.qpn:#x} moved to ERR by the firmware ({reasons or 'no reason given'})")
-        self._enter_error()
+        self._flush()
 
     def _enter_error(self) -> None:
         self.state = QPState.ERR

@@ -379,3 +379,12 @@ def test_ctrl_c_to_the_whole_process_group_closes_cleanly():
             process.kill()
     assert process.returncode == 130 and json.loads(out.strip().splitlines()[-1])["error"] == "interrupted by SIGINT"
     assert "Traceback" not in err and "close:" not in err and "is gone" not in err, err[-3000:]
+
+
+def test_plot_without_matplotlib_names_the_extra_before_running():
+    hide = "import sys; sys.modules['matplotlib'] = None; from aiofabric.cli import main; sys.exit(main(sys.argv[1:]))"
+    process = subprocess.run([sys.executable, "-c", hide, "bench", "write", "--min-size", "2", "--max-size", "4",
+                              "--plot", "never.png", "--json"], capture_output=True, text=True, timeout=60)
+    result = json.loads(process.stdout.strip().splitlines()[-1])
+    assert process.returncode == 1 and "pip install 'aiofabric[plot]'" in result["error"]
+    assert "fw_version" not in result  # refused before any NIC booted
