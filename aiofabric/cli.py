@@ -326,13 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "quoted")
     bench.add_argument("--depth", type=int, default=32, help="work requests in flight per QP (default 32)")
     bench.add_argument("--nics", type=int, default=2, help="emulated NICs, paired up (default 2)")
-    bench.add_argument("--mtu", type=int, default=4096, choices=MTUS)
-    bench.add_argument("--timeout", type=int, default=14, help="QP ACK timeout exponent (default 14: 67 ms)")
-    for fault in ("loss", "reorder", "dup", "corrupt"):
-        bench.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
-                           help=f"probability of {fault} per packet on the emulated wire")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
-    bench.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC N: FILE.N)")
+    _add_wire_flags(bench)
     bench.add_argument("--inject-fault", metavar="KIND[:N[:OFFSET]]",
                        help="make the server NICs misbehave, to see verification fail: skip_placement (ACK the next "
                             "N writes without placing them) or misplace (place them OFFSET bytes off; default 64)")
@@ -355,13 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("-s", "--size", type=size_argument, default=2, help="message size (default 2 bytes)")
     lat.add_argument("--iters", type=int, default=1000, help="measured iterations (default 1000)")
     lat.add_argument("--warmup", type=int, default=8, help="iterations run first and not measured (default 8)")
-    lat.add_argument("--mtu", type=int, default=4096, choices=MTUS)
-    lat.add_argument("--timeout", type=int, default=14, help="QP ACK timeout exponent (default 14: 67 ms)")
-    for fault in ("loss", "reorder", "dup", "corrupt"):
-        lat.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
-                         help=f"probability of {fault} per packet on the emulated wire")
-    lat.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
-    lat.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC 1: FILE.1)")
+    _add_wire_flags(lat)
     lat.add_argument("-H", "--histogram", action="store_true", help="print a latency histogram")
     lat.add_argument("--json", action="store_true", help="print one JSON object")
     lat.set_defaults(run=cmd_lat)
@@ -391,6 +379,17 @@ def build_parser() -> argparse.ArgumentParser:
     plotter.add_argument("--json", action="store_true", help="print one JSON object")
     plotter.set_defaults(run=cmd_plot)
     return parser
+
+
+def _add_wire_flags(parser: argparse.ArgumentParser) -> None:
+    """The path MTU, the QPs' ACK timeout and the emulated wire's faults and capture (bench, lat)."""
+    parser.add_argument("--mtu", type=int, default=4096, choices=MTUS)
+    parser.add_argument("--timeout", type=int, default=14, help="QP ACK timeout exponent (default 14: 67 ms)")
+    for fault in ("loss", "reorder", "dup", "corrupt"):
+        parser.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
+                            help=f"probability of {fault} per packet on the emulated wire")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
+    parser.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC N: FILE.N)")
 
 
 def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,9 @@ import socket
 import subprocess
 
 import anyio
+import netns_hosts
 import pytest
+from netns_hosts import ip
 
 from aiofabric import open_nic
 from aiofabric.sim.host import SimPCIDevice
@@ -21,71 +23,20 @@ from aiofabric.sim.packets import ROCE_PORT
 pytestmark = pytest.mark.anyio
 NS = (f"aiofab-a{os.getpid()}", f"aiofab-b{os.getpid()}")
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
-VETH_MODULUS = 100000  # interface names: at most 15 characters
+VETH_MODULUS = netns_hosts.VETH_MODULUS
 VETH = (f"afa{os.getpid() % VETH_MODULUS}", f"afb{os.getpid() % VETH_MODULUS}")
 STALE_NS = re.compile(r"aiofab-[ab](\d+)")
 STALE_VETH = re.compile(r"af[ab](\d+)")
 
 
-def ip(*args: str) -> str:
-    return subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20, text=True).stdout
-
-
-def _live_pids() -> set[int]:
-    return {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
-
-
 def sweep_stale_runs() -> list[str]:
-    """Delete the namespaces and veths of earlier runs whose creating process is gone; what was deleted.
-
-    A namespace is stale when the pid in its name is not running. A veth that never moved into a namespace names its
-    creator's pid modulo VETH_MODULUS: stale when no running process matches that. Deleting a namespace takes the
-    veth end inside it along, and with it the pair.
-    """
-    live = _live_pids()
-    live_tags = {pid % VETH_MODULUS for pid in live}
-    deleted = []
-    for line in ip("netns", "list").splitlines():
-        name = line.split()[0] if line.strip() else ""
-        match = STALE_NS.fullmatch(name)
-        if match and int(match.group(1)) not in live:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
-            deleted.append(name)
-    for line in ip("-o", "link", "show", "type", "veth").splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        match = STALE_VETH.fullmatch(name)
-        if match and int(match.group(1)) not in live_tags:
-            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=20)
-            deleted.append(name)
-    return deleted
-
-
-def _require_netns() -> None:
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("network namespaces need root and iproute2")
+    return netns_hosts.sweep_stale_runs(STALE_NS, STALE_VETH)
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    _require_netns()
-    try:
-        sweep_stale_runs()
-        ip("netns", "add", NS[0])
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"ip netns unavailable here: {exc.stderr.decode().strip()}")
-    try:
-        ip("netns", "add", NS[1])
-        ip("link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-        for i in (0, 1):
-            ip("link", "set", VETH[i], "netns", NS[i])
-            ip("-n", NS[i], "addr", "add", f"{ADDRESSES[i]}/24", "dev", VETH[i])
-            ip("-n", NS[i], "link", "set", VETH[i], "mtu", "9000", "up")
-            ip("-n", NS[i], "link", "set", "lo", "up")
+    with netns_hosts.two_hosts(NS, VETH, ADDRESSES, (STALE_NS, STALE_VETH)):
         yield
-    finally:
-        for name in NS:  # deleting a namespace deletes the veth end inside it, and with it the pair
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
-        subprocess.run(["ip", "link", "del", VETH[0]], capture_output=True, timeout=20)  # if it never moved
 
 
 async def test_rdma_between_two_namespaces(two_hosts):
@@ -116,13 +67,14 @@ async def test_emulator_without_an_address_picks_one_inside_its_namespace(two_ho
 
 
 def _dead_pid() -> int:
-    live = _live_pids()
+    live = {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
     tags = {pid % VETH_MODULUS for pid in live}
     return next(pid for pid in range(VETH_MODULUS - 1, 2, -1) if pid not in live and pid % VETH_MODULUS not in tags)
 
 
 def test_sweep_removes_what_killed_runs_left_and_nothing_live():
-    _require_netns()
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("network namespaces need root and iproute2")
     dead = _dead_pid()
     leftovers = [f"aiofab-a{dead}", f"aiofab-b{dead}"]
     alive = "aiofab-a1"  # pid 1 always runs

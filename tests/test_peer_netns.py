@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import netns_hosts
 import pytest
+from netns_hosts import ip
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sshd  # noqa: E402
@@ -27,23 +29,8 @@ STALE_VETH = re.compile(r"ap[bcd][xy](\d+)")
 SSHD = Path(__file__).parent / "sshd.py"
 
 
-def ip(*args: str) -> str:
-    return subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20, text=True).stdout
-
-
 def sweep_stale_runs() -> None:
-    live = {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
-    for line in ip("netns", "list").splitlines():
-        name = line.split()[0] if line.strip() else ""
-        match = STALE_NS.fullmatch(name)
-        if match and int(match.group(1)) not in live:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
-    tags = {pid % 100000 for pid in live}
-    for line in ip("-o", "link", "show", "type", "veth").splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        match = STALE_VETH.fullmatch(name)
-        if match and int(match.group(1)) not in tags:
-            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=20)
+    netns_hosts.sweep_stale_runs(STALE_NS, STALE_VETH)
 
 
 def _teardown() -> None:

@@ -7,10 +7,10 @@ inside the namespaces. Skipped with the reason where `ip netns` is unavailable (
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
+import netns_hosts
 import pytest
 
 PID = os.getpid()
@@ -22,47 +22,10 @@ STALE_NS = re.compile(r"aiotcp-[ab](\d+)")
 STALE_VETH = re.compile(r"at[ab](\d+)")
 
 
-def ip(*args: str) -> str:
-    return subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20, text=True).stdout
-
-
-def sweep_stale_runs() -> None:
-    live = {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
-    for line in ip("netns", "list").splitlines():
-        name = line.split()[0] if line.strip() else ""
-        match = STALE_NS.fullmatch(name)
-        if match and int(match.group(1)) not in live:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
-    tags = {pid % 100000 for pid in live}
-    for line in ip("-o", "link", "show", "type", "veth").splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        match = STALE_VETH.fullmatch(name)
-        if match and int(match.group(1)) not in tags:
-            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=20)
-
-
 @pytest.fixture(scope="module")
 def two_hosts():
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("network namespaces need root and iproute2")
-    try:
-        sweep_stale_runs()
-        ip("netns", "add", NS[0])
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"ip netns unavailable here: {exc.stderr.strip()}")
-    try:
-        ip("netns", "add", NS[1])
-        ip("link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-        for i in (0, 1):
-            ip("link", "set", VETH[i], "netns", NS[i])
-            ip("-n", NS[i], "addr", "add", f"{ADDRESSES[i]}/24", "dev", VETH[i])
-            ip("-n", NS[i], "link", "set", VETH[i], "mtu", "9000", "up")  # RoCE frames at MTU 4096 fit
-            ip("-n", NS[i], "link", "set", "lo", "up")
+    with netns_hosts.two_hosts(NS, VETH, ADDRESSES, (STALE_NS, STALE_VETH)):
         yield
-    finally:
-        for name in NS:  # deleting a namespace deletes the veth end inside it, and with it the pair
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
-        subprocess.run(["ip", "link", "del", VETH[0]], capture_output=True, timeout=20)  # if it never moved
 
 
 def _cli(namespace: str, *args: str) -> list[str]:
