@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
 
 Position = tuple  # (queue index, 1-based position on that queue)
 
@@ -43,9 +43,9 @@ class Access:
     writes: tuple[Span, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Wait:
-    """Wait until `queue`'s signal counter reaches `value` (that queue's call at that position completed)."""
+class Wait(NamedTuple):
+    """Wait until `queue`'s signal counter reaches `value` (that queue's call at that position completed).
+    A named tuple: planning makes one per dependency, and tuples are the cheapest immutable records to build."""
     queue: int
     value: int
 
@@ -160,6 +160,8 @@ class _IntervalMap:
         """Indices [first, last) of the segments covering [start, stop), splitting the ones that straddle an end."""
         starts = self.starts
         first = bisect.bisect_right(starts, start) - 1
+        if starts[first] == start and first + 1 < len(starts) and starts[first + 1] == stop:
+            return first, first + 1  # exactly one existing segment: the common case of reused slots
         if starts[first] != start:
             old = self.segments[first]
             first += 1
@@ -177,8 +179,9 @@ class _IntervalMap:
         """Add to `deps` (queue -> newest position) the calls an access to [start, stop) must follow: the last
         writer, or for a write the newest reader per queue since that write (each of which followed the writer)."""
         first, last = self._range(start, stop)
-        get = deps.get
-        for segment in self.segments[first:last]:
+        get, segments = deps.get, self.segments
+        for index in range(first, last):
+            segment = segments[index]
             if writes and segment.readers:  # every reader followed the writer: waiting for them implies it
                 for q, p in segment.readers.items():
                     if get(q, 0) < p:
@@ -190,11 +193,16 @@ class _IntervalMap:
 
     def record_read(self, start: int, stop: int, queue: int, position: int) -> None:
         first, last = self._range(start, stop)
-        for segment in self.segments[first:last]:
-            segment.readers[queue] = position  # positions grow per queue: this is the newest
+        segments = self.segments
+        for index in range(first, last):
+            segments[index].readers[queue] = position  # positions grow per queue: this is the newest
 
     def record_write(self, start: int, stop: int, queue: int, position: int) -> None:
         first, last = self._range(start, stop)
+        if last == first + 1:  # one segment: reuse it
+            segment = self.segments[first]
+            segment.writer, segment.readers = (queue, position), {}
+            return
         self.starts[first:last] = [start]
         self.segments[first:last] = [_Segment((queue, position), {})]
 
