@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from aiofabric import RemoteRegion, open_nic, sched
+from aiofabric import QPState, RemoteRegion, open_nic, sched
 from aiofabric.sched.calls import HOST
 
 BACKENDS = [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})]
@@ -301,7 +301,7 @@ async def test_a_batch_of_c_kernel_copy_and_rdma_writes_matches_the_steps_run_on
 
 
 @pytest.mark.anyio
-async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_with_new_qps():
+async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_with_new_or_reset_qps():
     async with open_nic("sim") as a, open_nic("sim") as b:
         qa, qb = await connected(a, b)
         source, target = await a.register_mr(1 << 14), await b.register_mr(1 << 14)
@@ -316,7 +316,7 @@ async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_
         # the kernel does not depend on the writes (the planner cannot see through a RemoteRegion): it may run
         with pytest.raises(sched.CallError, match=rf"call 0 \(bad write\) on queue qp {qa.qpn:#x} failed: "
                            rf"CompletionError: .*REMOTE_ACCESS_ERR.* qp {qa.qpn:#x} left in ERR \(its outstanding "
-                           "work was flushed\\): connect new QPs and rebind them"):
+                           "work was flushed\\): reset and reconnect both ends"):
             with anyio.fail_after(20):
                 await batch.run()
         assert qa.state.name == "ERR"
@@ -324,6 +324,15 @@ async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_
         with anyio.fail_after(20):
             await batch.run({"qp": fresh, "remote": target.remote()})
         assert bytes(target.view[:8192]) == bytes(source.view[:8192]) and after[0] == 1
+        # or, as the error says, the failed pair reset and reconnected in place
+        for qp in (qa, qb):
+            await qp.modify(QPState.RESET)
+        await qa.connect(qb.info(), timeout=8)
+        await qb.connect(qa.info(), timeout=8)
+        target.view[:8192] = bytes(8192)
+        with anyio.fail_after(20):
+            await batch.run({"qp": qa, "remote": target.remote()})
+        assert bytes(target.view[:8192]) == bytes(source.view[:8192])
 
 
 # -- the example ------------------------------------------------------------------------------------------------------

@@ -231,7 +231,8 @@ class Batch:
             note = ""
             if broken:
                 note = ("; " + ", ".join(queue_name(q) for q in broken) + " left in ERR (its outstanding work was "
-                        "flushed): connect new QPs and rebind them (a QueuePair input) before the next run")
+                        "flushed): reset and reconnect both ends (qp.modify(QPState.RESET), then connect), or connect "
+                        "new QPs and rebind them (a QueuePair input), before the next run")
             raise CallError(index, self.calls[index], error, note) from error
 
     async def _finalise(self, waits: Sequence[Any], signals: list[Counter], device: Any,
