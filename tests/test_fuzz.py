@@ -11,7 +11,7 @@ import struct
 
 import anyio
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import aiofabric
 from aiofabric.autogen import bnxt

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..queues import LocalBuffer, MemoryRegion, QueuePair, RemoteRegion
+from ..queues import MemoryRegion, QueuePair, RemoteRegion
 from .kernels import CKernel, c_scalar, check_flat
 from .plan import Access, Span
 
