@@ -53,18 +53,9 @@ class DeviceLostError(FabricError):
 
 
 def sole_error(group: BaseExceptionGroup, cancelled: type[BaseException]) -> BaseException | None:
-    """The one exception in `group` (nested groups flattened) that is not a `cancelled` one, or the one cancellation;
-    None if there are several. Context managers that run a task group use it to re-raise the block's own error as
-    itself: the task group is theirs, not the caller's."""
-    leaves: list[BaseException] = []
-
-    def collect(error: BaseException) -> None:
-        if isinstance(error, BaseExceptionGroup):
-            for inner in error.exceptions:
-                collect(inner)
-        else:
-            leaves.append(error)
-
-    collect(group)
-    errors = [leaf for leaf in leaves if not isinstance(leaf, cancelled)] or leaves
-    return errors[0] if len(errors) == 1 else None
+    """The one exception `group` holds that is not a `cancelled` one (or its one cancellation); None if it holds
+    several. Context managers that run a task group use it to re-raise the block's own error as itself: the task
+    group is theirs, not the caller's. Only the group's own children are looked at, so an exception group the block
+    raised itself comes out as that group, untouched."""
+    children = [error for error in group.exceptions if not isinstance(error, cancelled)] or list(group.exceptions)
+    return children[0] if len(children) == 1 else None

@@ -29,6 +29,9 @@ import anyio
 
 import aiofabric
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
 MAX_SIZE = 64 << 10
 VERBS = ("write", "write_with_imm", "read", "send")
 SIZES = (0, 1, 7, 64, 1000, 4096, 4097, 12345, 32768, MAX_SIZE)  # edges of MTU segmentation and padding, and random
@@ -177,6 +180,13 @@ async def _open_nics(count: int, faults: dict[str, float], seed: int) -> AsyncIt
         yield [await stack.enter_async_context(aiofabric.open_nic(**faults, seed=seed + i)) for i in range(count)]
 
 
+def _first_leaf(error: BaseException) -> BaseException:
+    """The first exception inside nested exception groups (each QP runs in its own task)."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     for name, kind, default in (("ops", int, 100_000), ("qps", int, 16), ("nics", int, 4), ("depth", int, 16),
@@ -192,8 +202,11 @@ def main() -> int:
     backend, backend_options = ("asyncio", {"use_uvloop": True}) if args.backend == "uvloop" else (args.backend, {})
     try:
         result = anyio.run(lambda: soak(**options), backend=backend, backend_options=backend_options)
-    except (SoakError, aiofabric.FabricError) as exc:  # a wrong byte, or a work request that failed outright
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    except BaseException as exc:  # a wrong byte, or a work request that failed outright (several QPs may at once)
+        first = _first_leaf(exc)
+        if not isinstance(first, (SoakError, aiofabric.FabricError)):
+            raise
+        result = {"ok": False, "error": f"{type(first).__name__}: {first}"}
     print(json.dumps(result) if args.json else "\n".join(f"{k:>16}: {v}" for k, v in result.items()))
     return 0 if result["ok"] else 1
 

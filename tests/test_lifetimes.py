@@ -4,10 +4,14 @@ Each test is the repro of a defect once seen on the real objects (issue 6), run 
 """
 import os
 import random
+import sys
 import time
 
 import anyio
 import pytest
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
 
 from aiofabric import ClosedError, CompletionError, DeviceLostError, FirmwareError, QPInfo, QPState, open_nic
 
@@ -228,6 +232,20 @@ async def test_errors_leave_the_block_as_themselves():
         assert exc.reason == "REMOTE_ACCESS_ERR"
     else:
         pytest.fail("the write with a bad rkey succeeded")
+
+
+async def test_an_exception_group_the_block_raises_comes_out_as_that_group():
+    group = ExceptionGroup("the block's own", [KeyError(1), ValueError(2)])
+    with pytest.raises(ExceptionGroup) as caught:
+        async with open_nic():
+            raise group
+    # neither wrapped in ours nor flattened to a leaf (trio may derive a copy of the group: same message, same errors)
+    assert caught.value.message == group.message and caught.value.exceptions == group.exceptions
+    single = ExceptionGroup("one inside", [KeyError(3)])
+    with pytest.raises(ExceptionGroup) as caught:
+        async with open_nic():
+            raise single
+    assert caught.value.message == single.message and caught.value.exceptions == single.exceptions
 
 
 async def test_flushed_work_names_the_error_that_moved_the_qp_to_err():
