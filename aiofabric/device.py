@@ -128,6 +128,7 @@ class Device:
         self.objects: dict[int, Any] = {}  # live verbs objects (CQs, QPs, MRs) by id()
         self._closing = False  # close() started: the public API refuses, teardown still runs commands
         self._creq_reader = False  # a task is serving the CREQ (only one may wait on its interrupt fd)
+        self._background: list[anyio.CancelScope] = []  # the NIC's own tasks: close() stops them first
         self.fw_version = self.hwrm_version = self.mac = ""
         self.port_id = self.db_offset = 0
         self.gid_index = -1
@@ -268,11 +269,16 @@ class Device:
         self._cmdq_space.set()
         self._cmdq_space = anyio.Event()
 
-    async def _creq_service(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """The NIC's background CREQ reader (also delivers asynchronous events while no command waits)."""
-        self._creq_reader = True  # before started(): no command can find the CREQ unserved and read it too
-        task_status.started()
-        await self._serve_creq()
+    async def in_background(self, service: Callable[..., Any], *,
+                            task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run one of the NIC's own tasks (CREQ reader, removal watch, poller) under a scope close() cancels: once the
+        NIC closes they must not touch the rings it frees, even when close() runs inside the NIC's block."""
+        with anyio.CancelScope() as scope:
+            self._background.append(scope)
+            if self._closing:
+                scope.cancel()
+            task_status.started()
+            await service()
 
     async def _serve_creq(self, until: _Pending | None = None) -> None:
         """Read the CREQ: replies go to their waiters by cookie, events to their handlers.
@@ -400,7 +406,7 @@ class Device:
     # -- bring-up ------------------------------------------------------------------------------------------------------
     async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
         self.pci.enable_bus_master()
-        task_group.start_soon(self._watch_removal)
+        task_group.start_soon(self.in_background, self._watch_removal)
         major, minor, update = (int(x) for x in bnxt.HWRM_INTERFACE_VERSION.split(".")[:3])
         ver = await self.hwrm("ver_get", hwrm_intf_maj=major, hwrm_intf_min=minor, hwrm_intf_upd=update)
         self.fw_version = f"{ver.hwrm_fw_maj_8b}.{ver.hwrm_fw_min_8b}.{ver.hwrm_fw_bld_8b}.{ver.hwrm_fw_rsvd_8b}"
@@ -474,7 +480,8 @@ class Device:
                               cmdq_size_cmdq_lvl=(CMDQ_DEPTH << bnxt.CMDQ_INIT_CMDQ_SIZE_SFT)
                               & bnxt.CMDQ_INIT_CMDQ_SIZE_MASK | self._cmdq.level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK)
         self.bar0.write_block(bnxt.RCFW_COMM_BASE_OFFSET, bytes(init))
-        await task_group.start(self._creq_service)
+        self._creq_reader = True  # before the reader runs: no command may find the CREQ unserved and read it too
+        await task_group.start(self.in_background, self._serve_creq)
 
         function = await self.rcfw("query_func")
         self.hw_retransmit = bool(function.dev_cap_ext_flags_2 & HOST_MSN_TABLE)
@@ -544,6 +551,8 @@ class Device:
         if self._closing:
             return
         self._closing = True
+        for scope in self._background:  # the poller and the CREQ reader stop here; commands read their own replies
+            scope.cancel()
         await self._teardown_all()
 
     async def _teardown_all(self) -> None:

@@ -31,7 +31,7 @@ class NIC(Device):
     async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
         await super().boot(task_group)
         self.poller = Poller(self)
-        task_group.start_soon(self.poller.run)
+        task_group.start_soon(self.in_background, self.poller.run)
 
     async def create_cq(self, depth: int = 4096) -> CompletionQueue:
         """A CQ with room for at least `depth` completions (rounded up to a power of two)."""

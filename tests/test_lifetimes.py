@@ -368,3 +368,14 @@ async def test_a_failed_qp_pair_is_usable_again_after_reset():
         receive = await qb.post_recv(target, 100)
         await qa.send(source, 100)
         assert (await receive).byte_len == 100
+
+
+async def test_close_inside_the_block_stops_the_nics_own_tasks_before_freeing_their_rings():
+    async with open_nic() as nic:
+        _, qp = await stuck_qp(nic)
+        mr = await nic.register_mr(4096)
+        for _ in range(4):
+            await qp.post_write(mr, mr, 64)  # the poller is busy: it spins, arms the CQ, sleeps on the NQ
+        await nic.close()
+        await anyio.sleep(0.5)  # a poller or CREQ reader still running would now read the freed NQ/CREQ and fail
+        assert nic.pci.dma_bytes_in_use == 0
