@@ -5,20 +5,17 @@ import contextlib
 import functools
 import itertools
 import re
-import sys
 from typing import Any, AsyncIterator
 
 import anyio
 import anyio.lowlevel
 
 from .device import Device, log
-from .errors import ClosedError, sole_error
+from .errors import ClosedError
 from .pci import DmaBuffer, PCIDevice, PCIError, SysfsPCIDevice
 from .poller import Poller
 from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair, check_range
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
+from .taskgroups import own_task_group
 
 PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 _sim_numbers = itertools.count()
@@ -137,20 +134,12 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
         pci.close()
         raise
     try:
-        error: BaseException | None = None
-        try:
-            async with anyio.create_task_group() as services:  # the CREQ reader, the poller, the removal watch
-                try:
-                    await nic.boot(services)
-                    yield nic
-                finally:
-                    services.cancel_scope.cancel()
-        except BaseExceptionGroup as group:  # the task group is ours, not the caller's: unwrap what it wrapped
-            error = sole_error(group, anyio.get_cancelled_exc_class())
-            if error is None:
-                raise
-        if error is not None:
-            raise error
+        async with own_task_group() as services:  # the CREQ reader, the poller, the removal watch
+            try:
+                await nic.boot(services)
+                yield nic
+            finally:
+                services.cancel_scope.cancel()
     finally:
         try:
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import shlex
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -24,14 +23,12 @@ import anyio
 import sniffio
 
 from . import PeerError
-from ..errors import sole_error
+from ..taskgroups import own_task_group
 from .client import Peer
 
 if TYPE_CHECKING:
     import asyncssh
 
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger("aiofabric.peer")
 DEFAULT: Any = object()  # known_hosts default: ~/.ssh/known_hosts
@@ -225,9 +222,8 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
     connection = await _connect(host, port, user, identity, known_hosts, connect_timeout, where)
     peer: SSHPeer | None = None
     pushed_to: str | None = None
-    error: BaseException | None = None
     try:
-        async with anyio.create_task_group() as tasks:
+        async with own_task_group() as tasks:
             try:
                 try:
                     with anyio.fail_after(max(0.1, connect_timeout - (time.perf_counter() - started))):
@@ -261,10 +257,6 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                         with anyio.move_on_after(STOP_GRACE + 6):
                             await peer.stop()
                     tasks.cancel_scope.cancel()
-    except BaseExceptionGroup as group:  # the task group is ours, not the caller's: unwrap what it wrapped
-        error = sole_error(group, anyio.get_cancelled_exc_class())
-        if error is None:
-            raise
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             if pushed_to:
@@ -273,8 +265,6 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
             connection.close()
             with contextlib.suppress(Exception):
                 await connection.wait_closed()
-    if error is not None:
-        raise error
 
 
 async def _push_step(connection: asyncssh.SSHClientConnection, where: str) -> str:

@@ -25,7 +25,6 @@ import errno
 import inspect
 import logging
 import socket
-import sys
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -33,12 +32,10 @@ import anyio
 import anyio.abc
 
 from . import PeerError, protocol
-from ..errors import sole_error
+from ..taskgroups import own_task_group
 from .client import Peer
 from .serve import READ_CHUNK, serve_stream
 
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger("aiofabric.serve")
 DEFAULT_PORT = 18515  # perftest's
@@ -156,20 +153,14 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
             if not forever:
                 done.set()
 
-    try:
-        async with listener, anyio.create_task_group() as tasks:
-            log.info("aiofabric bench server listening on %s", where)
-            if ready is not None:
-                ready(bound)
-            task_status.started(bound)
-            tasks.start_soon(listener.serve, handle_safely, tasks)
-            await done.wait()
-            tasks.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        error = sole_error(group, anyio.get_cancelled_exc_class())
-        if error is None:
-            raise
-        raise error from None
+    async with listener, own_task_group() as tasks:
+        log.info("aiofabric bench server listening on %s", where)
+        if ready is not None:
+            ready(bound)
+        task_status.started(bound)
+        tasks.start_soon(listener.serve, handle_safely, tasks)
+        await done.wait()
+        tasks.cancel_scope.cancel()
     return {**last, "port": bound, "refused": refused}
 
 
@@ -211,28 +202,20 @@ async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, connect_timeout: f
         raise PeerError(f"cannot reach {where}: {reason}", host=where) from None
     carrier = _StreamCarrier(stream, where)
     peer = TCPPeer(carrier, where, command_timeout)
-    error: BaseException | None = None
-    try:
-        async with stream, anyio.create_task_group() as tasks:
+    async with stream, own_task_group() as tasks:
+        try:
+            tasks.start_soon(peer.reader)
+            left = max(0.1, connect_timeout - (time.perf_counter() - started))
             try:
-                tasks.start_soon(peer.reader)
-                left = max(0.1, connect_timeout - (time.perf_counter() - started))
-                try:
-                    await peer.wait_ready(left, budget=connect_timeout)
-                except PeerError as exc:
-                    if "did not start within" in str(exc):
-                        raise PeerError(f"{where}: something accepted the connection but sent no aiofabric ready "
-                                        f"message within {connect_timeout:g} s: not an aiofabric bench server?",
-                                        host=where) from None
-                    raise
-                peer.handshake_s = time.perf_counter() - started
-                yield peer
-            finally:
-                carrier.shutdown()  # the server sees end of input and closes what is left
-                tasks.cancel_scope.cancel()
-    except BaseExceptionGroup as group:  # the task group is ours, not the caller's: unwrap what it wrapped
-        error = sole_error(group, anyio.get_cancelled_exc_class())
-        if error is None:
-            raise
-    if error is not None:
-        raise error
+                await peer.wait_ready(left, budget=connect_timeout)
+            except PeerError as exc:
+                if "did not start within" in str(exc):
+                    raise PeerError(f"{where}: something accepted the connection but sent no aiofabric ready "
+                                    f"message within {connect_timeout:g} s: not an aiofabric bench server?",
+                                    host=where) from None
+                raise
+            peer.handshake_s = time.perf_counter() - started
+            yield peer
+        finally:
+            carrier.shutdown()  # the server sees end of input and closes what is left
+            tasks.cancel_scope.cancel()

@@ -1,0 +1,32 @@
+"""A task group that is an implementation detail of a context manager: the block's errors leave as themselves."""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import AsyncIterator
+
+import anyio
+import anyio.abc
+
+from .errors import sole_error
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+
+@contextlib.asynccontextmanager
+async def own_task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
+    """`anyio.create_task_group()` for background tasks a context manager runs around its caller's block (open_nic,
+    connect_peer, ...). anyio wraps whatever crosses a task group in an ExceptionGroup; the group is ours, not the
+    caller's, so its one non-cancellation child is re-raised as itself (an exception group the block raised itself
+    included, untouched). Several real errors at once stay grouped."""
+    error: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tasks:
+            yield tasks
+    except BaseExceptionGroup as group:
+        error = sole_error(group, anyio.get_cancelled_exc_class())
+        if error is None:
+            raise
+    if error is not None:
+        raise error
