@@ -294,8 +294,11 @@ def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
     (["bench", "write", "127.0.0.1", "--port", "1"], 1, "no aiofabric bench server at 127.0.0.1:1"),
     (["bench", "write", "--forever"], 2, "--forever goes with --server"),
     (["bench", "write", "somehost", "--server"], 2, "choose one of SERVER_HOST, --server and --peer"),
+    (["lat", "write", "--iters", "0"], 1, "--iters must be an integer of at least 1"),
+    (["lat", "read", "-s", "1Q"], 2, "is not a size"),
+    (["lat", "send", "--nic", "0000:41:00.0"], 1, "lat runs both ends here, on emulated NICs"),
 ], ids=["suffix", "too-big", "duration-0", "sweep-order", "factor", "plot-no-sweep", "nic-spec", "pci-alone",
-        "plot-missing", "no-server", "forever-alone", "two-modes"])
+        "plot-missing", "no-server", "forever-alone", "two-modes", "lat-iters", "lat-suffix", "lat-pci"])
 def test_bad_input_for_every_new_flag_is_one_line(args, code, message):
     got, result, process = run(*args, "--json")
     assert got == code and result["ok"] is False and message in result["error"], process.stdout + process.stderr
