@@ -11,11 +11,15 @@ BUFFER_BYTES = 64
 
 @st.composite
 def batches(draw, max_calls=40):
-    """Random calls over up to 5 queues on up to 3 devices, touching random byte ranges of up to 3 buffers."""
+    """Random calls over up to 5 queues on up to 3 devices, touching random byte ranges or 16-byte slots of up to 3
+    buffers."""
     queue_count = draw(st.integers(1, 5))
     devices = [draw(st.integers(0, 2)) for _ in range(queue_count)]
-    span = st.builds(lambda key, a, b: Span(key, min(a, b), max(a, b)), st.sampled_from("xyz"),
-                     st.integers(0, BUFFER_BYTES), st.integers(0, BUFFER_BYTES))
+    keys = st.sampled_from("xyz")
+    any_range = st.builds(lambda key, a, b: Span(key, min(a, b), max(a, b)), keys,
+                          st.integers(0, BUFFER_BYTES), st.integers(0, BUFFER_BYTES))
+    slot = st.builds(lambda key, k: Span(key, k * 16, k * 16 + 16), keys, st.integers(0, BUFFER_BYTES // 16 - 1))
+    span = st.one_of(any_range, slot)  # slots repeat exactly: the planner's no-cut path, mixed with cuts and merges
     call = st.builds(lambda q, r, w: Access(f"q{q}", f"d{devices[q]}", tuple(r), tuple(w)),
                      st.integers(0, queue_count - 1), st.lists(span, max_size=2), st.lists(span, max_size=2))
     return draw(st.lists(call, min_size=1, max_size=max_calls))

@@ -20,8 +20,10 @@ call ever scans earlier calls.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
-from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
+import gc
+from typing import Callable, Hashable, Iterable, Iterator, NamedTuple, Sequence
 
 Position = tuple  # (queue index, 1-based position on that queue)
 
@@ -45,9 +47,13 @@ class Access:
 
 class Wait(NamedTuple):
     """Wait until `queue`'s signal counter reaches `value` (that queue's call at that position completed).
-    A named tuple: planning makes one per dependency, and tuples are the cheapest immutable records to build."""
+    A named tuple: planning makes one per dependency, and tuples are the cheapest immutable records to build
+    (through `_new_tuple(Wait, (queue, value))`, which skips the generated __new__: a third of the time)."""
     queue: int
     value: int
+
+
+_new_tuple = tuple.__new__
 
 
 @dataclasses.dataclass(slots=True)
@@ -140,75 +146,106 @@ def _dot(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
-class _Segment:
-    """One byte range of one buffer: its last writer and the newest reader per queue since that write."""
-    __slots__ = ("writer", "readers")
+_END = 1 << 64  # the stop of a buffer's last segment: past any byte a span can name
 
-    def __init__(self, writer: Position | None, readers: dict[int, int]) -> None:
-        self.writer, self.readers = writer, readers
+
+class _Segment:
+    """One byte range of one buffer, up to `stop`: its last writer and the newest reader per queue since that write."""
+    __slots__ = ("stop", "writer", "readers")
+
+    def __init__(self, stop: int, writer: Position | None, readers: dict[int, int]) -> None:
+        self.stop, self.writer, self.readers = stop, writer, readers
 
 
 class _IntervalMap:
-    """Sorted segment starts over [0, inf) of one buffer key; a write coalesces the range it covers into one."""
-    __slots__ = ("starts", "segments")
+    """Sorted segment starts over [0, inf) of one buffer key; a write coalesces the range it covers into one.
+    `by_start` finds a segment by its start in one dict look-up, so a span that is exactly one segment (reused
+    slots, whole buffers: the common case) needs no bisect; only cutting and merging do."""
+    __slots__ = ("starts", "segments", "by_start")
 
     def __init__(self) -> None:
+        first = _Segment(_END, None, {})
         self.starts: list[int] = [0]
-        self.segments: list[_Segment] = [_Segment(None, {})]
+        self.segments: list[_Segment] = [first]
+        self.by_start: dict[int, _Segment] = {0: first}
 
-    def _range(self, start: int, stop: int) -> tuple[int, int]:
-        """Indices [first, last) of the segments covering [start, stop), splitting the ones that straddle an end."""
-        starts = self.starts
-        first = bisect.bisect_right(starts, start) - 1
-        if starts[first] == start and first + 1 < len(starts) and starts[first + 1] == stop:
-            return first, first + 1  # exactly one existing segment: the common case of reused slots
-        if starts[first] != start:
-            old = self.segments[first]
-            first += 1
-            starts.insert(first, start)
-            self.segments.insert(first, _Segment(old.writer, dict(old.readers)))
-        last = bisect.bisect_right(starts, stop, first) - 1
-        if starts[last] != stop:
-            old = self.segments[last]
-            last += 1
-            starts.insert(last, stop)
-            self.segments.insert(last, _Segment(old.writer, dict(old.readers)))
-        return first, last
+    def cut(self, at: int) -> None:
+        """Make `at` (not yet one) a segment boundary: the segment around it splits, the upper part a copy of it."""
+        index = bisect.bisect_right(self.starts, at)
+        old = self.segments[index - 1]
+        new = _Segment(old.stop, old.writer, dict(old.readers))
+        old.stop = at
+        self.starts.insert(index, at)
+        self.segments.insert(index, new)
+        self.by_start[at] = new
 
-    def conflicts(self, start: int, stop: int, writes: bool, deps: dict[int, int]) -> None:
-        """Add to `deps` (queue -> newest position) the calls an access to [start, stop) must follow: the last
-        writer, or for a write the newest reader per queue since that write (each of which followed the writer)."""
-        first, last = self._range(start, stop)
-        get, segments = deps.get, self.segments
-        for index in range(first, last):
-            segment = segments[index]
-            if writes and segment.readers:  # every reader followed the writer: waiting for them implies it
-                for q, p in segment.readers.items():
-                    if get(q, 0) < p:
-                        deps[q] = p
-            elif segment.writer is not None:
-                q, p = segment.writer
-                if get(q, 0) < p:
-                    deps[q] = p
+    def covering(self, start: int, stop: int) -> list[_Segment]:
+        """The segments that make up [start, stop), whose ends are boundaries (cut)."""
+        segment = self.by_start[start]
+        if segment.stop == stop:
+            return [segment]
+        first = bisect.bisect_left(self.starts, start)
+        return self.segments[first:bisect.bisect_left(self.starts, stop, first)]
 
-    def record_read(self, start: int, stop: int, queue: int, position: int) -> None:
-        first, last = self._range(start, stop)
-        segments = self.segments
-        for index in range(first, last):
-            segments[index].readers[queue] = position  # positions grow per queue: this is the newest
+    def write(self, start: int, stop: int, writer: Position) -> None:
+        """[start, stop) becomes one segment written by `writer`, read by nobody since."""
+        for end in (start, stop):  # again: an earlier write of the same call may have merged a boundary away
+            if end not in self.by_start:
+                self.cut(end)
+        segment = self.by_start[start]
+        segment.writer, segment.readers = writer, {}
+        if segment.stop != stop:
+            first = bisect.bisect_left(self.starts, start)
+            last = bisect.bisect_left(self.starts, stop, first)
+            for gone in self.starts[first + 1:last]:
+                del self.by_start[gone]
+            del self.starts[first + 1:last], self.segments[first + 1:last]
+            segment.stop = stop
 
-    def record_write(self, start: int, stop: int, queue: int, position: int) -> None:
-        first, last = self._range(start, stop)
-        if last == first + 1:  # one segment: reuse it
-            segment = self.segments[first]
-            segment.writer, segment.readers = (queue, position), {}
-            return
-        self.starts[first:last] = [start]
-        self.segments[first:last] = [_Segment((queue, position), {})]
+
+def _cut(memory: dict[Hashable, _IntervalMap], call: Access) -> tuple[list[_Segment], list[_Segment]]:
+    """The general case: cut the buffers' segments at every end of the call's (non-empty) spans, and return the
+    segments its reads and its writes cover."""
+    for span in (*call.reads, *call.writes):
+        if span.stop > span.start:
+            area = memory.get(span.key)
+            if area is None:
+                area = memory[span.key] = _IntervalMap()
+            if span.start not in area.by_start:
+                area.cut(span.start)
+            if span.stop not in area.by_start:
+                area.cut(span.stop)
+    found: tuple[list[_Segment], list[_Segment]] = ([], [])
+    for spans, segments in ((call.reads, found[0]), (call.writes, found[1])):
+        for span in spans:
+            if span.stop > span.start:
+                segments.extend(memory[span.key].covering(span.start, span.stop))
+    return found
 
 
 def plan(calls: Iterable[Access]) -> Plan:
     """Plan `calls` (in program order: a call sees the effects of every earlier call it conflicts with)."""
+    with _cyclic_gc_paused():
+        return _plan(calls)
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Planning allocates only records that form no reference cycles, a few per call, all kept; the cyclic collector
+    finds nothing to free in them but its passes, triggered by their count, rescan the whole heap (measured: 40% of
+    planning time at 100k calls with a large heap). So it is paused meanwhile; after, it sees the new records once.
+    Only the planner that paused it resumes it (another thread's planner finding it paused leaves it alone)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _plan(calls: Iterable[Access]) -> Plan:
     queue_index: dict[Hashable, int] = {}
     device_index: dict[Hashable, int] = {}
     device_of_queue: list[int] = []
@@ -231,20 +268,55 @@ def plan(calls: Iterable[Access]) -> Plan:
             raise ValueError(f"call {index}: queue {call.queue!r} was used on device "
                              f"{list(device_index)[device_of_queue[qi]]!r}, not {call.device!r}")
         position = positions[qi] = positions[qi] + 1
-        deps: dict[int, int] = {}
-        for spans, writes in ((call.reads, False), (call.writes, True)):  # first every conflict, then the updates,
-            for span in spans:                                              # so a call never depends on itself
-                if span.stop > span.start:
-                    area = memory.get(span.key)
-                    if area is None:
-                        area = memory[span.key] = _IntervalMap()
-                    area.conflicts(span.start, span.stop, writes, deps)
+        # The common case, inline: every span is exactly one existing segment (reused slots, whole buffers), so
+        # nothing is cut or merged. Otherwise the spans' ends are cut first (_cut) and writes merge afterwards.
+        reads: list[_Segment] = []
+        writes: list[_Segment] = []
+        exact = True
         for span in call.reads:
-            if span.stop > span.start:
-                memory[span.key].record_read(span.start, span.stop, qi, position)
-        for span in call.writes:
-            if span.stop > span.start:
-                memory[span.key].record_write(span.start, span.stop, qi, position)
+            area = memory.get(span.key)
+            segment = area.by_start.get(span.start) if area is not None else None
+            if segment is None or segment.stop != span.stop:
+                exact = False
+                break
+            reads.append(segment)
+        if exact:
+            for span in call.writes:
+                area = memory.get(span.key)
+                segment = area.by_start.get(span.start) if area is not None else None
+                if segment is None or segment.stop != span.stop:
+                    exact = False
+                    break
+                writes.append(segment)
+        if not exact:
+            reads, writes = _cut(memory, call)
+        # Conflicts before updates, so a call never depends on itself.
+        deps: dict[int, int] = {}
+        get = deps.get
+        for segment in reads:
+            if segment.writer is not None:
+                q, p = segment.writer
+                if get(q, 0) < p:
+                    deps[q] = p
+        for segment in writes:
+            if segment.readers:  # every reader followed the writer: waiting for them implies it
+                for q, p in segment.readers.items():
+                    if get(q, 0) < p:
+                        deps[q] = p
+            elif segment.writer is not None:
+                q, p = segment.writer
+                if get(q, 0) < p:
+                    deps[q] = p
+        for segment in reads:
+            segment.readers[qi] = position  # positions grow per queue: this is the newest
+        writer = (qi, position)
+        if exact:
+            for segment in writes:
+                segment.writer, segment.readers = writer, {}
+        else:
+            for span in call.writes:
+                if span.stop > span.start:
+                    memory[span.key].write(span.start, span.stop, writer)
         conflicts += len(deps)
         fence = False
         waits = []
@@ -254,13 +326,11 @@ def plan(calls: Iterable[Access]) -> Plan:
                 fence = True
             elif mine.get(producer, 0) < value:
                 mine[producer] = value
-                waits.append(Wait(producer, value))
+                waits.append(_new_tuple(Wait, (producer, value)))
+                per_queue[producer][value - 1].signal = value  # someone waits for it: it signals
         submission = Submission(index, qi, position, first_use, tuple(waits), fence)
         submissions.append(submission)
         per_queue[qi].append(submission)
-    for submission in submissions:
-        for wait in submission.waits:
-            per_queue[wait.queue][wait.value - 1].signal = wait.value
     finaliser_waits: list[list[Wait]] = [[] for _ in device_index]
     for qi, subs in enumerate(per_queue):
         last = subs[-1]
@@ -268,3 +338,4 @@ def plan(calls: Iterable[Access]) -> Plan:
         finaliser_waits[device_of_queue[qi]].append(Wait(qi, last.position))
     return Plan(tuple(queue_index), tuple(device_index), tuple(device_of_queue), tuple(submissions),
                 tuple(Finaliser(d, tuple(w)) for d, w in enumerate(finaliser_waits)), conflicts)
+
