@@ -203,6 +203,17 @@ class _IntervalMap:
             segment.stop = stop
 
 
+def _whole(memory: dict[Hashable, _IntervalMap], spans: tuple[Span, ...], found: list[_Segment]) -> bool:
+    """Append to `found` the segment each span is exactly; False at the first span that is not one segment."""
+    for span in spans:
+        area = memory.get(span.key)
+        segment = area.by_start.get(span.start) if area is not None else None
+        if segment is None or segment.stop != span.stop:
+            return False
+        found.append(segment)
+    return True
+
+
 def _cut(memory: dict[Hashable, _IntervalMap], call: Access) -> tuple[list[_Segment], list[_Segment]]:
     """The general case: cut the buffers' segments at every end of the call's (non-empty) spans, and return the
     segments its reads and its writes cover."""
@@ -272,22 +283,7 @@ def _plan(calls: Iterable[Access]) -> Plan:
         # nothing is cut or merged. Otherwise the spans' ends are cut first (_cut) and writes merge afterwards.
         reads: list[_Segment] = []
         writes: list[_Segment] = []
-        exact = True
-        for span in call.reads:
-            area = memory.get(span.key)
-            segment = area.by_start.get(span.start) if area is not None else None
-            if segment is None or segment.stop != span.stop:
-                exact = False
-                break
-            reads.append(segment)
-        if exact:
-            for span in call.writes:
-                area = memory.get(span.key)
-                segment = area.by_start.get(span.start) if area is not None else None
-                if segment is None or segment.stop != span.stop:
-                    exact = False
-                    break
-                writes.append(segment)
+        exact = _whole(memory, call.reads, reads) and _whole(memory, call.writes, writes)
         if not exact:
             reads, writes = _cut(memory, call)
         # Conflicts before updates, so a call never depends on itself.
