@@ -1,5 +1,6 @@
-"""Scheduler benchmarks (issue 9): planning time vs batch size, replay overhead per call, and the overlap of C
-kernels on two compute queues with RDMA writes against the same calls run one after another.
+"""Scheduler benchmarks (issue 9): planning time vs batch size, replay overhead per call, two C kernels on two
+compute queues against one, and the overlap of C kernels on two compute queues with RDMA writes against the same
+calls run one after another.
 
     python bench/sched.py [--json] [--skip-nic]
 """
@@ -32,8 +33,10 @@ void spin(double *out, const double *in, int64_t n, int64_t rounds, double k) {
 
 def planning(sizes=(1_000, 10_000, 100_000), queues=8, buffers=256, rounds=7):
     """Per size: CPU seconds to plan N calls over `queues` queues, each reading two and writing one of `buffers`
-    buffers (byte ranges of 4 KiB slots, so the interval maps cut and merge). The best of `rounds`, the sizes
-    interleaved in each round, so a slow spell of this shared VM hits every size alike and the ratios hold."""
+    buffers (byte ranges of 4 KiB slots, so the interval maps cut and merge). Each measurement plans as many calls
+    as the largest batch (a 1k batch 100 times, plans kept): the best of short windows is luckier than the best of
+    long ones on a VM whose speed drifts, so every size gets windows of one length. The best of `rounds`, the sizes
+    interleaved in each round."""
     rng = random.Random(1)
     keys, names = [f"b{i}" for i in range(buffers)], [f"q{i}" for i in range(queues)]  # shared, as calls share them
 
@@ -44,7 +47,8 @@ def planning(sizes=(1_000, 10_000, 100_000), queues=8, buffers=256, rounds=7):
     results = {n: float("inf") for n in sizes}
     for _ in range(rounds):
         for n, calls in batches.items():
-            results[n] = min(results[n], _cpu_timed(lambda: plan(calls)))
+            repeat = max(sizes) // n
+            results[n] = min(results[n], _cpu_timed(lambda: [plan(calls) for _ in range(repeat)]) / repeat)
     return results
 
 
@@ -95,10 +99,7 @@ async def overlap(kernels_per_queue=4, writes=32, write_bytes=1 << 16):
         source.view[:] = random.Random(3).randbytes(writes * write_bytes)
         x = np.arange(n, dtype=np.float64)
         outs = [np.zeros(n) for _ in range(2 * kernels_per_queue)]
-        rounds = 1
-        while _timed(lambda: spin.function(ctypes.c_void_p(outs[0].ctypes.data), ctypes.c_void_p(x.ctypes.data),
-                                             ctypes.c_int64(n), ctypes.c_int64(rounds), ctypes.c_double(0.5))) < 0.02:
-            rounds *= 2  # ~20-40 ms per kernel on this machine
+        rounds = _spin_rounds(spin, outs[0], x)
         c0, c1 = sched.ComputeQueue("c0"), sched.ComputeQueue("c1")
         calls = [sched.kernel(spin, [outs[i]], [x], [n, rounds, 0.5], queue=c0 if i % 2 else c1)
                  for i in range(2 * kernels_per_queue)]
@@ -115,6 +116,31 @@ async def overlap(kernels_per_queue=4, writes=32, write_bytes=1 << 16):
         kernel_time = statistics.median(r.end_ns - r.start_ns for r in together.last_trace[:len(outs)]) / 1e9
         ratio = statistics.median(o / s for o, s in zip(overlapped, serial))
         return statistics.median(overlapped), statistics.median(serial), ratio, kernel_time, len(calls)
+
+
+def _spin_rounds(spin, out, x, seconds=0.02):
+    """Rounds that make one spin kernel over `x` take `seconds` to twice that on this machine."""
+    rounds = 1
+    while _timed(lambda: spin.function(ctypes.c_void_p(out.ctypes.data), ctypes.c_void_p(x.ctypes.data),
+                                         ctypes.c_int64(len(x)), ctypes.c_int64(rounds), ctypes.c_double(0.5))) < seconds:
+        rounds *= 2
+    return rounds
+
+
+async def two_kernels_vs_one(n=1 << 14):
+    """Median of 5 paired rounds: wall time of a batch of two equal C kernels on two compute queues over a batch of
+    one of them (2.0 = they ran one after the other, 1.0 = fully in parallel)."""
+    spin = sched.CKernel(SPIN, "spin")
+    x, y0, y1 = np.arange(n, dtype=np.float64), np.zeros(n), np.zeros(n)
+    rounds = _spin_rounds(spin, y0, x, 0.04)
+    c0, c1 = sched.ComputeQueue("c0"), sched.ComputeQueue("c1")
+    one = sched.compile([sched.kernel(spin, [y0], [x], [n, rounds, 0.5], queue=c0)])
+    two = sched.compile([sched.kernel(spin, [y0], [x], [n, rounds, 0.5], queue=c0),
+                         sched.kernel(spin, [y1], [x], [n, rounds, 0.5], queue=c1)])
+    await two.run()  # warm up: the worker threads
+    ratios = [await _timed_async(two.run) / await _timed_async(one.run) for _ in range(5)]
+    assert (y0 == y1).all()
+    return statistics.median(ratios)
 
 
 async def _run_all(batches):
@@ -137,6 +163,7 @@ async def main(as_json: bool, skip_nic: bool) -> None:
     per_call, waits, signals = await replay_overhead()
     result["replay_us_per_noop_call"] = per_call * 1e6
     result["replay_plan"] = {"calls": 10_000, "waits": waits, "signals": signals}
+    result["two_kernels_over_one"] = await two_kernels_vs_one()
     if not skip_nic:
         together, serial, ratio, kernel, count = await overlap()
         result["overlap"] = {"calls": count, "overlapped_s": together, "serial_s": serial, "ratio": ratio,
@@ -150,6 +177,7 @@ async def main(as_json: bool, skip_nic: bool) -> None:
           f"{result['plan_ratio_100k_over_10k']:.2f}x (10k->100k)")
     print(f"replay of 10k no-op kernels on 8 queues: {result['replay_us_per_noop_call']:.2f} us/call "
           f"({waits} waits, {signals} signals)")
+    print(f"two equal C kernels on two queues: {result['two_kernels_over_one']:.2f}x the wall time of one")
     if "overlap" in result:
         o = result["overlap"]
         print(f"overlap: {o['calls']} calls (8 C kernels of {o['kernel_s'] * 1e3:.0f} ms on 2 queues + 32 RDMA writes): "
