@@ -142,3 +142,46 @@ def test_describe_and_dot_name_queues_waits_and_signals():
     assert "finaliser nic: wait qp>=1; publish epoch" in text
     dot = result.to_dot(["kernel", "write"])
     assert dot.startswith("digraph batch {") and "c0 -> c1;" in dot and 'label="gpu"' in dot
+
+
+def test_the_cyclic_gc_is_paused_while_planning_and_left_as_it_was():
+    import gc
+    import threading
+
+    seen = []
+
+    def calls(n=50):
+        for i in range(n):
+            seen.append(gc.isenabled())  # a generator of calls sees the collector as planning leaves it
+            yield Access(f"q{i % 3}", "d", writes=(Span("x", i, i + 1),))
+
+    assert gc.isenabled()
+    plan(calls())
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(ValueError):  # a refused batch resumes it too
+        plan([Access("q", "a"), Access("q", "b")])
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a program that disabled it itself keeps it disabled
+        plan(calls())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    # planners in several threads: the collector is back on once the last one is done, never before
+    barrier = threading.Barrier(4)
+    enabled_mid_plan = []
+
+    def plan_in_thread():
+        def slow_calls():
+            for i in range(200):
+                if i == 100:
+                    barrier.wait(timeout=10)  # all four are planning now
+                enabled_mid_plan.append(gc.isenabled())
+                yield Access("q", "d", reads=(Span("y", 0, 8),))
+        plan(slow_calls())
+    threads = [threading.Thread(target=plan_in_thread) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(enabled_mid_plan) == 800 and not any(enabled_mid_plan) and gc.isenabled()

@@ -20,10 +20,10 @@ call ever scans earlier calls.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
 import gc
-from typing import Callable, Hashable, Iterable, Iterator, NamedTuple, Sequence
+import threading
+from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
 
 Position = tuple  # (queue index, 1-based position on that queue)
 
@@ -236,24 +236,37 @@ def _cut(memory: dict[Hashable, _IntervalMap], call: Access) -> tuple[list[_Segm
 
 def plan(calls: Iterable[Access]) -> Plan:
     """Plan `calls` (in program order: a call sees the effects of every earlier call it conflicts with)."""
-    with _cyclic_gc_paused():
+    with _cyclic_gc_paused:
         return _plan(calls)
 
 
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
+class _CyclicGCPause:
     """Planning allocates only records that form no reference cycles, a few per call, all kept; the cyclic collector
-    finds nothing to free in them but its passes, triggered by their count, rescan the whole heap (measured: 40% of
-    planning time at 100k calls with a large heap). So it is paused meanwhile; after, it sees the new records once.
-    Only the planner that paused it resumes it (another thread's planner finding it paused leaves it alone)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+    finds nothing to free in them but its passes, triggered by their count, rescan the whole heap (measured: up to 40%
+    of planning time with a large heap). So it is paused while any thread plans, and resumed by the last planner out
+    only if a planner paused it (a collector the program disabled itself stays disabled)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._planners = 0
+        self._paused = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._planners += 1
+            if self._planners == 1 and gc.isenabled():
+                gc.disable()
+                self._paused = True
+
+    def __exit__(self, *_: object) -> None:
+        with self._lock:
+            self._planners -= 1
+            if self._planners == 0 and self._paused:
+                self._paused = False
+                gc.enable()
+
+
+_cyclic_gc_paused = _CyclicGCPause()
 
 
 def _plan(calls: Iterable[Access]) -> Plan:
