@@ -122,7 +122,8 @@ def _spin_rounds(spin, out, x, seconds=0.02):
     """Rounds that make one spin kernel over `x` take `seconds` to twice that on this machine."""
     rounds = 1
     while _timed(lambda: spin.function(ctypes.c_void_p(out.ctypes.data), ctypes.c_void_p(x.ctypes.data),
-                                         ctypes.c_int64(len(x)), ctypes.c_int64(rounds), ctypes.c_double(0.5))) < seconds:
+                                         ctypes.c_int64(len(x)), ctypes.c_int64(rounds), ctypes.c_double(0.5))
+                 ) < seconds:
         rounds *= 2
     return rounds
 

@@ -4,6 +4,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -333,6 +334,53 @@ async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_
         with anyio.fail_after(20):
             await batch.run({"qp": qa, "remote": target.remote()})
         assert bytes(target.view[:8192]) == bytes(source.view[:8192])
+
+
+def test_a_batch_held_past_its_worker_threads_lifetime_replays_on_every_backend():
+    """Idle worker threads retire after 10 s (trio on their own, anyio's asyncio pool at the next to_thread call): a
+    compiled batch of a threaded C kernel, an RDMA write and a numpy kernel across two NICs, held 10.5 s and replayed,
+    must not care. The three backends run at once, each in its own thread, to spend the wait once."""
+    scale = sched.CKernel(SPIN, "spin")
+    n = 1024
+
+    async def hold_and_replay():
+        async with open_nic("sim") as a, open_nic("sim") as b:
+            qa, _ = await connected(a, b)
+            staging, landing = await a.register_mr(n * 8), await b.register_mr(n * 8)
+            x, total = np.arange(n, dtype=np.float64), np.zeros(1)
+            arrived = np.frombuffer(landing.view, np.float64)
+            batch = sched.compile([
+                sched.kernel(scale, [np.frombuffer(staging.view, np.float64)], [x], [n, 1, 3.0],
+                             queue=sched.ComputeQueue("A")),
+                sched.write(qa, staging, landing),
+                sched.kernel(lambda out, got: out.__setitem__(0, got.sum()), [total], [arrived],
+                             queue=sched.ComputeQueue("B"))], inputs={"x": x})
+            with anyio.fail_after(20):
+                await batch.run()
+            first = total[0]
+            await anyio.sleep(10.3)  # every worker thread of this loop idle for > 10 s
+            await anyio.to_thread.run_sync(time.sleep, 0.01)  # asyncio: this call retires the idle ones
+            with anyio.fail_after(20):
+                await batch.run({"x": np.full(n, 2.0)})
+            return first, total[0], batch.runs
+
+    results, errors = {}, []
+
+    def on(name, backend, options):
+        try:
+            results[name] = anyio.run(hold_and_replay, backend=backend, backend_options=options)
+        except BaseException as error:  # reported below, with the backend's name
+            errors.append((name, error))
+    threads = [threading.Thread(target=on, args=(f"{backend}{options}", backend, options))
+               for backend, options in BACKENDS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert len(results) == 3
+    for first, second, runs in results.values():
+        assert first == 3.0 * np.arange(n).sum() and second == 6.0 * n and runs == 2
 
 
 # -- the example ------------------------------------------------------------------------------------------------------
