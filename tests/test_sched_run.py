@@ -383,6 +383,27 @@ def test_a_batch_held_past_its_worker_threads_lifetime_replays_on_every_backend(
         assert first == 3.0 * np.arange(n).sum() and second == 6.0 * n and runs == 2
 
 
+@pytest.mark.anyio
+async def test_a_batch_over_a_destroyed_qp_or_a_closed_nic_fails_at_once_naming_the_call():
+    async with open_nic("sim") as b:
+        async with open_nic("sim") as a:
+            qa, _ = await connected(a, b)
+            source, target = await a.register_mr(4096), await b.register_mr(4096)
+            done = np.zeros(1)
+            batch = sched.compile([sched.write(qa, source, target, name="w"),
+                                   sched.kernel(lambda out: out.fill(1), [done], queue=sched.ComputeQueue("c"))])
+            with anyio.fail_after(20):
+                await batch.run()
+            await qa.destroy()
+            with pytest.raises(sched.CallError, match=rf"call 0 \(w\) on queue qp {qa.qpn:#x} failed: ClosedError: "
+                               "write on QP .* the QP was destroyed"):
+                with anyio.fail_after(5):
+                    await batch.run()
+        with pytest.raises(sched.CallError, match=r"call 0 \(w\) .* failed: ClosedError"):  # the NIC is closed
+            with anyio.fail_after(5):
+                await batch.run()
+
+
 # -- the example ------------------------------------------------------------------------------------------------------
 def test_example_batch_runs_as_is():
     path = Path(__file__).resolve().parents[1] / "examples" / "batch.py"
