@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import select
 import socket
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ log = logging.getLogger("aiofabric.device")
 HWRM_TIMEOUT = 2.0  # Linux: 500 ms default; generous for loaded CI machines
 RCFW_TIMEOUT = 20.0  # Linux RCFW_CMD_WAIT_TIME_MS
 SAFETY_POLL = 0.05  # re-check memory this often even without an interrupt (lost-interrupt insurance)
+CLOSE_TIMEOUT = 10.0  # seconds a close may spend on the firmware before it leaves the rest to the device's reset
 POLL_INTERVAL = 0.001  # how often to look at memory on a platform without interrupts
 HWRM_VECTOR, CREQ_VECTOR, NQ_VECTOR = 0, 1, 2
 CMDQ_DEPTH = 4096  # 16-byte slots; Linux uses 8192 (256 on old firmware)
@@ -127,6 +129,8 @@ class Device:
         self._teardown: list[tuple[str, Callable[[], Any]]] = []  # firmware objects, freed in reverse order
         self.objects: dict[int, Any] = {}  # live verbs objects (CQs, QPs, MRs) by id()
         self._closing = False  # close() started: the public API refuses, teardown still runs commands
+        self._close_deadline: float | None = None  # close(): every firmware wait ends by then
+        self._watching_removal = False  # the removal watch task runs; else command waits look themselves
         self._creq_reader = False  # a task is serving the CREQ (only one may wait on its interrupt fd)
         self._background: list[anyio.CancelScope] = []  # the NIC's own tasks: close() stops them first
         self.fw_version = self.hwrm_version = self.mac = ""
@@ -146,6 +150,7 @@ class Device:
         return await self._hwrm(name, command_timeout=command_timeout, **fields)
 
     async def _hwrm(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        self._check_budget(f"HWRM {name}")
         request_type, response_type, opcode = _hwrm_types(name)
         request = build(request_type, f"HWRM {name}", fields, HWRM_HEADER)
         async with self._hwrm_lock:
@@ -166,7 +171,8 @@ class Device:
                 return 8 <= length <= len(resp) and int.from_bytes(resp[4:6], "little") == seq \
                     and resp[length - 1] != 0
 
-            await self._wait(answered, self._irq[HWRM_VECTOR], command_timeout or self.hwrm_timeout, f"HWRM {name}")
+            await self._wait(answered, self._irq[HWRM_VECTOR], self._bounded(command_timeout or self.hwrm_timeout),
+                             f"HWRM {name}")
             length = int.from_bytes(resp[6:8], "little")
             raw = bytes(resp[:length])
             resp[length - 1] = 0  # clear the valid byte, as Linux does, so a stale answer never looks new
@@ -182,11 +188,12 @@ class Device:
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(timeout):
                 while not ready():
-                    self._check_alive()
+                    await self._check_removed()
                     await wait_for_interrupt(fd, SAFETY_POLL)
         except TimeoutError:
             self._check_alive()
-            raise FirmwareTimeoutError(f"{what}: no answer from {self.pci.address} within {timeout:g} s") from None
+            raise FirmwareTimeoutError(f"{what}: no answer from {self.pci.address} within {timeout:g} s"
+                                       + self._budget_note()) from None
 
     # -- RCFW: many commands in flight, matched by cookie ------------------------------------------------------------
     async def rcfw(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
@@ -197,17 +204,19 @@ class Device:
         return await self._rcfw(name, command_timeout=command_timeout, **fields)
 
     async def _rcfw(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        self._check_budget(f"RCFW {name}")
         request_type, response_type, side_type, opcode = _rcfw_types(name)
         request = build(request_type, f"RCFW {name}", fields, CMDQ_HEADER)
         slots = -(-ctypes.sizeof(request_type) // CMDQ_SLOT)
-        timeout = command_timeout or self.rcfw_timeout
+        timeout = self._bounded(command_timeout or self.rcfw_timeout)
         try:
             with anyio.fail_after(timeout):
                 while slots >= self._cmdq.free_entries() or len(self._pending) >= bnxt.RCFW_MAX_COOKIE_VALUE:
                     self._check_alive()  # Linux's rule: never fill the last free slot
                     await self._cmdq_space.wait()
         except TimeoutError:
-            raise FirmwareTimeoutError(f"RCFW {name}: no command queue space within {timeout:g} s") from None
+            raise FirmwareTimeoutError(f"RCFW {name}: no command queue space within {timeout:g} s"
+                                       + self._budget_note()) from None
         self._check_alive()
         side: DmaBuffer | None = self.pci.alloc_dma(ctypes.sizeof(side_type)) if side_type else None
         cookie = self._next_cookie()
@@ -225,7 +234,8 @@ class Device:
             self._pending.pop(cookie, None)
             self._cmdq.consumer += slots  # assume the firmware consumed the slots; a late reply is dropped
             self._signal_space()
-            raise FirmwareTimeoutError(f"RCFW {name}: no answer from {self.pci.address} within {timeout:g} s")
+            raise FirmwareTimeoutError(f"RCFW {name}: no answer from {self.pci.address} within {timeout:g} s"
+                                       + self._budget_note())
         result = None
         if side is not None:
             result = side_type.from_buffer_copy(side.view)
@@ -291,6 +301,8 @@ class Device:
         try:
             while until is None or until.entry is None:
                 self._drain_creq()
+                if until is not None and until.entry is None:
+                    await self._check_removed(raising=False)  # no watch task: a dead device fails `until` here
                 if self._lost or (until is not None and until.entry is not None):
                     return
                 await wait_for_interrupt(fd, SAFETY_POLL * 4)
@@ -375,15 +387,48 @@ class Device:
 
     async def _watch_removal(self) -> None:
         fd = self.pci.removal_fd()
-        while self._lost is None:
-            if fd is not None:
-                await anyio.wait_readable(fd)
-            else:
-                await anyio.sleep(1.0)
-                if self.pci.read_config(PCI_VENDOR_ID, 2) != 0xFFFF:
-                    continue
+        self._watching_removal = True
+        try:
+            while self._lost is None:
+                if fd is not None:
+                    await anyio.wait_readable(fd)
+                else:
+                    await anyio.sleep(1.0)
+                    if self.pci.read_config(PCI_VENDOR_ID, 2) != 0xFFFF:
+                        continue
+                await self._declare_removed()
+        finally:
+            self._watching_removal = False
+
+    async def _check_removed(self, raising: bool = True) -> None:
+        """For a command waiting on the firmware: while no watch task runs (a cancelled block has lost it), look
+        whether the device is gone, so the wait ends now rather than at its timeout. Raises the loss if `raising`."""
+        if self._lost is None and not self._watching_removal:
+            fd = self.pci.removal_fd()
+            if (_readable(fd) if fd is not None else self.pci.read_config(PCI_VENDOR_ID, 2) == 0xFFFF):
+                await self._declare_removed()
+        if raising:
+            self._check_alive()
+
+    async def _declare_removed(self) -> None:
+        with anyio.CancelScope(shield=True):  # the reason (an exit status) is read once, in a worker thread
             reason = await anyio.to_thread.run_sync(self.pci.removal_reason)
+        if self._lost is None:
             self._device_lost(DeviceLostError(f"{self.pci.address} is gone" + (f" ({reason})" if reason else "")))
+
+    def _bounded(self, timeout: float) -> float:
+        """A command's timeout, cut to what is left of close()'s budget while closing."""
+        if self._close_deadline is None:
+            return timeout
+        return max(0.0, min(timeout, self._close_deadline - anyio.current_time()))
+
+    def _check_budget(self, what: str) -> None:
+        if self._close_deadline is not None and self._bounded(1.0) <= 0:
+            raise FirmwareTimeoutError(f"{what}: not sent: close() spent its budget on the firmware already (the "
+                                       "device's reset frees what it would have)")
+
+    def _budget_note(self) -> str:
+        return " (close() spends at most its budget on the firmware)" if self._close_deadline is not None else ""
 
     def _device_lost(self, error: DeviceLostError) -> None:
         self._lost = error
@@ -543,14 +588,17 @@ class Device:
         await self.hwrm("port_phy_cfg", port_id=self.port_id, enables=bnxt.PORT_PHY_CFG_REQ_ENABLES_LPBK, lpbk=mode)
 
     # -- close -----------------------------------------------------------------------------------------------------
-    async def close(self) -> None:
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Free every firmware object in reverse order of creation; memory is freed even when the firmware is gone.
 
         From the first call on, the public API raises ClosedError. It works without the NIC's background tasks (a
-        cancelled block has lost them): each command then reads its own reply."""
+        cancelled block has lost them): each command then reads its own reply, and notices a device that died.
+        The firmware gets at most `timeout` seconds in all: once spent, the remaining commands are not sent (the
+        device's reset frees what they would have)."""
         if self._closing:
             return
         self._closing = True
+        self._close_deadline = anyio.current_time() + timeout
         for scope in self._background:  # the poller and the CREQ reader stop here; commands read their own replies
             scope.cancel()
         await self._teardown_all()
@@ -560,10 +608,11 @@ class Device:
         while self._teardown:
             what, action = self._teardown.pop()
             try:
-                if self._lost is None or not what.startswith(("HWRM", "RCFW")):
-                    result = action()
-                    if result is not None:
-                        await result
+                result = action()  # with the device lost, its commands raise at once and memory is still freed
+                if result is not None:
+                    await result
+            except DeviceLostError:
+                pass  # the device is gone, and its objects with it
             except Exception as exc:  # keep freeing the rest; report at the end
                 failures.append(f"{what}: {exc}")
         self._hwrm_resp.free()
@@ -584,6 +633,13 @@ def _backing_entries(kind: int, caps: ctypes.Structure, splits: list[int], count
 def _free_all(*items: Any) -> None:
     for item in items:
         item.free()
+
+
+def _readable(fd: int) -> bool:
+    """Whether `fd` is readable now (a removal fd: the device is gone)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 async def wait_for_interrupt(fd: int | None, timeout: float) -> None:

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 import anyio
 import anyio.lowlevel
 
-from .device import Device, log
+from .device import CLOSE_TIMEOUT, Device, log
 from .errors import ClosedError
 from .pci import DmaBuffer, PCIDevice, PCIError, SysfsPCIDevice
 from .poller import Poller
@@ -19,7 +19,6 @@ from .taskgroups import own_task_group
 
 PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 _sim_numbers = itertools.count()
-CLOSE_TIMEOUT = 10.0  # seconds a close may spend on the firmware before it leaves the rest to the device's reset
 
 
 class NIC(Device):
@@ -142,8 +141,8 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
                 services.cancel_scope.cancel()
     finally:
         try:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-                await nic.close()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT + 5):  # a backstop: close()
+                await nic.close()                                                      # bounds its own waits
         finally:
             pci.close()
 

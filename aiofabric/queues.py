@@ -20,7 +20,7 @@ from .autogen import bnxt
 from .completions import (RECV_FLUSHED, RECV_STATUSES, SEND_FLUSHED, SEND_STATUSES, Completion, CompletionError,
                           finished)
 from .device import Device, DeviceEvent, log
-from .errors import ClosedError, FabricError, status_names
+from .errors import ClosedError, DeviceLostError, FabricError, status_names
 from .pci import DmaBuffer
 from .rings import Ring, doorbell, page_table
 
@@ -207,8 +207,7 @@ class CompletionQueue:
         """DESTROY_CQ and free the ring; the firmware refuses while QPs still use the CQ (FirmwareError)."""
         if self.closed:
             return
-        if self.device.alive:
-            await self.device._rcfw("destroy_cq", cq_cid=self.id)
+        await _unless_lost(self.device._rcfw("destroy_cq", cq_cid=self.id))
         self.closed = True
         self.device.route_events("cq_error", self.id, None)
         poller = getattr(self.device, "poller", None)
@@ -617,12 +616,12 @@ class QueuePair:
             return
         self.closed, state = True, self.state
         self.state = QPState.RESET  # the post paths' slow branch raises ClosedError
-        if self.device.alive:
-            try:
-                await self.device._rcfw("destroy_qp", qp_cid=self.qpn)
-            except FabricError:  # the firmware kept the QP: so do we
-                self.closed, self.state = False, state
-                raise
+        try:
+            destroyed = await _unless_lost(self.device._rcfw("destroy_qp", qp_cid=self.qpn))
+        except FabricError:  # the firmware kept the QP: so do we
+            self.closed, self.state = False, state
+            raise
+        if destroyed:
             self.send_cq.poll()  # completions the NIC wrote before it let go are delivered as they are
             self.recv_cq.poll()
         self.device.route_events("qp_error", self.qpn, None)
@@ -687,12 +686,21 @@ class MemoryRegion:
         if self.closed:
             return
         self.closed = True
-        if self.device.alive:
-            await self.device._rcfw("deregister_mr", lkey=self.lkey)
+        await _unless_lost(self.device._rcfw("deregister_mr", lkey=self.lkey))
         self.device.objects.pop(id(self), None)
         self.table.free()
         if self.owns_buffer:
             self.buffer.free()
+
+
+async def _unless_lost(command: Any) -> bool:
+    """Run a destroy command; False (not run, or cut short) if the device is gone: then nothing holds the object's
+    memory any more, and it is freed all the same."""
+    try:
+        await command
+    except DeviceLostError:
+        return False
+    return True
 
 
 def _local(local: MemoryRegion | LocalBuffer, offset: int, size: int | None) -> tuple[int, tuple[int, int, int] | None]:

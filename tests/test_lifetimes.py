@@ -150,6 +150,47 @@ async def test_block_cancelled_from_outside_closes_promptly_and_frees_everything
         assert nic.pci.process.poll() is not None
 
 
+async def test_a_device_that_dies_during_a_cancelled_blocks_close_is_noticed_at_once():
+    """A cancelled block has lost the NIC's removal watcher; its close waits for firmware replies itself. When the
+    device dies meanwhile, that wait must notice (not sit out the 20 s RCFW timeout) and skip the other commands."""
+    closed = {}
+    async with anyio.create_task_group() as tasks:
+        async def kill_during_close(nic):
+            await anyio.sleep(1.3)  # the block was cancelled at 1.0 s: close is waiting for a stalled destroy
+            os.kill(nic.pci.pid, 9)
+            closed["killed_at"] = time.monotonic()
+        with anyio.move_on_after(1):
+            async with open_nic() as nic:
+                cq = await nic.create_cq(depth=64)
+                await nic.create_qp(cq)
+                await nic.register_mr(4096)
+                nic.pci.debug({"op": "stall", "channel": "rcfw", "count": 10})  # teardown's commands go unanswered
+                tasks.start_soon(kill_during_close, nic)
+                await anyio.sleep_forever()
+        closed["at"] = time.monotonic()
+    assert closed["at"] - closed["killed_at"] < 1.5, "close sat out the command timeout of a dead device"
+    assert not nic.alive and "is gone" in str(nic._lost)
+    assert nic.objects == {} and nic.pci.dma_bytes_in_use == 0
+
+
+async def test_close_spends_at_most_its_budget_on_a_firmware_that_stopped_answering(caplog):
+    """Every firmware wait is shielded (a posted command is waited for), so a close bound only from outside would sit
+    out each command's own timeout (20 s for RCFW) in turn. close(timeout) bounds them all, and sends nothing once
+    the budget is spent."""
+    async with open_nic() as nic:
+        cqs = [await nic.create_cq(depth=64) for _ in range(3)]
+        await nic.create_qp(cqs[0])
+        await nic.register_mr(4096)
+        nic.pci.debug({"op": "stall", "channel": "rcfw", "count": 100})
+        started = time.monotonic()
+        await nic.close(timeout=1.0)
+        took = time.monotonic() - started
+        with pytest.raises(ClosedError):
+            await nic.create_cq(depth=64)
+    assert 0.9 < took < 2.5, f"close took {took:.1f} s with a 1 s budget"
+    assert "not sent: close() spent its budget" in caplog.text  # the commands after the budget were never posted
+
+
 def _fds():
     return sorted(os.listdir("/proc/self/fd"))
 
