@@ -404,6 +404,116 @@ async def test_a_batch_over_a_destroyed_qp_or_a_closed_nic_fails_at_once_naming_
                 await batch.run()
 
 
+# -- rebinding: what it may and may not change ----------------------------------------------------------------------
+def test_a_rebinding_that_makes_buffers_share_memory_is_refused_and_changes_nothing():
+    x, y, z, out = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)
+    batch = sched.compile([sched.kernel(lambda o: o.fill(1.0), [y], queue=sched.ComputeQueue("A"), name="fill y"),
+                           sched.kernel(lambda o, i: np.copyto(o, i), [z], [x], queue=sched.ComputeQueue("B"))],
+                          inputs={"x": x})
+    # x and y were disjoint when planned: the two kernels were not ordered. Bound to y, x would race the fill.
+    with pytest.raises(sched.BindingError, match=r"input 'x': its new memory overlaps argument 0 of call 0 \(fill y\)"):
+        batch.bind({"x": y})
+    with pytest.raises(sched.BindingError, match="is read-only, and argument 0 of call 0"):
+        sched.compile([sched.kernel(lambda o: o.fill(1.0), [out], queue=sched.ComputeQueue())],
+                      inputs={"out": out}).bind({"out": np.frombuffer(bytes(32))})
+    with pytest.raises(ValueError, match=r"outs\[0\] is read-only"):
+        sched.kernel(lambda o: None, [np.frombuffer(bytes(8))], queue=sched.ComputeQueue())
+    # an input whose memory a constant argument shares cannot be rebound: that argument would stay behind
+    whole = np.zeros(8)
+    entangled = sched.compile([sched.kernel(lambda o: o.fill(2.0), [whole], queue=sched.ComputeQueue("A")),
+                               sched.kernel(lambda o: None, [whole[:4]], queue=sched.ComputeQueue("B"))],
+                              inputs={"head": whole[:4]})
+    with pytest.raises(sched.BindingError, match="cannot be rebound: argument 0 of call 0 .* shares its memory"):
+        entangled.bind({"head": np.zeros(4)})
+
+
+@pytest.mark.anyio
+async def test_overlapping_runs_keep_their_own_bindings():
+    x, z, seen = np.zeros(4), np.zeros(4), []
+    q = sched.ComputeQueue("q")
+    batch = sched.compile([sched.kernel(lambda o: time.sleep(0.05), [np.zeros(1)], queue=q, threaded=True),
+                           sched.kernel(lambda o, i: np.copyto(o, i), [z], [x], queue=q)], inputs={"x": x})
+
+    async def run(value):
+        await batch.run({"x": np.full(4, value)})
+        seen.append((value, z[0]))
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(run, 1.0)
+        await anyio.sleep(0.01)  # the first run is inside the slow kernel
+        with pytest.raises(sched.BindingError, match="a run of this batch is in progress"):
+            batch.bind({"x": np.full(4, 3.0)})
+        tasks.start_soon(run, 2.0)
+    assert seen == [(1.0, 1.0), (2.0, 2.0)]
+
+
+@pytest.mark.anyio
+async def test_rebinding_qps_and_mrs_stays_on_their_nic_is_all_or_nothing_and_errors_name_the_bound_qp():
+    async with open_nic("sim") as a, open_nic("sim") as b:
+        qa, qb = await connected(a, b)
+        staging, staging2, landing = await a.register_mr(64), await a.register_mr(64), await b.register_mr(64)
+        batch = sched.compile([
+            sched.kernel(lambda out: out.fill(3.0), [np.frombuffer(staging.view, np.float64)],
+                         queue=sched.ComputeQueue("c"), name="fill staging"),
+            sched.write(qa, staging, landing, name="write")], inputs={"qp": qa, "staging": staging})
+        other_nic_qp = await b.create_qp(await b.create_cq(64))
+        with pytest.raises(sched.BindingError, match="must be a QP of .* whose MRs the calls use; got one of"):
+            batch.bind({"qp": other_nic_qp})
+        with pytest.raises(sched.BindingError, match="must be an MR of"):
+            batch.bind({"staging": await b.register_mr(64)})
+        idle = await a.create_qp(await a.create_cq(64))  # never connected
+        with pytest.raises(sched.BindingError):  # the second binding is refused: the first must not stick
+            batch.bind({"qp": idle, "staging": landing.remote()})
+        with anyio.fail_after(20):
+            await batch.run()  # still qa
+        # an MR input rebinds the numpy views of it the calls use: the kernel fills what the write sends
+        with anyio.fail_after(20):
+            await batch.run({"staging": staging2})
+        assert np.frombuffer(landing.view, np.float64)[0] == 3.0 and np.frombuffer(staging2.view, np.float64)[0] == 3.0
+        np.frombuffer(landing.view, np.float64)[:] = 0
+        with pytest.raises(sched.CallError, match=rf"call 1 \(write\) on queue qp {idle.qpn:#x} failed"):
+            with anyio.fail_after(20):
+                await batch.run({"qp": idle})
+        assert f"qp {idle.qpn:#x}[1] write" in batch.describe()
+
+
+@pytest.mark.anyio
+async def test_a_run_that_ends_with_a_receive_posted_flushes_it_says_so_and_never_hangs_the_next():
+    async with open_nic("sim") as a, open_nic("sim") as b:
+        qa, qb = await connected(a, b)
+        source, sink = await a.register_mr(64), await b.register_mr(64)
+        broken = [True]
+
+        def produce(out):
+            if broken[0]:
+                raise RuntimeError("bad input")
+            out[:] = 7
+        batch = sched.compile([sched.kernel(produce, [np.frombuffer(source.view, np.float64)],
+                                            queue=sched.ComputeQueue("c"), name="produce"),
+                               sched.send(qa, source, name="send"), sched.recv(qb, sink, name="recv")])
+        started = time.monotonic()
+        with pytest.raises(sched.CallError, match=rf"call 0 \(produce\).*RuntimeError: bad input.*qp {qb.qpn:#x} left "
+                           r"in ERR \(its outstanding work was flushed\)"):
+            await batch.run()
+        assert time.monotonic() - started < 4 and qb.state is QPState.ERR and not qb.receives
+        broken[0] = False
+        with pytest.raises(sched.CallError, match="FLUSHED"):  # not reset: refused at once, no hang
+            with anyio.fail_after(10):
+                await batch.run()
+        for qp in (qa, qb):
+            await qp.modify(QPState.RESET)
+        await qa.connect(qb.info(), timeout=8)
+        await qb.connect(qa.info(), timeout=8)
+        with anyio.fail_after(20):
+            await batch.run()
+        assert bytes(sink.view) == bytes(source.view) and np.frombuffer(sink.view, np.float64)[0] == 7
+        # cancelled from outside while the receive waits: the cancel is prompt and the receive does not linger
+        batch = sched.compile([sched.recv(qb, sink, name="recv")])
+        started = time.monotonic()
+        with anyio.move_on_after(0.1):
+            await batch.run()
+        assert time.monotonic() - started < 3 and qb.state is QPState.ERR and not qb.receives
+
+
 # -- the example ------------------------------------------------------------------------------------------------------
 def test_example_batch_runs_as_is():
     path = Path(__file__).resolve().parents[1] / "examples" / "batch.py"

@@ -96,6 +96,9 @@ def kernel(fn: CKernel | Callable[..., Any], outs: Sequence[np.ndarray] = (), in
     if not isinstance(queue, ComputeQueue) or isinstance(queue, CopyQueue):
         raise TypeError(f"{name}: kernels run on a ComputeQueue, not {queue!r}")
     outs = tuple(check_flat(a, name, f"outs[{i}]") for i, a in enumerate(outs))
+    for i, a in enumerate(outs):
+        if not a.flags.writeable:
+            raise ValueError(f"{name}: outs[{i}] is read-only")
     ins = tuple(check_flat(a, name, f"ins[{i}]") for i, a in enumerate(ins))
     scalars = tuple(scalars)
     if isinstance(fn, CKernel):
@@ -117,6 +120,8 @@ def copy(dst: np.ndarray | MemoryRegion, src: np.ndarray | MemoryRegion, *, queu
             raise ValueError(f"{name}: {label} is not contiguous")
         if not isinstance(buffer, (np.ndarray, MemoryRegion)):
             raise TypeError(f"{name}: {label} is a {type(buffer).__name__}, not a numpy array or MemoryRegion")
+    if isinstance(dst, np.ndarray) and not dst.flags.writeable:
+        raise ValueError(f"{name}: dst is read-only")
     dst_bytes, src_bytes = host_address(dst)[1], host_address(src)[1]
     if dst_bytes != src_bytes:
         raise ValueError(f"{name}: dst has {dst_bytes} bytes, src has {src_bytes}")

@@ -9,6 +9,7 @@ starts only after run N finished, failed or was cancelled.
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 import weakref
 from typing import Any, Iterable, Mapping, Sequence
@@ -18,15 +19,19 @@ import anyio.lowlevel
 import numpy as np
 
 from ..errors import FabricError
-from ..queues import LocalBuffer, MemoryRegion, QueuePair, RemoteRegion
+from ..queues import LocalBuffer, MemoryRegion, QPState, QueuePair, RemoteRegion
 from .calls import Call, host_address, queue_name
 from .plan import Plan, Submission, plan
 from .timeline import Counter, Timeline
 from .trace import CallTrace, write_chrome_trace
 
+log = logging.getLogger("aiofabric.sched")
+
 COPY_IN_THREAD_BYTES = 256 << 10  # below this a memcpy is cheaper than the hop to a worker thread
 YIELD_EVERY = 32  # inline calls a host worker runs before it lets the rest of the loop in
 DRAIN_TIMEOUT = 5.0  # seconds an aborted QP worker waits for work it already posted
+RECEIVE_GRACE = 1.0  # ... and for its receives, whose matching sends may still be on the wire
+RECEIVES = ("recv", "wait_imm")
 NO_SGE = LocalBuffer(0, 0, 0)
 
 _timelines: weakref.WeakKeyDictionary[Any, Timeline] = weakref.WeakKeyDictionary()
@@ -48,8 +53,8 @@ class CallError(FabricError):
     """A call of a batch failed; the batch was aborted. `call` is its index, `queue` its queue's name, `cause` the
     original error (also `__cause__`)."""
 
-    def __init__(self, index: int, call: Call, cause: BaseException, note: str = "") -> None:
-        self.call, self.queue, self.cause = index, queue_name(call.queue), cause
+    def __init__(self, index: int, call: Call, cause: BaseException, note: str = "", queue: Any = None) -> None:
+        self.call, self.queue, self.cause = index, queue_name(call.queue if queue is None else queue), cause
         super().__init__(f"call {index} ({call.name}) on queue {self.queue} failed: {type(cause).__name__}: {cause}; "
                          f"the batch was aborted{note}")
 
@@ -73,8 +78,7 @@ class _Slot:
     def resolve(self, value: Any) -> Any:
         if self.offset is None:
             return value
-        return np.ndarray(self.shape, self.dtype, buffer=value.reshape(-1).view(np.uint8), offset=self.offset,
-                          strides=self.strides)
+        return np.ndarray(self.shape, self.dtype, buffer=_bytes_of(value), offset=self.offset, strides=self.strides)
 
 
 class Batch:
@@ -95,6 +99,7 @@ class Batch:
             self._prepare(index)
         self._compile_inputs(inputs)
         self._records: list[tuple[int, int]] = []
+        self._active = 0  # runs started and not finished (waiting at the fence included)
         self.runs = 0
 
     # -- input table --------------------------------------------------------------------------------------------
@@ -105,23 +110,26 @@ class Batch:
             inputs = {str(i): value for i, value in enumerate(inputs)}
         self.input_names = list(inputs)
         self._inputs = list(inputs.values())
-        ranges = []
+        bases: list[np.ndarray | None] = []  # the bytes of each host input, to find the views of it the calls use
         for name, value in inputs.items():
             if isinstance(value, np.ndarray):
                 if not value.flags.c_contiguous:
                     raise BindingError(f"input {name!r} must be C-contiguous")
-                start, length = host_address(value)
-                ranges.append((start, start + length))
-            elif isinstance(value, (MemoryRegion, RemoteRegion)):
-                ranges.append(None)
+                bases.append(value)
+            elif isinstance(value, MemoryRegion):
+                bases.append(_bytes_of(value))
+            elif isinstance(value, RemoteRegion):
+                bases.append(None)
             elif isinstance(value, QueuePair):
                 if value not in self._queues:
                     raise BindingError(f"input {name!r}: {queue_name(value)} is not a queue of the batch")
-                ranges.append(None)
+                bases.append(None)
             else:
                 raise BindingError(f"input {name!r} is a {type(value).__name__}; inputs are numpy arrays, "
                                    "MemoryRegions, RemoteRegions or QueuePairs")
+        ranges = [_extent(base) if base is not None else None for base in bases]
         self._slots: list[_Slot] = []
+        constants: list[tuple[int, int, int, int]] = []  # host memory of every other argument: (start, stop, call, arg)
         for ci, args in enumerate(self._args):
             for ai, arg in enumerate(args):
                 for ii, value in enumerate(self._inputs):
@@ -130,45 +138,109 @@ class Batch:
                                                  ranges[ii][0] if ranges[ii] else 0))
                         break
                     if isinstance(arg, np.ndarray) and ranges[ii] is not None:
-                        start, length = host_address(arg)
-                        if ranges[ii][0] <= start and start + length <= ranges[ii][1] and np.shares_memory(arg, value):
+                        start, stop = _extent(arg)
+                        if ranges[ii][0] <= start and stop <= ranges[ii][1] and np.shares_memory(arg, bases[ii]):
                             self._slots.append(_Slot(ci, ai, ii, arg, ranges[ii][0]))
                             break
+                else:
+                    if isinstance(arg, (np.ndarray, MemoryRegion)):
+                        constants.append((*_extent(arg), ci, ai))
+        self._slot_of = {(slot.call, slot.arg): slot.input for slot in self._slots}
+        extents = np.array([c[:2] for c in constants], dtype=np.uint64).reshape(-1, 2)
+        self._constant_starts, self._constant_stops = extents[:, 0], extents[:, 1]
+        self._constants = [c[2:] for c in constants]
+        # an input whose memory other (constant) arguments share cannot be rebound: they would stay behind
+        self._entangled: list[str | None] = []
+        for ii, extent in enumerate(ranges):
+            hit = self._overlapping_constant(extent) if extent is not None else None
+            self._entangled.append(None if hit is None else self._argument_text(*hit))
         used = {slot.input for slot in self._slots} | {i for i, v in enumerate(self._inputs) if isinstance(v, QueuePair)}
         unused = [name for i, name in enumerate(self.input_names) if i not in used]
         if unused:
             raise BindingError(f"inputs {unused} are not arguments of any call of the batch")
 
+    def _overlapping_constant(self, extent: tuple[int, int]) -> tuple[int, int] | None:
+        start, stop = extent
+        if stop <= start:
+            return None
+        hits = np.flatnonzero((self._constant_starts < stop) & (self._constant_stops > start))
+        return self._constants[hits[0]] if len(hits) else None
+
+    def _argument_text(self, ci: int, ai: int) -> str:
+        return f"argument {ai} of call {ci} ({self.calls[ci].name})"
+
     def bind(self, bindings: Mapping[str, Any] | Sequence[Any]) -> None:
-        """Rebind inputs (all or some, by name or position) without planning again: same size and dtype."""
+        """Rebind inputs (all or some, by name or position) without planning again: same size and dtype, the same
+        NIC for QPs and MRs, and no memory shared with the batch's other buffers that the plan did not order. All
+        or nothing: a refused binding changes nothing. Not while a run is in progress (pass them to `run()`)."""
+        if self._active:
+            raise BindingError("a run of this batch is in progress; pass the bindings to run(), which waits for it")
+        self._bind(bindings)
+
+    def _bind(self, bindings: Mapping[str, Any] | Sequence[Any]) -> None:
         if not isinstance(bindings, Mapping):
             if len(bindings) != len(self._inputs):
                 raise BindingError(f"run() got {len(bindings)} positional bindings for {len(self._inputs)} inputs "
                                    f"{self.input_names}")
             bindings = dict(zip(self.input_names, bindings))
+        inputs, queues = list(self._inputs), list(self._queues)
         changed = set()
         for name, value in bindings.items():
             if name not in self.input_names:
                 raise BindingError(f"no input named {name!r}; the inputs are {self.input_names}")
             index = self.input_names.index(name)
-            old = self._inputs[index]
+            old = inputs[index]
+            if value is old:
+                continue
             _check_binding(name, old, value)
-            if isinstance(old, QueuePair) and value is not old:
-                if value in self._queues:
+            if self._entangled[index]:
+                raise BindingError(f"input {name!r} cannot be rebound: {self._entangled[index]} shares its memory "
+                                   "and is not an input (it would keep the old memory); make that one an input too")
+            if isinstance(old, QueuePair):
+                if value in queues:
                     raise BindingError(f"input {name!r}: {queue_name(value)} is already a queue of the batch")
-                self._queues[self._queues.index(old)] = value
-                self._devices[self._devices.index(old)] = value
-            self._inputs[index] = value
+                queues[queues.index(old)] = value
+            inputs[index] = value
             changed.add(index)
-        touched = set()
+        if not changed:
+            return
+        args = {}
         for slot in self._slots:
             if slot.input in changed:
-                args = list(self._args[slot.call])
-                args[slot.arg] = slot.resolve(self._inputs[slot.input])
-                self._args[slot.call] = tuple(args)
-                touched.add(slot.call)
-        for index in touched:
+                call_args = args.setdefault(slot.call, list(self._args[slot.call]))
+                call_args[slot.arg] = view = slot.resolve(inputs[slot.input])
+                if isinstance(view, np.ndarray) and not view.flags.writeable and self._writes_to(slot.call, slot.arg):
+                    raise BindingError(f"input {self.input_names[slot.input]!r} is read-only, and "
+                                       f"{self._argument_text(slot.call, slot.arg)} writes it")
+        self._check_no_new_sharing(inputs, changed)
+        self._inputs, self._queues = inputs, queues
+        self._devices = [queues[self.plan.queues.index(d)] if d in self.plan.queues else d for d in self.plan.devices]
+        for index, call_args in args.items():
+            self._args[index] = tuple(call_args)
             self._prepare(index)
+
+    def _writes_to(self, ci: int, ai: int) -> bool:
+        call = self.calls[ci]
+        return (call.kind == "kernel" and ai < call.options["outs"]) or (call.kind == "copy" and ai == 0) \
+            or (call.kind in ("read", "recv") and ai == 0)
+
+    def _check_no_new_sharing(self, inputs: list[Any], changed: set[int]) -> None:
+        """The plan ordered calls by the memory they touched when compiled: a rebound input that now shares memory
+        with another buffer of the batch would race it."""
+        extents = [_extent(_bytes_of(v)) if isinstance(v, (np.ndarray, MemoryRegion)) else None for v in inputs]
+        for index in changed:
+            extent = extents[index]
+            if extent is None or extent[1] <= extent[0]:
+                continue
+            hit = self._overlapping_constant(extent)
+            if hit is not None:
+                other = self._argument_text(*hit)
+            else:
+                other = next((f"input {self.input_names[j]!r}" for j, e in enumerate(extents)
+                              if j != index and e is not None and e[0] < extent[1] and extent[0] < e[1]), None)
+            if other is not None:
+                raise BindingError(f"input {self.input_names[index]!r}: its new memory overlaps {other}, which the "
+                                   "plan did not order against it; bind separate memory, or compile the batch again")
 
     def _prepare(self, index: int) -> None:
         """What the worker needs to run call `index` with its current arguments, computed once per binding."""
@@ -190,17 +262,19 @@ class Batch:
     # -- running ------------------------------------------------------------------------------------------------
     async def run(self, bindings: Mapping[str, Any] | Sequence[Any] | None = None) -> None:
         """Run the batch once (after rebinding `bindings`); raises `CallError` naming the first call that failed."""
-        if bindings is not None:
-            self.bind(bindings)
         number = self._fence.take()
         tickets: dict[Any, int] = {}
+        self._active += 1
         try:
             await self._fence.wait_for(number - 1)  # the reuse fence: never overlap our own previous run
+            if bindings is not None:
+                self._bind(bindings)  # after the previous run ended: its calls keep their arguments
             for device in self._devices:  # one synchronous step: a total order of runs on every device
                 tickets[device] = timeline_of(device).take()
             await self._execute(tickets)
             self.runs += 1
         finally:
+            self._active -= 1
             for device, ticket in tickets.items():
                 timeline_of(device).complete(ticket)
             self._fence.complete(number)
@@ -233,7 +307,8 @@ class Batch:
                 note = ("; " + ", ".join(queue_name(q) for q in broken) + " left in ERR (its outstanding work was "
                         "flushed): reset and reconnect both ends (qp.modify(QPState.RESET), then connect), or connect "
                         "new QPs and rebind them (a QueuePair input), before the next run")
-            raise CallError(index, self.calls[index], error, note) from error
+            queue = queues[plan_.submissions[index].queue] if index >= 0 else None
+            raise CallError(index, self.calls[index], error, note, queue) from error
 
     async def _finalise(self, waits: Sequence[Any], signals: list[Counter], device: Any,
                         tickets: dict[Any, int]) -> None:
@@ -320,14 +395,10 @@ class Batch:
                 except Exception as error:
                     fail(submission, error)
         finally:
-            outstanding = [c for c in completions[retired.value:] if c is not None]
+            outstanding = [(self.calls[submissions[k].call].kind, completions[k])
+                           for k in range(retired.value, len(completions)) if completions[k] is not None]
             if outstanding:  # aborted: let the NIC finish what it was given before the buffers are handed back
-                with anyio.CancelScope(shield=True), anyio.move_on_after(DRAIN_TIMEOUT):
-                    for completion in outstanding:
-                        try:
-                            await completion
-                        except Exception:
-                            pass
+                await _drain(qp, outstanding)
 
     @staticmethod
     async def _post(qp: QueuePair, call: Call, args: tuple[Any, ...]) -> Any:
@@ -351,11 +422,18 @@ class Batch:
     # -- looking at it ------------------------------------------------------------------------------------------
     def describe(self) -> str:
         """The plan, one line per call: queue[position], name, waits, fence, signal; then the finalisers."""
-        return self.plan.describe([c.name for c in self.calls], queue_name)
+        return self.plan.describe([c.name for c in self.calls], self._current_name)
 
     def to_dot(self) -> str:
         """The plan as Graphviz text (`dot -Tsvg`)."""
-        return self.plan.to_dot([c.name for c in self.calls], queue_name)
+        return self.plan.to_dot([c.name for c in self.calls], self._current_name)
+
+    def _current_name(self, queue: Any) -> str:
+        """The name of what a compiled queue (or device) is bound to now (a QP input may have been rebound)."""
+        for compiled, current in zip(self.plan.queues, self._queues):
+            if compiled is queue:
+                return queue_name(current)
+        return queue_name(queue)
 
     @property
     def last_trace(self) -> list[CallTrace]:
@@ -368,6 +446,46 @@ class Batch:
     def trace(self, path: Any) -> None:
         """Write the last run as Chrome trace JSON (Perfetto, chrome://tracing): one track per queue."""
         write_chrome_trace(path, self.last_trace, [queue_name(q) for q in self._queues])
+
+
+async def _drain(qp: QueuePair, outstanding: list[tuple[str, Any]]) -> None:
+    """After an abort: wait for the work a QP worker posted. Sends, writes and reads finish by themselves; a
+    receive finishes only when a peer sends, and left posted it would take the next message meant for someone
+    else (the next run's). So receives get a short grace, then the QP goes to ERR, which flushes them (the run's
+    error says so, and how to reset it)."""
+    async def settle(completions: list[Any], seconds: float) -> None:
+        with anyio.move_on_after(seconds):
+            for completion in completions:
+                try:
+                    await completion
+                except Exception:
+                    pass
+
+    with anyio.CancelScope(shield=True):
+        await settle([c for kind, c in outstanding if kind not in RECEIVES], DRAIN_TIMEOUT)
+        receives = [c for kind, c in outstanding if kind in RECEIVES]
+        await settle(receives, RECEIVE_GRACE)
+        if any(not c.done for c in receives) and not qp.closed and qp.state is not QPState.ERR:
+            log.warning("%s: a batch run ended with receives still posted; moving the QP to ERR to flush them",
+                        queue_name(qp))
+            try:
+                with anyio.move_on_after(DRAIN_TIMEOUT):
+                    await qp.modify(QPState.ERR)
+            except Exception as error:  # the device is gone or refused: the receives fail with it, or stay
+                log.warning("%s: could not move to ERR: %s", queue_name(qp), error)
+            await settle(receives, DRAIN_TIMEOUT)
+
+
+def _bytes_of(value: np.ndarray | MemoryRegion) -> np.ndarray:
+    """The bytes of a host buffer as a flat uint8 array (an MR: its mapped memory)."""
+    if isinstance(value, MemoryRegion):
+        return np.frombuffer(value.view, np.uint8)
+    return value.reshape(-1).view(np.uint8)
+
+
+def _extent(buffer: np.ndarray | MemoryRegion) -> tuple[int, int]:
+    start, length = host_address(buffer)
+    return start, start + length
 
 
 def _check_binding(name: str, old: Any, new: Any) -> None:
@@ -383,9 +501,15 @@ def _check_binding(name: str, old: Any, new: Any) -> None:
         if not isinstance(new, MemoryRegion) or new.length != old.length:
             raise BindingError(f"input {name!r} must be a MemoryRegion of {old.length} bytes (as compiled); got "
                                f"{getattr(new, 'length', type(new).__name__)}")
+        if new.device is not old.device:  # keys are per NIC: another NIC's MR would name a stranger's memory
+            raise BindingError(f"input {name!r} must be an MR of {old.device.pci.address} (as compiled); got one "
+                               f"of {new.device.pci.address}")
     elif isinstance(old, QueuePair):
         if not isinstance(new, QueuePair):
             raise BindingError(f"input {name!r} is a QueuePair; got a {type(new).__name__}")
+        if new.device is not old.device:  # the calls' MRs are registered on the old QP's NIC
+            raise BindingError(f"input {name!r} must be a QP of {old.device.pci.address} (as compiled), whose MRs "
+                               f"the calls use; got one of {new.device.pci.address}")
     elif isinstance(old, RemoteRegion):
         if not isinstance(new, RemoteRegion) or new.length != old.length:
             raise BindingError(f"input {name!r} must be a RemoteRegion of {old.length} bytes (as compiled); got "
