@@ -244,7 +244,8 @@ class _CyclicGCPause:
     """Planning allocates only records that form no reference cycles, a few per call, all kept; the cyclic collector
     finds nothing to free in them but its passes, triggered by their count, rescan the whole heap (measured: up to 40%
     of planning time with a large heap). So it is paused while any thread plans, and resumed by the last planner out
-    only if a planner paused it (a collector the program disabled itself stays disabled)."""
+    only if a planner paused it: a collector the program disabled before planning stays disabled (one it disables
+    from another thread while a plan runs is turned back on: the planner cannot tell the two apart)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
