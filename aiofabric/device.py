@@ -8,6 +8,7 @@ when QUERY_FUNC says the firmware supports the host MSN table.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -15,7 +16,7 @@ import logging
 import os
 import select
 import socket
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 
@@ -130,6 +131,8 @@ class Device:
         self.objects: dict[int, Any] = {}  # live verbs objects (CQs, QPs, MRs) by id()
         self._closing = False  # close() started: the public API refuses, teardown still runs commands
         self._close_deadline: float | None = None  # close(): every firmware wait ends by then
+        self._close_lock = anyio.Lock()
+        self._closed = False  # close() ran to the end
         self._watching_removal = False  # the removal watch task runs; else command waits look themselves
         self._creq_reader = False  # a task is serving the CREQ (only one may wait on its interrupt fd)
         self._background: list[anyio.CancelScope] = []  # the NIC's own tasks: close() stops them first
@@ -153,8 +156,11 @@ class Device:
         self._check_budget(f"HWRM {name}")
         request_type, response_type, opcode = _hwrm_types(name)
         request = build(request_type, f"HWRM {name}", fields, HWRM_HEADER)
-        async with self._hwrm_lock:
+        timeout = self._bounded(command_timeout or self.hwrm_timeout)
+        deadline = anyio.current_time() + timeout  # the whole command: its turn on the channel, then its answer
+        async with self._hwrm_turn(name, timeout):
             self._check_alive()
+            self._check_budget(f"HWRM {name}")
             self._seq = seq = (self._seq + 1) & 0xFFFF
             request.req_type, request.cmpl_ring, request.seq_id = opcode, 0xFFFF, seq
             request.target_id, request.resp_addr = bnxt.BNXT_HWRM_TARGET, self._hwrm_resp.bus_addr
@@ -171,7 +177,7 @@ class Device:
                 return 8 <= length <= len(resp) and int.from_bytes(resp[4:6], "little") == seq \
                     and resp[length - 1] != 0
 
-            await self._wait(answered, self._irq[HWRM_VECTOR], self._bounded(command_timeout or self.hwrm_timeout),
+            await self._wait(answered, self._irq[HWRM_VECTOR], max(0.0, deadline - anyio.current_time()),
                              f"HWRM {name}")
             length = int.from_bytes(resp[6:8], "little")
             raw = bytes(resp[:length])
@@ -183,12 +189,29 @@ class Device:
         return response_type.from_buffer_copy(raw[:ctypes.sizeof(response_type)].ljust(
             ctypes.sizeof(response_type), b"\0"))
 
+    @contextlib.asynccontextmanager
+    async def _hwrm_turn(self, name: str, timeout: float) -> AsyncIterator[None]:
+        """The HWRM channel (one command at a time), waited for at most `timeout`."""
+        try:
+            with anyio.fail_after(timeout):
+                await self._hwrm_lock.acquire()
+        except TimeoutError:
+            raise FirmwareTimeoutError(f"HWRM {name}: the channel stayed busy for {timeout:g} s"
+                                       + self._budget_note()) from None
+        try:
+            yield
+        finally:
+            self._hwrm_lock.release()
+
     async def _wait(self, ready: Callable[[], bool], fd: int | None, timeout: float, what: str) -> None:
-        """Sleep on an interrupt fd until `ready()`; memory is re-checked on every wake and every SAFETY_POLL."""
+        """Sleep on an interrupt fd until `ready()`; memory is re-checked on every wake and every SAFETY_POLL. A
+        close that starts meanwhile ends the wait at its deadline too."""
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(timeout):
                 while not ready():
                     await self._check_removed()
+                    if self._close_spent():
+                        raise TimeoutError
                     await wait_for_interrupt(fd, SAFETY_POLL)
         except TimeoutError:
             self._check_alive()
@@ -209,6 +232,7 @@ class Device:
         request = build(request_type, f"RCFW {name}", fields, CMDQ_HEADER)
         slots = -(-ctypes.sizeof(request_type) // CMDQ_SLOT)
         timeout = self._bounded(command_timeout or self.rcfw_timeout)
+        deadline = anyio.current_time() + timeout  # the whole command: queue space, then its answer
         try:
             with anyio.fail_after(timeout):
                 while slots >= self._cmdq.free_entries() or len(self._pending) >= bnxt.RCFW_MAX_COOKIE_VALUE:
@@ -218,6 +242,7 @@ class Device:
             raise FirmwareTimeoutError(f"RCFW {name}: no command queue space within {timeout:g} s"
                                        + self._budget_note()) from None
         self._check_alive()
+        self._check_budget(f"RCFW {name}")
         side: DmaBuffer | None = self.pci.alloc_dma(ctypes.sizeof(side_type)) if side_type else None
         cookie = self._next_cookie()
         request.opcode, request.cmd_size, request.cookie = opcode, slots, cookie
@@ -225,7 +250,7 @@ class Device:
             request.resp_addr, request.resp_size = side.bus_addr, -(-ctypes.sizeof(side_type) // CMDQ_SLOT)
         pending = self._pending[cookie] = _Pending(name, slots)
         self._post_command(bytes(request).ljust(slots * CMDQ_SLOT, b"\0"))
-        await self._await_reply(pending, timeout)
+        await self._await_reply(pending, max(0.0, deadline - anyio.current_time()))
         if pending.error is not None:
             if side is not None:
                 side.free()
@@ -248,7 +273,7 @@ class Device:
     async def _await_reply(self, pending: _Pending, timeout: float) -> None:
         """Wait (shielded, at most `timeout`) until the CREQ answers `pending` or the device is lost."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-            while pending.entry is None and pending.error is None:
+            while pending.entry is None and pending.error is None and not self._close_spent():
                 if self._creq_reader:
                     await pending.done.wait()
                     pending.done = anyio.Event()  # woken because the reader left: look again
@@ -303,6 +328,8 @@ class Device:
                 self._drain_creq()
                 if until is not None and until.entry is None:
                     await self._check_removed(raising=False)  # no watch task: a dead device fails `until` here
+                    if self._close_spent():
+                        return
                 if self._lost or (until is not None and until.entry is not None):
                     return
                 await wait_for_interrupt(fd, SAFETY_POLL * 4)
@@ -422,8 +449,11 @@ class Device:
             return timeout
         return max(0.0, min(timeout, self._close_deadline - anyio.current_time()))
 
+    def _close_spent(self) -> bool:
+        return self._close_deadline is not None and anyio.current_time() >= self._close_deadline
+
     def _check_budget(self, what: str) -> None:
-        if self._close_deadline is not None and self._bounded(1.0) <= 0:
+        if self._close_spent():
             raise FirmwareTimeoutError(f"{what}: not sent: close() spent its budget on the firmware already (the "
                                        "device's reset frees what it would have)")
 
@@ -595,18 +625,21 @@ class Device:
         cancelled block has lost them): each command then reads its own reply, and notices a device that died.
         The firmware gets at most `timeout` seconds in all: once spent, the remaining commands are not sent (the
         device's reset frees what they would have)."""
-        if self._closing:
+        if not self._closing:
+            self._closing = True
+            for scope in self._background:  # the poller and the CREQ reader stop here; commands read their own replies
+                scope.cancel()
+        if self._closed:
             return
-        self._closing = True
-        self._close_deadline = anyio.current_time() + timeout
-        for scope in self._background:  # the poller and the CREQ reader stop here; commands read their own replies
-            scope.cancel()
-        await self._teardown_all()
+        self._close_deadline = anyio.current_time() + timeout  # each call's own budget: a cancelled close resumes
+        async with self._close_lock:  # a second close waits for the first, and takes over if that one is cancelled
+            await self._teardown_all()
+            self._closed = True
 
     async def _teardown_all(self) -> None:
         failures = []
         while self._teardown:
-            what, action = self._teardown.pop()
+            what, action = self._teardown[-1]  # popped once done: a cancel in the middle leaves it for the resume
             try:
                 result = action()  # with the device lost, its commands raise at once and memory is still freed
                 if result is not None:
@@ -615,7 +648,10 @@ class Device:
                 pass  # the device is gone, and its objects with it
             except Exception as exc:  # keep freeing the rest; report at the end
                 failures.append(f"{what}: {exc}")
-        self._hwrm_resp.free()
+            self._teardown.pop()
+        with anyio.move_on_after(1.0):  # a command started before the close ends at its deadline (<= 50 ms later):
+            async with self._hwrm_lock:  # its answer buffer is freed only once it is done reading it
+                self._hwrm_resp.free()
         if failures:
             log.warning("%s: close: %s", self.pci.address, "; ".join(failures))
 

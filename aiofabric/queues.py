@@ -618,7 +618,7 @@ class QueuePair:
         self.state = QPState.RESET  # the post paths' slow branch raises ClosedError
         try:
             destroyed = await _unless_lost(self.device._rcfw("destroy_qp", qp_cid=self.qpn))
-        except FabricError:  # the firmware kept the QP: so do we
+        except BaseException:  # refused, timed out or cancelled: the firmware kept the QP, so do we (a retry works)
             self.closed, self.state = False, state
             raise
         if destroyed:
@@ -686,7 +686,11 @@ class MemoryRegion:
         if self.closed:
             return
         self.closed = True
-        await _unless_lost(self.device._rcfw("deregister_mr", lkey=self.lkey))
+        try:
+            await _unless_lost(self.device._rcfw("deregister_mr", lkey=self.lkey))
+        except BaseException:  # refused, timed out or cancelled: still registered, so still ours (a retry works)
+            self.closed = False
+            raise
         self.device.objects.pop(id(self), None)
         self.table.free()
         if self.owns_buffer:

@@ -14,6 +14,7 @@ if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
 
 from aiofabric import ClosedError, CompletionError, DeviceLostError, FirmwareError, QPInfo, QPState, open_nic
+from aiofabric.errors import FirmwareTimeoutError
 
 pytestmark = pytest.mark.anyio
 
@@ -189,6 +190,50 @@ async def test_close_spends_at_most_its_budget_on_a_firmware_that_stopped_answer
             await nic.create_cq(depth=64)
     assert 0.9 < took < 2.5, f"close took {took:.1f} s with a 1 s budget"
     assert "not sent: close() spent its budget" in caplog.text  # the commands after the budget were never posted
+
+
+async def test_close_bounds_a_wait_for_the_hwrm_channel_and_commands_started_before_it():
+    async with open_nic(hwrm_timeout=8) as nic:
+        nic.pci.debug({"op": "stall", "channel": "hwrm", "count": 100})
+        async with anyio.create_task_group() as tasks:
+            async def stalled_user_command():
+                with pytest.raises(FirmwareTimeoutError):  # started before the close; ends at the close's deadline
+                    await nic.hwrm("func_qcfg", fid=0xFFFF, command_timeout=8)
+            tasks.start_soon(stalled_user_command)
+            await anyio.sleep(0.2)  # it holds the HWRM channel now
+            started = time.monotonic()
+            await nic.close(timeout=1.0)
+            took = time.monotonic() - started
+    assert took < 2.0, f"close(timeout=1) took {took:.1f} s behind a stalled command"
+
+
+async def test_two_closes_at_once_and_a_cancelled_close_both_finish_the_teardown():
+    async with open_nic() as nic:
+        for _ in range(3):
+            await nic.create_qp(await nic.create_cq(depth=64))
+        nic.pci.debug({"op": "latency", "us": 30_000})  # 30 ms per firmware command: the close takes a while
+        with anyio.move_on_after(0.1):
+            await nic.close()  # cancelled part way (at its first HWRM command, after the QPs and CQs)
+        assert nic.pci.dma_bytes_in_use > 0  # the rings are not freed yet: the next close resumes
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(nic.close)
+            tasks.start_soon(nic.close)  # returns only once the teardown is done, not at once
+        assert nic.objects == {} and nic.pci.dma_bytes_in_use == 0
+
+
+async def test_an_mr_whose_deregister_times_out_stays_an_mr_that_can_be_retried():
+    async with open_nic() as nic:
+        nic.rcfw_timeout = 0.3
+        mr = await nic.register_mr(4096)
+        nic.pci.debug({"op": "stall", "channel": "rcfw"})
+        with pytest.raises(FirmwareTimeoutError):
+            await mr.deregister()
+        assert not mr.closed and id(mr) in nic.objects  # not half-destroyed: closed, yet never freed nor dropped
+        mr.view[:4] = b"live"  # still ours
+        try:  # a retry is sent; the firmware may have done the first one (only its answer was lost): it says so
+            await mr.deregister()
+        except FirmwareError as error:
+            assert "deregister_mr failed: INVALID_PARAMETER" in str(error)
 
 
 def _fds():
