@@ -491,8 +491,8 @@ async def test_a_run_that_ends_with_a_receive_posted_flushes_it_says_so_and_neve
                                             queue=sched.ComputeQueue("c"), name="produce"),
                                sched.send(qa, source, name="send"), sched.recv(qb, sink, name="recv")])
         started = time.monotonic()
-        with pytest.raises(sched.CallError, match=rf"call 0 \(produce\).*RuntimeError: bad input.*qp {qb.qpn:#x} left "
-                           r"in ERR \(its outstanding work was flushed\)"):
+        with pytest.raises(sched.CallError, match=rf"call 0 \(produce\).*RuntimeError: bad input.*qp {qb.qpn:#x} "
+                           rf"\({b.pci.address}\) left in ERR \(its outstanding work was flushed\)"):
             await batch.run()
         assert time.monotonic() - started < 4 and qb.state is QPState.ERR and not qb.receives
         broken[0] = False
@@ -512,6 +512,27 @@ async def test_a_run_that_ends_with_a_receive_posted_flushes_it_says_so_and_neve
         with anyio.move_on_after(0.1):
             await batch.run()
         assert time.monotonic() - started < 3 and qb.state is QPState.ERR and not qb.receives
+
+
+@pytest.mark.anyio
+async def test_qps_of_two_nics_with_one_number_get_their_own_names_and_trace_tracks(tmp_path):
+    async with open_nic("sim") as a, open_nic("sim") as b, open_nic("sim") as c:
+        qa, qb = await connected(a, b)  # each NIC numbers its own QPs: the first QP of every NIC has one number
+        qc, qb2 = await connected(c, b)
+        assert qa.qpn == qc.qpn
+        source_a, source_c, target = await a.register_mr(8192), await c.register_mr(8192), await b.register_mr(8192)
+        batch = sched.compile([sched.write(qa, source_a, target, 4096, name="from a"),
+                               sched.write(qc, source_c, target, 4096, remote_offset=4096, name="from c")])
+        with anyio.fail_after(20):
+            await batch.run()
+        names = batch.queue_names()
+        assert names == [f"qp {qa.qpn:#x} ({a.pci.address})", f"qp {qc.qpn:#x} ({c.pci.address})"]
+        assert f"{names[0]}[1] from a" in batch.describe() and f"{names[1]}[1] from c" in batch.describe()
+        batch.trace(tmp_path / "run.json")
+        events = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+        tracks = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+        slices = {e["name"]: e["tid"] for e in events if e["ph"] == "X"}
+        assert slices == {"from a": tracks[names[0]], "from c": tracks[names[1]]} and len(set(tracks.values())) == 2
 
 
 # -- the example ------------------------------------------------------------------------------------------------------

@@ -53,8 +53,8 @@ class CallError(FabricError):
     """A call of a batch failed; the batch was aborted. `call` is its index, `queue` its queue's name, `cause` the
     original error (also `__cause__`)."""
 
-    def __init__(self, index: int, call: Call, cause: BaseException, note: str = "", queue: Any = None) -> None:
-        self.call, self.queue, self.cause = index, queue_name(call.queue if queue is None else queue), cause
+    def __init__(self, index: int, call: Call, cause: BaseException, note: str = "", queue: str | None = None) -> None:
+        self.call, self.queue, self.cause = index, queue if queue is not None else queue_name(call.queue), cause
         super().__init__(f"call {index} ({call.name}) on queue {self.queue} failed: {type(cause).__name__}: {cause}; "
                          f"the batch was aborted{note}")
 
@@ -301,13 +301,14 @@ class Batch:
         self._records = records
         if failures:
             index, error = failures[0]
-            broken = [q for q in queues if isinstance(q, QueuePair) and q.state.name == "ERR"]
+            names = self.queue_names()
+            broken = [names[i] for i, q in enumerate(queues) if isinstance(q, QueuePair) and q.state.name == "ERR"]
             note = ""
             if broken:
-                note = ("; " + ", ".join(queue_name(q) for q in broken) + " left in ERR (its outstanding work was "
+                note = ("; " + ", ".join(broken) + " left in ERR (its outstanding work was "
                         "flushed): reset and reconnect both ends (qp.modify(QPState.RESET), then connect), or connect "
                         "new QPs and rebind them (a QueuePair input), before the next run")
-            queue = queues[plan_.submissions[index].queue] if index >= 0 else None
+            queue = names[plan_.submissions[index].queue] if index >= 0 else None
             raise CallError(index, self.calls[index], error, note, queue) from error
 
     async def _finalise(self, waits: Sequence[Any], signals: list[Counter], device: Any,
@@ -422,30 +423,35 @@ class Batch:
     # -- looking at it ------------------------------------------------------------------------------------------
     def describe(self) -> str:
         """The plan, one line per call: queue[position], name, waits, fence, signal; then the finalisers."""
-        return self.plan.describe([c.name for c in self.calls], self._current_name)
+        return self.plan.describe([c.name for c in self.calls], self._namer())
 
     def to_dot(self) -> str:
         """The plan as Graphviz text (`dot -Tsvg`)."""
-        return self.plan.to_dot([c.name for c in self.calls], self._current_name)
+        return self.plan.to_dot([c.name for c in self.calls], self._namer())
 
-    def _current_name(self, queue: Any) -> str:
-        """The name of what a compiled queue (or device) is bound to now (a QP input may have been rebound)."""
-        for compiled, current in zip(self.plan.queues, self._queues):
-            if compiled is queue:
-                return queue_name(current)
-        return queue_name(queue)
+    def queue_names(self) -> list[str]:
+        """The batch's queues as errors, describe() and traces name them, in plan order: `qp 0x2`, `compute`...,
+        with the NIC added where two QPs of different NICs share a number (each NIC numbers its own QPs)."""
+        base = [queue_name(q) for q in self._queues]
+        return [name + (f" ({q.device.pci.address})" if isinstance(q, QueuePair) else f" #{i}")
+                if base.count(name) > 1 else name for i, (name, q) in enumerate(zip(base, self._queues))]
+
+    def _namer(self) -> Any:
+        """Name a compiled queue (or device) by what it is bound to now (a QP input may have been rebound)."""
+        names = {id(compiled): name for compiled, name in zip(self.plan.queues, self.queue_names())}
+        return lambda queue: names.get(id(queue)) or queue_name(queue)
 
     @property
     def last_trace(self) -> list[CallTrace]:
         """Per call of the last run: its queue, its start and its end (time.perf_counter_ns())."""
-        names = [queue_name(q) for q in self._queues]
+        names = self.queue_names()
         return [CallTrace(i, call.name, names[submission.queue], start, end)
                 for i, (call, submission, (start, end)) in enumerate(zip(self.calls, self.plan.submissions,
                                                                            self._records))]
 
     def trace(self, path: Any) -> None:
         """Write the last run as Chrome trace JSON (Perfetto, chrome://tracing): one track per queue."""
-        write_chrome_trace(path, self.last_trace, [queue_name(q) for q in self._queues])
+        write_chrome_trace(path, self.last_trace, self.queue_names())
 
 
 async def _drain(qp: QueuePair, outstanding: list[tuple[str, Any]]) -> None:
