@@ -153,6 +153,7 @@ class Device:
         return await self._hwrm(name, command_timeout=command_timeout, **fields)
 
     async def _hwrm(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        self._check_alive()  # first: a lost device's destroy frees memory, whatever the budget
         self._check_budget(f"HWRM {name}")
         request_type, response_type, opcode = _hwrm_types(name)
         request = build(request_type, f"HWRM {name}", fields, HWRM_HEADER)
@@ -227,6 +228,7 @@ class Device:
         return await self._rcfw(name, command_timeout=command_timeout, **fields)
 
     async def _rcfw(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        self._check_alive()  # first: a lost device's destroy frees memory, whatever the budget
         self._check_budget(f"RCFW {name}")
         request_type, response_type, side_type, opcode = _rcfw_types(name)
         request = build(request_type, f"RCFW {name}", fields, CMDQ_HEADER)

@@ -36,6 +36,7 @@ import numpy as np
 
 from . import perftest
 from .nic import NIC
+from .completions import Completion
 from .queues import MemoryRegion, QueuePair
 
 TESTS = perftest.TESTS
@@ -237,24 +238,21 @@ async def _run_pair(client: Callable[[], Awaitable[None]], server: Callable[[], 
         raise errors[0]
 
 
-async def _write_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
+async def _pingpong(config: LatConfig, pair: _Pair, post: Callable[[str, int, bool], Awaitable[Completion]],
+                    arrived: Callable[[str, int], Awaitable[None]]) -> list[float]:
+    """ib_*_lat's ping-pong: the client stamps and posts a ping and waits for the pong; the server waits for the ping
+    and answers. `post(side, i, signaled)` posts side's message i, `arrived(side, i)` waits for the other side's."""
     size, total, seconds = config.size, config.warmup + config.iters, config.wait_seconds
-    last = 2 * size - 1  # the last byte of each side's target, [size, 2*size)
     samples: list[float] = []
 
     async def client() -> None:
         view, sends, clock = pair.client_mr.view, _Sends(config, "client"), time.perf_counter
         for i in range(total):
-            value = _value(i)
             _stamp(view, size, i)
             started = clock()
-            completion = await _bounded(
-                pair.client.post_write(pair.client_mr, pair.server_mr, size, remote_offset=size,
-                                       signaled=sends.signaled(i)),
-                seconds, f"client: {_iteration(config, i)}: no room to post the ping")
-            await _poll_last_byte(view, last, value, pair.client, seconds,
-                                  lambda: f"client: {_iteration(config, i)}: the pong (the server's RDMA WRITE "
-                                          f"into the client's buffer) did not arrive")
+            completion = await _bounded(post("client", i, sends.signaled(i)), seconds,
+                                        f"client: {_iteration(config, i)}: no room to post the ping")
+            await arrived("client", i)
             rtt = clock() - started
             if i >= config.warmup:
                 samples.append(rtt / 2 * 1e6)
@@ -264,67 +262,63 @@ async def _write_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
     async def server() -> None:
         view, sends = pair.server_mr.view, _Sends(config, "server")
         for i in range(total):
-            await _poll_last_byte(view, last, _value(i), pair.server, seconds,
-                                  lambda: f"server: {_iteration(config, i)}: the ping (the client's RDMA WRITE "
-                                          f"into the server's buffer) did not arrive")
+            await arrived("server", i)
             _stamp(view, size, i)
-            completion = await _bounded(
-                pair.server.post_write(pair.server_mr, pair.client_mr, size, remote_offset=size,
-                                       signaled=sends.signaled(i)),
-                seconds, f"server: {_iteration(config, i)}: no room to post the pong")
+            completion = await _bounded(post("server", i, sends.signaled(i)), seconds,
+                                        f"server: {_iteration(config, i)}: no room to post the pong")
             await sends.posted(i, completion)
         await sends.drain()
 
     await _run_pair(client, server)
     return samples
+
+
+async def _write_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
+    size, seconds = config.size, config.wait_seconds
+    last = 2 * size - 1  # the last byte of each side's target, [size, 2*size)
+    sides = {"client": (pair.client, pair.client_mr, pair.server_mr,
+                        "the pong (the server's RDMA WRITE into the client's buffer)"),
+             "server": (pair.server, pair.server_mr, pair.client_mr,
+                        "the ping (the client's RDMA WRITE into the server's buffer)")}
+
+    def post(side: str, i: int, signaled: bool) -> Awaitable[Completion]:
+        qp, mine, theirs, _ = sides[side]
+        return qp.post_write(mine, theirs, size, remote_offset=size, signaled=signaled)
+
+    async def arrived(side: str, i: int) -> None:
+        qp, mine, _, what = sides[side]
+        await _poll_last_byte(mine.view, last, _value(i), qp, seconds,
+                              lambda: f"{side}: {_iteration(config, i)}: {what} did not arrive")
+
+    return await _pingpong(config, pair, post, arrived)
 
 
 async def _send_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
     size, total, seconds, slots = config.size, config.warmup + config.iters, config.wait_seconds, pair.rx_slots
-    samples: list[float] = []
+    sides = {"client": (pair.client, pair.client_mr, pair.client_receives, "the pong (the server's SEND)"),
+             "server": (pair.server, pair.server_mr, pair.server_receives, "the ping (the client's SEND)")}
 
-    async def post_recv(qp: QueuePair, mr: MemoryRegion, receives: list[Any], i: int) -> None:
+    async def post_recv(side: str, i: int) -> None:
+        qp, mr, receives, _ = sides[side]
         receives.append(await qp.post_recv(mr, size, local_offset=size * (1 + i % slots)))
 
     for i in range(min(slots, total)):  # receives posted ahead on both sides before the first SEND
-        await post_recv(pair.client, pair.client_mr, pair.client_receives, i)
-        await post_recv(pair.server, pair.server_mr, pair.server_receives, i)
+        await post_recv("client", i)
+        await post_recv("server", i)
 
-    async def received(side: str, qp: QueuePair, mr: MemoryRegion, receives: list[Any], i: int, what: str) -> None:
+    def post(side: str, i: int, signaled: bool) -> Awaitable[Completion]:
+        qp, mr, _, _ = sides[side]
+        return qp.post_send(mr, size, signaled=signaled)
+
+    async def arrived(side: str, i: int) -> None:
+        _, _, receives, what = sides[side]
         completion = await _bounded(receives[i], seconds, f"{side}: {_iteration(config, i)}: {what} did not arrive")
         if completion.byte_len != size:
             raise ValueError(f"{side}: {_iteration(config, i)}: received {completion.byte_len} bytes, sent {size}")
         if i + slots < total:
-            await post_recv(qp, mr, receives, i + slots)
+            await post_recv(side, i + slots)
 
-    async def client() -> None:
-        view, sends, clock = pair.client_mr.view, _Sends(config, "client"), time.perf_counter
-        for i in range(total):
-            _stamp(view, size, i)
-            started = clock()
-            completion = await _bounded(pair.client.post_send(pair.client_mr, size, signaled=sends.signaled(i)),
-                                        seconds, f"client: {_iteration(config, i)}: no room to post the ping")
-            await received("client", pair.client, pair.client_mr, pair.client_receives, i,
-                           "the pong (the server's SEND)")
-            rtt = clock() - started
-            if i >= config.warmup:
-                samples.append(rtt / 2 * 1e6)
-            await sends.posted(i, completion)
-        await sends.drain()
-
-    async def server() -> None:
-        view, sends = pair.server_mr.view, _Sends(config, "server")
-        for i in range(total):
-            await received("server", pair.server, pair.server_mr, pair.server_receives, i,
-                           "the ping (the client's SEND)")
-            _stamp(view, size, i)
-            completion = await _bounded(pair.server.post_send(pair.server_mr, size, signaled=sends.signaled(i)),
-                                        seconds, f"server: {_iteration(config, i)}: no room to post the pong")
-            await sends.posted(i, completion)
-        await sends.drain()
-
-    await _run_pair(client, server)
-    return samples
+    return await _pingpong(config, pair, post, arrived)
 
 
 async def _read_loop(config: LatConfig, pair: _Pair) -> list[float]:
