@@ -92,12 +92,36 @@ class QPInfo:
     mac: str
     psn: int
 
+    def __post_init__(self) -> None:
+        check_qp_info(self)
+
     def to_dict(self) -> dict[str, Any]:
         return {"qpn": self.qpn, "gid": self.gid.hex(), "mac": self.mac, "psn": self.psn}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> QPInfo:
         return cls(int(data["qpn"]), bytes.fromhex(data["gid"]), data["mac"], int(data["psn"]))
+
+
+def check_qp_info(info: QPInfo) -> None:
+    """Refuse what the wire cannot carry: BTH holds 24-bit QP numbers and PSNs, and a wider value would be
+    truncated into another QP's number (or another PSN) instead of failing."""
+    check_range("qpn", info.qpn, 0, 0xFFFFFF)
+    check_range("psn", info.psn, 0, 0xFFFFFF)
+    if not isinstance(info.gid, bytes) or len(info.gid) != 16:
+        raise ValueError(f"gid must be 16 bytes, not {info.gid!r}")
+    mac_bytes(info.mac)
+
+
+def mac_bytes(mac: str) -> bytes:
+    """The 6 bytes of a MAC address written as hex ("02:00:00:00:00:01", colons optional)."""
+    try:
+        raw = bytes.fromhex(mac.replace(":", ""))
+    except (AttributeError, ValueError):
+        raw = b""
+    if len(raw) != 6:
+        raise ValueError(f"mac must be 6 bytes in hex (02:00:00:00:00:01), not {mac!r}")
+    return raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +411,7 @@ class QueuePair:
         `rnr_retry` count retransmissions (rnr_retry 7 retries forever), `min_rnr_timer` is the IB RNR timer code."""
         if mtu not in PATH_MTUS:
             raise ValueError(f"path MTU must be one of {sorted(PATH_MTUS)}, not {mtu}")
+        check_qp_info(peer)  # again: a QPInfo's fields can be swapped (object.__setattr__) or a look-alike passed
         check_range("timeout", timeout, 0, 31)
         check_range("retry_cnt", retry_cnt, 0, 7)
         check_range("rnr_retry", rnr_retry, 0, 7)
@@ -403,8 +428,7 @@ class QueuePair:
             | m.CMDQ_MODIFY_QP_MODIFY_MASK_DEST_QP_ID,
             dgid=tuple(int.from_bytes(peer.gid[i:i + 4], "little") for i in range(0, 16, 4)),
             sgid_index=self.device.gid_index, hop_limit=64, path_mtu_pingpong_push_enable=PATH_MTUS[mtu],
-            dest_mac=tuple(int.from_bytes(bytes.fromhex(peer.mac.replace(":", ""))[i:i + 2], "little")
-                           for i in range(0, 6, 2)),
+            dest_mac=tuple(int.from_bytes(mac_bytes(peer.mac)[i:i + 2], "little") for i in range(0, 6, 2)),
             rq_psn=peer.psn, min_rnr_timer=min_rnr_timer, max_dest_rd_atomic=max(max_rd_atomic, 1),
             dest_qp_id=peer.qpn)
         await self.modify(

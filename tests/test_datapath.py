@@ -2,11 +2,12 @@
 import contextlib
 import os
 import random
+import types
 
 import anyio
 import pytest
 
-from aiofabric import Access, QPState, open_nic
+from aiofabric import Access, QPInfo, QPState, open_nic
 from aiofabric.completions import CompletionError
 from aiofabric.queues import LocalBuffer, RemoteRegion
 
@@ -127,6 +128,31 @@ async def test_modify_to_error_flushes_posted_receives():
             for receive in receives:
                 with pytest.raises(CompletionError, match="FLUSHED"):
                     await receive
+
+
+async def test_qp_info_wider_than_the_wire_is_refused_and_reaches_no_qp():
+    """BTH carries 24 bits of QP number and PSN: QP 1 << 24 | 2 must not become QP 2."""
+    async with pair() as (a, b, qa, qb):
+        cq = await a.create_cq(16)
+        qc = await a.create_qp(cq)
+        good = qb.info()
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        wide = {"qpn": 1 << 24 | qb.qpn, "gid": good.gid, "mac": good.mac, "psn": good.psn}
+        cases = [({"qpn": 1 << 24 | qb.qpn}, f"qpn .*{1 << 24 | qb.qpn}"), ({"psn": 1 << 24}, f"psn .*{1 << 24}"),
+                 ({"qpn": -1}, "qpn .*-1"), ({"gid": good.gid[:15]}, "gid must be 16 bytes"),
+                 ({"mac": "02:00:00:00:01"}, "mac must be 6 bytes .*'02:00:00:00:01'")]
+        for change, message in cases:
+            fields = {**vars(good), **change}
+            with pytest.raises(ValueError, match=message):
+                QPInfo(**fields)
+            with pytest.raises(ValueError, match=message):  # a look-alike that skipped QPInfo's own check
+                await qc.connect(types.SimpleNamespace(**fields))
+        with pytest.raises(ValueError, match="qpn"):
+            QPInfo.from_dict({**wide, "gid": good.gid.hex()})
+        assert qc.state == QPState.INIT
+        with pytest.raises(RuntimeError, match="INIT"):
+            await qc.post_write(source, target, 64)
+        assert b.pci.debug({"op": "placed"})["qps"][str(qb.qpn)]["write_messages"] == 0
 
 
 async def test_faults_still_deliver_every_byte_exactly_once():
