@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -231,6 +232,21 @@ def test_c_kernels_are_cached_with_their_flags_and_errors_are_clear(tmp_path, mo
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(sched.CompilerNotFoundError, match="no C compiler 'cc' on PATH.*numpy kernels work"):
         sched.CKernel(SPIN + "/* new */", "spin")
+
+
+@pytest.mark.parametrize("name", ["../../escape", "{tmp_path}/escape", "a/b", "..", "", "9lives", "sp in", "spin\0",
+                                  "caf\u00e9", b"spin"])
+def test_c_kernel_names_must_be_c_identifiers_so_the_library_stays_in_the_cache(tmp_path, monkeypatch, name):
+    cache = tmp_path / "a" / "b" / "cache"  # deep enough that "../../escape" would stay under tmp_path
+    monkeypatch.setenv("AIOFABRIC_CACHE", str(cache))
+    source = "void escape(void) {}"
+    if isinstance(name, str):
+        name = name.format(tmp_path=tmp_path)  # an absolute path, kept under tmp_path
+    with pytest.raises(ValueError, match="C kernel name must be a C identifier .*not " + re.escape(repr(name))):
+        sched.CKernel(source, name)
+    assert [path.name for path in tmp_path.rglob("*.so")] == []
+    kernel = sched.CKernel(source, "escape")
+    assert Path(kernel.build["library"]).resolve().parent == cache.resolve()
 
 
 @pytest.mark.anyio

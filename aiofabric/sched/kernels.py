@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -16,6 +17,7 @@ import numpy as np
 from ..errors import FabricError
 
 DEFAULT_FLAGS = ("-O2", "-shared", "-fPIC")
+C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class CompilerNotFoundError(FabricError):
@@ -51,6 +53,11 @@ class CKernel:
 
     def __init__(self, source: str, name: str, *, flags: tuple[str, ...] = DEFAULT_FLAGS,
                  compiler: str | None = None) -> None:
+        # the name is the symbol ctypes looks up and part of the cached file's name: a C identifier has no "/" or
+        # "..", so the library cannot land outside the cache
+        if not isinstance(name, str) or not C_IDENTIFIER.fullmatch(name):
+            raise ValueError(f"C kernel name must be a C identifier (ASCII letters, digits and _, not starting with a "
+                             f"digit), not {name!r}")
         self.source, self.name, self.flags = source, name, tuple(flags)
         cc = compiler or os.environ.get("CC", "cc")
         path = shutil.which(cc)
