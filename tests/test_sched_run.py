@@ -1,4 +1,5 @@
 """The scheduler's executors (aiofabric/sched/run.py): compiled batches run on asyncio, uvloop and trio."""
+import gc
 import json
 import os
 import random
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import anyio
@@ -159,6 +161,71 @@ async def test_a_failing_kernel_aborts_the_batch_and_it_runs_again_after_the_fix
     with anyio.fail_after(5):
         await batch.run()
     assert z.tolist() == [4.0] * 4 and ran_after == [1]
+
+
+class Stop(BaseException):
+    """A BaseException of the caller's own: neither an Exception nor a cancellation."""
+
+
+@pytest.mark.parametrize("where", ["kernel", "threaded kernel", "qp post"])
+@pytest.mark.parametrize("backend, options", BACKENDS, ids=["asyncio", "uvloop", "trio"])
+def test_system_exit_and_keyboard_interrupt_in_a_call_leave_the_run_as_themselves(backend, options, where):
+    """Neither wrapped in an exception group nor tearing the event loop down under the batch's other tasks ("coroutine
+    never awaited"): the batch aborts as for any failure, then the exception itself leaves run()."""
+    pending: list[BaseException] = []
+    ran_after = []
+
+    def first(out, a):
+        if pending:
+            raise pending.pop()
+        out[:] = a
+
+    async def abort_and_rerun(calls, queue):
+        batch = sched.compile(calls)
+        if where == "qp post":
+            async def post(qp, call, args):
+                if pending:
+                    raise pending.pop()
+                return await sched.Batch._post(qp, call, args)
+            batch._post = post
+        for error in (SystemExit(3), KeyboardInterrupt(), Stop()):
+            pending.append(error)
+            with pytest.raises(type(error)) as caught:
+                with anyio.fail_after(10):
+                    await batch.run()
+            assert caught.value is error and ran_after == []  # the waiting call was stopped, not run
+            if sys.version_info >= (3, 11):
+                assert caught.value.__notes__ == [f"raised by call 0 ({calls[0].name}) on queue {queue}; the batch "
+                                                  "was aborted"]
+        with anyio.fail_after(10):
+            await batch.run()
+        assert ran_after == [1] and batch.runs == 1
+
+    def record(out, a):
+        ran_after.append(1)
+
+    async def main():
+        if where != "qp post":
+            x, y, z = np.ones(4), np.zeros(4), np.zeros(4)
+            await abort_and_rerun([sched.kernel(first, [y], [x], queue=sched.ComputeQueue("c0"), name="first",
+                                                threaded=where == "threaded kernel"),
+                                   sched.kernel(record, [z], [y], queue=sched.ComputeQueue("c1"))], "c0")
+            return
+        async with open_nic("sim") as a, open_nic("sim") as b:
+            qa, _ = await connected(a, b)
+            staging, landing = await a.register_mr(4096), await b.register_mr(4096)
+            await abort_and_rerun([sched.write(qa, staging, landing),
+                                   sched.kernel(record, [np.zeros(1)], [np.frombuffer(landing.view, np.uint8)],
+                                                queue=sched.ComputeQueue("c1"))], f"qp {qa.qpn:#x}")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            anyio.run(main, backend=backend, backend_options=options)
+        except BaseException as error:
+            pytest.fail(f"{error!r} escaped the event loop")
+        gc.collect()
+    assert [str(w.message) for w in seen if "never awaited" in str(w.message)] == []
 
 
 @pytest.mark.anyio

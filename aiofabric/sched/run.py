@@ -261,7 +261,9 @@ class Batch:
 
     # -- running ------------------------------------------------------------------------------------------------
     async def run(self, bindings: Mapping[str, Any] | Sequence[Any] | None = None) -> None:
-        """Run the batch once (after rebinding `bindings`); raises `CallError` naming the first call that failed."""
+        """Run the batch once (after rebinding `bindings`); raises `CallError` naming the first call that failed.
+        A call raising SystemExit or KeyboardInterrupt (any BaseException but a cancellation) aborts the batch the
+        same way, then that exception leaves as itself, with a note naming the call (Python >= 3.11)."""
         number = self._fence.take()
         tickets: dict[Any, int] = {}
         self._active += 1
@@ -286,8 +288,7 @@ class Batch:
         failures: list[tuple[int, BaseException]] = []
         async with anyio.create_task_group() as group:
             def fail(submission: Submission | None, error: BaseException) -> None:
-                if not failures:
-                    failures.append((submission.call if submission else -1, error))
+                failures.append((submission.call if submission else -1, error))
                 group.cancel_scope.cancel()
 
             for qi, submissions in enumerate(self._queue_submissions):
@@ -300,7 +301,8 @@ class Batch:
                 group.start_soon(self._finalise, finaliser.waits, signals, devices[finaliser.device], tickets)
         self._records = records
         if failures:
-            index, error = failures[0]
+            # the first failure names the abort, but a SystemExit or KeyboardInterrupt among them must not be lost
+            index, error = next((f for f in failures if not isinstance(f[1], Exception)), failures[0])
             names = self.queue_names()
             broken = [names[i] for i, q in enumerate(queues) if isinstance(q, QueuePair) and q.state.name == "ERR"]
             note = ""
@@ -309,6 +311,11 @@ class Batch:
                         "flushed): reset and reconnect both ends (qp.modify(QPState.RESET), then connect), or connect "
                         "new QPs and rebind them (a QueuePair input), before the next run")
             queue = names[plan_.submissions[index].queue] if index >= 0 else None
+            if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt: not a call's failure to catch
+                if hasattr(error, "add_note"):  # Python >= 3.11
+                    error.add_note(f"raised by call {index} ({self.calls[index].name}) on queue {queue}; the batch "
+                                   f"was aborted{note}")
+                raise error
             raise CallError(index, self.calls[index], error, note, queue) from error
 
     async def _finalise(self, waits: Sequence[Any], signals: list[Counter], device: Any,
@@ -352,7 +359,9 @@ class Batch:
                 if inline >= YIELD_EVERY:
                     inline = 0
                     await checkpoint()
-        except Exception as error:
+        except BaseException as error:
+            if _cancelled(error):
+                raise
             fail(submission, error)
 
     async def _qp_worker(self, qi: int, submissions: list[Submission], signals: list[Counter], timeline: Timeline,
@@ -374,7 +383,9 @@ class Batch:
                     retired.set(k + 1)
                     if submission.signal is not None:
                         signal.set(submission.signal)
-            except Exception as error:
+            except BaseException as error:
+                if _cancelled(error):
+                    raise
                 fail(submission, error)
 
         submission = None
@@ -393,7 +404,9 @@ class Batch:
                         completions[k] = await self._post(qp, self.calls[submission.call],
                                                           self._prepared[submission.call])
                         posted.set(k + 1)
-                except Exception as error:
+                except BaseException as error:
+                    if _cancelled(error):
+                        raise
                     fail(submission, error)
         finally:
             outstanding = [(self.calls[submissions[k].call].kind, completions[k])
@@ -452,6 +465,13 @@ class Batch:
     def trace(self, path: Any) -> None:
         """Write the last run as Chrome trace JSON (Perfetto, chrome://tracing): one track per queue."""
         write_chrome_trace(path, self.last_trace, self.queue_names())
+
+
+def _cancelled(error: BaseException) -> bool:
+    """Whether a worker must let `error` pass: cancellation, or its coroutine being closed. Anything else a call
+    raises aborts the batch through `fail`, SystemExit and KeyboardInterrupt included: left to escape a worker, they
+    stopped the asyncio loop with the batch's other tasks never run, and came out of trio in an exception group."""
+    return isinstance(error, (anyio.get_cancelled_exc_class(), GeneratorExit))
 
 
 async def _drain(qp: QueuePair, outstanding: list[tuple[str, Any]]) -> None:
