@@ -4,8 +4,10 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -314,6 +316,29 @@ def test_c_kernel_names_must_be_c_identifiers_so_the_library_stays_in_the_cache(
     assert [path.name for path in tmp_path.rglob("*.so")] == []
     kernel = sched.CKernel(source, "escape")
     assert Path(kernel.build["library"]).resolve().parent == cache.resolve()
+
+
+def test_a_crashing_c_kernel_kills_its_process_so_untrusted_kernels_run_in_a_child(tmp_path):
+    """As documented: no exception for a segfault, the process dies; run in a child, the parent sees -SIGSEGV."""
+    child = textwrap.dedent("""
+        import anyio, numpy as np
+        from aiofabric import sched
+        # reads the address it is given: 8 is unmapped, a SIGSEGV no compiler turns into a trap at build time
+        crash = sched.CKernel("#include <stdint.h>\\n"
+                              "void crash(double *out, int64_t at) { out[0] = *(volatile double *)(intptr_t)at; }",
+                              "crash")
+        batch = sched.compile([sched.kernel(crash, [np.zeros(1)], [], [8], queue=sched.ComputeQueue())])
+        print("running", flush=True)
+        try:
+            anyio.run(batch.run)
+        except BaseException as error:
+            print("caught", repr(error), flush=True)
+        print("survived", flush=True)
+        """)
+    process = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "AIOFABRIC_CACHE": str(tmp_path)})
+    assert process.returncode == -signal.SIGSEGV, (process.returncode, process.stdout, process.stderr)
+    assert process.stdout == "running\n"
 
 
 @pytest.mark.anyio

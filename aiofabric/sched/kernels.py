@@ -49,7 +49,15 @@ class CKernel:
     pointers to their first element, then the scalars (Python int -> int64_t, float -> double).
 
     The shared object is cached by the hash of compiler, flags and source, so a second process (or a replay)
-    never compiles again; `build` records the compiler, the flags, the path and whether the cache was hit."""
+    never compiles again; `build` records the compiler, the flags, the path and whether the cache was hit.
+
+    The kernel runs inside this process, in a worker thread, with the process's memory (MRs and rings included):
+    nothing checks what it does. One that crashes (a bad pointer's SIGSEGV, an abort) kills the whole process at
+    once, the event loop and every open NIC with it; no exception is raised, so no `CallError` or `except` can catch
+    it (the emulators notice the driver died and exit). Try a new or untrusted kernel in a child process first:
+    build and run it alone on inputs of the real sizes (`subprocess.run([sys.executable, "-c", ...])` or
+    multiprocessing's "spawn" context), or run the whole batch there; the parent then sees the child's exit status
+    (-SIGSEGV) and lives on."""
 
     def __init__(self, source: str, name: str, *, flags: tuple[str, ...] = DEFAULT_FLAGS,
                  compiler: str | None = None) -> None:
