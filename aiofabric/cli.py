@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import ipaddress
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from . import __version__
 from .nic import open_nic
 from . import plot
 from .latency import LatConfig, format_latency_table, run_latency
-from .perftest import MTUS, TESTS, BenchConfig, format_table, run_bench, run_loopback
+from .perftest import MTUS, TESTS, BenchConfig, format_table, open_bench_nics, run_bench, run_loopback
 from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
 
 if sys.version_info < (3, 11):
@@ -131,6 +132,14 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
             parser.error(f"choose one of SERVER_HOST, --server and --peer, not {' and '.join(modes)}")
         if args.forever and not args.server:
             parser.error("--forever goes with --server")
+        if args.server_host is not None:
+            given = [flag for flag, value in (("--remote-nic", args.remote_nic), ("--remote-ip", args.remote_ip))
+                     if value is not None]
+            if given:
+                parser.error(f"{' and '.join(given)}: the server chooses its NIC and address (its own --nic and "
+                             "--ip); drop them")
+        if args.server and not args.nic.startswith("sim") and args.ip is None:
+            parser.error(f"--server --nic {args.nic}: give the NIC's address with --ip")
         if args.run_infinitely:
             if getattr(args, "sizes", None):
                 parser.error("--run-infinitely runs one size: drop the sweep")
@@ -147,14 +156,7 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.server:
         return await _bench_server(args, config)
     if args.server_host is not None:  # perftest's client: the server side is an `aiofabric bench --server` there
-        from .peer.tcp import DEFAULT_PORT, connect_tcp
-        config.check()
-        async with connect_tcp(args.server_host, args.port or DEFAULT_PORT,
-                               connect_timeout=args.connect_timeout, command_timeout=args.command_timeout) as peer:
-            config.remote = peer
-            config.remote_ip = args.remote_ip or "connection"  # the address this connection reached: routable
-            result = await run_bench(config)
-            await peer.request("report", result=result)  # the server prints the same table
+        result = await _bench_client(args, config)
     elif args.peer is None:
         result = await run_bench(config)
     else:  # the server side on the peer's host, started over SSH
@@ -175,23 +177,62 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+async def _bench_client(args: argparse.Namespace, config: BenchConfig) -> dict[str, Any]:
+    """perftest's client: open the NIC here, connect to the server from its address (the server's QPs talk only
+    to the address a connection comes from), run the test with the server side there, hand it the result."""
+    from .peer import PeerError
+    from .peer.tcp import DEFAULT_PORT, connect_tcp, source_address
+    config.check()
+    port = args.port or DEFAULT_PORT
+    if config.ip is None and config.nic.startswith("sim"):  # the address that reaches the server (None: loopback,
+        config.ip = await source_address(args.server_host, port)  # where the emulator picks a free 127.0.0.x)
+    async with open_bench_nics(config) as nics, \
+            connect_tcp(args.server_host, port, local_host=nics[0].ip, connect_timeout=args.connect_timeout,
+                        command_timeout=args.command_timeout) as peer:
+        config.remote = peer
+        result = await run_bench(config, nics)
+        try:
+            await peer.request("report", result=result)  # the server prints the same table
+        except PeerError as exc:  # the run itself is done and measured here
+            logging.getLogger(__name__).warning("the server did not take the report: %s", exc)
+    return result
+
+
 async def _bench_server(args: argparse.Namespace, config: BenchConfig) -> dict[str, Any]:
     """perftest's server: wait for `aiofabric bench ... SERVER_HOST` clients over TCP (one at a time; --forever: one
-    after another), let each drive the server side through the peer protocol, and print each one's table."""
+    after another), let each drive the server side through the bench exchange under this server's policy (its
+    NIC, address, capture file and limits), and print each one's table. Without --forever, a client whose
+    session failed makes the server fail too."""
+    from .peer.policy import Limits, ServerPolicy
     from .peer.tcp import DEFAULT_PORT, serve_tcp
+    limits = Limits(nics=args.max_nics, memory=args.max_memory, in_flight=args.max_requests, line=args.max_line,
+                    depth=args.max_depth, idle=args.idle_timeout)
+    policy = ServerPolicy(nic=args.nic, ip=args.ip, pcap=args.pcap, allow_peers=tuple(args.allow_peer or ()),
+                          limits=limits)
 
-    def show(result: dict[str, Any]) -> None:
-        if not args.json:
+    def show(result: dict[str, Any], client: str) -> None:  # `result` is the client's, its text already escaped
+        if args.json:
+            return
+        try:
             first = result.get("rows", [result])[0]
             fields = {name: first[name] for name in ("test", "qps", "size", "iters", "depth", "mtu", "nics")
                       if name in first}
-            print(format_table(result, dataclasses.replace(config, **fields)), flush=True)
+            table = format_table(result, dataclasses.replace(config, **fields))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ValueError(f"report: not a bench result ({type(exc).__name__}: {exc})") from None
+        print(f"aiofabric bench server: the report of client {client} (its own measurements):\n{table}", flush=True)
 
-    print(f"aiofabric bench server: waiting for a client on {args.bind} TCP port {args.port or DEFAULT_PORT}",
-          file=sys.stderr, flush=True)
-    summary = await serve_tcp(args.bind, args.port or DEFAULT_PORT, forever=args.forever, on_report=show)
-    session_error = summary.pop("error", None)  # the client's trouble (logged), not the server's: still exit 0
-    return {"server": True, **summary, "client_error": session_error}
+    def listening(port: int) -> None:
+        print(f"aiofabric bench server: waiting for a client on {args.bind} TCP port {port}", file=sys.stderr,
+              flush=True)
+
+    summary = await serve_tcp(args.bind, args.port or DEFAULT_PORT, forever=args.forever, policy=policy,
+                              ready=listening, on_report=show)
+    session_error = summary.pop("error", None)
+    result = {"server": True, **summary, "client_error": session_error}
+    if session_error and not args.forever:
+        result["error"] = f"the client's session failed: {session_error}"
+    return result
 
 
 def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -307,8 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
     bench.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
     bench.add_argument("--nic", default="sim", help="'sim' (emulated NICs), 'sim:NAME', or a PCI address (with "
-                                                    "--peer: the NIC here)")
-    bench.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x)")
+                                                    "--peer or SERVER_HOST: the NIC here; with --server: the NIC "
+                                                    "each client's test runs on)")
+    bench.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: "
+                                    "the address that reaches the server; --server: the address the client "
+                                    "reached)")
     bench.add_argument("--qps", type=int, default=1, help="queue pairs (default 1)")
     bench.add_argument("-s", "--size", type=size_argument, default=65536,
                        help="message size: bytes or with a K/M/G suffix, powers of 1024 (default 64K)")
@@ -332,9 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "N writes without placing them) or misplace (place them OFFSET bytes off; default 64)")
     bench.add_argument("--peer", metavar="HOST", help="run the server side on [user@]HOST[:port], started over SSH "
                                                      "(one NIC here, one there)")
-    bench.add_argument("--remote-nic", default="sim", help="with --peer: the NIC there (default sim)")
+    bench.add_argument("--remote-nic", help="with --peer: the NIC there (default sim)")
     bench.add_argument("--remote-ip", help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
     _add_ssh_flags(bench)
+    _add_server_limits(bench)
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--json-file", metavar="FILE", help="also write the JSON object to FILE (perftest's "
                                                           "--out_json_file)")
@@ -392,10 +437,55 @@ def _add_wire_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC N: FILE.N)")
 
 
+def _add_server_limits(parser: argparse.ArgumentParser) -> None:
+    """What one client of `bench --server` may hold (aiofabric/peer/policy.py); defaults are Limits'."""
+    from .peer.policy import Limits
+    group = parser.add_argument_group("server limits (with --server, per client)")
+    defaults = Limits()
+    group.add_argument("--max-nics", type=positive_int, default=defaults.nics, metavar="N",
+                       help=f"NICs a client may open at once (default {defaults.nics}, as perftest)")
+    group.add_argument("--max-memory", type=size_argument, default=defaults.memory, metavar="BYTES",
+                       help="DMA memory a client's NICs may hold: registered memory, rings and the NIC's own "
+                            f"(default {defaults.memory >> 20}M)")
+    group.add_argument("--max-requests", type=positive_int, default=defaults.in_flight, metavar="N",
+                       help=f"requests of a client in flight at once (default {defaults.in_flight})")
+    group.add_argument("--max-line", type=size_argument, default=defaults.line, metavar="BYTES",
+                       help=f"bytes per request line (default {defaults.line >> 10}K)")
+    group.add_argument("--max-depth", type=positive_int, default=defaults.depth, metavar="N",
+                       help=f"JSON nesting of a request (default {defaults.depth})")
+    group.add_argument("--idle-timeout", type=positive_float, default=defaults.idle, metavar="S",
+                       help=f"drop a client that sends no request or reads no answer for S seconds (default "
+                            f"{defaults.idle:g}; our clients ping while their test runs)")
+    group.add_argument("--allow-peer", type=ipaddress.ip_network, action="append", metavar="NETWORK",
+                       help="a network the server's QPs may also connect to (default: only the address each "
+                            "client connects from); repeatable")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], not {value}")
+    return value
+
+
 def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:
     """How to reach a host over SSH (connect, bench --peer)."""
-    parser.add_argument("--port", type=int, help="SSH port (default 22); for bench --server / SERVER_HOST the TCP "
-                                                  "port (default 18515)")
+    parser.add_argument("--port", type=port_number, help="SSH port (default 22); for bench --server / SERVER_HOST "
+                                                          "the TCP port (default 18515; --server: 0 picks one)")
     parser.add_argument("--user", help="SSH user (default: the SSH default)")
     parser.add_argument("--identity", metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
     parser.add_argument("--known-hosts", metavar="FILE|none",

@@ -423,7 +423,7 @@ async def run_latency(config: LatConfig) -> dict[str, Any]:
     "error" when verification failed. A lost message raises TimeoutError naming the side and the iteration."""
     config.check()
     bench = config.bench_config()
-    async with perftest._nics(bench) as nics:
+    async with perftest.open_bench_nics(bench) as nics:
         client_nic, server_nic = nics
         pair = await _connect(config, client_nic, server_nic)
         fault = bench.fault()

@@ -12,7 +12,7 @@ import anyio.lowlevel
 
 from .device import CLOSE_TIMEOUT, Device, log
 from .errors import ClosedError
-from .pci import DmaBuffer, PCIDevice, PCIError, SysfsPCIDevice
+from .pci import DmaBudget, DmaBuffer, PCIDevice, PCIError, SysfsPCIDevice
 from .poller import Poller
 from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair, check_range
 from .taskgroups import own_task_group
@@ -111,13 +111,14 @@ def open_pci(spec: str, **options: Any) -> PCIDevice:
 
 @contextlib.asynccontextmanager
 async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: float | None = None,
-                   **options: Any) -> AsyncIterator[NIC]:
+                   dma_budget: DmaBudget | None = None, **options: Any) -> AsyncIterator[NIC]:
     """Boot the NIC named by `spec` and close it (freeing every firmware object) when the block exits.
 
     `ip` is the NIC's IPv4 address (its GID is ::ffff:ip); an emulated NIC without one picks a free 127.0.0.x.
     Extra `options` configure an emulated NIC: `fw_latency_us`, `transport` ("udp" or "raw"), `loss`, `dup`,
     `reorder`, `corrupt`, `seed` (wire faults), `pcap` (a file to write every packet to) and `netns` (a network
-    namespace to run in).
+    namespace to run in). `dma_budget` caps the DMA memory (rings, registered memory, the NIC's own) this NIC
+    and any others sharing the budget may hold: past it, what would allocate raises MemoryError.
 
     An exception raised in the block leaves it as itself. The close runs even when the block is cancelled from
     outside, shielded and bounded (CLOSE_TIMEOUT); whatever it could not free goes with the emulator process.
@@ -127,6 +128,7 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
     elif ip is None and PCI_ADDRESS.fullmatch(spec):
         raise PCIError(f"{spec}: give the NIC's IPv4 address (ip=...)")
     pci = await _start(spec, options)
+    pci.dma_budget = dma_budget
     try:
         nic = NIC(pci, ip or pci.ip, **({"hwrm_timeout": hwrm_timeout} if hwrm_timeout else {}))
     except BaseException:

@@ -108,6 +108,22 @@ class DmaBuffer:
             pass
 
 
+class DmaBudget:
+    """A cap on the DMA memory some devices hold at once (a server's limit per client): bytes `in_use` of `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_use = limit, 0
+
+    def take(self, length: int, who: str) -> None:
+        if self.in_use + length > self.limit:
+            raise MemoryError(f"{who}: DMA memory limit reached: {length} more bytes would make {self.in_use + length}"
+                              f" of the {self.limit} allowed")
+        self.in_use += length
+
+    def give(self, length: int) -> None:
+        self.in_use -= length
+
+
 class PCIDevice(abc.ABC):
     """A PCI function as the driver sees it. Not thread-safe; used from one event loop."""
 
@@ -122,9 +138,31 @@ class PCIDevice(abc.ABC):
     @abc.abstractmethod
     def write_config(self, offset: int, value: int, size: int) -> None: ...
 
-    @abc.abstractmethod
+    dma_budget: DmaBudget | None = None  # shared by the devices one budget caps (open_nic(dma_budget=...))
+
     def alloc_dma(self, size: int, contiguous: bool = False) -> DmaBuffer:
-        """Allocate zeroed, pinned DMA memory rounded up to whole 4 KiB pages."""
+        """Allocate zeroed, pinned DMA memory rounded up to whole 4 KiB pages; MemoryError past `dma_budget`."""
+        budget = self.dma_budget
+        if budget is None:
+            return self._alloc_dma(size, contiguous)
+        length = -(-max(size, 1) // PAGE_SIZE) * PAGE_SIZE
+        budget.take(length, self.address)
+        try:
+            buffer = self._alloc_dma(size, contiguous)
+        except BaseException:
+            budget.give(length)
+            raise
+        release = buffer._release
+
+        def give_back() -> None:
+            budget.give(length)
+            if release is not None:
+                release()
+        buffer._release = give_back
+        return buffer
+
+    @abc.abstractmethod
+    def _alloc_dma(self, size: int, contiguous: bool) -> DmaBuffer: ...
 
     @property
     @abc.abstractmethod
@@ -335,7 +373,7 @@ class SysfsPCIDevice(PCIDevice):
 
     # -- DMA memory --
 
-    def alloc_dma(self, size: int, contiguous: bool = False) -> DmaBuffer:
+    def _alloc_dma(self, size: int, contiguous: bool) -> DmaBuffer:
         self._check_open()
         if size <= 0:
             raise ValueError(f"DMA size must be positive, not {size}")

@@ -35,7 +35,7 @@ MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
 PATTERN_CHUNK = 1 << 20  # random.randbytes(n) overflows a C int above 256 MiB: fill the pattern 1 MiB at a time
 FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its own bytes to compare at the end
 REGION_BYTES = 256 << 20  # at most this much buffer per QP when slots are reused (a larger message gets one slot)
-MAX_SIZE = 512 << 20  # one message: source and target live in different NICs' 1 GiB DMA arenas
+MAX_SIZE = 1 << 30  # one message: source and target live in different NICs' 4 GiB DMA arenas
 PEAK_SAMPLE = 0.05  # seconds between the samples of bytes done (the peak is the best tenth of the run)
 WARMUP_SHARE = 0.2  # with -D, this share of the time (at most 2 s) runs before measuring starts
 STAMP = struct.Struct("<Q")  # (flow << 40 | iteration) at the start of a reused slot, so each payload is distinct
@@ -72,7 +72,9 @@ class BenchConfig:
     nic: str = "sim"  # what the local NICs are: "sim", "sim:NAME" (numbered per NIC) or a PCI address (with a peer)
     ip: str | None = None  # NIC 0's IPv4 address
     remote: Any = None  # a connected aiofabric.peer Peer: the server side runs on its host (bench --peer)
-    remote_nic: str = "sim"  # the NIC the server side opens there
+    server_host: str | None = None  # perftest's client: the server side is `bench --server` there (then `remote`
+                                    # is the Peer the caller connected to it, after opening the local NIC)
+    remote_nic: str | None = None  # the NIC the server side opens there (None: the endpoint's default, "sim")
     remote_ip: str | None = None
     progress: bool = False
 
@@ -99,20 +101,20 @@ class BenchConfig:
                 raise ValueError(f"--{name} is a probability in [0, 1)")
         if self.inject_fault is not None:
             self.fault()
-        if self.remote is not None and self.nics != 2:
+        if self.with_peer and self.nics != 2:
             raise ValueError("--peer pairs one NIC here with one there: --nics must be 2")
-        if self.remote is not None and self.inject_fault is not None:
+        if self.with_peer and self.inject_fault is not None:
             raise ValueError("--inject-fault needs the emulator's debug channel, which a peer does not offer")
         if self.duration is not None and not 0 < self.duration <= 86400:
             raise ValueError(f"-D/--duration must be in (0, 86400] seconds, not {self.duration}")
-        if self.bidirectional and self.remote is not None:
+        if self.bidirectional and self.with_peer:
             raise ValueError("-b/--bidirectional needs both NICs here (not with --peer)")
         if not (self.nic == "sim" or self.nic.startswith("sim:") or PCI_ADDRESS.fullmatch(self.nic)):
             raise ValueError(f"bad NIC spec {self.nic!r} for --nic: use 'sim', 'sim:NAME' or a PCI address like "
                              f"0000:41:00.0")
-        if not self.nic.startswith("sim") and self.remote is None:
+        if not self.nic.startswith("sim") and not self.with_peer:
             raise ValueError(f"--nic {self.nic}: a PCI NIC needs its partner on another host: use --peer HOST")
-        if self.ip is not None and self.nics > 2 and self.remote is None:
+        if self.ip is not None and self.nics > 2 and not self.with_peer:
             raise ValueError("--ip names NIC 0's address: with --nics > 2 let the emulated NICs pick theirs")
         for size in self.sizes or [self.size]:
             if not 1 <= size <= MAX_SIZE:
@@ -129,6 +131,11 @@ class BenchConfig:
                              f"not {self.inject_fault!r}")
         count, offset = (int(n) for n in (numbers + ["1", "64"])[:2])
         return {"op": "fault", "kind": kind, "count": count, "offset": offset}
+
+    @property
+    def with_peer(self) -> bool:
+        """The server side runs on another host (--peer or SERVER_HOST): one NIC here."""
+        return self.remote is not None or self.server_host is not None
 
     @property
     def slots(self) -> int:
@@ -165,10 +172,11 @@ class _Flow:
 
 
 @contextlib.asynccontextmanager
-async def _nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
+async def open_bench_nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
+    """The local NICs of a run (`run_bench` opens them itself unless it is given them)."""
     async with contextlib.AsyncExitStack() as stack:
         nics = []
-        for i in range(1 if config.remote is not None else config.nics):  # with a peer, the servers live there
+        for i in range(1 if config.with_peer else config.nics):  # with a peer, the servers live there
             if not config.nic.startswith("sim"):  # a real NIC: no emulator options
                 nics.append(await stack.enter_async_context(open_nic(config.nic, ip=config.ip)))
                 continue
@@ -415,12 +423,13 @@ class _Sampler:
         return best
 
 
-async def run_bench(config: BenchConfig) -> dict[str, Any]:
-    """One size (`config.size`) or a sweep (`config.sizes`: one row per size in "rows", NICs booted once)."""
+async def run_bench(config: BenchConfig, nics: list[NIC] | None = None) -> dict[str, Any]:
+    """One size (`config.size`) or a sweep (`config.sizes`: one row per size in "rows", NICs booted once), on
+    `nics` (from `open_bench_nics`) or on NICs it opens and closes."""
     config.check()
     sizes = config.sizes or [config.size]
     rows = []
-    async with _nics(config) as nics:
+    async with contextlib.nullcontext(nics) if nics is not None else open_bench_nics(config) as nics:
         first = nics[0].info()
         for size in sizes:
             rows.append(await _run_size(dataclasses.replace(config, size=size), nics, first["fw_version"]))

@@ -1,5 +1,6 @@
 """The endpoint protocol over TCP (aiofabric.peer.tcp): an in-process server on 127.0.0.1 (an OS-chosen port), real
 benches through it, and each failure: garbage, a mid-run disconnect, a busy server, a taken port, no server."""
+import contextlib
 import logging
 import os
 import socket
@@ -12,7 +13,7 @@ import pytest
 
 from aiofabric.peer import PeerError
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
-from aiofabric.perftest import BenchConfig, format_table, run_bench
+from aiofabric.perftest import BenchConfig, format_table, open_bench_nics, run_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_peer import assert_no_leftovers  # noqa: E402
@@ -49,14 +50,24 @@ class Server:
 
 async def _start(tasks, server: Server, forever: bool) -> None:
     async def run(*, task_status):
-        server.result = await serve_tcp("127.0.0.1", 0, forever=forever, on_report=server.reports.append,
+        server.result = await serve_tcp("127.0.0.1", 0, forever=forever, on_report=lambda result, client: server.reports.append(result),
                                         on_session=server.on_session, ready=task_status.started)
     server.port = await tasks.start(run)
 
 
-async def _bench(peer, test: str) -> dict:
+@contextlib.asynccontextmanager
+async def _client(port: int):
+    """What `aiofabric bench TEST 127.0.0.1` does: the NIC here first, then a connection from its address (the
+    server's QPs talk only to the address a connection comes from)."""
+    async with open_bench_nics(BenchConfig(server_host="127.0.0.1")) as nics, \
+            connect_tcp("127.0.0.1", port, local_host=nics[0].ip) as peer:
+        yield peer, nics
+
+
+async def _bench(client, test: str) -> dict:
+    peer, nics = client
     config = BenchConfig(test=test, remote=peer, **SHAPE)
-    result = await run_bench(config)
+    result = await run_bench(config, nics)
     assert result["verified"], result
     assert result["remote_host"] == peer.host and result["ops"] == SHAPE["qps"] * SHAPE["iters"]
     await peer.request("report", result=result)
@@ -68,10 +79,11 @@ async def test_benches_through_a_tcp_peer_and_the_server_prints_the_report():
     async with anyio.create_task_group() as tasks:
         await _start(tasks, server, forever=False)
         with anyio.fail_after(30):
-            async with connect_tcp("127.0.0.1", server.port) as peer:
+            async with _client(server.port) as client:
+                peer = client[0]
                 assert peer.host == f"127.0.0.1:{server.port}" and peer.remote_pid == os.getpid()
                 for test in ("write", "read", "send"):
-                    await _bench(peer, test)
+                    await _bench(client, test)
     assert server.result is not None and server.result["outcome"] == "end of input"
     assert server.result["port"] == server.port and server.result["reports"] == 3
     assert server.result["objects_left"] == 0 and server.result["error"] is None
@@ -125,8 +137,8 @@ async def test_garbage_is_answered_and_dropped_then_the_next_client_runs_a_verif
             received = await _raw_client(server.port, bytes(range(256)) * 16 + b"\n")
             assert b'"id":null' in received
             await server.wait_sessions(3)
-            async with connect_tcp("127.0.0.1", server.port) as peer:  # forever: the next client is served
-                await _bench(peer, "write")
+            async with _client(server.port) as client:  # forever: the next client is served
+                await _bench(client, "write")
             await server.wait_sessions(4)
         tasks.cancel_scope.cancel()
     first, http, binary, good = server.sessions
@@ -145,13 +157,14 @@ async def test_a_client_that_disconnects_mid_run_leaves_nothing_on_the_server(ca
     async with anyio.create_task_group() as tasks:
         await _start(tasks, server, forever=True)
         with anyio.fail_after(40):
-            async with connect_tcp("127.0.0.1", server.port) as peer:
+            async with _client(server.port) as (peer, nics):
                 async with anyio.create_task_group() as client:
                     failed: list[BaseException] = []
 
                     async def bench():
                         try:
-                            await run_bench(BenchConfig(test="send", remote=peer, qps=2, iters=200_000, size=4096))
+                            await run_bench(BenchConfig(test="send", remote=peer, qps=2, iters=200_000, size=4096),
+                                            nics)
                         except Exception as exc:
                             failed.append(exc)
 

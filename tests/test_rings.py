@@ -17,7 +17,7 @@ class FakeSeam(PCIDevice):
         self.memory = bytearray(64 << 20)
         self.pages = PageAllocator(len(self.memory))
 
-    def alloc_dma(self, size, contiguous=False):
+    def _alloc_dma(self, size, contiguous=False):
         start = self.pages.alloc(size)
         length = -(-size // PAGE_SIZE) * PAGE_SIZE
         view = memoryview(self.memory)[start:start + length]

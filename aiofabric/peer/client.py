@@ -199,10 +199,13 @@ class Peer:
     async def ping(self) -> int:
         return (await self.request("ping"))["pid"]
 
-    async def open_nic(self, spec: str = "sim", *, ip: str | None = None, timeout: float | None = None,
+    async def open_nic(self, spec: str | None = None, *, ip: str | None = None, timeout: float | None = None,
                        **options: Any) -> RemoteNIC:
-        """Open a NIC on the remote host (`options`: the emulated NIC's, e.g. netns=, fw_latency_us=)."""
-        result = await self.request("open_nic", spec=spec, ip=ip, options=options, timeout=timeout)
+        """Open a NIC on the remote host (`options`: the emulated NIC's, e.g. netns=, fw_latency_us=). `spec` and
+        `ip` None are not sent: the endpoint's defaults ("sim", a free address), or a bench server's own choice
+        (it refuses them from a client)."""
+        named = {key: value for key, value in (("spec", spec), ("ip", ip)) if value is not None}
+        result = await self.request("open_nic", options=options, timeout=timeout, **named)
         return RemoteNIC(result["nic"], result["ip"], result["gid"], result["mac"])
 
     async def create_cq(self, nic: RemoteNIC | int, depth: int = 256) -> int:

@@ -40,9 +40,7 @@ async def two_hosts(peer: Peer, *, nic: str = "sim", remote_nic: str = "sim", lo
         handshake = time.perf_counter() - started
         source, back = await local.register_mr(size), await local.register_mr(size)
         target = await peer.register_mr(remote, size)
-        data = protocol.pattern(SEED, size)
-        source.view[:size] = data
-        expected = protocol.sha256_hex(data)
+        expected = protocol.fill_pattern(source.view[:size], SEED)
         with anyio.fail_after(TRANSFER_TIMEOUT):
             begin = time.perf_counter()
             await qp.write(source, target.remote(), size)

@@ -9,6 +9,8 @@ Framing
 
 Messages
     endpoint -> client, once, first:  {"ready": true, "protocol": 1, "version": "0.1.0", "pid": 4242}
+                                      (+ "idle_timeout": seconds, when the endpoint drops a client that sends no
+                                      request for that long: the client then pings within it)
     client -> endpoint, a request:    {"id": 7, "op": "create_qp", "args": {"nic": 1, "cq": 2}}
     endpoint -> client, its answer:   {"id": 7, "ok": true, "result": {"qp": 3, "info": {...}}}
                      or an error:     {"id": 7, "ok": false, "error": {"type": "ValueError", "message": "..."}}
@@ -23,6 +25,14 @@ Messages
     Over TCP an endpoint also drops a client that sends bytes which are not JSON-object lines at all (a stray
     connection, a port scanner, a client of another protocol): it answers the error ("id": null), closes that
     client's objects and the connection. A well-formed request with a bad op or field is answered as above.
+    A line nested deeper than MAX_DEPTH (or the server's limit) is not protocol either: it is refused before any
+    of it is turned into objects.
+
+Profiles
+    `aiofabric serve` over SSH answers every operation below (the SSH login is the authentication). A TCP client
+    of `bench --server` is unauthenticated, so it may send only the bench exchange (BENCH): no `post`, and
+    `open_nic` takes only the test's wire faults as options; the server chooses its NIC, addresses, transport,
+    capture files and namespaces. Anything else is answered with a `NotAllowed` error naming the op or field.
 
 Handles
     Remote objects (NICs, CQs, QPs, MRs) are named by integer handles the endpoint hands out, unique per endpoint.
@@ -66,6 +76,7 @@ from typing import Any, Callable
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 1 << 20
+MAX_DEPTH = 32  # JSON nesting: a request is 4 deep, a bench report 6
 VERBS = ("write", "read", "send", "recv", "write_with_imm")
 REQUIRED = object()  # marks a field without a default
 
@@ -85,6 +96,10 @@ class NotProtocolError(ProtocolError):
 
 class Refused(ProtocolError):
     """The endpoint answered before its ready message, with an error and no id: it turned this client away."""
+
+
+class NotAllowed(ProtocolError):
+    """A request this client may not send (an op or a field outside its profile): refused, never run."""
 
 
 # -- field kinds: each checks (and normalises) a value or raises ValueError naming what it wanted ------------------
@@ -124,6 +139,18 @@ def _options(value: Any) -> dict[str, Any]:
                                               for v in value.values()):
         raise ValueError(f"an object of scalar options, not {value!r}")
     return value
+
+
+TEST_OPTIONS = ("loss", "reorder", "dup", "corrupt", "seed")  # the test's own wire faults: a bench client's to set
+
+
+def _test_options(value: Any) -> dict[str, Any]:
+    options = _options(value)
+    others = sorted(set(options) - set(TEST_OPTIONS))
+    if others:
+        raise NotAllowed(f"option(s) {', '.join(map(repr, others))} are the server's to choose; a client may set "
+                         f"only the test's wire faults ({', '.join(TEST_OPTIONS)})")
+    return options
 
 
 def _verb(value: Any) -> str:
@@ -194,14 +221,37 @@ OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
 }
 
 
-def check_args(op: str, args: Any) -> dict[str, Any]:
-    """`args` of `op` with defaults filled in; ValueError naming the op and the field that is wrong."""
-    fields = OPS.get(op)
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """The requests one kind of client may send: `ops` (a subset of OPS, some with fewer fields); `why` ends the
+    message of a refusal, saying who decides instead."""
+    name: str
+    ops: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]]
+    why: str = ""
+
+
+ENDPOINT = Profile("endpoint", OPS)
+BENCH_OPS_NAMES = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", "fill", "sha256", "connect_qp",
+                   "post_recvs", "close", "report")  # what `bench SERVER_HOST` sends, nothing else
+BENCH = Profile("bench", {**{op: OPS[op] for op in BENCH_OPS_NAMES}, "open_nic": {"options": (_test_options, {})}},
+                "a TCP client of `bench --server` runs only the bench exchange; the server chooses its NIC, "
+                "addresses, transport, capture files and namespaces (its own flags)")
+
+
+def check_args(op: str, args: Any, profile: Profile = ENDPOINT) -> dict[str, Any]:
+    """`args` of `op` with defaults filled in; ValueError naming the op and the field that is wrong, NotAllowed
+    for an op or field that exists but is outside `profile`."""
+    fields = profile.ops.get(op)
     if fields is None:
-        raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+        if op in OPS:
+            raise NotAllowed(f"op {op!r} is not allowed: {profile.why}")
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(profile.ops)}")
     if not isinstance(args, dict):
         raise ValueError(f"{op}: args must be an object, not {args!r}")
     unknown = sorted(set(args) - set(fields))
+    refused = [name for name in unknown if name in OPS[op]]
+    if refused:
+        raise NotAllowed(f"{op}: field(s) {', '.join(map(repr, refused))} not allowed: {profile.why}")
     if unknown:
         raise ValueError(f"{op}: unknown field(s) {', '.join(unknown)}; known: {', '.join(fields) or 'none'}")
     checked = {}
@@ -213,6 +263,8 @@ def check_args(op: str, args: Any) -> dict[str, Any]:
             continue
         try:
             checked[name] = kind(args[name])
+        except NotAllowed as exc:
+            raise NotAllowed(f"{op}: field {name!r}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{op}: field {name!r} must be {exc}") from None
     if op == "post" and checked["verb"] in ("write", "read", "write_with_imm") and checked["remote"] is None:
@@ -226,10 +278,11 @@ def check_args(op: str, args: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Ready:
-    """The endpoint started and speaks `protocol`."""
+    """The endpoint started and speaks `protocol`; it drops a client silent for `idle_timeout` s (None: never)."""
     protocol: int
     version: str
     pid: int
+    idle_timeout: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +307,8 @@ def encode(message: Ready | Request | Answer) -> bytes:
     if isinstance(message, Ready):
         data: dict[str, Any] = {"ready": True, "protocol": message.protocol, "version": message.version,
                                 "pid": message.pid}
+        if message.idle_timeout is not None:
+            data["idle_timeout"] = message.idle_timeout
     elif isinstance(message, Request):
         data = {"id": message.id, "op": message.op, "args": message.args}
     elif message.ok:
@@ -266,19 +321,36 @@ def encode(message: Ready | Request | Answer) -> bytes:
     return line
 
 
-def _object(line: bytes) -> dict[str, Any]:
+def _depth(value: Any) -> int:
+    """How deeply `value` nests lists and objects (a scalar: 0), without recursion."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            level.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _object(line: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     try:
         data = json.loads(line)
+    except RecursionError:  # the parser's own guard: far deeper than any limit
+        raise NotProtocolError(f"JSON nested deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise NotProtocolError(f"not JSON: {exc}") from None
+        raise NotProtocolError(f"not JSON ({exc}): {line[:80]!r}") from None
     if not isinstance(data, dict):
         raise NotProtocolError(f"not a JSON object: {line[:80]!r}")
+    if _depth(data) > max_depth:
+        raise NotProtocolError(f"JSON nested deeper than {max_depth} levels")
     return data
 
 
-def decode_request(line: bytes) -> Request:
-    """A request line, its args checked; ProtocolError (with the id, if readable) otherwise."""
-    data = _object(line)
+def decode_request(line: bytes, profile: Profile = ENDPOINT, max_depth: int = MAX_DEPTH) -> Request:
+    """A request line, its args checked against `profile`; ProtocolError (with the id, if readable) otherwise:
+    NotAllowed for a request outside the profile, NotProtocolError for a line that is no JSON object at all."""
+    data = _object(line, max_depth)
     request_id = data.get("id")
     if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
         raise ProtocolError(f"request without a valid id (a non-negative integer): {line[:80]!r}")
@@ -287,7 +359,9 @@ def decode_request(line: bytes) -> Request:
     if not isinstance(data.get("op"), str):
         raise ProtocolError("request without an op", request_id)
     try:
-        return Request(request_id, data["op"], check_args(data["op"], data.get("args", {})))
+        return Request(request_id, data["op"], check_args(data["op"], data.get("args", {}), profile))
+    except NotAllowed as exc:
+        raise NotAllowed(str(exc), request_id) from None
     except ValueError as exc:
         raise ProtocolError(str(exc), request_id) from None
 
@@ -298,7 +372,11 @@ def decode_reply(line: bytes) -> Ready | Answer:
     if data.get("ready") is True:
         if not isinstance(data.get("protocol"), int):
             raise ProtocolError(f"ready message without a protocol version: {line[:80]!r}")
-        return Ready(data["protocol"], str(data.get("version", "")), int(data.get("pid", 0)))
+        idle = data.get("idle_timeout")
+        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0):
+            raise ProtocolError(f"ready message with a bad idle_timeout: {line[:80]!r}")
+        return Ready(data["protocol"], str(data.get("version", "")), int(data.get("pid", 0)),
+                     None if idle is None else float(idle))
     request_id = data.get("id")
     if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, int)):
         raise ProtocolError(f"answer with a bad id: {line[:80]!r}")
@@ -397,9 +475,46 @@ class ClientState:
         return message
 
 
+PATTERN_CHUNK = 1 << 20
+
+
+def fill_pattern(view: memoryview | bytearray, seed: int) -> str:
+    """Fill `view` with the pseudo-random bytes of `seed` (both sides compute the same bytes without sending them),
+    a chunk at a time (no temporary the size of the whole, any length); their sha256 (hex)."""
+    digest = hashlib.sha256()
+    with memoryview(view) as whole, whole.cast("B") as flat:
+        for index, start in enumerate(range(0, len(flat), PATTERN_CHUNK)):
+            end = min(start + PATTERN_CHUNK, len(flat))
+            chunk = random.Random(f"{seed}:{index}").randbytes(end - start)  # a str seed is hashed, not truncated
+            flat[start:end] = chunk
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def pattern(seed: int, length: int) -> bytes:
-    """`length` pseudo-random bytes from `seed`: both sides compute the same bytes without sending them."""
-    return random.Random(seed).randbytes(length)
+    """The first `length` bytes `fill_pattern` writes for `seed`."""
+    data = bytearray(length)
+    fill_pattern(data, seed)
+    return bytes(data)
+
+
+def printable_tree(value: Any) -> Any:
+    """A JSON value with every string in it (keys too) made `printable`, cut at 1000 characters."""
+    if isinstance(value, str):
+        return printable(value, 1000)
+    if isinstance(value, dict):
+        return {printable(str(key), 1000): printable_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [printable_tree(item) for item in value]
+    return value
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """`text` safe for a terminal or a log line: control, format and separator characters (escape sequences,
+    newlines, bidirectional overrides) written as escapes, cut at `limit` characters."""
+    cut = text[:limit]
+    safe = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
+    return safe + ("..." if len(text) > limit else "")
 
 
 def sha256_hex(data: bytes | memoryview) -> str:

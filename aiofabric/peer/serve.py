@@ -8,6 +8,10 @@ shell on the public driver API: each request runs in its own task, so several ar
 the order they finish. A bad request gets an error answer; nothing a client sends crashes the endpoint. End of input
 (the client closed its side, or the SSH connection dropped) closes every NIC (freeing its firmware objects) and
 returns, so the process exits 0. Logs go to stderr, which `connect_peer` forwards to the client's logging.
+
+Trust: `aiofabric serve` runs every operation a client asks for, on any NIC, with any emulator option: it is meant
+to be started over SSH, whose login is the authentication. An unauthenticated TCP client (`bench --server`) is
+served with a `ServerPolicy` instead: only the bench exchange, on the server's own NIC choices, within its limits.
 """
 from __future__ import annotations
 
@@ -20,12 +24,15 @@ from typing import Any, Awaitable, Callable
 
 import anyio
 import anyio.abc
+import numpy
 
 from .. import __version__
 from ..nic import NIC, open_nic
+from ..pci import DmaBudget
 from ..queues import CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from . import protocol
-from .protocol import Answer, ProtocolError, Ready
+from .policy import LimitError, ServerPolicy
+from .protocol import Answer, NotAllowed, ProtocolError, Ready
 
 log = logging.getLogger("aiofabric.serve")
 READ_CHUNK = 1 << 16
@@ -69,13 +76,18 @@ class _NicSlot:
 
 
 class Endpoint:
-    """The objects one client created, by handle, and the operations on them."""
+    """The objects one client created, by handle, and the operations on them. With a `policy` (an unauthenticated
+    client at `client_ip`) NICs are the server's choice, their DMA memory is capped, and QPs connect only to the
+    client."""
 
-    def __init__(self, tasks: anyio.abc.TaskGroup, *, on_report: Callable[[dict[str, Any]], Any] | None = None,
-                 connection_ip: str | None = None, summary: dict[str, Any] | None = None) -> None:
+    def __init__(self, tasks: anyio.abc.TaskGroup, *, on_report: Callable[[dict[str, Any], str], Any] | None = None,
+                 connection_ip: str | None = None, summary: dict[str, Any] | None = None,
+                 policy: ServerPolicy | None = None, client_ip: str | None = None) -> None:
         self.tasks = tasks
         self.on_report, self.connection_ip = on_report, connection_ip
         self.summary = summary if summary is not None else {}
+        self.policy, self.client_ip = policy, client_ip
+        self.budget = DmaBudget(policy.limits.memory) if policy is not None else None
         self.objects: dict[int, Any] = {}  # handle -> _NicSlot | CompletionQueue | QueuePair | MemoryRegion
         self.owner: dict[int, int] = {}  # handle -> handle of its NIC
         self._next_handle = 1
@@ -101,8 +113,17 @@ class Endpoint:
     async def op_ping(self) -> dict[str, Any]:
         return {"pid": os.getpid()}
 
-    async def op_open_nic(self, spec: str, ip: str | None, options: dict[str, Any]) -> dict[str, Any]:
-        if ip == "ssh":  # the address the client's SSH connection reached: this host's address on that network
+    async def op_open_nic(self, spec: str = "sim", ip: str | None = None,
+                          options: dict[str, Any] | None = None) -> dict[str, Any]:
+        options = dict(options or {})
+        if self.policy is not None:  # the server's NIC, address and capture file; the client's test faults
+            open_nics = sum(isinstance(obj, _NicSlot) for obj in self.objects.values())
+            if open_nics >= self.policy.limits.nics:
+                raise LimitError(f"open_nic: this client has {open_nics} NIC(s) open, the server's limit "
+                                 "(--max-nics): close one first")
+            spec, ip = self.policy.nic, self.policy.ip or self.connection_ip
+            options.update(self.policy.nic_options())
+        elif ip == "ssh":  # the address the client's SSH connection reached: this host's address on that network
             try:
                 ip = os.environ["SSH_CONNECTION"].split()[2]
             except (KeyError, IndexError):
@@ -125,7 +146,7 @@ class Endpoint:
                        *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         started = False
         try:
-            async with open_nic(spec, ip=ip, **options) as nic:
+            async with open_nic(spec, ip=ip, dma_budget=self.budget, **options) as nic:
                 slot.nic = nic
                 task_status.started()
                 started = True
@@ -160,11 +181,10 @@ class Endpoint:
     async def op_fill(self, mr: int, seed: int | None, byte: int, offset: int, length: int | None) -> dict[str, Any]:
         view = self._range(mr, offset, length)
         if seed is not None:
-            view[:] = protocol.pattern(seed, len(view))
-        else:
-            if not 0 <= byte <= 255:
-                raise ValueError(f"fill: byte must be in [0, 255], not {byte}")
-            view[:] = bytes([byte]) * len(view)
+            return {"sha256": protocol.fill_pattern(view, seed)}
+        if not 0 <= byte <= 255:
+            raise ValueError(f"fill: byte must be in [0, 255], not {byte}")
+        numpy.frombuffer(view, numpy.uint8)[:] = byte  # in place: no copy the size of the range
         return {"sha256": protocol.sha256_hex(view)}
 
     async def op_sha256(self, mr: int, offset: int, length: int | None) -> dict[str, Any]:
@@ -173,6 +193,8 @@ class Endpoint:
     async def op_connect_qp(self, qp: int, peer: dict[str, Any], mtu: int, timeout: int,
                             retry_cnt: int) -> dict[str, Any]:
         queue_pair = self._get(qp, QueuePair, "qp")
+        if self.policy is not None:
+            self.policy.check_peer(peer["gid"], self.client_ip or "")
         await queue_pair.connect(QPInfo.from_dict(peer), mtu=mtu, timeout=timeout, retry_cnt=retry_cnt)
         return {"state": queue_pair.state.name}
 
@@ -220,10 +242,11 @@ class Endpoint:
 
     async def op_report(self, result: dict[str, Any]) -> dict[str, Any]:
         self.summary["reports"] = self.summary.get("reports", 0) + 1
+        result = protocol.printable_tree(result)  # whoever shows it shows text, never the client's escape codes
         if self.on_report is None:
             log.info("the client reported: %s", result)
         else:
-            outcome = self.on_report(result)
+            outcome = self.on_report(result, self.summary.get("client", ""))
             if inspect.isawaitable(outcome):
                 await outcome
         return {"reported": True}
@@ -242,27 +265,37 @@ Send = Callable[[bytes], Awaitable[None]]
 _GONE = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)  # the client's side of the carrier is gone
 
 
-async def serve_stream(receive: Receive, send: Send, *, client: str = "", strict: bool = False,
-                       on_report: Callable[[dict[str, Any]], Any] | None = None,
+async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy: ServerPolicy | None = None,
+                       client_ip: str | None = None, on_report: Callable[[dict[str, Any], str], Any] | None = None,
                        connection_ip: str | None = None) -> dict[str, Any]:
     """Serve the endpoint protocol to one client over any byte-stream pair until end of input; then close every
     object it opened and return a summary of the session.
 
     `receive()` returns the next bytes (b"" at end of input); `send(data)` writes. `client` names the other side in
-    logs ("" for stdin). `strict` (the TCP carrier): bytes that are not JSON-object lines drop the client after their
-    error answer, and a disconnect with objects open or requests in flight is logged as a warning. `on_report` gets
-    the `result` of each `report` request (it may be a coroutine function). `connection_ip`: the address the
-    client's connection reached, for open_nic's ip "connection".
+    logs ("" for stdin). `on_report(result, client)` gets the `result` of each `report` request, every string in it escaped
+    (`protocol.printable`); it may be a coroutine function.
+    `connection_ip`: the address the client's connection reached, for open_nic's ip "connection".
+
+    `policy` (an unauthenticated TCP client, connected from `client_ip`): only the bench exchange
+    (`protocol.BENCH`), NICs as the policy says, within its limits: a request past `in_flight` or a refused one
+    gets an error answer (and a log line); a client that sends no request, or reads no answer, for `idle` seconds
+    is dropped, and so is one that sends bytes that are not JSON-object lines (after their error answer); a
+    disconnect with objects open is logged as a warning.
 
     Summary: {"client", "outcome" ("end of input", "disconnected mid-run", "non-protocol bytes", "connection lost",
-    "cannot answer"), "error" (a one-line description, or None), "requests", "errors", "reports",
-    "objects_closed", "objects_left"}.
+    "cannot answer", "idle"), "error" (a one-line description, or None), "requests", "errors", "refused",
+    "reports", "objects_closed", "objects_left"}.
     """
+    strict = policy is not None
+    limits = policy.limits if policy is not None else None
+    profile = protocol.BENCH if strict else protocol.ENDPOINT
+    max_depth = limits.depth if limits is not None else protocol.MAX_DEPTH
     write_lock = anyio.Lock()
     stop = anyio.Event()
-    in_flight: set[int] = set()
+    in_flight = [0]
+    last_request = [anyio.current_time()]
     summary: dict[str, Any] = {"client": client, "outcome": "end of input", "error": None, "requests": 0,
-                               "errors": 0, "reports": 0, "objects_closed": 0, "objects_left": 0}
+                               "errors": 0, "refused": 0, "reports": 0, "objects_closed": 0, "objects_left": 0}
     who = f"client {client}" if client else "the client"
 
     def finish(outcome: str, error: str | None = None) -> None:
@@ -272,24 +305,37 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", strict
 
     async def send_line(line: bytes) -> None:
         async with write_lock:
-            await send(line)
+            if limits is None:
+                await send(line)
+                return
+            with anyio.move_on_after(limits.idle) as waited:  # a client that reads nothing cannot hold us
+                await send(line)
+            if waited.cancelled_caught:
+                finish("idle", f"{who} read no answer for {limits.idle:g} s; dropped it")
+
+    def refused(request_id: int | None, exc: BaseException) -> None:
+        summary["refused"] += 1
+        log.warning("%s: refused request %s: %s", who, request_id, protocol.printable(str(exc), 400))
 
     async def answer_error(request_id: int | None, exc: BaseException) -> None:
         summary["errors"] += 1
+        if isinstance(exc, (NotAllowed, LimitError)):
+            refused(request_id, exc)
         try:
             await send_line(protocol.encode(protocol.error_answer(request_id, exc)))
         except _GONE as gone:
             finish("cannot answer", f"{who}: cannot answer: {gone}")
 
     async def run(endpoint: Endpoint, request: protocol.Request) -> None:
-        in_flight.add(request.id)
         try:
             answer = Answer(request.id, True, await endpoint.handle(request))
         except Exception as exc:  # every failure is an answer, never a crash
             log.debug("request %d (%s) failed", request.id, request.op, exc_info=True)
+            if isinstance(exc, (NotAllowed, LimitError)):
+                refused(request.id, exc)
             answer = protocol.error_answer(request.id, exc)
         finally:
-            in_flight.discard(request.id)
+            in_flight[0] -= 1
         if not answer.ok:
             summary["errors"] += 1
         try:
@@ -303,8 +349,17 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", strict
                 log.warning("cannot answer request %d: %s; stopping", request.id, exc)
             finish("cannot answer", f"{who}: cannot answer request {request.id}: {exc}")
 
+    async def watch_idle(idle: float) -> None:
+        """Drop a client that sends no complete request for `idle` s (bytes that never end a line do not count)."""
+        while not stop.is_set():
+            left = last_request[0] + idle - anyio.current_time()
+            if left <= 0:
+                finish("idle", f"{who} sent no request for {idle:g} s; dropped it")
+                return
+            await anyio.sleep(left)
+
     async def read_until_end(requests: anyio.abc.TaskGroup, endpoint: Endpoint) -> None:
-        lines = protocol.LineBuffer()
+        lines = protocol.LineBuffer(limits.line if limits is not None else protocol.MAX_LINE)
         while not stop.is_set():
             try:
                 data = await receive()
@@ -322,8 +377,9 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", strict
                     return
                 continue
             for line in batch:
+                last_request[0] = anyio.current_time()
                 try:
-                    request = protocol.decode_request(line)
+                    request = protocol.decode_request(line, profile, max_depth)
                 except ProtocolError as exc:
                     await answer_error(exc.request_id, exc)
                     if strict and isinstance(exc, protocol.NotProtocolError):
@@ -331,23 +387,34 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", strict
                         return
                     continue
                 summary["requests"] += 1
+                if limits is not None and in_flight[0] >= limits.in_flight:
+                    await answer_error(request.id, LimitError(
+                        f"{request.op}: {in_flight[0]} requests of this client are in flight, the server's limit "
+                        "(--max-requests): wait for their answers"))
+                    continue
+                in_flight[0] += 1
                 requests.start_soon(run, endpoint, request)
-        if endpoint.objects or in_flight:
-            finish("disconnected mid-run", f"{who} disconnected mid-run ({len(in_flight)} request(s) in flight, "
+        if endpoint.objects or in_flight[0]:
+            finish("disconnected mid-run", f"{who} disconnected mid-run ({in_flight[0]} request(s) in flight, "
                                            f"{len(endpoint.objects)} object(s) open); closed them")
         finish("end of input")
 
     async with anyio.create_task_group() as nics:  # NIC tasks outlive request tasks: closed last
-        endpoint = Endpoint(nics, on_report=on_report, connection_ip=connection_ip, summary=summary)
+        endpoint = Endpoint(nics, on_report=on_report, connection_ip=connection_ip, summary=summary, policy=policy,
+                            client_ip=client_ip)
         try:
             async with anyio.create_task_group() as requests:
+                ready = Ready(protocol.PROTOCOL_VERSION, __version__, os.getpid(),
+                              limits.idle if limits is not None else None)
                 try:
-                    await send_line(protocol.encode(Ready(protocol.PROTOCOL_VERSION, __version__, os.getpid())))
+                    await send_line(protocol.encode(ready))
                 except _GONE as exc:
                     log.warning("cannot write to the client: %s", exc)
                     finish("cannot answer", f"{who}: cannot write to it: {exc}")
                     return summary
                 requests.start_soon(read_until_end, requests, endpoint)
+                if limits is not None:
+                    requests.start_soon(watch_idle, limits.idle)
                 await stop.wait()
                 requests.cancel_scope.cancel()  # end of input: nobody is left to read the answers
         finally:

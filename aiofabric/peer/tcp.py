@@ -9,20 +9,24 @@ Failures, each one line:
   * the port is taken: `PeerError` "port 18515 is taken on 0.0.0.0 ...";
   * a client sends bytes that are not protocol lines: the server answers the error, logs it, closes that client's
     objects and the connection, and (forever=True) accepts the next client;
-  * a client disconnects mid-run: the server logs it and closes every object that client opened;
+  * a client disconnects mid-run, or sends no request for the idle timeout: the server logs it and closes every
+    object that client opened;
   * a second client while one is served: it is turned away at once with an error naming the busy server;
   * nothing listens at HOST:PORT: `PeerError` "no aiofabric bench server at HOST:PORT (connection refused)"; no
     answer (a firewall drops the SYN, or something that is not an aiofabric server): `PeerError` within
     `connect_timeout`.
 
-Security: the server runs whatever requests a client sends on its NICs (no authentication, like perftest): listen
-on a trusted network only.
+Security: there is no authentication (like perftest), so a client runs only the test. The server's
+`ServerPolicy` (aiofabric.peer.policy) decides its NIC, addresses and capture files and bounds each client (NICs,
+DMA memory, requests in flight, line length, JSON nesting, idle time); a client may send only the bench exchange
+(`protocol.BENCH`), and a server QP connects only to the address the client's connection came from.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import inspect
+import ipaddress
 import logging
 import socket
 import time
@@ -34,6 +38,7 @@ import anyio.abc
 from . import PeerError, protocol
 from ..taskgroups import own_task_group
 from .client import Peer
+from .policy import ServerPolicy
 from .serve import READ_CHUNK, serve_stream
 
 
@@ -43,6 +48,12 @@ DEFAULT_PORT = 18515  # perftest's
 
 def _where(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _cause(exc: OSError) -> OSError:
+    """The error behind anyio's connect failure (which wraps the per-address errors of a multi-address connect)."""
+    cause = exc if exc.errno is not None else (exc.__cause__ or exc)
+    return cause if isinstance(cause, OSError) else exc
 
 
 def _address(stream: anyio.abc.SocketStream, attribute: Any) -> tuple[str, int]:
@@ -78,15 +89,16 @@ class _StreamCarrier:
 
 
 async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever: bool = False,
-                    ready: Callable[[int], Any] | None = None,
-                    on_report: Callable[[dict[str, Any]], Any] | None = None,
+                    policy: ServerPolicy | None = None, ready: Callable[[int], Any] | None = None,
+                    on_report: Callable[[dict[str, Any], str], Any] | None = None,
                     on_session: Callable[[dict[str, Any]], Any] | None = None,
                     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> dict[str, Any]:
     """Listen on `host`:`port` and serve the endpoint protocol to one client at a time.
 
-    `port` 0 lets the OS choose; the bound port goes to `ready(port)` once listening (and to `task_status`, so
-    `port = await tasks.start(serve_tcp, "127.0.0.1", 0)` works). `on_report(result)` gets each result a client
-    hands over with the `report` op (a coroutine function is awaited); `on_session(summary)` gets each client's
+    `policy` (default `ServerPolicy()`: an emulated NIC at the address each connection reached, the default
+    limits) is what every client runs under. `port` 0 lets the OS choose; the bound port goes to `ready(port)` once listening (and to `task_status`, so
+    `port = await tasks.start(serve_tcp, "127.0.0.1", 0)` works). `on_report(result, client)` gets each result a
+    client hands over with the `report` op, its text escaped (a coroutine function is awaited); `on_session(summary)` gets each client's
     summary when it is gone (see `serve_stream`: client, outcome, error, requests, errors, reports, objects_closed,
     objects_left). When a client leaves, for whatever reason, every object it opened is closed.
 
@@ -95,6 +107,7 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
 
     A taken port raises `PeerError` "port PORT is taken on HOST ...".
     """
+    policy = ServerPolicy() if policy is None else policy
     where = _where(host, port)
     try:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
@@ -130,8 +143,9 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
                 log.info("client %s connected", client)
                 carrier = _StreamCarrier(stream)
                 local_ip = _address(stream, anyio.abc.SocketAttribute.local_address)[0]
-                summary = await serve_stream(carrier.receive, carrier.send, client=client, strict=True,
-                                             on_report=on_report, connection_ip=local_ip)
+                client_ip = _address(stream, anyio.abc.SocketAttribute.remote_address)[0]
+                summary = await serve_stream(carrier.receive, carrier.send, client=client, policy=policy,
+                                             client_ip=client_ip, on_report=on_report, connection_ip=local_ip)
             finally:
                 busy_with.clear()
             log.info("client %s gone (%s): %d request(s), %d object(s) closed", client, summary["outcome"],
@@ -176,26 +190,63 @@ class TCPPeer(Peer):
         return "the server closed the connection"
 
 
+async def source_address(host: str, port: int = DEFAULT_PORT) -> str | None:
+    """This host's address on the route to `host` (the kernel's choice; nothing is sent), or None when `host` is
+    this host (a loopback or own address), where emulated NICs pick their own 127.0.0.x."""
+    try:
+        family, kind, proto, _, destination = (await anyio.getaddrinfo(host, port, type=socket.SOCK_DGRAM))[0]
+    except OSError as exc:
+        raise PeerError(f"cannot resolve {host}: {exc.strerror or exc}", host=_where(host, port)) from None
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.connect(destination)  # a UDP connect only picks the route
+        except OSError as exc:
+            raise PeerError(f"no route to {host}: {exc.strerror or exc}", host=_where(host, port)) from None
+        source = probe.getsockname()[0]
+    local = ipaddress.ip_address(source)
+    if local.is_loopback or source == destination[0]:
+        return None
+    return str(local)
+
+
+async def _keep_alive(peer: TCPPeer, idle: float) -> None:
+    """Ping three times per `idle` period: a run whose requests are all sent (the RDMA traffic is between the
+    NICs) is not mistaken for an idle client. A ping that fails has failed the peer; the next request says so."""
+    while peer.failure is None:
+        await anyio.sleep(idle / 3)
+        with contextlib.suppress(PeerError):
+            await peer.request("ping", timeout=idle / 3)
+
+
 @contextlib.asynccontextmanager
-async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, connect_timeout: float = 10,
-                      command_timeout: float = 60) -> AsyncIterator[TCPPeer]:
+async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, local_host: str | None = None,
+                      connect_timeout: float = 10, command_timeout: float = 60) -> AsyncIterator[TCPPeer]:
     """Connect to `serve_tcp` at `host`:`port` and talk to it as a `Peer` (`peer.host` is "HOST:PORT").
 
+    `local_host`: the address to connect from: the local NIC's, since the server's QPs talk only to the address a
+    connection comes from (if it is not an address of this host, the kernel's choice is used).
     `connect_timeout` bounds the TCP connect and the server's ready message; `command_timeout` each request.
     Nothing listening: `PeerError` "no aiofabric bench server at HOST:PORT (connection refused)"; no answer within
     `connect_timeout`: `PeerError` naming HOST:PORT and the timeout. Leaving the block (or cancelling it) closes the
-    connection, and the server closes whatever this client left open.
+    connection, and the server closes whatever this client left open. While the block runs, the peer pings a
+    server that drops idle clients often enough to stay served.
     """
     where = _where(host, port)
     started = time.perf_counter()
     try:
         with anyio.fail_after(connect_timeout):
-            stream = await anyio.connect_tcp(host, port)
+            try:
+                stream = await anyio.connect_tcp(host, port, local_host=local_host)
+            except OSError as exc:
+                if local_host is None or _cause(exc).errno != errno.EADDRNOTAVAIL:
+                    raise
+                log.info("%s is not an address of this host: connecting from the kernel's choice", local_host)
+                stream = await anyio.connect_tcp(host, port)
     except TimeoutError:
         raise PeerError(f"no answer from {where} within {connect_timeout:g} s (connection timed out): is the "
                         "host up and the port open?", host=where) from None
     except OSError as exc:
-        cause = exc if exc.errno is not None else (exc.__cause__ or exc)
+        cause = _cause(exc)
         if isinstance(cause, ConnectionRefusedError):
             raise PeerError(f"no aiofabric bench server at {where} (connection refused)", host=where) from None
         reason = getattr(cause, "strerror", None) or cause
@@ -215,6 +266,9 @@ async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, connect_timeout: f
                                     host=where) from None
                 raise
             peer.handshake_s = time.perf_counter() - started
+            idle = peer.state.ready.idle_timeout if peer.state.ready is not None else None
+            if idle is not None:
+                tasks.start_soon(_keep_alive, peer, idle)
             yield peer
         finally:
             carrier.shutdown()  # the server sees end of input and closes what is left

@@ -261,7 +261,7 @@ class SimPCIDevice(PCIDevice):
         if offset == PCI_COMMAND:
             self._kick.sendall(KICK.pack(CONFIG_SPACE, offset, value))
 
-    def alloc_dma(self, size: int, contiguous: bool = False) -> DmaBuffer:
+    def _alloc_dma(self, size: int, contiguous: bool) -> DmaBuffer:
         if self._closed:
             raise PCIError(f"{self.address} is closed")
         length = -(-max(size, 1) // PAGE) * PAGE

@@ -1,0 +1,81 @@
+"""What an unauthenticated client of `bench --server` may make the server do: pure, no I/O.
+
+A TCP client is anyone who can reach the port, so the server decides everything that touches its host (which NIC,
+its address, capture files, namespaces: `ServerPolicy`), bounds what one client can hold (`Limits`), and lets its
+QPs talk only to the client that asked (`check_peer`). The request loop (`serve.serve_stream`) applies them; the
+requests themselves are narrowed to the bench exchange by `protocol.BENCH`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import itertools
+from typing import Any, Union
+
+from .protocol import MAX_DEPTH, MAX_LINE, NotAllowed
+
+Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+
+
+class LimitError(RuntimeError):
+    """A request that would take a client past one of the server's limits: refused, nothing done."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per client. `nics`: NICs open at once (perftest uses one); `memory`: DMA memory its NICs hold (registered
+    memory, queue rings and each NIC's own, in bytes); `in_flight`: requests running at once; `line`: bytes per
+    request line; `depth`: JSON nesting; `idle`: seconds without a request (or without reading an answer) before
+    the client is dropped, so the next one is served."""
+    nics: int = 1
+    memory: int = 1 << 30
+    in_flight: int = 64
+    line: int = MAX_LINE
+    depth: int = MAX_DEPTH
+    idle: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("nics", "memory", "in_flight", "line", "depth"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"limit {name} must be at least 1, not {getattr(self, name)}")
+        if not self.idle > 0:
+            raise ValueError(f"limit idle must be a positive number of seconds, not {self.idle}")
+
+
+@dataclasses.dataclass
+class ServerPolicy:
+    """The server's own choices for its clients' NICs. `nic`: the NIC spec every client's `open_nic` opens; `ip`:
+    its address (None: the address the client's connection reached); `pcap`: a capture file (the first NIC
+    writes FILE, later ones FILE.1, FILE.2, ...); `allow_peers`: networks a server QP may connect to besides the
+    client's own address (for NICs whose RoCE address is not the one the TCP connection comes from)."""
+    nic: str = "sim"
+    ip: str | None = None
+    pcap: str | None = None
+    allow_peers: tuple[Network, ...] = ()
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    _opened: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
+
+    def nic_options(self) -> dict[str, Any]:
+        """The emulator options of the next NIC a client opens (a PCI NIC takes none)."""
+        if not self.nic.startswith("sim") or self.pcap is None:
+            return {}
+        number = next(self._opened)
+        return {"pcap": self.pcap if number == 0 else f"{self.pcap}.{number}"}
+
+    def check_peer(self, gid: str, client: str) -> None:
+        """Refuse (NotAllowed) a QP peer whose GID (32 hex digits) is neither the address `client` connected from
+        nor inside `allow_peers`: the server's packets go only to whoever asked for them."""
+        peer = ipaddress.IPv6Address(bytes.fromhex(gid))
+        address = unmapped(str(peer))
+        if address == unmapped(client) or any(address in network for network in self.allow_peers):
+            return
+        raise NotAllowed(f"connect_qp: the peer's address {address} (its GID) is not the one this client connected from "
+                         f"({client}): a server QP talks only to the client that asked for it (the server's "
+                         "--allow-peer NETWORK widens this)")
+
+
+def unmapped(address: str) -> Address:
+    """`address` as IPv4 when it is IPv4 or an IPv4-mapped IPv6 address (a dual-stack socket's view of one)."""
+    parsed = ipaddress.ip_address(address)
+    return parsed.ipv4_mapped or parsed if isinstance(parsed, ipaddress.IPv6Address) else parsed
