@@ -274,7 +274,11 @@ class SimPCIDevice(PCIDevice):
         return buffer
 
     def _free(self, start: int) -> None:
+        """Give a buffer's pages back to the host at once (MADV_REMOVE punches a hole in the memfd, for the emulator's
+        mapping too): a NIC holds the memory of what is allocated now, not the most it ever had. (Allocating touches
+        every page, as pinning a real MR does, so transfers do not fault pages in.)"""
         if self._live.pop(start, None) is not None:
+            self._arena.madvise(mmap.MADV_REMOVE, start, self._allocator.used[start])
             self._allocator.free(start)
 
     @property

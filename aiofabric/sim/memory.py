@@ -11,7 +11,9 @@ import struct
 
 PAGE = 0x1000
 BUS_BASE = 0x10_0000_0000
-ARENA_SIZE = 1 << 30  # sparse: only touched pages cost memory
+# Sparse: only allocated pages cost memory (freed ones go back to the host, host.py). 4 GiB: two 1 GiB buffers
+# (a loopback message's source and target on one NIC) and the rings fit.
+ARENA_SIZE = 4 << 30
 BAR0_SIZE = 0x10000
 BAR2_SIZE = 0x100000
 
