@@ -22,6 +22,10 @@ Deviations from rxe/hardware, on purpose:
 - retry_cnt 7 means 7 retries (rxe: infinite); rnr_retry 7 is infinite, as everywhere.
 - ACKs are coalesced per receive batch (one ACK for the last AckReq PSN), where rxe answers every AckReq packet.
 - A gap in READ responses re-requests the rest at once (rxe waits for the timeout); it counts as a retry.
+- A READ of more than READ_SEGMENT (32) packets goes out as one READ request per 32 responses, each sent once its
+  responses fit in the 128-PSN window and an ORRQ entry is free (requester.py); each is a message to the responder.
+  rxe and hardware ask for the whole READ at once, and hardware has link-level flow control (PFC, IB credits) to keep
+  the responses from overrunning the requester: UDP between processes has none, so the requester paces them itself.
 - After an RNR NAK the responder drops later PSNs quietly until the retried one arrives (no NAK-sequence on top).
 - When a reordered packet closes a NAKed gap, later packets that raced the requester's go-back are dropped without a
   second NAK-sequence (rxe sends one; the requester would go back twice for one reordering): see responder.py.

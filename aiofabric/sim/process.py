@@ -67,9 +67,10 @@ DEFAULT_LATENCY_US = 30.0
 RX_BUDGET = 128  # packets taken off a transport per round
 TX_BUDGET = 128  # request packets generated per round
 SERVICE_SLICE = 0.0005  # seconds of receive/transmit rounds before the loop looks at kicks (doorbells) again
-# Receive buffer per QP: its peer's full window (128 PSNs) of path-MTU-4096 packets, each costing the kernel twice its
-# size on loopback (skb truesize: 8448 bytes for a 4200-byte datagram). A clean wire then never overflows the socket
-# however many QPs send at once (up to wire.MAX_RECEIVE_BUFFER; beyond it drops are counted as rx_overflow).
+# Receive buffer per QP: its peer's full window (128 PSNs) of path-MTU-4096 packets (requests at a responder, READ
+# responses at a requester, which asks for no more than a window of them), each costing the kernel twice its size on
+# loopback (skb truesize: 8448 bytes for a 4200-byte datagram). A clean wire then never overflows the socket however
+# many QPs send at once (up to wire.MAX_RECEIVE_BUFFER; beyond it drops are counted as rx_overflow).
 RECEIVE_WINDOW_PER_QP = WINDOW * 2 * (4096 + 128)
 
 

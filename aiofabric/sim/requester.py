@@ -3,8 +3,11 @@ requester CQEs out.
 
 WQEs are fetched from the SQ ring (sendqueue.py) when its doorbell moves the producer and get their PSN range at
 once (one PSN per packet; a READ takes as many as its responses). `pump()` turns them into packets within the
-128-PSN window and the ORRQ limit (`max_rd_atomic` READs in flight): a WRITE's or SEND's packets as one
-`packets.Segments` per burst (the transport encodes them without a Packet each), a READ request as a Packet. The
+128-PSN window and the ORRQ limit (`max_rd_atomic` READ requests in flight): a WRITE's or SEND's packets as one
+`packets.Segments` per burst (the transport encodes them without a Packet each), a READ request as a Packet. A READ
+is asked for READ_SEGMENT responses at a time, each a READ request of its own (RETH VA and length advanced), sent only
+once its responses fit in the window: like a WRITE's packets, a READ's responses in flight never exceed a window,
+which the receive buffer holds (process.RECEIVE_WINDOW_PER_QP), however long the READ and however loaded the host. The
 completer retires WQEs in order as ACKs arrive (an ACK for PSN n acknowledges every PSN up to n), lands read
 responses in the local SGEs and retransmits go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an
 implied NAK (an ACK past an unfinished READ, a gap in read responses) or a timeout, once per loss: a NAK that names
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from .datapath import QpContext
 
 WINDOW = 128  # RXE_MAX_UNACKED_PSNS
+READ_SEGMENT = 32  # response packets one READ request asks for at most (a quarter of the window)
 ACK_EVERY = 64  # AckReq at least this often inside long messages (RXE_MAX_PKT_PER_ACK)
 LOCAL_ACK_TIMEOUT_US = 4.096
 
@@ -43,6 +47,14 @@ RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
 
 
 
+def read_segment_end(k: int, npkts: int) -> int:
+    """One past the last response packet of the READ request that asks for packet `k` of an `npkts`-packet READ.
+
+    Requests split the READ at fixed multiples of READ_SEGMENT, so a go-back's request for the rest of a segment
+    never reaches past what the responder was asked for before (it answers it as a duplicate)."""
+    return min(npkts, (k // READ_SEGMENT + 1) * READ_SEGMENT)
+
+
 class Requester:
     """Send side of one QP: fetch, segment, transmit, complete, retransmit."""
 
@@ -56,7 +68,7 @@ class Requester:
         self.sq = SendQueue(ctx.qp, ctx.dp.mem, ctx.dp.mrs)
         self.started = False
         self.next_psn = self.una = self.sent_hi = 0  # next PSN to assign; oldest unacked; one past the highest sent
-        self.reads = 0  # READs requested and not complete (ORRQ entries in use)
+        self.reads = 0  # READ requests sent and not fully answered (ORRQ entries in use)
         self.noack = 0
         self.retry_left = self.rnr_left = 0
         self.started_retry = False
@@ -114,23 +126,28 @@ class Requester:
             if w.status is not None:
                 break  # a local error: it completes once every earlier WQE has
             if w.read:
-                k = w.received
-                if not w.requested and self.reads >= max(1, qp.max_rd_atomic):
+                k, stop = self.send_pkt, read_segment_end(self.send_pkt, w.npkts)
+                new = k >= w.requested  # else a go-back asks again for responses asked for before
+                if new and self.reads >= max(1, qp.max_rd_atomic):
                     break
                 psn = (w.first_psn + k) & PSN_MASK
-                if psn_diff(psn, una) >= WINDOW:
+                end = (w.first_psn + stop) & PSN_MASK
+                if psn_diff(end, una) > WINDOW:
                     break
-                if not w.requested:
-                    w.requested = True
+                if new:
+                    w.requested = stop
                     self.reads += 1
                 offset = k * mtu
                 out.append(pk.Packet(READ_REQUEST, dest_qp, psn, True, False, pkey, False, False,
-                                     w.remote_va + offset, w.rkey, w.length - offset, 0, 0, 0, b"", src_ip, dst_ip,
-                                     sport, 4791, 0, tos, ttl))
+                                     w.remote_va + offset, w.rkey, min(stop * mtu, w.length) - offset, 0, 0, 0, b"",
+                                     src_ip, dst_ip, sport, 4791, 0, tos, ttl))
                 self.noack = 0
-                self.send += 1
-                self.send_pkt = 0
-                count, end = 1, (w.last_psn + 1) & PSN_MASK
+                if stop == w.npkts:
+                    self.send += 1
+                    self.send_pkt = 0
+                else:
+                    self.send_pkt = stop
+                count = 1
             else:
                 k = self.send_pkt
                 if k == 0 and w.fence and self.reads:
@@ -196,8 +213,6 @@ class Requester:
     def _retire(self) -> None:
         """Complete wqes[done] successfully."""
         w = self.wqes[self.done]
-        if w.read:
-            self.reads -= 1
         self.done += 1
         self._post(w, OK)
         self.qp.sq_consumer = w.index + 1
@@ -285,8 +300,6 @@ class Requester:
         """Complete the oldest WQE with `status` and put the QP in ERR (which flushes everything else)."""
         if self.done < len(self.wqes):
             w = self.wqes[self.done]
-            if w.read:
-                self.reads -= 1
             self.done += 1
             self._post(w, status)
             self.qp.sq_consumer = w.index + 1
@@ -310,7 +323,7 @@ class Requester:
             w = wqes[i]
             if w.status is not None or psn_diff(una, w.last_psn) <= 0:
                 self.send = i
-                self.send_pkt = 0 if w.read else max(0, psn_diff(una, w.first_psn))
+                self.send_pkt = max(0, psn_diff(una, w.first_psn))  # a READ's: its first response not received
                 break
         self.noack = 0
         self.ctx.wake()
@@ -400,10 +413,10 @@ class Requester:
             self._retry(now)
             return
         mtu, k, op = self.qp.path_mtu, w.received, p.opcode
-        last = k == w.npkts - 1
+        last, answered = k == w.npkts - 1, read_segment_end(k, w.npkts) == k + 1  # ends the WQE; ends a request
         size = w.length - k * mtu if last else mtu
         payload = p.payload
-        if len(payload) != size or last != (op == RESPONSE_LAST or op == RESPONSE_ONLY) \
+        if len(payload) != size or answered != (op == RESPONSE_LAST or op == RESPONSE_ONLY) \
                 or (op != RESPONSE_MIDDLE and p.syndrome & pk.SYNDROME_TYPE_MASK != pk.ACK):
             self.stats["dropped_malformed"] += 1
             return
@@ -413,6 +426,8 @@ class Requester:
             self.fail(S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, REQ_RX_MEMORY_ERROR)
             return
         w.received = k + 1
+        if answered:
+            self.reads -= 1  # its ORRQ entry is free
         self.una = (psn + 1) & PSN_MASK
         if last:
             placed = self.ctx.placed

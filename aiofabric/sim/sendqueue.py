@@ -59,7 +59,7 @@ class SendWqe:
         self.length, self.remote_va, self.rkey, self.imm, self.data = length, remote_va, rkey, imm, data
         self.first_psn, self.npkts = first_psn, npkts
         self.last_psn = (first_psn + npkts - 1) & PSN_MASK
-        self.received, self.requested = 0, False  # READ: response packets landed; request sent at least once
+        self.received, self.requested = 0, 0  # READ: response packets landed; asked for (at least once)
         self.status, self.reason = status, reason  # a local error found at fetch: reported once all before it are
 
 
