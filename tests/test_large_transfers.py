@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import os
 import random
+import struct
 import sys
 
 import anyio
@@ -101,6 +102,49 @@ def test_a_lost_response_is_asked_for_again_up_to_its_requests_end():
     assert a.dp.contexts[a.qpn].requester.reads == 0
 
 
+def test_a_lost_read_request_is_nakked_and_asked_for_again_from_its_psn():
+    a, b, wire = pair(mtu=1024)
+    size = 4 * READ_SEGMENT * 1024
+    local, lkey = a.register(size)
+    remote, rkey = b.register(size)
+    data = fill(b, remote, size, 4)
+    lost = FIRST_PSN + READ_SEGMENT
+    original = b.dp.receive
+
+    def lose_the_second_request(packets, now):
+        original([p for p in packets if p.psn != lost or b.dp.stats["naks"]], now)
+    b.dp.receive = lose_the_second_request
+    a.post(READ, [(local, lkey, size)], remote=remote, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] and a.mem.read(local, size) == data
+    naks = [p.psn for p in wire.log if p.opcode == pk.Op.ACKNOWLEDGE and p.syndrome == pk.NAK_PSN_SEQ]
+    assert naks == [lost]  # the third request arrived past the lost one: one NAK-sequence naming it
+    segment = READ_SEGMENT * 1024
+    assert read_requests(wire)[4:] == [(FIRST_PSN + i * READ_SEGMENT, remote + i * segment, segment)
+                                       for i in (1, 2, 3)]
+    assert a.dp.stats["go_backs"] == 1 and a.dp.stats["timeouts"] == 0 and b.dp.stats["duplicates"] == 0
+
+
+def test_a_lost_last_response_times_out_and_is_asked_for_alone():
+    a, b, wire = pair(mtu=1024)
+    size = 2 * READ_SEGMENT * 1024 - 10
+    local, lkey = a.register(size)
+    remote, rkey = b.register(size)
+    data = fill(b, remote, size, 5)
+    last = FIRST_PSN + 2 * READ_SEGMENT - 1
+    original = a.dp.receive
+
+    def lose_the_last_response(packets, now):
+        original([p for p in packets if p.psn != last or a.dp.stats["timeouts"]], now)
+    a.dp.receive = lose_the_last_response
+    a.post(READ, [(local, lkey, size)], remote=remote, rkey=rkey)
+    wire.run()
+    assert [c[1] for c in a.poll()] == [REQ_OK] and a.mem.read(local, size) == data
+    assert read_requests(wire)[2:] == [(last, remote + (2 * READ_SEGMENT - 1) * 1024, 1024 - 10)]
+    assert a.dp.stats["timeouts"] == a.dp.stats["go_backs"] == 1 and b.dp.stats["duplicates"] == 1
+    assert [p.opcode for p in wire.log][-1] == pk.Op.RDMA_READ_RESPONSE_ONLY
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_long_reads_and_writes_arrive_exactly_under_faults(seed):
     a, b, wire = pair(mtu=256, loss=0.03, dup=0.05, reorder=0.2, seed=seed, timeout=3)
@@ -165,6 +209,44 @@ async def test_a_128_mib_read_completes_without_overflow():
         assert digest(local.view) == digest(remote.view)
         assert_clean(a, b)
         assert a.pci.debug({"op": "placed"})["qps"][str(qa.qpn)]["read_bytes"] == size
+
+
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+@pytest.mark.anyio
+async def test_a_long_read_on_the_wire_is_valid_rc_to_scapy(anyio_backend, tmp_path):
+    """Captured at the requester and parsed by an independent stack: every ICRC holds, the READ requests' RETHs walk
+    the region a segment at a time over contiguous PSNs, and each is answered FIRST, MIDDLE..., LAST with its MSN."""
+    roce = pytest.importorskip("scapy.contrib.roce")
+    from scapy.all import Raw, raw, rdpcap
+    size, segment = 1 << 20, READ_SEGMENT * 4096
+    capture = tmp_path / "read.pcap"
+    async with open_nic(pcap=str(capture)) as a, open_nic() as b:
+        qa, qb = await a.create_qp(await a.create_cq(64)), await b.create_qp(await b.create_cq(64))
+        await qa.connect(qb.info(), mtu=4096)
+        await qb.connect(qa.info(), mtu=4096)
+        local, remote = await a.register_mr(size), await b.register_mr(size)
+        fill_view(remote.view, 7)
+        with anyio.fail_after(30):
+            await qa.read(local, remote, size)
+        assert digest(local.view) == digest(remote.view)
+        base = remote.remote().addr
+    frames = [frame[roce.BTH] for frame in rdpcap(str(capture))]
+    for frame in frames:
+        again = frame.copy()
+        again.icrc = None
+        assert raw(again)[-4:] == raw(frame)[-4:], frame.summary()
+    requests = [f for f in frames if f.opcode == pk.Op.RDMA_READ_REQUEST]
+    psn = requests[0].psn
+    for i, request in enumerate(requests):
+        va, _, length = struct.unpack("!QII", request[Raw].load[:16])
+        assert (request.psn, va, length) == (psn + i * READ_SEGMENT, base + i * segment, segment)
+    responses = [f for f in frames if f.opcode in RESPONSES]
+    assert [f.psn for f in responses] == list(range(psn, psn + size // 4096))
+    for i in range(len(requests)):
+        answer = responses[i * READ_SEGMENT:(i + 1) * READ_SEGMENT]
+        assert [f.opcode for f in answer] == [pk.Op.RDMA_READ_RESPONSE_FIRST] + \
+            [pk.Op.RDMA_READ_RESPONSE_MIDDLE] * (READ_SEGMENT - 2) + [pk.Op.RDMA_READ_RESPONSE_LAST]
+        assert int.from_bytes(answer[-1][Raw].load[1:4], "big") == i + 1  # the AETH's MSN: one message per request
 
 
 @pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
