@@ -183,7 +183,7 @@ async def _bench_client(args: argparse.Namespace, config: BenchConfig) -> dict[s
     from .peer import PeerError
     from .peer.tcp import DEFAULT_PORT, connect_tcp, source_address
     config.check()
-    port = args.port or DEFAULT_PORT
+    port = DEFAULT_PORT if args.port is None else args.port
     if config.ip is None and config.nic.startswith("sim"):  # the address that reaches the server (None: loopback,
         config.ip = await source_address(args.server_host, port)  # where the emulator picks a free 127.0.0.x)
     async with open_bench_nics(config) as nics, \
@@ -226,7 +226,8 @@ async def _bench_server(args: argparse.Namespace, config: BenchConfig) -> dict[s
         print(f"aiofabric bench server: waiting for a client on {args.bind} TCP port {port}", file=sys.stderr,
               flush=True)
 
-    summary = await serve_tcp(args.bind, args.port or DEFAULT_PORT, forever=args.forever, policy=policy,
+    summary = await serve_tcp(args.bind, DEFAULT_PORT if args.port is None else args.port, forever=args.forever,
+                              policy=policy,
                               ready=listening, on_report=show)
     session_error = summary.pop("error", None)
     result = {"server": True, **summary, "client_error": session_error}

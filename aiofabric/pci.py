@@ -109,15 +109,16 @@ class DmaBuffer:
 
 
 class DmaBudget:
-    """A cap on the DMA memory some devices hold at once (a server's limit per client): bytes `in_use` of `limit`."""
+    """A cap on the DMA memory some devices hold at once (a server's limit per client): bytes `in_use` of `limit`;
+    `name` says whose limit it is in the error."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.in_use = limit, 0
+    def __init__(self, limit: int, name: str = "DMA memory limit") -> None:
+        self.limit, self.name, self.in_use = limit, name, 0
 
     def take(self, length: int, who: str) -> None:
         if self.in_use + length > self.limit:
-            raise MemoryError(f"{who}: DMA memory limit reached: {length} more bytes would make {self.in_use + length}"
-                              f" of the {self.limit} allowed")
+            raise MemoryError(f"{who}: {length} more bytes of DMA memory would make {self.in_use + length}, over the "
+                              f"{self.name} of {self.limit}")
         self.in_use += length
 
     def give(self, length: int) -> None:

@@ -91,7 +91,12 @@ class ProtocolError(ValueError):
 
 class NotProtocolError(ProtocolError):
     """Bytes that are not a JSON-object line at all (not JSON, not an object, an overlong line): the other side does
-    not speak this protocol. A TCP endpoint drops such a client; the stdin endpoint answers and reads on."""
+    not speak this protocol. A TCP endpoint drops such a client; the stdin endpoint answers and reads on.
+    `lines`: from `LineBuffer.feed`, the complete lines that came before the bad one (still to be handled)."""
+
+    def __init__(self, message: str, request_id: int | None = None, lines: list[bytes] | None = None) -> None:
+        super().__init__(message, request_id)
+        self.lines = lines or []
 
 
 class Refused(ProtocolError):
@@ -395,8 +400,9 @@ def error_answer(request_id: int | None, error: BaseException) -> Answer:
 
 
 class LineBuffer:
-    """Bytes in, complete lines out (without their newline). A line longer than MAX_LINE raises ProtocolError, and
-    the buffer skips to the next newline, so one bad line does not poison the stream."""
+    """Bytes in, complete lines out (without their newline). A line longer than `max_line` raises NotProtocolError
+    (whole or not yet ended; the lines before it are in the error's `lines`), and the buffer skips to the next
+    newline, so one bad line does not poison the stream: `feed(b"")` then returns the lines after it."""
 
     def __init__(self, max_line: int = MAX_LINE) -> None:
         self.max_line = max_line
@@ -405,7 +411,7 @@ class LineBuffer:
 
     def feed(self, data: bytes) -> list[bytes]:
         self._buffer += data
-        lines = []
+        lines: list[bytes] = []
         while True:
             end = self._buffer.find(b"\n")
             if end < 0:
@@ -414,13 +420,15 @@ class LineBuffer:
             del self._buffer[:end + 1]
             if self._skipping:
                 self._skipping = False
+            elif len(line) > self.max_line:
+                raise NotProtocolError(f"line longer than {self.max_line} bytes", lines=lines)
             elif line.strip():
                 lines.append(line)
         if len(self._buffer) > self.max_line:
             self._buffer.clear()
             if not self._skipping:
                 self._skipping = True
-                raise NotProtocolError(f"line longer than {self.max_line} bytes")
+                raise NotProtocolError(f"line longer than {self.max_line} bytes", lines=lines)
         return lines
 
     @property
@@ -485,7 +493,8 @@ def fill_pattern(view: memoryview | bytearray, seed: int) -> str:
     with memoryview(view) as whole, whole.cast("B") as flat:
         for index, start in enumerate(range(0, len(flat), PATTERN_CHUNK)):
             end = min(start + PATTERN_CHUNK, len(flat))
-            chunk = random.Random(f"{seed}:{index}").randbytes(end - start)  # a str seed is hashed, not truncated
+            # a str seed is hashed, not truncated; whole 32-bit words make a shorter fill a prefix of a longer one
+            chunk = random.Random(f"{seed}:{index}").randbytes(-(-(end - start) // 4) * 4)[:end - start]
             flat[start:end] = chunk
             digest.update(chunk)
     return digest.hexdigest()

@@ -36,6 +36,7 @@ from .protocol import Answer, NotAllowed, ProtocolError, Ready
 
 log = logging.getLogger("aiofabric.serve")
 READ_CHUNK = 1 << 16
+LOGGED_REFUSALS = 20  # per client
 
 
 class _Fd:
@@ -87,7 +88,9 @@ class Endpoint:
         self.on_report, self.connection_ip = on_report, connection_ip
         self.summary = summary if summary is not None else {}
         self.policy, self.client_ip = policy, client_ip
-        self.budget = DmaBudget(policy.limits.memory) if policy is not None else None
+        self.budget = (DmaBudget(policy.limits.memory, "server's limit per client (--max-memory)")
+                       if policy is not None else None)
+        self._opening = 0  # open_nic requests under way
         self.objects: dict[int, Any] = {}  # handle -> _NicSlot | CompletionQueue | QueuePair | MemoryRegion
         self.owner: dict[int, int] = {}  # handle -> handle of its NIC
         self._next_handle = 1
@@ -117,10 +120,10 @@ class Endpoint:
                           options: dict[str, Any] | None = None) -> dict[str, Any]:
         options = dict(options or {})
         if self.policy is not None:  # the server's NIC, address and capture file; the client's test faults
-            open_nics = sum(isinstance(obj, _NicSlot) for obj in self.objects.values())
+            open_nics = self._opening + sum(isinstance(obj, _NicSlot) for obj in self.objects.values())
             if open_nics >= self.policy.limits.nics:
-                raise LimitError(f"open_nic: this client has {open_nics} NIC(s) open, the server's limit "
-                                 "(--max-nics): close one first")
+                raise LimitError(f"open_nic: this client has {open_nics} NIC(s) open or opening, the server's "
+                                 "limit (--max-nics): close one first")
             spec, ip = self.policy.nic, self.policy.ip or self.connection_ip
             options.update(self.policy.nic_options())
         elif ip == "ssh":  # the address the client's SSH connection reached: this host's address on that network
@@ -136,7 +139,11 @@ class Endpoint:
                 raise ValueError("open_nic: ip 'connection': this endpoint does not know the address its client "
                                  "reached (it runs neither over TCP nor over SSH)")
         slot = _NicSlot()
-        await self.tasks.start(self._run_nic, slot, spec, ip, options)
+        self._opening += 1  # counted from here: several opens at once cannot pass the limit together
+        try:
+            await self.tasks.start(self._run_nic, slot, spec, ip, options)
+        finally:
+            self._opening -= 1
         nic = slot.nic
         assert nic is not None
         info = nic.info()
@@ -282,8 +289,10 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
     is dropped, and so is one that sends bytes that are not JSON-object lines (after their error answer); a
     disconnect with objects open is logged as a warning.
 
+    Requests in flight when the session ends are answered "Cancelled" (unless the client cannot read).
+
     Summary: {"client", "outcome" ("end of input", "disconnected mid-run", "non-protocol bytes", "connection lost",
-    "cannot answer", "idle"), "error" (a one-line description, or None), "requests", "errors", "refused",
+    "cannot answer", "idle", "not reading"), "error" (a one-line description, or None), "requests", "errors", "refused",
     "reports", "objects_closed", "objects_left"}.
     """
     strict = policy is not None
@@ -293,6 +302,7 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
     write_lock = anyio.Lock()
     stop = anyio.Event()
     in_flight = [0]
+    cut_short: list[protocol.Request] = []  # in flight when the session ended: answered if the client can read
     last_request = [anyio.current_time()]
     summary: dict[str, Any] = {"client": client, "outcome": "end of input", "error": None, "requests": 0,
                                "errors": 0, "refused": 0, "reports": 0, "objects_closed": 0, "objects_left": 0}
@@ -311,11 +321,13 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
             with anyio.move_on_after(limits.idle) as waited:  # a client that reads nothing cannot hold us
                 await send(line)
             if waited.cancelled_caught:
-                finish("idle", f"{who} read no answer for {limits.idle:g} s; dropped it")
+                finish("not reading", f"{who} read no answer for {limits.idle:g} s; dropped it")
 
     def refused(request_id: int | None, exc: BaseException) -> None:
-        summary["refused"] += 1
-        log.warning("%s: refused request %s: %s", who, request_id, protocol.printable(str(exc), 400))
+        summary["refused"] += 1  # the log shows the first few: a client cannot flood the server's log
+        if summary["refused"] <= LOGGED_REFUSALS:
+            log.warning("%s: refused request %s: %s%s", who, request_id, protocol.printable(str(exc), 400),
+                        "; further refusals are counted, not logged" * (summary["refused"] == LOGGED_REFUSALS))
 
     async def answer_error(request_id: int | None, exc: BaseException) -> None:
         summary["errors"] += 1
@@ -329,6 +341,9 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
     async def run(endpoint: Endpoint, request: protocol.Request) -> None:
         try:
             answer = Answer(request.id, True, await endpoint.handle(request))
+        except anyio.get_cancelled_exc_class():
+            cut_short.append(request)
+            raise
         except Exception as exc:  # every failure is an answer, never a crash
             log.debug("request %d (%s) failed", request.id, request.op, exc_info=True)
             if isinstance(exc, (NotAllowed, LimitError)):
@@ -368,36 +383,46 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
                 return
             if not data:
                 break
-            try:
-                batch = lines.feed(data)
-            except ProtocolError as exc:
-                await answer_error(None, exc)
-                if strict:
-                    finish("non-protocol bytes", f"{who} sent non-protocol bytes ({exc}); dropped it")
-                    return
-                continue
-            for line in batch:
-                last_request[0] = anyio.current_time()
+            while True:  # the lines of `data`; after an overlong one, those behind it
                 try:
-                    request = protocol.decode_request(line, profile, max_depth)
-                except ProtocolError as exc:
-                    await answer_error(exc.request_id, exc)
-                    if strict and isinstance(exc, protocol.NotProtocolError):
-                        finish("non-protocol bytes", f"{who} sent non-protocol bytes ({exc}); dropped it")
-                        return
-                    continue
-                summary["requests"] += 1
-                if limits is not None and in_flight[0] >= limits.in_flight:
-                    await answer_error(request.id, LimitError(
-                        f"{request.op}: {in_flight[0]} requests of this client are in flight, the server's limit "
-                        "(--max-requests): wait for their answers"))
-                    continue
-                in_flight[0] += 1
-                requests.start_soon(run, endpoint, request)
+                    batch, overlong = lines.feed(data), None
+                except protocol.NotProtocolError as exc:
+                    batch, overlong = exc.lines, exc
+                if not await handle_lines(requests, endpoint, batch):
+                    return
+                if overlong is None:
+                    break
+                await answer_error(None, overlong)
+                if strict:
+                    finish("non-protocol bytes", f"{who} sent non-protocol bytes ({overlong}); dropped it")
+                    return
+                data = b""
         if endpoint.objects or in_flight[0]:
             finish("disconnected mid-run", f"{who} disconnected mid-run ({in_flight[0]} request(s) in flight, "
                                            f"{len(endpoint.objects)} object(s) open); closed them")
         finish("end of input")
+
+    async def handle_lines(requests: anyio.abc.TaskGroup, endpoint: Endpoint, batch: list[bytes]) -> bool:
+        """Start a task per request in `batch`, answering the bad ones; False once the client is to be dropped."""
+        for line in batch:
+            last_request[0] = anyio.current_time()
+            try:
+                request = protocol.decode_request(line, profile, max_depth)
+            except ProtocolError as exc:
+                await answer_error(exc.request_id, exc)
+                if strict and isinstance(exc, protocol.NotProtocolError):
+                    finish("non-protocol bytes", f"{who} sent non-protocol bytes ({exc}); dropped it")
+                    return False
+                continue
+            summary["requests"] += 1
+            if limits is not None and in_flight[0] >= limits.in_flight:
+                await answer_error(request.id, LimitError(
+                    f"{request.op}: {in_flight[0]} requests of this client are in flight, the server's limit "
+                    "(--max-requests): wait for their answers"))
+                continue
+            in_flight[0] += 1
+            requests.start_soon(run, endpoint, request)
+        return True
 
     async with anyio.create_task_group() as nics:  # NIC tasks outlive request tasks: closed last
         endpoint = Endpoint(nics, on_report=on_report, connection_ip=connection_ip, summary=summary, policy=policy,
@@ -416,7 +441,13 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
                 if limits is not None:
                     requests.start_soon(watch_idle, limits.idle)
                 await stop.wait()
-                requests.cancel_scope.cancel()  # end of input: nobody is left to read the answers
+                requests.cancel_scope.cancel()
+            if summary["outcome"] not in ("connection lost", "cannot answer", "not reading"):
+                why = summary["error"] or "the client ended its input"
+                with anyio.move_on_after(1), contextlib.suppress(*_GONE):  # best effort: the client may be gone
+                    for request in cut_short:
+                        await send(protocol.encode(Answer(request.id, False, None, "Cancelled",
+                                                          f"{request.op} was cut short: {why}")))
         finally:
             summary["objects_closed"] = len(endpoint.objects)
             with anyio.CancelScope(shield=True), anyio.move_on_after(60), contextlib.suppress(Exception):

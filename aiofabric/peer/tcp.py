@@ -88,6 +88,16 @@ class _StreamCarrier:
             self.stream.extra(anyio.abc.SocketAttribute.raw_socket).shutdown(socket.SHUT_RDWR)
 
 
+async def _linger(stream: anyio.abc.SocketStream) -> None:
+    """End our side, then read and drop what the client still sends (at most 1 s, 1 MiB): closing with unread
+    bytes would reset the connection, and the reset can destroy our last answer before the client reads it."""
+    with anyio.move_on_after(1), contextlib.suppress(Exception):
+        await stream.send_eof()
+        dropped = 0
+        while dropped < 1 << 20:
+            dropped += len(await stream.receive(READ_CHUNK))
+
+
 async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever: bool = False,
                     policy: ServerPolicy | None = None, ready: Callable[[int], Any] | None = None,
                     on_report: Callable[[dict[str, Any], str], Any] | None = None,
@@ -137,6 +147,7 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
             client = _where(*_address(stream, anyio.abc.SocketAttribute.remote_address))
             if busy_with or done.is_set():
                 await turn_away(stream, client)
+                await _linger(stream)
                 return
             busy_with.append(client)
             try:
@@ -148,8 +159,9 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
                                              client_ip=client_ip, on_report=on_report, connection_ip=local_ip)
             finally:
                 busy_with.clear()
-            log.info("client %s gone (%s): %d request(s), %d object(s) closed", client, summary["outcome"],
-                     summary["requests"], summary["objects_closed"])
+            await _linger(stream)
+            log.info("client %s gone (%s): %d request(s), %d refused, %d object(s) closed", client,
+                     summary["outcome"], summary["requests"], summary["refused"], summary["objects_closed"])
             last.clear()
             last.update(summary)
             if on_session is not None:
