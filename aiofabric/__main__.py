@@ -1,6 +1,6 @@
 """`python -m aiofabric ...`: the command line (what `connect_peer` runs on the remote host)."""
 import sys
 
-from .cli import main
+from .entry import main
 
 sys.exit(main())

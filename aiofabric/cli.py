@@ -8,8 +8,9 @@ carries the peer protocol (aiofabric/peer/protocol.py), so it has no `--json`; i
     0    success
     1    runtime failure (a firmware or completion error, a bad value, destination bytes that differ)
     2    usage error (unknown command or flag, bad choice): "error" is "usage: <argparse's message>"
-    130  interrupted by SIGINT (128 + 2); the command was cancelled and every NIC closed first
-    143  terminated by SIGTERM (128 + 15); likewise
+    129  hung up (SIGHUP, 128 + 1): the command was cancelled and every NIC closed first
+    130  interrupted by SIGINT (128 + 2); likewise
+    143  terminated by SIGTERM (128 + 15); likewise (from the first import on: aiofabric/signals.py)
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ from typing import Any, Awaitable, Callable, NoReturn
 import anyio
 from anyio.abc import TaskStatus
 
-from . import __version__
+from . import __version__, signals
 from .nic import open_nic
+from .signals import Signalled
 from . import plot
 from .latency import LatConfig, format_latency_table, run_latency
 from .perftest import MTUS, TESTS, BenchConfig, format_table, open_bench_nics, run_bench, run_loopback
@@ -40,7 +42,6 @@ if sys.version_info < (3, 11):
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 SSH_PORT = 22
-SIGNAL_MESSAGES = {signal.SIGTERM: "terminated by SIGTERM", signal.SIGINT: "interrupted by SIGINT"}
 
 
 class UsageError(Exception):
@@ -49,14 +50,6 @@ class UsageError(Exception):
     def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
         super().__init__(message)
         self.parser, self.message = parser, message
-
-
-class Signalled(BaseException):
-    """SIGTERM or SIGINT stopped the command. A BaseException, like KeyboardInterrupt: no `except Exception` eats it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(SIGNAL_MESSAGES[signal.Signals(signum)])
-        self.signum = signum
 
 
 class Parser(argparse.ArgumentParser):
@@ -502,12 +495,13 @@ def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:
 
 async def _watch_signals(scope: anyio.CancelScope, caught: list[int], stop: anyio.Event | None = None,
                          *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    """On the first SIGTERM or SIGINT, note it and cancel `scope`. Leaving the receiver restores the default
-    handlers, so a second signal stops a clean-up that hangs. A command that ends gracefully (`stop`, e.g. bench
+    """On the first SIGTERM, SIGINT or SIGHUP, note it and cancel `scope`. Once the receiver is left, a second
+    signal stops a clean-up that hangs (aiofabric/signals.py). A command that ends gracefully (`stop`, e.g. bench
     --run-infinitely) gets the first SIGINT as `stop` instead, and finishes normally; a second one cancels."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with anyio.open_signal_receiver(*signals.MESSAGES) as received:
+        signals.command_started()
         task_status.started()
-        async for signum in signals:
+        async for signum in received:
             if stop is not None and not stop.is_set() and signum == signal.SIGINT:
                 stop.set()
                 continue
@@ -530,7 +524,8 @@ async def run_command(command: Callable[[argparse.Namespace], Awaitable[dict[str
     except Exception as exc:  # a clean-up the cancellation broke: logged, the signal stays the outcome
         if not caught:
             raise
-        logging.getLogger(__name__).warning("after %s: %s", SIGNAL_MESSAGES[caught[0]], describe(exc))
+        logging.getLogger(__name__).warning("after %s: %s", signals.MESSAGES[signal.Signals(caught[0])],
+                                            describe(exc))
     if caught:
         raise Signalled(caught[0])
     return result
@@ -546,7 +541,7 @@ def execute(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         if isinstance(leaf, Signalled):
             return {"error": str(leaf)}, 128 + leaf.signum
         if isinstance(leaf, KeyboardInterrupt):  # SIGINT before the signal receiver was installed
-            return {"error": SIGNAL_MESSAGES[signal.SIGINT]}, 128 + signal.SIGINT
+            return {"error": signals.MESSAGES[signal.SIGINT]}, 128 + signal.SIGINT
         if not isinstance(leaf, Exception):
             raise
         return {"error": describe(leaf)}, EXIT_FAILURE
@@ -566,15 +561,18 @@ def usage_error(error: UsageError, json_output: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
-        if getattr(args, "check", None) is not None:
-            args.check(args)
-    except UsageError as error:
-        return usage_error(error, "--json" in argv)
-    logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
-                        format="%(name)s: %(message)s", stream=sys.stderr)
-    if args.verbose:  # the emulator processes log at the same level (unless the environment already says)
-        os.environ.setdefault("AIOFABRIC_SIM_LOG", ("INFO", "DEBUG")[min(args.verbose, 2) - 1])
+        try:
+            args = build_parser().parse_args(argv)
+            if getattr(args, "check", None) is not None:
+                args.check(args)
+        except UsageError as error:
+            return usage_error(error, "--json" in argv)
+        logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
+                            format="%(name)s: %(message)s", stream=sys.stderr)
+        if args.verbose:  # the emulator processes log at the same level (unless the environment already says)
+            os.environ.setdefault("AIOFABRIC_SIM_LOG", ("INFO", "DEBUG")[min(args.verbose, 2) - 1])
+    except Signalled as stopped:  # before the command ran (the entry point's handlers)
+        return signals.report(stopped, argv)
     result, code = execute(args)
     if args.json:
         print(json.dumps({"ok": code == EXIT_OK, **result}))
@@ -584,4 +582,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signals.install()
     sys.exit(main())

@@ -35,6 +35,7 @@ MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
 PATTERN_CHUNK = 1 << 20  # random.randbytes(n) overflows a C int above 256 MiB: fill the pattern 1 MiB at a time
 FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its own bytes to compare at the end
 REGION_BYTES = 256 << 20  # at most this much buffer per QP when slots are reused (a larger message gets one slot)
+MAX_NICS = 16  # emulated NICs of one run: each is a process with its own sparse DMA arena
 MAX_SIZE = 1 << 30  # one message: source and target live in different NICs' 4 GiB DMA arenas
 PEAK_SAMPLE = 0.05  # seconds between the samples of bytes done (the peak is the best tenth of the run)
 WARMUP_SHARE = 0.2  # with -D, this share of the time (at most 2 s) runs before measuring starts
@@ -84,8 +85,9 @@ class BenchConfig:
         Limits of the firmware (QPs, work requests per QP, DMA memory) are left to the driver, which reports them."""
         if self.test not in TESTS:
             raise ValueError(f"test must be one of {TESTS}")
-        if self.nics < 2 or self.nics % 2:
-            raise ValueError("--nics must be an even number >= 2 (NICs are paired)")
+        if not 2 <= self.nics <= MAX_NICS or self.nics % 2:
+            raise ValueError(f"--nics must be an even number in [2, {MAX_NICS}] (NICs are paired; each is an "
+                             f"emulator process), not {self.nics}")
         for name in ("qps", "iters", "depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")

@@ -351,6 +351,13 @@ def test_the_next_honest_client_runs_a_verified_bench_and_the_server_shows_it_es
     assert server.rss_mb() < 400
 
 
+def test_an_honest_run_longer_than_the_idle_timeout_is_kept_alive(server):
+    run = subprocess.run([*CLI, "bench", "write", "127.0.0.1", "--port", str(server.port), "-D", str(IDLE * 2.5),
+                          "--size", "4K", "--json"], capture_output=True, text=True, timeout=90)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert run.returncode == 0 and result["verified"] and result["seconds"] > IDLE * 1.5, run.stderr[-3000:]
+
+
 def test_a_single_shot_server_whose_client_fails_fails_too(tmp_path):
     single = Server(tmp_path, "--json")
     client = Client(single.port)

@@ -164,7 +164,8 @@ def is_running(pid):
 
 @pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
 @pytest.mark.parametrize("signum,code,message", [(signal.SIGTERM, 143, "terminated by SIGTERM"),
-                                                 (signal.SIGINT, 130, "interrupted by SIGINT")])
+                                                 (signal.SIGINT, 130, "interrupted by SIGINT"),
+                                                 (signal.SIGHUP, 129, "hung up (SIGHUP)")])
 def test_a_signal_closes_cleanly_and_prints_json(backend, signum, code, message):
     process = subprocess.Popen([*CLI, "--backend", backend, "-v", "bench", "write", "--iters", "10000000", "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -184,6 +185,35 @@ def test_a_signal_closes_cleanly_and_prints_json(backend, signum, code, message)
     assert last_json(stdout) == {"ok": False, "error": message}, stdout + stderr
     assert "close:" not in stderr, stderr  # every firmware object was freed
     assert not [pid for pid in emulators if is_running(pid)]
+
+
+def _catches(pid: int, signum: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return bool(int(re.search(r"SigCgt:\s+([0-9a-f]+)", status)[1], 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum,code,message", [(signal.SIGTERM, 143, "terminated by SIGTERM"),
+                                                 (signal.SIGINT, 130, "interrupted by SIGINT"),
+                                                 (signal.SIGHUP, 129, "hung up (SIGHUP)")])
+def test_a_signal_during_start_up_still_prints_json(signum, code, message):
+    """The entry point's handlers are in place before the driver's modules import (numpy, anyio: a few hundred
+    ms), so a signal sent the moment they are is one that arrives mid-import."""
+    process = subprocess.Popen([sys.executable, "-m", "aiofabric", "info", "--json"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not _catches(process.pid, signal.SIGTERM):  # Python catches SIGINT from its start: wait for ours
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.0005)
+        imported = set(Path(f"/proc/{process.pid}/maps").read_text().split())
+        process.send_signal(signum)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+    assert not any(path.endswith(".so") and "numpy" in path for path in imported)  # still importing, as meant
+    assert process.returncode == code, stderr
+    assert last_json(stdout) == {"ok": False, "error": message}, stdout + stderr
 
 
 def test_concurrent_runs_each_get_their_own_nics():
@@ -283,7 +313,7 @@ def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
 
 @pytest.mark.parametrize("args,code,message", [
     (["bench", "write", "-s", "64Q"], 2, "is not a size"),
-    (["bench", "write", "-s", "1G"], 1, "--size must be in [1, 536870912]"),
+    (["bench", "write", "-s", "2G"], 1, "--size must be in [1, 1073741824]"),
     (["bench", "write", "-D", "0"], 1, "-D/--duration must be in (0, 86400]"),
     (["bench", "write", "--min-size", "8K", "--max-size", "1K"], 2, "a sweep needs 1 <= --min-size <= --max-size"),
     (["bench", "write", "-a", "--factor", "1"], 2, "--factor must be at least 2"),
@@ -297,8 +327,15 @@ def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
     (["lat", "write", "--iters", "0"], 1, "--iters must be an integer of at least 1"),
     (["lat", "read", "-s", "1Q"], 2, "is not a size"),
     (["lat", "send", "--nic", "0000:41:00.0"], 1, "lat runs both ends here, on emulated NICs"),
+    (["bench", "write", "--nics", "1000"], 1, "--nics must be an even number in [2, 16]"),
+    (["bench", "write", "--server", "--port", "70000"], 2, "a port is in [0, 65535], not 70000"),
+    (["bench", "write", "127.0.0.1", "--remote-ip", "10.0.0.9"], 2, "the server chooses its NIC and address"),
+    (["bench", "write", "--server", "--nic", "0000:41:00.0"], 2, "give the NIC's address with --ip"),
+    (["bench", "write", "--server", "--max-nics", "0"], 2, "must be at least 1, not 0"),
+    (["bench", "write", "--server", "--allow-peer", "10.0.0.0/33"], 2, "invalid ip_network value"),
 ], ids=["suffix", "too-big", "duration-0", "sweep-order", "factor", "plot-no-sweep", "nic-spec", "pci-alone",
-        "plot-missing", "no-server", "forever-alone", "two-modes", "lat-iters", "lat-suffix", "lat-pci"])
+        "plot-missing", "no-server", "forever-alone", "two-modes", "lat-iters", "lat-suffix", "lat-pci", "nics-cap",
+        "port-range", "client-names-server-ip", "server-pci-no-ip", "max-nics-0", "allow-peer-bad"])
 def test_bad_input_for_every_new_flag_is_one_line(args, code, message):
     got, result, process = run(*args, "--json")
     assert got == code and result["ok"] is False and message in result["error"], process.stdout + process.stderr
