@@ -2,7 +2,8 @@
 `/bin/sh -c COMMAND` in a subprocess (with SSH_CONNECTION set), as OpenSSH's sshd runs it, with stdin/stdout/stderr bridged to the channel.
 
 When the channel closes while the command still runs (the client dropped the connection), the command's whole
-process group gets SIGTERM, then SIGKILL: a dropped client leaves nothing behind, as with sshd and a pty.
+process group gets SIGTERM, then SIGKILL, as sshd does with a pty. Without a pty OpenSSH's sshd does not: the command
+only sees its stdin and stdout close (tests/openssh.py runs the tests that depend on it against OpenSSH too).
 
 In-process: `await start_server(...)` (tests/test_peer.py). As a process (inside a network namespace:
 tests/test_peer_netns.py): `python tests/sshd.py --host IP --port 0 --host-key F --authorized-key F --cwd DIR`

@@ -1,10 +1,13 @@
 """Remote peers: the pure protocol, the `serve` endpoint, and real SSH (an asyncssh server on 127.0.0.1 that runs
-each command with /bin/sh in a subprocess, tests/sshd.py): the `connect` flow and each failure, with a clear error
-within its timeout and no process left on either side."""
+each command with /bin/sh in a subprocess, tests/sshd.py; where marked, OpenSSH's sshd too, tests/openssh.py): the
+`connect` flow and each failure, with a clear error within its timeout and no process left on either side."""
+import glob
 import json
+import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from aiofabric.peer.protocol import Answer, ClientState, LineBuffer, ProtocolErr
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sshd  # noqa: E402
+from ssh_servers import BOTH_SERVERS, assert_no_leftovers, leftovers, server  # noqa: E402,F401 (server: a fixture)
 
 pytestmark = pytest.mark.anyio
 CLI = [sys.executable, "-m", "aiofabric"]
@@ -103,46 +107,6 @@ def test_pattern_is_deterministic():
 
 # -- the endpoint over a local pipe (no SSH): every backend -----------------------------------------------------------
 
-def _session_ids() -> dict[int, int]:
-    sessions = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                sessions[int(entry)] = int(stat.rsplit(")", 1)[1].split()[4])
-            except (OSError, ValueError, IndexError):
-                pass
-    return sessions
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def leftovers(sessions=(), drivers=()) -> list[str]:
-    """Processes still alive in the given sessions (the commands the SSH server ran), or emulators whose driver is
-    one of `drivers` (and not a zombie). Empty when everything went away."""
-    found = []
-    sessions, drivers = set(sessions), set(drivers)
-    for pid, session in _session_ids().items():
-        command = _cmdline(pid)
-        if not command:
-            continue
-        if session in sessions or any(f'"driver_pid": {driver},' in command for driver in drivers):
-            found.append(f"{pid}: {command[:120]}")
-    return found
-
-
-async def assert_no_leftovers(sessions=(), drivers=(), within=8.0) -> None:
-    deadline = time.monotonic() + within
-    while (found := leftovers(sessions, drivers)) and time.monotonic() < deadline:
-        await anyio.sleep(0.1)
-    assert not found, found
-
-
 @pytest.mark.parametrize("serve_backend", ["asyncio", "trio"])
 async def test_serve_answers_bad_requests_out_of_order_and_exits_0_at_end_of_input(serve_backend):
     async with await anyio.open_process([*CLI, "--backend", serve_backend, "serve"]) as process:
@@ -187,42 +151,6 @@ def anyio_backend(request):
     return request.param  # asyncssh is asyncio-only (trio: see test_connect_peer_on_trio_says_it_needs_asyncio)
 
 
-class Server:
-    def __init__(self, directory: Path, keys: dict, acceptor) -> None:
-        self.directory, self.keys, self.acceptor = directory, keys, acceptor
-        self.port = acceptor.sockets[0].getsockname()[1]
-        self.known_hosts = directory / "known_hosts"
-        self.known_hosts.write_text(sshd.known_hosts_line("127.0.0.1", self.port, keys["host"]))
-        self.sessions_before = len(sshd.STARTED)
-
-    def options(self, **overrides):
-        return {"identity": self.keys["client"], "known_hosts": str(self.known_hosts), "python": sys.executable,
-                "connect_timeout": 20.0, "command_timeout": 30.0, **overrides}
-
-    def cli_flags(self):
-        return ["--port", str(self.port), "--identity", self.keys["client"], "--known-hosts", str(self.known_hosts),
-                "--python", sys.executable]
-
-    @property
-    def sessions(self):
-        return sshd.STARTED[self.sessions_before:]
-
-
-@pytest.fixture
-async def server(tmp_path):
-    home = tmp_path / "home"  # the remote commands' working directory: aiofabric is not importable from it
-    home.mkdir()
-    keys = sshd.make_keys(str(tmp_path))
-    acceptor = await sshd.start_server("127.0.0.1", 0, keys["host"], keys["client"] + ".pub", str(home))
-    try:
-        yield Server(tmp_path, keys, acceptor)
-    finally:
-        acceptor.close()
-        with anyio.move_on_after(5):  # let the handlers reap their commands before the loop closes
-            while sshd.CHILDREN:
-                await anyio.sleep(0.05)
-
-
 async def test_two_hosts_through_ssh_with_requests_in_flight_and_remote_errors_named(server):
     from aiofabric import connect_peer
     from aiofabric.peer.connect import two_hosts
@@ -240,7 +168,7 @@ async def test_two_hosts_through_ssh_with_requests_in_flight_and_remote_errors_n
         assert "ValueError: nic: no NIC with handle 99" in message and caught.value.remote_type == "ValueError"
         await peer.ping()  # an error answer does not break the peer
         remote_pid = peer.remote_pid
-    await assert_no_leftovers(server.sessions, [os.getpid(), remote_pid])
+    await assert_no_leftovers(server.port, [os.getpid(), remote_pid])
 
 
 async def _cli(*args, timeout=60):
@@ -253,15 +181,17 @@ async def _cli(*args, timeout=60):
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
+@BOTH_SERVERS
 async def test_cli_connect_and_ring_json(server):
-    code, result, process, _ = await _cli("connect", "127.0.0.1", *server.cli_flags(), "--size", "100000", "--json")
+    code, result, process, _ = await _cli("connect", "127.0.0.1", *server.cli_flags(), "--size", "1048576", "--json")
     assert code == 0, process.stderr.decode()
-    assert result["ok"] and result["verified"] and result["bytes"] == 100000
+    assert result["ok"] and result["verified"] and result["bytes"] == 1048576
     assert result["remote_host"] == f"127.0.0.1:{server.port}" and result["handshake_ms"] > result["transfer_ms"] > 0
     hosts = ",".join([f"127.0.0.1:{server.port}"] * 3)
-    code, result, process, _ = await _cli("--backend", "uvloop", "connect", "--hosts", hosts, *server.cli_flags(), "--size", "5000", "--json")
+    code, result, process, _ = await _cli("--backend", "uvloop", "connect", "--hosts", hosts, *server.cli_flags(),
+                                          "--size", "5000", "--json")
     assert code == 0 and result["verified"] and len(set(result["remote_ips"])) == 3, process.stderr.decode()
-    await assert_no_leftovers(server.sessions)
+    await assert_no_leftovers(server.port)
 
 
 @ASYNCIO_ONLY
@@ -276,7 +206,27 @@ async def test_bench_with_the_server_side_on_a_peer(server, test, shape):
     assert code == 0 and result["ok"] and result["verified"], process.stderr.decode()[-3000:]
     assert result["remote_host"] == f"127.0.0.1:{server.port}" and result["ops"] == 2 * int(shape[1])
     assert result["verification"].endswith("bytes") or "placement counts" in result["verification"]
-    await assert_no_leftovers(server.sessions)
+    await assert_no_leftovers(server.port)
+
+
+@ASYNCIO_ONLY
+@BOTH_SERVERS
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+async def test_bench_peer_interrupted_or_killed_mid_run_leaves_nothing_on_either_side(server, signum):
+    """Ctrl-C: the client stops the remote endpoint. A killed client cannot: its endpoint exits at the end of its
+    input, which sshd closes (OpenSSH signals nothing), and every emulator follows its driver."""
+    async with await anyio.open_process([*CLI, "bench", "write", "--peer", "127.0.0.1", *server.cli_flags(),
+                                         "--duration", "60", "--json"]) as process:
+        with anyio.fail_after(30):  # running: the remote endpoint's emulator is up
+            while not any("aiofabric.sim.process" in line for line in leftovers(server.port)):
+                assert process.returncode is None, (await process.stderr.receive()).decode()
+                await anyio.sleep(0.1)
+        await anyio.sleep(1)
+        process.send_signal(signum)
+        with anyio.fail_after(10):
+            code = await process.wait()
+    assert code == (130 if signum == signal.SIGINT else -signal.SIGKILL)
+    await assert_no_leftovers(server.port, [process.pid])
 
 
 @ASYNCIO_ONLY
@@ -305,7 +255,7 @@ async def _expect_peer_error(server, within, match, **options):
     assert time.monotonic() - started < within
     for text in ([match] if isinstance(match, str) else match):
         assert text in str(caught.value), str(caught.value)
-    await assert_no_leftovers(server.sessions, [os.getpid()])
+    await assert_no_leftovers(server.port, [os.getpid()])
     return caught.value
 
 
@@ -316,7 +266,7 @@ async def test_wrong_host_key_is_refused_as_a_possible_impersonation(server):
     wrong = sshd.make_keys(str(other))["host"]
     server.known_hosts.write_text(sshd.known_hosts_line("127.0.0.1", server.port, wrong))
     await _expect_peer_error(server, 10, ["host key does NOT match", str(server.known_hosts)])
-    assert not server.sessions  # nothing ran on the server
+    assert server.commands_started() == 0  # nothing ran on the server
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
@@ -355,13 +305,13 @@ async def test_unreachable_port(server):
     assert time.monotonic() - started < 6
 
 
-def _python_without_aiofabric(directory: Path) -> str:
-    """A remote `python` that has aiofabric's dependencies but not aiofabric: -S skips site (and with it the
-    editable install's finder); the dependencies' site-packages come back through PYTHONPATH, after whatever
-    PYTHONPATH the caller set (push prepends its dir)."""
+def _python_without_aiofabric(directory: Path, site_packages: bool = True) -> str:
+    """A remote `python` that has aiofabric's dependencies (or, without `site_packages`, nothing) but not aiofabric:
+    -S skips site (and with it the editable install's finder); the dependencies' site-packages come back through
+    PYTHONPATH, after whatever PYTHONPATH the caller set (push prepends its dir)."""
     import site
     wrapper = directory / "python-without-aiofabric"
-    packages = ":".join(site.getsitepackages())
+    packages = ":".join(site.getsitepackages()) if site_packages else ""
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{packages}" exec {sys.executable} '
                        f'-S "$@"\n')
     wrapper.chmod(0o755)
@@ -369,10 +319,13 @@ def _python_without_aiofabric(directory: Path) -> str:
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
+@BOTH_SERVERS
 async def test_remote_without_aiofabric_fails_clearly_then_push_works(server):
     python = _python_without_aiofabric(server.directory)
-    await _expect_peer_error(server, 20, ["exited before it was ready", "No module named aiofabric", "push=True"],
-                             python=python)
+    error = await _expect_peer_error(server, 20, f"127.0.0.1:{server.port}: the remote endpoint exited before it "
+                                                 f"was ready: the remote python ({python}) has no module named "
+                                                 "aiofabric: install aiofabric there or use push=True", python=python)
+    assert "\n" not in str(error) and "Traceback" not in str(error)
     from aiofabric import connect_peer
     async with connect_peer("127.0.0.1", server.port, **server.options(python=python, push=True)) as peer:
         pushed = peer.pushed_to
@@ -383,7 +336,42 @@ async def test_remote_without_aiofabric_fails_clearly_then_push_works(server):
         mr = await peer.register_mr(nic, 4096)
         assert await peer.fill(mr, seed=1, length=4096) == protocol.sha256_hex(protocol.pattern(1, 4096))
     assert not os.path.exists(pushed)  # removed on the way out
-    await assert_no_leftovers(server.sessions, [os.getpid()])
+    await assert_no_leftovers(server.port, [os.getpid()])
+
+
+def _pushed_dirs() -> set[str]:
+    """Pushed dirs on this host (the remote python's temp dir: the test's, or /tmp under OpenSSH's environment)."""
+    return {path for where in (tempfile.gettempdir(), "/tmp") for path in glob.glob(f"{where}/aiofabric-push.*")}
+
+
+@ASYNCIO_ONLY
+@BOTH_SERVERS
+async def test_push_to_a_python_without_the_dependencies_copies_them_too(server, tmp_path):
+    """A fresh venv's python lacks aiofabric and everything it needs: --push copies the pure-Python packages and,
+    this being the same interpreter, numpy and isal too."""
+    python = tmp_path / "bare" / "bin" / "python"
+    await anyio.run_process([sys.executable, "-m", "venv", "--without-pip", str(python.parent.parent)])
+    before = _pushed_dirs()
+    code, result, process, _ = await _cli("connect", "127.0.0.1", *server.cli_flags(str(python)), "--push", "--size",
+                                          "1048576", "--json")
+    assert code == 0 and result["verified"] and result["pushed"], process.stderr.decode()[-3000:]
+    assert _pushed_dirs() == before
+    await assert_no_leftovers(server.port)
+
+
+@ASYNCIO_ONLY
+async def test_push_to_another_platform_says_what_to_install_there(server, monkeypatch):
+    """Compiled packages are not copied to another ABI or platform (faked here: this side claims another)."""
+    import sysconfig
+    monkeypatch.setattr(sysconfig, "get_platform", lambda: "elsewhere-arm")
+    python = _python_without_aiofabric(server.directory, site_packages=False)
+    before = _pushed_dirs()
+    error = await _expect_peer_error(server, 20, [f"127.0.0.1:{server.port}: push: the remote python ({python}: ",
+                                                  "lacks compiled packages built here for ", " elsewhere-arm: install "
+                                                  f"them there: {python} -m pip install 'numpy>=1.24' 'isal>=1.6'"],
+                                     python=python, push=True)
+    assert "anyio" not in str(error)  # pure Python: it would be copied
+    assert _pushed_dirs() == before
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
@@ -413,15 +401,32 @@ async def test_remote_endpoint_killed_mid_request_fails_what_was_in_flight(serve
     matched, _ = caught.value.split(lambda error: isinstance(error, PeerError)
                                     and "exited after it started" in str(error) and "(while post" in str(error))
     assert matched is not None, caught.value
-    await assert_no_leftovers(server.sessions, [os.getpid()])
+    await assert_no_leftovers(server.port, [os.getpid()])
+
+
+@ASYNCIO_ONLY
+async def test_a_flood_on_the_remote_stderr_is_all_logged_but_only_its_tail_kept(server, caplog):
+    """8 MiB without a newline, a last line, an exit before the ready: every byte reaches logging in records of
+    bounded size, and the error keeps only the last lines (a bounded tail, whatever the remote writes)."""
+    flood = 8 << 20
+    code = f"import sys; sys.stderr.write('x' * {flood} + '\\nthe last words\\n'); sys.exit(3)"
+    with caplog.at_level(logging.WARNING, logger="aiofabric.peer"):
+        error = await _expect_peer_error(server, 20, ["exit status 3", "the last words"],
+                                         python=[sys.executable, "-c", code])
+    assert len(str(error)) < 16 << 10
+    messages = [record.getMessage() for record in caplog.records if record.name == "aiofabric.peer"]
+    assert sum(message.count("x") for message in messages) == flood
+    assert max(len(message) for message in messages) < 2 << 10
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
+@BOTH_SERVERS  # OpenSSH leaves it running when the channel closes: the client kills it by pid
 async def test_endpoint_that_never_starts_fails_within_the_connect_timeout(server):
     await _expect_peer_error(server, 6, "did not start within 2 s", connect_timeout=2,
                              python=[sys.executable, "-c", "import time; time.sleep(600)"])
 
 
+@BOTH_SERVERS
 async def test_request_past_the_command_timeout_fails_and_stops_the_endpoint(server):
     from aiofabric import connect_peer
     async with connect_peer("127.0.0.1", server.port, **server.options(command_timeout=1.5)) as peer:
@@ -435,9 +440,10 @@ async def test_request_past_the_command_timeout_fails_and_stops_the_endpoint(ser
         assert time.monotonic() - started < 3
         with pytest.raises(PeerError, match="got no answer"):
             await peer.ping()  # the peer failed as a whole
-    await assert_no_leftovers(server.sessions, [os.getpid()])
+    await assert_no_leftovers(server.port, [os.getpid()])
 
 
+@BOTH_SERVERS
 async def test_local_cancellation_mid_transfer_leaves_nothing(server):
     from aiofabric import connect_peer, open_nic
     started = time.monotonic()
@@ -453,7 +459,7 @@ async def test_local_cancellation_mid_transfer_leaves_nothing(server):
                 await qp.write(source, target.remote())
                 await peer.sha256(target)
     assert scope.cancelled_caught and time.monotonic() - started < 20
-    await assert_no_leftovers(server.sessions, [os.getpid()])
+    await assert_no_leftovers(server.port, [os.getpid()])
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
@@ -470,7 +476,7 @@ async def test_shell_metacharacters_are_never_executed(server):
         with pytest.raises(PeerError, match="open_nic .* failed on the remote host"):
             await peer.open_nic("sim", netns=f"x; touch {marker}")
     assert not marker.exists()
-    await assert_no_leftovers(server.sessions, [os.getpid()])
+    await assert_no_leftovers(server.port, [os.getpid()])
 
 
 # -- trio ---------------------------------------------------------------------------------------------------------

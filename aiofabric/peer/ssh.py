@@ -7,20 +7,28 @@ Security: host keys are checked against ~/.ssh/known_hosts unless the caller pas
 `known_hosts=None` (logged as a warning). The remote command is built from a fixed argv, each word `shlex.quote`d,
 so no user-supplied text (the python command, a pushed directory) is ever interpreted by the remote shell; request
 fields travel as JSON data on stdin, never on a command line.
+
+Remote processes: the endpoint exits at the end of its stdin. Nothing more can be counted on: OpenSSH's sshd does
+not signal a command when its channel closes, and ignores a channel's signal requests for root logins. So the
+command reports its pid on stderr before it becomes the endpoint, and one that does not exit in time is signalled by
+pid over a second session (`kill`); its emulators exit with their driver.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import json
 import logging
 import os
+import re
 import shlex
+import sysconfig
 import time
 from collections import deque
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 import anyio
-import sniffio
 
 from . import PeerError
 from ..taskgroups import own_task_group
@@ -33,8 +41,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("aiofabric.peer")
 DEFAULT: Any = object()  # known_hosts default: ~/.ssh/known_hosts
 STOP_GRACE = 5.0  # seconds the endpoint gets to close its NICs after end of input, before it is signalled
+ABORT_GRACE = 1.0  # the same for an aborted endpoint (its input ended and it was signalled already)
+SIGNAL_WAIT = 2.0  # seconds each signal gets to end the endpoint, and to be delivered by `kill`
 STDERR_TAIL = 12  # remote stderr lines kept for error messages
+# Bytes: a longer stderr line is forwarded (and kept) in pieces, so a remote that writes gigabytes, newline or not,
+# costs this side at most STDERR_TAIL pieces.
+STDERR_LINE_MAX = 1024
+PID_MARKER = "aiofabric-endpoint-pid"  # the stderr line of the remote command's wrapper, before it execs python
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
+PUSH_IN_FLIGHT = 16  # files a push copies at once: numpy alone is some 1,500 files, each a few round trips
+CLIENT_ONLY = {"asyncssh"}  # requirements only this side imports: the endpoint never opens SSH
+MISSING_MODULE = re.compile(r"No module named '?([\w.]+)'?")
+# The remote python's side of a push: a private (0700) temp dir, its version, ABI and platform, and which of the
+# distributions named in argv it lacks. Python 3.8's syntax: it may be older than this one.
+PROBE = """import importlib.metadata as m, json, sys, sysconfig, tempfile
+def lacks(name):
+    try:
+        m.distribution(name)
+    except m.PackageNotFoundError:
+        return True
+    return False
+print(json.dumps({"dir": tempfile.mkdtemp(prefix="aiofabric-push."), "python": sys.version.split()[0],
+                  "abi": [sysconfig.get_config_var("SOABI"), sysconfig.get_platform()],
+                  "missing": [name for name in sys.argv[1:] if lacks(name)]}))
+"""
 
 
 class _ProcessCarrier:
@@ -53,11 +83,15 @@ class _ProcessCarrier:
 
 class SSHPeer(Peer):
     """A `Peer` whose endpoint runs over SSH. `handshake_s`: SSH connect + endpoint start (+ push) in seconds;
-    `pushed_to`: the remote temp dir the package was copied to, if it was."""
+    `pushed_to`: the remote temp dir the package was copied to, if it was; `endpoint_pid`: the remote process."""
 
-    def __init__(self, carrier: _ProcessCarrier, host: str, command_timeout: float) -> None:
+    def __init__(self, carrier: _ProcessCarrier, connection: asyncssh.SSHClientConnection, host: str,
+                 command_timeout: float) -> None:
         self.process = carrier.process
+        self.connection = connection
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        self.stderr_done = anyio.Event()
+        self.endpoint_pid = 0
         self.handshake_s = 0.0
         self.pushed_to: str | None = None
         super().__init__(carrier, host, command_timeout=command_timeout, describe_exit=self._exit_text,
@@ -66,6 +100,7 @@ class SSHPeer(Peer):
     async def _exit_text(self) -> str:
         with anyio.move_on_after(1):
             await self.process.wait_closed()
+            await self.stderr_done.wait()  # its last lines say why
         status, signal = self.process.exit_status, self.process.exit_signal
         how = f"exit status {status}" if status is not None else (
             f"killed by signal {signal[0]}" if signal else "connection closed")
@@ -73,38 +108,71 @@ class SSHPeer(Peer):
         return f"{how}{'; stderr: ' + tail if tail else ''}"
 
     def _abort(self) -> None:
-        """Stop the endpoint now (a timeout or a broken protocol): signal it and close its channel."""
+        """Stop the endpoint now (a timeout or a broken protocol): signal it and end its input. The channel stays
+        open for its exit status; `stop` kills it by pid if it is still there."""
         with contextlib.suppress(Exception):
             self.process.send_signal("KILL")
         with contextlib.suppress(Exception):
-            self.process.close()
+            self.process.stdin.write_eof()
 
     async def pump_stderr(self) -> None:
-        """Forward the endpoint's stderr to logging, one record per line, prefixed with the host."""
+        """Forward the endpoint's stderr to logging, one record per line (or piece of STDERR_LINE_MAX bytes),
+        prefixed with the host; keep the last STDERR_TAIL for errors; take the wrapper's pid line."""
+        pending = b""
         try:
-            async for raw in self.process.stderr:
-                line = raw.decode(errors="replace").rstrip()
-                if line:
-                    self.stderr_tail.append(line)
-                    log.warning("%s: %s", self.host, line)
+            while chunk := await self.process.stderr.read(1 << 16):
+                *lines, pending = (pending + chunk).split(b"\n")
+                if len(pending) >= STDERR_LINE_MAX:  # no newline for a while: forward what came
+                    lines.append(pending)
+                    pending = b""
+                for line in lines:
+                    self._stderr_line(line)
+            self._stderr_line(pending)
         except Exception:  # the channel went away: the reader reports it
             pass
+        finally:
+            self.stderr_done.set()
+
+    def _stderr_line(self, raw: bytes) -> None:
+        for start in range(0, len(raw), STDERR_LINE_MAX):
+            line = raw[start:start + STDERR_LINE_MAX].decode(errors="replace").rstrip()
+            pid = line.removeprefix(PID_MARKER + " ")
+            if not self.endpoint_pid and pid != line and pid.isdigit():
+                self.endpoint_pid = int(pid)
+            elif line:
+                self.stderr_tail.append(line)
+                log.warning("%s: %s", self.host, line)
+
+    async def _signal(self, signal: str) -> None:
+        """Signal the endpoint over its channel, and by pid over a second session (OpenSSH ignores the first for
+        root logins)."""
+        with contextlib.suppress(Exception):
+            self.process.send_signal(signal)
+        pid = self.endpoint_pid or self.remote_pid
+        if pid:
+            with anyio.move_on_after(SIGNAL_WAIT), contextlib.suppress(Exception):
+                await self.connection.run(f"kill -s {signal} {pid}", check=False)
 
     async def stop(self) -> None:
-        """Close stdin (the endpoint closes its NICs and exits 0), wait STOP_GRACE, then TERM, then KILL."""
+        """End the endpoint's input (it closes its NICs and exits 0) and give it STOP_GRACE s (ABORT_GRACE if the
+        peer failed), then TERM, then KILL, each given SIGNAL_WAIT s; close the channel."""
         process = self.process
         with contextlib.suppress(Exception):
             process.stdin.write_eof()
-        for signal in (None, "TERM", "KILL"):
-            if signal is not None:
-                with contextlib.suppress(Exception):
-                    process.send_signal(signal)
-            with anyio.move_on_after(STOP_GRACE if signal is None else 2):
-                with contextlib.suppress(Exception):
-                    await process.wait_closed()
-            if process.exit_status is not None or process.exit_signal is not None:
+        grace = STOP_GRACE if self.failure is None else ABORT_GRACE
+        for wait, signal in ((grace, "TERM"), (SIGNAL_WAIT, "KILL"), (SIGNAL_WAIT, None)):
+            with anyio.move_on_after(wait), contextlib.suppress(Exception):
+                await process.wait_closed()
+            if process.exit_status is not None or process.exit_signal is not None or signal is None:
                 break
+            await self._signal(signal)
         process.close()
+
+
+def _async_library() -> str:
+    """The running async library, "asyncio" under uvloop too. Not sniffio: it is not a dependency (current anyio
+    no longer needs it); anyio's cancellation class is the running backend's own (asyncio's or trio's)."""
+    return anyio.get_cancelled_exc_class().__module__.partition(".")[0]
 
 
 def _known_hosts_option(known_hosts: Any, where: str) -> Any:
@@ -162,36 +230,139 @@ async def _connect(host: str, port: int, user: str | None, identity: str | os.Pa
         raise PeerError(f"{where}: cannot reach the SSH server: {exc.strerror or exc}", host=where) from None
 
 
-def _package_files() -> list[Path]:
-    return sorted(path for path in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in path.parts)
+def _argv(python: str | Sequence[str]) -> list[str]:
+    argv = shlex.split(python) if isinstance(python, str) else list(python)
+    if not argv:
+        raise ValueError("python must name a command, e.g. 'python3'")
+    return argv
 
 
-async def push(connection: asyncssh.SSHClientConnection, where: str = "") -> str:
-    """Copy this aiofabric package (its .py files) into a new private (0700) temp dir on the remote host over SFTP;
-    the dir, to put on PYTHONPATH. The caller removes it (`connect_peer` does, on the way out)."""
-    result = await connection.run("mktemp -d -t aiofabric-push.XXXXXXXX", check=False)
-    remote_dir = str(result.stdout or "").strip()
-    if result.exit_status != 0 or not remote_dir.startswith("/"):
-        raise PeerError(f"{where}: push: cannot make a temp dir on the remote host: {str(result.stderr).strip()}",
-                        host=where)
-    async with connection.start_sftp_client() as sftp:
-        files = _package_files()
-        for directory in sorted({path.parent for path in files}):
-            relative = directory.relative_to(PACKAGE_DIR.parent).as_posix()
-            await sftp.makedirs(f"{remote_dir}/{relative}", exist_ok=True)
-            await sftp.put([os.fspath(path) for path in files if path.parent == directory],
-                           f"{remote_dir}/{relative}")
+def _quoted(argv: Iterable[str]) -> str:
+    return " ".join(shlex.quote(word) for word in argv)
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def endpoint_distributions() -> dict[str, tuple[importlib.metadata.Distribution, str]]:
+    """The installed distributions the endpoint imports besides aiofabric, {normalized name: (distribution,
+    requirement)}: aiofabric's requirements but CLIENT_ONLY, and theirs, without extras. A requirement not installed
+    here is left out (its marker excludes this python), and all are when aiofabric runs from a source tree."""
+    try:
+        todo = importlib.metadata.requires("aiofabric") or []
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    found: dict[str, tuple[importlib.metadata.Distribution, str]] = {}
+    while todo:
+        requirement, _, marker = todo.pop(0).partition(";")
+        name = _normalized(re.split(r"[\s<>=!~\[(@]", requirement.strip(), maxsplit=1)[0])
+        if "extra" in marker or name in found or name in CLIENT_ONLY:
+            continue
+        try:
+            distribution = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found[name] = (distribution, requirement.strip())
+        todo += distribution.requires or []
+    return found
+
+
+def _distribution_files(distribution: importlib.metadata.Distribution) -> list[PurePath]:
+    """Its installed files (its RECORD), relative to its site directory (`locate_file("")`), without scripts or
+    bytecode."""
+    root = Path(str(distribution.locate_file("")))
+    return [file for file in distribution.files or [] if file.parts[0] != ".." and "__pycache__" not in file.parts
+            and (root / file).is_file()]
+
+
+def _is_pure(distribution: importlib.metadata.Distribution) -> bool:
+    return not any(file.suffix in (".so", ".pyd") or ".so." in file.name for file in distribution.files or [])
+
+
+async def _upload(sftp: asyncssh.SFTPClient, remote_dir: str, files: list[tuple[Path, PurePath]]) -> None:
+    """Put each (root, file) at `remote_dir`/file, PUSH_IN_FLIGHT files at a time."""
+    for directory in sorted({file.parent.as_posix() for _, file in files}):
+        await sftp.makedirs(f"{remote_dir}/{directory}", exist_ok=True)
+    limiter = anyio.CapacityLimiter(PUSH_IN_FLIGHT)
+
+    async def put(root: Path, file: PurePath) -> None:
+        async with limiter:
+            await sftp.put(os.fspath(root / file), f"{remote_dir}/{file.as_posix()}")
+
+    async with anyio.create_task_group() as tasks:
+        for root, file in files:
+            tasks.start_soon(put, root, file)
+
+
+async def _remove(connection: asyncssh.SSHClientConnection, remote_dir: str) -> None:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(5), contextlib.suppress(Exception):
+        await connection.run(f"rm -rf -- {shlex.quote(remote_dir)}", check=False)
+
+
+async def push(connection: asyncssh.SSHClientConnection, python: str | Sequence[str] = "python3",
+               where: str = "") -> str:
+    """Copy this aiofabric package (its .py files), and the distributions it needs that the remote `python` lacks,
+    into a new private (0700) temp dir on the remote host over SFTP; the dir, to put on PYTHONPATH. Pure-Python
+    distributions are copied from this side's installation; compiled ones (numpy, isal) only to the same Python ABI
+    and platform, else a PeerError says what to install there. The caller removes the dir (`connect_peer` does)."""
+    argv = _argv(python)
+    needed = endpoint_distributions()
+    names = [distribution.metadata["Name"] for distribution, _ in needed.values()]
+    result = await connection.run(_quoted([*argv, "-c", PROBE, *names]), check=False)
+    try:
+        remote = json.loads(str(result.stdout).strip().splitlines()[-1])
+        remote_dir = remote["dir"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        stderr = str(result.stderr or "").strip().splitlines()
+        raise PeerError(f"{where}: push: the remote python ({_quoted(argv)}) did not run: "
+                        f"{stderr[-1] if stderr else f'exit status {result.exit_status}'}", host=where) from None
+    try:
+        missing = [needed[_normalized(name)] for name in remote["missing"]]
+        here = [sysconfig.get_config_var("SOABI"), sysconfig.get_platform()]
+        blocked = [requirement for distribution, requirement in missing
+                   if remote["abi"] != here and not _is_pure(distribution)]
+        if blocked:
+            install = _quoted([*argv, "-m", "pip", "install", *blocked])
+            raise PeerError(f"{where}: push: the remote python ({_quoted(argv)}: {remote['python']}, "
+                            f"{' '.join(map(str, remote['abi']))}) lacks compiled packages built here for "
+                            f"{' '.join(map(str, here))}: install them there: {install}", host=where)
+        files: list[tuple[Path, PurePath]] = [(PACKAGE_DIR.parent, path.relative_to(PACKAGE_DIR.parent))
+                                               for path in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in path.parts]
+        for distribution, _ in missing:
+            root = Path(str(distribution.locate_file("")))
+            files += [(root, file) for file in _distribution_files(distribution)]
+        async with connection.start_sftp_client() as sftp:
+            await _upload(sftp, remote_dir, files)
+    except BaseException:
+        await _remove(connection, remote_dir)
+        raise
     return remote_dir
 
 
 def remote_command(python: str | Sequence[str], pushed_to: str | None = None) -> str:
-    """The endpoint's command line: every word quoted, so the remote shell only splits it."""
-    argv = shlex.split(python) if isinstance(python, str) else list(python)
-    if not argv:
-        raise ValueError("python must name a command, e.g. 'python3'")
+    """The endpoint's command line, every word quoted so the remote shell only splits it: a wrapper that reports
+    its pid on stderr (PID_MARKER), then execs the endpoint in the same process."""
+    argv = _argv(python)
     if pushed_to is not None:
         argv = ["env", f"PYTHONPATH={pushed_to}", *argv]
-    return " ".join(shlex.quote(word) for word in [*argv, "-m", "aiofabric", "serve"])
+    return _quoted(["sh", "-c", f'echo {PID_MARKER} $$ >&2; exec "$@"', "sh", *argv, "-m", "aiofabric", "serve"])
+
+
+def _start_error(exc: PeerError, peer: SSHPeer, python: str | Sequence[str], push: bool) -> PeerError:
+    """An endpoint that exited before it was ready for want of a module: one line saying what to install where."""
+    module = next((match[1].partition(".")[0] for line in reversed(peer.stderr_tail)
+                   if (match := MISSING_MODULE.search(line))), None)
+    if module is None:
+        return exc
+    where, argv = peer.host, _argv(python)
+    if module == "aiofabric":
+        advice = "install aiofabric there or use push=True (connect --push)"
+    else:
+        advice = f"install it there ({_quoted([*argv, '-m', 'pip', 'install', module])})" + (
+            "" if push else " or use push=True (connect --push), which also copies the packages aiofabric needs")
+    return PeerError(f"{where}: the remote endpoint exited before it was ready: the remote python ({_quoted(argv)}) "
+                     f"has no module named {module}: {advice}", host=where)
 
 
 @contextlib.asynccontextmanager
@@ -204,17 +375,16 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
     `identity`: a private key file (default: the SSH agent and ~/.ssh's keys). `known_hosts`: a known_hosts file
     (default ~/.ssh/known_hosts), or None to skip the host key check (insecure, logged). `python`: the remote
     interpreter, a command or argv (quoted word by word). `connect_timeout` bounds the SSH connection and the
-    endpoint's start; `command_timeout` each request. `push=True` copies this package over SFTP into a private temp
-    dir on the host and runs it from there, for hosts that cannot import aiofabric (its dependencies must be there).
+    endpoint's start (and a push); `command_timeout` each request. `push=True` copies this package over SFTP into a
+    private temp dir on the host and runs it from there, for hosts that cannot import aiofabric, with the packages it
+    needs that the remote python lacks (see `push`).
 
     Leaving the block, or cancelling it, closes the endpoint's stdin (it closes its NICs and exits), signals it if
-    it does not exit, closes the connection and removes a pushed dir: no process outlives the block on either side.
+    it does not exit (over the channel and by pid), closes the connection and removes a pushed dir: no process
+    outlives the block on either side.
     """
     where = f"{user + '@' if user else ''}{host}:{port}"
-    try:
-        library = sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        library = "no event loop"
+    library = _async_library()
     if library != "asyncio":
         raise PeerError(f"connect_peer needs asyncio or uvloop (asyncssh is asyncio-only), not {library}: run with "
                         "anyio.run(..., backend='asyncio') or aiofabric --backend asyncio", host=where)
@@ -222,13 +392,16 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
     connection = await _connect(host, port, user, identity, known_hosts, connect_timeout, where)
     peer: SSHPeer | None = None
     pushed_to: str | None = None
+    # The reader and the stderr pump are shielded from the caller's cancellation (Ctrl-C in the CLI): its shielded
+    # clean-up (closing remote objects) still needs the answers read. They end when these scopes are cancelled.
+    background = [anyio.CancelScope(shield=True), anyio.CancelScope(shield=True)]
     try:
         async with own_task_group() as tasks:
             try:
                 try:
                     with anyio.fail_after(max(0.1, connect_timeout - (time.perf_counter() - started))):
                         if push:
-                            pushed_to = await _push_step(connection, where)
+                            pushed_to = await _push_step(connection, python, where)
                         try:
                             process = await connection.create_process(remote_command(python, pushed_to),
                                                                       encoding=None)
@@ -238,38 +411,42 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                 except TimeoutError:
                     raise PeerError(f"{where}: the remote endpoint did not start within {connect_timeout:g} s",
                                     host=where) from None
-                peer = SSHPeer(_ProcessCarrier(process), where, command_timeout)
+                peer = SSHPeer(_ProcessCarrier(process), connection, where, command_timeout)
                 peer.pushed_to = pushed_to
-                tasks.start_soon(peer.reader)
-                tasks.start_soon(peer.pump_stderr)
+                for function, scope in zip((peer.reader, peer.pump_stderr), background):
+                    tasks.start_soon(_run_in, scope, function)
                 try:
                     await peer.wait_ready(max(0.1, connect_timeout - (time.perf_counter() - started)),
                                           budget=connect_timeout)
                 except PeerError as exc:
-                    hint = ("; the remote python cannot import aiofabric: install it there or use push=True "
-                            "(connect --push)") if "No module named aiofabric" in str(exc) else ""
-                    raise PeerError(f"{exc}{hint}", host=where) from None
+                    raise _start_error(exc, peer, python, push) from None
                 peer.handshake_s = time.perf_counter() - started
                 yield peer
             finally:
                 with anyio.CancelScope(shield=True):
                     if peer is not None:
-                        with anyio.move_on_after(STOP_GRACE + 6):
+                        with anyio.move_on_after(STOP_GRACE + 3 * SIGNAL_WAIT + 2):
                             await peer.stop()
+                    for scope in background:
+                        scope.cancel()
                     tasks.cancel_scope.cancel()
     finally:
+        if pushed_to:
+            await _remove(connection, pushed_to)
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            if pushed_to:
-                with contextlib.suppress(Exception):
-                    await connection.run(f"rm -rf -- {shlex.quote(pushed_to)}", check=False)
             connection.close()
             with contextlib.suppress(Exception):
                 await connection.wait_closed()
 
 
-async def _push_step(connection: asyncssh.SSHClientConnection, where: str) -> str:
+async def _run_in(scope: anyio.CancelScope, function: Callable[[], Awaitable[None]]) -> None:
+    with scope:
+        await function()
+
+
+async def _push_step(connection: asyncssh.SSHClientConnection, python: str | Sequence[str], where: str) -> str:
     try:
-        return await push(connection, where)
+        return await push(connection, python, where)
     except PeerError:
         raise
     except Exception as exc:
