@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _HOMES = {
-    ".nic": ("NIC", "open_nic"),
+    ".nic": ("NIC", "open_nic", "DmaBudget"),
     ".queues": ("Access", "CompletionQueue", "MemoryRegion", "QPInfo", "QPState", "QueuePair", "RemoteRegion",
                 "LocalBuffer"),
     ".completions": ("Completion", "CompletionError"),
@@ -41,7 +41,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from .completions import Completion, CompletionError
     from .errors import ClosedError, DeviceLostError, FabricError, FirmwareError, FirmwareTimeoutError
-    from .nic import NIC, open_nic
+    from .nic import NIC, DmaBudget, open_nic
     from .pci import PCIError
     from .peer import PeerError
     from .peer.ssh import connect_peer

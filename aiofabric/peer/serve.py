@@ -27,8 +27,7 @@ import anyio.abc
 import numpy
 
 from .. import __version__
-from ..nic import NIC, open_nic
-from ..pci import DmaBudget
+from ..nic import NIC, DmaBudget, open_nic
 from ..queues import CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from . import protocol
 from .policy import LimitError, ServerPolicy
