@@ -305,17 +305,20 @@ async def test_unreachable_port(server):
     assert time.monotonic() - started < 6
 
 
-def _python_without_aiofabric(directory: Path, site_packages: bool = True) -> str:
-    """A remote `python` that has aiofabric's dependencies (or, without `site_packages`, nothing) but not aiofabric:
-    -S skips site (and with it the editable install's finder); the dependencies' site-packages come back through
-    PYTHONPATH, after whatever PYTHONPATH the caller set (push prepends its dir)."""
-    import site
-    wrapper = directory / "python-without-aiofabric"
-    packages = ":".join(site.getsitepackages()) if site_packages else ""
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{packages}" exec {sys.executable} '
-                       f'-S "$@"\n')
+def _python_with(directory: Path, *paths: str) -> str:
+    """A remote `python` that imports from `paths` only, after whatever PYTHONPATH the caller set (push prepends its
+    dir): -S skips site, and with it the site-packages and the editable install's finder."""
+    wrapper = directory / "python-with-some"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{":".join(paths)}" '
+                       f'exec {sys.executable} -S "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
+
+
+def _python_without_aiofabric(directory: Path) -> str:
+    """A remote `python` that has aiofabric's dependencies (this one's site-packages) but not aiofabric."""
+    import site
+    return _python_with(directory, *site.getsitepackages())
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
@@ -364,7 +367,7 @@ async def test_push_to_another_platform_says_what_to_install_there(server, monke
     """Compiled packages are not copied to another ABI or platform (faked here: this side claims another)."""
     import sysconfig
     monkeypatch.setattr(sysconfig, "get_platform", lambda: "elsewhere-arm")
-    python = _python_without_aiofabric(server.directory, site_packages=False)
+    python = _python_with(server.directory)
     before = _pushed_dirs()
     error = await _expect_peer_error(server, 20, [f"127.0.0.1:{server.port}: push: the remote python ({python}: ",
                                                   "lacks compiled packages built here for ", " elsewhere-arm: install "
@@ -372,6 +375,16 @@ async def test_push_to_another_platform_says_what_to_install_there(server, monke
                                      python=python, push=True)
     assert "anyio" not in str(error)  # pure Python: it would be copied
     assert _pushed_dirs() == before
+
+
+@ASYNCIO_ONLY
+async def test_remote_with_aiofabric_but_not_its_dependencies_says_what_to_install(server):
+    python = _python_with(server.directory, str(Path(__file__).resolve().parent.parent))  # the checkout, no more
+    error = await _expect_peer_error(server, 20, f"127.0.0.1:{server.port}: the remote endpoint exited before it "
+                                                 f"was ready: the remote python ({python}) has no module named anyio: "
+                                                 f"install it there ({python} -m pip install anyio) or use push=True",
+                                     python=python)
+    assert "\n" not in str(error) and "Traceback" not in str(error)
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
