@@ -53,18 +53,11 @@ PUSH_IN_FLIGHT = 16  # files a push copies at once: numpy alone is some 1,500 fi
 CLIENT_ONLY = {"asyncssh"}  # requirements only this side imports: the endpoint never opens SSH
 MISSING_MODULE = re.compile(r"No module named '?([\w.]+)'?")
 # The remote python's side of a push: a private (0700) temp dir, its version, ABI and platform, and which of the
-# distributions named in argv it lacks. Python 3.8's syntax: it may be older than this one.
-PROBE = """import importlib.metadata as m, json, sys, sysconfig, tempfile
-def lacks(name):
-    try:
-        m.distribution(name)
-    except m.PackageNotFoundError:
-        return True
-    return False
-print(json.dumps({"dir": tempfile.mkdtemp(prefix="aiofabric-push."), "python": sys.version.split()[0],
-                  "abi": [sysconfig.get_config_var("SOABI"), sysconfig.get_platform()],
-                  "missing": [name for name in sys.argv[1:] if lacks(name)]}))
-"""
+# distributions named in argv it lacks. One line (any login shell passes it on) in Python 3.8's syntax.
+PROBE = ("import importlib.metadata as m, json, sys, sysconfig, tempfile; print(json.dumps({"
+         "'dir': tempfile.mkdtemp(prefix='aiofabric-push.'), 'python': sys.version.split()[0], "
+         "'abi': [sysconfig.get_config_var('SOABI'), sysconfig.get_platform()], "
+         "'missing': [name for name in sys.argv[1:] if next(iter(m.distributions(name=name)), None) is None]}))")
 
 
 class _ProcessCarrier:
