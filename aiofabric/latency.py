@@ -42,7 +42,7 @@ from .queues import MemoryRegion, QueuePair
 TESTS = perftest.TESTS
 MTUS = perftest.MTUS
 MAX_ACK_TIMEOUT = perftest.MAX_ACK_TIMEOUT
-MAX_SIZE = 1 << 28  # 256 MiB: a WRITE side holds two buffers, a SEND side up to three, in a 1 GiB DMA arena
+MAX_SIZE = 1 << 28  # 256 MiB: a WRITE side holds two buffers, a SEND side up to three, each page touched
 WARMUP = 8  # iterations run before measuring (perftest warms its latency loops up too)
 SQ_DEPTH = 64
 SIGNAL_EVERY = 16  # signal one send in SIGNAL_EVERY and await it SIGNAL_EVERY iterations later (errors surface)
