@@ -203,10 +203,11 @@ class TCPPeer(Peer):
 
 
 async def source_address(host: str, port: int = DEFAULT_PORT) -> str | None:
-    """This host's address on the route to `host` (the kernel's choice; nothing is sent), or None when `host` is
-    this host (a loopback or own address), where emulated NICs pick their own 127.0.0.x."""
+    """This host's IPv4 address on the route to `host` (the kernel's choice; nothing is sent), or None when `host`
+    is this host (a loopback or own address), where emulated NICs pick their own 127.0.0.x."""
     try:
-        family, kind, proto, _, destination = (await anyio.getaddrinfo(host, port, type=socket.SOCK_DGRAM))[0]
+        family, kind, proto, _, destination = (await anyio.getaddrinfo(host, port, family=socket.AF_INET,
+                                                                       type=socket.SOCK_DGRAM))[0]
     except OSError as exc:
         raise PeerError(f"cannot resolve {host}: {exc.strerror or exc}", host=_where(host, port)) from None
     with socket.socket(family, kind, proto) as probe:
