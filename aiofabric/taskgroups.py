@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -30,3 +30,10 @@ async def own_task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
             raise
     if error is not None:
         raise error
+
+
+async def run_in(scope: anyio.CancelScope, function: Callable[[], Awaitable[None]]) -> None:
+    """Run `function` inside `scope`: a task started so (with a shielded scope) outlives the cancellation of its
+    caller's block, e.g. a peer's reader, which the block's shielded clean-up needs, until `scope` is cancelled."""
+    with scope:
+        await function()

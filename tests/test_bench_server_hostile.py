@@ -358,6 +358,31 @@ def test_an_honest_run_longer_than_the_idle_timeout_is_kept_alive(server):
     assert run.returncode == 0 and result["verified"] and result["seconds"] > IDLE * 1.5, run.stderr[-3000:]
 
 
+def test_ctrl_c_of_a_client_mid_run_ends_it_within_seconds_and_frees_the_server_side(server):
+    client = subprocess.Popen([*CLI, "bench", "write", "127.0.0.1", "--port", str(server.port), "-D", "60", "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.children():  # the server's NIC is up: the run is on
+            assert client.poll() is None and time.monotonic() < deadline, client.communicate()
+            time.sleep(0.05)
+        time.sleep(1)
+        client.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        stdout, stderr = client.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        client.kill()
+        client.wait()
+    assert client.returncode == 130 and json.loads(stdout.strip().splitlines()[-1])["error"] == \
+        "interrupted by SIGINT", stderr[-2000:]
+    assert took < 8, took  # its clean-up closed the server's objects through answers it still read
+    deadline = time.monotonic() + 10
+    while server.children():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_a_single_shot_server_whose_client_fails_fails_too(tmp_path):
     single = Server(tmp_path, "--json")
     client = Client(single.port)

@@ -26,12 +26,12 @@ import sysconfig
 import time
 from collections import deque
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
 
 import anyio
 
 from . import PeerError
-from ..taskgroups import own_task_group
+from ..taskgroups import own_task_group, run_in
 from .client import Peer
 
 if TYPE_CHECKING:
@@ -407,7 +407,7 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                 peer = SSHPeer(_ProcessCarrier(process), connection, where, command_timeout)
                 peer.pushed_to = pushed_to
                 for function, scope in zip((peer.reader, peer.pump_stderr), background):
-                    tasks.start_soon(_run_in, scope, function)
+                    tasks.start_soon(run_in, scope, function)
                 try:
                     await peer.wait_ready(max(0.1, connect_timeout - (time.perf_counter() - started)),
                                           budget=connect_timeout)
@@ -430,11 +430,6 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
             connection.close()
             with contextlib.suppress(Exception):
                 await connection.wait_closed()
-
-
-async def _run_in(scope: anyio.CancelScope, function: Callable[[], Awaitable[None]]) -> None:
-    with scope:
-        await function()
 
 
 async def _push_step(connection: asyncssh.SSHClientConnection, python: str | Sequence[str], where: str) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import inspect
 import ipaddress
 import logging
@@ -36,7 +37,7 @@ import anyio
 import anyio.abc
 
 from . import PeerError, protocol
-from ..taskgroups import own_task_group
+from ..taskgroups import own_task_group, run_in
 from .client import Peer
 from .policy import ServerPolicy
 from .serve import READ_CHUNK, serve_stream
@@ -266,9 +267,12 @@ async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, local_host: str | 
         raise PeerError(f"cannot reach {where}: {reason}", host=where) from None
     carrier = _StreamCarrier(stream, where)
     peer = TCPPeer(carrier, where, command_timeout)
+    # The reader and the pings are shielded from the caller's cancellation (Ctrl-C in the CLI): its shielded
+    # clean-up (closing the server's objects) still needs its answers read. They end when these scopes are cancelled.
+    background = [anyio.CancelScope(shield=True), anyio.CancelScope(shield=True)]
     async with stream, own_task_group() as tasks:
         try:
-            tasks.start_soon(peer.reader)
+            tasks.start_soon(run_in, background[0], peer.reader)
             left = max(0.1, connect_timeout - (time.perf_counter() - started))
             try:
                 await peer.wait_ready(left, budget=connect_timeout)
@@ -281,8 +285,10 @@ async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, local_host: str | 
             peer.handshake_s = time.perf_counter() - started
             idle = peer.state.ready.idle_timeout if peer.state.ready is not None else None
             if idle is not None:
-                tasks.start_soon(_keep_alive, peer, idle)
+                tasks.start_soon(run_in, background[1], functools.partial(_keep_alive, peer, idle))
             yield peer
         finally:
             carrier.shutdown()  # the server sees end of input and closes what is left
+            for scope in background:
+                scope.cancel()
             tasks.cancel_scope.cancel()
