@@ -135,6 +135,7 @@ class Device:
         self._closed = False  # close() ran to the end
         self._watching_removal = False  # the removal watch task runs; else command waits look themselves
         self._creq_reader = False  # a task is serving the CREQ (only one may wait on its interrupt fd)
+        self._creq_idle = False  # ... and sleeps without a safety poll: no command awaits a reply
         self._background: list[anyio.CancelScope] = []  # the NIC's own tasks: close() stops them first
         self.fw_version = self.hwrm_version = self.mac = ""
         self.port_id = self.db_offset = 0
@@ -301,6 +302,9 @@ class Device:
         memory_barrier()  # the command's slots in host memory before the producer the firmware reads them by
         self.bar0.write32(bnxt.RCFW_COMM_BASE_OFFSET + bnxt.RCFW_PF_VF_COMM_PROD_OFFSET, producer)
         self.bar0.write32(bnxt.RCFW_COMM_BASE_OFFSET + bnxt.RCFW_COMM_TRIG_OFFSET, bnxt.RCFW_CMDQ_TRIG_VAL)
+        if self._creq_idle:  # wake the reader, so a lost reply interrupt costs a safety poll, not the timeout
+            self._creq_idle = False
+            wake(self._irq[CREQ_VECTOR])
 
     def _signal_space(self) -> None:
         self._cmdq_space.set()
@@ -325,6 +329,7 @@ class Device:
         takes over."""
         fd = self._irq[CREQ_VECTOR]
         self._creq_reader = True
+        quiet = False  # the last sleep ended by its safety poll
         try:
             while until is None or until.entry is None:
                 self._drain_creq()
@@ -334,7 +339,13 @@ class Device:
                         return
                 if self._lost or (until is not None and until.entry is not None):
                     return
-                await wait_for_interrupt(fd, SAFETY_POLL * 4)
+                # quiet with no command waiting: only events can arrive, each with its interrupt, so no periodic
+                # wake-up (one safety poll first, so a run of commands does not wake the reader for each)
+                self._creq_idle = quiet and not self._pending
+                try:
+                    quiet = not await wait_for_interrupt(fd, None if self._creq_idle else SAFETY_POLL * 4)
+                finally:
+                    self._creq_idle = False
         finally:
             self._creq_reader = False
             for waiter in self._pending.values():
@@ -473,8 +484,7 @@ class Device:
         for obj in list(self.objects.values()):  # work in flight fails now; new work raises at once
             obj._device_lost(error)
         for fd in self._irq:  # wake every interrupt waiter so it notices
-            if fd is not None:
-                os.eventfd_write(fd, 1)
+            wake(fd)
 
     @property
     def alive(self) -> bool:
@@ -680,18 +690,26 @@ def _readable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-async def wait_for_interrupt(fd: int | None, timeout: float) -> None:
-    """Sleep until the MSI-X vector behind `fd` fires, or `timeout` passes (insurance against a lost interrupt),
-    and acknowledge it. Without interrupts (`fd` None: plain sysfs) this is a short poll interval."""
+def wake(fd: int | None) -> None:
+    """Signal an interrupt fd from the host, waking whoever sleeps on it (no-op without interrupts)."""
+    if fd is not None:
+        os.eventfd_write(fd, 1)
+
+
+async def wait_for_interrupt(fd: int | None, timeout: float | None) -> bool:
+    """Sleep until the MSI-X vector behind `fd` fires, or `timeout` passes (insurance against a lost interrupt;
+    None: no timeout), and acknowledge it; whether it fired. Without interrupts (`fd` None: plain sysfs) this is a
+    short poll interval, and never fires."""
     if fd is None:
-        await anyio.sleep(min(timeout, POLL_INTERVAL))
-        return
-    with anyio.move_on_after(timeout):
+        await anyio.sleep(POLL_INTERVAL if timeout is None else min(timeout, POLL_INTERVAL))
+        return False
+    with anyio.move_on_after(timeout) as scope:
         await anyio.wait_readable(fd)
     try:
         os.eventfd_read(fd)
     except BlockingIOError:
         pass
+    return not scope.cancelled_caught
 
 
 def _gid_words(gid: bytes) -> tuple[int, ...]:

@@ -2,7 +2,10 @@
 
 Adaptive, like a NAPI loop: while completions keep coming it polls; when they stop it spins a bounded time (yielding
 to other tasks between polls), then arms the busy CQs (CQ_ARMALL), re-checks to close the race, and sleeps on the
-notification queue's interrupt eventfd, with a slow safety poll in case an interrupt is ever lost.
+notification queue's interrupt eventfd, with a slow safety poll in case an interrupt is ever lost. The safety poll
+backs off while sleeps keep ending without an interrupt (work outstanding but quiet, like posted receives); once one
+ended so with nothing outstanding, there is nothing to lose: the poller sleeps without one (an idle NIC wakes
+nobody) until the next post wakes it. Work posted while completions keep coming wakes nobody.
 """
 from __future__ import annotations
 
@@ -14,13 +17,14 @@ import anyio
 import anyio.lowlevel
 
 from .autogen import bnxt
-from .device import NQ_VECTOR, Device, wait_for_interrupt
+from .device import NQ_VECTOR, Device, wait_for_interrupt, wake
 from .rings import doorbell
 
 log = logging.getLogger("aiofabric.poller")
 
 SPIN_SECONDS = 80e-6
-SAFETY_POLL = 0.1
+SAFETY_POLL = 0.1  # the first safety poll after an interrupt or a completion ...
+QUIET_SAFETY_POLL = 1.0  # ... doubling up to this while nothing comes: each wake-up of a quiet process costs ~0.5 ms
 NQ_CQ_NOTIFICATION = bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
 
 
@@ -41,6 +45,7 @@ class Poller:
         self.device, self.spin = device, spin
         self.cqs: dict[int, Pollable] = {}  # by cq_handle, as NQ notifications name them
         self.sleeping = False
+        self.safety: float | None = SAFETY_POLL  # the safety poll of the next (or this) sleep; None: none
         self.nq_armed = False
         self.stats = {"wakeups": 0, "polls": 0, "cqes": 0, "spins_found": 0}
 
@@ -57,12 +62,20 @@ class Poller:
                 found += cq.poll()
         self.stats["polls"] += 1
         self.stats["cqes"] += found
+        if found:
+            self.safety = SAFETY_POLL
         return found
 
     def work_posted(self, cq: Pollable) -> None:
-        """Called after a post: a sleeping poller only hears about CQs that are armed."""
-        if self.sleeping and not cq.armed:
+        """Called after a post: a sleeping poller only hears about CQs that are armed, and one sleeping without the
+        first, short safety poll is woken to start it: new work is insured against a lost interrupt within 0.1 s."""
+        if not self.sleeping:
+            return
+        if not cq.armed:
             cq.arm()
+        if self.safety != SAFETY_POLL:
+            self.safety = SAFETY_POLL
+            wake(self.device._irq[NQ_VECTOR])
 
     async def run(self) -> None:
         nq, fd = self.device.nq, self.device._irq[NQ_VECTOR]
@@ -75,12 +88,18 @@ class Poller:
             self.sleeping = True
             try:
                 for cq in self.cqs.values():
-                    if cq.busy and not cq.armed:
+                    if cq.busy and not cq.armed:  # new work, or work whose notification came: the short poll
                         cq.arm()
+                        self.safety = SAFETY_POLL
                 self._drain_nq(nq)
                 if self.poll_all():
                     continue
-                await wait_for_interrupt(fd, SAFETY_POLL)
+                if self.safety != SAFETY_POLL and not any(cq.busy for cq in self.cqs.values()):
+                    self.safety = None  # quiet and nothing outstanding: no interrupt to lose
+                if await wait_for_interrupt(fd, self.safety):
+                    self.safety = SAFETY_POLL
+                elif self.safety is not None:  # quiet: the next safety poll waits longer
+                    self.safety = min(2 * self.safety, QUIET_SAFETY_POLL)
                 self.stats["wakeups"] += 1
                 self._drain_nq(nq)
             finally:

@@ -2,13 +2,17 @@
 import contextlib
 import os
 import random
+import signal
+import time
 import types
 
 import anyio
+import anyio.lowlevel
 import pytest
 
-from aiofabric import Access, QPInfo, QPState, open_nic
+from aiofabric import Access, DeviceLostError, QPInfo, QPState, device, open_nic
 from aiofabric.completions import CompletionError
+from aiofabric.poller import QUIET_SAFETY_POLL
 from aiofabric.queues import LocalBuffer, RemoteRegion
 
 pytestmark = pytest.mark.anyio
@@ -153,6 +157,77 @@ async def test_qp_info_wider_than_the_wire_is_refused_and_reaches_no_qp():
         with pytest.raises(RuntimeError, match="INIT"):
             await qc.post_write(source, target, 64)
         assert b.pci.debug({"op": "placed"})["qps"][str(qb.qpn)]["write_messages"] == 0
+
+
+def count_wakeups(monkeypatch, *nics):
+    """What an idle NIC's driver would wake up for: the poller's sleeps ending, the device's own interrupt waits
+    (CREQ reader, HWRM) starting, and doorbells or register writes reaching the emulator (each wakes it)."""
+    device_waits = []
+    original = device.wait_for_interrupt
+
+    async def counting(fd, timeout):
+        device_waits.append(timeout)
+        return await original(fd, timeout)
+    monkeypatch.setattr(device, "wait_for_interrupt", counting)
+    writes = []
+    for nic in nics:
+        for bar, method in ((nic.doorbells, "write64"), (nic.bar0, "write32"), (nic.bar0, "write64")):
+            def written(*args, _write=getattr(bar, method)):
+                writes.append(args)
+                return _write(*args)
+            monkeypatch.setattr(bar, method, written)
+    return lambda: (sum(nic.poller.stats["wakeups"] for nic in nics), len(device_waits), len(writes))
+
+
+async def test_an_idle_nic_wakes_nobody_yet_hears_the_next_completion(monkeypatch):
+    async with pair() as (a, b, qa, qb):
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        with anyio.fail_after(5):
+            await qa.write(source, target, 64)
+        counts = count_wakeups(monkeypatch, a, b)
+        await anyio.sleep(0.5)  # one safety poll after the write, then none
+        before = counts()
+        await anyio.sleep(1.0)
+        assert counts() == before  # nothing outstanding: no safety poll, no CREQ poll, no doorbell
+        with anyio.fail_after(5):  # the completion's interrupt is heard
+            await qb.write(target, source, 64)
+        await anyio.sleep(0.5)
+        qa.send_cq.arm = lambda: setattr(qa.send_cq, "armed", True)  # the next interrupt is lost
+        started = time.perf_counter()
+        with anyio.fail_after(5):  # the post woke the poller, whose next sleep has the short safety poll
+            await qa.write(source, target, 64)
+        assert time.perf_counter() - started < 0.7
+
+
+@pytest.mark.parametrize("poller", ["sleeping", "awake"])
+async def test_quiet_work_backs_off_its_safety_poll_but_new_work_is_insured_at_once(poller):
+    async with pair() as (a, b, qa, qb):
+        cq = await a.create_cq(16)
+        waiting = await a.create_qp(cq)
+        inbox, source, target = await a.register_mr(4096), await a.register_mr(4096), await b.register_mr(4096)
+        receive = await waiting.post_recv(inbox, 64)  # nobody sends: outstanding work that stays quiet
+        await anyio.sleep(0.3)
+        woke = a.poller.stats["wakeups"]
+        await anyio.sleep(2.0)
+        assert a.poller.stats["wakeups"] - woke <= 5  # a fixed 0.1 s safety poll woke 20 times
+        assert a.poller.safety == QUIET_SAFETY_POLL
+
+        # the next completion's interrupt is lost (qa's CQ arm never reaches the NIC), posted right after a quiet
+        # wake-up, while the poller spins or once it sleeps again: only a safety poll finds it, and it must be the
+        # first, short one that new work starts, not the 1 s one
+        qa.send_cq.arm = lambda: setattr(qa.send_cq, "armed", True)
+        woke = a.poller.stats["wakeups"]
+        with anyio.fail_after(3):
+            while a.poller.stats["wakeups"] == woke or a.poller.sleeping != (poller == "sleeping"):
+                await anyio.lowlevel.checkpoint()
+        started = time.perf_counter()
+        with anyio.fail_after(5):
+            await qa.write(source, target, 64)
+        assert time.perf_counter() - started < 0.7
+
+        os.kill(a.pci.pid, signal.SIGKILL)  # a device dying under a quiet poller is still noticed
+        with anyio.fail_after(2), pytest.raises(DeviceLostError):
+            await receive
 
 
 async def test_faults_still_deliver_every_byte_exactly_once():
