@@ -6,7 +6,7 @@ import time
 import anyio
 import pytest
 
-from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutError, QPState, open_nic
+from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutError, QPState, device, open_nic
 from aiofabric.autogen import bnxt
 
 pytestmark = pytest.mark.anyio
@@ -101,6 +101,29 @@ async def test_rcfw_timeout_is_reported_and_later_commands_work():
             await nic.rcfw("query_version")
         version = await nic.rcfw("query_version")
         assert version.status == 0
+
+
+async def test_the_creq_reader_polls_only_while_a_command_awaits_its_reply(monkeypatch):
+    """Lost-interrupt insurance costs nothing on an idle NIC: the CREQ reader sleeps without a safety poll while no
+    command waits, and a command posted then wakes it to re-read the CREQ every safety poll until its answer."""
+    waits = []
+    original = device.wait_for_interrupt
+
+    async def recording(fd, timeout):
+        waits.append((fd, timeout))
+        return await original(fd, timeout)
+    monkeypatch.setattr(device, "wait_for_interrupt", recording)
+    async with open_nic("sim:creq") as nic:
+        creq = nic._irq[device.CREQ_VECTOR]
+        await anyio.sleep(0.5)  # the reader's one safety poll after bring-up
+        before = len(waits)
+        await anyio.sleep(1.0)
+        assert waits[before:] == []
+        nic.rcfw_timeout = 1.0
+        nic.pci.debug({"op": "stall", "channel": "rcfw"})  # no answer, no interrupt: only polling can look
+        with pytest.raises(FirmwareTimeoutError):
+            await nic.rcfw("query_version")
+        assert len([timeout for fd, timeout in waits[before:] if fd == creq and timeout]) >= 3
 
 
 async def test_qp_lifecycle_and_query():
