@@ -37,6 +37,7 @@ import numpy as np
 from . import perftest
 from .nic import NIC
 from .completions import Completion
+from .peer.protocol import fill_pattern
 from .queues import MemoryRegion, QueuePair
 
 TESTS = perftest.TESTS
@@ -143,9 +144,9 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: NIC) -> _Pair
     await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT)
     client_mr, server_mr = await client_nic.register_mr(span), await server_nic.register_mr(span)
     # distinct seeded payloads on the two sides, so a pong that carried the ping's bytes would not verify
-    perftest._fill_random(server_mr.view, size, config.seed * 7919 + 1)
+    fill_pattern(server_mr.view[:size], config.seed * 7919 + 1)
     if config.test != "read":
-        perftest._fill_random(client_mr.view, size, config.seed * 7919)
+        fill_pattern(client_mr.view[:size], config.seed * 7919)
     return _Pair(client, server, client_mr, server_mr, rx_slots)
 
 

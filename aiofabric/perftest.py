@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import random
 import struct
 import sys
 import time
@@ -27,12 +26,12 @@ import anyio
 
 from .autogen import bnxt
 from .nic import NIC, PCI_ADDRESS, open_nic
+from .peer.protocol import fill_pattern
 from .queues import QueuePair
 
 TESTS = ("write", "read", "send")
 MTUS = (256, 512, 1024, 2048, 4096)
 MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
-PATTERN_CHUNK = 1 << 20  # random.randbytes(n) overflows a C int above 256 MiB: fill the pattern 1 MiB at a time
 FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its own bytes to compare at the end
 REGION_BYTES = 256 << 20  # at most this much buffer per QP when slots are reused (a larger message gets one slot)
 MAX_NICS = 16  # emulated NICs of one run: each is a process with its own sparse DMA arena
@@ -211,8 +210,7 @@ async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> 
         await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout)
         await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout)
         flow.source, flow.target = await a.register_mr(span), await b.register_mr(span)
-        _fill_random((flow.target if config.test == "read" else flow.source).view, config.used_bytes,
-                     config.seed * 7919 + i)
+        fill_pattern((flow.target if config.test == "read" else flow.source).view[:span], config.seed * 7919 + i)
     fault = config.fault()
     if fault is not None:
         for server_nic in nics[1::2]:
@@ -260,7 +258,7 @@ async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[
         if config.test == "read":
             flow.digest = await peer.fill(target, seed=config.seed * 7919 + i, length=config.used_bytes)
         else:
-            _fill_random(source.view, config.used_bytes, config.seed * 7919 + i)
+            fill_pattern(source.view[:config.used_bytes], config.seed * 7919 + i)
         flows.append(flow)
     return flows
 
@@ -276,14 +274,6 @@ async def _release(flows: list[_Flow]) -> None:
                 await mr.deregister()
     for cq in cqs.values():
         await cq.destroy()
-
-
-def _fill_random(view: memoryview, length: int, seed: int) -> None:
-    """Seeded random bytes in view[:length], the data the run moves and then verifies."""
-    rng = random.Random(seed)
-    for start in range(0, length, PATTERN_CHUNK):
-        end = min(length, start + PATTERN_CHUNK)
-        view[start:end] = rng.randbytes(end - start)
 
 
 async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop: Any = None) -> None:

@@ -486,18 +486,15 @@ class ClientState:
 PATTERN_CHUNK = 1 << 20
 
 
-def fill_pattern(view: memoryview | bytearray, seed: int) -> str:
-    """Fill `view` with the pseudo-random bytes of `seed` (both sides compute the same bytes without sending them),
-    a chunk at a time (no temporary the size of the whole, any length); their sha256 (hex)."""
-    digest = hashlib.sha256()
+def fill_pattern(view: memoryview | bytearray, seed: int) -> None:
+    """Fill `view` with the pseudo-random bytes of `seed`, a chunk at a time (no temporary the size of the whole,
+    any length): both sides of a test compute the same bytes without sending them, and a shorter fill is a prefix
+    of a longer one."""
     with memoryview(view) as whole, whole.cast("B") as flat:
         for index, start in enumerate(range(0, len(flat), PATTERN_CHUNK)):
             end = min(start + PATTERN_CHUNK, len(flat))
-            # a str seed is hashed, not truncated; whole 32-bit words make a shorter fill a prefix of a longer one
-            chunk = random.Random(f"{seed}:{index}").randbytes(-(-(end - start) // 4) * 4)[:end - start]
-            flat[start:end] = chunk
-            digest.update(chunk)
-    return digest.hexdigest()
+            # a str seed is hashed, not truncated; whole 32-bit words keep the prefix rule inside a chunk
+            flat[start:end] = random.Random(f"{seed}:{index}").randbytes(-(-(end - start) // 4) * 4)[:end - start]
 
 
 def pattern(seed: int, length: int) -> bytes:

@@ -187,10 +187,11 @@ class Endpoint:
     async def op_fill(self, mr: int, seed: int | None, byte: int, offset: int, length: int | None) -> dict[str, Any]:
         view = self._range(mr, offset, length)
         if seed is not None:
-            return {"sha256": protocol.fill_pattern(view, seed)}
-        if not 0 <= byte <= 255:
+            protocol.fill_pattern(view, seed)
+        elif not 0 <= byte <= 255:
             raise ValueError(f"fill: byte must be in [0, 255], not {byte}")
-        numpy.frombuffer(view, numpy.uint8)[:] = byte  # in place: no copy the size of the range
+        else:
+            numpy.frombuffer(view, numpy.uint8)[:] = byte  # in place: no copy the size of the range
         return {"sha256": protocol.sha256_hex(view)}
 
     async def op_sha256(self, mr: int, offset: int, length: int | None) -> dict[str, Any]:
