@@ -316,9 +316,17 @@ def _python_with(directory: Path, *paths: str) -> str:
 
 
 def _python_without_aiofabric(directory: Path) -> str:
-    """A remote `python` that has aiofabric's dependencies (this one's site-packages) but not aiofabric."""
+    """A remote `python` that has aiofabric's dependencies (this one's site-packages) but not aiofabric: a copy of
+    site-packages made of links to everything in it but aiofabric itself (installed there, unless editable)."""
     import site
-    return _python_with(directory, *site.getsitepackages())
+    mirror = directory / "site-packages-without-aiofabric"
+    mirror.mkdir(exist_ok=True)
+    for packages in map(Path, site.getsitepackages()):
+        for entry in packages.iterdir():
+            if not entry.name.lower().startswith(("aiofabric", "__editable__")) and \
+                    not (mirror / entry.name).exists():
+                (mirror / entry.name).symlink_to(entry)
+    return _python_with(directory, str(mirror))
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around
