@@ -1,0 +1,66 @@
+"""The two firmware command channels and function-level facts.
+
+HWRM (the ChiMP channel in BAR0, bindings hwrm_*): a request starts with `hwrm_cmd_hdr` (`HWRM_REQUEST_HEADER`), the
+answer the firmware DMAs to `resp_addr` with `hwrm_resp_hdr` (`HWRM_RESPONSE_HEADER`), its last byte the valid key
+written last. The emulated function raises MSI-X vector `HWRM_VECTOR` when an answer has landed.
+
+RCFW (the RoCE channel): the driver latches `cmdq_init` (`CMDQ_INIT`) through the BAR0 mailbox at
+RCFW_COMM_BASE_OFFSET, then writes commands of `CMDQ_SLOT`-byte slots into the CMDQ ring, each starting with
+`cmdq_base` (`CMDQ_HEADER`: opcode, cmd_size in slots, flags, cookie, side-buffer size and address); its first
+producer write after cmdq_init carries `CMDQ_FIRST_PRODUCER` (FIRMWARE_FIRST_FLAG). Answers come back on the CREQ
+(cqe.py).
+
+Function-level: backing-store context types (`BackingStoreType`), the page-size codes of page-table fields
+(`PAGE_SIZE_CODES`), the entry size of each HWRM ring type (`RING_ENTRY_SIZES`), and the flag bits of a page-table
+entry (`PTE_FLAGS`: the page address is what is above them).
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+
+from ..autogen import bnxt
+from .layout import Layout
+from .names import constant_names, constants
+
+HWRM_REQUEST_HEADER = Layout.of(bnxt.hwrm_cmd_hdr, "req_type", "cmpl_ring", "seq_id", "target_id", "resp_addr")
+HWRM_RESPONSE_HEADER = Layout.of(bnxt.hwrm_resp_hdr, "error_code", "req_type", "seq_id", "resp_len")
+HWRM_ERROR_NAMES = constant_names("HWRM_ERR_CODE_")
+HWRM_VECTOR = 0
+
+CMDQ_SLOT = ctypes.sizeof(bnxt.cmdq_base)  # a command is a whole number of these (Linux: struct bnxt_qplib_cmdqe)
+CMDQ_HEADER = Layout.of(bnxt.cmdq_base, "opcode", "cmd_size", "flags", "cookie", "resp_size", "resp_addr")
+CMDQ_INIT = Layout.of(bnxt.cmdq_init, "cmdq_pbl", "cmdq_size_cmdq_lvl", "creq_ring_id", "prod_idx")
+CMDQ_FIRST_PRODUCER = 1 << bnxt.FIRMWARE_FIRST_FLAG
+RCFW_STATUS_NAMES = constant_names("CREQ_QP_EVENT_STATUS_")
+
+
+class BackingStoreType(enum.IntEnum):
+    """FUNC_BACKING_STORE_QCAPS_V2 / CFG_V2 context types (FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_*) used here."""
+    QP = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_QP
+    SRQ = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_SRQ
+    CQ = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_CQ
+    VNIC = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_VNIC
+    STAT = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_STAT
+    SP_TQM_RING = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_SP_TQM_RING
+    FP_TQM_RING = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_FP_TQM_RING
+    MRAV = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_MRAV
+    TIM = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_TIM
+    TX_CK = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_TX_CK
+    INVALID = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_INVALID  # ends the next_valid_type walk
+
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+PAGE_SIZE_CODES = {  # page-size code (after the field's shift) -> bytes: CMDQ_CREATE_QP_SQ_PG_SIZE_PG_4K is 4 KiB
+    code >> bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_SFT: int(name[3:-1]) * _UNITS[name[-1]]
+    for name, code in constants("CMDQ_CREATE_QP_SQ_PG_SIZE_").items() if name.startswith("PG_")}
+
+L2_RING_ENTRY = 16  # tx_bd, rx_prod_pkt_bd and cmpl_base (hsi.h) are all 16 bytes; the bindings do not carry them
+RING_ENTRY_SIZES = {  # HWRM RING_ALLOC ring type -> bytes per entry
+    bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL: L2_RING_ENTRY, bnxt.RING_ALLOC_REQ_RING_TYPE_TX: L2_RING_ENTRY,
+    bnxt.RING_ALLOC_REQ_RING_TYPE_RX: L2_RING_ENTRY, bnxt.RING_ALLOC_REQ_RING_TYPE_RX_AGG: L2_RING_ENTRY,
+    bnxt.RING_ALLOC_REQ_RING_TYPE_ROCE_CMPL: ctypes.sizeof(bnxt.cq_base),
+    bnxt.RING_ALLOC_REQ_RING_TYPE_NQ: ctypes.sizeof(bnxt.nq_base)}
+
+# PTU_PTE_PAGE_MASK is 32 bits wide in the bindings (0xfffff000): the address is everything above the flags
+PTE_FLAGS = (1 << bnxt.PTU_PTE_PAGE_SFT) - 1

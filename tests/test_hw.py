@@ -1,0 +1,292 @@
+"""aiofabric/hw against the bindings: every layout field by field, every layout and the doorbell round-tripped through
+ctypes, the ring and PSN arithmetic; and a layout broken on purpose, to show that this check is what catches a
+mistake the driver and the emulator would share."""
+import ctypes
+import random
+import re
+import struct
+
+import pytest
+from hypothesis import given, strategies as st
+
+from aiofabric.autogen import bnxt
+from aiofabric.hw import cqe, doorbell, firmware, ring, verbs, wqe
+from aiofabric.hw.layout import Field, Layout
+
+MODULES = (wqe, cqe, firmware)
+LAYOUTS = {f"{module.__name__}.{name}": value for module in MODULES for name, value in vars(module).items()
+           if isinstance(value, Layout)}
+TOKEN = re.compile(r"(\d*)([xBHIQ])")
+
+
+def format_fields(layout: struct.Struct) -> list[tuple[int, int]]:
+    """(offset, size) of every value-carrying item of a little-endian format, read off the format itself."""
+    assert layout.format.startswith("<")
+    found, position = [], 0
+    for count, code in TOKEN.findall(layout.format[1:]):
+        size = int(count or 1) * struct.calcsize("<" + code)
+        if code != "x":
+            found.append((position, size))
+        position += size
+    return found
+
+
+def disagreements(layout: Layout) -> list[str]:
+    """Every way `layout` departs from the bindings (empty when it describes them exactly)."""
+    problems = []
+    if len(format_fields(layout)) != len(layout.fields):
+        problems.append(f"format {layout.format!r} packs {len(format_fields(layout))} items, not {len(layout.fields)}")
+    for field, (offset, size) in zip(layout.fields, format_fields(layout)):
+        described = getattr(field.binding, field.name)
+        where = f"{field.binding.__name__}.{field.name}"
+        if (offset - field.base, size) != (described.offset, described.size):
+            problems.append(f"{where}: format puts it at {offset - field.base} ({size} B), the binding at "
+                            f"{described.offset} ({described.size} B)")
+        if (field.offset - field.base, field.size) != (described.offset, described.size):
+            problems.append(f"{where}: recorded at {field.offset - field.base} ({field.size} B)")
+    bases = dict.fromkeys((field.base, field.binding) for field in layout.fields)
+    if layout.size != sum(ctypes.sizeof(binding) for _, binding in bases):
+        problems.append(f"{layout.size} bytes, the bindings {[ctypes.sizeof(b) for _, b in bases]}")
+    return problems + round_trip_disagreements(layout)
+
+
+def random_values(layout: Layout, rng: random.Random) -> list[int]:
+    return [rng.getrandbits(8 * field.size // field.count) for field in layout.fields for _ in range(field.count)]
+
+
+def round_trip_disagreements(layout: Layout, seed: int = 0) -> list[str]:
+    """Pack random values, read them with ctypes; fill ctypes with random bytes, unpack them: both must agree."""
+    rng, problems = random.Random(seed), []
+    values = random_values(layout, rng)
+    packed = layout.pack(*values)
+    raw = bytes(rng.getrandbits(8) for _ in range(layout.size))
+    unpacked = iter(layout.unpack(raw))
+    given_values = iter(values)
+    for field in layout.fields:
+        wrote = [next(given_values) for _ in range(field.count)]
+        read = [next(unpacked) for _ in range(field.count)]
+        size = ctypes.sizeof(field.binding)
+        linux_read = getattr(field.binding.from_buffer_copy(packed[field.base:field.base + size]), field.name)
+        linux_wrote = getattr(field.binding.from_buffer_copy(raw[field.base:field.base + size]), field.name)
+        as_list = (lambda v: list(v) if field.count > 1 else [v])
+        if as_list(linux_read) != wrote:
+            problems.append(f"{field.binding.__name__}.{field.name}: packed {wrote}, Linux's layout reads "
+                            f"{as_list(linux_read)}")
+        if as_list(linux_wrote) != read:
+            problems.append(f"{field.binding.__name__}.{field.name}: Linux's layout holds {as_list(linux_wrote)}, "
+                            f"unpacked {read}")
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_layout_is_the_bindings_field_by_field(name):
+    assert disagreements(LAYOUTS[name]) == []
+
+
+def test_the_layouts_cover_the_host_interface():
+    """The formats both sides exchange on the hot paths, each from its binding."""
+    covered = {field.binding.__name__ for layout in LAYOUTS.values() for field in layout.fields}
+    assert covered >= {"sq_rdma_hdr", "sq_send_hdr", "sq_sge", "rq_wqe_hdr", "sq_msn_search", "cq_req", "cq_res_rc",
+                       "nq_cn", "creq_qp_event", "hwrm_cmd_hdr", "hwrm_resp_hdr", "cmdq_base", "cmdq_init"}
+
+
+def test_send_and_rdma_headers_share_what_a_device_reads_first():
+    """A device reads every WQE's first slots as sq_rdma_hdr (SQ_RDMA_HEADER_AND_SGE): the fields it uses from a SEND
+    must sit where sq_send_hdr has them."""
+    for rdma, send in (("wqe_type", "wqe_type"), ("flags", "flags"), ("wqe_size", "wqe_size"),
+                       ("imm_data", "inv_key_or_imm_data"), ("length", "length")):
+        assert (getattr(bnxt.sq_rdma_hdr, rdma).offset, getattr(bnxt.sq_rdma_hdr, rdma).size) == \
+            (getattr(bnxt.sq_send_hdr, send).offset, getattr(bnxt.sq_send_hdr, send).size)
+    assert ctypes.sizeof(bnxt.sq_rdma_hdr) == ctypes.sizeof(bnxt.sq_send_hdr) == wqe.SQ_WQE_HEADER_SLOTS * wqe.SQ_SLOT
+
+
+def test_a_moved_field_is_caught_though_driver_and_emulator_agree():
+    """Move sq_rdma_hdr.length 4 bytes on (into the reserved word) in a copy of the layout. A driver packing WQEs with
+    it and an emulator unpacking them with it agree with each other, so a driver-against-emulator test passes; both
+    disagree with Linux's layout, and only the check against the bindings says so."""
+    good = wqe.SQ_RDMA_HEADER
+    moved = Layout(good.format.replace("BBB1xII4x", "BBB1xI4xI"), good.fields)
+    values = (bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, bnxt.SQ_SEND_FLAGS_SIGNAL_COMP, 3, 0, 4096, 0x1000, 0x77, 0)
+    driver_wrote = moved.pack(*values)
+    assert moved.unpack(driver_wrote) == values  # the shared mistake: driver and emulator agree
+    assert bnxt.sq_rdma_hdr.from_buffer_copy(driver_wrote).length != 4096  # hardware would read another length
+    linux_wqe = bytes(bnxt.sq_rdma_hdr(wqe_type=values[0], flags=values[1], wqe_size=3, length=4096, remote_va=0x1000,
+                                       remote_key=0x77))
+    assert moved.unpack(linux_wqe)[4] != 4096  # and the emulator misreads what Linux's driver writes
+    assert disagreements(good) == []
+    problems = disagreements(moved)
+    assert any(problem.startswith("sq_rdma_hdr.length: format puts it at 12") for problem in problems), problems
+
+
+def test_layouts_refuse_fields_out_of_order():
+    with pytest.raises(ValueError, match="out of order"):
+        Layout.of(bnxt.sq_sge, "l_key", "va_or_pa")
+
+
+def test_field_records_where_it_came_from():
+    joined = wqe.SQ_RDMA_HEADER_AND_SGE
+    assert joined.fields[-1] == Field(bnxt.sq_sge, "size", 32, 44, 4, 1)
+    assert joined.size == 48 == 3 * wqe.SQ_SLOT
+
+
+# -- doorbells -------------------------------------------------------------------------------------------------------
+KINDS = [value for name, value in vars(bnxt).items() if name.startswith("DBC_DBC_TYPE_")
+         and not name.endswith(("_LAST", "_MASK", "_SFT"))]
+
+
+@given(xid=st.integers(0, bnxt.DBC_DBC_XID_MASK), kind=st.sampled_from(KINDS),
+       slot=st.integers(0, bnxt.DBC_DBC_INDEX_MASK), epoch=st.integers(0, 1), toggle=st.integers(0, 3))
+def test_doorbell_round_trips_and_is_linux_dbc_dbc(xid, kind, slot, epoch, toggle):
+    value = doorbell.encode(xid, kind, slot, epoch, toggle)
+    assert doorbell.decode(value) == (xid, kind, slot, epoch, toggle, bnxt.DBC_DBC_PATH_ROCE, True)
+    linux = bnxt.dbc_dbc.from_buffer_copy(value.to_bytes(8, "little"))
+    assert linux.index & bnxt.DBC_DBC_INDEX_MASK == slot
+    assert bool(linux.index & bnxt.DBC_DBC_EPOCH) == epoch
+    assert (linux.index & bnxt.DBC_DBC_TOGGLE_MASK) >> bnxt.DBC_DBC_TOGGLE_SFT == toggle
+    assert linux.type_path_xid & bnxt.DBC_DBC_XID_MASK == xid
+    assert linux.type_path_xid & bnxt.DBC_DBC_TYPE_MASK == kind
+    assert linux.type_path_xid & bnxt.DBC_DBC_VALID and linux.type_path_xid & bnxt.DBC_DBC_PATH_MASK == 0
+
+
+def test_doorbell_agrees_with_linux_qplib_shifts():
+    """bnxt_re builds doorbells with its own names for the same bits (qplib_res.h)."""
+    assert doorbell.EPOCH_SHIFT == bnxt.BNXT_QPLIB_DBR_EPOCH_SHIFT
+    assert doorbell.TOGGLE_SHIFT == bnxt.BNXT_QPLIB_DBR_TOGGLE_SHIFT
+    assert doorbell.VALID == bnxt.BNXT_QPLIB_DBR_VALID
+
+
+def test_decode_reports_what_is_wrong_with_a_doorbell():
+    value = doorbell.encode(5, bnxt.DBC_DBC_TYPE_SQ, 1)
+    assert not doorbell.decode(value & ~(doorbell.VALID << doorbell.HIGH_SHIFT)).valid
+    assert doorbell.decode(value | bnxt.DBC_DBC_PATH_L2 << doorbell.HIGH_SHIFT).path == bnxt.DBC_DBC_PATH_L2
+
+
+# -- rings -----------------------------------------------------------------------------------------------------------
+@given(depth=st.integers(1, 64), count=st.integers(0, 10_000))
+def test_position_slot_epoch_and_phase(depth, count):
+    assert ring.position(count, depth) == (ring.slot(count, depth), ring.epoch(count, depth))
+    assert ring.phase(count, depth) == 1 - ring.epoch(count, depth)
+    assert ring.epoch(count + depth, depth) != ring.epoch(count, depth)  # every lap flips it
+
+
+@pytest.mark.parametrize("entry", [cqe.CQ_ENTRY, cqe.NQ_ENTRY, cqe.CREQ_ENTRY])
+def test_published_entries_are_new_on_their_lap_only(entry):
+    depth, memory = 4, bytearray(4 * entry.size)
+    body = bytes(range(1, entry.size + 1))
+    for count in range(3 * depth):
+        offset = ring.slot(count, depth) * entry.size
+        assert not entry.is_new(memory, offset, count, depth)
+        entry.publish(memoryview(memory)[offset:offset + entry.size], body, count, depth)
+        assert entry.is_new(memory, offset, count, depth)
+        assert not entry.is_new(memory, offset, count + depth, depth)  # one lap on, the same bytes are stale
+        valid = entry.valid_offset
+        assert memory[offset:offset + valid] == body[:valid]
+        assert memory[offset + valid + 1:offset + entry.size] == body[valid + 1:]
+        assert memory[offset + valid] & ~entry.valid_bit == body[valid] & ~entry.valid_bit
+
+
+def test_entry_valid_bits_are_the_bindings():
+    assert (cqe.CQ_ENTRY.valid_offset, cqe.CQ_ENTRY.valid_bit) == (bnxt.cq_req.cqe_type_toggle.offset,
+                                                                   bnxt.CQ_REQ_TOGGLE)
+    assert (cqe.CQ_ENTRY.valid_offset, cqe.CQ_ENTRY.valid_bit) == (bnxt.cq_res_rc.cqe_type_toggle.offset,
+                                                                   bnxt.CQ_RES_RC_TOGGLE)
+    assert (cqe.NQ_ENTRY.valid_offset, cqe.NQ_ENTRY.valid_bit) == (bnxt.nq_base.info63_v.offset, bnxt.NQ_BASE_V)
+    assert (cqe.CREQ_ENTRY.valid_offset, cqe.CREQ_ENTRY.valid_bit) == (bnxt.creq_qp_event.v.offset,
+                                                                       bnxt.CREQ_QP_EVENT_V)
+
+
+@given(produced=st.integers(0, 1000), length=st.integers(1, 64), behind=st.integers(0, 64))
+def test_consumer_from_doorbell_recovers_the_count(produced, length, behind):
+    consumed = max(0, produced - min(behind, length))
+    named = ring.consumer_from_doorbell(produced, 0, *ring.position(consumed, length), length)
+    assert named == consumed
+    assert ring.consumer_from_doorbell(produced, produced, *ring.position(consumed, length), length) == produced
+
+
+@given(consumed=st.integers(0, 1000), length=st.integers(1, 64), ahead=st.integers(0, 64))
+def test_producer_from_doorbell_recovers_the_count(consumed, length, ahead):
+    produced = consumed + min(ahead, length)
+    assert ring.producer_from_doorbell(consumed, *ring.position(produced, length), length) == produced
+    assert ring.producer_from_doorbell(consumed, length, 0, length) is None  # an index outside the ring
+
+
+# -- entries and codes -----------------------------------------------------------------------------------------------
+@given(start=st.integers(0, verbs.PSN_MASK), after=st.integers(0, verbs.PSN_MASK), slot=st.integers(0, 0xFFFF))
+def test_msn_entry_round_trips_through_linux_masks(start, after, slot):
+    entry = wqe.msn_entry(start, after, slot)
+    assert wqe.msn_fields(entry) == (start, after, slot)
+    assert (entry & bnxt.SQ_MSN_SEARCH_START_PSN_MASK) >> bnxt.SQ_MSN_SEARCH_START_PSN_SFT == start
+    assert (entry & bnxt.SQ_MSN_SEARCH_NEXT_PSN_MASK) >> bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT == after
+    assert (entry & bnxt.SQ_MSN_SEARCH_START_IDX_MASK) >> bnxt.SQ_MSN_SEARCH_START_IDX_SFT == slot
+    linux = bnxt.sq_msn_search.from_buffer_copy(wqe.MSN_ENTRY.pack(entry))
+    assert linux.start_idx_next_psn_start_psn == entry
+
+
+def test_msn_table_is_half_the_slots_rounded_to_a_power_of_two():
+    assert [wqe.msn_table_entries(slots) for slots in (256, 257, 512, 768)] == [128, 256, 256, 512]
+
+
+@given(handle=st.integers(0, (1 << 64) - 1), toggle=st.integers(0, 3))
+def test_cq_notification_round_trips(handle, toggle):
+    entry = cqe.cq_notification(handle, toggle)
+    kind, low, _, high = cqe.NQ_CQ_NOTIFICATION.unpack(entry)
+    assert cqe.notification_fields(kind, low, high) == (bnxt.NQ_CN_TYPE_CQ_NOTIFICATION, toggle, handle)
+    linux = bnxt.nq_cn.from_buffer_copy(entry)
+    assert linux.cq_handle_high << 32 | linux.cq_handle_low == handle
+    assert linux.type & bnxt.NQ_CN_TYPE_MASK == bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
+
+
+def test_cqe_and_creq_types():
+    assert cqe.cqe_type(bnxt.CQ_BASE_CQE_TYPE_RES_RC | bnxt.CQ_BASE_TOGGLE) == bnxt.CQ_BASE_CQE_TYPE_RES_RC
+    assert cqe.creq_type(bnxt.CREQ_BASE_TYPE_QP_EVENT | 0xC0) == bnxt.CREQ_BASE_TYPE_QP_EVENT
+
+
+def test_status_and_reason_names():
+    assert cqe.SEND_STATUS_NAMES[bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR] == "REMOTE_ACCESS_ERR"
+    assert cqe.RECV_STATUS_NAMES[bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR] == "WORK_REQUEST_FLUSHED_ERR"
+    reasons, timeout = cqe.QP_ERROR_REASON_NAMES, cqe.RequesterErrorReason.REQ_TIMEOUT_RETRY_LIMIT
+    assert reasons["req_err_state_reason"][timeout] == "REQ_TIMEOUT_RETRY_LIMIT"
+    assert reasons["res_err_state_reason"][bnxt.CREQ_QP_ERROR_NOTIFICATION_RES_ERR_STATE_REASON_RES_RX_INVALID_R_KEY] \
+        == "RES_RX_INVALID_R_KEY"
+    assert firmware.HWRM_ERROR_NAMES[bnxt.HWRM_ERR_CODE_INVALID_PARAMS] == "INVALID_PARAMS"
+    assert firmware.RCFW_STATUS_NAMES[bnxt.CREQ_QP_EVENT_STATUS_INVALID_PARAMETER] == "INVALID_PARAMETER"
+
+
+def test_path_mtu_codes_both_ways():
+    assert sorted(verbs.PATH_MTU_CODES) == [256, 512, 1024, 2048, 4096, 8192]
+    assert verbs.PATH_MTU_CODES[4096] == bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_4096
+    assert all(verbs.PATH_MTU_BYTES[code] == mtu for mtu, code in verbs.PATH_MTU_CODES.items())
+    assert verbs.QUERY_QP_PATH_MTU_CODES[1024] == bnxt.CREQ_QUERY_QP_RESP_SB_PATH_MTU_MTU_1024
+
+
+def test_qp_and_mr_access_orders_differ():
+    assert verbs.QPAccess.REMOTE_WRITE == verbs.MRAccess.REMOTE_READ
+    assert verbs.QPAccess.REMOTE_READ == verbs.MRAccess.REMOTE_WRITE
+
+
+def test_qp_state_machine():
+    S = verbs.QPState
+    assert [s.value for s in S] == list(range(7))
+    assert verbs.legal_transition(S.RESET, S.INIT) and not verbs.legal_transition(S.RESET, S.RTS)
+    assert all(verbs.legal_transition(s, S.ERR) and verbs.legal_transition(s, S.RESET) for s in S)
+    assert not verbs.legal_transition(S.ERR, S.RTS)
+
+
+def test_psn_diff_wraps_at_24_bits():
+    assert verbs.psn_diff(5, 3) == 2 and verbs.psn_diff(3, 5) == -2
+    assert verbs.psn_diff(0, verbs.PSN_MASK) == 1 and verbs.psn_diff(verbs.PSN_MASK, 0) == -1
+    assert verbs.psn_diff(0x800000, 0) == -0x800000 and verbs.psn_diff(0x7FFFFF, 0) == 0x7FFFFF
+
+
+def test_psn_count_is_packets_with_one_for_an_empty_message():
+    assert [verbs.psn_count(n, 1024) for n in (0, 1, 1024, 1025, 4096)] == [1, 1, 1, 2, 4]
+
+
+def test_firmware_tables():
+    assert firmware.PAGE_SIZE_CODES[bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_PG_4K >> bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_SFT] == 4096
+    assert firmware.PAGE_SIZE_CODES[bnxt.CMDQ_CREATE_CQ_PG_SIZE_PG_2M >> bnxt.CMDQ_CREATE_CQ_PG_SIZE_SFT] == 2 << 20
+    assert firmware.RING_ENTRY_SIZES[bnxt.RING_ALLOC_REQ_RING_TYPE_NQ] == cqe.NQ_ENTRY.size
+    assert firmware.RING_ENTRY_SIZES[bnxt.RING_ALLOC_REQ_RING_TYPE_ROCE_CMPL] == cqe.CQ_ENTRY.size
+    assert firmware.PTE_FLAGS & bnxt.PTU_PTE_VALID and firmware.PTE_FLAGS & bnxt.PTU_PTE_LAST
+    assert firmware.CMDQ_INIT.size == ctypes.sizeof(bnxt.cmdq_init) <= bnxt.RCFW_COMM_SIZE
+    assert firmware.BackingStoreType.MRAV == bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_TYPE_MRAV
