@@ -8,16 +8,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 _HOMES = {
     ".nic": ("NIC", "open_nic", "DmaBudget"),
     ".queues": ("Access", "CompletionQueue", "MemoryRegion", "QPInfo", "QPState", "QueuePair", "RemoteRegion",
                 "LocalBuffer"),
-    ".completions": ("Completion", "CompletionError"),
-    ".errors": ("FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "ClosedError"),
-    ".pci": ("PCIError",),
-    ".peer": ("PeerError",),  # asyncssh is imported only by connect_peer's module, on first use
+    ".completions": ("Completion",),
+    ".errors": ("FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "ClosedError", "PCIError",
+                "CompletionError", "QPStateError", "OperationTimeoutError", "PeerError"),
     ".peer.ssh": ("connect_peer",),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
@@ -39,10 +38,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
-    from .completions import Completion, CompletionError
-    from .errors import ClosedError, DeviceLostError, FabricError, FirmwareError, FirmwareTimeoutError
+    from .completions import Completion
+    from .errors import (ClosedError, CompletionError, DeviceLostError, FabricError, FirmwareError,
+                         FirmwareTimeoutError, OperationTimeoutError, PCIError, PeerError, QPStateError)
     from .nic import NIC, DmaBudget, open_nic
-    from .pci import PCIError
-    from .peer import PeerError
     from .peer.ssh import connect_peer
     from .queues import Access, CompletionQueue, LocalBuffer, MemoryRegion, QPInfo, QPState, QueuePair, RemoteRegion

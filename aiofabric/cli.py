@@ -29,7 +29,8 @@ from typing import Any, Awaitable, Callable, NoReturn
 import anyio
 from anyio.abc import TaskStatus
 
-from . import __version__, signals
+from . import signals
+from .version import __version__
 from .nic import open_nic
 from .signals import Signalled
 from . import plot

@@ -1,4 +1,4 @@
-"""Work completions: the awaitable a posted work request returns, and the error a failed one raises."""
+"""Work completions: the awaitable a posted work request returns (a failed one raises `CompletionError`)."""
 from __future__ import annotations
 
 from typing import Any, Generator
@@ -6,33 +6,13 @@ from typing import Any, Generator
 import anyio
 
 from .autogen import bnxt
-from .errors import FabricError, status_names
+from .errors import CompletionError as CompletionError, status_names  # where it used to live
 
 
 SEND_STATUSES = status_names("CQ_REQ_STATUS_")
 RECV_STATUSES = status_names("CQ_RES_RC_STATUS_")
 SEND_FLUSHED = bnxt.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
 RECV_FLUSHED = bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
-
-
-class CompletionError(FabricError):
-    """A work request completed with an error status (decoded from the CQE).
-
-    A flushed work request (its QP had already failed) names the error that moved the QP to ERR: `root` holds it
-    (also chained as `__cause__`), so the first failure is what the user reads, even when it hit an unsignaled
-    work request nobody awaited."""
-
-    def __init__(self, verb: str, qpn: int, status: int, reason: str, root: BaseException | None = None) -> None:
-        self.verb, self.qpn, self.status, self.reason, self.root = verb, qpn, status, reason, root
-        message = f"{verb} on QP {qpn:#x} failed: {reason} ({status})"
-        if root is not None:
-            message = f"{verb} on QP {qpn:#x} was flushed ({reason}) because the QP failed earlier: {root}"
-        super().__init__(message)
-        self.__cause__ = root
-
-    @property
-    def flushed(self) -> bool:
-        return self.reason == "WORK_REQUEST_FLUSHED_ERR"
 
 
 class Completion:

@@ -20,7 +20,9 @@ RCFW_STATUSES = status_names("CREQ_QP_EVENT_STATUS_")
 
 
 class FabricError(Exception):
-    """Base class of aiofabric's errors."""
+    """Base class of aiofabric's errors. Every error aiofabric raises on purpose is one, except bad arguments, which
+    are plain ValueErrors naming the argument and its range; those below that are also about a bad value keep
+    ValueError as a second base."""
 
 
 class FirmwareError(FabricError):
@@ -50,6 +52,103 @@ class ClosedError(FabricError):
 
 class DeviceLostError(FabricError):
     """The device is gone (emulator process died, surprise removal); every pending operation fails with this."""
+
+
+class PCIError(FabricError, RuntimeError):
+    """The device could not be opened or used through the seam (missing device, driver bound, privileges...)."""
+
+
+class CompletionError(FabricError):
+    """A work request completed with an error status (decoded from the CQE).
+
+    A flushed work request (its QP had already failed) names the error that moved the QP to ERR: `root` holds it
+    (also chained as `__cause__`), so the first failure is what the user reads, even when it hit an unsignaled
+    work request nobody awaited."""
+
+    def __init__(self, verb: str, qpn: int, status: int, reason: str, root: BaseException | None = None) -> None:
+        self.verb, self.qpn, self.status, self.reason, self.root = verb, qpn, status, reason, root
+        message = f"{verb} on QP {qpn:#x} failed: {reason} ({status})"
+        if root is not None:
+            message = f"{verb} on QP {qpn:#x} was flushed ({reason}) because the QP failed earlier: {root}"
+        super().__init__(message)
+        self.__cause__ = root
+
+    @property
+    def flushed(self) -> bool:
+        return self.reason == "WORK_REQUEST_FLUSHED_ERR"
+
+
+class QPStateError(FabricError, RuntimeError):
+    """A verb that the QP's state does not allow (a post before connect, a receive in RESET)."""
+
+
+class OperationTimeoutError(FabricError, TimeoutError):
+    """An operation (not a firmware command) did not finish in time: a benchmark's message, a peer's request."""
+
+
+class PeerError(FabricError):
+    """A remote endpoint failed: a request's error answer, a crash, a disconnect, a timeout, an SSH failure.
+
+    The message names the host, the request (op and id) and the remote exception's text; `host`, `op`,
+    `remote_type` and `remote_message` hold them for code."""
+
+    def __init__(self, message: str, *, host: str = "", op: str = "", remote_type: str = "",
+                 remote_message: str = "") -> None:
+        super().__init__(message)
+        self.host, self.op, self.remote_type, self.remote_message = host, op, remote_type, remote_message
+
+
+class ProtocolError(FabricError, ValueError):
+    """A line that is not a valid message of the peer protocol. `request_id` is the id it carried, if one could be
+    read."""
+
+    def __init__(self, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class NotProtocolError(ProtocolError):
+    """Bytes that are not a JSON-object line at all (not JSON, not an object, an overlong line): the other side does
+    not speak this protocol. A TCP endpoint drops such a client; the stdin endpoint answers and reads on.
+    `lines`: from `LineBuffer.feed`, the complete lines that came before the bad one (still to be handled)."""
+
+    def __init__(self, message: str, request_id: int | None = None, lines: list[bytes] | None = None) -> None:
+        super().__init__(message, request_id)
+        self.lines = lines or []
+
+
+class Refused(ProtocolError):
+    """The endpoint answered before its ready message, with an error and no id: it turned this client away."""
+
+
+class NotAllowed(ProtocolError):
+    """A request this client may not send (an op or a field outside its profile): refused, never run."""
+
+
+class LimitError(FabricError, RuntimeError):
+    """A request that would take a client past one of the bench server's limits: refused, nothing done."""
+
+
+class CallError(FabricError):
+    """A call of a batch failed; the batch was aborted. `call` is its index, `queue` its queue's name, `cause` the
+    original error (also `__cause__`)."""
+
+    def __init__(self, index: int, name: str, queue: str, cause: BaseException, note: str = "") -> None:
+        self.call, self.queue, self.cause = index, queue, cause
+        super().__init__(f"call {index} ({name}) on queue {queue} failed: {type(cause).__name__}: {cause}; "
+                         f"the batch was aborted{note}")
+
+
+class BindingError(FabricError, ValueError):
+    """A batch's `run(bindings)` or `bind` got an input that does not fit its slot (name, size, dtype, memory)."""
+
+
+class CompilerNotFoundError(FabricError):
+    """No C compiler: C kernels cannot be built (numpy kernels still work)."""
+
+
+class KernelBuildError(FabricError):
+    """The C compiler refused a kernel's source; the message carries its diagnostics."""
 
 
 def sole_error(group: BaseExceptionGroup, cancelled: type[BaseException]) -> BaseException | None:

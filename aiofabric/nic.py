@@ -1,97 +1,143 @@
 """The user-facing NIC: a booted `Device` that creates and tracks verbs objects, and `open_nic`."""
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
 import functools
 import itertools
 import re
 from typing import Any, AsyncIterator
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 
-from .device import CLOSE_TIMEOUT, Device, log
-from .errors import ClosedError
-from .pci import DmaBudget, DmaBuffer, PCIDevice, PCIError, SysfsPCIDevice
+from .close_budget import CLOSE_TIMEOUT
+from .device import Device, DeviceEvent, DeviceObject
+from .errors import ClosedError, PCIError
+from .pci import DmaBudget, DmaBuffer, PCIDevice, SysfsPCIDevice
 from .poller import Poller
 from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair, check_range
 from .taskgroups import own_task_group
 
 __all__ = ["NIC", "DmaBudget", "PCI_ADDRESS", "open_nic", "open_pci"]  # DmaBudget: open_nic's, from the seam
+MAX_SGE = 1  # scatter/gather elements per work request: posting encodes one
 PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 _sim_numbers = itertools.count()
 
 
-class NIC(Device):
-    """A booted NIC. Verbs objects created here are destroyed (QPs first) when the NIC closes."""
+class NIC:
+    """A booted NIC: its `device` (firmware channels, bring-up, events, close) and its completion `poller`, and the
+    verbs objects made on it, destroyed (QPs first) when the NIC closes."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.poller = Poller(device)
 
     async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
-        await super().boot(task_group)
-        self.poller = Poller(self)
-        task_group.start_soon(self.in_background, self.poller.run)
+        await self.device.boot(task_group)
+        task_group.start_soon(self.device.in_background, self.poller.run)
 
     async def create_cq(self, depth: int = 4096) -> CompletionQueue:
         """A CQ with room for at least `depth` completions (rounded up to a power of two)."""
-        self.check_open()
+        self.device.check_open()
         check_range("depth", depth, 1, self.caps.get("max_cqe") or 1 << 22)
-        cq = CompletionQueue(self, 1 << (depth - 1).bit_length())
-        await cq._create()
-        self.poller.add(cq)
-        return cq
+        return await CompletionQueue.create(self.device, self.poller, 1 << (depth - 1).bit_length())
 
     async def create_qp(self, cq: CompletionQueue | None = None, *, send_cq: CompletionQueue | None = None,
                         recv_cq: CompletionQueue | None = None, sq_depth: int = 128, rq_depth: int = 128,
                         max_send_sge: int = 1, max_recv_sge: int = 1) -> QueuePair:
-        """An RC QP in INIT. Pass one `cq` for both directions, or `send_cq` and `recv_cq`."""
-        self.check_open()
+        """An RC QP in INIT. Pass one `cq` for both directions, or `send_cq` and `recv_cq`. A work request carries
+        one scatter/gather element (a send's, a receive's): `max_send_sge`/`max_recv_sge` must be 1."""
+        self.device.check_open()
         send_cq, recv_cq = send_cq or cq, recv_cq or cq
         if send_cq is None or recv_cq is None:
             raise ValueError("create_qp needs a completion queue: cq=, or send_cq= and recv_cq=")
         for queue in (send_cq, recv_cq):
-            if queue.device is not self:
+            if queue.device is not self.device:
                 raise ValueError(f"CQ {queue.id:#x} belongs to {queue.device.pci.address}, not {self.pci.address}")
             if queue.closed:
                 raise ClosedError(f"CQ {queue.id:#x} was destroyed")
-        max_wr, max_sge = self.caps.get("max_qp_wr") or 0xFFFF, self.caps.get("max_sge") or 6
+        max_wr = self.caps.get("max_qp_wr") or 0xFFFF
         check_range("sq_depth", sq_depth, 1, max_wr)
         check_range("rq_depth", rq_depth, 1, max_wr)
-        check_range("max_send_sge", max_send_sge, 1, max_sge)
-        check_range("max_recv_sge", max_recv_sge, 1, max_sge)
-        qp = QueuePair(self, send_cq, recv_cq, sq_depth=sq_depth, rq_depth=rq_depth, max_send_sge=max_send_sge,
-                       max_recv_sge=max_recv_sge)
-        await qp._create()
-        try:
-            await qp.to_init()
-        except BaseException:  # cancelled or refused: the caller never gets the QP, so it must not outlive this
-            with anyio.CancelScope(shield=True):
-                await qp.destroy()
-            raise
-        return qp
+        check_range("max_send_sge", max_send_sge, 1, MAX_SGE)
+        check_range("max_recv_sge", max_recv_sge, 1, MAX_SGE)
+        return await QueuePair.create(self.device, self.poller, send_cq, recv_cq, sq_depth=sq_depth,
+                                      rq_depth=rq_depth, max_send_sge=max_send_sge, max_recv_sge=max_recv_sge)
 
     async def register_mr(self, memory: DmaBuffer | int, access: Access = ALL_ACCESS) -> MemoryRegion:
         """Register `memory` (a DMA buffer, or a size in bytes to allocate) for local and remote access."""
-        self.check_open()
-        owned = isinstance(memory, int)
-        if owned:
+        self.device.check_open()
+        if isinstance(memory, int):
             check_range("size", memory, 1, self.caps.get("max_mr_size") or 1 << 40)
-        mr = MemoryRegion(self, self.pci.alloc_dma(memory) if owned else memory, access, owns_buffer=owned)
-        await mr._register()
-        return mr
+            return await MemoryRegion.register(self.device, self.pci.alloc_dma(memory), access, owns_buffer=True)
+        return await MemoryRegion.register(self.device, memory, access)
 
-    async def _teardown_all(self) -> None:
-        # QPs first (they hold CQs), then the rest, newest first; then the device's own objects
-        for obj in sorted(reversed(list(self.objects.values())), key=lambda o: not isinstance(o, QueuePair)):
-            try:
-                await (obj.destroy() if isinstance(obj, (QueuePair, CompletionQueue)) else obj.deregister())
-            except Exception as exc:  # still close the rest
-                log.warning("%s: close: %s", self.pci.address, exc)
-        self.objects.clear()
-        await super()._teardown_all()
+    # -- the device's, for the NIC's users -------------------------------------------------------------------------
+    async def hwrm(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        """Run any HWRM command by name (see `Device.hwrm`)."""
+        return await self.device.hwrm(name, command_timeout=command_timeout, **fields)
+
+    async def rcfw(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        """Run any RoCE firmware command by name (see `Device.rcfw`)."""
+        return await self.device.rcfw(name, command_timeout=command_timeout, **fields)
+
+    async def set_loopback(self, mode: int) -> None:
+        await self.device.set_loopback(mode)
+
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Destroy every verbs object (QPs first), then free the device's own firmware objects (see `Device.close`)."""
+        await self.device.close(timeout)
+
+    @property
+    def pci(self) -> PCIDevice:
+        return self.device.pci
+
+    @property
+    def ip(self) -> str:
+        return self.device.ip
+
+    @property
+    def gid(self) -> bytes:
+        return self.device.gid
+
+    @property
+    def mac(self) -> str:
+        return self.device.mac
+
+    @property
+    def caps(self) -> dict[str, int]:
+        return self.device.caps
+
+    @property
+    def alive(self) -> bool:
+        return self.device.alive
+
+    @property
+    def events(self) -> collections.deque[DeviceEvent]:
+        """Asynchronous events no handler took (function events, errors of objects gone)."""
+        return self.device.events
+
+    @property
+    def objects(self) -> dict[int, DeviceObject]:
+        """The live verbs objects, by id()."""
+        return self.device.objects
+
+    @property
+    def rcfw_timeout(self) -> float:
+        return self.device.rcfw_timeout
+
+    @rcfw_timeout.setter
+    def rcfw_timeout(self, seconds: float) -> None:
+        self.device.rcfw_timeout = seconds
 
     def info(self) -> dict[str, Any]:
-        return {"nic": self.pci.address, "fw_version": self.fw_version, "hwrm_version": self.hwrm_version,
-                "mac": self.mac, "port": self.port_id, "ip": self.ip, "gid": _gid_text(self.gid),
-                "gid_index": self.gid_index, "hw_retransmit": self.hw_retransmit, "caps": dict(self.caps)}
+        device = self.device
+        return {"nic": device.pci.address, "fw_version": device.fw_version, "hwrm_version": device.hwrm_version,
+                "mac": device.mac, "port": device.port_id, "ip": device.ip, "gid": _gid_text(device.gid),
+                "gid_index": device.gid_index, "hw_retransmit": device.hw_retransmit, "caps": dict(device.caps)}
 
 
 def _gid_text(gid: bytes) -> str:
@@ -131,7 +177,9 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
     pci = await _start(spec, options)
     pci.dma_budget = dma_budget
     try:
-        nic = NIC(pci, ip or pci.ip, **({"hwrm_timeout": hwrm_timeout} if hwrm_timeout else {}))
+        if ip is None:  # only an emulated NIC picks its own address (SimPCIDevice.ip); a PCI NIC's is the caller's
+            ip = getattr(pci, "ip")
+        nic = NIC(Device(pci, ip, **({"hwrm_timeout": hwrm_timeout} if hwrm_timeout else {})))
     except BaseException:
         pci.close()
         raise

@@ -16,9 +16,9 @@ import os
 import platform
 import re
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
-from .errors import FabricError
+from .errors import PCIError as PCIError  # the seam's error, defined with the others
 
 PAGE_SIZE = 0x1000
 
@@ -26,10 +26,6 @@ PAGE_SIZE = 0x1000
 PCI_VENDOR_ID, PCI_DEVICE_ID, PCI_COMMAND = 0x00, 0x02, 0x04
 PCI_COMMAND_MEMORY, PCI_COMMAND_MASTER = 0x2, 0x4
 BROADCOM_VENDOR_ID = 0x14E4
-
-
-class PCIError(FabricError, RuntimeError):
-    """The device could not be opened or used through the seam (missing device, driver bound, privileges...)."""
 
 
 class Bar(abc.ABC):
@@ -181,6 +177,12 @@ class PCIDevice(abc.ABC):
     def removal_reason(self) -> str:
         """Why the device went away, if the platform can tell (blocking; call it once, after removal)."""
         return ""
+
+    def debug_client(self) -> Any:
+        """The emulator's debug channel (an `aiofabric.sim.debug.DebugClient`) when this device is an emulated NIC,
+        else None. Not part of the seam (the driver never asks): the engines count packets and placements and inject
+        faults through it where it exists, and say what they could not measure where it does not."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None: ...

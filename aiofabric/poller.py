@@ -17,7 +17,8 @@ import anyio
 import anyio.lowlevel
 
 from .autogen import bnxt
-from .device import NQ_VECTOR, Device, wait_for_interrupt, wake
+from .device import Device
+from .interrupts import NQ_VECTOR, wait_for_interrupt, wake
 from .rings import doorbell
 
 log = logging.getLogger("aiofabric.poller")
@@ -75,10 +76,10 @@ class Poller:
             cq.arm()
         if self.safety != SAFETY_POLL:
             self.safety = SAFETY_POLL
-            wake(self.device._irq[NQ_VECTOR])
+            wake(self.device.interrupt_fd(NQ_VECTOR))
 
     async def run(self) -> None:
-        nq, fd = self.device.nq, self.device._irq[NQ_VECTOR]
+        nq, fd = self.device.nq, self.device.interrupt_fd(NQ_VECTOR)
         while self.device.alive:
             if self.poll_all():
                 await anyio.lowlevel.checkpoint()
@@ -104,7 +105,7 @@ class Poller:
                 self._drain_nq(nq)
             finally:
                 self.sleeping = False
-        error = self.device._lost
+        error = self.device.lost
         for cq in self.cqs.values():
             cq.fail_all(error)
 

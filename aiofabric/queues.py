@@ -17,11 +17,11 @@ from typing import Any, Iterator
 import anyio
 
 from .autogen import bnxt
-from .completions import (RECV_FLUSHED, RECV_STATUSES, SEND_FLUSHED, SEND_STATUSES, Completion, CompletionError,
-                          finished)
+from .completions import RECV_FLUSHED, RECV_STATUSES, SEND_FLUSHED, SEND_STATUSES, Completion, finished
 from .device import Device, DeviceEvent, log
-from .errors import ClosedError, DeviceLostError, FabricError, status_names
+from .errors import ClosedError, CompletionError, DeviceLostError, FabricError, QPStateError, status_names
 from .pci import DmaBuffer
+from .poller import Poller
 from .rings import Ring, doorbell, page_table
 
 SQ_SLOT = 16
@@ -155,10 +155,13 @@ class _SendWork:
 
 
 class CompletionQueue:
-    """A CQ of `depth` 32-byte CQEs (power of two), notified through the device's NQ, drained by the NIC's poller."""
+    """A CQ of `depth` 32-byte CQEs (power of two), notified through the device's NQ, drained by the NIC's poller.
+    Made by `NIC.create_cq` (`create`)."""
 
-    def __init__(self, device: Device, depth: int) -> None:
-        self.device, self.depth, self.handle = device, depth, next(_handles)
+    release_order = 1  # at the NIC's close: after the QPs that use it
+
+    def __init__(self, device: Device, poller: Poller, depth: int) -> None:
+        self.device, self.poller, self.depth, self.handle = device, poller, depth, next(_handles)
         self.ring = Ring(device.pci, depth, CQE_SIZE)
         self.id = -1
         self.closed = False
@@ -166,6 +169,14 @@ class CompletionQueue:
         self.qps: dict[int, QueuePair] = {}  # by qp_handle, as CQEs name them
         self.outstanding = 0  # work requests whose completion lands here
         self.armed, self.toggle = False, 0
+
+    @classmethod
+    async def create(cls, device: Device, poller: Poller, depth: int) -> CompletionQueue:
+        """CREATE_CQ with room for `depth` CQEs (a power of two), drained by `poller`."""
+        cq = cls(device, poller, depth)
+        await cq._create()
+        poller.add(cq)
+        return cq
 
     async def _create(self) -> None:
         try:
@@ -178,7 +189,7 @@ class CompletionQueue:
             raise
         self.id = reply.xid  # no checkpoint from the reply to here: a cancelled create still registers the CQ
         self.device.route_events("cq_error", self.id, self.errors.append)
-        self.device.objects[id(self)] = self
+        self.device.attach(self)
 
     @property
     def busy(self) -> bool:
@@ -224,29 +235,33 @@ class CompletionQueue:
         for qp in list(self.qps.values()):
             qp._fail_outstanding(error)
 
-    def _device_lost(self, error: BaseException) -> None:
+    def device_lost(self, error: DeviceLostError) -> None:
         self.fail_all(error)
+
+    async def release(self) -> None:
+        await self.destroy()
 
     async def destroy(self) -> None:
         """DESTROY_CQ and free the ring; the firmware refuses while QPs still use the CQ (FirmwareError)."""
         if self.closed:
             return
-        await _unless_lost(self.device._rcfw("destroy_cq", cq_cid=self.id))
+        await _unless_lost(self.device.rcfw_release("destroy_cq", cq_cid=self.id))
         self.closed = True
         self.device.route_events("cq_error", self.id, None)
-        poller = getattr(self.device, "poller", None)
-        if poller is not None:
-            poller.remove(self)
-        self.device.objects.pop(id(self), None)
+        self.poller.remove(self)
+        self.device.detach(self)
         self.fail_all(ClosedError(f"CQ {self.id:#x} was destroyed"))
         self.ring.free()
 
 
 class QueuePair:
-    """An RC queue pair with a variable-WQE send queue (P7 layout: MSN table right after the ring) and an RQ."""
+    """An RC queue pair with a variable-WQE send queue (P7 layout: MSN table right after the ring) and an RQ. Made by
+    `NIC.create_qp` (`create`)."""
 
-    def __init__(self, device: Device, send_cq: CompletionQueue, recv_cq: CompletionQueue, *, sq_depth: int,
-                 rq_depth: int, max_send_sge: int, max_recv_sge: int) -> None:
+    release_order = 0  # at the NIC's close: first (it holds its CQs)
+
+    def __init__(self, device: Device, poller: Poller, send_cq: CompletionQueue, recv_cq: CompletionQueue, *,
+                 sq_depth: int, rq_depth: int, max_send_sge: int, max_recv_sge: int) -> None:
         self.device, self.send_cq, self.recv_cq = device, send_cq, recv_cq
         self.handle = next(_handles)
         self.max_send_sge, self.max_recv_sge = max_send_sge, max_recv_sge
@@ -277,9 +292,24 @@ class QueuePair:
         self.rq_producer = 0
         self._space = anyio.Event()
         self._space_waiters = 0
-        self._poller = device.poller
+        self._poller = poller
         self._batch_depth = 0
         self._doorbell_due = False
+
+    @classmethod
+    async def create(cls, device: Device, poller: Poller, send_cq: CompletionQueue, recv_cq: CompletionQueue, *,
+                     sq_depth: int, rq_depth: int, max_send_sge: int, max_recv_sge: int) -> QueuePair:
+        """CREATE_QP, then INIT: an RC QP ready to `connect`."""
+        qp = cls(device, poller, send_cq, recv_cq, sq_depth=sq_depth, rq_depth=rq_depth, max_send_sge=max_send_sge,
+                 max_recv_sge=max_recv_sge)
+        await qp._create()
+        try:
+            await qp.to_init()
+        except BaseException:  # cancelled or refused: the caller never gets the QP, so it must not outlive this
+            with anyio.CancelScope(shield=True):
+                await qp.destroy()
+            raise
+        return qp
 
     async def _create(self) -> None:
         irrq, orrq = self.read_queues
@@ -297,7 +327,7 @@ class QueuePair:
             raise
         self.qpn = reply.xid  # no checkpoint from the reply to here: a cancelled create still registers the QP
         self.device.route_events("qp_error", self.qpn, self._on_error)
-        self.device.objects[id(self)] = self
+        self.device.attach(self)
         self.send_cq.qps[self.handle] = self
         self.recv_cq.qps[self.handle] = self
 
@@ -348,13 +378,16 @@ class QueuePair:
             completion.finish(error or self._flushed("recv"))
         self._wake_posters()
 
-    def _device_lost(self, error: BaseException) -> None:
+    def device_lost(self, error: DeviceLostError) -> None:
         self.state = QPState.ERR  # the post paths' slow branch raises the loss
         self._fail_outstanding(error)
 
+    async def release(self) -> None:
+        await self.destroy()
+
     def _refuse(self, verb: str) -> None:
         """Raise if the QP cannot be used at all: the device is lost, or the QP is destroyed."""
-        self.device._check_alive()
+        self.device.check_alive()
         if self.closed:
             raise ClosedError(f"{verb} on QP {self.qpn:#x}: the QP was destroyed")
 
@@ -363,7 +396,7 @@ class QueuePair:
         self._refuse(verb)
         if self.state is QPState.ERR:
             return finished(verb, self._flushed(verb))
-        raise RuntimeError(f"{verb} on QP {self.qpn:#x} in state {self.state.name}: {hint}")
+        raise QPStateError(f"{verb} on QP {self.qpn:#x} in state {self.state.name}: {hint}")
 
     def _wake_posters(self) -> None:
         if self._space_waiters:  # an event per wake-up only when someone waits: this runs once per CQE
@@ -641,7 +674,7 @@ class QueuePair:
         self.closed, state = True, self.state
         self.state = QPState.RESET  # the post paths' slow branch raises ClosedError
         try:
-            destroyed = await _unless_lost(self.device._rcfw("destroy_qp", qp_cid=self.qpn))
+            destroyed = await _unless_lost(self.device.rcfw_release("destroy_qp", qp_cid=self.qpn))
         except BaseException:  # refused, timed out or cancelled: the firmware kept the QP, so do we (a retry works)
             self.closed, self.state = False, state
             raise
@@ -649,7 +682,7 @@ class QueuePair:
             self.send_cq.poll()  # completions the NIC wrote before it let go are delivered as they are
             self.recv_cq.poll()
         self.device.route_events("qp_error", self.qpn, None)
-        self.device.objects.pop(id(self), None)
+        self.device.detach(self)
         self.send_cq.qps.pop(self.handle, None)
         self.recv_cq.qps.pop(self.handle, None)
         self._fail_outstanding(ClosedError(f"QP {self.qpn:#x} was destroyed with this work request outstanding"))
@@ -663,7 +696,10 @@ class QueuePair:
 
 
 class MemoryRegion:
-    """A registered range of DMA memory: `lkey` for local SGEs, `rkey` for peers, `addr` as the peer's remote VA."""
+    """A registered range of DMA memory: `lkey` for local SGEs, `rkey` for peers, `addr` as the peer's remote VA.
+    Made by `NIC.register_mr` (`register`)."""
+
+    release_order = 1  # at the NIC's close: after the QPs that may still be reading or writing it
 
     def __init__(self, device: Device, buffer: DmaBuffer, access: Access, owns_buffer: bool = False) -> None:
         self.device, self.buffer, self.access, self.owns_buffer = device, buffer, access, owns_buffer
@@ -671,6 +707,14 @@ class MemoryRegion:
         self.table = page_table(device.pci, buffer.bus_addrs, queue=False)
         self.lkey = self.rkey = -1
         self.closed = False
+
+    @classmethod
+    async def register(cls, device: Device, buffer: DmaBuffer, access: Access,
+                       owns_buffer: bool = False) -> MemoryRegion:
+        """REGISTER_MR of `buffer` (freed with the region if `owns_buffer`)."""
+        mr = cls(device, buffer, access, owns_buffer)
+        await mr._register()
+        return mr
 
     async def _register(self) -> None:
         try:
@@ -685,7 +729,7 @@ class MemoryRegion:
                 self.buffer.free()
             raise
         self.lkey = self.rkey = reply.xid  # no checkpoint from the reply to here (see QueuePair._create)
-        self.device.objects[id(self)] = self
+        self.device.attach(self)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -702,8 +746,11 @@ class MemoryRegion:
         self._check_open()
         return RemoteRegion(self.addr + offset, self.rkey, self.length - offset if length is None else length)
 
-    def _device_lost(self, error: BaseException) -> None:
+    def device_lost(self, error: DeviceLostError) -> None:
         pass  # nothing in flight belongs to an MR
+
+    async def release(self) -> None:
+        await self.deregister()
 
     async def deregister(self) -> None:
         """DEREGISTER_MR and free what the registration allocated; every later use raises ClosedError."""
@@ -711,11 +758,11 @@ class MemoryRegion:
             return
         self.closed = True
         try:
-            await _unless_lost(self.device._rcfw("deregister_mr", lkey=self.lkey))
+            await _unless_lost(self.device.rcfw_release("deregister_mr", lkey=self.lkey))
         except BaseException:  # refused, timed out or cancelled: still registered, so still ours (a retry works)
             self.closed = False
             raise
-        self.device.objects.pop(id(self), None)
+        self.device.detach(self)
         self.table.free()
         if self.owns_buffer:
             self.buffer.free()

@@ -33,7 +33,7 @@ import anyio
 
 import aiofabric
 from aiofabric.autogen import bnxt
-from aiofabric.device import CMDQ_SLOT, _Pending
+from aiofabric.rcfw_channel import CMDQ_SLOT
 from aiofabric.errors import FirmwareError
 from aiofabric.sim import packets as pk
 from aiofabric.sim.hwrm import Firmware
@@ -174,10 +174,10 @@ async def hwrm_raw(nic: aiofabric.NIC, rng: random.Random, pools: Pools) -> str:
         struct.pack_into("<Q", window, 8, target.bus_addr)
         target.view[:16] = bytes(16)
     seq = struct.unpack_from("<H", window, 4)[0]
-    async with nic._hwrm_lock:  # the hardware takes one request at a time
+    async with nic.device.hwrm_channel.exclusive("raw window", 5):
         before = nic.pci.debug({"op": "stats"})["stats"]["hwrm"]
-        nic.bar0.write_block(bnxt.BNXT_GRCPF_REG_CHIMP_COMM, bytes(window))
-        nic.bar0.write32(bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER, 1)
+        nic.device.bar0.write_block(bnxt.BNXT_GRCPF_REG_CHIMP_COMM, bytes(window))
+        nic.device.bar0.write32(bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER, 1)
         with anyio.fail_after(5):
             while nic.pci.debug({"op": "stats"})["stats"]["hwrm"] == before:
                 await anyio.sleep(0.0002)
@@ -218,23 +218,16 @@ async def fuzz_hwrm(nic: aiofabric.NIC, rng: random.Random, count: int, pools: P
 
 async def rcfw_raw(nic: aiofabric.NIC, rng: random.Random, pools: Pools) -> bytes:
     """A CMDQ command with a random opcode and body (right cmd_size: a wrong one desynchronizes the queue, which is
-    the driver's bug, not input); its CREQ answer. Mirrors Device._rcfw, which only takes known names."""
+    the driver's bug, not input); its CREQ answer. RcfwChannel.command only takes known names."""
     while (opcode := rng.randrange(256)) in RAW_RCFW_EXCLUDED:
         pass
     slots = rng.randint(1, 8)
     data = bytearray(rng.randbytes(slots * CMDQ_SLOT))
-    cookie = nic._next_cookie()
     resp_addr = pools.address(rng) if rng.random() < 0.7 else rng.getrandbits(64)
-    struct.pack_into("<BBHHBxQ", data, 0, opcode, slots, rng.getrandbits(16), cookie, rng.randint(0, 16), resp_addr)
-    with anyio.fail_after(5):
-        while slots >= nic._cmdq.free_entries():
-            await nic._cmdq_space.wait()
-    pending = nic._pending[cookie] = _Pending("fuzz", slots)
-    nic._post_command(bytes(data))
-    await nic._await_reply(pending, 5.0)
-    if pending.entry is None:
+    struct.pack_into("<BBHHBxQ", data, 0, opcode, slots, rng.getrandbits(16), 0, rng.randint(0, 16), resp_addr)
+    entry = await nic.device.rcfw_channel.raw(bytes(data), 5.0)  # the channel sets the cookie
+    if entry is None:
         raise AssertionError(f"raw CMDQ command {opcode:#x} was not answered in 5 s: {bytes(data).hex()}")
-    entry = pending.entry
     name = OPCODE_NAMES.get(opcode)
     if entry[1] == 0 and name in CREATES:  # created something by chance (ADD_GID, ALLOCATE_MRW take any body)
         pools.ids[CREATES[name][1]].append(int.from_bytes(entry[4:8], "little"))

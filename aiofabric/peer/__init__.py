@@ -10,20 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ..errors import FabricError
-
-
-class PeerError(FabricError):
-    """A remote endpoint failed: a request's error answer, a crash, a disconnect, a timeout, an SSH failure.
-
-    The message names the host, the request (op and id) and the remote exception's text; `host`, `op`,
-    `remote_type` and `remote_message` hold them for code."""
-
-    def __init__(self, message: str, *, host: str = "", op: str = "", remote_type: str = "",
-                 remote_message: str = "") -> None:
-        super().__init__(message)
-        self.host, self.op, self.remote_type, self.remote_message = host, op, remote_type, remote_message
-
+from ..errors import PeerError
 
 _MODULE_OF = {"Peer": ".client", "RemoteNIC": ".client", "RemoteQP": ".client", "RemoteMR": ".client",
               "connect_peer": ".ssh", "SSHPeer": ".ssh", "connect_tcp": ".tcp", "serve_tcp": ".tcp",

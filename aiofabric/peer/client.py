@@ -18,7 +18,8 @@ import anyio
 
 from ..queues import QPInfo, RemoteRegion
 from . import PeerError, protocol
-from .protocol import Answer, ClientState, ProtocolError, Ready
+from ..errors import ProtocolError
+from .protocol import Answer, ClientState, Ready
 
 HOST_SPEC = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s\[\]]+)(?::(?P<port>\d+))?")
 

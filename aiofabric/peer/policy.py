@@ -12,14 +12,11 @@ import ipaddress
 import itertools
 from typing import Any, Union
 
-from .protocol import MAX_DEPTH, MAX_LINE, NotAllowed
+from ..errors import NotAllowed
+from .protocol import MAX_DEPTH, MAX_LINE
 
 Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
-
-
-class LimitError(RuntimeError):
-    """A request that would take a client past one of the server's limits: refused, nothing done."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,37 +74,14 @@ import random
 import re
 from typing import Any, Callable
 
+from ..errors import NotAllowed as NotAllowed, NotProtocolError as NotProtocolError  # the protocol's errors,
+from ..errors import ProtocolError as ProtocolError, Refused as Refused  # defined with the others
+
 PROTOCOL_VERSION = 1
 MAX_LINE = 1 << 20
 MAX_DEPTH = 32  # JSON nesting: a request is 4 deep, a bench report 6
 VERBS = ("write", "read", "send", "recv", "write_with_imm")
 REQUIRED = object()  # marks a field without a default
-
-
-class ProtocolError(ValueError):
-    """A line that is not a valid message. `request_id` is the id it carried, if one could be read."""
-
-    def __init__(self, message: str, request_id: int | None = None) -> None:
-        super().__init__(message)
-        self.request_id = request_id
-
-
-class NotProtocolError(ProtocolError):
-    """Bytes that are not a JSON-object line at all (not JSON, not an object, an overlong line): the other side does
-    not speak this protocol. A TCP endpoint drops such a client; the stdin endpoint answers and reads on.
-    `lines`: from `LineBuffer.feed`, the complete lines that came before the bad one (still to be handled)."""
-
-    def __init__(self, message: str, request_id: int | None = None, lines: list[bytes] | None = None) -> None:
-        super().__init__(message, request_id)
-        self.lines = lines or []
-
-
-class Refused(ProtocolError):
-    """The endpoint answered before its ready message, with an error and no id: it turned this client away."""
-
-
-class NotAllowed(ProtocolError):
-    """A request this client may not send (an op or a field outside its profile): refused, never run."""
 
 
 # -- field kinds: each checks (and normalises) a value or raises ValueError naming what it wanted ------------------

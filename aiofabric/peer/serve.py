@@ -26,12 +26,13 @@ import anyio
 import anyio.abc
 import numpy
 
-from .. import __version__
+from ..version import __version__
 from ..nic import NIC, DmaBudget, open_nic
 from ..queues import CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from . import protocol
-from .policy import LimitError, ServerPolicy
-from .protocol import Answer, NotAllowed, ProtocolError, Ready
+from ..errors import LimitError, NotAllowed, ProtocolError
+from .policy import ServerPolicy
+from .protocol import Answer, Ready
 
 log = logging.getLogger("aiofabric.serve")
 READ_CHUNK = 1 << 16

@@ -14,18 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FabricError
+from ..errors import CompilerNotFoundError, KernelBuildError
 
 DEFAULT_FLAGS = ("-O2", "-shared", "-fPIC")
 C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class CompilerNotFoundError(FabricError):
-    """No C compiler: C kernels cannot be built (numpy kernels still work)."""
-
-
-class KernelBuildError(FabricError):
-    """The C compiler refused a kernel's source; the message carries its diagnostics."""
 
 
 def cache_dir() -> Path:

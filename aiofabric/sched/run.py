@@ -18,7 +18,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ..errors import FabricError
+from ..errors import BindingError, CallError
 from ..queues import LocalBuffer, MemoryRegion, QPState, QueuePair, RemoteRegion
 from .calls import Call, host_address, queue_name
 from .plan import Plan, Submission, plan
@@ -47,20 +47,6 @@ def timeline_of(device: Any) -> Timeline:
     except TypeError:  # a device named by a plain value (str, tuple): not weakly referenceable
         timeline = _named_timelines.setdefault(device, Timeline())
     return timeline
-
-
-class CallError(FabricError):
-    """A call of a batch failed; the batch was aborted. `call` is its index, `queue` its queue's name, `cause` the
-    original error (also `__cause__`)."""
-
-    def __init__(self, index: int, call: Call, cause: BaseException, note: str = "", queue: str | None = None) -> None:
-        self.call, self.queue, self.cause = index, queue if queue is not None else queue_name(call.queue), cause
-        super().__init__(f"call {index} ({call.name}) on queue {self.queue} failed: {type(cause).__name__}: {cause}; "
-                         f"the batch was aborted{note}")
-
-
-class BindingError(ValueError):
-    """`run(bindings)` got an input that does not fit its slot (name, size, dtype)."""
 
 
 class _Slot:
@@ -316,7 +302,8 @@ class Batch:
                     error.add_note(f"raised by call {index} ({self.calls[index].name}) on queue {queue}; the batch "
                                    f"was aborted{note}")
                 raise error
-            raise CallError(index, self.calls[index], error, note, queue) from error
+            raise CallError(index, self.calls[index].name, queue if queue is not None else
+                            queue_name(self.calls[index].queue), error, note) from error
 
     async def _finalise(self, waits: Sequence[Any], signals: list[Counter], device: Any,
                         tickets: dict[Any, int]) -> None:

@@ -1,0 +1,111 @@
+"""The HWRM channel: one command at a time, written into BAR0's mailbox window, answered by DMA into a host buffer
+whose last byte turns valid, with an interrupt on the HWRM vector."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+
+from .autogen import bnxt
+from .close_budget import CloseBudget
+from .commands import HWRM_HEADER, build, hwrm_types
+from .errors import FirmwareError, FirmwareTimeoutError
+from .interrupts import COMMAND_POLL, wait_for_interrupt
+from .liveness import Liveness
+from .pci import PAGE_SIZE, Bar, PCIDevice
+
+HWRM_TIMEOUT = 2.0  # Linux: 500 ms default; generous for loaded CI machines
+ANSWER_HEADER = 8  # error_code, req_type, seq_id, resp_len: what says an answer is there and how long it is
+
+
+class HwrmChannel:
+    """Commands by name (`command`), each with its own timeout and bounded by a close's budget. Once posted, a
+    command is waited for even if the caller is cancelled, so a cancelled allocation never leaves an object the
+    driver does not know of."""
+
+    def __init__(self, pci: PCIDevice, bar0: Bar, fd: int | None, liveness: Liveness, budget: CloseBudget,
+                 timeout: float = HWRM_TIMEOUT) -> None:
+        self.pci, self.bar0, self.fd, self.liveness, self.budget = pci, bar0, fd, liveness, budget
+        self.timeout = timeout
+        self.max_request = bnxt.HWRM_MAX_REQ_LEN  # until ver_get says what this firmware takes
+        self._answers = pci.alloc_dma(PAGE_SIZE)
+        self._lock = anyio.Lock()
+        self._seq = 0
+
+    async def command(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        """Run HWRM command `name` (e.g. "func_qcaps") with the given input fields; its output structure.
+        FirmwareError with the decoded status, FirmwareTimeoutError past the timeout, DeviceLostError."""
+        self.liveness.check()  # first: a lost device's destroy frees memory, whatever the budget
+        self.budget.check(f"HWRM {name}")
+        request_type, response_type, request_kind = hwrm_types(name)
+        request = build(request_type, f"HWRM {name}", fields, HWRM_HEADER)
+        timeout = self.budget.bounded(command_timeout or self.timeout)
+        deadline = anyio.current_time() + timeout  # the whole command: its turn on the channel, then its answer
+        async with self.exclusive(name, timeout):
+            self.liveness.check()
+            self.budget.check(f"HWRM {name}")
+            self._seq = seq = (self._seq + 1) & 0xFFFF
+            request.req_type, request.cmpl_ring, request.seq_id = request_kind, 0xFFFF, seq
+            request.target_id, request.resp_addr = bnxt.BNXT_HWRM_TARGET, self._answers.bus_addr
+            data = bytes(request)
+            if len(data) > self.max_request:
+                raise ValueError(f"HWRM {name}: {len(data)}-byte request exceeds the {self.max_request}-byte window")
+            answer = self._answers.view
+            answer[:ANSWER_HEADER] = bytes(ANSWER_HEADER)
+            self.bar0.write_block(bnxt.BNXT_GRCPF_REG_CHIMP_COMM, data.ljust(self.max_request, b"\0"))
+            self.bar0.write32(bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER, 1)
+
+            def answered() -> bool:
+                length = int.from_bytes(answer[6:8], "little")
+                return ANSWER_HEADER <= length <= len(answer) and int.from_bytes(answer[4:6], "little") == seq \
+                    and answer[length - 1] != 0
+
+            await self._wait(answered, max(0.0, deadline - anyio.current_time()), f"HWRM {name}")
+            length = int.from_bytes(answer[6:8], "little")
+            raw = bytes(answer[:length])
+            answer[length - 1] = 0  # clear the valid byte, as Linux does, so a stale answer never looks new
+        error = int.from_bytes(raw[0:2], "little")
+        if error:
+            cmd_err = raw[14] if length == ctypes.sizeof(bnxt.hwrm_err_output) else 0
+            raise FirmwareError.hwrm(name, error, cmd_err)
+        size = ctypes.sizeof(response_type)
+        return response_type.from_buffer_copy(raw[:size].ljust(size, b"\0"))
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, name: str, timeout: float) -> AsyncIterator[None]:
+        """The channel to oneself (the hardware takes one command at a time), waited for at most `timeout`: each
+        command's turn, and a fuzzer's raw window."""
+        try:
+            with anyio.fail_after(timeout):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise FirmwareTimeoutError(f"HWRM {name}: the channel stayed busy for {timeout:g} s"
+                                       + self.budget.note()) from None
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    async def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        """Sleep on the interrupt fd until `ready()`; memory is re-checked on every wake and every COMMAND_POLL. A
+        close that starts meanwhile ends the wait at its deadline too."""
+        try:
+            with anyio.CancelScope(shield=True), anyio.fail_after(timeout):
+                while not ready():
+                    await self.liveness.look()
+                    if self.budget.spent():
+                        raise TimeoutError
+                    await wait_for_interrupt(self.fd, COMMAND_POLL)
+        except TimeoutError:
+            self.liveness.check()
+            raise FirmwareTimeoutError(f"{what}: no answer from {self.pci.address} within {timeout:g} s"
+                                       + self.budget.note()) from None
+
+    async def close(self) -> None:
+        """Free the answer buffer once no command is reading it (one started before a close ends at the close's
+        deadline, a poll later)."""
+        with anyio.move_on_after(1.0):
+            async with self._lock:
+                self._answers.free()
