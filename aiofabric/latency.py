@@ -1,7 +1,9 @@
-"""perftest-style latency tests on emulated NICs: the engine behind `aiofabric lat {write,read,send}`.
+"""perftest-style latency tests: the engine behind `aiofabric lat {write,read,send}`.
 
 Two emulated NICs (one process each, RoCEv2 over UDP on 127.0.0.x) and one RC QP pair, driven as ib_*_lat drive
 theirs: one message at a time, `warmup` iterations first (excluded from the numbers), then `iters` measured ones.
+On a PCI NIC both ends run on that NIC with its port in PHY loopback (as `aiofabric loopback`): the NIC's own
+latency, with no wire and no partner host.
 
 - WRITE (ib_write_lat): a ping-pong of RDMA WRITEs. The client writes `size` bytes into the server's target buffer;
   the server polls the LAST byte of its own target until it holds the iteration's value, then writes back into the
@@ -18,24 +20,25 @@ that share of samples at or below it), so t_min <= t_typical <= p99 <= p99.9 <= 
 Every wait is bounded by `LatConfig.wait_seconds` (long enough for the QP's retransmissions to recover a lost
 packet): a message that never arrives ends in a TimeoutError naming the side and the iteration, never a hang.
 `verified` checks the last ping's bytes on both sides (and, for READ, that the server's bytes are unchanged), and
-the emulator's count of messages each responder placed.
+the emulator's count of messages each responder placed where the NICs are emulated (`verification` says which).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
 import os
 import statistics
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
 import numpy as np
 
 from . import perftest
-from .nic import NIC
+from .nic import NIC, PCI_ADDRESS, open_nic
 from .completions import Completion
 from .peer.protocol import fill_pattern
 from .queues import MemoryRegion, QueuePair
@@ -53,7 +56,7 @@ WAIT_BASE_SECONDS, WAIT_SLOWEST_BPS = 5.0, 1 << 20  # an iteration's bound: 5 s 
 HISTOGRAM_SUBBUCKETS = 4  # each power-of-two octave [2^k, 2^(k+1)) us is split in 4 equal buckets
 HISTOGRAM_BAR = 50  # characters of the longest ASCII histogram bar
 VERBS = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send"}
-PLACED_KEYS = perftest.PLACED_KEYS
+WIRE_COUNTERS = perftest.WIRE_COUNTERS[:3]  # packets, retransmits, dropped: lat reports no rx_overflow
 HEADER = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]"
           "   99% percentile[usec]   99.9% percentile[usec]")
 LATENCY_FIELDS = ("t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p99_9_us")
@@ -76,15 +79,22 @@ class LatConfig:
     wait: float | None = None  # seconds one iteration may take before TimeoutError; None: wait_seconds decides
     pcap: str | None = None  # capture NIC 0's packets in FILE and NIC 1's in FILE.1
     inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]" on the server NIC (perftest.FAULT_KINDS)
-    nic: str = "sim"  # the two NICs: "sim" or "sim:NAME" (emulated; a latency test needs both ends here)
+    nic: str = "sim"  # "sim" or "sim:NAME": two emulated NICs; a PCI address: both ends on it, in PHY loopback
     ip: str | None = None  # NIC 0's IPv4 address
 
     def check(self) -> None:
         """Refuse a bad value before any NIC boots, naming the flag and what it allows."""
         if self.test not in TESTS:
             raise ValueError(f"test must be one of {TESTS}, not {self.test!r}")
-        if not (self.nic == "sim" or self.nic.startswith("sim:")):
-            raise ValueError(f"--nic {self.nic}: lat runs both ends here, on emulated NICs ('sim' or 'sim:NAME')")
+        if not (self.nic == "sim" or self.nic.startswith("sim:") or PCI_ADDRESS.fullmatch(self.nic)):
+            raise ValueError(f"bad NIC spec {self.nic!r} for --nic: use 'sim', 'sim:NAME' (two emulated NICs) or a "
+                             "PCI address like 0000:41:00.0 (both ends on that NIC, its port in PHY loopback)")
+        if self.inject_fault is not None and not self.nic.startswith("sim"):
+            raise ValueError(f"--inject-fault needs the emulator's debug channel, which the PCI NIC {self.nic} does "
+                             "not have")
+        wire = [f"--{name}" for name in ("loss", "reorder", "dup", "corrupt", "pcap") if getattr(self, name)]
+        if wire and not self.nic.startswith("sim"):
+            raise ValueError(f"{', '.join(wire)} apply to the emulated wire only, not to the PCI NIC {self.nic}")
         if not isinstance(self.size, int) or not 1 <= self.size <= MAX_SIZE:
             raise ValueError(f"--size must be an integer in [1, {MAX_SIZE}] bytes, not {self.size!r}")
         if not isinstance(self.iters, int) or self.iters < 1:
@@ -342,9 +352,10 @@ async def _read_loop(config: LatConfig, pair: _Pair) -> list[float]:
 ENGINES = {"write": _write_pingpong, "send": _send_pingpong, "read": _read_loop}
 
 
-def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: tuple[dict, dict]) -> str | None:
+def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: list[Any]) -> str | None:
     """Why the run's bytes are wrong, or None: the last ping's and pong's bytes (both sides), the server's untouched
-    bytes for READ, and the emulator's count of messages each responder placed (each counted once)."""
+    bytes for READ, and the emulator's count of messages each responder placed (each counted once), where `placed`
+    has it (the client's NIC's, the server's: DebugClient.placed, None for a NIC that is not emulated)."""
     size, total = config.size, config.warmup + config.iters
     client, server = pair.client_mr.view, pair.server_mr.view
     if config.test == "read":
@@ -360,10 +371,10 @@ def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: tuple[di
         if client[landed:landed + size] != server[:size]:
             return "the last pong's bytes at the client differ from what the server sent"
         checks = [("server", pair.server, 1), ("client", pair.client, 0)]
-    messages_key, bytes_key = PLACED_KEYS[config.test]
     for side, qp, nic in checks:
-        counts = placed[nic].get(str(qp.qpn), {})
-        got = (counts.get(messages_key, 0), counts.get(bytes_key, 0))
+        if placed[nic] is None:
+            continue
+        got = placed[nic][qp.qpn].of(config.test)
         if got != (total, total * size):
             return (f"the {side}'s NIC placed {got[0]} messages / {got[1]} bytes on QP {qp.qpn:#x}, "
                     f"{total} / {total * size} were sent")
@@ -415,37 +426,53 @@ def summarize(samples: list[float]) -> dict[str, float]:
             "p99_us": _percentile(ordered, 99), "p99_9_us": _percentile(ordered, 99.9)}
 
 
+def _verification(config: LatConfig, emulated: bool) -> str:
+    """How `verified` was decided; `emulated`: the NICs have debug channels, so their placement counts were checked."""
+    checked = ("the last RDMA READ's bytes and the server's unchanged buffer" if config.test == "read" else
+               "the last ping's and pong's bytes")
+    return f"{checked} and the NICs' placement counts" if emulated else f"{checked} ({perftest.NOT_COUNTED})"
+
+
+@contextlib.asynccontextmanager
+async def _open_nics(config: LatConfig) -> AsyncIterator[tuple[NIC, NIC]]:
+    """The client's NIC and the server's: two emulated NICs, or one PCI NIC for both with its port in PHY loopback
+    (no partner host needed, as `aiofabric loopback`)."""
+    if PCI_ADDRESS.fullmatch(config.nic):
+        async with open_nic(config.nic, ip=config.ip) as nic, perftest.phy_loopback(nic):
+            yield nic, nic
+    else:
+        async with perftest.open_bench_nics(config.bench_config()) as (client, server):
+            yield client, server
+
+
 async def run_latency(config: LatConfig) -> dict[str, Any]:
-    """Boot two emulated NICs, run `config.test`'s latency loop and report perftest's latency fields in us.
+    """Boot the NICs (`LatConfig.nic`), run `config.test`'s latency loop and report perftest's latency fields in us.
 
     WRITE and SEND report one-way latency, half the client's round trip (as perftest: RTT/2); READ reports each
-    READ's post-to-completion time. Keys: the LATENCY_FIELDS, iters, size, test, mtu, warmup, verified, latency
-    (what was measured), seconds, packets, retransmits, dropped, fw_version; "histogram" with config.histogram;
-    "error" when verification failed. A lost message raises TimeoutError naming the side and the iteration."""
+    READ's post-to-completion time. Keys: the LATENCY_FIELDS, iters, size, test, mtu, warmup, verified,
+    verification (what `verified` checked), latency (what was measured), seconds, packets, retransmits, dropped
+    (None on a PCI NIC: only an emulator counts them), fw_version; "histogram" with config.histogram; "error" when
+    verification failed. A lost message raises TimeoutError naming the side and the iteration."""
     config.check()
-    bench = config.bench_config()
-    async with perftest.open_bench_nics(bench) as nics:
-        client_nic, server_nic = nics
+    async with _open_nics(config) as (client_nic, server_nic):
+        nics = list(dict.fromkeys((client_nic, server_nic)))  # one NIC when both ends share it
         pair = await _connect(config, client_nic, server_nic)
-        fault = bench.fault()
+        fault = config.bench_config().fault()
         if fault is not None:
-            server_nic.pci.debug(fault)
+            await perftest.emulator(server_nic, "--inject-fault").fault(*fault)
         server_digest = hashlib.sha256(pair.server_mr.view[:config.size]).hexdigest()
-        before = [nic.pci.debug({"op": "stats"})["stats"] for nic in nics]
+        before = await perftest.wire_counters(nics)
         started = time.perf_counter()
         samples = await ENGINES[config.test](config, pair)
         seconds = time.perf_counter() - started
-        placed = tuple(nic.pci.debug({"op": "placed"})["qps"] for nic in nics)
-        mismatch = _verify(config, pair, server_digest, placed)  # type: ignore[arg-type]
-        wire = {"packets": 0, "retransmits": 0, "dropped": 0}
-        for nic, old in zip(nics, before):
-            stats = nic.pci.debug({"op": "stats"})["stats"]
-            for key, name in (("packets", "packets_sent"), ("retransmits", "retransmits"), ("dropped", "dropped")):
-                wire[key] += stats.get(name, 0) - old.get(name, 0)
+        placed = [await perftest.placement_counts(nic) for nic in (client_nic, server_nic)]
+        mismatch = _verify(config, pair, server_digest, placed)
+        wire = perftest.wire_delta(before, await perftest.wire_counters(nics), WIRE_COUNTERS)
         fw_version = client_nic.info()["fw_version"]
     return {
         **summarize(samples), "iters": len(samples), "size": config.size, "test": config.test, "mtu": config.mtu,
         "warmup": config.warmup, "verified": mismatch is None,
+        "verification": _verification(config, None not in placed),
         "latency": "one-way (RTT/2)" if config.test != "read" else "READ completion",
         "seconds": seconds, **wire, "fw_version": fw_version,
         **({"histogram": histogram(samples)} if config.histogram else {}),
@@ -481,14 +508,17 @@ def format_latency_table(result: dict[str, Any], config: LatConfig) -> str:
     rule = "-" * len(HEADER)
     measured = "one-way = RTT/2" if config.test != "read" else "READ post to completion"
     values = [str(result["size"]), str(result["iters"])] + [f"{result[key]:.2f}" for key in LATENCY_FIELDS]
-    lines = [rule, f"                    {VERBS[config.test]} Latency Test (aiofabric, emulated BNXT)",
+    nic = "emulated BNXT" if config.nic.startswith("sim") else f"{config.nic}, PHY loopback"
+    lines = [rule, f"                    {VERBS[config.test]} Latency Test (aiofabric, {nic})",
              " Number of qps   : 1\t\tTransport type : IB",
              " Connection type : RC\t\tUsing SRQ      : OFF",
              f" Warm-up         : {result['warmup']} iterations\tLatency        : {measured}",
              f" Mtu             : {config.mtu}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
              f" Firmware        : {result['fw_version']}", rule, HEADER, _row(values), rule,
-             f" verified: {'yes' if result['verified'] else 'NO'}   packets: {result['packets']}   "
-             f"retransmits: {result['retransmits']}   dropped: {result['dropped']}   "
+             f" verified: {'yes' if result['verified'] else 'NO'}   "
+             f"packets: {perftest.count_text(result['packets'])}   "
+             f"retransmits: {perftest.count_text(result['retransmits'])}   "
+             f"dropped: {perftest.count_text(result['dropped'])}   "
              f"seconds: {result['seconds']:.2f}",
              *([f" {result['error']}"] if "error" in result else []), rule]
     if config.histogram and "histogram" in result:

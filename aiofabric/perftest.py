@@ -10,9 +10,15 @@ offset. Otherwise slots are reused every `depth` operations and each operation s
 before it is posted; then the last pass is compared byte for byte, and the emulator's per-QP count of placed
 messages and bytes (debug channel, "placed") must equal what was posted: a lost, duplicated or misplaced message
 shows as a count or a byte that differs.
+
+Placement counts, wire counters and --inject-fault exist only where a local NIC is emulated (`debug_client()` of its
+seam). On a PCI NIC (with --peer) the bytes are still compared; the JSON says null for the counters and
+`verification` says the placement counts were not available. The debug channel is asked only before and after a
+run, never in its hot loop.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -20,7 +26,7 @@ import os
 import struct
 import sys
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 import anyio
 
@@ -41,8 +47,9 @@ WARMUP_SHARE = 0.2  # with -D, this share of the time (at most 2 s) runs before 
 STAMP = struct.Struct("<Q")  # (flow << 40 | iteration) at the start of a reused slot, so each payload is distinct
 FAULT_KINDS = ("skip_placement", "misplace")
 LOOPBACK_BASE_SECONDS, LOOPBACK_SLOWEST_BPS = 10.0, 1 << 20  # loopback's time limit grows with the size
-PLACED_KEYS = {"write": ("write_messages", "write_bytes"), "send": ("send_messages", "send_bytes"),
-               "read": ("read_messages", "read_bytes")}
+WIRE_COUNTERS = (("packets", "packets_sent"), ("retransmits", "retransmits"), ("dropped", "dropped"),
+                 ("rx_overflow", "rx_overflow"))  # the JSON's name, the emulator's counter
+NOT_COUNTED = "the NIC's placement counts were not available: it is not an emulated NIC"
 
 
 @dataclasses.dataclass
@@ -122,8 +129,8 @@ class BenchConfig:
                 raise ValueError(f"--size must be in [1, {MAX_SIZE}] bytes (one emulated NIC's DMA arena holds "
                                  f"the buffers), not {size}")
 
-    def fault(self) -> dict[str, Any] | None:
-        """The debug-channel request of --inject-fault KIND[:COUNT[:OFFSET]], or None."""
+    def fault(self) -> tuple[str, int, int] | None:
+        """(kind, count, offset) of --inject-fault KIND[:COUNT[:OFFSET]] (DebugClient.fault's), or None."""
         if self.inject_fault is None:
             return None
         kind, *numbers = self.inject_fault.split(":")
@@ -131,7 +138,7 @@ class BenchConfig:
             raise ValueError(f"--inject-fault must be KIND[:COUNT[:OFFSET]] with KIND one of {FAULT_KINDS}, "
                              f"not {self.inject_fault!r}")
         count, offset = (int(n) for n in (numbers + ["1", "64"])[:2])
-        return {"op": "fault", "kind": kind, "count": count, "offset": offset}
+        return kind, count, offset
 
     @property
     def with_peer(self) -> bool:
@@ -214,7 +221,7 @@ async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> 
     fault = config.fault()
     if fault is not None:
         for server_nic in nics[1::2]:
-            server_nic.pci.debug(fault)
+            await emulator(server_nic, "--inject-fault").fault(*fault)
     return flows
 
 
@@ -240,6 +247,42 @@ async def _flows(config: BenchConfig, nics: list[NIC]) -> AsyncIterator[list[_Fl
 def _faults(config: BenchConfig, seed: int) -> dict[str, Any]:
     faults = {k: getattr(config, k) for k in ("loss", "reorder", "dup", "corrupt") if getattr(config, k)}
     return dict(faults, seed=config.seed + seed) if faults else {}
+
+
+def emulator(nic: NIC, purpose: str) -> Any:
+    """The debug client of `nic`'s emulator (DebugClient), for `purpose`; ValueError naming the NIC if it has none."""
+    client = nic.pci.debug_client()
+    if client is None:
+        raise ValueError(f"{purpose} needs the emulator's debug channel, which {nic.pci.address} does not have (it "
+                         "is not an emulated NIC)")
+    return client
+
+
+async def wire_counters(nics: Iterable[NIC]) -> list[collections.Counter[str]] | None:
+    """The emulator's counters of each NIC, or None when one of them is not emulated (nothing counts its packets)."""
+    clients = [nic.pci.debug_client() for nic in nics]
+    if None in clients:
+        return None
+    return [await client.stats() for client in clients]
+
+
+def wire_delta(before: list[collections.Counter[str]] | None, after: list[collections.Counter[str]] | None,
+               counters: Iterable[tuple[str, str]] = WIRE_COUNTERS) -> dict[str, int | None]:
+    """How much each of `counters` (JSON name, emulator counter) grew, summed over the NICs; None if not counted."""
+    if before is None or after is None:
+        return {key: None for key, _ in counters}
+    return {key: sum(new[name] - old[name] for new, old in zip(after, before)) for key, name in counters}
+
+
+async def placement_counts(nic: NIC) -> collections.defaultdict[int, Any] | None:
+    """What each QP of `nic` placed (DebugClient.placed), or None when it is not an emulated NIC."""
+    client = nic.pci.debug_client()
+    return None if client is None else await client.placed()
+
+
+def count_text(value: int | None) -> str:
+    """A counter for the tables: "n/a" where it was not counted."""
+    return "n/a" if value is None else str(value)
 
 
 async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[_Flow]:
@@ -330,9 +373,10 @@ def _runs(first: int, count: int, slots: int) -> list[tuple[int, int]]:
     return [(start, head)] + ([(0, count - head)] if count > head else [])
 
 
-async def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, dict[str, dict[str, int]]]) -> str | None:
+async def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, Any]) -> str | None:
     """Why the run's bytes are wrong, or None: every slot's bytes (by sha256 where they live on a peer), then the
-    emulator's per-QP placement counts where the placing NIC is ours (a peer offers no debug channel)."""
+    emulator's per-QP placement counts where the placing NIC is ours and emulated (`placed`, by seam: None where it
+    is not; a peer offers no debug channel)."""
     used = config.used_bytes
     for flow in flows:
         if flow.remote is not None:
@@ -345,10 +389,9 @@ async def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, dic
                           if flow.source.view[i:i + config.size] != flow.target.view[i:i + config.size])
             return f"QP {flow.client.qpn:#x}: the bytes of message slot {offset // config.size} differ at the target"
         placer = flow.client if config.test == "read" else flow.server  # who places the data in memory
-        if not isinstance(placer, QueuePair):
+        if not isinstance(placer, QueuePair) or placed[placer.device.pci] is None:
             continue
-        counts = placed[placer.device].get(str(placer.qpn), {})
-        messages, size = (counts.get(key, 0) for key in PLACED_KEYS[config.test])
+        messages, size = placed[placer.device.pci][placer.qpn].of(config.test)
         if (messages, size) != (flow.done, flow.done * config.size):
             return (f"QP {placer.qpn:#x}: the NIC placed {messages} messages / {size} bytes, "
                     f"{flow.done} / {flow.done * config.size} were posted")
@@ -435,7 +478,7 @@ async def run_bench(config: BenchConfig, nics: list[NIC] | None = None) -> dict[
 
 async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> dict[str, Any]:
     async with _flows(config, nics) as flows:
-        before = {nic: nic.pci.debug({"op": "stats"})["stats"] for nic in nics}
+        before = await wire_counters(nics)
         cpu_started, started = time.process_time(), time.perf_counter()
         warmup = min(2.0, config.duration * WARMUP_SHARE) if config.duration else 0.0
         deadline = started + warmup + config.duration if config.duration and not config.run_infinitely else None
@@ -453,13 +496,9 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         cpu = time.process_time() - cpu_started
         if config.progress:
             print("\r" + " " * 70 + "\r", end="", file=sys.stderr)
-        mismatch = await _verify(config, flows, {nic: nic.pci.debug({"op": "placed"})["qps"] for nic in nics})
-        wire = {key: 0 for key in ("packets", "retransmits", "dropped", "rx_overflow")}
-        for nic in nics:
-            stats, old = nic.pci.debug({"op": "stats"})["stats"], before[nic]
-            for key, name in (("packets", "packets_sent"), ("retransmits", "retransmits"), ("dropped", "dropped"),
-                              ("rx_overflow", "rx_overflow")):
-                wire[key] += stats.get(name, 0) - old.get(name, 0)
+        placed = {nic.pci: await placement_counts(nic) for nic in nics}
+        mismatch = await _verify(config, flows, placed)
+        wire = wire_delta(before, await wire_counters(nics))
     ops = sum(flow.done for flow in flows)
     measured_ops, seconds = ops, ended - started
     if config.duration and sampler.samples:  # measure from the end of the warm-up
@@ -475,7 +514,7 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         "bw_peak_MiBps": max(sampler.peak(), bandwidth) / 2**20, "bw_Gbps": bandwidth * 8 / 1e9,
         "lat_us": {"p50": _percentile(latencies, 50) * 1e6, "p99": _percentile(latencies, 99) * 1e6},
         "driver_cpu_us_per_op": cpu / max(ops, 1) * 1e6, **wire, "fw_version": fw_version,
-        "verification": _verification(config),
+        "verification": _verification(config, None not in placed.values()),
         **({"remote_host": config.remote.host} if config.remote is not None else {}),
         **({"error": f"verification failed: {mismatch}"} if mismatch else {}),
     }
@@ -487,10 +526,12 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
     return result
 
 
-def _verification(config: BenchConfig) -> str:
-    """How `verified` was decided (README: bench verification)."""
+def _verification(config: BenchConfig, emulated: bool) -> str:
+    """How `verified` was decided (README: bench verification); `emulated`: every local NIC has a debug channel."""
     every = "every operation's bytes" if config.slots == config.iters else "the last pass's bytes"
-    counted = config.remote is None or config.test == "read"
+    counted = config.remote is None or config.test == "read"  # a local NIC places the data
+    if counted and not emulated:
+        return f"{every} ({NOT_COUNTED})"
     return every + (" and the NIC's placement counts" if counted and config.slots != config.iters else "")
 
 
@@ -520,13 +561,24 @@ def format_table(result: dict[str, Any], config: BenchConfig) -> str:
             lines.append(f"   NIC {direction['from_nic']} sending: {direction['bw_MiBps'] * scale:.2f} {unit}")
     lines.append(rule)
     for row in rows:
-        lines.append(f" {row['size']:<10} verified: {'yes' if row['verified'] else 'NO'}   packets: {row['packets']}"
-                     f"   retransmits: {row['retransmits']}   dropped: {row['dropped']}   rx overflow: "
-                     f"{row['rx_overflow']}   driver CPU: {row['driver_cpu_us_per_op']:.2f} us/op")
+        lines.append(f" {row['size']:<10} verified: {'yes' if row['verified'] else 'NO'}   packets: "
+                     f"{count_text(row['packets'])}   retransmits: {count_text(row['retransmits'])}   dropped: "
+                     f"{count_text(row['dropped'])}   rx overflow: {count_text(row['rx_overflow'])}   driver CPU: "
+                     f"{row['driver_cpu_us_per_op']:.2f} us/op")
         if "error" in row:
             lines.append(f"   {row['error']}")
     lines.append(rule)
     return "\n".join(lines)
+
+
+@contextlib.asynccontextmanager
+async def phy_loopback(nic: NIC) -> AsyncIterator[None]:
+    """`nic`'s port turned back on itself (port_phy_cfg LPBK_LOCAL) for the block: what it sends, it receives."""
+    await nic.set_loopback(bnxt.PORT_PHY_CFG_REQ_LPBK_LOCAL)
+    try:
+        yield
+    finally:
+        await nic.set_loopback(bnxt.PORT_PHY_CFG_REQ_LPBK_NONE)
 
 
 async def run_loopback(spec: str, size: int, ip: str | None = None) -> dict[str, Any]:
@@ -542,21 +594,18 @@ async def run_loopback(spec: str, size: int, ip: str | None = None) -> dict[str,
         source, target = await nic.register_mr(size), await nic.register_mr(size)
         message = (b"Hello from BNXT RoCE PHY loopback! " * (size // 35 + 1))[:size]
         source.view[:size] = message
-        await nic.set_loopback(bnxt.PORT_PHY_CFG_REQ_LPBK_LOCAL)
-        started = time.perf_counter()
-        limit = LOOPBACK_BASE_SECONDS + size / LOOPBACK_SLOWEST_BPS
-        try:
+        async with phy_loopback(nic):
+            started = time.perf_counter()
+            limit = LOOPBACK_BASE_SECONDS + size / LOOPBACK_SLOWEST_BPS
             with anyio.move_on_after(limit) as waited:
                 await sender.write(source, target, size)
             if waited.cancelled_caught:
                 raise TimeoutError(f"PHY loopback: the {size}-byte RDMA WRITE did not complete within {limit:.0f} s "
                                    f"(allowed: {LOOPBACK_BASE_SECONDS:g} s + 1 s per "
                                    f"{LOOPBACK_SLOWEST_BPS // 2**20} MiB)")
-        finally:
-            await nic.set_loopback(bnxt.PORT_PHY_CFG_REQ_LPBK_NONE)
         seconds = time.perf_counter() - started
         verified = bytes(target.view[:size]) == message
-        stats = nic.pci.debug({"op": "stats"})["stats"] if hasattr(nic.pci, "debug") else {}
+        counters = await wire_counters([nic])  # None on a PCI NIC: nothing counts its packets for us
     return {"verified": verified, "bytes": size, "seconds": seconds, "qpn": qpns,
-            "packets": stats.get("packets_sent", 0),
+            "packets": None if counters is None else counters[0]["packets_sent"],
             **({"error": "loopback data differs from what was written"} if not verified else {})}

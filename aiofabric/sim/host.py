@@ -22,10 +22,13 @@ import socket
 import struct
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..pci import PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError, _virt_addr
 from .memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
+
+if TYPE_CHECKING:
+    from .debug import DebugClient
 
 KICK = struct.Struct("<BxxxIQ")  # space (0 = BAR0, 2 = BAR2, CONFIG_SPACE), offset, value
 CONFIG_SPACE = 0xFF
@@ -222,6 +225,8 @@ class SimPCIDevice(PCIDevice):
         except BaseException:
             self.close()
             raise
+        from .debug import DebugClient  # here, not at the top: the emulator process imports this module, never anyio
+        self._debug_client = DebugClient(self._debug, self.address, self.process.poll)
 
     def _wait_until_started(self) -> str:
         """The emulator's one start-up line: its address, or PCIError with the reason it gives (or its exit)."""
@@ -306,20 +311,14 @@ class SimPCIDevice(PCIDevice):
         return self._allocator.bytes_used
 
     # -- the debug channel (tests and tools only) -----------------------------------------------------------------
-    def debug(self, request: dict, timeout: float = 5.0) -> dict:
-        """One request/response on the emulator's debug channel: {"op": "objects"}, {"op": "inject", ...}, ..."""
-        self._debug.settimeout(timeout)
-        try:
-            self._debug_file.write(json.dumps(request).encode() + b"\n")
-            line = self._debug_file.readline()
-        except (OSError, socket.timeout) as exc:
-            raise PCIError(f"{self.address}: debug channel failed ({exc})") from exc
-        if not line:
-            raise PCIError(f"{self.address}: emulator exited (status {self.process.poll()})")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise PCIError(f"{self.address}: debug request {request.get('op')!r} failed: {reply['error']}")
-        return reply
+    def debug_client(self) -> DebugClient:
+        """The emulator's debug channel, for async code: counters, placement counts, faults (see sim/debug.py)."""
+        return self._debug_client
+
+    def debug(self, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+        """One request/response on the debug channel, blocking: {"op": "objects"}, {"op": "inject", ...}, ...
+        For tests and tools; async code awaits `debug_client()` instead."""
+        return self._debug_client.request_blocking(request, timeout)
 
     def close(self) -> None:
         """Stop the emulator and release every descriptor and mapping now, whatever views callers still hold."""
