@@ -30,6 +30,7 @@ async def test_each_verb_runs_and_reports_sane_numbers(test):
     assert lows[0] <= result["t_min_us"] and lows[-1] <= result["t_max_us"]
     assert result["latency"] == ("READ completion" if test == "read" else "one-way (RTT/2)")
     assert result["packets"] > 0 and result["retransmits"] == 0
+    assert result["verification"].endswith("and the NICs' placement counts")  # emulated NICs count what they placed
     table = format_latency_table(result, config)
     assert HEADER in table.splitlines()
     row = table.splitlines()[table.splitlines().index(HEADER) + 1].split()
@@ -58,7 +59,7 @@ async def test_a_lost_ping_is_a_timeout_naming_side_and_iteration(anyio_backend)
 
 @pytest.mark.parametrize("field, value", [
     ("size", 0), ("size", 1 << 29), ("iters", 0), ("test", "atomic"), ("mtu", 1000), ("timeout", 32),
-    ("loss", 1.0), ("warmup", -1), ("wait", 0), ("inject_fault", "melt:1")])
+    ("loss", 1.0), ("warmup", -1), ("wait", 0), ("inject_fault", "melt:1"), ("nic", "eth0")])
 def test_bad_config_names_the_field(field, value):
     config = dataclasses.replace(LatConfig(), **{field: value})
     with pytest.raises(ValueError, match=field.replace("_", "-") if field == "inject_fault" else field):
