@@ -6,9 +6,10 @@ import functools
 from typing import Any
 
 from .autogen import bnxt
+from .hw.firmware import CMDQ_HEADER, HWRM_REQUEST_HEADER
 
-HWRM_HEADER = frozenset({"req_type", "cmpl_ring", "seq_id", "target_id", "resp_addr"})  # the channel fills them
-CMDQ_HEADER = frozenset({"opcode", "cmd_size", "cookie", "resp_size", "resp_addr"})
+HWRM_HEADER_FIELDS = frozenset(field.name for field in HWRM_REQUEST_HEADER.fields)  # the channels fill them
+CMDQ_HEADER_FIELDS = frozenset(field.name for field in CMDQ_HEADER.fields) - {"flags"}
 
 
 @functools.cache

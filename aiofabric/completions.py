@@ -6,11 +6,8 @@ from typing import Any, Generator
 import anyio
 
 from .autogen import bnxt
-from .errors import CompletionError as CompletionError, status_names  # where it used to live
+from .errors import CompletionError as CompletionError  # where it used to live
 
-
-SEND_STATUSES = status_names("CQ_REQ_STATUS_")
-RECV_STATUSES = status_names("CQ_RES_RC_STATUS_")
 SEND_FLUSHED = bnxt.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
 RECV_FLUSHED = bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
 

@@ -23,25 +23,24 @@ import anyio.abc
 from .autogen import bnxt
 from .close_budget import CLOSE_TIMEOUT, CloseBudget
 from .errors import ClosedError, DeviceLostError, FirmwareError
+from .hw.cqe import CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, NQ_ENTRY, creq_type
+from .hw.firmware import BackingStoreType
 from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, HWRM_VECTOR, NQ_VECTOR, wake
 from .liveness import Liveness
 from .pci import PAGE_SIZE, PCIDevice
-from .rcfw_channel import CREQ_DEPTH, CREQ_ENTRY, RCFW_TIMEOUT, RcfwChannel
+from .rcfw_channel import CREQ_DEPTH, RCFW_TIMEOUT, RcfwChannel
 from .rings import Ring, page_table
 from .version import __version__
 
 log = logging.getLogger("aiofabric.device")
 
 NQ_DEPTH = 4096
-NQ_ENTRY = 16
 QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
 FUNC_EVENT = bnxt.CREQ_BASE_TYPE_FUNC_EVENT
 QP_ERROR = bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION
 CQ_ERROR = bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION
-HOST_MSN_TABLE = 1 << 4  # CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT, in dev_cap_ext_flags2
-BS_TYPE_INVALID = 0xFFFF
-BS_QP, BS_SRQ, BS_CQ, BS_MRAV, BS_TIM = 0, 1, 2, 0xE, 0xF
+HOST_MSN_TABLE = bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE  # in dev_cap_ext_flags_2
 EXTRA_QPS, EXTRA_MRS = 1024, 4096  # RoCE objects the backing store is sized for, beyond the firmware's L2 needs
 
 
@@ -169,7 +168,7 @@ class Device:
     # -- events --------------------------------------------------------------------------------------------------------
     def _on_event(self, entry: bytes) -> None:
         """A CREQ entry that is not a command's reply: an error notification for a QP or CQ, or a function event."""
-        kind, event = entry[0] & bnxt.CREQ_BASE_TYPE_MASK, entry[9]
+        kind, event = creq_type(entry[CREQ_TYPE_OFFSET]), entry[CREQ_EVENT_OFFSET]
         if kind == QP_EVENT and event in (QP_ERROR, CQ_ERROR):
             layout = bnxt.creq_qp_error_notification if event == QP_ERROR else bnxt.creq_cq_error_notification
             notice = layout.from_buffer_copy(entry)
@@ -264,7 +263,7 @@ class Device:
     async def _configure_backing_store(self) -> None:
         """Backing store v2 (bnxt.c bnxt_backing_store_cfg_v2): one CFG_V2 per valid type and instance."""
         plan, kind, seen = [], 0, set()
-        while kind != BS_TYPE_INVALID and kind not in seen:
+        while kind != BackingStoreType.INVALID and kind not in seen:
             seen.add(kind)
             caps = await self.hwrm("func_backing_store_qcaps_v2", type=kind)
             if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID and caps.entry_size:
@@ -291,7 +290,7 @@ class Device:
             self._on_close("backing store memory", functools.partial(_free_all, table, memory))
 
     async def _open_rcfw(self, task_group: anyio.abc.TaskGroup) -> None:
-        creq = Ring(self.pci, CREQ_DEPTH, CREQ_ENTRY)
+        creq = Ring(self.pci, CREQ_DEPTH, CREQ_ENTRY.size)
         creq_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, creq, CREQ_VECTOR)
         channel = self._rcfw_channel = RcfwChannel(
             self.pci, self.bar0, self.doorbells, self.db_offset, self.interrupt_fd(CREQ_VECTOR), creq, creq_id,
@@ -315,7 +314,7 @@ class Device:
         flags = bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED if self.hw_retransmit else 0
         await self.rcfw("initialize_fw", stat_ctx_id=self._stat_ctx_id, log2_dbr_pg_size=0, flags=flags)
         self._on_close("RCFW deinitialize_fw", lambda: self.rcfw_channel.command("deinitialize_fw"))
-        self.nq = Ring(self.pci, NQ_DEPTH, NQ_ENTRY)
+        self.nq = Ring(self.pci, NQ_DEPTH, NQ_ENTRY.size)
         self.nq_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, self.nq, NQ_VECTOR)
 
     async def _alloc_ring(self, ring_type: int, ring: Ring, logical_id: int = 0, **fields: Any) -> int:
@@ -410,8 +409,9 @@ class Device:
 def _backing_entries(kind: int, caps: ctypes.Structure, splits: list[int], counts: dict[int, int]) -> int:
     """Entries for one backing-store type, as bnxt_en sizes them for a RoCE-capable function."""
     base = sum(splits)
-    extra = {BS_QP: EXTRA_QPS, BS_SRQ: EXTRA_QPS // 2, BS_CQ: 2 * EXTRA_QPS, BS_MRAV: EXTRA_MRS}.get(kind, 0)
-    entries = counts.get(BS_QP, base + EXTRA_QPS) if kind == BS_TIM else base + extra
+    extra = {BackingStoreType.QP: EXTRA_QPS, BackingStoreType.SRQ: EXTRA_QPS // 2, BackingStoreType.CQ: 2 * EXTRA_QPS,
+             BackingStoreType.MRAV: EXTRA_MRS}.get(kind, 0)
+    entries = counts.get(BackingStoreType.QP, base + EXTRA_QPS) if kind == BackingStoreType.TIM else base + extra
     multiple = max(caps.entry_multiple, 1)
     entries = -(-entries // multiple) * multiple
     return max(caps.min_num_entries, min(entries, caps.max_num_entries or entries))

@@ -3,20 +3,10 @@ from __future__ import annotations
 
 import sys
 
-from .autogen import bnxt
+from .hw.firmware import HWRM_ERROR_NAMES, RCFW_STATUS_NAMES
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
-
-
-def status_names(prefix: str) -> dict[int, str]:
-    """Value -> name (without `prefix`) of the bindings' constants that start with `prefix`."""
-    return {value: name[len(prefix):] for name, value in vars(bnxt).items()
-            if name.startswith(prefix) and not name.endswith("_LAST")}
-
-
-HWRM_ERRORS = status_names("HWRM_ERR_CODE_")
-RCFW_STATUSES = status_names("CREQ_QP_EVENT_STATUS_")
 
 
 class FabricError(Exception):
@@ -34,12 +24,12 @@ class FirmwareError(FabricError):
 
     @classmethod
     def hwrm(cls, name: str, status: int, cmd_err: int = 0) -> FirmwareError:
-        return cls(f"HWRM {name}", status, HWRM_ERRORS.get(status, "UNKNOWN"),
+        return cls(f"HWRM {name}", status, HWRM_ERROR_NAMES.get(status, "UNKNOWN"),
                    f"cmd_err {cmd_err:#x}" if cmd_err else "")
 
     @classmethod
     def rcfw(cls, name: str, status: int) -> FirmwareError:
-        return cls(f"RCFW {name}", status, RCFW_STATUSES.get(status, "UNKNOWN"))
+        return cls(f"RCFW {name}", status, RCFW_STATUS_NAMES.get(status, "UNKNOWN"))
 
 
 class FirmwareTimeoutError(FabricError, TimeoutError):

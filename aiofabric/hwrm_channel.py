@@ -10,14 +10,15 @@ import anyio
 
 from .autogen import bnxt
 from .close_budget import CloseBudget
-from .commands import HWRM_HEADER, build, hwrm_types
+from .commands import HWRM_HEADER_FIELDS, build, hwrm_types
 from .errors import FirmwareError, FirmwareTimeoutError
+from .hw.firmware import HWRM_RESPONSE_HEADER
 from .interrupts import COMMAND_POLL, wait_for_interrupt
 from .liveness import Liveness
 from .pci import PAGE_SIZE, Bar, PCIDevice
 
 HWRM_TIMEOUT = 2.0  # Linux: 500 ms default; generous for loaded CI machines
-ANSWER_HEADER = 8  # error_code, req_type, seq_id, resp_len: what says an answer is there and how long it is
+CMD_ERR_OFFSET = bnxt.hwrm_err_output.cmd_err.offset  # the firmware's detail, in an error answer of that size
 
 
 class HwrmChannel:
@@ -40,7 +41,7 @@ class HwrmChannel:
         self.liveness.check()  # first: a lost device's destroy frees memory, whatever the budget
         self.budget.check(f"HWRM {name}")
         request_type, response_type, request_kind = hwrm_types(name)
-        request = build(request_type, f"HWRM {name}", fields, HWRM_HEADER)
+        request = build(request_type, f"HWRM {name}", fields, HWRM_HEADER_FIELDS)
         timeout = self.budget.bounded(command_timeout or self.timeout)
         deadline = anyio.current_time() + timeout  # the whole command: its turn on the channel, then its answer
         async with self.exclusive(name, timeout):
@@ -53,22 +54,21 @@ class HwrmChannel:
             if len(data) > self.max_request:
                 raise ValueError(f"HWRM {name}: {len(data)}-byte request exceeds the {self.max_request}-byte window")
             answer = self._answers.view
-            answer[:ANSWER_HEADER] = bytes(ANSWER_HEADER)
+            answer[:HWRM_RESPONSE_HEADER.size] = bytes(HWRM_RESPONSE_HEADER.size)
             self.bar0.write_block(bnxt.BNXT_GRCPF_REG_CHIMP_COMM, data.ljust(self.max_request, b"\0"))
             self.bar0.write32(bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER, 1)
 
-            def answered() -> bool:
-                length = int.from_bytes(answer[6:8], "little")
-                return ANSWER_HEADER <= length <= len(answer) and int.from_bytes(answer[4:6], "little") == seq \
+            def answered() -> bool:  # the answer to this seq_id, its last byte (the valid key) written
+                _, _, answered_seq, length = HWRM_RESPONSE_HEADER.unpack_from(answer)
+                return HWRM_RESPONSE_HEADER.size <= length <= len(answer) and answered_seq == seq \
                     and answer[length - 1] != 0
 
             await self._wait(answered, max(0.0, deadline - anyio.current_time()), f"HWRM {name}")
-            length = int.from_bytes(answer[6:8], "little")
+            error, _, _, length = HWRM_RESPONSE_HEADER.unpack_from(answer)
             raw = bytes(answer[:length])
             answer[length - 1] = 0  # clear the valid byte, as Linux does, so a stale answer never looks new
-        error = int.from_bytes(raw[0:2], "little")
         if error:
-            cmd_err = raw[14] if length == ctypes.sizeof(bnxt.hwrm_err_output) else 0
+            cmd_err = raw[CMD_ERR_OFFSET] if length == ctypes.sizeof(bnxt.hwrm_err_output) else 0
             raise FirmwareError.hwrm(name, error, cmd_err)
         size = ctypes.sizeof(response_type)
         return response_type.from_buffer_copy(raw[:size].ljust(size, b"\0"))

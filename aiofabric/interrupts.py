@@ -7,7 +7,9 @@ import select
 
 import anyio
 
-HWRM_VECTOR, CREQ_VECTOR, NQ_VECTOR = 0, 1, 2  # the vectors the driver asks the firmware to use for its rings
+from .hw.firmware import HWRM_VECTOR as HWRM_VECTOR  # the function's own; the rings' are the driver's choice:
+
+CREQ_VECTOR, NQ_VECTOR = 1, 2  # RING_ALLOC's logical_id for the CREQ and the NQ
 POLL_INTERVAL = 0.001  # how often to look at memory on a platform without interrupts
 COMMAND_POLL = 0.05  # a command awaiting its answer re-checks memory this often: a lost interrupt costs this much
 

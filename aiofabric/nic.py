@@ -112,6 +112,27 @@ class NIC:
         return self.device.caps
 
     @property
+    def fw_version(self) -> str:
+        return self.device.fw_version
+
+    @property
+    def hwrm_version(self) -> str:
+        return self.device.hwrm_version
+
+    @property
+    def port_id(self) -> int:
+        return self.device.port_id
+
+    @property
+    def gid_index(self) -> int:
+        return self.device.gid_index
+
+    @property
+    def hw_retransmit(self) -> bool:
+        """Whether the firmware retransmits from the host MSN table (QUERY_FUNC said it can)."""
+        return self.device.hw_retransmit
+
+    @property
     def alive(self) -> bool:
         return self.device.alive
 
@@ -134,10 +155,9 @@ class NIC:
         self.device.rcfw_timeout = seconds
 
     def info(self) -> dict[str, Any]:
-        device = self.device
-        return {"nic": device.pci.address, "fw_version": device.fw_version, "hwrm_version": device.hwrm_version,
-                "mac": device.mac, "port": device.port_id, "ip": device.ip, "gid": _gid_text(device.gid),
-                "gid_index": device.gid_index, "hw_retransmit": device.hw_retransmit, "caps": dict(device.caps)}
+        return {"nic": self.pci.address, "fw_version": self.fw_version, "hwrm_version": self.hwrm_version,
+                "mac": self.mac, "port": self.port_id, "ip": self.ip, "gid": _gid_text(self.gid),
+                "gid_index": self.gid_index, "hw_retransmit": self.hw_retransmit, "caps": dict(self.caps)}
 
 
 def _gid_text(gid: bytes) -> str:

@@ -19,14 +19,15 @@ import anyio.lowlevel
 from .autogen import bnxt
 from .device import Device
 from .interrupts import NQ_VECTOR, wait_for_interrupt, wake
-from .rings import doorbell
+from .hw import doorbell
+from .hw.cqe import NQ_CQ_NOTIFICATION, NQ_ENTRY, notification_fields
 
 log = logging.getLogger("aiofabric.poller")
 
 SPIN_SECONDS = 80e-6
 SAFETY_POLL = 0.1  # the first safety poll after an interrupt or a completion ...
 QUIET_SAFETY_POLL = 1.0  # ... doubling up to this while nothing comes: each wake-up of a quiet process costs ~0.5 ms
-NQ_CQ_NOTIFICATION = bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
+CQ_NOTIFICATION = bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
 
 
 class Pollable(Protocol):
@@ -123,19 +124,18 @@ class Poller:
         view, consumed = nq.view, False
         while True:
             offset = nq.offset(nq.consumer)
-            if (view[offset + 8] & 1) != 1 - nq.epoch(nq.consumer):
+            if not NQ_ENTRY.is_new(view, offset, nq.consumer, nq.depth):
                 break
-            kind = view[offset] & bnxt.NQ_CN_TYPE_MASK
-            if kind == NQ_CQ_NOTIFICATION:
-                handle = int.from_bytes(view[offset + 4:offset + 8], "little") \
-                    | int.from_bytes(view[offset + 12:offset + 16], "little") << 32
+            entry_type, low, _, high = NQ_CQ_NOTIFICATION.unpack_from(view, offset)
+            kind, toggle, handle = notification_fields(entry_type, low, high)
+            if kind == CQ_NOTIFICATION:
                 cq = self.cqs.get(handle)
                 if cq is not None:
                     cq.armed = False
-                    cq.toggle = view[offset] >> bnxt.NQ_CN_TOGGLE_SFT & 3
+                    cq.toggle = toggle
             nq.consumer += 1
             consumed = True
         if consumed or not self.nq_armed:  # an NQ that fired is disarmed; one that did not is still armed
-            self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell(
-                self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.offset(nq.consumer) // 16, nq.epoch(nq.consumer)))
+            self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
+                self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.slot(nq.consumer), nq.epoch(nq.consumer)))
             self.nq_armed = True

@@ -11,44 +11,32 @@ import dataclasses
 import enum
 import itertools
 import random
-import struct
 from typing import Any, Iterator
 
 import anyio
 
 from .autogen import bnxt
-from .completions import RECV_FLUSHED, RECV_STATUSES, SEND_FLUSHED, SEND_STATUSES, Completion, finished
+from .completions import RECV_FLUSHED, SEND_FLUSHED, Completion, finished
 from .device import Device, DeviceEvent, log
-from .errors import ClosedError, CompletionError, DeviceLostError, FabricError, QPStateError, status_names
+from .errors import ClosedError, CompletionError, DeviceLostError, FabricError, QPStateError
+from .hw import doorbell
+from .hw.cqe import (CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, QP_ERROR_REASON_NAMES, RECV_STATUS_NAMES,
+                     SEND_STATUS_NAMES, cqe_type)
+from .hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState, psn_count
+from .hw.wqe import (MSN_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
+                     SQ_WQE_HEADER_SLOTS, msn_entry, msn_table_entries)
 from .pci import DmaBuffer
 from .poller import Poller
-from .rings import Ring, doorbell, page_table
+from .rings import Ring, page_table
 
-SQ_SLOT = 16
+__all__ = ["ALL_ACCESS", "Access", "CompletionQueue", "LocalBuffer", "MemoryRegion", "QPInfo", "QPState", "QueuePair",
+           "RemoteRegion", "check_range"]  # QPState: the firmware's QP states (aiofabric.hw.verbs)
 SQ_SLOT_ALIGN = 256  # Linux sizes variable-WQE send queues in slots aligned to 256 (BNXT_VAR_MAX_SLOT_ALIGN)
-WQE_HEADER_SLOTS = 2
-CQE_SIZE = 32
-CQE_REQ, CQE_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
-REQ_CQE = struct.Struct("<QH")  # cq_req: qp_handle, sq_cons_idx
-RES_CQE = struct.Struct("<IIQ")  # cq_res_rc: length, imm_data_or_inv_r_key, qp_handle
-RES_CQE_TAIL = struct.Struct("<HI")  # cq_res_rc @26: flags, srq_or_rq_wr_id
-RDMA_HEADER = struct.Struct("<BBBxIIxxxxQII")  # sq_rdma_hdr
-SEND_HEADER = struct.Struct("<BBBxIIIIIxxxxI")  # sq_send_hdr
-SGE = struct.Struct("<QII")  # sq_sge
-RECV_HEADER = struct.Struct("<BBBxxxxxQ16x")  # rq_wqe_hdr: wqe_type, flags, wqe_size, wr_id
-MSN_ENTRY = struct.Struct("<Q")
+CQE_KIND_REQ, CQE_KIND_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
 SIGNAL_COMP = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP
-RDMA_WQE_TYPES = bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE  # WRITE, WRITE_W_IMMEAD and READ use sq_rdma_hdr
-PATH_MTUS = {256: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_256, 512: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_512,
-             1024: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_1024, 2048: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_2048,
-             4096: bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_4096}
+MSN_ENTRY_SIZE = MSN_ENTRY.size
+PATH_MTUS = {mtu: code for mtu, code in PATH_MTU_CODES.items() if mtu <= 4096}  # RoCE path MTUs: IB's, up to 4096
 _handles = itertools.count(1)
-# creq_qp_error_notification.req_err_state_reason values (roce_hsi.h; missing from the generated bindings)
-REQ_ERR_STATE_REASONS = {0x2: "REQ_TIMEOUT_RETRY_LIMIT", 0x3: "REQ_RNR_TIMEOUT_RETRY_LIMIT", 0x4: "REQ_NAK_ARRIVAL",
-                         0x8: "REQ_RX_MEMORY_ERROR", 0x9: "REQ_TX_MEMORY_ERROR", 0x11: "REQ_WQE_FORMAT_ERROR"}
-QP_ERROR_REASONS = {"req_err_state_reason": {**status_names("CREQ_QP_ERROR_NOTIFICATION_REQ_ERR_STATE_REASON_"),
-                                             **REQ_ERR_STATE_REASONS},
-                    "res_err_state_reason": status_names("CREQ_QP_ERROR_NOTIFICATION_RES_ERR_STATE_REASON_")}
 
 
 class Access(enum.IntFlag):
@@ -58,27 +46,16 @@ class Access(enum.IntFlag):
     REMOTE_READ = 4
     REMOTE_ATOMIC = 8
 
-    def for_mr(self) -> int:  # REGISTER_MR orders them LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE, REMOTE_ATOMIC
-        return ((self & Access.LOCAL_WRITE and bnxt.CMDQ_REGISTER_MR_ACCESS_LOCAL_WRITE)
-                | (self & Access.REMOTE_READ and bnxt.CMDQ_REGISTER_MR_ACCESS_REMOTE_READ)
-                | (self & Access.REMOTE_WRITE and bnxt.CMDQ_REGISTER_MR_ACCESS_REMOTE_WRITE)
-                | (self & Access.REMOTE_ATOMIC and bnxt.CMDQ_REGISTER_MR_ACCESS_REMOTE_ATOMIC))
+    def for_mr(self) -> int:
+        """REGISTER_MR's bits (their order differs from MODIFY_QP's)."""
+        return int(MRAccess(sum(getattr(MRAccess, flag.name) for flag in Access if flag in self)))
 
-    def for_qp(self) -> int:  # MODIFY_QP happens to use ibverbs' order
-        return int(self)
+    def for_qp(self) -> int:
+        """MODIFY_QP's bits."""
+        return int(QPAccess(sum(getattr(QPAccess, flag.name) for flag in Access if flag in self)))
 
 
 ALL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
-
-
-class QPState(enum.IntEnum):
-    RESET = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RESET
-    INIT = bnxt.CMDQ_MODIFY_QP_NEW_STATE_INIT
-    RTR = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RTR
-    RTS = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RTS
-    SQD = bnxt.CMDQ_MODIFY_QP_NEW_STATE_SQD
-    SQE = bnxt.CMDQ_MODIFY_QP_NEW_STATE_SQE
-    ERR = bnxt.CMDQ_MODIFY_QP_NEW_STATE_ERR
 
 
 RECV_STATES = frozenset((QPState.INIT, QPState.RTR, QPState.RTS))  # where ibverbs accepts receives
@@ -162,7 +139,7 @@ class CompletionQueue:
 
     def __init__(self, device: Device, poller: Poller, depth: int) -> None:
         self.device, self.poller, self.depth, self.handle = device, poller, depth, next(_handles)
-        self.ring = Ring(device.pci, depth, CQE_SIZE)
+        self.ring = Ring(device.pci, depth, CQ_ENTRY.size)
         self.id = -1
         self.closed = False
         self.errors: list[DeviceEvent] = []
@@ -197,22 +174,20 @@ class CompletionQueue:
 
     def poll(self, budget: int = 512) -> int:
         """Consume up to `budget` new CQEs, completing their work requests; return the CQ credit to the NIC."""
-        ring, view = self.ring, self.ring.view
+        ring, view, depth = self.ring, self.ring.view, self.ring.depth
         count = 0
         while count < budget:
             offset = ring.offset(ring.consumer)
-            type_toggle = view[offset + 24]
-            if type_toggle & 1 != 1 - ring.epoch(ring.consumer):
+            if not CQ_ENTRY.is_new(view, offset, ring.consumer, depth):
                 break
-            kind, status = type_toggle & bnxt.CQ_BASE_CQE_TYPE_MASK, view[offset + 25]
-            if kind == CQE_REQ:
-                handle, consumer = REQ_CQE.unpack_from(view, offset)
+            kind = cqe_type(view[offset + CQE_TYPE_OFFSET])
+            if kind == CQE_KIND_REQ:
+                handle, consumer, _, status = CQE_REQ.unpack_from(view, offset)
                 qp = self.qps.get(handle)
                 if qp is not None:
                     qp._send_completed(consumer, status)
-            elif kind == CQE_RES_RC:
-                length, imm, handle = RES_CQE.unpack_from(view, offset)
-                flags, wr_id = RES_CQE_TAIL.unpack_from(view, offset + 26)
+            elif kind == CQE_KIND_RES_RC:
+                length, imm, handle, _, _, status, flags, wr_id = CQE_RES_RC.unpack_from(view, offset)
                 qp = self.qps.get(handle)
                 if qp is not None:
                     qp._recv_completed(wr_id, status, length, imm if flags & bnxt.CQ_RES_RC_FLAGS_IMM else None)
@@ -228,8 +203,8 @@ class CompletionQueue:
 
     def _doorbell(self, kind: int, toggle: int = 0) -> None:
         ring = self.ring
-        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell(
-            self.id, kind, ring.offset(ring.consumer) // CQE_SIZE, ring.epoch(ring.consumer), toggle))
+        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
+            self.id, kind, ring.slot(ring.consumer), ring.epoch(ring.consumer), toggle))
 
     def fail_all(self, error: BaseException) -> None:
         for qp in list(self.qps.values()):
@@ -265,14 +240,14 @@ class QueuePair:
         self.device, self.send_cq, self.recv_cq = device, send_cq, recv_cq
         self.handle = next(_handles)
         self.max_send_sge, self.max_recv_sge = max_send_sge, max_recv_sge
-        wqe_slots = WQE_HEADER_SLOTS + max_send_sge
+        wqe_slots = SQ_WQE_HEADER_SLOTS + max_send_sge
         slots = -(-sq_depth * wqe_slots // SQ_SLOT_ALIGN) * SQ_SLOT_ALIGN
         self.sq_slots = 1 << (slots - 1).bit_length()
-        self.msn_entries = self.sq_slots // 2  # roundup_pow2(slots) / 2 in variable-WQE mode
+        self.msn_entries = msn_table_entries(self.sq_slots)
         self._ring_bytes, self._slot_mask, self._msn_mask = self.sq_slots * SQ_SLOT, self.sq_slots - 1, \
             self.msn_entries - 1
-        self.sq = Ring(device.pci, self.sq_slots, SQ_SLOT, extra=self.msn_entries * 8)
-        self.rq_wqe_size = (WQE_HEADER_SLOTS + max_recv_sge) * SQ_SLOT
+        self.sq = Ring(device.pci, self.sq_slots, SQ_SLOT, extra=self.msn_entries * MSN_ENTRY_SIZE)
+        self.rq_wqe_size = RQ_WQE_HEADER.size + max_recv_sge * SGE.size
         self.rq = Ring(device.pci, 1 << (max(rq_depth, 1) - 1).bit_length(), self.rq_wqe_size)
         self.read_queues: list[DmaBuffer] = [device.pci.alloc_dma(0x1000), device.pci.alloc_dma(0x1000)]
         self.qpn = -1
@@ -339,8 +314,8 @@ class QueuePair:
         self.send_cq.poll()
         self.recv_cq.poll()
         if self.error is None:
-            reasons = ", ".join(f"{name}={QP_ERROR_REASONS[name].get(value, value)}"
-                                for name, value in event.detail.items() if name in QP_ERROR_REASONS and value)
+            reasons = ", ".join(f"{name}={QP_ERROR_REASON_NAMES[name].get(value, value)}"
+                                for name, value in event.detail.items() if name in QP_ERROR_REASON_NAMES and value)
             self.error = FabricError(f"QP {self.qpn:#x} moved to ERR by the firmware ({reasons or 'no reason given'})")
         self._flush()
 
@@ -362,8 +337,8 @@ class QueuePair:
 
     def _flushed(self, verb: str) -> CompletionError:
         if verb == "recv":
-            return CompletionError(verb, self.qpn, RECV_FLUSHED, RECV_STATUSES[RECV_FLUSHED], self.error)
-        return CompletionError(verb, self.qpn, SEND_FLUSHED, SEND_STATUSES[SEND_FLUSHED], self.error)
+            return CompletionError(verb, self.qpn, RECV_FLUSHED, RECV_STATUS_NAMES[RECV_FLUSHED], self.error)
+        return CompletionError(verb, self.qpn, SEND_FLUSHED, SEND_STATUS_NAMES[SEND_FLUSHED], self.error)
 
     def _fail_outstanding(self, error: BaseException | None) -> None:
         """Complete every outstanding work request with `error` (None: the verbs FLUSHED status)."""
@@ -528,7 +503,7 @@ class QueuePair:
                 return self._refused("recv", "receives need INIT, RTR or RTS")
             await self._wait_for_space("recv")
         tag = self.rq_producer & 0xFFFFF
-        wqe = RECV_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.rq_wqe_size // SQ_SLOT, tag)
+        wqe = RQ_WQE_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.rq_wqe_size // SQ_SLOT, tag, 0)
         if sge is not None:
             wqe += SGE.pack(*sge)
         offset = self.rq.offset(self.rq_producer)
@@ -537,9 +512,8 @@ class QueuePair:
         self.receives.append((tag, completion))
         self.recv_cq.outstanding += 1
         self.rq_producer += 1
-        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell(
-            self.qpn, bnxt.DBC_DBC_TYPE_RQ, self.rq.offset(self.rq_producer) // self.rq_wqe_size,
-            self.rq.epoch(self.rq_producer)))
+        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
+            self.qpn, bnxt.DBC_DBC_TYPE_RQ, self.rq.slot(self.rq_producer), self.rq.epoch(self.rq_producer)))
         if self._poller.sleeping:
             self._poller.work_posted(self.recv_cq)
         return completion
@@ -572,10 +546,10 @@ class QueuePair:
             self.unsignaled_run, flags = 0, SIGNAL_COMP
         else:
             self.unsignaled_run, flags = self.unsignaled_run + 1, 0
-        if wqe_type >= RDMA_WQE_TYPES:
-            wqe = RDMA_HEADER.pack(wqe_type, flags, slots, imm, length, remote_addr, rkey, 0)
+        if wqe_type in RDMA_WQE_TYPES:
+            wqe = SQ_RDMA_HEADER.pack(wqe_type, flags, slots, imm, length, remote_addr, rkey, 0)
         else:
-            wqe = SEND_HEADER.pack(wqe_type, flags, slots, imm, length, 0, 0, 0, 0)
+            wqe = SQ_SEND_HEADER.pack(wqe_type, flags, slots, imm, length, 0, 0, 0, 0)
         if sge is not None:
             wqe += SGE.pack(*sge)
         start = self.sq_producer
@@ -589,9 +563,9 @@ class QueuePair:
             view[offset:ring_bytes] = wqe[:first]
             view[0:len(wqe) - first] = wqe[first:]
         psn = self.psn
-        next_psn = (psn + (length - 1) // self.mtu + 1 if length else psn + 1) & 0xFFFFFF
-        MSN_ENTRY.pack_into(view, ring_bytes + (self.msn & self._msn_mask) * 8,
-                            psn | next_psn << 24 | (start & self._slot_mask) << 48)
+        next_psn = (psn + psn_count(length, self.mtu)) & PSN_MASK
+        MSN_ENTRY.pack_into(view, ring_bytes + (self.msn & self._msn_mask) * MSN_ENTRY_SIZE,
+                            msn_entry(psn, next_psn, start & self._slot_mask))
         self.psn, self.msn = next_psn, self.msn + 1
         completion = Completion(verb)
         self.pending.append(_SendWork(self.wqe_count & 0xFFFF, slots, completion))
@@ -608,8 +582,8 @@ class QueuePair:
 
     def _ring_sq(self) -> None:
         self._doorbell_due = False
-        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell(
-            self.qpn, bnxt.DBC_DBC_TYPE_SQ, self.sq_producer & (self.sq_slots - 1), self.sq.epoch(self.sq_producer)))
+        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
+            self.qpn, bnxt.DBC_DBC_TYPE_SQ, self.sq.slot(self.sq_producer), self.sq.epoch(self.sq_producer)))
 
     async def _wait_for_space(self, verb: str) -> None:
         if self._doorbell_due:
@@ -637,7 +611,8 @@ class QueuePair:
                 if status == SEND_FLUSHED:
                     work.completion.finish(self._flushed(work.completion.verb))
                 else:
-                    error = CompletionError(work.completion.verb, self.qpn, status, SEND_STATUSES.get(status, "UNKNOWN"))
+                    error = CompletionError(work.completion.verb, self.qpn, status,
+                                            SEND_STATUS_NAMES.get(status, "UNKNOWN"))
                     work.completion.finish(error)
                     self._failed(error)
             else:
@@ -654,7 +629,7 @@ class QueuePair:
         if status == RECV_FLUSHED:
             completion.finish(self._flushed("recv"))
         elif status:
-            error = CompletionError("recv", self.qpn, status, RECV_STATUSES.get(status, "UNKNOWN"))
+            error = CompletionError("recv", self.qpn, status, RECV_STATUS_NAMES.get(status, "UNKNOWN"))
             completion.finish(error)
             self._failed(error)
         else:

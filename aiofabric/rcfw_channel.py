@@ -11,20 +11,21 @@ import anyio
 
 from .autogen import bnxt
 from .close_budget import CloseBudget
-from .commands import CMDQ_HEADER, build, rcfw_types
+from .commands import CMDQ_HEADER_FIELDS, build, rcfw_types
 from .errors import DeviceLostError, FirmwareError, FirmwareTimeoutError
+from .hw import doorbell
+from .hw.cqe import CREQ_COMMAND_EVENT, CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, creq_type
+from .hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT
 from .interrupts import COMMAND_POLL, wait_for_interrupt, wake
 from .liveness import Liveness
 from .pci import Bar, DmaBuffer, PCIDevice, memory_barrier
-from .rings import Ring, doorbell
+from .rings import Ring
 
 log = logging.getLogger("aiofabric.device")
 
 RCFW_TIMEOUT = 20.0  # Linux RCFW_CMD_WAIT_TIME_MS
-CMDQ_DEPTH = 4096  # 16-byte slots; Linux uses 8192 (256 on old firmware)
+CMDQ_DEPTH = 4096  # slots; Linux uses 8192 (256 on old firmware)
 CREQ_DEPTH = 4096
-CMDQ_SLOT = 16
-CREQ_ENTRY = 16
 CREQ_POLL = 4 * COMMAND_POLL  # the reader's safety poll while a command awaits its reply
 QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
 REPLY_NOT = frozenset((bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION,
@@ -61,10 +62,9 @@ class RcfwChannel:
 
     def init_block(self) -> bytes:
         """The CMDQ_INIT mailbox the device writes to BAR0 to hand the firmware this channel's rings."""
-        init = bnxt.cmdq_init(cmdq_pbl=self.cmdq.base, creq_ring_id=self.creq_id, prod_idx=0,
-                              cmdq_size_cmdq_lvl=(CMDQ_DEPTH << bnxt.CMDQ_INIT_CMDQ_SIZE_SFT)
-                              & bnxt.CMDQ_INIT_CMDQ_SIZE_MASK | self.cmdq.level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK)
-        return bytes(init)
+        size_level = CMDQ_DEPTH << bnxt.CMDQ_INIT_CMDQ_SIZE_SFT & bnxt.CMDQ_INIT_CMDQ_SIZE_MASK \
+            | self.cmdq.level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK
+        return CMDQ_INIT.pack(self.cmdq.base, size_level, self.creq_id, 0)
 
     async def command(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
         """Run RoCE firmware command `name` (e.g. "create_qp"); the side-buffer result or the CREQ reply.
@@ -72,7 +72,7 @@ class RcfwChannel:
         self.liveness.check()  # first: a lost device's destroy frees memory, whatever the budget
         self.budget.check(f"RCFW {name}")
         request_type, response_type, side_type, opcode = rcfw_types(name)
-        request = build(request_type, f"RCFW {name}", fields, CMDQ_HEADER)
+        request = build(request_type, f"RCFW {name}", fields, CMDQ_HEADER_FIELDS)
         slots = -(-ctypes.sizeof(request_type) // CMDQ_SLOT)
         timeout = self.budget.bounded(command_timeout or self.timeout)
         deadline = anyio.current_time() + timeout  # the whole command: queue space, then its answer
@@ -97,7 +97,7 @@ class RcfwChannel:
         if side is not None and side_type is not None:
             result = side_type.from_buffer_copy(side.view)
             side.free()
-        status = pending.entry[1]
+        status = CREQ_COMMAND_EVENT.unpack_from(pending.entry)[1]
         if status:
             raise FirmwareError.rcfw(name, status)
         return result if result is not None else response_type.from_buffer_copy(pending.entry)
@@ -109,7 +109,10 @@ class RcfwChannel:
         await self._wait_for_space("raw RCFW command", slots, timeout)
         cookie = self._next_cookie()
         pending = self.pending[cookie] = PendingCommand("raw", slots)
-        self._post(data[:4] + cookie.to_bytes(2, "little") + data[6:slots * CMDQ_SLOT])
+        command = bytearray(data[:slots * CMDQ_SLOT])
+        opcode, cmd_size, flags, _, resp_size, resp_addr = CMDQ_HEADER.unpack_from(command)
+        CMDQ_HEADER.pack_into(command, 0, opcode, cmd_size, flags, cookie, resp_size, resp_addr)
+        self._post(bytes(command))
         await self._await_reply(pending, timeout)
         if pending.error is not None:
             raise pending.error
@@ -160,7 +163,7 @@ class RcfwChannel:
             cmdq.producer += 1
         producer = cmdq.producer & 0xFFFF
         if self._first_command:  # tells the firmware to reset its CMDQ/CREQ pointers
-            producer |= 1 << bnxt.FIRMWARE_FIRST_FLAG
+            producer |= CMDQ_FIRST_PRODUCER
             self._first_command = False
         memory_barrier()  # the command's slots in host memory before the producer the firmware reads them by
         self.bar0.write32(bnxt.RCFW_COMM_BASE_OFFSET + bnxt.RCFW_PF_VF_COMM_PROD_OFFSET, producer)
@@ -204,28 +207,26 @@ class RcfwChannel:
         freed = 0
         while True:
             offset = creq.offset(creq.consumer)
-            if (view[offset + 8] & 1) != 1 - creq.epoch(creq.consumer):
+            if not CREQ_ENTRY.is_new(view, offset, creq.consumer, creq.depth):
                 break
-            entry = bytes(view[offset:offset + CREQ_ENTRY])
+            entry = bytes(view[offset:offset + CREQ_ENTRY.size])
             creq.consumer += 1
             freed += self._dispatch(entry)
-        self.doorbells.write64_doorbell(self.db_offset, doorbell(self.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM,
-                                                                 creq.offset(creq.consumer) // CREQ_ENTRY,
-                                                                 creq.epoch(creq.consumer)))
+        self.doorbells.write64_doorbell(self.db_offset, doorbell.encode(
+            self.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, creq.slot(creq.consumer), creq.epoch(creq.consumer)))
         if freed:
             self._signal_space()
 
     def _dispatch(self, entry: bytes) -> int:
         """A reply completes its command and gives back its CMDQ slots (how many: the return); anything else is
         an event for the owner."""
-        if entry[0] & bnxt.CREQ_BASE_TYPE_MASK != QP_EVENT or entry[9] in REPLY_NOT:
+        if creq_type(entry[CREQ_TYPE_OFFSET]) != QP_EVENT or entry[CREQ_EVENT_OFFSET] in REPLY_NOT:
             self.on_event(entry)
             return 0
-        cookie = int.from_bytes(entry[2:4], "little")
+        _, status, cookie, _, event = CREQ_COMMAND_EVENT.unpack_from(entry)
         pending = self.pending.pop(cookie, None)
         if pending is None:
-            log.warning("%s: CREQ reply with unknown cookie %#x (event %#x) dropped", self.pci.address, cookie,
-                        entry[9])
+            log.warning("%s: CREQ reply with unknown cookie %#x (event %#x) dropped", self.pci.address, cookie, event)
             return 0
         pending.entry = entry
         pending.done.set()

@@ -1,8 +1,7 @@
-"""Host-memory rings and their page tables, and the 64-bit doorbell format (reference §3, §5).
+"""Host-memory rings and their page tables.
 
-A ring counts its producer and consumer as free-running integers; the slot is `count % depth` and the epoch (phase)
-is the lap parity `count // depth & 1`. Hardware writes the valid/toggle bit as 1 on lap 0, 0 on lap 1, and so on,
-so an entry at consumer count `c` is new when its bit equals `1 - epoch(c)`.
+A ring counts its producer and consumer as free-running integers; which slot and lap a count names, and how a
+device-written entry says it is new, is the hardware's rule (aiofabric/hw/ring.py).
 """
 from __future__ import annotations
 
@@ -10,17 +9,10 @@ import dataclasses
 import struct
 
 from .autogen import bnxt
+from .hw import ring
 from .pci import PAGE_SIZE, DmaBuffer, PCIDevice
 
 PTES_PER_PAGE = PAGE_SIZE // 8
-
-
-def doorbell(xid: int, kind: int, index: int, epoch: int = 0, toggle: int = 0) -> int:
-    """The 64-bit doorbell value: `kind` is a DBC_DBC_TYPE_* constant (already shifted into the upper dword)."""
-    high = (xid & bnxt.DBC_DBC_XID_MASK) | bnxt.DBC_DBC_PATH_ROCE | kind | bnxt.BNXT_QPLIB_DBR_VALID
-    low = (index & bnxt.DBC_DBC_INDEX_MASK) | (epoch & 1) << bnxt.BNXT_QPLIB_DBR_EPOCH_SHIFT \
-        | (toggle & 3) << bnxt.BNXT_QPLIB_DBR_TOGGLE_SHIFT
-    return high << 32 | low
 
 
 @dataclasses.dataclass
@@ -81,11 +73,15 @@ class Ring:
     def pages(self) -> int:
         return len(self.memory.bus_addrs)
 
+    def slot(self, count: int) -> int:
+        return ring.slot(count, self.depth)
+
     def offset(self, count: int) -> int:
-        return (count & (self.depth - 1)) * self.stride
+        """Byte offset of the slot free-running `count` lands in."""
+        return ring.slot(count, self.depth) * self.stride
 
     def epoch(self, count: int) -> int:
-        return (count // self.depth) & 1
+        return ring.epoch(count, self.depth)
 
     def free_entries(self) -> int:
         return self.depth - (self.producer - self.consumer)

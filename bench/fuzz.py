@@ -139,7 +139,7 @@ def random_fields(rng: random.Random, struct_type: type, pools: Pools, name: str
             rng.randrange(UNUSED_ID_FLOOR, 1 << min(bits, 16))
     for field, kind in (("nq_ring_id", None), ("cq_fco_cnq_id", None)):  # reach the NIC's NQ now and then
         if field in fields and rng.random() < 0.5:
-            fields[field] = pools.nic.nq_id
+            fields[field] = pools.nic.device.nq_id
     return fields
 
 
