@@ -7,7 +7,6 @@ import ctypes
 import importlib.util
 import pathlib
 import random
-import struct
 
 import anyio
 import pytest
@@ -15,6 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 import aiofabric
 from aiofabric.autogen import bnxt
+from aiofabric.hw.cqe import CREQ_COMMAND_EVENT
+from aiofabric.hw.firmware import CMDQ_HEADER, CMDQ_SLOT, HWRM_REQUEST_HEADER
 from aiofabric.sim import packets as pk
 from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE
@@ -124,7 +125,8 @@ def answer_hwrm(host: Driver, request: bytes) -> None:
     result = host.fw.hwrm(request)
     if result is not None:
         addr, response = result
-        assert addr >= BUS_BASE and response[-1] == 1 and len(response) >= 16
+        assert addr >= BUS_BASE and response[-1] == bnxt.HWRM_RESP_VALID_KEY
+        assert len(response) >= ctypes.sizeof(bnxt.hwrm_err_output)
         host.mem.write(addr, response)  # the shell's DMA: must land inside host memory
 
 
@@ -133,8 +135,10 @@ def answer_hwrm(host: Driver, request: bytes) -> None:
 def test_any_hwrm_window_gets_an_answer_or_none(window, reachable):
     host = Driver()
     host.boot()
-    if reachable and len(window) >= 16:  # a response address in host memory, so the command runs and answers
-        window = window[:8] + struct.pack("<Q", host.response) + window[16:]
+    header = HWRM_REQUEST_HEADER
+    if reachable and len(window) >= header.size:  # a response address in host memory: the command runs and answers
+        req_type, cmpl_ring, seq_id, target_id, _ = header.unpack_from(window)
+        window = header.pack(req_type, cmpl_ring, seq_id, target_id, host.response) + window[header.size:]
     answer_hwrm(host, window)
     check_invariants(host.fw)
 
@@ -156,8 +160,9 @@ def run_command(host: Driver, name: str, fields: dict, **header) -> int:
     """Post one command, let the firmware run, return its CREQ status (it must answer, with our cookie)."""
     cookie = host.post(name, **header, **fields)
     assert host.run() == 1
-    (entry,) = [e for e in host.drain() if int.from_bytes(e[2:4], "little") == cookie]
-    return entry[1]
+    (status,) = [status for _, status, answered, _, _ in map(CREQ_COMMAND_EVENT.unpack, host.drain())
+                 if answered == cookie]
+    return status
 
 
 @FAST
@@ -180,12 +185,7 @@ def test_random_cmdq_opcodes_and_bodies_are_answered(opcode, slots, body, resp_s
     fields = {"opcode": opcode, "cmd_size": slots, "resp_size": resp_size & 0xFF,
               "resp_addr": int.from_bytes(body[:8], "little")}
     request = bnxt.cmdq_query_version(**fields)  # a header; the body is random, `slots` slots long
-    data = (bytes(request)[:16] + body)[:slots * 16]
-    for i in range(slots):
-        host.mem.write(host.cmdq.address((host.cmdq_producer + i) % host.cmdq_depth * 16), data[i * 16:i * 16 + 16])
-    host.cmdq_producer += slots
-    host.fw.rcfw.mailbox_write(0xC, host.cmdq_producer & 0xFFFF | (1 << 31 if host.first else 0))
-    host.first = False
+    host.publish((bytes(request)[:CMDQ_HEADER.size] + body)[:slots * CMDQ_SLOT])
     assert host.run() == 1
     check_invariants(host.fw)
 

@@ -282,6 +282,17 @@ def test_psn_count_is_packets_with_one_for_an_empty_message():
     assert [verbs.psn_count(n, 1024) for n in (0, 1, 1024, 1025, 4096)] == [1, 1, 1, 2, 4]
 
 
+@given(st.lists(st.integers(0, (1 << 64) - 1), min_size=1, max_size=8))
+def test_page_table_entries_are_linux_ptu_pte(entries):
+    table = firmware.pack_ptes(entries)
+    assert len(table) == len(entries) * firmware.PTE_SIZE == len(entries) * ctypes.sizeof(bnxt.ptu_pde)
+    for i, entry in enumerate(entries):
+        low, high = bnxt.ptu_pte.from_buffer_copy(table, i * firmware.PTE_SIZE).page_next_to_last_last_valid
+        assert low | high << 32 == entry
+        assert low & bnxt.PTU_PTE_PAGE_MASK == entry & ~firmware.PTE_FLAGS & 0xFFFFFFFF
+    assert firmware.unpack_ptes(table, len(entries)) == tuple(entries)
+
+
 def test_firmware_tables():
     assert firmware.PAGE_SIZE_CODES[bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_PG_4K >> bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_SFT] == 4096
     assert firmware.PAGE_SIZE_CODES[bnxt.CMDQ_CREATE_CQ_PG_SIZE_PG_2M >> bnxt.CMDQ_CREATE_CQ_PG_SIZE_SFT] == 2 << 20

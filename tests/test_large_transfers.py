@@ -16,9 +16,9 @@ import anyio
 import pytest
 
 from aiofabric import open_nic
+from aiofabric.hw.verbs import QPState
 from aiofabric.perftest import BenchConfig, run_bench
 from aiofabric.sim import packets as pk
-from aiofabric.sim.objects import QpState
 from aiofabric.sim.requester import READ_SEGMENT, WINDOW
 from test_sim_datapath import MASK, READ, REQ_OK, WRITE, fill, pair
 
@@ -62,7 +62,7 @@ def test_a_long_read_is_asked_for_a_segment_at_a_time_within_the_window():
 
 def test_each_read_request_holds_an_orrq_entry():
     a, b, wire = pair(mtu=256)
-    a.modify(QpState.RTS, MASK["MAX_RD_ATOMIC"], max_rd_atomic=1)
+    a.modify(QPState.RTS, MASK["MAX_RD_ATOMIC"], max_rd_atomic=1)
     size = 3 * READ_SEGMENT * 256
     local, lkey = a.register(size)
     remote, rkey = b.register(size)

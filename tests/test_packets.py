@@ -14,7 +14,7 @@ from aiofabric.sim.packets import (
     ACK_UNLIMITED, HAS_AETH, HAS_ATOMIC_ACK_ETH, HAS_ATOMIC_ETH, HAS_IETH, HAS_IMM, HAS_PAYLOAD, HAS_RETH,
     NAK_PSN_SEQ, NAK_REMOTE_ACCESS, RNR_NAK, RNR_TIMER_US, ROCE_PORT, BadPacket, Op, Packet, Segments, decode,
     decode_ipv4, encode, encode_into, encode_ipv4, encode_ipv4_header, encode_segments_into, expand, header_size, icrc,
-    psn_diff, udp_source_port,
+    udp_source_port,
 )
 
 scapy_all = pytest.importorskip("scapy.all")
@@ -299,12 +299,6 @@ def test_udp_source_port_folds_like_linux():
     # 0xABCDEF * 0x123456 = 0xc379a59ba4a; ^= >> 20 -> 0xc379a9ac3ef; ^= >> 40 -> 0xc379a9ac3e3; flow label 0xac3e3;
     # 14-bit fold: 0x3e3 ^ 0x2b = 0x3c8
     assert udp_source_port(0xABCDEF, 0x123456) == 0xC3C8
-
-
-def test_psn_diff_wraps_at_24_bits():
-    assert psn_diff(5, 3) == 2 and psn_diff(3, 5) == -2
-    assert psn_diff(0, 0xFFFFFF) == 1 and psn_diff(0xFFFFFF, 0) == -1
-    assert psn_diff(0x800000, 0) == -0x800000 and psn_diff(0x7FFFFF, 0) == 0x7FFFFF
 
 
 def test_rnr_timer_table():

@@ -5,17 +5,25 @@ duplication and reordering when a test asks). Time is a fake clock that jumps to
 import collections
 import dataclasses
 import random
-import struct
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from aiofabric.autogen import bnxt
+from aiofabric.hw import doorbell
+from aiofabric.hw.cqe import (CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, CREQ_ENTRY, CREQ_EVENT_OFFSET, NQ_ENTRY,
+                              cqe_type)
+from aiofabric.hw.layout import field_type
+from aiofabric.hw.ring import position, slot
+from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState
+from aiofabric.hw.wqe import (MSN_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
+                              SQ_WQE_HEADER_SLOTS, msn_table_entries)
 from aiofabric.sim import packets as pk
 from aiofabric.sim.datapath import Datapath
-from aiofabric.sim.hwrm import NQ, Firmware, FirmwareConfig
+from aiofabric.sim.function import FirmwareConfig
+from aiofabric.sim.hwrm import NQ, Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
-from aiofabric.sim.objects import NotificationQueue, PageList, QpState
+from aiofabric.sim.objects import NotificationQueue, PageList
 from aiofabric.sim.rcfw import PendingCommand
 
 SUCCESS = bnxt.CREQ_QP_EVENT_STATUS_SUCCESS
@@ -23,13 +31,11 @@ Q = "CMDQ_MODIFY_QP_MODIFY_MASK_"
 MASK = {name: getattr(bnxt, Q + name) for name in (
     "STATE", "ACCESS", "PKEY", "DGID", "PATH_MTU", "RQ_PSN", "DEST_QP_ID", "MAX_DEST_RD_ATOMIC", "MIN_RNR_TIMER",
     "TIMEOUT", "RETRY_CNT", "RNR_RETRY", "SQ_PSN", "MAX_RD_ATOMIC")}
-MTU_CODES = {256: 0x00, 512: 0x10, 1024: 0x20, 2048: 0x30, 4096: 0x40}
 READ, WRITE, WRITE_IMM, SEND, SEND_IMM = (bnxt.SQ_BASE_WQE_TYPE_READ_WQE, bnxt.SQ_BASE_WQE_TYPE_WRITE_WQE,
                                           bnxt.SQ_BASE_WQE_TYPE_WRITE_W_IMMEAD, bnxt.SQ_BASE_WQE_TYPE_SEND,
                                           bnxt.SQ_BASE_WQE_TYPE_SEND_W_IMMEAD)
-RDMA_HEADER = struct.Struct("<BBBxIIIQII")
-SGE = struct.Struct("<QII")
-ALL_MR_ACCESS = 0x7  # LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE
+ALL_MR_ACCESS = MRAccess.LOCAL_WRITE | MRAccess.REMOTE_READ | MRAccess.REMOTE_WRITE
+ALL_QP_ACCESS = QPAccess.LOCAL_WRITE | QPAccess.REMOTE_WRITE | QPAccess.REMOTE_READ
 REQ_OK, FLUSHED = bnxt.CQ_REQ_STATUS_OK, bnxt.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
 RES_FLUSHED = bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
 
@@ -56,8 +62,8 @@ class Host:
 
     def nq(self, length: int, logical_id: int) -> NotificationQueue:
         ring_id = max(self.fw.rings, default=0) + 1
-        nq = NotificationQueue(ring_id, NQ, self.mem, PageList([self.alloc(length * 16)], contiguous=True), length,
-                               logical_id, interrupts=self.fw.interrupts)
+        nq = NotificationQueue(ring_id, NQ, self.mem, PageList([self.alloc(length * NQ_ENTRY.size)], contiguous=True),
+                               length, logical_id, interrupts=self.fw.interrupts)
         self.fw.rings[ring_id] = nq
         return nq
 
@@ -66,12 +72,13 @@ class Host:
         request = getattr(bnxt, f"cmdq_{name}")(opcode=getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}"),
                                                  cookie=self.cookie, **fields)
         answer = self.fw.rcfw.execute(PendingCommand(request.opcode, self.cookie, 0, 0, bytes(request), True))
-        assert answer[1] == SUCCESS, f"{name}: {self.fw.last_error}"
-        return int.from_bytes(answer[4:8], "little")
+        reply = getattr(bnxt, f"creq_{name}_resp").from_buffer_copy(answer)
+        assert reply.status == SUCCESS, f"{name}: {self.fw.last_error}"
+        return reply.xid
 
     # -- objects -----------------------------------------------------------------------------------------------------
     def create_cq(self, size: int = 1024) -> int:
-        pages = self.alloc(size * 32)
+        pages = self.alloc(size * CQ_ENTRY.size)
         cq = self.command("create_cq", cq_handle=0xC0 + len(self.cqs), cq_size=size, cq_fco_cnq_id=self.cq_nq.ring_id,
                           pg_size_lvl=0, pbl=pages)
         self.cqs[cq] = [pages, size, 0]
@@ -87,8 +94,9 @@ class Host:
 
     def create_qp(self, cq: int, sq_slots: int = 256, rq_size: int = 64, rq_sge: int = 2) -> int:
         self.sq_slots, self.rq_size, self.rq_sge = sq_slots, rq_size, rq_sge
-        self.sq = self.alloc(sq_slots * 16 + sq_slots // 2 * 8)  # ring + MSN table
-        self.rq = self.alloc(rq_size * (32 + 16 * rq_sge))
+        self.sq = self.alloc(sq_slots * SQ_SLOT + msn_table_entries(sq_slots) * MSN_ENTRY.size)  # ring + MSN table
+        self.rq_stride = RQ_WQE_HEADER.size + SGE.size * rq_sge
+        self.rq = self.alloc(rq_size * self.rq_stride)
         qpn = self.command("create_qp", type=bnxt.CMDQ_CREATE_QP_TYPE_RC, qp_handle=0xAB00 + sq_slots,
                            qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED, sq_size=sq_slots,
                            sq_fwo_sq_sge=6, sq_pg_size_sq_lvl=0, sq_pbl=self.sq, rq_size=rq_size,
@@ -97,7 +105,7 @@ class Host:
         self.sq_producer = self.wqe_count = self.rq_producer = 0
         return qpn
 
-    def modify(self, state: QpState, mask: int = 0, **fields) -> None:
+    def modify(self, state: QPState, mask: int = 0, **fields) -> None:
         self.command("modify_qp", qp_cid=self.qpn, modify_mask=MASK["STATE"] | mask,
                      network_type_en_sqd_async_notify_new_state=state | bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_ROCEV2_IPV4,
                      **fields)
@@ -105,30 +113,35 @@ class Host:
     def connect(self, peer: "Host", *, mtu: int = 1024, sq_psn: int = 0x1000, rq_psn: int = 0x2000,
                 timeout: int = 10, retry_cnt: int = 7, rnr_retry: int = 7, rts: bool = True) -> None:
         m = MASK
-        self.modify(QpState.INIT, m["ACCESS"] | m["PKEY"], access=7, pkey=0xFFFF)
+        self.modify(QPState.INIT, m["ACCESS"] | m["PKEY"], access=ALL_QP_ACCESS, pkey=0xFFFF)
         gid = bytes(10) + b"\xff\xff" + bytes(map(int, peer.ip.split(".")))
-        self.modify(QpState.RTR, m["DGID"] | m["PATH_MTU"] | m["RQ_PSN"] | m["DEST_QP_ID"] | m["MAX_DEST_RD_ATOMIC"]
-                    | m["MIN_RNR_TIMER"], dgid=struct.unpack("<4I", gid), dest_qp_id=peer.qpn, rq_psn=rq_psn,
-                    path_mtu_pingpong_push_enable=MTU_CODES[mtu], max_dest_rd_atomic=4, min_rnr_timer=1)
+        self.modify(QPState.RTR, m["DGID"] | m["PATH_MTU"] | m["RQ_PSN"] | m["DEST_QP_ID"] | m["MAX_DEST_RD_ATOMIC"]
+                    | m["MIN_RNR_TIMER"], dgid=field_type(bnxt.cmdq_modify_qp, "dgid").from_buffer_copy(gid),
+                    dest_qp_id=peer.qpn, rq_psn=rq_psn, path_mtu_pingpong_push_enable=PATH_MTU_CODES[mtu],
+                    max_dest_rd_atomic=4, min_rnr_timer=1)
         if rts:
             self.rts(sq_psn, timeout, retry_cnt, rnr_retry)
 
     def rts(self, sq_psn: int = 0x1000, timeout: int = 10, retry_cnt: int = 7, rnr_retry: int = 7) -> None:
         m = MASK
-        self.modify(QpState.RTS, m["TIMEOUT"] | m["RETRY_CNT"] | m["RNR_RETRY"] | m["SQ_PSN"] | m["MAX_RD_ATOMIC"],
+        self.modify(QPState.RTS, m["TIMEOUT"] | m["RETRY_CNT"] | m["RNR_RETRY"] | m["SQ_PSN"] | m["MAX_RD_ATOMIC"],
                     timeout=timeout, retry_cnt=retry_cnt, rnr_retry=rnr_retry, sq_psn=sq_psn, max_rd_atomic=4)
 
     # -- work requests -----------------------------------------------------------------------------------------------
     def post(self, kind: int, sges: list[tuple[int, int, int]], *, remote: int = 0, rkey: int = 0, imm: int = 0,
              signaled: bool = True, length: int | None = None, ring: bool = True) -> int:
-        """Write one WQE (32-byte header + SGE slots, each slot wrapping on its own) and ring the SQ doorbell."""
+        """Write one WQE (header + SGE slots, each slot wrapping on its own) and ring the SQ doorbell."""
         length = sum(size for _, _, size in sges) if length is None else length
-        slots = 2 + len(sges)
-        header = RDMA_HEADER.pack(kind, bnxt.SQ_SEND_FLAGS_SIGNAL_COMP if signaled else 0, slots, imm, length, 0,
-                                  remote, rkey, 0)
+        slots = SQ_WQE_HEADER_SLOTS + len(sges)
+        flags = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP if signaled else 0
+        if kind in RDMA_WQE_TYPES:
+            header = SQ_RDMA_HEADER.pack(kind, flags, slots, imm, length, remote, rkey, 0)
+        else:
+            header = SQ_SEND_HEADER.pack(kind, flags, slots, imm, length, 0, 0, 0, 0)
         data = header + b"".join(SGE.pack(*sge) for sge in sges)
         for i in range(slots):
-            self.mem.write(self.sq + (self.sq_producer + i) % self.sq_slots * 16, data[i * 16:i * 16 + 16])
+            self.mem.write(self.sq + slot(self.sq_producer + i, self.sq_slots) * SQ_SLOT,
+                           data[i * SQ_SLOT:(i + 1) * SQ_SLOT])
         self.sq_producer += slots
         self.wqe_count += 1
         if ring:
@@ -136,19 +149,18 @@ class Host:
         return self.wqe_count
 
     def ring_sq(self) -> None:
-        self.doorbell(bnxt.DBC_DBC_TYPE_SQ, self.sq_producer % self.sq_slots, self.sq_producer // self.sq_slots & 1)
+        self.doorbell(bnxt.DBC_DBC_TYPE_SQ, *position(self.sq_producer, self.sq_slots))
 
     def post_recv(self, sges: list[tuple[int, int, int]], tag: int) -> None:
-        stride = 32 + 16 * self.rq_sge
-        wqe = struct.pack("<BBBxxxxxII16x", bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, stride // 16, tag, 0)
+        wqe = RQ_WQE_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.rq_stride // SQ_SLOT, tag, 0)
         wqe += b"".join(SGE.pack(*sge) for sge in sges)
-        self.mem.write(self.rq + self.rq_producer % self.rq_size * stride, wqe.ljust(stride, b"\0"))
+        self.mem.write(self.rq + slot(self.rq_producer, self.rq_size) * self.rq_stride,
+                       wqe.ljust(self.rq_stride, b"\0"))
         self.rq_producer += 1
-        self.doorbell(bnxt.DBC_DBC_TYPE_RQ, self.rq_producer % self.rq_size, self.rq_producer // self.rq_size & 1)
+        self.doorbell(bnxt.DBC_DBC_TYPE_RQ, *position(self.rq_producer, self.rq_size))
 
     def doorbell(self, kind: int, index: int, epoch: int) -> None:
-        high = self.qpn | bnxt.DBC_DBC_PATH_ROCE | kind | bnxt.DBC_DBC_VALID
-        self.fw.doorbell(self.fw.roce_db_offset, high << 32 | index | epoch << 24)
+        self.fw.doorbell(self.fw.roce_db_offset, doorbell.encode(self.qpn, kind, index, epoch))
 
     def poll(self) -> list[tuple]:
         """New CQEs: ("req", status, sq_cons_idx, handle) or ("res", status, length, imm, flags, wr_id)."""
@@ -156,26 +168,24 @@ class Host:
         for cq_id, entry in self.cqs.items():
             pages, size, consumed = entry
             while True:
-                lap, slot = divmod(consumed, size)
-                cqe = self.mem.read(pages + slot * 32, 32)
-                if cqe[24] & 1 != 1 - lap % 2:
+                cqe = self.mem.read(pages + slot(consumed, size) * CQ_ENTRY.size, CQ_ENTRY.size)
+                if not CQ_ENTRY.is_new(cqe, 0, consumed, size):
                     break
                 consumed += 1
-                if cqe[24] & 0x1E == bnxt.CQ_BASE_CQE_TYPE_REQ:
-                    handle, index = struct.unpack_from("<QH", cqe)
-                    found.append(("req", cqe[25], index, handle))
+                if cqe_type(cqe[CQE_TYPE_OFFSET]) == bnxt.CQ_BASE_CQE_TYPE_REQ:
+                    handle, index, _, status = CQE_REQ.unpack(cqe)
+                    found.append(("req", status, index, handle))
                 else:
-                    length, imm, handle = struct.unpack_from("<IIQ", cqe)
-                    flags, wr_id = struct.unpack_from("<HI", cqe, 26)
-                    found.append(("res", cqe[25], length, imm, flags, wr_id))
+                    length, imm, handle, _, _, status, flags, wr_id = CQE_RES_RC.unpack(cqe)
+                    found.append(("res", status, length, imm, flags, wr_id))
             entry[2] = consumed
             self.fw.rcfw.cqs[cq_id].consumed = consumed
         return found
 
     def creq_events(self) -> list[bytes]:
-        entries = [self.mem.read(self.creq.pages.address(i % self.creq.length * 16), 16)
-                   for i in range(self.creq.produced)]
-        return [e for e in entries if e[9] == bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION]
+        entries = [self.mem.read(self.creq.pages.address(slot(i, self.creq.length) * CREQ_ENTRY.size),
+                                 CREQ_ENTRY.size) for i in range(self.creq.produced)]
+        return [e for e in entries if e[CREQ_EVENT_OFFSET] == bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION]
 
 
 class Wire:
@@ -339,7 +349,7 @@ def test_read_needs_local_write_on_the_landing_region():
     a.post(READ, [(local, lkey, 100)], remote=remote, rkey=rkey)
     wire.run()
     assert [c[1] for c in a.poll()] == [bnxt.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR]
-    assert a.fw.rcfw.qps[a.qpn].state == QpState.ERR
+    assert a.fw.rcfw.qps[a.qpn].state == QPState.ERR
 
 
 def test_send_into_posted_receives():
@@ -427,9 +437,10 @@ def test_bad_rkey_fails_the_wqe_and_flushes_the_rest():
     wire.run()
     assert [c[1:3] for c in a.poll()] == [(REQ_OK, 1), (bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR, 2), (FLUSHED, 3),
                                           (FLUSHED, 4)]
-    assert a.fw.rcfw.qps[a.qpn].state == QpState.ERR
-    assert len(a.creq_events()) == 1 and int.from_bytes(a.creq_events()[0][4:8], "little") == a.qpn
-    assert b.fw.rcfw.qps[b.qpn].state == QpState.ERR  # class C error: the responder QP fails too
+    assert a.fw.rcfw.qps[a.qpn].state == QPState.ERR
+    (event,) = a.creq_events()
+    assert bnxt.creq_qp_error_notification.from_buffer_copy(event).xid == a.qpn
+    assert b.fw.rcfw.qps[b.qpn].state == QPState.ERR  # class C error: the responder QP fails too
     # WQEs posted to a QP in ERR complete FLUSHED at once
     a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)
     wire.run()
@@ -456,8 +467,8 @@ def test_bad_lkey_is_a_local_protection_error():
     a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey)
     wire.run()
     assert [c[1:3] for c in a.poll()] == [(bnxt.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, 2), (FLUSHED, 3)]
-    assert a.fw.rcfw.qps[a.qpn].state == QpState.ERR
-    assert b.fw.rcfw.qps[b.qpn].state == QpState.RTS
+    assert a.fw.rcfw.qps[a.qpn].state == QPState.ERR
+    assert b.fw.rcfw.qps[b.qpn].state == QPState.RTS
 
 
 def test_send_larger_than_the_receive_is_a_length_error():
@@ -511,7 +522,7 @@ def test_retry_exhaustion_on_a_black_hole():
     interval = 4.096e-6 * 2
     assert a.dp.stats["timeouts"] == 4 and wire.now == pytest.approx(4 * interval)
     assert len([p for p in wire.log if p.src_ip == a.ip]) == 4 * 4  # the original and three retries of 4 packets
-    assert a.fw.rcfw.qps[a.qpn].state == QpState.ERR and len(a.creq_events()) == 1
+    assert a.fw.rcfw.qps[a.qpn].state == QPState.ERR and len(a.creq_events()) == 1
 
 
 def test_lost_packet_is_recovered_by_nak_sequence():
@@ -556,7 +567,7 @@ def test_lost_read_responses_are_recovered_by_the_implied_nak():
 
 def test_reads_in_flight_are_limited_by_max_rd_atomic():
     a, b, wire = pair(mtu=256)
-    a.modify(QpState.RTS, MASK["MAX_RD_ATOMIC"], max_rd_atomic=1)
+    a.modify(QPState.RTS, MASK["MAX_RD_ATOMIC"], max_rd_atomic=1)
     local, lkey = a.register(8192)
     remote, rkey = b.register(8192)
     data = fill(b, remote, 8192, 11)
@@ -597,7 +608,7 @@ def test_psn_wraps_at_2_24():
     for i in range(4):
         assert b.mem.read(dst + 8192 * i, 8000) == data[8192 * i:8192 * i + 8000]
     assert a.mem.read(src + 40000, 3000) == data[:3000]
-    assert a.dp.contexts[a.qpn].requester.next_psn == (0xFFFFF0 + 4 * 32 + 12) & 0xFFFFFF
+    assert a.dp.contexts[a.qpn].requester.next_psn == (0xFFFFF0 + 4 * 32 + 12) & PSN_MASK
     assert min(p.psn for p in wire.log if p.src_ip == a.ip) == 0
 
 
@@ -611,7 +622,7 @@ def test_modify_qp_to_err_flushes_everything():
     a.post_recv([(src, lkey, 64)], tag=5)
     wire.step()
     a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)  # still on the ring
-    a.modify(QpState.ERR)
+    a.modify(QPState.ERR)
     flushed = a.poll()
     assert sorted(c[1:3] for c in flushed if c[0] == "req") == [(FLUSHED, 1), (FLUSHED, 2), (FLUSHED, 3)]
     assert [c for c in flushed if c[0] == "res"] == [("res", RES_FLUSHED, 0, 0, 0, 5)]
@@ -619,7 +630,7 @@ def test_modify_qp_to_err_flushes_everything():
     a.post_recv([(src, lkey, 64)], tag=6)
     a.dp.doorbells(wire.now)
     assert a.poll() == [("res", RES_FLUSHED, 0, 0, 0, 6)]
-    a.modify(QpState.RESET)
+    a.modify(QPState.RESET)
     assert a.qpn not in a.dp.contexts
 
 
@@ -670,7 +681,7 @@ def test_bad_packets_are_dropped_or_nakked_not_raised():
     assert a.dp.stats["internal_errors"] == b.dp.stats["internal_errors"] == 0
     assert b.dp.stats["dropped_no_qp"] == 1
     assert [p.syndrome for p in pk.expand(b.dp.take_outbox())] == [pk.NAK_INVALID_REQUEST]
-    assert b.fw.rcfw.qps[b.qpn].state == QpState.ERR
+    assert b.fw.rcfw.qps[b.qpn].state == QPState.ERR
 
 
 # -- faults ----------------------------------------------------------------------------------------------------------
@@ -723,7 +734,7 @@ def test_every_byte_arrives_once_under_faults(operations, seed, mtu, faults):
     assert len(responder) == receives
     assert a.mem.read(src, size) == bytes(expected_local)
     assert b.mem.read(dst, size) == bytes(expected_remote)
-    assert a.fw.rcfw.qps[a.qpn].state == b.fw.rcfw.qps[b.qpn].state == QpState.RTS
+    assert a.fw.rcfw.qps[a.qpn].state == b.fw.rcfw.qps[b.qpn].state == QPState.RTS
     assert a.dp.stats["internal_errors"] == b.dp.stats["internal_errors"] == 0
 
 
@@ -762,7 +773,7 @@ def test_skip_placement_fault_acknowledges_writes_without_placing_them():
     src, lkey = a.register(1 << 16)
     dst, rkey = b.register(1 << 16)
     data = fill(a, src, 1 << 16, 23)
-    b.dp.inject_placement_fault("skip_placement", 2)
+    b.dp.faults.inject("skip_placement", 2)
     for i, size in enumerate((0, 5000, 100, 300)):  # the zero-length one has nothing to skip: it does not count
         a.post(WRITE, [(src + 8192 * i, lkey, size)], remote=dst + 8192 * i, rkey=rkey)
     wire.run()
@@ -778,7 +789,7 @@ def test_misplace_fault_shifts_the_payload_and_stays_inside_the_region():
     src, lkey = a.register(8192)
     dst, rkey = b.register(8192)
     data = fill(a, src, 8192, 24)
-    b.dp.inject_placement_fault("misplace", 2, offset=64)
+    b.dp.faults.inject("misplace", 2, offset=64)
     a.post(WRITE, [(src, lkey, 3000)], remote=dst + 1000, rkey=rkey)
     a.post(WRITE, [(src, lkey, 2000)], remote=dst + 8192 - 2000, rkey=rkey)  # at the end: clamped, lands as asked
     a.post(WRITE, [(src + 4096, lkey, 100)], remote=dst, rkey=rkey)
@@ -788,7 +799,7 @@ def test_misplace_fault_shifts_the_payload_and_stays_inside_the_region():
     assert b.mem.read(dst + 8192 - 2000, 2000) == data[:2000]
     assert b.mem.read(dst, 100) == data[4096:4196]
     with pytest.raises(ValueError, match="unknown fault kind"):
-        b.dp.inject_placement_fault("lose_everything", 1)
+        b.dp.faults.inject("lose_everything", 1)
 
 
 # -- one NAK per sequence gap, one go-back per loss -----------------------------------------------------------------

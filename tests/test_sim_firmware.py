@@ -1,16 +1,24 @@
 """The emulated firmware without any I/O: HWRM and RCFW commands, rings, doorbells and object tables, driven the way a
 driver would drive them (requests built with the bindings, page tables in a bytearray of host memory)."""
 import ctypes
-import struct
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from aiofabric.autogen import bnxt
-from aiofabric.sim.hwrm import CONTEXT_TYPES, Firmware, FirmwareConfig
+from aiofabric.hw import doorbell
+from aiofabric.hw.cqe import (CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY, NQ_ENTRY, RequesterErrorReason, creq_type,
+                              notification_fields)
+from aiofabric.hw.firmware import (CMDQ_FIRST_PRODUCER, CMDQ_INIT, CMDQ_SLOT, HWRM_RESPONSE_HEADER, RING_ENTRY_SIZES,
+                                   BackingStoreType, pack_ptes)
+from aiofabric.hw.layout import field_type
+from aiofabric.hw.ring import phase, position, slot
+from aiofabric.hw.verbs import QPAccess, QPState
+from aiofabric.hw.wqe import RQ_WQE_HEADER, SGE, SQ_SLOT
+from aiofabric.sim.function import CONTEXT_TYPES, FirmwareConfig
+from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
-from aiofabric.sim.objects import (CompletionQueue, MemoryProtectionError, NotificationQueue, PageList, QpState,
-                                   doorbell_consumer, walk_pbl)
+from aiofabric.sim.objects import CompletionQueue, MemoryProtectionError, NotificationQueue, PageList, walk_pbl
 
 MAC = bytes.fromhex("020af0123456")
 GID = bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 7])
@@ -23,11 +31,18 @@ RTS_MASK = sum(getattr(bnxt, Q + f) for f in ("STATE", "TIMEOUT", "RETRY_CNT", "
 SUCCESS, FAIL = bnxt.CREQ_QP_EVENT_STATUS_SUCCESS, bnxt.CREQ_QP_EVENT_STATUS_FAIL
 INVALID_PARAMETER = bnxt.CREQ_QP_EVENT_STATUS_INVALID_PARAMETER
 VALID, LAST, NEXT_TO_LAST = bnxt.PTU_PTE_VALID, bnxt.PTU_PTE_LAST, bnxt.PTU_PTE_NEXT_TO_LAST
+ALL_QP_ACCESS = QPAccess.LOCAL_WRITE | QPAccess.REMOTE_WRITE | QPAccess.REMOTE_READ
+RQ_WQE_SIZE = RQ_WQE_HEADER.size + 2 * SGE.size  # the QPs here take two receive SGEs
 
 
 def dbc(xid: int, kind: int, index: int, epoch: int = 0, path: int = bnxt.DBC_DBC_PATH_ROCE, valid: bool = True) -> int:
-    high = xid | path | kind | (bnxt.DBC_DBC_VALID if valid else 0)
-    return high << 32 | index | epoch << 24
+    """A doorbell as the driver writes it, or with the path or valid bit spoilt."""
+    value = doorbell.encode(xid, kind, index, epoch) | path << doorbell.HIGH_SHIFT
+    return value if valid else value & ~(doorbell.VALID << doorbell.HIGH_SHIFT)
+
+
+def cookie_of(entry: bytes) -> int:
+    return CREQ_COMMAND_EVENT.unpack(entry)[2]
 
 
 class Driver:
@@ -60,12 +75,12 @@ class Driver:
         chunks = [ptes[i:i + 512] for i in range(0, len(ptes), 512)]
         tables = [self.alloc() for _ in chunks]
         for table, chunk in zip(tables, chunks):
-            self.mem.write(table, struct.pack(f"<{len(chunk)}Q", *chunk))
+            self.mem.write(table, pack_ptes(chunk))
         if level == 1:
             assert len(tables) == 1
             return tables[0]
         directory = self.alloc()
-        self.mem.write(directory, struct.pack(f"<{len(tables)}Q", *(t | VALID for t in tables)))
+        self.mem.write(directory, pack_ptes([t | VALID for t in tables]))
         return directory
 
     # -- HWRM -------------------------------------------------------------------------------------------------------
@@ -76,14 +91,14 @@ class Driver:
             resp_addr=self.response, **fields)
         addr, data = self.fw.hwrm(bytes(request).ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0"))
         assert addr == self.response and data[-1] == 1
-        error = int.from_bytes(data[0:2], "little")
+        error = HWRM_RESPONSE_HEADER.unpack_from(data)[0]
         assert error == expect, f"{name}: error {error:#x} ({self.fw.last_error})"
         output = getattr(bnxt, f"hwrm_{name}_output") if not error else bnxt.hwrm_err_output
         assert len(data) == ctypes.sizeof(output)
         return output.from_buffer_copy(data)
 
     def ring(self, kind: int, length: int, logical_id: int = 0, level: int | None = None, **fields) -> int:
-        pages = self.scattered(max(1, -(-length * 16 // PAGE)))
+        pages = self.scattered(max(1, -(-length * RING_ENTRY_SIZES[kind] // PAGE)))
         level = (0 if len(pages) == 1 else 1) if level is None else level
         if level == 0:
             pages = [self.alloc(len(pages))]
@@ -94,7 +109,7 @@ class Driver:
     def backing_store(self, init_offset_units: int = 4, all_done: bool = True) -> list[tuple[int, int]]:
         """Linux's walk: next_valid_type, skip invalid types, one CFG_V2 per instance, ALL_DONE on the very last."""
         steps, kind = [], 0
-        while kind != 0xFFFF:
+        while kind != BackingStoreType.INVALID:
             caps = self.hwrm("func_backing_store_qcaps_v2", type=kind)
             if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID:
                 instances = [i for i in range(32) if caps.instance_bit_map >> i & 1] or [0]
@@ -122,34 +137,41 @@ class Driver:
         self.creq_id = self.ring(NQ, creq_length, logical_id=1)
         self.creq_length, self.creq_consumer = creq_length, 0
         self.doorbell(self.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, 0)
-        npages = max(1, cmdq_depth * 16 // PAGE)
+        npages = max(1, cmdq_depth * CMDQ_SLOT // PAGE)
         self.cmdq_pages = [self.alloc(npages)] if cmdq_level == 0 else self.scattered(npages)
         self.cmdq = PageList(self.cmdq_pages, contiguous=cmdq_level == 0)
         self.cmdq_depth, self.cmdq_producer, self.first = cmdq_depth, 0, True
         init = bnxt.cmdq_init(cmdq_pbl=self.page_table(self.cmdq_pages, cmdq_level, queue=True),
                               cmdq_size_cmdq_lvl=cmdq_depth << bnxt.CMDQ_INIT_CMDQ_SIZE_SFT | cmdq_level,
                               creq_ring_id=self.creq_id)
-        for offset in range(0, 16, 4):
+        for offset in range(0, CMDQ_INIT.size, 4):  # as the driver writes the mailbox: dword by dword
             self.fw.rcfw.mailbox_write(offset, int.from_bytes(bytes(init)[offset:offset + 4], "little"))
 
     def post(self, name: str, opcode: int | None = None, cmd_size: int | None = None, **fields) -> int:
         """Write one command into the CMDQ and publish the producer (no trigger yet); returns its cookie."""
         request = getattr(bnxt, f"cmdq_{name}")
-        slots = -(-ctypes.sizeof(request) // 16)
+        slots = -(-ctypes.sizeof(request) // CMDQ_SLOT)
         self.cookie += 1
         side = getattr(bnxt, f"creq_{name}_resp_sb", None)
         if side is not None:
-            fields.update(resp_addr=self.alloc(), resp_size=-(-ctypes.sizeof(side) // 16))
+            fields.update(resp_addr=self.alloc(), resp_size=-(-ctypes.sizeof(side) // CMDQ_SLOT))
             self.side_buffers[self.cookie] = fields["resp_addr"]
         data = bytes(request(opcode=getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}") if opcode is None else opcode,
                              cmd_size=slots if cmd_size is None else cmd_size, cookie=self.cookie,
-                             **fields)).ljust(slots * 16, b"\0")
-        for i in range(slots):
-            self.mem.write(self.cmdq.address((self.cmdq_producer + i) % self.cmdq_depth * 16), data[i * 16:i * 16 + 16])
-        self.cmdq_producer += slots
-        self.fw.rcfw.mailbox_write(0xC, self.cmdq_producer & 0xFFFF | (1 << 31 if self.first else 0))
-        self.first = False
+                             **fields))
+        self.publish(data.ljust(slots * CMDQ_SLOT, b"\0"))
         return self.cookie
+
+    def publish(self, data: bytes) -> None:
+        """Write `data` (whole slots) into the CMDQ at the producer, slot by slot, and publish the new producer."""
+        slots = len(data) // CMDQ_SLOT
+        for i in range(slots):
+            self.mem.write(self.cmdq.address(slot(self.cmdq_producer + i, self.cmdq_depth) * CMDQ_SLOT),
+                           data[i * CMDQ_SLOT:(i + 1) * CMDQ_SLOT])
+        self.cmdq_producer += slots
+        self.fw.rcfw.mailbox_write(bnxt.RCFW_PF_VF_COMM_PROD_OFFSET,
+                                   self.cmdq_producer & 0xFFFF | (CMDQ_FIRST_PRODUCER if self.first else 0))
+        self.first = False
 
     def run(self) -> int:
         """Trigger and let the firmware answer everything published; returns how many answers it posted."""
@@ -162,26 +184,27 @@ class Driver:
 
     def drain(self, arm: bool = True) -> list[bytes]:
         """Read new CREQ entries by phase, then return the credit with an NQ(_ARM) doorbell."""
-        entries = []
+        entries, pages = [], self.fw.rings[self.creq_id].pages
         while True:
-            lap, slot = divmod(self.creq_consumer, self.creq_length)
-            entry = self.mem.read(self.fw.rings[self.creq_id].pages.address(slot * 16), 16)
-            if entry[8] & 1 != 1 - lap % 2:
+            entry = self.mem.read(pages.address(slot(self.creq_consumer, self.creq_length) * CREQ_ENTRY.size),
+                                  CREQ_ENTRY.size)
+            if not CREQ_ENTRY.is_new(entry, 0, self.creq_consumer, self.creq_length):
                 break
             entries.append(entry)
             self.creq_consumer += 1
-        lap, slot = divmod(self.creq_consumer, self.creq_length)
-        self.doorbell(self.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM if arm else bnxt.DBC_DBC_TYPE_NQ, slot, lap & 1)
+        self.doorbell(self.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM if arm else bnxt.DBC_DBC_TYPE_NQ,
+                      *position(self.creq_consumer, self.creq_length))
         return entries
 
     def rcfw(self, name: str, expect: int = SUCCESS, **fields) -> ctypes.Structure:
         cookie = self.post(name, **fields)
         self.run()
-        entry = next(e for e in self.drain() if int.from_bytes(e[2:4], "little") == cookie)
-        assert (entry[0], entry[9]) == (bnxt.CREQ_BASE_TYPE_QP_EVENT, getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}"))
-        assert entry[1] == expect, f"{name}: status {entry[1]} ({self.fw.last_error})"
+        entry = next(e for e in self.drain() if cookie_of(e) == cookie)
+        kind, status, _, _, event = CREQ_COMMAND_EVENT.unpack(entry)
+        assert (kind, event) == (bnxt.CREQ_BASE_TYPE_QP_EVENT, getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}"))
+        assert status == expect, f"{name}: status {status} ({self.fw.last_error})"
         side, address = getattr(bnxt, f"creq_{name}_resp_sb", None), self.side_buffers.pop(cookie, None)
-        if side is not None and entry[1] == SUCCESS:
+        if side is not None and status == SUCCESS:
             return side.from_buffer_copy(self.mem.read(address, ctypes.sizeof(side)))
         return getattr(bnxt, f"creq_{name}_resp").from_buffer_copy(entry)
 
@@ -200,18 +223,19 @@ class Driver:
         self.rcfw("initialize_fw", stat_ctx_id=self.stat_ctx)
         self.nq_id = self.ring(NQ, 64, logical_id=2)
         # ADD_GID wants the GID fully byte-reversed and the MAC byte-swapped within each 16-bit word
-        self.gid_index = self.rcfw("add_gid", gid=struct.unpack("<4I", GID[::-1]),
-                                   src_mac=struct.unpack(">3H", MAC)).xid
+        self.gid_index = self.rcfw(
+            "add_gid", gid=field_type(bnxt.cmdq_add_gid, "gid").from_buffer_copy(GID[::-1]),
+            src_mac=field_type(bnxt.cmdq_add_gid, "src_mac").from_buffer_copy(bytes(MAC[i ^ 1] for i in range(6)))).xid
 
     # -- verbs objects ----------------------------------------------------------------------------------------------
     def create_cq(self, size: int = 64, handle: int = 0xC0FFEE_0000_0001) -> int:
-        pages = self.scattered(max(1, size * 32 // PAGE))
+        pages = self.scattered(max(1, size * CQ_ENTRY.size // PAGE))
         level = 0 if len(pages) == 1 else 1
         return self.rcfw("create_cq", cq_handle=handle, cq_size=size, cq_fco_cnq_id=self.nq_id, pg_size_lvl=level,
                          pbl=self.page_table(pages, level, queue=True)).xid
 
     def create_qp(self, cq: int, sq_slots: int = 256, rq_size: int = 16, **fields) -> int:
-        sq, rq = self.scattered(sq_slots * 16 // PAGE + 1), self.scattered(rq_size * 64 // PAGE or 1)
+        sq, rq = self.scattered(sq_slots * SQ_SLOT // PAGE + 1), self.scattered(rq_size * RQ_WQE_SIZE // PAGE or 1)
         return self.rcfw("create_qp", type=bnxt.CMDQ_CREATE_QP_TYPE_RC, qp_handle=0x1234,
                          qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED, sq_size=sq_slots,
                          sq_fwo_sq_sge=2, sq_pg_size_sq_lvl=1, sq_pbl=self.page_table(sq, 1, queue=True),
@@ -220,13 +244,15 @@ class Driver:
                          scq_cid=cq, rcq_cid=cq, **fields).xid
 
     def connect(self, qpn: int, peer: int) -> None:
-        self.rcfw("modify_qp", qp_cid=qpn, modify_mask=INIT_MASK, network_type_en_sqd_async_notify_new_state=1,
-                  access=7, pkey=0xFFFF)
-        self.rcfw("modify_qp", qp_cid=qpn, modify_mask=RTR_MASK, dgid=struct.unpack("<4I", GID),
-                  network_type_en_sqd_async_notify_new_state=2 | bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_ROCEV2_IPV4,
-                  sgid_index=self.gid_index, dest_mac=struct.unpack("<3H", MAC), dest_qp_id=peer, rq_psn=0x123456,
+        modify = bnxt.cmdq_modify_qp
+        self.rcfw("modify_qp", qp_cid=qpn, modify_mask=INIT_MASK, access=ALL_QP_ACCESS, pkey=0xFFFF,
+                  network_type_en_sqd_async_notify_new_state=QPState.INIT)
+        self.rcfw("modify_qp", qp_cid=qpn, modify_mask=RTR_MASK, dgid=field_type(modify, "dgid").from_buffer_copy(GID),
+                  network_type_en_sqd_async_notify_new_state=QPState.RTR | bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_ROCEV2_IPV4,
+                  sgid_index=self.gid_index, dest_mac=field_type(modify, "dest_mac").from_buffer_copy(MAC),
+                  dest_qp_id=peer, rq_psn=0x123456,
                   path_mtu_pingpong_push_enable=bnxt.CMDQ_MODIFY_QP_PATH_MTU_MTU_4096, max_dest_rd_atomic=4)
-        self.rcfw("modify_qp", qp_cid=qpn, modify_mask=RTS_MASK, network_type_en_sqd_async_notify_new_state=3,
+        self.rcfw("modify_qp", qp_cid=qpn, modify_mask=RTS_MASK, network_type_en_sqd_async_notify_new_state=QPState.RTS,
                   timeout=14, retry_cnt=7, rnr_retry=7, sq_psn=0x654321, max_rd_atomic=4)
 
 
@@ -248,16 +274,18 @@ def test_ver_get_echoes_header_and_writes_valid_last():
     assert (out.error_code, out.req_type, out.seq_id) == (0, bnxt.HWRM_VER_GET, 0xBEEF)
     assert (out.hwrm_fw_maj_8b, out.hwrm_fw_min_8b, out.hwrm_fw_bld_8b) == (230, 0, 150)
     assert (out.hwrm_intf_maj_8b, out.hwrm_intf_min_8b, out.hwrm_intf_upd_8b) == (1, 10, 3)
-    assert (out.max_req_win_len, out.def_req_timeout, out.chip_num) == (128, 500, 0x1760)
+    assert (out.max_req_win_len, out.def_req_timeout, out.chip_num) == (bnxt.HWRM_MAX_REQ_LEN, 500, bnxt.CHIP_NUM_57608)
 
 
 def test_unknown_hwrm_opcode_is_not_supported_and_unanswerable_requests_get_nothing():
     host = Driver()
     request = bnxt.hwrm_cmd_hdr(req_type=0x7777, seq_id=9, resp_addr=host.response)
-    _, data = host.fw.hwrm(bytes(request).ljust(128, b"\0"))
+    _, data = host.fw.hwrm(bytes(request).ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0"))
     err = bnxt.hwrm_err_output.from_buffer_copy(data)
-    assert (err.error_code, err.req_type, err.seq_id, err.resp_len, err.valid) == (0xFFFF, 0x7777, 9, 16, 1)
-    assert host.fw.hwrm(bytes(bnxt.hwrm_cmd_hdr(req_type=bnxt.HWRM_VER_GET, resp_addr=0)).ljust(128, b"\0")) is None
+    assert (err.error_code, err.req_type, err.seq_id, err.resp_len, err.valid) == (
+        bnxt.HWRM_ERR_CODE_CMD_NOT_SUPPORTED, 0x7777, 9, ctypes.sizeof(bnxt.hwrm_err_output), bnxt.HWRM_RESP_VALID_KEY)
+    window = bnxt.HWRM_MAX_REQ_LEN
+    assert host.fw.hwrm(bytes(bnxt.hwrm_cmd_hdr(req_type=bnxt.HWRM_VER_GET, resp_addr=0)).ljust(window, b"\0")) is None
     assert host.fw.hwrm(b"\0" * 8) is None
 
 
@@ -356,8 +384,8 @@ def test_a_nine_slot_command_wraps_across_the_cmdq_end(depth, level):
     qp = host.create_qp(cq)
     while host.cmdq_producer % depth != depth - 4:
         host.rcfw("query_version")
-    host.rcfw("modify_qp", qp_cid=qp, modify_mask=INIT_MASK, network_type_en_sqd_async_notify_new_state=1)
-    assert host.cmdq_producer % depth == 5 and host.fw.rcfw.qps[qp].state == QpState.INIT
+    host.rcfw("modify_qp", qp_cid=qp, modify_mask=INIT_MASK, network_type_en_sqd_async_notify_new_state=QPState.INIT)
+    assert host.cmdq_producer % depth == 5 and host.fw.rcfw.qps[qp].state == QPState.INIT
 
 
 def test_several_commands_per_trigger_are_all_answered_by_cookie(driver):
@@ -366,7 +394,8 @@ def test_several_commands_per_trigger_are_all_answered_by_cookie(driver):
                    bnxt.CMDQ_BASE_OPCODE_CREATE_CQ,
                driver.post("query_func"): bnxt.CMDQ_BASE_OPCODE_QUERY_FUNC}
     assert driver.run() == 3
-    answers = {int.from_bytes(e[2:4], "little"): (e[9], e[1]) for e in driver.drain()}
+    answers = {cookie: (event, status)
+               for _, status, cookie, _, event in map(CREQ_COMMAND_EVENT.unpack, driver.drain())}
     assert answers == {cookie: (opcode, SUCCESS) for cookie, opcode in cookies.items()}
 
 
@@ -375,12 +404,12 @@ def test_creq_phase_flips_on_the_second_lap():
     host.boot(creq_length=8)
     seen = []
     for _ in range(12):
-        position = host.creq_consumer
+        count = host.creq_consumer
         host.post("query_version")
         host.run()
         (entry,) = host.drain()
-        seen.append((position // 8, entry[8] & 1))
-    assert all(phase == 1 - lap % 2 for lap, phase in seen) and {phase for _, phase in seen} == {0, 1}
+        seen.append((count, entry[CREQ_ENTRY.valid_offset] & CREQ_ENTRY.valid_bit))
+    assert all(bit == phase(count, 8) for count, bit in seen) and {bit for _, bit in seen} == {0, 1}
 
 
 def test_full_creq_waits_for_credit_and_arming_fires_once():
@@ -395,9 +424,9 @@ def test_full_creq_waits_for_credit_and_arming_fires_once():
     interrupts.clear()
     assert [rcfw.post_creq(entry) for entry in entries[:4]] == [True] * 4 and not rcfw.post_creq(entries[4])
     assert interrupts == [1]  # armed: the first post fired and disarmed
-    host.doorbell(host.creq_id, bnxt.DBC_DBC_TYPE_NQ, (base + 1) % 4, (base + 1) // 4 & 1)  # one credit back
+    host.doorbell(host.creq_id, bnxt.DBC_DBC_TYPE_NQ, *position(base + 1, 4))  # one credit back
     assert rcfw.post_creq(entries[4]) and not rcfw.post_creq(entries[4]) and interrupts == [1]
-    host.doorbell(host.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, (base + 1) % 4, (base + 1) // 4 & 1)
+    host.doorbell(host.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, *position(base + 1, 4))
     assert interrupts == [1, 1]  # re-armed with entries still unread: fires at once, no lost wake-up
 
 
@@ -405,8 +434,8 @@ def test_unknown_and_unemulated_opcodes_are_answered(driver):
     cookie = driver.post("query_version", opcode=0x77)
     driver.run()
     (entry,) = driver.drain()
-    assert (entry[1], int.from_bytes(entry[2:4], "little"), entry[9]) == (bnxt.CREQ_QP_EVENT_STATUS_INVALID_CMD,
-                                                                         cookie, 0x77)
+    _, status, answered, _, event = CREQ_COMMAND_EVENT.unpack(entry)
+    assert (status, answered, event) == (bnxt.CREQ_QP_EVENT_STATUS_INVALID_CMD, cookie, 0x77)
     driver.rcfw("create_srq", expect=bnxt.CREQ_QP_EVENT_STATUS_NOT_IMPLEMENTED)
 
 
@@ -414,19 +443,26 @@ def test_malformed_commands_are_answered_and_the_channel_goes_on(driver):
     bad = driver.post("query_version", cmd_size=0)
     good = driver.post("query_version")
     assert driver.run() == 2
-    answers = {int.from_bytes(e[2:4], "little"): e[1] for e in driver.drain()}
+    answers = {cookie: status for _, status, cookie, _, _ in map(CREQ_COMMAND_EVENT.unpack, driver.drain())}
     assert answers == {bad: INVALID_PARAMETER, good: SUCCESS}
+
+
+def write_creq_ring_id(rcfw, ring_id: int) -> None:
+    """Rewrite cmdq_init.creq_ring_id in the mailbox, with the one dword write a driver would make."""
+    pbl, size_level, _, producer = CMDQ_INIT.unpack(rcfw.mailbox)
+    image, offset = CMDQ_INIT.pack(pbl, size_level, ring_id, producer), bnxt.cmdq_init.creq_ring_id.offset & ~3
+    rcfw.mailbox_write(offset, int.from_bytes(image[offset:offset + 4], "little"))
 
 
 def test_a_cmdq_init_naming_no_nq_ring_leaves_the_channel_deaf(driver):
     rcfw = driver.fw.rcfw
-    rcfw.mailbox_write(8, int.from_bytes(rcfw.mailbox[8:10], "little") | 0x77 << 16)  # creq_ring_id 0x77
+    write_creq_ring_id(rcfw, 0x77)
     driver.first = True
     driver.post("query_version")
     assert driver.run() == 0 and "creq_ring_id 119" in driver.fw.last_error
-    rcfw.mailbox_write(8, int.from_bytes(rcfw.mailbox[8:10], "little") | driver.creq_id << 16)
+    write_creq_ring_id(rcfw, driver.creq_id)
     driver.cmdq_producer, driver.creq_consumer, driver.first = 0, 0, True  # the driver starts its rings over
-    driver.mem.write(driver.fw.rings[driver.creq_id].pages.address(0), bytes(16 * driver.creq_length))
+    driver.mem.write(driver.fw.rings[driver.creq_id].pages.address(0), bytes(CREQ_ENTRY.size * driver.creq_length))
     driver.rcfw("query_version")
 
 
@@ -473,12 +509,12 @@ def test_qp_state_machine(driver):
     driver.connect(qp, peer=qp)
     state = driver.fw.rcfw.qps[qp]
     assert (state.state, state.dest_qp_id, state.dgid, state.dest_mac, state.path_mtu) == (
-        QpState.RTS, qp, GID, MAC, 4096)
+        QPState.RTS, qp, GID, MAC, 4096)
     assert (state.sq_psn, state.rq_psn, state.timeout, state.access) == (0x654321, 0x123456, 14, 7)
     assert state.network_type == bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_ROCEV2_IPV4
     query = driver.rcfw("query_qp", qp_cid=qp)
     assert (query.en_sqd_async_notify_state, query.dest_qp_id, bytes(query.dgid), bytes(query.dest_mac)) == (
-        QpState.RTS, qp, GID, MAC)
+        QPState.RTS, qp, GID, MAC)
     assert query.path_mtu_dest_vlan_id & 0xF000 == bnxt.CREQ_QUERY_QP_RESP_SB_PATH_MTU_MTU_4096
     driver.rcfw("modify_qp", network_type_en_sqd_async_notify_new_state=6, **modify)  # any -> ERR
     driver.rcfw("modify_qp", expect=INVALID_PARAMETER, network_type_en_sqd_async_notify_new_state=3, **modify)
@@ -571,17 +607,18 @@ def test_completion_queue_post_toggle_full_and_notification(driver):
     toggles = []
     for lap in range(3):
         assert all(cq.post(cqe) for _ in range(4)) and not cq.post(cqe)
-        toggles.append({driver.mem.read(cq.pages.address(i * 32), 32)[24] & 1 for i in range(4)})
-        driver.doorbell(cq_id, bnxt.DBC_DBC_TYPE_CQ, 0, (lap + 1) & 1)
+        toggles.append({driver.mem.read(cq.pages.address(i * CQ_ENTRY.size), CQ_ENTRY.size)[CQ_ENTRY.valid_offset]
+                        & CQ_ENTRY.valid_bit for i in range(4)})
+        driver.doorbell(cq_id, bnxt.DBC_DBC_TYPE_CQ, *position(4 * (lap + 1), 4))
     assert toggles == [{1}, {0}, {1}]
     interrupts = driver.fw.interrupts
     interrupts.clear()
     driver.doorbell(driver.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, 0)
     driver.doorbell(cq_id, bnxt.DBC_DBC_TYPE_CQ_ARMALL, 0, 1)
     assert cq.post(cqe) and interrupts == [2]
-    note = bnxt.nq_cn.from_buffer_copy(driver.mem.read(driver.fw.rings[driver.nq_id].pages.address(0), 16))
-    assert note.type & 0x3F == bnxt.NQ_CN_TYPE_CQ_NOTIFICATION and note.v & 1
-    assert note.cq_handle_high << 32 | note.cq_handle_low == 0x1122334455667788
+    note = bnxt.nq_cn.from_buffer_copy(driver.mem.read(driver.fw.rings[driver.nq_id].pages.address(0), NQ_ENTRY.size))
+    assert note.type & bnxt.NQ_CN_TYPE_MASK == bnxt.NQ_CN_TYPE_CQ_NOTIFICATION and note.v & bnxt.NQ_CN_V
+    assert notification_fields(note.type, note.cq_handle_low, note.cq_handle_high)[2] == 0x1122334455667788
     assert cq.post(cqe) and interrupts == [2]  # disarmed until the next CQ_ARMALL
     assert driver.rcfw("destroy_cq", cq_cid=cq_id).total_cnq_events == 1
 
@@ -603,7 +640,8 @@ def test_doorbells_are_decoded_and_recorded(driver):
 
 def test_asynchronous_events_wait_for_creq_room(driver):
     driver.fw.interrupts.clear()
-    assert driver.fw.rcfw.post_event("qp_error", xid=5, reason=3)
+    reason = RequesterErrorReason.REQ_RNR_TIMEOUT_RETRY_LIMIT
+    assert driver.fw.rcfw.post_event("qp_error", xid=5, reason=reason)
     assert driver.fw.interrupts == [1]
     for _ in range(driver.creq_length - 1):
         driver.fw.rcfw.post_event("function", event=bnxt.CREQ_FUNC_EVENT_EVENT_TX_WQE_ERROR)
@@ -611,8 +649,9 @@ def test_asynchronous_events_wait_for_creq_room(driver):
     first, *rest = driver.drain()
     assert len(driver.drain()) == 1  # the doorbell made room, the held-back event landed
     qp_error = bnxt.creq_qp_error_notification.from_buffer_copy(first)
-    assert (qp_error.type, qp_error.event, qp_error.xid, qp_error.req_err_state_reason) == (0x38, 0xC0, 5, 3)
-    assert {e[0] & 0x3F for e in rest} == {bnxt.CREQ_BASE_TYPE_FUNC_EVENT}
+    assert (qp_error.type, qp_error.event, qp_error.xid, qp_error.req_err_state_reason) == (
+        bnxt.CREQ_BASE_TYPE_QP_EVENT, bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION, 5, reason)
+    assert {creq_type(e[0]) for e in rest} == {bnxt.CREQ_BASE_TYPE_FUNC_EVENT}
     with pytest.raises(ValueError):
         driver.fw.rcfw.post_event("meltdown")
 
@@ -626,23 +665,15 @@ def test_nq_phase_and_credit_over_many_laps(length, steps):
     consumed = 0
     for step in steps:
         posted = 0
-        while posted < step and nq.post(bytes(16)):
-            position = nq.produced - 1
-            lap, slot = divmod(position, length)
-            assert host.mem.read(nq.pages.address(slot * 16), 16)[8] == 1 - lap % 2
+        while posted < step and nq.post(bytes(NQ_ENTRY.size)):
+            count = nq.produced - 1
+            entry = host.mem.read(nq.pages.address(slot(count, length) * NQ_ENTRY.size), NQ_ENTRY.size)
+            assert NQ_ENTRY.is_new(entry, 0, count, length) and entry[NQ_ENTRY.valid_offset] == phase(count, length)
             posted += 1
         assert nq.pending <= length and (posted == step or nq.pending == length)
         consumed = min(nq.produced, consumed + step // 2)
-        nq.consumer_doorbell(consumed % length, consumed // length & 1, arm=None)
+        nq.consumer_doorbell(*position(consumed, length), arm=None)
         assert nq.consumed == consumed
-
-
-@given(produced=st.integers(0, 1000), length=st.integers(1, 64), behind=st.integers(0, 64))
-def test_doorbell_consumer_recovers_the_count(produced, length, behind):
-    consumed = max(0, produced - min(behind, length))
-    named = doorbell_consumer(produced, 0, length, consumed % length, consumed // length & 1)
-    assert named == consumed
-    assert doorbell_consumer(produced, produced, length, consumed % length, consumed // length & 1) == produced
 
 
 def test_walk_pbl_levels_and_limits():

@@ -11,13 +11,16 @@ producer write after cmdq_init carries `CMDQ_FIRST_PRODUCER` (FIRMWARE_FIRST_FLA
 (cqe.py).
 
 Function-level: backing-store context types (`BackingStoreType`), the page-size codes of page-table fields
-(`PAGE_SIZE_CODES`), the entry size of each HWRM ring type (`RING_ENTRY_SIZES`), and the flag bits of a page-table
-entry (`PTE_FLAGS`: the page address is what is above them).
+(`PAGE_SIZE_CODES`), the entry size of each HWRM ring type (`RING_ENTRY_SIZES`), and page tables: arrays of
+`PTE_SIZE`-byte entries (`ptu_pte`, `ptu_pde`) holding a page address with flag bits below it (`PTE_FLAGS`:
+PTU_PTE_VALID, _LAST, _NEXT_TO_LAST), packed and read by `pack_ptes` / `unpack_ptes`.
 """
 from __future__ import annotations
 
 import ctypes
 import enum
+import struct
+from typing import Sequence
 
 from ..autogen import bnxt
 from .layout import Layout
@@ -62,5 +65,16 @@ RING_ENTRY_SIZES = {  # HWRM RING_ALLOC ring type -> bytes per entry
     bnxt.RING_ALLOC_REQ_RING_TYPE_ROCE_CMPL: ctypes.sizeof(bnxt.cq_base),
     bnxt.RING_ALLOC_REQ_RING_TYPE_NQ: ctypes.sizeof(bnxt.nq_base)}
 
-# PTU_PTE_PAGE_MASK is 32 bits wide in the bindings (0xfffff000): the address is everything above the flags
-PTE_FLAGS = (1 << bnxt.PTU_PTE_PAGE_SFT) - 1
+PTE_SIZE = ctypes.sizeof(bnxt.ptu_pte)  # two little-endian dwords, low first: one little-endian 64-bit entry
+PTE_FLAGS = (1 << bnxt.PTU_PTE_PAGE_SFT) - 1  # PTU_PTE_PAGE_MASK masks only the low dword; the address goes on above
+_PTE_CODE = "Q"
+
+
+def pack_ptes(entries: Sequence[int]) -> bytes:
+    """A page table (or directory) of `entries`: page addresses with their PTU_PTE_* / PTU_PDE_* flags."""
+    return struct.pack(f"<{len(entries)}{_PTE_CODE}", *entries)
+
+
+def unpack_ptes(buffer: bytes | bytearray | memoryview, count: int) -> tuple[int, ...]:
+    """The first `count` entries of a page table."""
+    return struct.unpack_from(f"<{count}{_PTE_CODE}", buffer)

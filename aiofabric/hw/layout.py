@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import struct
+from typing import Any
 
 _INTEGER_CODES = {1: "B", 2: "H", 4: "I", 8: "Q"}  # unsigned integers by byte width
 
@@ -26,6 +27,11 @@ class Field:
     offset: int
     size: int
     count: int  # values it packs: 1, or the length of an array field (rq_wqe_hdr.wr_id packs 2)
+
+
+def field_type(binding: type[ctypes.Structure], name: str) -> Any:
+    """The ctypes type of field `name` of `binding` (an array type for array fields)."""
+    return next(entry[1] for entry in binding._fields_ if entry[0] == name)
 
 
 def _padding(size: int) -> str:
@@ -49,7 +55,7 @@ class Layout(struct.Struct):
             descriptor = getattr(binding, name)
             if descriptor.offset < position:
                 raise ValueError(f"{binding.__name__}.{name} is listed out of order or twice")
-            kind = next(entry[1] for entry in binding._fields_ if entry[0] == name)
+            kind = field_type(binding, name)
             count = getattr(kind, "_length_", 1)  # an array field packs one value per element
             code = _INTEGER_CODES[ctypes.sizeof(kind) // count]
             parts.append(_padding(descriptor.offset - position) + (f"{count}{code}" if count > 1 else code))

@@ -6,17 +6,18 @@ One `Datapath` per NIC, beside its `Firmware`. The I/O shell (process.py) feeds 
     dp.receive(packets, now)   a batch of decoded packets from the wire; ACKs owed are sent once, at the batch end
     dp.advance(now)            fire due timers (retransmission, RNR waits)
     dp.pump(now, budget)       turn posted work into request packets (round-robin over QPs, window permitting)
-    dp.outbox                  packets to transmit (`Packet`s, and `Segments` for WRITE/SEND data); the shell
-                               sends and clears it
+    dp.take_outbox()           the packets to transmit (`Packet`s, and `Segments` for WRITE/SEND data), taken
+                               off the outbox
     dp.next_deadline()         when to call advance() again: None (nothing pending), or a time (<= now: at once)
 
     dp.placed_report()         per QP, the messages and bytes placed in memory (debug "placed")
-    dp.inject_placement_fault(kind, count, offset)   deliberately wrong WRITE placement (debug "fault")
+    dp.faults.inject(kind, count, offset)   deliberately wrong WRITE placement (debug "fault")
 
 CQEs land in host memory through `CompletionQueue.post`; interrupts collect in fw.interrupts; QP errors reach the CREQ
 through `rcfw.post_event("qp_error")`. Per QP a `QpContext` holds the `Requester` (requester.py) and `Responder`
-(responder.py); it is created on first use and watches the QP's state (`QueuePair.observer`): ERR flushes, RTS starts
-the send queue, RESET forgets everything.
+(responder.py) and is their `QpPort` (qpport.py): all they reach of the data path. It is created on first use and
+watches the QP's state (`QueuePair.observer`, called by `QueuePair.change_state`): ERR flushes, RTS starts the send
+queue, RESET forgets everything.
 
 Deviations from rxe/hardware, on purpose:
 - retry_cnt 7 means 7 retries (rxe: infinite); rnr_retry 7 is infinite, as everywhere.
@@ -41,57 +42,44 @@ import collections
 import heapq
 import itertools
 import socket
+from typing import Any, Callable
 
 from ..autogen import bnxt
+from ..hw.cqe import CQE_TYPE_OFFSET, cqe_type
+from ..hw.verbs import QPState
 from . import packets as pk
-from .objects import CompletionQueue, QpState, QueuePair
+from .hwrm import Firmware
+from .objects import CompletionQueue, QueuePair
+from .qpport import Address, Outgoing, PlacedCounts, PlacementFaults
 from .requester import Requester
 from .responder import Responder
 
 QUANTUM = 32  # packets one QP may send before the next ready QP gets its turn
-RTS, RTR, SQD, ERR, RESET = QpState.RTS, QpState.RTR, QpState.SQD, QpState.ERR, QpState.RESET
+RTS, RTR, SQD, ERR, RESET = QPState.RTS, QPState.RTR, QPState.SQD, QPState.ERR, QPState.RESET
 RESPONSE_FIRST, ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE = (  # responses (to the requester) are the opcodes in between
     int(pk.Op.RDMA_READ_RESPONSE_FIRST), int(pk.Op.ACKNOWLEDGE), int(pk.Op.ATOMIC_ACKNOWLEDGE))
 CQ_OVERFLOW = {True: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_REQ_CQ_OVERFLOW_ERROR,
                False: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_RES_CQ_OVERFLOW_ERROR}
 
 
-class PlacedCounts:
-    """What one QP placed in memory since it was created, each message counted once, when its last packet landed
-    (duplicates and retransmissions never count twice). Responder side: WRITE (with or without immediate) and SEND
-    payloads; requester side: READ response payloads."""
-
-    FIELDS = ("write_messages", "write_bytes", "send_messages", "send_bytes", "read_messages", "read_bytes")
-    __slots__ = ("qp", *FIELDS)
-
-    def __init__(self, qp: QueuePair | None = None) -> None:
-        self.qp = qp
-        for name in self.FIELDS:
-            setattr(self, name, 0)
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.FIELDS}
-
-
-PLACEMENT_FAULTS = ("skip_placement", "misplace")
-
-
 class QpContext:
-    """The data path's state for one QP: requester, responder, the addressing of its packets, scheduling marks."""
+    """The data path's state for one QP: requester, responder, the addressing of its packets, scheduling marks; the
+    `QpPort` its requester and responder work through."""
 
     def __init__(self, dp: Datapath, qp: QueuePair) -> None:
         self.dp, self.qp = dp, qp
-        self.address: tuple = ()
+        self.mem, self.mrs, self.stats, self.outbox, self.faults = dp.mem, dp.mrs, dp.stats, dp.outbox, dp.faults
+        self.address: Address = (0, 0, "", "", 0, 0, 0)
         self.refresh()
-        self.requester = Requester(self)
-        self.responder = Responder(self)
-        self.queued = False  # in dp.ready
-        self.timer_at: float | None = None  # earliest entry of ours in dp's timer heap
-        self.error_reasons: tuple[int, int] | None = None  # set by the data path before it moves the QP to ERR
         placed = dp.placed.get(qp.qpn)
         if placed is None or placed.qp is not qp:  # a context is remade after RESET: the counts last as long as the QP
             placed = dp.placed[qp.qpn] = PlacedCounts(qp)
         self.placed = placed
+        self.queued = False  # in dp.ready
+        self.timer_at: float | None = None  # earliest entry of ours in dp's timer heap
+        self.error_reasons: tuple[int, int] | None = None  # set before the data path moves the QP to ERR
+        self.requester = Requester(self)
+        self.responder = Responder(self)
         qp.observer = dp.on_state
 
     def refresh(self) -> None:
@@ -110,6 +98,20 @@ class QpContext:
             self.queued = True
             self.dp.ready.append(self)
 
+    def schedule(self, when: float) -> None:
+        self.dp.schedule(self, when)
+
+    def post_cqe(self, cq: CompletionQueue, cqe: bytes, solicited: bool = False) -> None:
+        self.dp.post_cqe(cq, cqe, solicited)
+
+    def fail_qp(self, req_reason: int = 0, res_reason: int = 0) -> None:
+        if self.qp.state != ERR:
+            self.error_reasons = (req_reason, res_reason)
+            self.qp.change_state(ERR)  # on_state flushes and reports
+
+    def owe_ack(self) -> None:
+        self.dp.acks_due.append(self)
+
     def sq_doorbell(self) -> None:
         state = self.qp.state
         if state == ERR:
@@ -125,7 +127,7 @@ class QpContext:
 class Datapath:
     """The RC engine of one NIC."""
 
-    def __init__(self, fw, ip: str = "0.0.0.0") -> None:
+    def __init__(self, fw: Firmware, ip: str = "0.0.0.0") -> None:
         self.fw, self.rcfw, self.mem, self.mrs = fw, fw.rcfw, fw.mem, fw.rcfw.mrs
         self.ip = ip
         # packets_sent, packets_received, retransmits, go_backs, acks, naks, rnr_naks, duplicates, out_of_sequence,
@@ -133,19 +135,16 @@ class Datapath:
         # implied_naks, acks_received, naks_received, rnr_naks_received, stale_acks, dropped (+ dropped_* reasons),
         # request_errors, qp_errors, cqes, cq_overflows, bad_doorbells, internal_errors
         self.stats: collections.Counter[str] = collections.Counter()
-        self.outbox: list[pk.Packet | pk.Segments] = []
+        self.outbox: list[Outgoing] = []  # one list for good: the QP contexts hold it
         self.contexts: dict[int, QpContext] = {}
         self.ready: collections.deque[QpContext] = collections.deque()
-        self.acks_due: list = []  # responders owing a coalesced ACK at the end of this batch
+        self.acks_due: list[QpContext] = []  # QPs whose responder owes a coalesced ACK at the end of this batch
         self._timers: list[tuple[float, int, QpContext]] = []
         self._sequence = itertools.count()
         self._overflowed: set[int] = set()
         self.last_error = ""
         self.placed: dict[int, PlacedCounts] = {}  # by QPN; an entry whose qp is not the live one is stale
-        # deliberate bugs for tests that prove a verification can fail: the next N WRITE messages carrying data are
-        # acknowledged as usual but not placed ("skip_placement"), or placed misplace_offset bytes off ("misplace")
-        self.placement_faults = dict.fromkeys(PLACEMENT_FAULTS, 0)
-        self.misplace_offset = 0
+        self.faults = PlacementFaults(self.stats)  # deliberate bugs for tests that prove a verification can fail
 
     # -- contexts ----------------------------------------------------------------------------------------------------
     def context(self, qpn: int) -> QpContext | None:
@@ -157,8 +156,8 @@ class Datapath:
             ctx = self.contexts[qpn] = QpContext(self, qp)
         return ctx
 
-    def on_state(self, qp: QueuePair, old: QpState, new: QpState) -> None:
-        """QueuePair.observer: MODIFY_QP (or we) changed a QP's state."""
+    def on_state(self, qp: QueuePair, old: QPState, new: QPState) -> None:
+        """QueuePair.observer: MODIFY_QP (or a QP's own failure) changed a QP's state."""
         ctx = self.contexts.get(qp.qpn)
         if ctx is None or ctx.qp is not qp:
             return
@@ -184,12 +183,6 @@ class Datapath:
                 ctx.responder.start()
             ctx.sq_doorbell()  # WQEs posted before RTS waited for it
 
-    def qp_error(self, ctx: QpContext, req_reason: int = 0, res_reason: int = 0) -> None:
-        """Move a QP to ERR because of a protocol or memory error: flush it and tell the driver on the CREQ."""
-        if ctx.qp.state != ERR:
-            ctx.error_reasons = (req_reason, res_reason)
-            ctx.qp.state = ERR
-
     def post_cqe(self, cq: CompletionQueue, cqe: bytes, solicited: bool = False) -> None:
         if cq.post(cqe, solicited):
             self.stats["cqes"] += 1
@@ -197,9 +190,10 @@ class Datapath:
         self.stats["cq_overflows"] += 1  # the driver sized its CQ too small: the CQE is lost, as on hardware
         if cq.cq_id not in self._overflowed:
             self._overflowed.add(cq.cq_id)
-            self.rcfw.post_event("cq_error", xid=cq.cq_id, reason=CQ_OVERFLOW[cqe[24] & 0x1E == 0])
+            requester = cqe_type(cqe[CQE_TYPE_OFFSET]) == bnxt.CQ_BASE_CQE_TYPE_REQ
+            self.rcfw.post_event("cq_error", xid=cq.cq_id, reason=CQ_OVERFLOW[requester])
 
-    # -- placement accounting and faults ---------------------------------------------------------------------------
+    # -- placement accounting -------------------------------------------------------------------------------------
     def placed_report(self) -> dict[str, dict[str, int]]:
         """{QPN as a string: PlacedCounts.as_dict()} for every live RC QP (zeros for one that never moved data)."""
         report = {}
@@ -211,29 +205,6 @@ class Datapath:
         for qpn in [qpn for qpn, placed in self.placed.items() if self.rcfw.qps.get(qpn) is not placed.qp]:
             del self.placed[qpn]  # destroyed QPs: forget them here rather than on every DESTROY_QP
         return report
-
-    def inject_placement_fault(self, kind: str, count: int, offset: int = 0) -> None:
-        """Make the next `count` WRITE messages with data skip placement or land `offset` bytes off (the count
-        replaces any pending one of that kind; 0 cancels it)."""
-        if kind not in PLACEMENT_FAULTS:
-            raise ValueError(f"unknown fault kind {kind!r}; choose one of {', '.join(PLACEMENT_FAULTS)}")
-        if not isinstance(count, int) or count < 0:
-            raise ValueError(f"fault count must be a non-negative integer, not {count!r}")
-        if kind == "misplace":
-            if not isinstance(offset, int) or not offset:
-                raise ValueError(f"misplace needs a non-zero integer offset, not {offset!r}")
-            self.misplace_offset = offset
-        self.placement_faults[kind] = count
-
-    def placement_fault(self) -> str | None:
-        """The fault the WRITE message starting now suffers, if any (and one fewer is left)."""
-        faults = self.placement_faults
-        for kind in PLACEMENT_FAULTS:
-            if faults[kind]:
-                faults[kind] -= 1
-                self.stats[f"faulted_{kind}"] += 1
-                return kind
-        return None
 
     # -- inputs ------------------------------------------------------------------------------------------------------
     def doorbells(self, now: float) -> None:
@@ -260,7 +231,7 @@ class Datapath:
         if ctx is not None and ctx.qp.state == ERR:
             ctx.responder.flush()  # receives posted to a QP in ERR complete FLUSHED at once
 
-    def _guarded(self, action, *args) -> None:
+    def _guarded(self, action: Callable[..., None], *args: Any) -> None:
         try:
             action(*args)
         except Exception as exc:  # an emulator bug must not take the device down: count it, keep going
@@ -312,8 +283,8 @@ class Datapath:
         self.flush_acks()
 
     def flush_acks(self) -> None:
-        for responder in self.acks_due:
-            responder.flush_ack()
+        for ctx in self.acks_due:
+            ctx.responder.flush_ack()
         self.acks_due.clear()
 
     # -- time and transmission ---------------------------------------------------------------------------------------
@@ -367,7 +338,7 @@ class Datapath:
         timers = self._timers
         return timers[0][0] if timers else None
 
-    def describe(self) -> dict[str, dict]:
+    def describe(self) -> dict[str, dict[str, Any]]:
         """Per-QP protocol state, for the debug channel."""
         report = {}
         for qpn, ctx in self.contexts.items():
@@ -380,6 +351,7 @@ class Datapath:
                 "epsn": s.epsn, "msn": s.msn, "nak_sent": s.nak_sent, "queued": ctx.queued, "timer_at": ctx.timer_at}
         return report
 
-    def take_outbox(self) -> list[pk.Packet | pk.Segments]:
-        packets, self.outbox = self.outbox, []
+    def take_outbox(self) -> list[Outgoing]:
+        packets = self.outbox[:]
+        self.outbox.clear()
         return packets

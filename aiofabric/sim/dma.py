@@ -1,68 +1,20 @@
-"""What the RC engine shares: scatter/gather lists over host memory, CQE layouts, PSN arithmetic, error reasons.
+"""Scatter/gather over host memory: how the RC engine reaches a message's memory.
 
 A message's memory (the local SGEs of a WQE, or the target range of an RETH) is translated once, when the engine first
 needs it, into a memoryview of host memory (a `ScatterGather` when it is in pieces); per packet the engine only
-slices it. Translation failures surface as
-`MemoryProtectionError` (bad key, PD, access or bounds) or `DmaFault` (a page outside host memory); the requester and
-responder turn both into completion errors and NAKs, never into exceptions that escape the engine.
+slices it. Translation failures surface as `MemoryProtectionError` (bad key, PD, access or bounds) or `DmaFault` (a
+page outside host memory); the requester and responder turn both into completion errors and NAKs, never into
+exceptions that escape the engine.
 """
 from __future__ import annotations
 
 import bisect
-import struct
 from typing import Union
 
-from ..autogen import bnxt
 from .memory import BusMemory, DmaFault
 from .objects import MemoryProtectionError, MemoryRegion
 
-PSN_MASK = 0xFFFFFF
-MSN_MASK = 0xFFFFFF
-SLOT = 16
-SGE = struct.Struct("<QII")  # sq_sge / rq sge: va_or_pa, l_key, size
-
-# cq_req: qp_handle, sq_cons_idx, 14 reserved bytes, cqe_type_toggle, status, 6 reserved bytes
-REQ_CQE = struct.Struct("<QH14xBB6x")
-# cq_res_rc: length, imm_data_or_inv_r_key, qp_handle, mr_handle, cqe_type_toggle, status, flags, srq_or_rq_wr_id
-RES_CQE = struct.Struct("<IIQQBBHI")
-CQE_REQ, CQE_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
-
-# REGISTER_MR access bits (an MR's) and MODIFY_QP access bits (a QP's): the two orders differ
-MR_LOCAL_WRITE = bnxt.CMDQ_REGISTER_MR_ACCESS_LOCAL_WRITE
-MR_REMOTE_READ = bnxt.CMDQ_REGISTER_MR_ACCESS_REMOTE_READ
-MR_REMOTE_WRITE = bnxt.CMDQ_REGISTER_MR_ACCESS_REMOTE_WRITE
-QP_REMOTE_READ = bnxt.CMDQ_MODIFY_QP_ACCESS_REMOTE_READ
-QP_REMOTE_WRITE = bnxt.CMDQ_MODIFY_QP_ACCESS_REMOTE_WRITE
-
-# creq_qp_error_notification.req_err_state_reason (roce_hsi.h; missing from the generated bindings)
-REQ_TIMEOUT_RETRY_LIMIT, REQ_RNR_TIMEOUT_RETRY_LIMIT, REQ_NAK_ARRIVAL = 0x2, 0x3, 0x4
-REQ_RX_MEMORY_ERROR, REQ_TX_MEMORY_ERROR, REQ_WQE_FORMAT_ERROR = 0x8, 0x9, 0x11
-R = "CREQ_QP_ERROR_NOTIFICATION_RES_ERR_STATE_REASON_RES_"
-RES_RX_INVALID_R_KEY, RES_EXCEEDS_WQE, RES_OPCODE_ERROR, RES_MEMORY_ERROR, RES_WQE_FORMAT_ERROR = (
-    getattr(bnxt, R + name) for name in ("RX_INVALID_R_KEY", "EXCEEDS_WQE", "OPCODE_ERROR", "MEMORY_ERROR",
-                                         "WQE_FORMAT_ERROR"))
 ACCESS_ERRORS = (MemoryProtectionError, DmaFault)
-
-
-def psn_diff(a: int, b: int) -> int:
-    """a - b as a signed 24-bit distance (positive: a is after b)."""
-    return ((a - b + 0x800000) & PSN_MASK) - 0x800000
-
-
-def producer_count(consumed: int, index: int, epoch: int, length: int) -> int | None:
-    """The free-running producer count a producer doorbell names, given what the device already consumed.
-
-    The producer is at most one ring ahead of the consumer: of the counts in [consumed, consumed + length] with that
-    slot, the epoch (lap parity) picks one. None when the doorbell names nothing plausible (a stale or corrupt index).
-    """
-    if not 0 <= index < length:
-        return None
-    count = consumed + (index - consumed) % length
-    if (count // length) & 1 != epoch:
-        if count != consumed:
-            return None
-        count += length  # the driver filled the whole ring
-    return count
 
 
 class ScatterGather:

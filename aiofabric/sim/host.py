@@ -24,7 +24,8 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..pci import PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError, _virt_addr
+from ..autogen import bnxt
+from ..pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError, _virt_addr
 from .memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
 
 if TYPE_CHECKING:
@@ -32,8 +33,7 @@ if TYPE_CHECKING:
 
 KICK = struct.Struct("<BxxxIQ")  # space (0 = BAR0, 2 = BAR2, CONFIG_SPACE), offset, value
 CONFIG_SPACE = 0xFF
-BAR0_KICK_FROM = 0x100  # BAR0 below this is the HWRM request window: plain memory, read on the trigger
-DEVICE_ID_BCM57608 = 0x1760
+BAR0_KICK_FROM = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER  # below: the HWRM request window, memory read on the trigger
 NUM_VECTORS = 8
 START_TIMEOUT = 20.0
 FAULTS = ("loss", "dup", "reorder", "corrupt")
@@ -200,7 +200,7 @@ class SimPCIDevice(PCIDevice):
         self._debug, debug_peer = socket.socketpair()
         self._debug_file = self._debug.makefile("rwb", buffering=0)
         self._config = bytearray(256)
-        struct.pack_into("<HH", self._config, PCI_VENDOR_ID, 0x14E4, DEVICE_ID_BCM57608)
+        struct.pack_into("<HH", self._config, PCI_VENDOR_ID, BROADCOM_VENDOR_ID, bnxt.CHIP_NUM_57608)
         config = {"name": name, "bar0_fd": self._bar0_fd, "arena_fd": self._arena_fd, "kick_fd": kick_peer.fileno(),
                   "debug_fd": debug_peer.fileno(), "irq_fds": self._irqs, "driver_pid": os.getpid(), **options}
         self._bars = {0: SimBar(0, self._bar0_mem, BAR0_SIZE, self._kick, BAR0_KICK_FROM),

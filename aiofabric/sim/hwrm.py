@@ -1,101 +1,53 @@
 """The emulated NIC's firmware, HWRM side: the ChiMP command channel, doorbells and fault injection (sans-IO).
 
 `Firmware.hwrm(request)` executes one request window and returns where to DMA the answer and its bytes; the I/O
-shell writes them (valid byte last) and fires interrupts from `Firmware.interrupts`. The RoCE command channel is
-`rcfw.Rcfw`, created here and sharing these tables. Behaviour follows reference/bnxt-host-interface.md §2; where the
-reference is silent, what Linux's bnxt_en expects of real firmware. Bad input never raises: it gets an error code.
+shell writes them (valid byte last) and fires interrupts from `Firmware.interrupts`. `Firmware` is the function's
+shared state (function.py) plus the HWRM commands; its RoCE command channel is `rcfw.Rcfw`, created here over that
+state. Behaviour follows what Linux's bnxt_en (bnxt_hwrm.c, bnxt.c) expects of real firmware. Bad input never
+raises: it gets an error code.
 """
 from __future__ import annotations
 
-import collections
 import ctypes
-import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..autogen import bnxt
-from .memory import PAGE, BusMemory, DmaFault
-from .objects import (PAGE_SIZES, BackingStoreArea, CommandError, L2Filter, NotificationQueue, PageTableError, Ring,
-                      StatContext, Vnic, lowest_free_id, map_memory)
+from ..hw.doorbell import INDEX_MASK
+from ..hw.firmware import HWRM_REQUEST_HEADER, PAGE_SIZE_CODES, RING_ENTRY_SIZES
+from ..hw.firmware import BackingStoreType as BS
+from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, ContextType, FirmwareConfig, FunctionState
+from .memory import BusMemory, DmaFault
+from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, PageList, Ring, StatContext, Vnic,
+                      lowest_free_id, map_memory)
 from .rcfw import Rcfw
 
-HWRM_HEADER = struct.Struct("<HHHHQ")  # req_type, cmpl_ring, seq_id, target_id, resp_addr
 INVALID_PARAMS, RESOURCE_ALLOC_ERROR = bnxt.HWRM_ERR_CODE_INVALID_PARAMS, bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR
 INTERFACE_VERSION = tuple(int(part) for part in bnxt.HWRM_INTERFACE_VERSION.split("."))  # 1.10.3.151
-CHIP_NUM_57608 = 0x1760  # Thor2 (bnxt.h)
 FUNCTION_ID = 0  # this PF's fid; requests may also say 0xFFFF for "myself"
 DEFAULT_REQUEST_TIMEOUT_MS = 500
 MTU = 9000
-MAX_RING_LENGTH = 1 << 24  # doorbell indices are 24 bits
+MAX_RING_LENGTH = INDEX_MASK + 1  # a doorbell's index must reach every entry
 ALL_DONE = bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_FLAGS_BS_CFG_ALL_DONE
-TYPE_VALID = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID
-CTX_INIT = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_ENABLE_CTX_KIND_INIT
 
 L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TYPE_{name}") for name in
                                           ("L2_CMPL", "TX", "RX", "ROCE_CMPL", "RX_AGG", "NQ"))
-RING_ENTRY_SIZES = {L2_CMPL: 16, TX: 16, RX: 16, ROCE_CMPL: 32, RX_AGG: 16, NQ: 16}
 RING_LIMITS = {L2_CMPL: 128, TX: 128, RX: 128, ROCE_CMPL: 128, RX_AGG: 128, NQ: 64}
 MAX_L2_FILTERS, MAX_RSS_CONTEXTS = 1024, 64
-
-
-@dataclass
-class FirmwareConfig:
-    mac: bytes  # 6 bytes
-    port_id: int = 0
-    fw_version: tuple[int, int, int, int] = (230, 0, 150, 0)  # major, minor, build, reserved
-    roce_db_page_kb: int = 64  # func_qcfg.legacy_l2_db_size_kb: the RoCE doorbell page is at BAR2 + this * 1024
-    hw_retx: bool = True  # QUERY_FUNC reports the host MSN table (hardware requester retransmission)
-
-
-@dataclass(frozen=True)
-class ContextType:
-    """What FUNC_BACKING_STORE_QCAPS_V2 reports for one type of context memory."""
-    kind: int
-    entry_size: int
-    flags: int
-    instance_bit_map: int  # one CFG_V2 per set bit; 0 means a single instance 0
-    init_value: int  # with ENABLE_CTX_KIND_INIT: this byte at init_offset * 4 of every entry
-    init_offset: int
-    entry_multiple: int
-    min_entries: int
-    max_entries: int
-    splits: tuple[int, ...] = ()
-
-    @property
-    def instances(self) -> list[int]:
-        return [i for i in range(32) if self.instance_bit_map >> i & 1] or [0]
-
-
-# A Thor2-like set, small enough for an emulator's arena: Linux sizes QPs as split0 (L2) + split1 (QP1) + extra RoCE
-# QPs, CQs as split0 + 2 * extra QPs, TIM like QPs. TX_CK is reported but not valid for this function.
-CONTEXT_TYPES = {ctx.kind: ctx for ctx in (
-    #           type  size flags                 instances init  offset multiple min  max    splits
-    ContextType(0x00, 704, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 2,     64,      256, 2048,  (128, 2, 0)),  # QP
-    ContextType(0x01, 192, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 1,     64,      64,  1024,  (128,)),  # SRQ
-    ContextType(0x02, 128, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 3,     64,      256, 8192,  (256,)),  # CQ
-    ContextType(0x03, 256, TYPE_VALID,            0x00,     0,    0,     1,       1,   128,   (128,)),  # VNIC
-    ContextType(0x04, 256, TYPE_VALID,            0x00,     0,    0,     1,       1,   512),  # STAT
-    ContextType(0x05, 64,  TYPE_VALID,            0x01,     0,    0,     64,      64,  16384),  # SP_TQM_RING
-    ContextType(0x06, 32,  TYPE_VALID,            0xFF,     0,    0,     64,      64,  16384),  # FP_TQM_RING, per TC
-    ContextType(0x0E, 128, TYPE_VALID | CTX_INIT, 0x00,     0x80, 1,     64,      64,  8192),  # MRAV
-    ContextType(0x0F, 16,  TYPE_VALID,            0x00,     0,    0,     1,       1,   2048),  # TIM
-    ContextType(0x13, 0,   0,                     0x00,     0,    0,     0,       0,   0),  # TX_CK
-)}
-_kinds = sorted(CONTEXT_TYPES)
-NEXT_CONTEXT_TYPE = dict(zip(_kinds, _kinds[1:] + [bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_TYPE_INVALID]))
-MAX_VNICS, MAX_STAT_CTXS = CONTEXT_TYPES[0x03].max_entries, CONTEXT_TYPES[0x04].max_entries
+MAX_VNICS, MAX_STAT_CTXS = CONTEXT_TYPES[BS.VNIC].max_entries, CONTEXT_TYPES[BS.STAT].max_entries
 
 
 @dataclass(frozen=True)
 class _Command:
     name: str
-    request: type
-    response: type
+    request: type[ctypes.Structure]
+    response: type[ctypes.Structure]
     run: Callable[[Any], dict[str, Any]]
 
 
-class Firmware:
-    """The function's firmware: HWRM commands, the object tables, doorbells; `rcfw` is its RoCE channel."""
+class Firmware(FunctionState):
+    """The function's firmware: its shared state (function.py), the HWRM commands and the doorbell page; `rcfw` is
+    its RoCE channel."""
 
     COMMANDS = ("ver_get", "func_reset", "func_qcaps", "func_qcfg", "func_drv_rgtr", "func_drv_unrgtr",
                 "func_backing_store_qcaps_v2", "func_backing_store_cfg_v2", "stat_ctx_alloc", "stat_ctx_free",
@@ -103,24 +55,7 @@ class Firmware:
                 "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg")
 
     def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
-        self.mem, self.config = mem, config
-        self.interrupts: list[int] = []  # MSI-X vectors for the shell to fire
-        self.sq_doorbells: list[int] = []  # QP numbers whose SQ / RQ producer moved, for the data path
-        self.rq_doorbells: list[int] = []
-        self.injected_errors: dict[str, list[int]] = {}  # command name -> [status, remaining count]
-        # counters for the debug channel: errors, internal_errors (emulator bugs), ctx_init_missing, legacy_doorbells,
-        # l2_doorbells, ignored_doorbells, doorbells_without_valid, ignored_triggers, creq_dropped, hwrm_unanswerable
-        self.stats: collections.Counter[str] = collections.Counter()
-        self.last_error = ""  # why the last command failed or was ignored
-        self.rings: dict[int, Ring] = {}
-        self.stat_ctxs: dict[int, StatContext] = {}
-        self.vnics: dict[int, Vnic] = {}
-        self.l2_filters: dict[int, L2Filter] = {}
-        self.backing_store: dict[tuple[int, int], BackingStoreArea] = {}
-        self.queried_context_types: set[int] = set()
-        self.backing_store_done = False
-        self.driver: dict[str, Any] | None = None  # what FUNC_DRV_RGTR said; drivers may skip registering
-        self.loopback = bnxt.PORT_PHY_CFG_REQ_LPBK_NONE
+        super().__init__(mem, config)
         self.rcfw = Rcfw(self)
         self._commands = {getattr(bnxt, f"HWRM_{name.upper()}"): _Command(
             name, getattr(bnxt, f"hwrm_{name}_input"), getattr(bnxt, f"hwrm_{name}_output"), getattr(self, f"_{name}"))
@@ -129,10 +64,10 @@ class Firmware:
     # -- the channel -------------------------------------------------------------------------------------------------
     def hwrm(self, request: bytes) -> tuple[int, bytes] | None:
         """Execute one request window; (resp_addr, response with valid=1 last) or None if it cannot be answered."""
-        if len(request) < HWRM_HEADER.size:
+        if len(request) < HWRM_REQUEST_HEADER.size:
             self.stats["hwrm_unanswerable"] += 1
             return None
-        req_type, _, seq_id, _, resp_addr = HWRM_HEADER.unpack_from(request)
+        req_type, _, seq_id, _, resp_addr = HWRM_REQUEST_HEADER.unpack_from(request)
         command = self._commands.get(req_type)
         output: ctypes.Structure = bnxt.hwrm_err_output()
         try:
@@ -157,41 +92,6 @@ class Firmware:
             return None
         return resp_addr, response
 
-    def failure(self, what: str, exc: Exception, invalid: int, internal: int) -> int:
-        """The status a failed command answers with, and why it failed (`last_error`, for tests and the debug channel).
-
-        A CommandError carries its status; a page table or address outside host memory is an invalid parameter;
-        anything else is an emulator bug, answered with `internal` so the device keeps running.
-        """
-        self.note_error(what, exc)
-        if isinstance(exc, CommandError):
-            return exc.status
-        if isinstance(exc, (DmaFault, PageTableError)):
-            return invalid
-        self.stats["internal_errors"] += 1
-        return internal
-
-    def note_error(self, what: str, reason: object) -> None:
-        self.last_error = f"{what}: {reason}"
-        self.stats["errors"] += 1
-
-    def inject_error(self, command: str, status: int, count: int = 1) -> None:
-        """Make the next `count` commands named `command` (HWRM or RCFW, e.g. "func_qcfg", "create_qp") fail."""
-        if count > 0:
-            self.injected_errors[command] = [status, count]
-        else:
-            self.injected_errors.pop(command, None)
-
-    def take_injected_error(self, command: str) -> int | None:
-        injected = self.injected_errors.get(command)
-        if injected is None:
-            return None
-        injected[1] -= 1
-        if injected[1] <= 0:
-            del self.injected_errors[command]
-        self.last_error = f"{command}: injected status {injected[0]:#x}"
-        return injected[0]
-
     def doorbell(self, offset: int, value: int) -> None:
         """A 64-bit write to BAR2. Below the RoCE doorbell page are legacy L2 doorbells: counted, ignored."""
         if offset < self.roce_db_offset:
@@ -199,44 +99,15 @@ class Firmware:
         else:
             self.rcfw.doorbell(value)
 
-    @property
-    def roce_db_offset(self) -> int:
-        return -(-self.config.roce_db_page_kb * 1024 // PAGE) * PAGE
-
     def objects(self) -> dict[str, int]:
         """Live object counts, for the debug channel (a clean shutdown brings every one back to zero)."""
         return {"rings": len(self.rings), "stat_ctxs": len(self.stat_ctxs), "vnics": len(self.vnics),
                 "l2_filters": len(self.l2_filters), "backing_store": len(self.backing_store), **self.rcfw.objects()}
 
-    @property
-    def ctx_init_ok(self) -> bool:
-        """False once any backing-store area arrived without the context initialisation the firmware asked for."""
-        return not self.stats["ctx_init_missing"]
-
-    def context_capacity(self, kind: int) -> int:
-        """How many objects of a backing-store type fit: the configured entries, or the maximum until configured."""
-        configured = [area.entries for (k, _), area in self.backing_store.items() if k == kind]
-        return min(configured) if configured else CONTEXT_TYPES[kind].max_entries
-
-    def backing_store_missing(self) -> str | None:
-        """Why RoCE cannot start yet, or None: ALL_DONE seen and every valid type and instance configured."""
-        if not self.backing_store_done:
-            return "backing store not configured (no FUNC_BACKING_STORE_CFG_V2 with BS_CFG_ALL_DONE)"
-        for ctx in CONTEXT_TYPES.values():
-            missing = [i for i in ctx.instances if ctx.flags & TYPE_VALID and (ctx.kind, i) not in self.backing_store]
-            if missing:
-                return f"backing-store type {ctx.kind:#x} instances {missing} not configured"
-        return None
-
     def reset(self) -> None:
         """FUNC_RESET: every L2 and RoCE object and the backing store are gone; the RoCE channel starts over."""
         self.rcfw.reset()
-        for table in (self.rings, self.stat_ctxs, self.vnics, self.l2_filters, self.backing_store):
-            table.clear()
-        self.queried_context_types.clear()
-        self.backing_store_done, self.driver = False, None
-        self.sq_doorbells.clear()
-        self.rq_doorbells.clear()
+        self.clear()
 
     # -- function ----------------------------------------------------------------------------------------------------
     def _ver_get(self, request: Any) -> dict[str, Any]:
@@ -249,10 +120,10 @@ class Firmware:
             fields.update(zip((f"{component}_{part}" for part in ("maj_8b", "min_8b", "bld_8b", "rsvd_8b")), version))
             fields.update(zip((f"{component}_{part}" for part in ("major", "minor", "build", "patch")), version))
             fields[f"{component}_name"] = name
-        return {**fields, "active_pkg_name": name, "chip_num": CHIP_NUM_57608, "max_req_win_len": bnxt.HWRM_MAX_REQ_LEN,
-                "max_resp_len": bnxt.HWRM_MAX_RESP_LEN, "def_req_timeout": DEFAULT_REQUEST_TIMEOUT_MS,
-                "max_ext_req_len": bnxt.HWRM_MAX_REQ_LEN, "flags": bnxt.VER_GET_RESP_FLAGS_EXT_VER_AVAIL,
-                "always_1": 1}
+        return {**fields, "active_pkg_name": name, "chip_num": bnxt.CHIP_NUM_57608,
+                "max_req_win_len": bnxt.HWRM_MAX_REQ_LEN, "max_resp_len": bnxt.HWRM_MAX_RESP_LEN,
+                "def_req_timeout": DEFAULT_REQUEST_TIMEOUT_MS, "max_ext_req_len": bnxt.HWRM_MAX_REQ_LEN,
+                "flags": bnxt.VER_GET_RESP_FLAGS_EXT_VER_AVAIL, "always_1": 1}
 
     def _func_reset(self, request: Any) -> dict[str, Any]:
         self.reset()
@@ -293,7 +164,7 @@ class Firmware:
         self.backing_store_done = False
         return {}
 
-    # -- backing store (reference §2.2) ------------------------------------------------------------------------------
+    # -- backing store (bnxt.c bnxt_backing_store_cfg_v2) ------------------------------------------------------------
     def _func_backing_store_qcaps_v2(self, request: Any) -> dict[str, Any]:
         ctx = CONTEXT_TYPES.get(request.type)
         if ctx is None:
@@ -324,10 +195,10 @@ class Firmware:
                                             f"[{ctx.min_entries}, {ctx.max_entries}]")
         level = request.page_size_pbl_level & bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_PBL_LEVEL_MASK
         page_code = request.page_size_pbl_level >> bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_PAGE_SIZE_SFT
-        if level > 2 or page_code not in PAGE_SIZES:
+        if level > 2 or page_code not in PAGE_SIZE_CODES:
             raise CommandError(INVALID_PARAMS, f"page_size_pbl_level {request.page_size_pbl_level:#x}")
         pages = map_memory(self.mem, level, request.page_dir, request.num_entries * ctx.entry_size,
-                           PAGE_SIZES[page_code])
+                           PAGE_SIZE_CODES[page_code])
         if ctx.flags & CTX_INIT and ctx.init_value and not self._contexts_initialised(ctx, pages, request.num_entries):
             self.stats["ctx_init_missing"] += 1  # real firmware would run on garbage contexts; we only note it
         self.backing_store[ctx.kind, request.instance] = BackingStoreArea(

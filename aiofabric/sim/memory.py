@@ -7,7 +7,6 @@ is deliberately far from zero so an arena offset passed by mistake faults instea
 from __future__ import annotations
 
 import bisect
-import struct
 
 PAGE = 0x1000
 BUS_BASE = 0x10_0000_0000
@@ -44,9 +43,6 @@ class BusMemory:
     def write(self, addr: int, data: bytes | memoryview) -> None:
         off = self._offset(addr, len(data))
         self.buffer[off:off + len(data)] = data
-
-    def read_u64(self, addr: int) -> int:
-        return struct.unpack_from("<Q", self.buffer, self._offset(addr, 8))[0]
 
     def write_u8(self, addr: int, value: int) -> None:
         self.buffer[self._offset(addr, 1)] = value

@@ -1,27 +1,26 @@
 """The emulated firmware's object tables: rings, notification and completion queues, QPs, memory regions, GIDs.
 
-Plain state plus the ring arithmetic every queue shares: free-running producer and consumer counts, the phase bit
-written per lap (1 on lap 0, 0 on lap 1, ...), and consumer doorbells that name a count by (index, epoch). Firmware
-command handlers create and destroy these objects; the data path reads and advances them per packet, so the hot
-methods (`PageList.address`, `CompletionQueue.post`, `MemoryRegion.translate`) use struct and memoryviews, never
-ctypes objects.
+Plain state plus the ring arithmetic every queue shares (hw/ring.py): free-running producer and consumer counts, the
+valid bit written per lap, and consumer doorbells that name a count by (index, epoch). Firmware command handlers
+create and destroy these objects; the data path reads and advances them per packet, so the hot methods
+(`PageList.address`, `CompletionQueue.post`, `MemoryRegion.translate`) use struct and memoryviews, never ctypes
+objects.
 """
 from __future__ import annotations
 
 import enum
-import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..autogen import bnxt
+from ..hw.cqe import CQ_ENTRY, NQ_ENTRY, cq_notification
+from ..hw.firmware import PTE_FLAGS, PTE_SIZE, unpack_ptes
+from ..hw.ring import consumer_from_doorbell
+from ..hw.verbs import QPState
 from .memory import PAGE, BusMemory, DmaFault
 
-PTE_FLAG_BITS = 0xFFF
-MAX_PBL_PAGES = (PAGE // 8) ** 2  # what a level-2 table of 4 KiB pages can describe
-PAGE_SIZES = {0: 1 << 12, 1: 1 << 13, 2: 1 << 16, 3: 1 << 21, 4: 1 << 23, 5: 1 << 30}  # the PG_SIZE field codes
-NQ_ENTRY, CQ_ENTRY = 16, 32
-NQ_CQ_NOTIFICATION = bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
-NQ_CN = struct.Struct("<HHIII")  # nq_cn: type (toggle in bits 6-7), reserved, cq_handle_low, v, cq_handle_high
+PTES_PER_PAGE = PAGE // PTE_SIZE
+MAX_PBL_PAGES = PTES_PER_PAGE ** 2  # what a level-2 table of 4 KiB pages can describe
 
 
 class CommandError(Exception):
@@ -42,10 +41,10 @@ class MemoryProtectionError(Exception):
 
 def walk_pbl(mem: BusMemory, level: int, base: int, npages: int, page_size: int = PAGE, *,
              through_last: bool = False) -> list[int]:
-    """Bus addresses of the `npages` pages a level 0/1/2 page table describes (reference §3).
+    """Bus addresses of the `npages` pages a level 0/1/2 page table describes (Linux qplib_res.c).
 
-    Level 0: `base` is the first page and the memory is contiguous. Level 1: `base` holds 8-byte PTEs. Level 2:
-    `base` holds PDEs, each pointing at a 4 KiB page of PTEs. Flag bits (VALID, LAST, NEXT_TO_LAST) are masked off.
+    Level 0: `base` is the first page and the memory is contiguous. Level 1: `base` holds PTEs. Level 2: `base` holds
+    PDEs, each pointing at a 4 KiB page of PTEs. Flag bits (VALID, LAST, NEXT_TO_LAST) are masked off.
     `through_last` also takes the PTEs after the first `npages` while they are VALID and the LAST flag has not been
     seen: queues keep auxiliary tables (the MSN/PSN search area) in pages right after the ring.
     """
@@ -55,29 +54,30 @@ def walk_pbl(mem: BusMemory, level: int, base: int, npages: int, page_size: int 
         return [base + i * page_size for i in range(npages)]
     if level not in (1, 2):
         raise PageTableError(f"page table level {level} (only 0, 1 and 2 exist)")
-    per_table = PAGE // 8
+
+    def entries(address: int, count: int) -> tuple[int, ...]:
+        return unpack_ptes(mem.view(address, count * PTE_SIZE), count)
 
     def pte_address(i: int) -> int:
         if level == 1:
-            return base + 8 * i
-        return (mem.read_u64(base + 8 * (i // per_table)) & ~PTE_FLAG_BITS) + 8 * (i % per_table)
+            return base + PTE_SIZE * i
+        return (entries(base + PTE_SIZE * (i // PTES_PER_PAGE), 1)[0] & ~PTE_FLAGS) + PTE_SIZE * (i % PTES_PER_PAGE)
 
     if level == 1:
-        ptes = list(struct.unpack_from(f"<{npages}Q", mem.view(base, 8 * npages)))
+        ptes = list(entries(base, npages))
     else:
         ptes = []
-        for start in range(0, npages, per_table):
-            count = min(per_table, npages - start)
-            ptes += struct.unpack_from(f"<{count}Q", mem.view(pte_address(start), 8 * count))
+        for start in range(0, npages, PTES_PER_PAGE):
+            ptes += entries(pte_address(start), min(PTES_PER_PAGE, npages - start))
     while through_last and ptes and not ptes[-1] & bnxt.PTU_PTE_LAST and len(ptes) < MAX_PBL_PAGES:
         try:
-            entry = mem.read_u64(pte_address(len(ptes)))
+            entry = entries(pte_address(len(ptes)), 1)[0]
         except DmaFault:  # past the end of host memory: the table simply ends here
             break
         if not entry & bnxt.PTU_PTE_VALID:
             break
         ptes.append(entry)
-    return [pte & ~PTE_FLAG_BITS for pte in ptes]
+    return [pte & ~PTE_FLAGS for pte in ptes]
 
 
 @dataclass
@@ -114,20 +114,6 @@ def map_memory(mem: BusMemory, level: int, base: int, size: int, page_size: int 
     return PageList(pages, page_size)
 
 
-def doorbell_consumer(produced: int, consumed: int, length: int, index: int, epoch: int) -> int:
-    """The free-running consumer count a consumer doorbell names, from its slot index and lap parity.
-
-    Of the counts in [produced - length, produced] with that slot, the epoch picks one; a doorbell naming an older
-    count than we already have (stale, or reordered) leaves the consumer where it is.
-    """
-    if not 0 <= index < length:
-        return consumed
-    candidate = produced - (produced - index) % length
-    if (candidate // length) & 1 != epoch:
-        candidate -= length
-    return max(consumed, candidate)
-
-
 @dataclass(eq=False)
 class Ring:
     """A ring allocated by HWRM RING_ALLOC (L2 completion, TX, RX, RX aggregation, RoCE completion or NQ)."""
@@ -137,7 +123,7 @@ class Ring:
     pages: PageList
     length: int  # entries
     logical_id: int  # the MSI-X vector, for rings that interrupt
-    entry_size: int = NQ_ENTRY
+    entry_size: int = NQ_ENTRY.size
     nq_ring_id: int | None = None
 
 
@@ -145,8 +131,8 @@ class Ring:
 class NotificationQueue(Ring):
     """An NQ-type ring: the CREQ of the RoCE command channel, or a RoCE NQ carrying CQ notifications.
 
-    Entries are 16 bytes with the phase in bit 0 of byte 8. Posting needs consumer credit (from NQ/NQ_ARM doorbells);
-    an armed queue raises its MSI-X vector on the next post and disarms.
+    Entries are `nq_base`/`creq_base` sized (hw.cqe.NQ_ENTRY, CREQ_ENTRY: the same size and valid bit). Posting needs
+    consumer credit (from NQ/NQ_ARM doorbells); an armed queue raises its MSI-X vector on the next post and disarms.
     """
     interrupts: list[int] = field(default_factory=list)  # the firmware's outbox of vectors to fire
     produced: int = 0
@@ -158,13 +144,12 @@ class NotificationQueue(Ring):
         return self.produced - self.consumed
 
     def post(self, entry: bytes) -> bool:
-        """Write one 16-byte entry with this lap's phase, valid byte last; False (nothing written) when full."""
+        """Write one entry with this lap's valid bit, valid byte last; False (nothing written) when full."""
         if self.produced - self.consumed >= self.length:
             return False
-        lap, slot = divmod(self.produced, self.length)
-        view = self.mem.view(self.pages.address(slot * NQ_ENTRY), NQ_ENTRY)
-        view[0:8], view[9:16] = entry[0:8], entry[9:16]
-        view[8] = (entry[8] & 0xFE) | (lap & 1) ^ 1
+        size = NQ_ENTRY.size
+        NQ_ENTRY.publish(self.mem.view(self.pages.address(self.produced % self.length * size), size), entry,
+                         self.produced, self.length)
         self.produced += 1
         if self.armed:
             self.armed = False
@@ -173,7 +158,7 @@ class NotificationQueue(Ring):
 
     def consumer_doorbell(self, index: int, epoch: int, *, arm: bool | None) -> None:
         """NQ (arm None), NQ_ARM (True) or NQ_MASK (False): return credit; an arm with entries waiting fires at once."""
-        self.consumed = doorbell_consumer(self.produced, self.consumed, self.length, index, epoch)
+        self.consumed = consumer_from_doorbell(self.produced, self.consumed, index, epoch, self.length)
         if arm is not None:
             self.armed = arm
         if self.armed and self.pending:  # the driver re-armed after entries landed: no lost wake-up
@@ -192,7 +177,7 @@ class CqArm(enum.IntEnum):
 
 @dataclass(eq=False)
 class CompletionQueue:
-    """A RoCE CQ: 32-byte CQEs, toggle bit (byte 24 bit 0) per lap, notifications through its NQ when armed."""
+    """A RoCE CQ: CQEs with a valid (toggle) bit per lap (hw.cqe.CQ_ENTRY), notifications through its NQ when armed."""
     cq_id: int
     handle: int  # the driver's cq_handle, echoed in NQ notifications
     pages: PageList
@@ -209,10 +194,9 @@ class CompletionQueue:
         """Write one CQE with this lap's toggle, the type/toggle byte last; False (nothing written) when full."""
         if self.produced - self.consumed >= self.size:
             return False
-        lap, slot = divmod(self.produced, self.size)
-        view = self.mem.view(self.pages.address(slot * CQ_ENTRY), CQ_ENTRY)
-        view[0:24], view[25:32] = cqe[0:24], cqe[25:32]
-        view[24] = (cqe[24] & 0xFE) | (lap & 1) ^ 1
+        size = CQ_ENTRY.size
+        CQ_ENTRY.publish(self.mem.view(self.pages.address(self.produced % self.size * size), size), cqe, self.produced,
+                         self.size)
         self.produced += 1
         if self.armed and (solicited or self.armed == CqArm.NEXT):
             self.notify()
@@ -222,8 +206,7 @@ class CompletionQueue:
         """Post a CQ_NOTIFICATION to the NQ (disarming the CQ); False if the NQ had no room."""
         self.armed = CqArm.NONE
         toggle = (self.toggle + 1) & 3
-        if not self.nq.post(NQ_CN.pack(NQ_CQ_NOTIFICATION | toggle << bnxt.NQ_CN_TOGGLE_SFT, 0,
-                                       self.handle & 0xFFFFFFFF, 0, self.handle >> 32 & 0xFFFFFFFF)):
+        if not self.nq.post(cq_notification(self.handle, toggle)):
             return False  # the NQ overflowed: this notification is lost, as on hardware
         self.toggle, self.notifications = toggle, self.notifications + 1
         return True
@@ -232,39 +215,13 @@ class CompletionQueue:
         """CQ (credit only), CQ_ARMALL, CQ_ARMSE; CQ_ARMENA carries no index and only enables arming (a no-op here)."""
         if kind == bnxt.DBC_DBC_TYPE_CQ_ARMENA:
             return
-        self.consumed = doorbell_consumer(self.produced, self.consumed, self.size, index, epoch)
+        self.consumed = consumer_from_doorbell(self.produced, self.consumed, index, epoch, self.size)
         if kind == bnxt.DBC_DBC_TYPE_CQ_ARMALL:
             self.armed = CqArm.NEXT
             if self.produced > self.consumed:  # CQEs landed after the driver's last poll
                 self.notify()
         elif kind == bnxt.DBC_DBC_TYPE_CQ_ARMSE:
             self.armed = CqArm.SOLICITED
-
-
-class QpState(enum.IntEnum):
-    RESET = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RESET
-    INIT = bnxt.CMDQ_MODIFY_QP_NEW_STATE_INIT
-    RTR = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RTR
-    RTS = bnxt.CMDQ_MODIFY_QP_NEW_STATE_RTS
-    SQD = bnxt.CMDQ_MODIFY_QP_NEW_STATE_SQD
-    SQE = bnxt.CMDQ_MODIFY_QP_NEW_STATE_SQE
-    ERR = bnxt.CMDQ_MODIFY_QP_NEW_STATE_ERR
-
-
-# The IB QP state machine: any state may go to RESET or ERR; otherwise only these moves are legal.
-QP_TRANSITIONS: dict[QpState, frozenset[QpState]] = {
-    QpState.RESET: frozenset({QpState.INIT}),
-    QpState.INIT: frozenset({QpState.INIT, QpState.RTR}),
-    QpState.RTR: frozenset({QpState.RTS}),
-    QpState.RTS: frozenset({QpState.RTS, QpState.SQD}),
-    QpState.SQD: frozenset({QpState.RTS, QpState.SQD}),
-    QpState.SQE: frozenset({QpState.RTS}),
-    QpState.ERR: frozenset(),
-}
-
-
-def legal_transition(current: QpState, new: QpState) -> bool:
-    return new in (QpState.RESET, QpState.ERR) or new in QP_TRANSITIONS[current]
 
 
 @dataclass(eq=False)
@@ -287,7 +244,7 @@ class QueuePair:
     rq_sge: int
     irrq_addr: int
     orrq_addr: int
-    state: QpState = QpState.RESET
+    state: QPState = QPState.RESET  # read freely; changed only through change_state
     access: int = 0  # QP access bits: LOCAL_WRITE 1, REMOTE_WRITE 2, REMOTE_READ 4, REMOTE_ATOMIC 8
     pkey: int = 0xFFFF
     qkey: int = 0
@@ -317,9 +274,15 @@ class QueuePair:
     rq_producer: int = 0
     rq_producer_epoch: int = 0
     rq_consumer: int = 0
-    # Called as observer(qp, old_state, new_state) whenever `state` is assigned (MODIFY_QP, or the data path moving the
-    # QP to ERR): the data path uses it to flush on ERR, start on RTS and forget its context on RESET.
-    observer: Callable[[QueuePair, QpState, QpState], None] | None = field(default=None, repr=False)
+    # Called as observer(qp, old_state, new_state) by change_state (MODIFY_QP, or the data path moving the QP to ERR):
+    # the data path uses it to flush on ERR, start on RTS and forget its context on RESET.
+    observer: Callable[[QueuePair, QPState, QPState], None] | None = field(default=None, repr=False)
+
+    def change_state(self, new: QPState) -> None:
+        """Move the QP to `new` and tell the observer."""
+        old, self.state = self.state, new
+        if self.observer is not None:
+            self.observer(self, old, new)
 
     @property
     def variable_wqe(self) -> bool:
@@ -330,27 +293,12 @@ class QueuePair:
         return bool(self.flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_FORCE_COMPLETION)
 
 
-def _qp_state(qp: QueuePair) -> QpState:
-    return qp._state
-
-
-def _set_qp_state(qp: QueuePair, new: QpState) -> None:
-    old = getattr(qp, "_state", None)
-    qp._state = new
-    observer = getattr(qp, "observer", None)
-    if observer is not None and old is not None:
-        observer(qp, old, new)
-
-
-QueuePair.state = property(_qp_state, _set_qp_state, doc="The QP state; assigning it notifies `observer`.")
-
-
 @dataclass(eq=False)
 class MemoryRegion:
     """An MR or MW key. A key from ALLOCATE_MRW exists unregistered until REGISTER_MR gives it memory.
 
-    `access` uses REGISTER_MR's bit order (LOCAL_WRITE 1, REMOTE_READ 2, REMOTE_WRITE 4, REMOTE_ATOMIC 8, MW_BIND 0x10,
-    ZERO_BASED 0x20), which differs from the QP's: pass `bnxt.CMDQ_REGISTER_MR_ACCESS_*` bits to `translate`.
+    `access` uses REGISTER_MR's bit order (hw.verbs.MRAccess), which differs from the QP's (QPAccess): pass MRAccess
+    bits to `translate`.
     """
     key: int
     pd: int

@@ -30,9 +30,11 @@ except ImportError:  # pragma: no cover - platforms without isal wheels
 from collections.abc import Callable
 from typing import Any
 
+from ..hw.verbs import PSN_MASK
+
 ROCE_PORT = 4791
-PSN_MASK = 0xFFFFFF
 QPN_MASK = 0xFFFFFF
+MSN_MASK = 0xFFFFFF  # the AETH's message sequence number
 
 BTH_SIZE = 12
 ICRC_SIZE = 4
@@ -178,7 +180,7 @@ class _Layout:
             return
         ext = values[5:]
         if self.aeth:
-            p.syndrome, p.msn = ext[0] >> 24, ext[0] & 0xFFFFFF
+            p.syndrome, p.msn = ext[0] >> 24, ext[0] & MSN_MASK
             ext = ext[1:]
         for name, value in zip(self.fields, ext):
             setattr(p, name, value)
@@ -289,7 +291,7 @@ def _wire_fields(p: Packet, layout: _Layout, pad: int) -> tuple[int, ...]:
     bth = (p.opcode, p.solicited << 7 | p.migreq << 6 | pad << 4, p.pkey,
            p.fecn << 31 | p.becn << 30 | p.dest_qp & QPN_MASK, p.ack_req << 31 | p.psn & PSN_MASK)
     if layout.aeth:
-        bth += ((p.syndrome & 0xFF) << 24 | p.msn & 0xFFFFFF,)
+        bth += ((p.syndrome & 0xFF) << 24 | p.msn & MSN_MASK,)
     return bth + layout.get_fields(p)
 
 
@@ -598,9 +600,3 @@ def udp_source_port(local_qpn: int, remote_qpn: int) -> int:
     v ^= v >> 40
     flow_label = v & 0xFFFFF
     return (flow_label & 0x3FFF ^ flow_label >> 14) | 0xC000
-
-
-def psn_diff(a: int, b: int) -> int:
-    """a - b for 24-bit wrapping PSNs, as a signed number in -2**23 .. 2**23-1 (rxe's psn_compare, with magnitude)."""
-    d = (a - b) & PSN_MASK
-    return d - 0x1000000 if d & 0x800000 else d

@@ -50,15 +50,17 @@ import sys
 import time
 
 from ..autogen import bnxt
+from ..hw.firmware import CMDQ_INIT, HWRM_VECTOR
+from ..pci import PCI_COMMAND_MASTER
 from .datapath import Datapath
+from .function import FirmwareConfig
 from .host import CONFIG_SPACE, KICK
-from .hwrm import Firmware, FirmwareConfig
+from .hwrm import Firmware
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .pcap import PcapWriter
 from .requester import WINDOW
 from .wire import LOOPBACK_HOSTS, Faults, Transport, open_on_free_loopback, open_transport
 
-HWRM_VECTOR = 0
 HWRM_TRIGGER = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER
 RCFW_BASE = bnxt.RCFW_COMM_BASE_OFFSET
 RCFW_TRIGGER = RCFW_BASE + bnxt.RCFW_COMM_TRIG_OFFSET
@@ -306,14 +308,14 @@ class Emulator:
 
     def mmio_write(self, space: int, offset: int, value: int) -> None:
         if space == CONFIG_SPACE:
-            self.bus_master = bool(value & 0x4)
+            self.bus_master = bool(value & PCI_COMMAND_MASTER)
         elif space == 2:
             self.fw.doorbell(offset, value)
         elif offset == HWRM_TRIGGER:
             self.run_hwrm()
         elif offset == RCFW_TRIGGER:
             self.fw.rcfw.trigger()
-        elif RCFW_BASE <= offset < RCFW_BASE + 0x10:
+        elif RCFW_BASE <= offset < RCFW_BASE + CMDQ_INIT.size:
             self.fw.rcfw.mailbox_write(offset - RCFW_BASE, value)
 
     def firmware_delay(self, started: float) -> None:
@@ -407,7 +409,7 @@ class Emulator:
         if op == "placed":
             return {"qps": self.datapath.placed_report()}
         if op == "fault":
-            self.datapath.inject_placement_fault(request["kind"], request.get("count", 1), request.get("offset", 0))
+            self.datapath.faults.inject(request["kind"], request.get("count", 1), request.get("offset", 0))
             return {}
         if op == "event":
             self.fw.rcfw.post_event(**request["event"])

@@ -2,8 +2,10 @@
 
 The driver latches `cmdq_init` through the BAR0 mailbox, writes commands into its CMDQ ring and publishes the
 producer. On a trigger the shell drains `next_command()`, `execute()`s each (latency is the shell's business) and
-`post_creq()`s the 16-byte answer, retrying after doorbells while the CREQ is full. Reference §4-§5; request and
-answer layouts are the bindings' `cmdq_<name>` and `creq_<name>_resp`.
+`post_creq()`s the 16-byte answer, retrying after doorbells while the CREQ is full. Request and answer layouts are the
+bindings' `cmdq_<name>` and `creq_<name>_resp`; behaviour follows Linux's qplib_rcfw.c. The function's state shared
+with the HWRM side (its rings, statistics contexts, backing store, doorbells for the data path) is the
+`function.FunctionState` handed in.
 """
 from __future__ import annotations
 
@@ -11,19 +13,21 @@ import collections
 import ctypes
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..autogen import bnxt
+from ..hw import doorbell
+from ..hw.cqe import CQ_ENTRY
+from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT, PAGE_SIZE_CODES
+from ..hw.firmware import BackingStoreType as BS
+from ..hw.layout import field_type
+from ..hw.verbs import PATH_MTU_BYTES, QUERY_QP_PATH_MTU_CODES, QPState, legal_transition
+from ..hw.wqe import RQ_WQE_HEADER_SLOTS, SQ_SLOT, SQ_STATIC_WQE_SLOTS
+from .function import FunctionState
 from .memory import BAR2_SIZE, PAGE, DmaFault
-from .objects import (PAGE_SIZES, CommandError, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList,
-                      PageTableError, QpState, QueuePair, legal_transition, lowest_free_id, map_memory)
+from .objects import (CommandError, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList, PageTableError,
+                      QueuePair, lowest_free_id, map_memory)
 
-if TYPE_CHECKING:
-    from .hwrm import Firmware
-
-SLOT = 16
-MAILBOX = struct.Struct("<QHHI")  # cmdq_init: cmdq_pbl, cmdq_size_cmdq_lvl, creq_ring_id, prod_idx
-FIRST_PRODUCER_WRITE = 1 << bnxt.FIRMWARE_FIRST_FLAG
 QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
 SUCCESS, FAIL, RESOURCES, INVALID_CMD, NOT_IMPLEMENTED, INVALID_PARAMETER = (
     getattr(bnxt, f"CREQ_QP_EVENT_STATUS_{name}") for name in
@@ -33,10 +37,7 @@ OPCODE_NAMES = {value: name.removeprefix("CMDQ_BASE_OPCODE_").lower() for name, 
 BEFORE_INITIALIZE_FW = {"query_func", "query_version", "initialize_fw", "deinitialize_fw"}
 QP_TYPES = {bnxt.CMDQ_CREATE_QP_TYPE_RC, bnxt.CMDQ_CREATE_QP_TYPE_UD, bnxt.CMDQ_CREATE_QP_TYPE_RAW_ETHERTYPE,
             bnxt.CMDQ_CREATE_QP_TYPE_GSI}
-PATH_MTUS = {code << bnxt.CMDQ_MODIFY_QP_PATH_MTU_SFT: 256 << code for code in range(6)}  # 256 ... 8192 bytes
-STATIC_WQE_SLOTS = 8  # static mode: every SQ WQE takes 128 bytes
 MAX_GIDS, MAX_CQES, MAX_MR_SIZE, MAX_SGES = 256, (1 << 22) - 1, 1 << 40, 6
-BS_QP, BS_CQ, BS_MRAV = 0x0, 0x2, 0xE
 M = "CMDQ_MODIFY_QP_MODIFY_MASK_"
 # MODIFY_QP mask bits whose field is copied to the QueuePair attribute of the same name (lower case); VLAN_ID's field
 # is vlan_pcp_vlan_dei_vlan_id. STATE and PATH_MTU are decoded separately.
@@ -79,9 +80,9 @@ class Rcfw:
                 "create_cq", "destroy_cq", "create_qp", "modify_qp", "query_qp", "destroy_qp", "allocate_mrw",
                 "deallocate_key", "register_mr", "deregister_mr")
 
-    def __init__(self, firmware: Firmware) -> None:
-        self.fw, self.mem = firmware, firmware.mem
-        self.mailbox = bytearray(MAILBOX.size)
+    def __init__(self, function: FunctionState) -> None:
+        self.fw, self.mem = function, function.mem
+        self.mailbox = bytearray(CMDQ_INIT.size)
         self.cmdq: PageList | None = None  # None: no cmdq_init latched (or its CREQ is gone): commands are ignored
         self.cmdq_depth = 0
         self.creq: NotificationQueue | None = None
@@ -116,19 +117,19 @@ class Rcfw:
     # -- the command queue -------------------------------------------------------------------------------------------
     def mailbox_write(self, offset: int, value: int) -> None:
         """A 32-bit write to BAR0 + 0x600 + offset: the cmdq_init dwords; 0xC is also the producer register."""
-        if offset not in range(0, MAILBOX.size, 4):
+        if offset not in range(0, CMDQ_INIT.size, 4):
             self.fw.stats["mailbox_ignored"] += 1
             return
         struct.pack_into("<I", self.mailbox, offset, value & 0xFFFFFFFF)
         if offset == bnxt.RCFW_PF_VF_COMM_PROD_OFFSET:
-            if value & FIRST_PRODUCER_WRITE:
+            if value & CMDQ_FIRST_PRODUCER:
                 self._start()
             self.producer = value & 0xFFFF
 
     def _start(self) -> None:
         """The first producer write after cmdq_init: latch the CMDQ geometry and reset the CMDQ/CREQ pointers."""
         self.stop()
-        pbl, size_level, creq_ring_id, _ = MAILBOX.unpack(self.mailbox)
+        pbl, size_level, creq_ring_id, _ = CMDQ_INIT.unpack(self.mailbox)
         depth = (size_level & bnxt.CMDQ_INIT_CMDQ_SIZE_MASK) >> bnxt.CMDQ_INIT_CMDQ_SIZE_SFT
         creq = self.fw.rings.get(creq_ring_id)
         try:
@@ -136,7 +137,8 @@ class Rcfw:
                 raise CommandError(FAIL, f"creq_ring_id {creq_ring_id} is not an allocated NQ ring")
             if not depth:
                 raise CommandError(FAIL, "CMDQ depth 0")
-            self.cmdq = map_memory(self.mem, size_level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK, pbl, depth * SLOT, queue=True)
+            self.cmdq = map_memory(self.mem, size_level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK, pbl, depth * CMDQ_SLOT,
+                                   queue=True)
         except (CommandError, DmaFault, PageTableError) as exc:
             self.fw.note_error("RCFW cmdq_init", f"{exc}; commands are ignored until the next FIRST producer write")
             return
@@ -165,11 +167,12 @@ class Rcfw:
         data = b"".join(self._slot((self.consumer_slot + i) % self.cmdq_depth) for i in range(slots))
         self.consumer = (self.consumer + slots) & 0xFFFF
         self.consumer_slot = (self.consumer_slot + slots) % self.cmdq_depth
-        cookie, resp_size, resp_addr = struct.unpack_from("<HBxQ", data, 4)
-        return PendingCommand(data[0], cookie, resp_size, resp_addr, data, complete=slots == size)
+        opcode, _, _, cookie, resp_size, resp_addr = CMDQ_HEADER.unpack_from(data)
+        return PendingCommand(opcode, cookie, resp_size, resp_addr, data, complete=slots == size)
 
     def _slot(self, slot: int) -> bytes:
-        return self.mem.read(self.cmdq.address(slot * SLOT), SLOT)
+        assert self.cmdq is not None
+        return self.mem.read(self.cmdq.address(slot * CMDQ_SLOT), CMDQ_SLOT)
 
     def execute(self, command: PendingCommand) -> bytes:
         """Run one command against the object tables; return its 16-byte CREQ answer (phase bit left 0)."""
@@ -228,15 +231,14 @@ class Rcfw:
         while self.events and self.creq is not None and self.creq.post(self.events[0]):
             self.events.popleft()
 
-    # -- doorbells (reference §5) ------------------------------------------------------------------------------------
+    # -- doorbells (hw/doorbell.py) ----------------------------------------------------------------------------------
     def doorbell(self, value: int) -> None:
         """A 64-bit write to the RoCE doorbell page."""
-        high, stats = value >> 32, self.fw.stats
-        if not high & bnxt.DBC_DBC_VALID:
+        xid, kind, index, epoch, _, path, valid = doorbell.decode(value)
+        stats = self.fw.stats
+        if not valid:
             stats["doorbells_without_valid"] += 1
             return
-        kind, xid = high & bnxt.DBC_DBC_TYPE_MASK, high & bnxt.DBC_DBC_XID_MASK
-        index, epoch = value & bnxt.DBC_DBC_INDEX_MASK, value >> bnxt.BNXT_QPLIB_DBR_EPOCH_SHIFT & 1
         if kind in NQ_DOORBELLS:  # NQs are HWRM rings, whatever the path
             nq = self.fw.rings.get(xid)
             if not isinstance(nq, NotificationQueue):
@@ -245,7 +247,7 @@ class Rcfw:
             nq.consumer_doorbell(index, epoch, arm=NQ_DOORBELLS[kind])
             if nq is self.creq:
                 self._flush_events()
-        elif high & bnxt.DBC_DBC_PATH_MASK != bnxt.DBC_DBC_PATH_ROCE:
+        elif path != bnxt.DBC_DBC_PATH_ROCE:
             stats["l2_doorbells"] += 1
         elif kind in CQ_DOORBELLS and xid in self.cqs:
             self.cqs[xid].doorbell(kind, index, epoch)
@@ -278,13 +280,13 @@ class Rcfw:
 
     def _query_func(self, request: Any, command: PendingCommand) -> dict[str, Any]:
         hw_retx = self.fw.config.hw_retx
-        qps, cqs, mravs = (self.fw.context_capacity(kind) for kind in (BS_QP, BS_CQ, BS_MRAV))
+        qps, cqs, mravs = (self.fw.context_capacity(kind) for kind in (BS.QP, BS.CQ, BS.MRAV))
         sb = bnxt.creq_query_func_resp_sb(
             max_mr_size=MAX_MR_SIZE, max_qp=qps, max_qp_wr=0xFFFF, max_cq=cqs, max_cqe=MAX_CQES, max_pd=1 << 16,
             max_sge=MAX_SGES, max_srq_sge=MAX_SGES, max_qp_rd_atom=16, max_qp_init_rd_atom=16, max_mr=mravs // 2,
-            max_mw=mravs // 2, max_ah=mravs // 2, max_pkeys=1, max_inline_data=MAX_SGES * SLOT, max_gid=MAX_GIDS,
+            max_mw=mravs // 2, max_ah=mravs // 2, max_pkeys=1, max_inline_data=MAX_SGES * SQ_SLOT, max_gid=MAX_GIDS,
             l2_db_space_size=self.fw.roce_db_offset // PAGE - 1, max_dpi=(BAR2_SIZE - self.fw.roce_db_offset) // PAGE,
-            max_sge_var_wqe=13, max_inline_data_var_wqe=13 * SLOT,
+            max_sge_var_wqe=13, max_inline_data_var_wqe=13 * SQ_SLOT,
             dev_cap_flags=bnxt.CREQ_QUERY_FUNC_RESP_SB_MR_REGISTER_ALLOC
             | (bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_REQUESTER_RETX_ENABLED if hw_retx else 0),
             dev_cap_ext_flags_2=bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE if hw_retx
@@ -296,8 +298,8 @@ class Rcfw:
         if not command.resp_addr or not command.resp_size:
             raise CommandError(INVALID_PARAMETER, "a query needs a side buffer (resp_addr and resp_size)")
         sb.opcode, sb.cookie, sb.resp_size = command.opcode, command.cookie, command.resp_size
-        self.mem.write(command.resp_addr, bytes(sb)[:command.resp_size * SLOT])
-        return {"size": -(-ctypes.sizeof(sb) // SLOT)}
+        self.mem.write(command.resp_addr, bytes(sb)[:command.resp_size * CMDQ_SLOT])
+        return {"size": -(-ctypes.sizeof(sb) // CMDQ_SLOT)}
 
     def _query_version(self, request: Any, command: PendingCommand) -> dict[str, Any]:
         major, minor, build, reserved = self.fw.config.fw_version
@@ -327,9 +329,9 @@ class Rcfw:
         if not 1 <= request.cq_size <= MAX_CQES:
             raise CommandError(INVALID_PARAMETER, f"cq_size {request.cq_size}")
         lvl = request.pg_size_lvl & bnxt.CMDQ_CREATE_CQ_LVL_MASK
-        pages = self._queue_pages("CQ", lvl, request.pg_size_lvl >> bnxt.CMDQ_CREATE_CQ_PG_SIZE_SFT & 7, request.pbl,
-                                  request.cq_size * 32)
-        cq_id = self._new_id(self.cqs, self.fw.context_capacity(BS_CQ), "CQ")
+        page_code = (request.pg_size_lvl & bnxt.CMDQ_CREATE_CQ_PG_SIZE_MASK) >> bnxt.CMDQ_CREATE_CQ_PG_SIZE_SFT
+        pages = self._queue_pages("CQ", lvl, page_code, request.pbl, request.cq_size * CQ_ENTRY.size)
+        cq_id = self._new_id(self.cqs, self.fw.context_capacity(BS.CQ), "CQ")
         self.cqs[cq_id] = CompletionQueue(cq_id, request.cq_handle, pages, request.cq_size, nq, self.mem)
         return {"xid": cq_id}
 
@@ -342,9 +344,9 @@ class Rcfw:
         return {"xid": cq.cq_id, "total_cnq_events": cq.notifications & 0xFFFF}
 
     def _queue_pages(self, what: str, level: int, page_code: int, base: int, size: int) -> PageList:
-        if level > 2 or page_code not in PAGE_SIZES:
+        if level > 2 or page_code not in PAGE_SIZE_CODES:
             raise CommandError(INVALID_PARAMETER, f"{what} page table level {level}, page size code {page_code}")
-        return map_memory(self.mem, level, base, size, PAGE_SIZES[page_code], queue=True)
+        return map_memory(self.mem, level, base, size, PAGE_SIZE_CODES[page_code], queue=True)
 
     def _create_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
         if request.type not in QP_TYPES:
@@ -357,19 +359,23 @@ class Rcfw:
         if not request.sq_size:
             raise CommandError(INVALID_PARAMETER, "sq_size 0")
         variable = bool(request.qp_flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED)
-        sq_slots = request.sq_size if variable else request.sq_size * STATIC_WQE_SLOTS
-        sq = self._queue_pages("SQ", request.sq_pg_size_sq_lvl & 0xF, request.sq_pg_size_sq_lvl >> 4, request.sq_pbl,
-                               sq_slots * SLOT)
+        sq_slots = request.sq_size if variable else request.sq_size * SQ_STATIC_WQE_SLOTS
+        sq_pages = request.sq_pg_size_sq_lvl
+        sq = self._queue_pages("SQ", sq_pages & bnxt.CMDQ_CREATE_QP_SQ_LVL_MASK,
+                               (sq_pages & bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_MASK) >> bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_SFT,
+                               request.sq_pbl, sq_slots * SQ_SLOT)
         rq_sge = request.rq_fwo_rq_sge & bnxt.CMDQ_CREATE_QP_RQ_SGE_MASK
-        rq_wqe_size = (2 + rq_sge) * SLOT  # 32-byte header, then the SGEs
-        rq = self._queue_pages("RQ", request.rq_pg_size_rq_lvl & 0xF, request.rq_pg_size_rq_lvl >> 4,
+        rq_wqe_size = (RQ_WQE_HEADER_SLOTS + rq_sge) * SQ_SLOT  # rq_wqe_hdr, then the SGEs
+        rq_pages = request.rq_pg_size_rq_lvl
+        rq = self._queue_pages("RQ", rq_pages & bnxt.CMDQ_CREATE_QP_RQ_LVL_MASK,
+                               (rq_pages & bnxt.CMDQ_CREATE_QP_RQ_PG_SIZE_MASK) >> bnxt.CMDQ_CREATE_QP_RQ_PG_SIZE_SFT,
                                request.rq_pbl, request.rq_size * rq_wqe_size) if request.rq_size else None
         if request.type == bnxt.CMDQ_CREATE_QP_TYPE_GSI:
             if 1 in self.qps:
                 raise CommandError(RESOURCES, "the GSI QP (QP1) already exists")
             qpn = 1
         else:
-            qpn = self._new_id(self.qps, self.fw.context_capacity(BS_QP), "QP", first=2)
+            qpn = self._new_id(self.qps, self.fw.context_capacity(BS.QP), "QP", first=2)
         self.qps[qpn] = QueuePair(
             qpn, request.qp_handle, request.type, request.qp_flags, request.pd_id, scq, rcq, sq, request.sq_size,
             sq_slots, request.sq_fwo_sq_sge & bnxt.CMDQ_CREATE_QP_SQ_SGE_MASK, rq, request.rq_size, rq_wqe_size,
@@ -382,47 +388,49 @@ class Rcfw:
         new_state = qp.state
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_STATE:
             value = state_byte & bnxt.CMDQ_MODIFY_QP_NEW_STATE_MASK
-            if value > QpState.ERR or not legal_transition(qp.state, QpState(value)):
+            if value > QPState.ERR or not legal_transition(qp.state, QPState(value)):
                 raise CommandError(INVALID_PARAMETER, f"QP {qp.qpn}: {qp.state.name} -> state {value} is not legal")
-            new_state = QpState(value)
+            new_state = QPState(value)
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_SGID_INDEX and request.sgid_index not in self.gids:
             raise CommandError(INVALID_PARAMETER, f"sgid_index {request.sgid_index} is not in the GID table")
         mtu_code = request.path_mtu_pingpong_push_enable & bnxt.CMDQ_MODIFY_QP_PATH_MTU_MASK
-        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU and mtu_code not in PATH_MTUS:
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU and mtu_code not in PATH_MTU_BYTES:
             raise CommandError(INVALID_PARAMETER, f"path MTU code {mtu_code:#x}")
         missing = RTR_NEEDS & ~(qp.attributes_set | mask)
-        if new_state == QpState.RTR != qp.state and qp.qp_type == bnxt.CMDQ_CREATE_QP_TYPE_RC and missing:
+        if new_state == QPState.RTR != qp.state and qp.qp_type == bnxt.CMDQ_CREATE_QP_TYPE_RC and missing:
             raise CommandError(INVALID_PARAMETER, f"QP {qp.qpn}: RTR needs the destination (modify_mask {missing:#x})")
         for bit, attribute in MODIFY_FIELDS:
             if mask & bit:
                 value = getattr(request, "vlan_pcp_vlan_dei_vlan_id" if attribute == "vlan_id" else attribute)
                 setattr(qp, attribute, bytes(value) if isinstance(value, ctypes.Array) else value)
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU:
-            qp.path_mtu = PATH_MTUS[mtu_code]
+            qp.path_mtu = PATH_MTU_BYTES[mtu_code]
         qp.sq_psn &= 0xFFFFFF
         qp.rq_psn &= 0xFFFFFF
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_DGID:  # the network type belongs to the address vector
             qp.network_type = state_byte & bnxt.CMDQ_MODIFY_QP_NETWORK_TYPE_MASK
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_STATE:
-            if new_state == QpState.RESET:  # a reset QP starts over with empty queues
+            if new_state == QPState.RESET:  # a reset QP starts over with empty queues
                 qp.sq_producer = qp.sq_consumer = qp.rq_producer = qp.rq_consumer = 0
                 qp.sq_producer_epoch = qp.rq_producer_epoch = 0
-            qp.state = new_state
+            qp.change_state(new_state)
         qp.attributes_set |= mask
         return {"xid": qp.qpn}
 
     def _query_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
         qp = self._find(self.qps, request.qp_cid, "QP")
-        sb = bnxt.creq_query_qp_resp_sb(
+        sb_type = bnxt.creq_query_qp_resp_sb
+        sb = sb_type(
             xid=qp.qpn, en_sqd_async_notify_state=qp.state, access=qp.access, pkey=qp.pkey, qkey=qp.qkey,
-            dgid=struct.unpack("<4I", qp.dgid), flow_label=qp.flow_label, sgid_index=qp.sgid_index,
-            hop_limit=qp.hop_limit, traffic_class=qp.traffic_class, dest_mac=struct.unpack("<3H", qp.dest_mac),
-            path_mtu_dest_vlan_id=(qp.path_mtu.bit_length() - 9) << bnxt.CREQ_QUERY_QP_RESP_SB_PATH_MTU_SFT,
+            dgid=field_type(sb_type, "dgid").from_buffer_copy(qp.dgid), flow_label=qp.flow_label,
+            sgid_index=qp.sgid_index, hop_limit=qp.hop_limit, traffic_class=qp.traffic_class,
+            dest_mac=field_type(sb_type, "dest_mac").from_buffer_copy(qp.dest_mac),
+            path_mtu_dest_vlan_id=QUERY_QP_PATH_MTU_CODES[qp.path_mtu],
             timeout=qp.timeout, retry_cnt=qp.retry_cnt, rnr_retry=qp.rnr_retry, min_rnr_timer=qp.min_rnr_timer,
             rq_psn=qp.rq_psn, sq_psn=qp.sq_psn, max_rd_atomic=qp.max_rd_atomic,
             max_dest_rd_atomic=qp.max_dest_rd_atomic, sq_size=qp.sq_size, rq_size=qp.rq_size, sq_sge=qp.sq_sge,
             rq_sge=qp.rq_sge, dest_qp_id=qp.dest_qp_id, port_id=self.fw.config.port_id,
-            src_mac=struct.unpack("<3H", qp.src_mac), vlan_pcp_vlan_dei_vlan_id=qp.vlan_id)
+            src_mac=field_type(sb_type, "src_mac").from_buffer_copy(qp.src_mac), vlan_pcp_vlan_dei_vlan_id=qp.vlan_id)
         return self._side_buffer(command, sb)
 
     def _destroy_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:
@@ -431,7 +439,7 @@ class Rcfw:
     # -- memory regions -------------------------------------------------------------------------
     def _new_key(self, pd: int, kind: int) -> MemoryRegion:
         """A key is (context index << 8) | generation byte, so a stale key to a reused index does not match."""
-        index = self._new_id({key >> 8: mr for key, mr in self.mrs.items()}, self.fw.context_capacity(BS_MRAV), "MR")
+        index = self._new_id({key >> 8: mr for key, mr in self.mrs.items()}, self.fw.context_capacity(BS.MRAV), "MR")
         self._key_generation = (self._key_generation + 1) & 0xFF
         mr = self.mrs[index << 8 | self._key_generation] = MemoryRegion(index << 8 | self._key_generation, pd, kind)
         return mr
@@ -492,3 +500,4 @@ class Rcfw:
         found = self._find(table, key, what)
         del table[key]
         return found
+

@@ -13,21 +13,18 @@ responses in the local SGEs and retransmits go-back-N from the oldest unacknowle
 implied NAK (an ACK past an unfinished READ, a gap in read responses) or a timeout, once per loss: a NAK that names
 the PSN a go-back already restarted from (a duplicate, or one slower than the timer) starts no second one (stat
 "go_backs" counts them). Behaviour follows rxe
-(rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise.
+(rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise. All it reaches of the data
+path is its `QpPort` (qpport.py).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..autogen import bnxt
+from ..hw.cqe import CQE_REQ, RequesterErrorReason
+from ..hw.verbs import PSN_MASK, QPState, psn_diff
 from . import packets as pk
-from .dma import (ACCESS_ERRORS, CQE_REQ, PSN_MASK, REQ_CQE, REQ_NAK_ARRIVAL, REQ_RNR_TIMEOUT_RETRY_LIMIT,
-                  REQ_RX_MEMORY_ERROR, REQ_TIMEOUT_RETRY_LIMIT, psn_diff)
-from .objects import QpState
+from .dma import ACCESS_ERRORS
+from .qpport import QpPort
 from .sendqueue import SendQueue, SendWqe
-
-if TYPE_CHECKING:
-    from .datapath import QpContext
 
 WINDOW = 128  # RXE_MAX_UNACKED_PSNS
 READ_SEGMENT = 32  # response packets one READ request asks for at most (a quarter of the window)
@@ -35,7 +32,9 @@ ACK_EVERY = 64  # AckReq at least this often inside long messages (RXE_MAX_PKT_P
 LOCAL_ACK_TIMEOUT_US = 4.096
 
 S = bnxt
+R = RequesterErrorReason
 OK, FLUSHED = S.CQ_REQ_STATUS_OK, S.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
+CQE_TYPE_REQ = S.CQ_BASE_CQE_TYPE_REQ  # with the valid bit 0: CompletionQueue.post sets it
 NAK_STATUS = {pk.NAK_INVALID_REQUEST: S.CQ_REQ_STATUS_REMOTE_INVALID_REQUEST_ERR,
               pk.NAK_REMOTE_ACCESS: S.CQ_REQ_STATUS_REMOTE_ACCESS_ERR,
               pk.NAK_REMOTE_OPERATIONAL: S.CQ_REQ_STATUS_REMOTE_OPERATION_ERR}
@@ -44,7 +43,6 @@ READ_REQUEST = int(O.RDMA_READ_REQUEST)
 RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
     int(O.RDMA_READ_RESPONSE_FIRST), int(O.RDMA_READ_RESPONSE_MIDDLE), int(O.RDMA_READ_RESPONSE_LAST),
     int(O.RDMA_READ_RESPONSE_ONLY))
-
 
 
 def read_segment_end(k: int, npkts: int) -> int:
@@ -58,14 +56,13 @@ def read_segment_end(k: int, npkts: int) -> int:
 class Requester:
     """Send side of one QP: fetch, segment, transmit, complete, retransmit."""
 
-    def __init__(self, ctx: QpContext) -> None:
-        self.ctx, self.qp, self.dp = ctx, ctx.qp, ctx.dp
-        self.mem, self.mrs, self.stats = ctx.dp.mem, ctx.dp.mrs, ctx.dp.stats
+    def __init__(self, port: QpPort) -> None:
+        self.port, self.qp, self.stats = port, port.qp, port.stats
         self.wqes: list[SendWqe] = []
         self.done = 0  # wqes[:done] are completed (trimmed now and then)
         self.send = 0  # wqes[send] is being transmitted, from packet send_pkt
         self.send_pkt = 0
-        self.sq = SendQueue(ctx.qp, ctx.dp.mem, ctx.dp.mrs)
+        self.sq = SendQueue(port.qp, port.mem, port.mrs)
         self.started = False
         self.next_psn = self.una = self.sent_hi = 0  # next PSN to assign; oldest unacked; one past the highest sent
         self.reads = 0  # READ requests sent and not fully answered (ORRQ entries in use)
@@ -116,10 +113,10 @@ class Requester:
         number queued."""
         if self.rnr_until is not None:
             return 0
-        wqes, qp, ctx = self.wqes, self.qp, self.ctx
-        out = self.dp.outbox
+        wqes, qp, port = self.wqes, self.qp, self.port
+        out = port.outbox
         mtu, una, sent_hi = qp.path_mtu, self.una, self.sent_hi
-        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = ctx.address
+        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = port.address
         sent = retransmits = 0
         while self.send < len(wqes) and sent < budget:
             w = wqes[self.send]
@@ -190,7 +187,7 @@ class Requester:
                 interval = self.interval
                 if interval is not None:
                     self.rto_at = now + interval
-                    self.dp.schedule(ctx, self.rto_at)
+                    port.schedule(self.rto_at)
         return sent
 
     def _ack_requests(self, count: int, ends_message: bool) -> int:
@@ -208,7 +205,7 @@ class Requester:
     # -- completing ------------------------------------------------------------------------------------------------
     def _post(self, w: SendWqe, status: int) -> None:
         if status or w.signaled:
-            self.dp.post_cqe(self.qp.scq, REQ_CQE.pack(self.qp.handle, (w.index + 1) & 0xFFFF, CQE_REQ, status))
+            self.port.post_cqe(self.qp.scq, CQE_REQ.pack(self.qp.handle, (w.index + 1) & 0xFFFF, CQE_TYPE_REQ, status))
 
     def _retire(self) -> None:
         """Complete wqes[done] successfully."""
@@ -234,7 +231,7 @@ class Requester:
                 armed = self.rto_at is not None
                 self.rto_at = now + interval
                 if not armed:
-                    self.dp.schedule(self.ctx, self.rto_at)
+                    self.port.schedule(self.rto_at)
         else:
             self.rto_at = None
 
@@ -288,7 +285,7 @@ class Requester:
 
     def settle(self) -> bool:
         """Report a local error once every WQE before it has completed; False if the QP failed."""
-        if self.qp.state == QpState.ERR:
+        if self.qp.state == QPState.ERR:
             return False
         if self.done < len(self.wqes) and self.wqes[self.done].status is not None:
             w = self.wqes[self.done]
@@ -303,7 +300,7 @@ class Requester:
             self.done += 1
             self._post(w, status)
             self.qp.sq_consumer = w.index + 1
-        self.dp.qp_error(self.ctx, req_reason=reason)
+        self.port.fail_qp(req_reason=reason)
 
     def flush(self) -> None:
         """The QP is in ERR: every WQE not yet completed, and every WQE still on the ring, completes FLUSHED."""
@@ -326,13 +323,13 @@ class Requester:
                 self.send_pkt = max(0, psn_diff(una, w.first_psn))  # a READ's: its first response not received
                 break
         self.noack = 0
-        self.ctx.wake()
+        self.port.wake()
 
     def _retry(self, now: float, timeout: bool = False) -> None:
         if self.started_retry and not timeout:
             return  # one retry per loss until something new is acknowledged (rxe's started_retry)
         if self.retry_left <= 0:
-            self.fail(S.CQ_REQ_STATUS_TRANSPORT_RETRY_CNT_ERR, REQ_TIMEOUT_RETRY_LIMIT)
+            self.fail(S.CQ_REQ_STATUS_TRANSPORT_RETRY_CNT_ERR, R.REQ_TIMEOUT_RETRY_LIMIT)
             return
         self.retry_left -= 1
         self.started_retry = True
@@ -378,19 +375,19 @@ class Requester:
             if self.rnr_until is not None:
                 return
             if self.rnr_left <= 0:
-                self.fail(S.CQ_REQ_STATUS_RNR_NAK_RETRY_CNT_ERR, REQ_RNR_TIMEOUT_RETRY_LIMIT)
+                self.fail(S.CQ_REQ_STATUS_RNR_NAK_RETRY_CNT_ERR, R.REQ_RNR_TIMEOUT_RETRY_LIMIT)
                 return
             if self.qp.rnr_retry & 7 != 7:
                 self.rnr_left -= 1
             self._rewind()
             self.rto_at = None
             self.rnr_until = now + pk.RNR_TIMER_US[syndrome & 0x1F] * 1e-6
-            self.dp.schedule(self.ctx, self.rnr_until)
+            self.port.schedule(self.rnr_until)
         elif syndrome == pk.NAK_PSN_SEQ:
             if self.rnr_until is None and self.done < len(self.wqes):
                 self._retry(now)
         else:
-            self.fail(NAK_STATUS.get(syndrome, S.CQ_REQ_STATUS_REMOTE_OPERATION_ERR), REQ_NAK_ARRIVAL)
+            self.fail(NAK_STATUS.get(syndrome, S.CQ_REQ_STATUS_REMOTE_OPERATION_ERR), R.REQ_NAK_ARRIVAL)
 
     def on_read_response(self, p: pk.Packet, now: float) -> None:
         psn = p.psn
@@ -423,14 +420,14 @@ class Requester:
         try:
             w.data[k * mtu:k * mtu + size] = payload
         except ACCESS_ERRORS:
-            self.fail(S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, REQ_RX_MEMORY_ERROR)
+            self.fail(S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, R.REQ_RX_MEMORY_ERROR)
             return
         w.received = k + 1
         if answered:
             self.reads -= 1  # its ORRQ entry is free
         self.una = (psn + 1) & PSN_MASK
         if last:
-            placed = self.ctx.placed
+            placed = self.port.placed
             placed.read_messages += 1
             placed.read_bytes += w.length
             self._retire()

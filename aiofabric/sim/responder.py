@@ -6,23 +6,31 @@ silence until the gap closes (and, when a reordered packet closed it, until the 
 an earlier one is a duplicate, re-acknowledged (SEND/WRITE) or answered again from
 memory (READ), never executed twice. ACKs are coalesced: a packet with AckReq only notes the PSN, and `flush_ack()`
 (called by the data path at the end of every receive batch) sends one ACK for the highest. Invalid requests and
-access violations answer with a NAK and put the QP in ERR, as rxe's class C errors do.
+access violations answer with a NAK and put the QP in ERR, as rxe's class C errors do. All it reaches of the data
+path is its `QpPort` (qpport.py).
 """
 from __future__ import annotations
 
-import struct
-from typing import TYPE_CHECKING
+from typing import Any, Union
 
 from ..autogen import bnxt
+from ..hw.cqe import CQE_RES_RC
+from ..hw.ring import producer_from_doorbell
+from ..hw.verbs import PSN_MASK, MRAccess, QPAccess, psn_count, psn_diff
+from ..hw.wqe import RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS, SGE, SQ_SLOT
 from . import packets as pk
-from .dma import (ACCESS_ERRORS, CQE_RES_RC, EMPTY, MR_LOCAL_WRITE, MR_REMOTE_READ, MR_REMOTE_WRITE, MSN_MASK,
-                  PSN_MASK, QP_REMOTE_READ, QP_REMOTE_WRITE, RES_CQE, RES_EXCEEDS_WQE, RES_MEMORY_ERROR,
-                  RES_OPCODE_ERROR, RES_RX_INVALID_R_KEY, SGE, SLOT, map_remote, map_sges, producer_count, psn_diff)
+from .dma import ACCESS_ERRORS, EMPTY, Buffer, map_remote, map_sges
+from .packets import MSN_MASK
+from .qpport import QpPort
 
-if TYPE_CHECKING:
-    from .datapath import QpContext
-
-RQ_HEADER = struct.Struct("<BBBxxxxxI")  # rq_wqe_hdr: wqe_type, flags, wqe_size, wr_id[0]
+# plain ints: IntFlag arithmetic is slow on the per-message path
+MR_LOCAL_WRITE, MR_REMOTE_READ, MR_REMOTE_WRITE = (int(MRAccess.LOCAL_WRITE), int(MRAccess.REMOTE_READ),
+                                                   int(MRAccess.REMOTE_WRITE))
+QP_REMOTE_READ, QP_REMOTE_WRITE = int(QPAccess.REMOTE_READ), int(QPAccess.REMOTE_WRITE)
+R = "CREQ_QP_ERROR_NOTIFICATION_RES_ERR_STATE_REASON_RES_"
+RES_RX_INVALID_R_KEY, RES_EXCEEDS_WQE, RES_OPCODE_ERROR, RES_MEMORY_ERROR = (
+    getattr(bnxt, R + name) for name in ("RX_INVALID_R_KEY", "EXCEEDS_WQE", "OPCODE_ERROR", "MEMORY_ERROR"))
+CQE_TYPE_RES_RC = bnxt.CQ_BASE_CQE_TYPE_RES_RC  # with the valid bit 0: CompletionQueue.post sets it
 S = bnxt
 OK, FLUSHED = S.CQ_RES_RC_STATUS_OK, S.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
 IMM, RDMA = S.CQ_RES_RC_FLAGS_IMM, S.CQ_RES_RC_FLAGS_RDMA
@@ -52,14 +60,15 @@ class _Discard:
 
 
 DISCARD = _Discard()
+Target = Union[Buffer, _Discard]  # where a message's payload lands
 
 
 class Responder:
     """Receive side of one QP."""
 
-    def __init__(self, ctx: QpContext) -> None:
-        self.ctx, self.qp, self.dp = ctx, ctx.qp, ctx.dp
-        self.mem, self.mrs, self.stats = ctx.dp.mem, ctx.dp.mrs, ctx.dp.stats
+    def __init__(self, port: QpPort) -> None:
+        self.port, self.qp = port, port.qp
+        self.mem, self.mrs, self.stats = port.mem, port.mrs, port.stats
         self.started = False
         self.epsn = self.msn = 0
         self.nak_sent = False  # a NAK (sequence or RNR) is out for epsn: drop later PSNs silently until it arrives
@@ -69,7 +78,7 @@ class Responder:
         self.go_back_due = False
         self.nak_psn = self.dropped_hi = 0
         self.in_msg = 0  # IN_SEND / IN_WRITE while a multi-packet message is half received
-        self.target = EMPTY  # where the current message lands
+        self.target: Target = EMPTY  # where the current message lands
         self.offset = self.msg_length = 0
         self.placing = True  # the current WRITE's payload really lands (False only under the skip_placement fault)
         self.wr_id = 0  # of the RQ WQE the current SEND fills
@@ -83,8 +92,8 @@ class Responder:
 
     # -- packets out -----------------------------------------------------------------------------------------------
     def _acknowledge(self, psn: int, syndrome: int) -> None:
-        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.ctx.address
-        self.dp.outbox.append(pk.Packet(ACKNOWLEDGE, dest_qp, psn, False, False, pkey, False, False, 0, 0, 0,
+        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.port.address
+        self.port.outbox.append(pk.Packet(ACKNOWLEDGE, dest_qp, psn, False, False, pkey, False, False, 0, 0, 0,
                                         syndrome, self.msn, 0, b"", src_ip, dst_ip, sport, 4791, 0, tos, ttl))
         self.stats["packets_sent"] += 1
 
@@ -96,7 +105,7 @@ class Responder:
 
     def _owe_ack(self, psn: int) -> None:
         if self.ack_psn is None:
-            self.dp.acks_due.append(self)
+            self.port.owe_ack()
         self.ack_psn = psn
 
     def _nak(self, syndrome: int, psn: int) -> None:
@@ -104,12 +113,12 @@ class Responder:
         self._acknowledge(psn, syndrome)
         self.stats["naks"] += 1
 
-    def _respond(self, psn: int, source, length: int) -> None:
+    def _respond(self, psn: int, source: Buffer, length: int) -> None:
         """READ responses for `length` bytes of `source` from PSN `psn` (AETH on FIRST, LAST and ONLY)."""
         mtu = self.qp.path_mtu
-        count = max(1, -(-length // mtu))
-        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.ctx.address
-        out, packet, msn = self.dp.outbox, pk.Packet, self.msn
+        count = psn_count(length, mtu)
+        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.port.address
+        out, packet, msn = self.port.outbox, pk.Packet, self.msn
         for i in range(count):
             offset = i * mtu
             op = RESPONSE_ONLY if count == 1 else RESPONSE_FIRST if i == 0 else \
@@ -123,8 +132,8 @@ class Responder:
     def _complete(self, status: int, length: int = 0, imm: int = 0, flags: int = 0, solicited: bool = False) -> None:
         """Complete the RQ WQE at the consumer."""
         qp = self.qp
-        self.dp.post_cqe(qp.rcq, RES_CQE.pack(length, imm, qp.handle, 0, CQE_RES_RC, status, flags,
-                                              self.wr_id & WR_ID_MASK), solicited)
+        self.port.post_cqe(qp.rcq, CQE_RES_RC.pack(length, imm, qp.handle, 0, CQE_TYPE_RES_RC, status, flags,
+                                                   self.wr_id & WR_ID_MASK), solicited)
         qp.rq_consumer += 1
 
     def _error(self, p: pk.Packet, syndrome: int, reason: int, status: int | None = None) -> None:
@@ -133,7 +142,7 @@ class Responder:
         self.stats["request_errors"] += 1
         if status is not None:
             self._complete(status)
-        self.dp.qp_error(self.ctx, res_reason=reason)
+        self.port.fail_qp(res_reason=reason)
 
     def flush(self) -> None:
         """The QP is in ERR: every posted receive completes FLUSHED."""
@@ -141,7 +150,7 @@ class Responder:
         self.in_msg, self.ack_psn = 0, None
         if qp.rq is None or not qp.rq_size:
             return
-        produced = producer_count(qp.rq_consumer, qp.rq_producer, qp.rq_producer_epoch, qp.rq_size)
+        produced = producer_from_doorbell(qp.rq_consumer, qp.rq_producer, qp.rq_producer_epoch, qp.rq_size)
         while produced is not None and qp.rq_consumer < produced:
             try:
                 self.wr_id = self._rq_wqe()[3]
@@ -149,16 +158,18 @@ class Responder:
                 self.wr_id = 0
             self._complete(FLUSHED)
 
-    def _rq_wqe(self) -> tuple:
-        """(wqe_type, flags, wqe_size, wr_id, view) of the RQ WQE at the consumer."""
+    def _rq_wqe(self) -> tuple[Any, ...]:
+        """(wqe_type, flags, wqe_size, wr_id[0], wr_id[1], view) of the RQ WQE at the consumer."""
         qp = self.qp
         size, pages = qp.rq_wqe_size, qp.rq
+        assert pages is not None
         offset = qp.rq_consumer % qp.rq_size * size
+        view: memoryview | bytes
         if pages.contiguous or (offset & pages.page_mask) + size <= pages.page_size:
             view = self.mem.view(pages.address(offset), size)
         else:
-            view = b"".join(self.mem.view(pages.address(offset + i), SLOT) for i in range(0, size, SLOT))
-        return (*RQ_HEADER.unpack_from(view), view)
+            view = b"".join(self.mem.view(pages.address(offset + i), SQ_SLOT) for i in range(0, size, SQ_SLOT))
+        return (*RQ_WQE_HEADER.unpack_from(view), view)
 
     def _take_rq(self, p: pk.Packet, scatter: bool) -> bool:
         """Hold the next RQ WQE for this message (its SGEs mapped when `scatter`); on False a NAK was sent."""
@@ -166,17 +177,18 @@ class Responder:
         if qp.rq is None or not qp.rq_size:
             self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)  # a QP without an RQ takes no SENDs
             return False
-        produced = producer_count(qp.rq_consumer, qp.rq_producer, qp.rq_producer_epoch, qp.rq_size)
+        produced = producer_from_doorbell(qp.rq_consumer, qp.rq_producer, qp.rq_producer_epoch, qp.rq_size)
         if produced is None or produced == qp.rq_consumer:
             self._nak(pk.RNR_NAK | qp.min_rnr_timer & 0x1F, p.psn)
             self.nak_sent = True  # what follows in flight is dropped quietly until the retry arrives
             self.stats["rnr_naks"] += 1
             return False
         try:
-            _, _, wqe_size, self.wr_id, view = self._rq_wqe()
+            _, _, wqe_size, self.wr_id, _, view = self._rq_wqe()
             if scatter:
-                count = min(max(wqe_size - 2, 0), qp.rq_sge, qp.rq_wqe_size // SLOT - 2)
-                self.target = map_sges(self.mem, self.mrs, [SGE.unpack_from(view, 32 + i * SLOT)
+                count = min(max(wqe_size - RQ_WQE_HEADER_SLOTS, 0), qp.rq_sge,
+                            qp.rq_wqe_size // SQ_SLOT - RQ_WQE_HEADER_SLOTS)
+                self.target = map_sges(self.mem, self.mrs, [SGE.unpack_from(view, RQ_WQE_HEADER.size + i * SGE.size)
                                                             for i in range(count)], qp.pd, MR_LOCAL_WRITE)
         except ACCESS_ERRORS:
             self._error(p, pk.NAK_REMOTE_OPERATIONAL, RES_MEMORY_ERROR, S.CQ_RES_RC_STATUS_LOCAL_PROTECTION_ERR)
@@ -301,7 +313,7 @@ class Responder:
             imm = op == SEND_LAST_IMM or op == SEND_ONLY_IMM
             self.in_msg, self.target = 0, EMPTY
             self.msn = (self.msn + 1) & MSN_MASK
-            placed = self.ctx.placed
+            placed = self.port.placed
             placed.send_messages += 1
             placed.send_bytes += self.offset
             self._complete(OK, self.offset, p.immediate if imm else 0, IMM if imm else 0, p.solicited)
@@ -332,8 +344,7 @@ class Responder:
                 self._error(p, pk.NAK_REMOTE_ACCESS, RES_RX_INVALID_R_KEY)
                 return
             self.in_msg, self.offset, self.msg_length, self.placing = IN_WRITE, 0, p.dma_length, True
-            faults = self.dp.placement_faults
-            if p.dma_length and (faults["skip_placement"] or faults["misplace"]):
+            if p.dma_length and self.port.faults.armed:
                 self._fault_placement(p)
         payload = p.payload
         size, mtu = len(payload), qp.path_mtu
@@ -352,7 +363,7 @@ class Responder:
             self.in_msg, self.target = 0, EMPTY
             self.msn = (self.msn + 1) & MSN_MASK
             if self.placing:
-                placed = self.ctx.placed
+                placed = self.port.placed
                 placed.write_messages += 1
                 placed.write_bytes += self.msg_length
             if imm:
@@ -363,18 +374,19 @@ class Responder:
     def _fault_placement(self, p: pk.Packet) -> None:
         """Apply the deliberate placement bug armed for this WRITE message, if any: drop its payload, or land it
         misplace_offset bytes away from the RETH's address, clamped to stay inside the region (so it never faults)."""
-        kind = self.dp.placement_fault()
+        faults = self.port.faults
+        kind = faults.take()
         if kind == "skip_placement":
             self.target, self.placing = DISCARD, False
         elif kind == "misplace":
             region = self.mrs[p.rkey]  # map_remote found it for the true address
-            va = max(region.va, min(p.remote_addr + self.dp.misplace_offset, region.va + region.size - p.dma_length))
+            va = max(region.va, min(p.remote_addr + faults.misplace_offset, region.va + region.size - p.dma_length))
             try:
                 self.target = map_remote(self.mem, self.mrs, va, p.rkey, p.dma_length, self.qp.pd, MR_REMOTE_WRITE)
             except ACCESS_ERRORS:
                 pass  # the true target stays
 
-    def _read_source(self, p: pk.Packet):
+    def _read_source(self, p: pk.Packet) -> Buffer:
         qp = self.qp
         if not qp.access & QP_REMOTE_READ:
             raise PermissionError
@@ -392,14 +404,14 @@ class Responder:
             return
         self.msn = (self.msn + 1) & MSN_MASK
         self._respond(p.psn, source, p.dma_length)
-        self.epsn = (p.psn + max(1, -(-p.dma_length // self.qp.path_mtu))) & PSN_MASK
+        self.epsn = (p.psn + psn_count(p.dma_length, self.qp.path_mtu)) & PSN_MASK
 
     def _duplicate(self, p: pk.Packet) -> None:
         """A request already executed: acknowledge again, or answer a READ again from memory as it is now."""
         self.stats["duplicates"] += 1
         op = p.opcode
         if op == READ_REQUEST:
-            count = max(1, -(-p.dma_length // self.qp.path_mtu))
+            count = psn_count(p.dma_length, self.qp.path_mtu)
             if psn_diff((p.psn + count) & PSN_MASK, self.epsn) > 0:
                 self.stats["dropped_malformed"] += 1  # claims responses beyond anything requested before
                 return

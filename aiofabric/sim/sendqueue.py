@@ -1,27 +1,32 @@
-"""The send queue as the device reads it: WQEs taken off the driver's SQ ring (reference §7), sans-IO.
+"""The send queue as the device reads it: WQEs taken off the driver's SQ ring, sans-IO.
 
-Variable-WQE mode (what the driver uses): the ring is `sq_slots` 16-byte slots, a WQE is a 32-byte header
-(`sq_rdma_hdr` / `sq_send_hdr`) plus `wqe_size - 2` SGE (or inline data) slots, every slot wrapping on its own, and the
-doorbell names the producer slot. Static mode: every WQE takes 8 slots and the doorbell names the producer WQE. Each
+The WQE format is hw/wqe.py's. Variable-WQE mode (what the driver uses): the ring is `sq_slots` slots, a WQE is a
+header plus `wqe_size - 2` SGE (or inline data) slots, every slot wrapping on its own, and the doorbell names the
+producer slot. Static mode: every WQE takes SQ_STATIC_WQE_SLOTS slots and the doorbell names the producer WQE. Each
 WQE becomes a `SendWqe` with its local memory already mapped (a memoryview, or a ScatterGather) and its PSN range
 assigned; a WQE the device cannot use carries the completion status it will fail with.
 """
 from __future__ import annotations
 
-import struct
 from typing import Protocol
 
 from ..autogen import bnxt
+from ..hw.cqe import RequesterErrorReason
+from ..hw.ring import producer_from_doorbell
+from ..hw.verbs import PSN_MASK, MRAccess, psn_count
+from ..hw.wqe import SGE, SQ_RDMA_HEADER_AND_SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS
 from . import packets as pk
-from .dma import (ACCESS_ERRORS, EMPTY, MR_LOCAL_WRITE, PSN_MASK, REQ_TX_MEMORY_ERROR, REQ_WQE_FORMAT_ERROR, SGE,
-                  SLOT, Buffer, gather, map_sges, producer_count)
+from .dma import ACCESS_ERRORS, EMPTY, Buffer, gather, map_sges
 from .memory import BusMemory
 from .objects import MemoryProtectionError, MemoryRegion, QueuePair
 
 MAX_SGES = 30
-STATIC_WQE_SLOTS = 8
-HEADER = struct.Struct("<BBBxIIIQI")  # sq_rdma_hdr / sq_send_hdr: type, flags, size, imm, length, -, remote_va, rkey
-HEADER_AND_SGE = struct.Struct(HEADER.format + "4x" + SGE.format[1:])  # a one-SGE WQE's three slots in one go
+SLOT_SHIFT = SQ_SLOT.bit_length() - 1
+LOCAL_WRITE = int(MRAccess.LOCAL_WRITE)  # a plain int: IntFlag arithmetic is slow on the per-WQE path
+TX_MEMORY_ERROR = RequesterErrorReason.REQ_TX_MEMORY_ERROR
+WQE_FORMAT_ERROR = RequesterErrorReason.REQ_WQE_FORMAT_ERROR
+HEADER_SLOTS = SQ_WQE_HEADER_SLOTS
+UNREADABLE = (0xFF,) * sum(field.count for field in SQ_RDMA_HEADER_AND_SGE.fields)  # wqe_size 0xFF: malformed
 S = bnxt
 O = pk.Op
 # opcodes by position in the message: index (first << 1) | last -> middle, last, first, only
@@ -74,14 +79,15 @@ class SendQueue:
         self.force_completion = qp.force_completion
 
     def _ring(self) -> tuple[list[memoryview], int, int]:
-        """The SQ ring as memoryviews and how to find slot s in them: views[s >> shift], offset (s << 4) & mask."""
+        """The SQ ring as memoryviews and how to find slot s in them: views[s >> shift], offset (s << SLOT_SHIFT) &
+        mask."""
         if self._ring_views is None:
             qp = self.qp
             pages = qp.sq
             if pages.contiguous:
-                self._ring_views = ([self.mem.view(pages.pages[0], qp.sq_slots * SLOT)], 62, (1 << 62) - 1)
+                self._ring_views = ([self.mem.view(pages.pages[0], qp.sq_slots * SQ_SLOT)], 62, (1 << 62) - 1)
             else:
-                per_page = pages.page_size // SLOT
+                per_page = pages.page_size // SQ_SLOT
                 count = -(-qp.sq_slots // per_page)
                 self._ring_views = ([self.mem.view(page, pages.page_size) for page in pages.pages[:count]],
                                     per_page.bit_length() - 1, pages.page_size - 1)
@@ -89,16 +95,17 @@ class SendQueue:
 
     def _slot(self, slot: int) -> bytes:
         views, shift, mask = self._ring()
-        offset = (slot << 4) & mask
-        return bytes(views[slot >> shift][offset:offset + SLOT])
+        offset = (slot << SLOT_SHIFT) & mask
+        return bytes(views[slot >> shift][offset:offset + SQ_SLOT])
 
     def fetch(self, psns: PsnAllocator, flush: bool = False) -> list[SendWqe] | None:
         """Every WQE the driver published since the last call, in order (bare ones when `flush`: they only need their
         index); PSN ranges come from `psns.next_psn`. None when the doorbell named an impossible producer."""
         qp, wqes = self.qp, []
-        unit = 1 if qp.variable_wqe else STATIC_WQE_SLOTS
+        unit = 1 if qp.variable_wqe else SQ_STATIC_WQE_SLOTS
         ring = qp.sq_slots
-        produced = producer_count(self.fetched_slots // unit, qp.sq_producer, qp.sq_producer_epoch, ring // unit)
+        produced = producer_from_doorbell(self.fetched_slots // unit, qp.sq_producer, qp.sq_producer_epoch,
+                                          ring // unit)
         if produced is None:
             return None
         produced *= unit
@@ -106,51 +113,51 @@ class SendQueue:
             views, shift, mask = self._ring()
         except ACCESS_ERRORS:
             views, shift, mask = [], 0, 0
-        largest = min(2 + MAX_SGES, STATIC_WQE_SLOTS if unit > 1 else ring)
-        unpack, append = HEADER_AND_SGE.unpack_from, wqes.append
+        largest = min(SQ_WQE_HEADER_SLOTS + MAX_SGES, SQ_STATIC_WQE_SLOTS if unit > 1 else ring)
+        unpack, append = SQ_RDMA_HEADER_AND_SGE.unpack_from, wqes.append
         while self.fetched_slots < produced:
             available = produced - self.fetched_slots
             first = self.fetched_slots % ring
-            third = first + 2  # header and first SGE; the SGE slot is ignored unless the header says it is one
+            third = first + HEADER_SLOTS  # the first SGE's slot; ignored unless the header says it is one
             try:
                 if third < ring and third >> shift == first >> shift:
-                    fields = unpack(views[first >> shift], (first << 4) & mask)
+                    fields = unpack(views[first >> shift], (first << SLOT_SHIFT) & mask)
                 else:
                     fields = unpack(self._slot(first) + self._slot((first + 1) % ring) + self._slot(third % ring))
             except (*ACCESS_ERRORS, IndexError):
-                fields = (0xFF,) * 11
+                fields = UNREADABLE
             size = fields[2]
-            if 2 <= size <= available and size <= largest:
-                stride = size if unit == 1 else STATIC_WQE_SLOTS
+            if HEADER_SLOTS <= size <= available and size <= largest:
+                stride = size if unit == 1 else SQ_STATIC_WQE_SLOTS
                 w = self._parse(psns, first, fields) if not flush else SendWqe(self.fetched)
             else:  # nothing after a malformed WQE can be parsed: it takes the rest of what was published
                 stride = available
-                w = SendWqe(self.fetched, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=REQ_WQE_FORMAT_ERROR)
+                w = SendWqe(self.fetched, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR)
             self.fetched_slots += stride
             self.fetched += 1
             append(w)
         return wqes
 
     def _parse(self, psns: PsnAllocator, first: int, fields: tuple[int, ...]) -> SendWqe:
-        """A SendWqe from its header and first SGE slot (HEADER_AND_SGE), with its local memory mapped and its PSNs
-        assigned (or the local error found)."""
-        kind, flags, size, imm, length, _, remote_va, rkey, va, key, sge_size = fields
+        """A SendWqe from its header and first SGE slot (SQ_RDMA_HEADER_AND_SGE: a SEND's header keeps the fields read
+        here at the same offsets), with its local memory mapped and its PSNs assigned (or the local error found)."""
+        kind, flags, size, imm, length, remote_va, rkey, _, va, key, sge_size = fields
         qp, index = self.qp, self.fetched
         known = KINDS.get(kind)
         if known is None:
-            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=REQ_WQE_FORMAT_ERROR)
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR)
         ops, _, rdma = known
         read = ops is None
         ring = qp.sq_slots
         try:
             if flags & INLINE and not read:
-                body = b"".join(self._slot((first + 2 + i) % ring) for i in range(size - 2))
+                body = b"".join(self._slot((first + HEADER_SLOTS + i) % ring) for i in range(size - HEADER_SLOTS))
                 if length > len(body):
-                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=REQ_WQE_FORMAT_ERROR)
+                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=WQE_FORMAT_ERROR)
                 data: Buffer = memoryview(bytearray(body[:length]))
             else:
-                access = MR_LOCAL_WRITE if read else 0
-                if size == 3:  # one SGE, the common case: no list, no ScatterGather
+                access = LOCAL_WRITE if read else 0
+                if size == HEADER_SLOTS + 1:  # one SGE, the common case: no list, no ScatterGather
                     region = self.mrs.get(key)
                     if region is None:
                         raise MemoryProtectionError(f"lkey {key:#x} does not exist")
@@ -160,15 +167,15 @@ class SendQueue:
                 else:
                     views, shift, mask = self._ring()
                     sges = []
-                    for i in range(size - 2):
-                        slot = (first + 2 + i) % ring
-                        sges.append(SGE.unpack_from(views[slot >> shift], (slot << 4) & mask))
+                    for i in range(size - HEADER_SLOTS):
+                        slot = (first + HEADER_SLOTS + i) % ring
+                        sges.append(SGE.unpack_from(views[slot >> shift], (slot << SLOT_SHIFT) & mask))
                     data = map_sges(self.mem, self.mrs, sges, qp.pd, access)
                 if len(data) < length:
-                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=REQ_TX_MEMORY_ERROR)
+                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=TX_MEMORY_ERROR)
         except ACCESS_ERRORS:
-            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=REQ_TX_MEMORY_ERROR)
-        npkts = -(-length // qp.path_mtu) or 1
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=TX_MEMORY_ERROR)
+        npkts = psn_count(length, qp.path_mtu)
         first_psn = psns.next_psn
         psns.next_psn = (first_psn + npkts) & PSN_MASK
         return SendWqe(index, ops, read, flags & SIGNAL != 0 or self.force_completion, flags & SOLICIT != 0,

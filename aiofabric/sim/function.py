@@ -1,0 +1,163 @@
+"""The emulated function's firmware state, shared by its two command channels (sans-IO).
+
+HWRM (hwrm.py) and the RoCE channel (rcfw.py) are two doors into one PCI function. What both need lives here: host
+memory and the configuration, the rings HWRM allocates (the CREQ and the NQs the RoCE side posts to are HWRM rings),
+statistics contexts, the backing store and how many objects it holds, the SQ/RQ doorbells recorded for the data
+path, the MSI-X vectors the I/O shell is to fire, injected errors and error accounting. `hwrm.Firmware` is this
+state plus the HWRM commands, and owns the `rcfw.Rcfw` that is handed this state: neither channel imports the other
+for it.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+from ..autogen import bnxt
+from ..hw.firmware import BackingStoreType as BS
+from .memory import PAGE, BusMemory, DmaFault
+from .objects import BackingStoreArea, CommandError, L2Filter, PageTableError, Ring, StatContext, Vnic
+
+TYPE_VALID = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID
+CTX_INIT = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_ENABLE_CTX_KIND_INIT
+
+
+@dataclass
+class FirmwareConfig:
+    mac: bytes  # 6 bytes
+    port_id: int = 0
+    fw_version: tuple[int, int, int, int] = (230, 0, 150, 0)  # major, minor, build, reserved
+    roce_db_page_kb: int = 64  # func_qcfg.legacy_l2_db_size_kb: the RoCE doorbell page is at BAR2 + this * 1024
+    hw_retx: bool = True  # QUERY_FUNC reports the host MSN table (hardware requester retransmission)
+
+
+@dataclass(frozen=True)
+class ContextType:
+    """What FUNC_BACKING_STORE_QCAPS_V2 reports for one type of context memory."""
+    kind: int
+    entry_size: int
+    flags: int
+    instance_bit_map: int  # one CFG_V2 per set bit; 0 means a single instance 0
+    init_value: int  # with ENABLE_CTX_KIND_INIT: this byte at init_offset * 4 of every entry
+    init_offset: int
+    entry_multiple: int
+    min_entries: int
+    max_entries: int
+    splits: tuple[int, ...] = ()
+
+    @property
+    def instances(self) -> list[int]:
+        return [i for i in range(32) if self.instance_bit_map >> i & 1] or [0]
+
+
+# A Thor2-like set, small enough for an emulator's arena: Linux sizes QPs as split0 (L2) + split1 (QP1) + extra RoCE
+# QPs, CQs as split0 + 2 * extra QPs, TIM like QPs. TX_CK is reported but not valid for this function.
+CONTEXT_TYPES = {ctx.kind: ctx for ctx in (
+    #           type            size flags                 instances init  offset multiple min  max    splits
+    ContextType(BS.QP,          704, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 2,     64,      256, 2048,  (128, 2, 0)),
+    ContextType(BS.SRQ,         192, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 1,     64,      64,  1024,  (128,)),
+    ContextType(BS.CQ,          128, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 3,     64,      256, 8192,  (256,)),
+    ContextType(BS.VNIC,        256, TYPE_VALID,            0x00,     0,    0,     1,       1,   128,   (128,)),
+    ContextType(BS.STAT,        256, TYPE_VALID,            0x00,     0,    0,     1,       1,   512),
+    ContextType(BS.SP_TQM_RING, 64,  TYPE_VALID,            0x01,     0,    0,     64,      64,  16384),
+    ContextType(BS.FP_TQM_RING, 32,  TYPE_VALID,            0xFF,     0,    0,     64,      64,  16384),  # per TC
+    ContextType(BS.MRAV,        128, TYPE_VALID | CTX_INIT, 0x00,     0x80, 1,     64,      64,  8192),
+    ContextType(BS.TIM,         16,  TYPE_VALID,            0x00,     0,    0,     1,       1,   2048),
+    ContextType(BS.TX_CK,       0,   0,                     0x00,     0,    0,     0,       0,   0),
+)}
+_kinds = sorted(CONTEXT_TYPES)
+NEXT_CONTEXT_TYPE = dict(zip(_kinds, _kinds[1:] + [BS.INVALID]))
+
+
+class FunctionState:
+    """One function's firmware state: what HWRM and RCFW commands, doorbells and the data path all read and change."""
+
+    def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
+        self.mem, self.config = mem, config
+        self.interrupts: list[int] = []  # MSI-X vectors for the shell to fire
+        self.sq_doorbells: list[int] = []  # QP numbers whose SQ / RQ producer moved, for the data path
+        self.rq_doorbells: list[int] = []
+        self.injected_errors: dict[str, list[int]] = {}  # command name -> [status, remaining count]
+        # counters for the debug channel: errors, internal_errors (emulator bugs), ctx_init_missing, legacy_doorbells,
+        # l2_doorbells, ignored_doorbells, doorbells_without_valid, ignored_triggers, creq_dropped, hwrm_unanswerable
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.last_error = ""  # why the last command failed or was ignored
+        self.rings: dict[int, Ring] = {}
+        self.stat_ctxs: dict[int, StatContext] = {}
+        self.vnics: dict[int, Vnic] = {}
+        self.l2_filters: dict[int, L2Filter] = {}
+        self.backing_store: dict[tuple[int, int], BackingStoreArea] = {}
+        self.queried_context_types: set[int] = set()
+        self.backing_store_done = False
+        self.driver: dict[str, Any] | None = None  # what FUNC_DRV_RGTR said; drivers may skip registering
+        self.loopback = bnxt.PORT_PHY_CFG_REQ_LPBK_NONE
+
+    def clear(self) -> None:
+        """FUNC_RESET: the L2 objects, the backing store and the recorded doorbells are gone."""
+        for table in (self.rings, self.stat_ctxs, self.vnics, self.l2_filters, self.backing_store):
+            table.clear()
+        self.queried_context_types.clear()
+        self.backing_store_done, self.driver = False, None
+        self.sq_doorbells.clear()
+        self.rq_doorbells.clear()
+
+    # -- errors ------------------------------------------------------------------------------------------------------
+    def failure(self, what: str, exc: Exception, invalid: int, internal: int) -> int:
+        """The status a failed command answers with, and why it failed (`last_error`, for tests and the debug channel).
+
+        A CommandError carries its status; a page table or address outside host memory is an invalid parameter;
+        anything else is an emulator bug, answered with `internal` so the device keeps running.
+        """
+        self.note_error(what, exc)
+        if isinstance(exc, CommandError):
+            return exc.status
+        if isinstance(exc, (DmaFault, PageTableError)):
+            return invalid
+        self.stats["internal_errors"] += 1
+        return internal
+
+    def note_error(self, what: str, reason: object) -> None:
+        self.last_error = f"{what}: {reason}"
+        self.stats["errors"] += 1
+
+    def inject_error(self, command: str, status: int, count: int = 1) -> None:
+        """Make the next `count` commands named `command` (HWRM or RCFW, e.g. "func_qcfg", "create_qp") fail."""
+        if count > 0:
+            self.injected_errors[command] = [status, count]
+        else:
+            self.injected_errors.pop(command, None)
+
+    def take_injected_error(self, command: str) -> int | None:
+        injected = self.injected_errors.get(command)
+        if injected is None:
+            return None
+        injected[1] -= 1
+        if injected[1] <= 0:
+            del self.injected_errors[command]
+        self.last_error = f"{command}: injected status {injected[0]:#x}"
+        return injected[0]
+
+    # -- what the function offers ------------------------------------------------------------------------------------
+    @property
+    def roce_db_offset(self) -> int:
+        return -(-self.config.roce_db_page_kb * 1024 // PAGE) * PAGE
+
+    @property
+    def ctx_init_ok(self) -> bool:
+        """False once any backing-store area arrived without the context initialisation the firmware asked for."""
+        return not self.stats["ctx_init_missing"]
+
+    def context_capacity(self, kind: int) -> int:
+        """How many objects of a backing-store type fit: the configured entries, or the maximum until configured."""
+        configured = [area.entries for (k, _), area in self.backing_store.items() if k == kind]
+        return min(configured) if configured else CONTEXT_TYPES[kind].max_entries
+
+    def backing_store_missing(self) -> str | None:
+        """Why RoCE cannot start yet, or None: ALL_DONE seen and every valid type and instance configured."""
+        if not self.backing_store_done:
+            return "backing store not configured (no FUNC_BACKING_STORE_CFG_V2 with BS_CFG_ALL_DONE)"
+        for ctx in CONTEXT_TYPES.values():
+            missing = [i for i in ctx.instances if ctx.flags & TYPE_VALID and (ctx.kind, i) not in self.backing_store]
+            if missing:
+                return f"backing-store type {ctx.kind:#x} instances {missing} not configured"
+        return None
