@@ -1,4 +1,4 @@
-"""Control-path benchmarks on the emulated NIC (issue: emulated NIC and async control path).
+"""Control-path benchmarks on the emulated NIC: firmware commands, object creation, an idle NIC.
 
     python bench/control_path.py [--backend asyncio|uvloop|trio] [--objects 256] [--idle 10] [--json]
 

@@ -1,4 +1,4 @@
-"""Data-path benchmarks (issue: pipelined RDMA over the emulated RoCEv2 wire). Ratios are measured in one run.
+"""Data-path benchmarks: pipelined RDMA over the emulated RoCEv2 wire. Ratios are measured in one run.
 
     python bench/datapath.py [--quick] [--json]
 

@@ -1,4 +1,4 @@
-"""Fuzzing the emulated NIC through the seam and its wire (issue 7, item 3): it must never crash, leak or miscount.
+"""Fuzzing the emulated NIC through the seam and its wire: it must never crash, leak or miscount.
 
     python bench/fuzz.py [--seed S] [--hwrm N] [--rcfw N] [--datagrams N] [--batches K]
 

@@ -1,4 +1,4 @@
-"""Scheduler benchmarks (issue 9): planning time vs batch size, replay overhead per call, two C kernels on two
+"""Scheduler benchmarks (bench/RESULTS.md, Scheduler): planning time vs batch size, replay overhead per call, two C kernels on two
 compute queues against one, and the overlap of C kernels on two compute queues with RDMA writes against the same
 calls run one after another.
 

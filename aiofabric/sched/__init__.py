@@ -1,4 +1,4 @@
-"""The scheduler: compiled batches of kernel, copy and RDMA calls over many in-order queues (design.md §4).
+"""The scheduler: compiled batches of kernel, copy and RDMA calls over many in-order queues (README: Scheduler).
 
     batch = sched.compile([sched.kernel(...), sched.write(qp, ...), ...], inputs={"x": x})
     await batch.run({"x": new_x})          # replay with new inputs, no planning
