@@ -409,8 +409,9 @@ class Device:
 def _backing_entries(kind: int, caps: ctypes.Structure, splits: list[int], counts: dict[int, int]) -> int:
     """Entries for one backing-store type, as bnxt_en sizes them for a RoCE-capable function."""
     base = sum(splits)
-    extra = {BackingStoreType.QP: EXTRA_QPS, BackingStoreType.SRQ: EXTRA_QPS // 2, BackingStoreType.CQ: 2 * EXTRA_QPS,
-             BackingStoreType.MRAV: EXTRA_MRS}.get(kind, 0)
+    extras: dict[int, int] = {BackingStoreType.QP: EXTRA_QPS, BackingStoreType.SRQ: EXTRA_QPS // 2,
+                              BackingStoreType.CQ: 2 * EXTRA_QPS, BackingStoreType.MRAV: EXTRA_MRS}
+    extra = extras.get(kind, 0)
     entries = counts.get(BackingStoreType.QP, base + EXTRA_QPS) if kind == BackingStoreType.TIM else base + extra
     multiple = max(caps.entry_multiple, 1)
     entries = -(-entries // multiple) * multiple

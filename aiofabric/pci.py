@@ -481,7 +481,7 @@ def machine_code_barrier(machine: str) -> Callable[[], None]:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot make the barrier page executable: {os.strerror(err)}")
     fence = ctypes.CFUNCTYPE(None)(address)
-    fence._page = page  # the code lives as long as the function
+    setattr(fence, "_page", page)  # the code lives as long as the function
     return fence
 
 
@@ -492,7 +492,7 @@ def _choose_barrier(machine: str) -> Callable[[], None]:
         return machine_code_barrier(machine)
     except (KeyError, OSError) as exc:
         reason = f"no barrier instruction known for {machine}" if isinstance(exc, KeyError) else str(exc)
-        warned = []
+        warned: list[bool] = []
 
         def unordered() -> None:
             if not warned:

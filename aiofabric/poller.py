@@ -107,6 +107,7 @@ class Poller:
             finally:
                 self.sleeping = False
         error = self.device.lost
+        assert error is not None  # the loop runs while the device is alive
         for cq in self.cqs.values():
             cq.fail_all(error)
 

@@ -48,11 +48,11 @@ class Access(enum.IntFlag):
 
     def for_mr(self) -> int:
         """REGISTER_MR's bits (their order differs from MODIFY_QP's)."""
-        return int(MRAccess(sum(getattr(MRAccess, flag.name) for flag in Access if flag in self)))
+        return sum(MRAccess[str(flag.name)] for flag in Access if flag in self)
 
     def for_qp(self) -> int:
         """MODIFY_QP's bits."""
-        return int(QPAccess(sum(getattr(QPAccess, flag.name) for flag in Access if flag in self)))
+        return sum(QPAccess[str(flag.name)] for flag in Access if flag in self)
 
 
 ALL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ

@@ -92,7 +92,7 @@ def collect(root: str) -> tuple[dict[str, list], dict[str, int], dict[str, int],
     hsi = read_header(root, HSI)
     sizes.update({n: int(b) for n, _, b in SIZE_RE.findall(hsi)})
     every_hsi_define = parse_defines(hsi, namespace)
-    wanted = set()
+    wanted: set[str] = set()
     for name, body in STRUCT_RE.findall(hsi):
         if HWRM_STRUCTS.fullmatch(name):
             structs[name] = parse_struct(name, body)
@@ -110,7 +110,10 @@ def collect(root: str) -> tuple[dict[str, list], dict[str, int], dict[str, int],
     for path in BNXT_EN:
         text = read_header(root, path)
         defines.update({k: v for k, v in parse_defines(text, dict(namespace)).items() if k in BNXT_EN_DEFINES})
-    version = re.search(r'#define HWRM_VERSION_STR "([^"]+)"', hsi).group(1)
+    found = re.search(r'#define HWRM_VERSION_STR "([^"]+)"', hsi)
+    if found is None:
+        raise SystemExit(f"{HSI}: no HWRM_VERSION_STR: not the header this generator knows")
+    version = found.group(1)
     return structs, sizes, defines, version
 
 

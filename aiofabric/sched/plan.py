@@ -281,15 +281,17 @@ def _plan(calls: Iterable[Access]) -> Plan:
     submissions: list[Submission] = []
     conflicts = 0
     for index, call in enumerate(calls):
-        qi = queue_index.get(call.queue)
-        first_use = qi is None
-        if first_use:
+        known = queue_index.get(call.queue)
+        first_use = known is None
+        if known is None:
             qi = queue_index[call.queue] = len(positions)
             device_of_queue.append(device_index.setdefault(call.device, len(device_index)))
             positions.append(0)
             waited.append({})
             per_queue.append([])
-        elif device_index.get(call.device) != device_of_queue[qi]:
+        else:
+            qi = known
+        if not first_use and device_index.get(call.device) != device_of_queue[qi]:
             raise ValueError(f"call {index}: queue {call.queue!r} was used on device "
                              f"{list(device_index)[device_of_queue[qi]]!r}, not {call.device!r}")
         position = positions[qi] = positions[qi] + 1

@@ -119,14 +119,15 @@ class Batch:
         for ci, args in enumerate(self._args):
             for ai, arg in enumerate(args):
                 for ii, value in enumerate(self._inputs):
+                    extent = ranges[ii]
                     if arg is value:
                         self._slots.append(_Slot(ci, ai, ii, arg if isinstance(arg, np.ndarray) else None,
-                                                 ranges[ii][0] if ranges[ii] else 0))
+                                                 extent[0] if extent else 0))
                         break
-                    if isinstance(arg, np.ndarray) and ranges[ii] is not None:
+                    if isinstance(arg, np.ndarray) and extent is not None:
                         start, stop = _extent(arg)
-                        if ranges[ii][0] <= start and stop <= ranges[ii][1] and np.shares_memory(arg, bases[ii]):
-                            self._slots.append(_Slot(ci, ai, ii, arg, ranges[ii][0]))
+                        if extent[0] <= start and stop <= extent[1] and np.shares_memory(arg, bases[ii]):
+                            self._slots.append(_Slot(ci, ai, ii, arg, extent[0]))
                             break
                 else:
                     if isinstance(arg, (np.ndarray, MemoryRegion)):
@@ -190,7 +191,7 @@ class Batch:
             changed.add(index)
         if not changed:
             return
-        args = {}
+        args: dict[int, list[Any]] = {}
         for slot in self._slots:
             if slot.input in changed:
                 call_args = args.setdefault(slot.call, list(self._args[slot.call]))
@@ -219,6 +220,7 @@ class Batch:
             if extent is None or extent[1] <= extent[0]:
                 continue
             hit = self._overlapping_constant(extent)
+            other: str | None
             if hit is not None:
                 other = self._argument_text(*hit)
             else:
@@ -354,7 +356,8 @@ class Batch:
     async def _qp_worker(self, qi: int, submissions: list[Submission], signals: list[Counter], timeline: Timeline,
                          ticket: int, records: list[tuple[int, int]], fail: Any) -> None:
         """Post in order (waits, fences), retire completions in order (end times, signals) in a second task."""
-        qp: QueuePair = self._queues[qi]
+        qp = self._queues[qi]
+        assert isinstance(qp, QueuePair)
         signal, clock = signals[qi], time.perf_counter_ns
         completions: list[Any] = [None] * len(submissions)
         starts = [0] * len(submissions)
