@@ -1,4 +1,4 @@
-"""Fuzzing the emulated NIC (issue 7, item 3), the fast subset: hostile input never crashes it, leaks or miscounts.
+"""Fuzzing the emulated NIC, the fast subset: hostile input never crashes it, leaks or miscounts.
 
 Sans-IO first (the codec, HWRM and RCFW firmware driven as in test_sim_firmware, with hypothesis), then a live NIC
 through the seam and its wire with bench/fuzz.py's generators at small counts (the long run is `python bench/fuzz.py`).

@@ -55,7 +55,8 @@ def packets(draw: st.DrawFn, opcodes: st.SearchStrategy[Op] = st.sampled_from(Op
 
 
 def reference_icrc_v4(ip_to_end_without_icrc: bytes) -> bytes:
-    """The reference's Python ICRC snippet (rocev2-wire.md §2), verbatim."""
+    """The ICRC written out plainly, independently of the codec: mask TOS, TTL, the IP checksum, the UDP checksum and
+    the BTH's FECN/BECN byte, prepend eight 0xFF bytes (the masked LRH), CRC-32, stored little-endian."""
     b = bytearray(ip_to_end_without_icrc); ihl = (b[0] & 15) * 4  # noqa: E702
     b[1] = 0xff; b[8] = 0xff; b[10:12] = b"\xff\xff"  # noqa: E702
     b[ihl+6:ihl+8] = b"\xff\xff"
@@ -64,7 +65,7 @@ def reference_icrc_v4(ip_to_end_without_icrc: bytes) -> bytes:
 
 
 def scapy_icrc(ip_packet: bytes) -> bytes:
-    """scapy's ICRC for a whole IPv4 packet: dissect, forget the ICRC, rebuild (reference §4)."""
+    """scapy's ICRC for a whole IPv4 packet: dissect, forget the ICRC, rebuild."""
     dissected = scapy_all.IP(ip_packet)
     dissected[roce.BTH].icrc = None
     return scapy_all.raw(dissected)[-4:]

@@ -211,8 +211,7 @@ class SimPCIDevice(PCIDevice):
                  json.dumps(config)],
                 pass_fds=[self._bar0_fd, self._arena_fd, kick_peer.fileno(), debug_peer.fileno(), *self._irqs],
                 stdin=subprocess.DEVNULL)
-        except BaseException:
-            self.process = None
+        except BaseException:  # no process: close() releases the rest
             self._closed = False
             self.close()
             raise
@@ -328,12 +327,13 @@ class SimPCIDevice(PCIDevice):
         self._debug_file.close()  # a makefile holds the socket's descriptor open past socket.close()
         self._kick.close()  # EOF tells the emulator to exit
         self._debug.close()
-        if self.process is not None:
+        process: subprocess.Popen[bytes] | None = getattr(self, "process", None)  # unset if it never started
+        if process is not None:
             try:
-                self.process.wait(timeout=2)
+                process.wait(timeout=2)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                process.kill()
+                process.wait()
         for fd in self._irqs:
             os.close(fd)
         for buffer in self._live.values():  # the driver's own views first; callers' slices are handled by _unmap

@@ -253,13 +253,14 @@ class Firmware(FunctionState):
         ring = self.rings.get(request.ring_id)
         if ring is None or ring.ring_type != request.ring_type:
             raise CommandError(INVALID_PARAMS, f"no ring {request.ring_id} of type {request.ring_type}")
+        ring_id = ring.ring_id
         users = [f"CQ {cq.cq_id}" for cq in self.rcfw.cqs.values() if cq.nq is ring] + \
-                [f"ring {other.ring_id}" for other in self.rings.values() if other.nq_ring_id == ring.ring_id]
+                [f"ring {other.ring_id}" for other in self.rings.values() if other.nq_ring_id == ring_id]
         if users:
             raise CommandError(INVALID_PARAMS, f"ring {ring.ring_id} is still used by {', '.join(users)}")
         if ring is self.rcfw.creq:
             self.rcfw.stop()
-        del self.rings[ring.ring_id]
+        del self.rings[ring_id]
         return {}
 
     def _vnic_alloc(self, request: Any) -> dict[str, Any]:

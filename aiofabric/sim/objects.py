@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Container, Literal
 
 from ..autogen import bnxt
 from ..hw.cqe import CQ_ENTRY, NQ_ENTRY, cq_notification
@@ -310,7 +310,7 @@ class MemoryRegion:
     allocated_by_register: bool = False  # REGISTER_MR with ALLOC_MR made the key; DEREGISTER_MR frees it again
     # the whole region as one memoryview when its pages are physically contiguous (False when they are not), and the
     # PageList that was computed for: the data path slices it instead of translating page by page
-    _whole: memoryview | bool | None = field(default=None, init=False, repr=False, compare=False)
+    _whole: memoryview | Literal[False] | None = field(default=None, init=False, repr=False, compare=False)
     _whole_pages: PageList | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -331,12 +331,12 @@ class MemoryRegion:
     def views(self, mem: BusMemory, va: int, length: int, need_access: int = 0,
               pd: int | None = None) -> list[memoryview]:
         """Like `translate`, as memoryviews of host memory: one slice of a cached view when the region is contiguous."""
-        pages = self.pages
-        if pages is not None and pages is self._whole_pages and self._whole is not False \
+        pages, whole = self.pages, self._whole
+        if pages is not None and pages is self._whole_pages and whole is not None and whole is not False \
                 and (pd is None or pd == self.pd) and not need_access & ~self.access:
             offset = va - self.va
             if 0 <= offset and 0 <= length and offset + length <= self.size:
-                return [self._whole[offset:offset + length]] if length else []
+                return [whole[offset:offset + length]] if length else []
         if pages is not None and pages is not self._whole_pages:
             self._whole_pages = pages
             first = pages.pages[0] + (self.va & pages.page_mask) if pages.pages else 0
@@ -429,7 +429,7 @@ class BackingStoreArea:
     pages: PageList
 
 
-def lowest_free_id(table: dict[int, object], first: int = 1, limit: int = 1 << 20) -> int | None:
+def lowest_free_id(table: Container[int], first: int = 1, limit: int = 1 << 20) -> int | None:
     """Ids are reused lowest-first, as hardware context tables do; None when all of [first, limit) are taken."""
     for candidate in range(first, limit):
         if candidate not in table:

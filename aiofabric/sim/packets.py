@@ -3,7 +3,8 @@
 Only RC opcodes (plus the CNP) exist here because the emulated NIC speaks RC. The layout of every packet is a table
 lookup: each opcode maps to one precompiled `struct.Struct` covering BTH and its extension headers, so encoding is
 one `pack_into`, a payload copy and one CRC-32 over the packet (`encode_into` writes straight into a transmit
-buffer), and decoding is the mirror image. `icrc()` is the ICRC rule written plainly (reference §2); the hot paths
+buffer), and decoding is the mirror image. `icrc()` is the ICRC rule written plainly (RoCEv2 annex: a CRC-32 over the
+packet with its variant fields masked, as rxe's rxe_icrc.c computes it); the hot paths
 compute the same CRC without building the masked copy it describes, and the tests hold the two (and scapy) equal:
 - the masked IPv4/UDP pseudo header only depends on the addresses, ports, IP ID and length, so the CRC state after it
   is remembered per header (`_icrc_basis`);
@@ -67,7 +68,8 @@ DROP_REASONS = ("ipv4", "short", "icrc", "opcode", "version", "length")
 
 
 class Op(enum.IntEnum):
-    """BTH opcodes of the RC transport (reference §1.3), plus the RoCEv2 congestion notification packet."""
+    """BTH opcodes of the RC transport (the InfiniBand spec's OpCode table), plus the RoCEv2 congestion notification
+    packet."""
 
     SEND_FIRST = 0x00
     SEND_MIDDLE = 0x01
@@ -95,8 +97,8 @@ class Op(enum.IntEnum):
     CNP = 0x81  # congestion notification: BTH with BECN set, then 16 reserved zero bytes
 
 
-# Which headers follow the BTH, per opcode (reference §1.3). The order on the wire is RETH|AETH, ImmDt|IETH,
-# AtomicETH|AtomicAckETH, payload.
+# Which headers follow the BTH, per opcode (the InfiniBand spec's OpCode table). The order on the wire is RETH|AETH,
+# ImmDt|IETH, AtomicETH|AtomicAckETH, payload.
 HAS_RETH = frozenset({Op.RDMA_WRITE_FIRST, Op.RDMA_WRITE_ONLY, Op.RDMA_WRITE_ONLY_WITH_IMMEDIATE,
                       Op.RDMA_READ_REQUEST})
 HAS_AETH = frozenset({Op.RDMA_READ_RESPONSE_FIRST, Op.RDMA_READ_RESPONSE_LAST, Op.RDMA_READ_RESPONSE_ONLY,
@@ -112,7 +114,7 @@ HAS_PAYLOAD = frozenset(op for op in Op if op <= Op.RDMA_READ_RESPONSE_ONLY and 
 STARTS_MESSAGE = frozenset(op for op in Op if "_MIDDLE" not in op.name and "_LAST" not in op.name)
 ENDS_MESSAGE = frozenset(op for op in Op if "_FIRST" not in op.name and "_MIDDLE" not in op.name)
 
-# AETH syndrome (reference §1.4): bit 7 reserved, bits 6:5 the type, bits 4:0 a value whose meaning depends on it.
+# AETH syndrome (InfiniBand spec): bit 7 reserved, bits 6:5 the type, bits 4:0 a value whose meaning depends on it.
 SYNDROME_TYPE_MASK = 0x60
 ACK = 0x00  # type; the value is a credit count
 ACK_UNLIMITED = 0x1F  # "credits invalid/unlimited": the only ACK rxe sends
@@ -169,7 +171,7 @@ class _Layout:
 
     header: struct.Struct  # BTH + extension headers
     fields: tuple[str, ...]  # Packet attributes for the extension headers, in wire order (AETH handled apart)
-    get_fields: Callable[[Packet], tuple[int, ...]]  # those attributes' values, by a C-speed attrgetter
+    get_fields: Callable[[Any], tuple[int, ...]]  # those attributes' values (of a Packet, or alike-named Segments)
     aeth: bool
     payload: bool
 
@@ -191,7 +193,7 @@ _PSEUDO_FORMAT = "BBHHHBBH4s4sHHHH"  # IPv4: ver/IHL, TOS, length, ID, flags, TT
 _BTH = struct.Struct(">" + _BTH_FORMAT)
 _IPV4_UDP = struct.Struct(">" + _PSEUDO_FORMAT)
 _ICRC = struct.Struct("<I")  # the CRC-32 is stored little-endian: rxe writes its u32 in host order (x86)
-# crc32 state after the masked LRH rxe folds into its seed 0xdebb20e3: eight 0xFF bytes (reference §2).
+# crc32 state after the masked LRH rxe folds into its seed 0xdebb20e3: eight 0xFF bytes (rxe_icrc.c).
 _ICRC_SEED = zlib.crc32(b"\xff" * 8)
 _PADS = (b"", b"\0", b"\0\0", b"\0\0\0")
 _FECN_BECN_BYTE = 4  # the BTH byte the ICRC masks to 0xFF
@@ -248,33 +250,44 @@ def _aton(ip: str) -> bytes:
 _RETH_FIELDS = ("remote_addr", "rkey", "dma_length")
 
 
+def _one_field(name: str) -> Callable[[Any], tuple[Any, ...]]:
+    get = operator.attrgetter(name)
+    return lambda p: (get(p),)
+
+
+def _no_fields(p: Any) -> tuple[()]:
+    return ()
+
+
 def _layout(op: Op) -> _Layout:
-    formats, fields = [], []
+    formats: list[str] = []
+    names: list[str] = []
     if op in HAS_RETH or op in HAS_ATOMIC_ETH:
         formats.append("QI")
-        fields += ["remote_addr", "rkey"]
+        names += ["remote_addr", "rkey"]
     if op in HAS_RETH:
         formats.append("I")
-        fields.append("dma_length")
+        names.append("dma_length")
     if op in HAS_AETH:
         formats.append("I")  # syndrome << 24 | msn, packed by the codec
     if op in HAS_IMM or op in HAS_IETH:
         formats.append("I")
-        fields.append("immediate")
+        names.append("immediate")
     if op in HAS_ATOMIC_ETH:
         formats.append("QQ")
-        fields += ["swap_add", "compare"]
+        names += ["swap_add", "compare"]
     if op in HAS_ATOMIC_ACK_ETH:
         formats.append("Q")
-        fields.append("original")
+        names.append("original")
     if op == Op.CNP:
         formats.append("16x")
     ext = "".join(formats)
-    if len(fields) > 1:
-        get_fields = operator.attrgetter(*fields)
+    get_fields: Callable[[Any], tuple[Any, ...]]
+    if len(names) > 1:
+        get_fields = operator.attrgetter(*names)
     else:  # attrgetter returns a bare value for one name and needs at least one
-        get_fields = (lambda p, get=operator.attrgetter(*fields): (get(p),)) if fields else (lambda p: ())
-    fields = _RETH_FIELDS if tuple(fields) == _RETH_FIELDS else tuple(fields)  # set_fields knows this one by identity
+        get_fields = _one_field(names[0]) if names else _no_fields
+    fields = _RETH_FIELDS if tuple(names) == _RETH_FIELDS else tuple(names)  # set_fields knows this one by identity
     return _Layout(struct.Struct(">" + _BTH_FORMAT + ext), fields, get_fields, op in HAS_AETH, op in HAS_PAYLOAD)
 
 
@@ -288,7 +301,7 @@ def header_size(opcode: int) -> int:
 
 def _wire_fields(p: Packet, layout: _Layout, pad: int) -> tuple[int, ...]:
     """BTH words and extension-header values of `p` as `layout.header` packs them (BTH byte 4 unmasked)."""
-    bth = (p.opcode, p.solicited << 7 | p.migreq << 6 | pad << 4, p.pkey,
+    bth: tuple[int, ...] = (p.opcode, p.solicited << 7 | p.migreq << 6 | pad << 4, p.pkey,
            p.fecn << 31 | p.becn << 30 | p.dest_qp & QPN_MASK, p.ack_req << 31 | p.psn & PSN_MASK)
     if layout.aeth:
         bth += ((p.syndrome & 0xFF) << 24 | p.msn & MSN_MASK,)
@@ -336,11 +349,14 @@ def encode_into(p: Packet, buffer: memoryview, offset: int = 0) -> int:
     return length + ICRC_SIZE
 
 
+Opcodes = tuple[int, int, int, int]  # a message's opcodes by position: middle, last, first, only
+
+
 @dataclasses.dataclass(slots=True)
 class Segments:
     """Packets `start` .. `start + count - 1` of one WRITE or SEND message, described once instead of as Packets.
 
-    A message of `dma_length` bytes at path MTU `mtu` travels as `npkts` packets (reference §1.5): packet k has PSN
+    A message of `dma_length` bytes at path MTU `mtu` travels as `npkts` packets (hw.verbs.psn_count): packet k has PSN
     first_psn + k, opcode opcodes[(k is the first) << 1 | (k is the last)] and the bytes data[k * mtu:][:mtu]. The
     first carries the RETH (remote_addr, rkey, dma_length) when its opcode has one, the last the solicited bit, and
     every packet whose opcode has an ImmDt the immediate. Bit i of `acks` sets AckReq on packet start + i. Addressing
@@ -351,7 +367,7 @@ class Segments:
     wanted (faults, the pcap tap, tests).
     """
 
-    opcodes: tuple[int, int, int, int]  # middle, last, first, only
+    opcodes: Opcodes
     dest_qp: int
     first_psn: int
     npkts: int
@@ -462,7 +478,7 @@ def expand(items: list[Packet | Segments]) -> list[Packet]:
     """The Packets a list of Packets and Segments stands for, in order."""
     packets: list[Packet] = []
     for item in items:
-        if type(item) is Packet:
+        if isinstance(item, Packet):
             packets.append(item)
         else:
             packets += item.packets()

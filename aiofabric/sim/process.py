@@ -182,8 +182,9 @@ class Emulator:
         selector.register(self.debug, selectors.EVENT_READ, self.on_debug)
         if self.driver_fd is not None:
             selector.register(self.driver_fd, selectors.EVENT_READ, self.on_driver_exit)
-        if self.wire is not None and self.wire.fileno() is not None:
-            selector.register(self.wire.fileno(), selectors.EVENT_READ, self.on_wire)  # service() reads it
+        wire_fd = self.wire.fileno() if self.wire is not None else None
+        if wire_fd is not None:
+            selector.register(wire_fd, selectors.EVENT_READ, self.on_wire)  # service() reads it
         try:
             while self.running:
                 for key, _ in selector.select(self.timeout()):
@@ -220,9 +221,9 @@ class Emulator:
         all while the loopback holds packets (no descriptor announces them)."""
         if self.loopback.pending:
             return 0.0
-        deadlines = [self.datapath.next_deadline()]
-        deadlines += [transport.flush_deadline for transport in (self.wire, self.loopback) if transport is not None]
-        deadlines = [d for d in deadlines if d is not None]
+        candidates = [self.datapath.next_deadline()]
+        candidates += [transport.flush_deadline for transport in (self.wire, self.loopback) if transport is not None]
+        deadlines = [d for d in candidates if d is not None]
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())

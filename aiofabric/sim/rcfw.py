@@ -68,8 +68,8 @@ class PendingCommand:
 
 @dataclass(frozen=True)
 class _Command:
-    request: type
-    response: type
+    request: type[ctypes.Structure]
+    response: type[ctypes.Structure]
     run: Callable[[Any, PendingCommand], dict[str, Any]]
 
 
@@ -467,9 +467,10 @@ class Rcfw:
             mr = self._new_key(request.key, bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
             mr.allocated_by_register = True
         else:
-            mr = self.mrs.get(request.key)
-            if mr is None or mr.registered:
+            existing = self.mrs.get(request.key)
+            if existing is None or existing.registered:
                 raise CommandError(INVALID_PARAMETER, f"key {request.key:#x} is not an allocated, unregistered MR")
+            mr = existing
         mr.access, mr.va, mr.size, mr.pages = request.access, request.va, request.mr_size, pages
         return {"xid": mr.key}
 

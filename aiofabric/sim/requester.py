@@ -160,6 +160,7 @@ class Requester:
                     acks, self.noack = 1, 0
                 else:
                     acks = self._ack_requests(count, last)
+                assert w.ops is not None  # a WRITE or SEND (READs took the branch above)
                 out.append(pk.Segments(w.ops, dest_qp, w.first_psn, npkts, mtu, w.data, w.length, w.remote_va,
                                        w.rkey, w.imm, w.solicited, k, count, acks, pkey, src_ip, dst_ip, sport,
                                        4791, 0, tos, ttl))
@@ -287,10 +288,11 @@ class Requester:
         """Report a local error once every WQE before it has completed; False if the QP failed."""
         if self.qp.state == QPState.ERR:
             return False
-        if self.done < len(self.wqes) and self.wqes[self.done].status is not None:
+        if self.done < len(self.wqes):
             w = self.wqes[self.done]
-            self.fail(w.status, w.reason)
-            return False
+            if w.status is not None:
+                self.fail(w.status, w.reason)
+                return False
         return True
 
     def fail(self, status: int, reason: int) -> None:

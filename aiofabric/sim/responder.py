@@ -79,7 +79,7 @@ class Responder:
         self.nak_psn = self.dropped_hi = 0
         self.in_msg = 0  # IN_SEND / IN_WRITE while a multi-packet message is half received
         self.target: Target = EMPTY  # where the current message lands
-        self.offset = self.msg_length = 0
+        self.offset = self.msg_length = 0  # into the message; its length (WRITE: the RETH's; SEND: the buffer's)
         self.placing = True  # the current WRITE's payload really lands (False only under the skip_placement fault)
         self.wr_id = 0  # of the RQ WQE the current SEND fills
         self.ack_psn: int | None = None  # the coalesced ACK owed at the end of this receive batch
@@ -188,8 +188,9 @@ class Responder:
             if scatter:
                 count = min(max(wqe_size - RQ_WQE_HEADER_SLOTS, 0), qp.rq_sge,
                             qp.rq_wqe_size // SQ_SLOT - RQ_WQE_HEADER_SLOTS)
-                self.target = map_sges(self.mem, self.mrs, [SGE.unpack_from(view, RQ_WQE_HEADER.size + i * SGE.size)
-                                                            for i in range(count)], qp.pd, MR_LOCAL_WRITE)
+                buffer = map_sges(self.mem, self.mrs, [SGE.unpack_from(view, RQ_WQE_HEADER.size + i * SGE.size)
+                                                       for i in range(count)], qp.pd, MR_LOCAL_WRITE)
+                self.target, self.msg_length = buffer, len(buffer)
         except ACCESS_ERRORS:
             self._error(p, pk.NAK_REMOTE_OPERATIONAL, RES_MEMORY_ERROR, S.CQ_RES_RC_STATUS_LOCAL_PROTECTION_ERR)
             return False
@@ -211,7 +212,7 @@ class Responder:
         if self.in_msg == IN_WRITE:
             middle, room = WRITE_MIDDLE, self.msg_length
         elif self.in_msg == IN_SEND:
-            middle, room = SEND_MIDDLE, len(self.target)
+            middle, room = SEND_MIDDLE, self.msg_length
         else:
             return i
         qpn, mtu, target, offset, epsn = self.qp.qpn, self.qp.path_mtu, self.target, self.offset, self.epsn
@@ -299,7 +300,7 @@ class Responder:
         if size > mtu or (not last and size != mtu):
             self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR, S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR)
             return
-        if self.offset + size > len(self.target):
+        if self.offset + size > self.msg_length:
             self._error(p, pk.NAK_INVALID_REQUEST, RES_EXCEEDS_WQE, S.CQ_RES_RC_STATUS_LOCAL_LENGTH_ERR)
             return
         try:

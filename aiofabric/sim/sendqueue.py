@@ -35,12 +35,19 @@ SEND_IMM_OPS = (O.SEND_MIDDLE, O.SEND_LAST_WITH_IMMEDIATE, O.SEND_FIRST, O.SEND_
 WRITE_OPS = (O.RDMA_WRITE_MIDDLE, O.RDMA_WRITE_LAST, O.RDMA_WRITE_FIRST, O.RDMA_WRITE_ONLY)
 WRITE_IMM_OPS = (O.RDMA_WRITE_MIDDLE, O.RDMA_WRITE_LAST_WITH_IMMEDIATE, O.RDMA_WRITE_FIRST,
                  O.RDMA_WRITE_ONLY_WITH_IMMEDIATE)
+
+def _opcodes(ops: tuple[pk.Op, pk.Op, pk.Op, pk.Op]) -> pk.Opcodes:
+    middle, last, first, only = ops
+    return int(middle), int(last), int(first), int(only)
+
+
 # WQE type -> (opcodes, or None for READ; carries an immediate; has an RETH)
-KINDS = {S.SQ_BASE_WQE_TYPE_SEND: (tuple(map(int, SEND_OPS)), False, False),
-         S.SQ_BASE_WQE_TYPE_SEND_W_IMMEAD: (tuple(map(int, SEND_IMM_OPS)), True, False),
-         S.SQ_BASE_WQE_TYPE_WRITE_WQE: (tuple(map(int, WRITE_OPS)), False, True),
-         S.SQ_BASE_WQE_TYPE_WRITE_W_IMMEAD: (tuple(map(int, WRITE_IMM_OPS)), True, True),
-         S.SQ_BASE_WQE_TYPE_READ_WQE: (None, False, True)}
+KINDS: dict[int, tuple[pk.Opcodes | None, bool, bool]] = {
+    S.SQ_BASE_WQE_TYPE_SEND: (_opcodes(SEND_OPS), False, False),
+    S.SQ_BASE_WQE_TYPE_SEND_W_IMMEAD: (_opcodes(SEND_IMM_OPS), True, False),
+    S.SQ_BASE_WQE_TYPE_WRITE_WQE: (_opcodes(WRITE_OPS), False, True),
+    S.SQ_BASE_WQE_TYPE_WRITE_W_IMMEAD: (_opcodes(WRITE_IMM_OPS), True, True),
+    S.SQ_BASE_WQE_TYPE_READ_WQE: (None, False, True)}
 SIGNAL, FENCE, SOLICIT, INLINE = (S.SQ_SEND_FLAGS_SIGNAL_COMP, S.SQ_SEND_FLAGS_RD_OR_ATOMIC_FENCE,
                                   S.SQ_SEND_FLAGS_SE, S.SQ_SEND_FLAGS_INLINE)
 
@@ -55,7 +62,7 @@ class SendWqe:
     __slots__ = ("index", "ops", "read", "signaled", "solicited", "fence", "length", "remote_va", "rkey", "imm",
                  "data", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason")
 
-    def __init__(self, index: int, ops: tuple | None = None, read: bool = False, signaled: bool = False,
+    def __init__(self, index: int, ops: pk.Opcodes | None = None, read: bool = False, signaled: bool = False,
                  solicited: bool = False, fence: bool = False, length: int = 0, remote_va: int = 0, rkey: int = 0,
                  imm: int = 0, data: Buffer = EMPTY, first_psn: int = 0, npkts: int = 1,
                  status: int | None = None, reason: int = 0) -> None:
@@ -101,7 +108,7 @@ class SendQueue:
     def fetch(self, psns: PsnAllocator, flush: bool = False) -> list[SendWqe] | None:
         """Every WQE the driver published since the last call, in order (bare ones when `flush`: they only need their
         index); PSN ranges come from `psns.next_psn`. None when the doorbell named an impossible producer."""
-        qp, wqes = self.qp, []
+        qp, wqes = self.qp, list[SendWqe]()
         unit = 1 if qp.variable_wqe else SQ_STATIC_WQE_SLOTS
         ring = qp.sq_slots
         produced = producer_from_doorbell(self.fetched_slots // unit, qp.sq_producer, qp.sq_producer_epoch,
@@ -161,9 +168,8 @@ class SendQueue:
                     region = self.mrs.get(key)
                     if region is None:
                         raise MemoryProtectionError(f"lkey {key:#x} does not exist")
-                    data = region.view(va, sge_size, access, qp.pd) if sge_size else EMPTY
-                    if data is None:
-                        data = gather(region.views(self.mem, va, sge_size, access, qp.pd))
+                    whole = region.view(va, sge_size, access, qp.pd) if sge_size else EMPTY
+                    data = whole if whole is not None else gather(region.views(self.mem, va, sge_size, access, qp.pd))
                 else:
                     views, shift, mask = self._ring()
                     sges = []

@@ -189,7 +189,7 @@ class Transport:
         """
         if self._held is not None and time.monotonic() >= self._held.deadline:
             self.flush()
-        packets = []
+        packets: list[Packet] = []
         try:
             datagrams = self._receive(budget)
         except OSError as exc:  # e.g. an ICMP error queued on the socket: the packet is gone, not the port
@@ -375,11 +375,12 @@ class UdpTransport(Transport):
             return
         view, slot, capacity, room = sender.view, sender.slot_size, sender.count, sender.slot_size - TX_HEADROOM
         ip, tos, ttl = self.ip, self._tos, self._ttl
-        staged, run, destination = 0, [], None  # slots filled; the lengths of the last ones, all for `destination`
+        run: list[int] = []  # the lengths of the last slots filled, all for `destination`
+        staged, destination = 0, ""
         for item in packets:
-            single = type(item) is Packet
-            if item.tos != tos or item.ttl != ttl or (len(item.payload) if single else item.mtu) > room:
-                staged, run = self._send_slots(staged, run, destination), []
+            if item.tos != tos or item.ttl != ttl \
+                    or (len(item.payload) if isinstance(item, Packet) else item.mtu) > room:
+                staged, run = self._send_slots(sender, staged, run, destination), []
                 super().send_all([item])
                 tos, ttl = self._tos, self._ttl
                 continue
@@ -389,7 +390,7 @@ class UdpTransport(Transport):
                     run = []
                 destination = item.dst_ip
             item.src_ip, item.src_port, item.dst_port, item.ip_id = ip, ROCE_PORT, ROCE_PORT, 0  # as _stamp does
-            if single:
+            if isinstance(item, Packet):
                 run.append(encode_into(item, view, staged * slot))
                 staged += 1
             else:
@@ -400,17 +401,17 @@ class UdpTransport(Transport):
                     k += count
                     staged += count
                     if staged == capacity:
-                        staged, run = self._send_slots(staged, run, destination), []
+                        staged, run = self._send_slots(sender, staged, run, destination), []
             if staged == capacity:
-                staged, run = self._send_slots(staged, run, destination), []
-        self._send_slots(staged, run, destination)
+                staged, run = self._send_slots(sender, staged, run, destination), []
+        self._send_slots(sender, staged, run, destination)
 
-    def _send_slots(self, staged: int, run: list[int], destination: str | None) -> int:
+    def _send_slots(self, sender: mmsg.Sender, staged: int, run: list[int], destination: str) -> int:
         """Send the `staged` slots, the last len(run) of which (not staged yet) are for `destination`; 0."""
         if run:
-            self._sender.stage(staged - len(run), run, destination, ROCE_PORT)
+            sender.stage(staged - len(run), run, destination, ROCE_PORT)
         if staged:
-            errors = self._sender.send(staged)
+            errors = sender.send(staged)
             self.counters["sent"] += staged - len(errors)
             for exc in errors:
                 self._send_failed(exc)
@@ -510,11 +511,13 @@ class RawTransport(Transport):
                     datagrams.append(datagram)
         except BlockingIOError:
             pass
-        try:
-            for _ in range(budget):
-                self._sink.recv(MAX_DATAGRAM, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            pass
+        sink = self._sink
+        if sink is not None:  # drained for the kernel's sake: it answers nothing it delivered there
+            try:
+                for _ in range(budget):
+                    sink.recv(MAX_DATAGRAM, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pass
         return datagrams
 
     def _decode(self, datagram: bytes) -> Packet:
@@ -558,7 +561,7 @@ class LoopbackTransport(Transport):
         for item in packets:
             item.src_ip = ip
             address = (ip, item.dst_ip, item.src_port, item.dst_port, item.ip_id)
-            if type(item) is Packet:
+            if isinstance(item, Packet):
                 looped.append((encode(item), *address))
                 continue
             stride = item.mtu + TX_HEADROOM
