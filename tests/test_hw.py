@@ -236,6 +236,11 @@ def test_cq_notification_round_trips(handle, toggle):
     assert linux.type & bnxt.NQ_CN_TYPE_MASK == bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
 
 
+def test_sq_cons_idx_wraps_with_its_field():
+    mask = cqe.SQ_CONS_IDX_MASK
+    assert bnxt.cq_req(sq_cons_idx=mask).sq_cons_idx == mask and bnxt.cq_req(sq_cons_idx=mask + 1).sq_cons_idx == 0
+
+
 def test_cqe_and_creq_types():
     assert cqe.cqe_type(bnxt.CQ_BASE_CQE_TYPE_RES_RC | bnxt.CQ_BASE_TOGGLE) == bnxt.CQ_BASE_CQE_TYPE_RES_RC
     assert cqe.creq_type(bnxt.CREQ_BASE_TYPE_QP_EVENT | 0xC0) == bnxt.CREQ_BASE_TYPE_QP_EVENT

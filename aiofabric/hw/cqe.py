@@ -29,6 +29,7 @@ NQ_ENTRY = RingEntry(ctypes.sizeof(bnxt.nq_base), bnxt.nq_cn.v.offset, bnxt.NQ_C
 CREQ_ENTRY = RingEntry(ctypes.sizeof(bnxt.creq_base), bnxt.creq_base.v.offset, bnxt.CREQ_BASE_V)
 
 CQE_TYPE_OFFSET, CQE_STATUS_OFFSET = bnxt.cq_base.cqe_type_toggle.offset, bnxt.cq_base.status.offset
+SQ_CONS_IDX_MASK = (1 << 8 * bnxt.cq_req.sq_cons_idx.size) - 1  # sq_cons_idx counts WQEs modulo 2^16
 CQE_REQ = Layout.of(bnxt.cq_req, "qp_handle", "sq_cons_idx", "cqe_type_toggle", "status")
 CQE_RES_RC = Layout.of(bnxt.cq_res_rc, "length", "imm_data_or_inv_r_key", "qp_handle", "mr_handle", "cqe_type_toggle",
                        "status", "flags", "srq_or_rq_wr_id")

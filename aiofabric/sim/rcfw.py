@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..autogen import bnxt
 from ..hw import doorbell
-from ..hw.cqe import CQ_ENTRY
+from ..hw.cqe import CQ_ENTRY, SQ_CONS_IDX_MASK
 from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT, PAGE_SIZE_CODES
 from ..hw.firmware import BackingStoreType as BS
 from ..hw.layout import field_type
@@ -215,7 +215,8 @@ class Rcfw:
             entry: ctypes.Structure = bnxt.creq_qp_error_notification(
                 type=QP_EVENT, event=bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION, xid=xid,
                 req_err_state_reason=reason, res_err_state_reason=res_reason,
-                sq_cons_idx=qp.sq_consumer & 0xFFFF if qp else 0, rq_cons_idx=qp.rq_consumer & 0xFFFF if qp else 0)
+                sq_cons_idx=qp.sq_consumer & SQ_CONS_IDX_MASK if qp else 0,
+                rq_cons_idx=qp.rq_consumer & SQ_CONS_IDX_MASK if qp else 0)  # rq_cons_idx is as wide
         elif kind == "cq_error":
             entry = bnxt.creq_cq_error_notification(
                 type=QP_EVENT, event=bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION, xid=xid, cq_err_reason=reason)

@@ -19,10 +19,11 @@ path is its `QpPort` (qpport.py).
 from __future__ import annotations
 
 from ..autogen import bnxt
-from ..hw.cqe import CQE_REQ, RequesterErrorReason
+from ..hw.cqe import CQE_REQ, SQ_CONS_IDX_MASK, RequesterErrorReason
 from ..hw.verbs import PSN_MASK, QPState, psn_diff
 from . import packets as pk
 from .dma import ACCESS_ERRORS
+from .packets import ROCE_PORT
 from .qpport import QpPort
 from .sendqueue import SendQueue, SendWqe
 
@@ -137,7 +138,7 @@ class Requester:
                 offset = k * mtu
                 out.append(pk.Packet(READ_REQUEST, dest_qp, psn, True, False, pkey, False, False,
                                      w.remote_va + offset, w.rkey, min(stop * mtu, w.length) - offset, 0, 0, 0, b"",
-                                     src_ip, dst_ip, sport, 4791, 0, tos, ttl))
+                                     src_ip, dst_ip, sport, ROCE_PORT, 0, tos, ttl))
                 self.noack = 0
                 if stop == w.npkts:
                     self.send += 1
@@ -163,7 +164,7 @@ class Requester:
                 assert w.ops is not None  # a WRITE or SEND (READs took the branch above)
                 out.append(pk.Segments(w.ops, dest_qp, w.first_psn, npkts, mtu, w.data, w.length, w.remote_va,
                                        w.rkey, w.imm, w.solicited, k, count, acks, pkey, src_ip, dst_ip, sport,
-                                       4791, 0, tos, ttl))
+                                       ROCE_PORT, 0, tos, ttl))
                 if last:
                     self.send += 1
                     self.send_pkt = 0
@@ -206,7 +207,8 @@ class Requester:
     # -- completing ------------------------------------------------------------------------------------------------
     def _post(self, w: SendWqe, status: int) -> None:
         if status or w.signaled:
-            self.port.post_cqe(self.qp.scq, CQE_REQ.pack(self.qp.handle, (w.index + 1) & 0xFFFF, CQE_TYPE_REQ, status))
+            consumer = (w.index + 1) & SQ_CONS_IDX_MASK
+            self.port.post_cqe(self.qp.scq, CQE_REQ.pack(self.qp.handle, consumer, CQE_TYPE_REQ, status))
 
     def _retire(self) -> None:
         """Complete wqes[done] successfully."""

@@ -20,7 +20,7 @@ from ..hw.verbs import PSN_MASK, MRAccess, QPAccess, psn_count, psn_diff
 from ..hw.wqe import RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS, SGE, SQ_SLOT
 from . import packets as pk
 from .dma import ACCESS_ERRORS, EMPTY, Buffer, map_remote, map_sges
-from .packets import MSN_MASK
+from .packets import MSN_MASK, ROCE_PORT
 from .qpport import QpPort
 
 # plain ints: IntFlag arithmetic is slow on the per-message path
@@ -94,7 +94,7 @@ class Responder:
     def _acknowledge(self, psn: int, syndrome: int) -> None:
         dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.port.address
         self.port.outbox.append(pk.Packet(ACKNOWLEDGE, dest_qp, psn, False, False, pkey, False, False, 0, 0, 0,
-                                        syndrome, self.msn, 0, b"", src_ip, dst_ip, sport, 4791, 0, tos, ttl))
+                                        syndrome, self.msn, 0, b"", src_ip, dst_ip, sport, ROCE_PORT, 0, tos, ttl))
         self.stats["packets_sent"] += 1
 
     def flush_ack(self) -> None:
@@ -125,7 +125,7 @@ class Responder:
                 RESPONSE_LAST if i == count - 1 else RESPONSE_MIDDLE
             out.append(packet(op, dest_qp, (psn + i) & PSN_MASK, False, False, pkey, False, False, 0, 0, 0,
                               pk.ACK_UNLIMITED, msn, 0, source[offset:offset + min(mtu, length - offset)], src_ip,
-                              dst_ip, sport, 4791, 0, tos, ttl))
+                              dst_ip, sport, ROCE_PORT, 0, tos, ttl))
         self.stats["packets_sent"] += count
 
     # -- completions and errors ------------------------------------------------------------------------------------
