@@ -157,8 +157,9 @@ def test_doorbell_agrees_with_linux_qplib_shifts():
 
 def test_decode_reports_what_is_wrong_with_a_doorbell():
     value = doorbell.encode(5, bnxt.DBC_DBC_TYPE_SQ, 1)
-    assert not doorbell.decode(value & ~(doorbell.VALID << doorbell.HIGH_SHIFT)).valid
-    assert doorbell.decode(value | bnxt.DBC_DBC_PATH_L2 << doorbell.HIGH_SHIFT).path == bnxt.DBC_DBC_PATH_L2
+    *_, valid = doorbell.decode(value & ~(doorbell.VALID << doorbell.HIGH_SHIFT))
+    *_, path, _ = doorbell.decode(value | bnxt.DBC_DBC_PATH_L2 << doorbell.HIGH_SHIFT)
+    assert (valid, path) == (False, bnxt.DBC_DBC_PATH_L2)
 
 
 # -- rings -----------------------------------------------------------------------------------------------------------

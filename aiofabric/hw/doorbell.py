@@ -8,8 +8,6 @@ the path (DBC_DBC_PATH_ROCE for RoCE), DBC_DBC_VALID, and the kind (DBC_DBC_TYPE
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from ..autogen import bnxt
 
 HIGH_SHIFT = bnxt.dbc_dbc.type_path_xid.offset * 8  # where the high dword starts in the 64-bit value
@@ -20,16 +18,7 @@ XID_MASK, PATH_MASK, TYPE_MASK = bnxt.DBC_DBC_XID_MASK, bnxt.DBC_DBC_PATH_MASK, 
 VALID = bnxt.DBC_DBC_VALID
 
 
-class Doorbell(NamedTuple):
-    """A decoded doorbell; `kind` and `path` are the bindings' DBC_DBC_TYPE_* and DBC_DBC_PATH_* values, `slot` is
-    the index field."""
-    xid: int
-    kind: int
-    slot: int
-    epoch: int
-    toggle: int
-    path: int
-    valid: bool
+Doorbell = tuple[int, int, int, int, int, int, bool]  # (xid, kind, slot, epoch, toggle, path, valid): see decode
 
 
 def encode(xid: int, kind: int, slot: int, epoch: int = 0, toggle: int = 0) -> int:
@@ -41,7 +30,9 @@ def encode(xid: int, kind: int, slot: int, epoch: int = 0, toggle: int = 0) -> i
 
 
 def decode(value: int) -> Doorbell:
-    """The fields of a 64-bit doorbell value, as the device reads them."""
+    """The fields of a 64-bit doorbell value as the device reads them: (xid, kind, slot, epoch, toggle, path, valid),
+    `kind` and `path` the bindings' DBC_DBC_TYPE_* and DBC_DBC_PATH_* values. A plain tuple: the emulator decodes one
+    per doorbell."""
     high = value >> HIGH_SHIFT
-    return Doorbell(high & XID_MASK, high & TYPE_MASK, value & INDEX_MASK, value >> EPOCH_SHIFT & 1,
-                    (value & TOGGLE_MASK) >> TOGGLE_SHIFT, high & PATH_MASK, bool(high & VALID))
+    return (high & XID_MASK, high & TYPE_MASK, value & INDEX_MASK, value >> EPOCH_SHIFT & 1,
+            (value & TOGGLE_MASK) >> TOGGLE_SHIFT, high & PATH_MASK, bool(high & VALID))

@@ -51,10 +51,7 @@ class PlacementFaults:
         self.stats = stats
         self.counts = dict.fromkeys(PLACEMENT_FAULTS, 0)
         self.misplace_offset = 0
-
-    @property
-    def armed(self) -> bool:
-        return any(self.counts.values())
+        self.armed = False  # any count left: an attribute, as the responder looks at it per WRITE message
 
     def inject(self, kind: str, count: int, offset: int = 0) -> None:
         """Arm `count` faults of `kind` (replacing any pending count of that kind; 0 cancels it)."""
@@ -67,12 +64,14 @@ class PlacementFaults:
                 raise ValueError(f"misplace needs a non-zero integer offset, not {offset!r}")
             self.misplace_offset = offset
         self.counts[kind] = count
+        self.armed = any(self.counts.values())
 
     def take(self) -> str | None:
         """The fault the WRITE message starting now suffers, if any (and one fewer is left)."""
         for kind in PLACEMENT_FAULTS:
             if self.counts[kind]:
                 self.counts[kind] -= 1
+                self.armed = any(self.counts.values())
                 self.stats[f"faulted_{kind}"] += 1
                 return kind
         return None

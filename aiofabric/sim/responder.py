@@ -53,7 +53,7 @@ WRITE_POSITIONS = tuple((op in (WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM), op not
 
 
 class _Discard:
-    """A WRITE target that drops what is written to it: the "skip_placement" fault (datapath.inject_placement_fault)."""
+    """A WRITE target that drops what is written to it: the "skip_placement" fault (qpport.PlacementFaults)."""
 
     def __setitem__(self, index: slice, data: object) -> None:
         pass
@@ -68,7 +68,7 @@ class Responder:
 
     def __init__(self, port: QpPort) -> None:
         self.port, self.qp = port, port.qp
-        self.mem, self.mrs, self.stats = port.mem, port.mrs, port.stats
+        self.mem, self.mrs, self.stats, self.faults = port.mem, port.mrs, port.stats, port.faults
         self.started = False
         self.epsn = self.msn = 0
         self.nak_sent = False  # a NAK (sequence or RNR) is out for epsn: drop later PSNs silently until it arrives
@@ -345,7 +345,7 @@ class Responder:
                 self._error(p, pk.NAK_REMOTE_ACCESS, RES_RX_INVALID_R_KEY)
                 return
             self.in_msg, self.offset, self.msg_length, self.placing = IN_WRITE, 0, p.dma_length, True
-            if p.dma_length and self.port.faults.armed:
+            if p.dma_length and self.faults.armed:
                 self._fault_placement(p)
         payload = p.payload
         size, mtu = len(payload), qp.path_mtu
@@ -375,7 +375,7 @@ class Responder:
     def _fault_placement(self, p: pk.Packet) -> None:
         """Apply the deliberate placement bug armed for this WRITE message, if any: drop its payload, or land it
         misplace_offset bytes away from the RETH's address, clamped to stay inside the region (so it never faults)."""
-        faults = self.port.faults
+        faults = self.faults
         kind = faults.take()
         if kind == "skip_placement":
             self.target, self.placing = DISCARD, False
