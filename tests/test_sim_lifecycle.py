@@ -267,7 +267,7 @@ def test_emulator_import_loads_neither_the_driver_nor_anyio():
                   if m in sys.modules]
         assert not loaded, loaded
         import aiofabric
-        assert aiofabric.CompletionError.__module__ == "aiofabric.completions"
+        assert aiofabric.CompletionError.__module__ == "aiofabric.errors"  # every exception lives there
         assert aiofabric.RemoteRegion.__module__ == "aiofabric.queues"
         assert issubclass(aiofabric.ClosedError, aiofabric.FabricError)
         assert issubclass(aiofabric.PCIError, aiofabric.FabricError)
