@@ -1,12 +1,12 @@
 """The BNXT host interface, described once: what the driver writes and the device reads, and back.
 
 Everything here is a hardware fact read off the generated bindings (`aiofabric.autogen.bnxt`, from Linux's headers):
-the driver (aiofabric/queues.py, rings.py, poller.py, device.py) encodes with it, the emulated NIC (aiofabric/sim/)
-decodes with it, and the tests build their WQEs and read their CQEs with it, so a mistake cannot be shared by two
+the driver (aiofabric/queues.py, rings.py, poller.py and its firmware channels) encodes with it, the emulated NIC
+(aiofabric/sim/) decodes with it, and the tests build their WQEs and read their CQEs with it, so a mistake cannot be shared by two
 hand-written copies. It imports only the bindings and the standard library; choices (ring depths, timeouts) stay
 with their users.
 
-    layout     `Layout`: a precompiled `struct.Struct` built from a binding's field offsets and sizes
+    layout     `Layout`: a precompiled `struct.Struct` built from a binding's field offsets and sizes; `field_type`
     wqe        SQ WQE headers (RDMA, SEND), the SGE, the RQ WQE header, the MSN table entry; SQ slot geometry
     cqe        CQEs (requester, RC responder), NQ CQ notifications, CREQ entries; status and error-reason names
     doorbell   the 64-bit doorbell: `encode` (driver), `decode` (device)
@@ -14,7 +14,7 @@ with their users.
                the counts a doorbell names
     verbs      QP states and legal transitions, path-MTU codes, QP and MR access bits, 24-bit PSN arithmetic
     firmware   HWRM request/response headers, the RCFW CMDQ header and its cmdq_init mailbox, backing-store types,
-               page-size codes, ring entry sizes, the HWRM interrupt vector
+               page-size codes, ring entry sizes, page-table entries, the HWRM interrupt vector
     names      the bindings' constants by prefix (for status tables)
 
 tests/test_hw.py checks every layout against the bindings, field by field, and shows a moved field is caught.
