@@ -14,6 +14,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 from pathlib import Path
 
 import anyio
@@ -222,6 +223,29 @@ async def test_inject_fault_on_a_nic_without_a_debug_channel_is_refused_naming_i
             await run_bench(config, [a, b])
 
 
+@ONE_BACKEND["asyncio"]
+async def test_on_emulated_nics_the_engines_await_the_client_and_never_the_blocking_debug(monkeypatch, anyio_backend):
+    asked = []
+    request = DebugClient.request
+
+    async def recorded(client, op, *args, **kwargs):
+        asked.append(op)
+        return await request(client, op, *args, **kwargs)
+
+    def blocking(device, request, *args, **kwargs):
+        raise AssertionError(f"{device.address}: the blocking debug() was called from the event loop: {request!r}")
+
+    monkeypatch.setattr(DebugClient, "request", recorded)
+    monkeypatch.setattr(SimPCIDevice, "debug", blocking)
+    with anyio.fail_after(60):
+        bench = await run_bench(BenchConfig(iters=50, size=4096, inject_fault="skip_placement:1"))
+        lat = await run_latency(LatConfig(iters=10))
+        loopback = await run_loopback("sim", 4096)
+    assert not bench["verified"] and bench["packets"] > 0  # the fault went through the client, and was caught
+    assert lat["verified"] and lat["packets"] > 0 and loopback["packets"] > 0
+    assert set(asked) == {"fault", "stats", "placed"}
+
+
 # -- the debug channel's client ----------------------------------------------------------------------------------------
 @pytest.fixture
 def emulator():
@@ -260,14 +284,20 @@ async def test_a_stalled_emulator_never_blocks_the_loop_and_the_channel_stays_in
             await anyio.sleep(0.01)
 
     os.kill(emulator.pid, signal.SIGSTOP)
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(tick)
-        await anyio.sleep(0.05)
-        before = len(ticks)
-        with pytest.raises(PCIError, match=rf"^{emulator.address}: debug request 'stats': no answer within 0.5 s$"):
-            await client.request("stats", timeout=0.5)
-        assert len(ticks) - before >= 10  # 50 if nothing else ran: the loop turned while the request waited
-        tasks.cancel_scope.cancel()
+    # a client that blocked the loop could not time out: resumed from a thread, it gets an answer and fails the test
+    resume = threading.Timer(5.0, os.kill, (emulator.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(tick)
+            await anyio.sleep(0.05)
+            before = len(ticks)
+            with pytest.raises(PCIError, match=rf"^{emulator.address}: debug request 'stats': no answer within 0.5 s$"):
+                await client.request("stats", timeout=0.5)
+            assert len(ticks) - before >= 10  # 50 if nothing else ran: the loop turned while the request waited
+            tasks.cancel_scope.cancel()
+    finally:
+        resume.cancel()
     os.kill(emulator.pid, signal.SIGCONT)
     with anyio.fail_after(10):
         assert (await client.ping()).pid == emulator.pid  # not the abandoned request's stats
