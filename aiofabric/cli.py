@@ -35,7 +35,7 @@ from .nic import open_nic
 from .signals import Signalled
 from . import plot
 from .latency import LatConfig, format_latency_table, run_latency
-from .perftest import MTUS, TESTS, BenchConfig, format_table, open_bench_nics, run_bench, run_loopback
+from .perftest import MTUS, TESTS, BenchConfig, count_text, format_table, open_bench_nics, run_bench, run_loopback
 from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
 
 if sys.version_info < (3, 11):
@@ -99,7 +99,7 @@ async def cmd_loopback(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         print(f"PHY loopback RDMA WRITE of {result['bytes']} bytes between QPs {result['qpn'][0]:#x} -> "
               f"{result['qpn'][1]:#x}: {'verified' if result['verified'] else 'MISMATCH'} "
-              f"({result['seconds'] * 1e6:.0f} us, {result['packets']} packets)")
+              f"({result['seconds'] * 1e6:.0f} us, {count_text(result['packets'])} packets)")
     return result
 
 
@@ -382,9 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "the plot extra: pip install 'aiofabric[plot]')")
     bench.set_defaults(run=cmd_bench, check=_check_bench(bench))
 
-    lat = sub.add_parser("lat", help="perftest-style latency: a ping-pong between two emulated NICs (ib_*_lat)")
+    lat = sub.add_parser("lat", help="perftest-style latency: a ping-pong between two emulated NICs, or on one PCI NIC "
+                                     "in PHY loopback (ib_*_lat)")
     lat.add_argument("test", choices=TESTS)
-    lat.add_argument("--nic", default="sim", help="'sim' or 'sim:NAME': both ends are emulated NICs on this host")
+    lat.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' (both ends emulated NICs on this host) or a PCI "
+                                                  "address (both ends on it, its port in PHY loopback; with --ip)")
     lat.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x)")
     lat.add_argument("-s", "--size", type=size_argument, default=2, help="message size (default 2 bytes)")
     lat.add_argument("--iters", type=int, default=1000, help="measured iterations (default 1000)")

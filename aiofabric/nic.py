@@ -201,7 +201,7 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
             ip = getattr(pci, "ip")
         nic = NIC(Device(pci, ip, **({"hwrm_timeout": hwrm_timeout} if hwrm_timeout else {})))
     except BaseException:
-        pci.close()
+        await _close_seam(pci)
         raise
     try:
         async with own_task_group() as services:  # the CREQ reader, the poller, the removal watch
@@ -215,7 +215,14 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT + 5):  # a backstop: close()
                 await nic.close()                                                      # bounds its own waits
         finally:
-            pci.close()
+            await _close_seam(pci)
+
+
+async def _close_seam(pci: PCIDevice) -> None:
+    """Release the device in a worker thread: an emulator's exit is waited for (~70 ms), which must not stall the
+    loop's other tasks. Shielded: a cancelled block still releases it."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(pci.close)
 
 
 async def _start(spec: str, options: dict[str, Any]) -> PCIDevice:
@@ -226,6 +233,6 @@ async def _start(spec: str, options: dict[str, Any]) -> PCIDevice:
     try:
         await anyio.lowlevel.checkpoint()
     except BaseException:
-        pci.close()
+        await _close_seam(pci)
         raise
     return pci
