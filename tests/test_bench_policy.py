@@ -118,6 +118,7 @@ def test_the_pattern_fills_more_than_a_c_int_of_bits():
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_a_dma_budget_caps_what_a_nic_may_allocate_and_gets_every_byte_back():
     budget = DmaBudget(8 << 20, "test budget")
     async with open_nic(dma_budget=budget) as nic:

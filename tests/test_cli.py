@@ -155,6 +155,20 @@ def emulator_children(pid):
     return children
 
 
+def start_moving_data(*args, pcap, **popen):
+    """A 10-million-iteration `bench write` that captures NIC 0's packets to `pcap`, returned once packets flow (the
+    capture grows past its 24-byte header)."""
+    process = subprocess.Popen([*CLI, *args, "bench", "write", "--iters", "10000000", "--pcap", str(pcap), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    deadline = time.monotonic() + 30
+    while not (pcap.exists() and pcap.stat().st_size > 24):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"no packets within 30 s: {process.communicate()}")
+        time.sleep(0.01)
+    return process
+
+
 def is_running(pid):
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
@@ -166,16 +180,11 @@ def is_running(pid):
 @pytest.mark.parametrize("signum,code,message", [(signal.SIGTERM, 143, "terminated by SIGTERM"),
                                                  (signal.SIGINT, 130, "interrupted by SIGINT"),
                                                  (signal.SIGHUP, 129, "hung up (SIGHUP)")])
-def test_a_signal_closes_cleanly_and_prints_json(backend, signum, code, message):
-    process = subprocess.Popen([*CLI, "--backend", backend, "-v", "bench", "write", "--iters", "10000000", "--json"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_a_signal_closes_cleanly_and_prints_json(backend, signum, code, message, tmp_path):
+    process = start_moving_data("--backend", backend, "-v", pcap=tmp_path / "wire.pcap")
     try:
-        deadline = time.monotonic() + 30
-        while len(emulators := emulator_children(process.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        emulators = emulator_children(process.pid)
         assert len(emulators) == 2, "the two emulated NICs did not start"
-        time.sleep(1.5)  # booted and moving data
-        assert process.poll() is None, process.communicate()
         process.send_signal(signum)
         stdout, stderr = process.communicate(timeout=15)
     finally:
@@ -326,7 +335,7 @@ def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
     (["bench", "write", "somehost", "--server"], 2, "choose one of SERVER_HOST, --server and --peer"),
     (["lat", "write", "--iters", "0"], 1, "--iters must be an integer of at least 1"),
     (["lat", "read", "-s", "1Q"], 2, "is not a size"),
-    (["lat", "send", "--nic", "0000:41:00.0"], 1, "lat runs both ends here, on emulated NICs"),
+    (["lat", "send", "--nic", "0000:41:00.0"], 1, "0000:41:00.0: give the NIC's IPv4 address (ip=...)"),
     (["bench", "write", "--nics", "1000"], 1, "--nics must be an even number in [2, 16]"),
     (["bench", "write", "--server", "--port", "70000"], 2, "a port is in [0, 65535], not 70000"),
     (["bench", "write", "127.0.0.1", "--remote-ip", "10.0.0.9"], 2, "the server chooses its NIC and address"),
@@ -334,7 +343,7 @@ def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
     (["bench", "write", "--server", "--max-nics", "0"], 2, "must be at least 1, not 0"),
     (["bench", "write", "--server", "--allow-peer", "10.0.0.0/33"], 2, "invalid ip_network value"),
 ], ids=["suffix", "too-big", "duration-0", "sweep-order", "factor", "plot-no-sweep", "nic-spec", "pci-alone",
-        "plot-missing", "no-server", "forever-alone", "two-modes", "lat-iters", "lat-suffix", "lat-pci", "nics-cap",
+        "plot-missing", "no-server", "forever-alone", "two-modes", "lat-iters", "lat-suffix", "lat-pci-no-ip", "nics-cap",
         "port-range", "client-names-server-ip", "server-pci-no-ip", "max-nics-0", "allow-peer-bad"])
 def test_bad_input_for_every_new_flag_is_one_line(args, code, message):
     got, result, process = run(*args, "--json")
@@ -404,14 +413,12 @@ def test_run_infinitely_reports_until_ctrl_c_then_prints_the_result():
     assert result["ok"] and result["verified"] and result["ops"] > 0
 
 
-def test_ctrl_c_to_the_whole_process_group_closes_cleanly():
+def test_ctrl_c_to_the_whole_process_group_closes_cleanly(tmp_path):
     """A terminal's Ctrl-C signals every process of the foreground group, the emulated NICs included: they must
     leave the ending to the driver (which frees every firmware object first), with no traceback anywhere."""
     import os
-    process = subprocess.Popen([*CLI, "bench", "write", "--iters", "10000000", "--json"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = start_moving_data(pcap=tmp_path / "wire.pcap", start_new_session=True)
     try:
-        time.sleep(3)
         os.killpg(process.pid, signal.SIGINT)
         out, err = process.communicate(timeout=30)
     finally:

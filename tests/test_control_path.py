@@ -1,4 +1,5 @@
 """The async control path against the emulated NIC process: bring-up, HWRM, RCFW, events, failures, close."""
+import ipaddress
 import os
 import signal
 import time
@@ -6,7 +7,8 @@ import time
 import anyio
 import pytest
 
-from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutError, QPState, device, open_nic
+from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutError, QPState, open_nic, rcfw_channel
+from aiofabric.interrupts import CREQ_VECTOR
 from aiofabric.autogen import bnxt
 
 pytestmark = pytest.mark.anyio
@@ -16,10 +18,12 @@ def counts(nic):
     return nic.pci.debug({"op": "objects"})["objects"]
 
 
+@pytest.mark.loop_agnostic
 async def test_boot_reports_identity_and_frees_everything_on_close():
-    async with open_nic("sim:boot", ip="127.0.0.9") as nic:
+    ip = f"127.1.{os.getpid() >> 8 & 255}.{os.getpid() & 255}"  # this process's own: concurrent runs never collide
+    async with open_nic("sim:boot", ip=ip) as nic:
         info = nic.info()
-        assert info["gid"] == "0000:0000:0000:0000:0000:ffff:7f00:0009"
+        assert info["gid"] == ipaddress.IPv6Address(f"::ffff:{ip}").exploded
         assert len(info["mac"]) == 17 and info["fw_version"].count(".") == 3
         assert info["gid_index"] >= 0 and info["caps"]["max_qp"] > 0
         booted = counts(nic)
@@ -37,6 +41,7 @@ async def test_boot_reports_identity_and_frees_everything_on_close():
         assert nic.pci.dma_bytes_in_use == 0  # and every ring, page table and buffer went back
 
 
+@pytest.mark.loop_agnostic
 async def test_hwrm_bad_input_gets_clear_errors():
     async with open_nic("sim:hwrm") as nic:
         with pytest.raises(ValueError, match="unknown HWRM command 'no_such_thing'"):
@@ -63,6 +68,7 @@ async def test_hwrm_timeout_then_channel_recovers():
         assert qcfg.legacy_l2_db_size_kb > 0
 
 
+@pytest.mark.loop_agnostic
 async def test_rcfw_many_in_flight_matched_by_cookie():
     async with open_nic("sim:many") as nic:
         cqs = []
@@ -79,6 +85,7 @@ async def test_rcfw_many_in_flight_matched_by_cookie():
         assert stats["rcfw"] >= 40
 
 
+@pytest.mark.loop_agnostic
 async def test_rcfw_errors_name_command_and_status():
     async with open_nic("sim:rcfw") as nic:
         with pytest.raises(ValueError, match="unknown RCFW command"):
@@ -107,14 +114,14 @@ async def test_the_creq_reader_polls_only_while_a_command_awaits_its_reply(monke
     """Lost-interrupt insurance costs nothing on an idle NIC: the CREQ reader sleeps without a safety poll while no
     command waits, and a command posted then wakes it to re-read the CREQ every safety poll until its answer."""
     waits = []
-    original = device.wait_for_interrupt
+    original = rcfw_channel.wait_for_interrupt
 
     async def recording(fd, timeout):
         waits.append((fd, timeout))
         return await original(fd, timeout)
-    monkeypatch.setattr(device, "wait_for_interrupt", recording)
+    monkeypatch.setattr(rcfw_channel, "wait_for_interrupt", recording)
     async with open_nic("sim:creq") as nic:
-        creq = nic._irq[device.CREQ_VECTOR]
+        creq = nic.device.interrupt_fd(CREQ_VECTOR)
         await anyio.sleep(0.5)  # the reader's one safety poll after bring-up
         before = len(waits)
         await anyio.sleep(1.0)
@@ -126,8 +133,9 @@ async def test_the_creq_reader_polls_only_while_a_command_awaits_its_reply(monke
         assert len([timeout for fd, timeout in waits[before:] if fd == creq and timeout]) >= 3
 
 
+@pytest.mark.loop_agnostic
 async def test_qp_lifecycle_and_query():
-    async with open_nic("sim:qp", ip="127.0.0.5") as nic:
+    async with open_nic("sim:qp") as nic:
         cq = await nic.create_cq(depth=256)
         a, b = await nic.create_qp(cq, sq_depth=64), await nic.create_qp(cq, sq_depth=64)
         assert a.sq_slots % 256 == 0 and a.msn_entries == a.sq_slots // 2
@@ -144,6 +152,7 @@ async def test_qp_lifecycle_and_query():
         assert counts(nic)["qps"] == 0 and counts(nic)["cqs"] == 0
 
 
+@pytest.mark.loop_agnostic
 async def test_memory_regions_with_every_page_table_level():
     async with open_nic("sim:mr") as nic:
         small = await nic.register_mr(4096, Access.LOCAL_WRITE)
@@ -157,6 +166,7 @@ async def test_memory_regions_with_every_page_table_level():
         assert counts(nic)["mrs"] == 0
 
 
+@pytest.mark.loop_agnostic
 async def test_error_notifications_are_routed_not_mistaken_for_replies():
     async with open_nic("sim:events") as nic:
         cq = await nic.create_cq(depth=64)
@@ -169,7 +179,7 @@ async def test_error_notifications_are_routed_not_mistaken_for_replies():
                 results.append(await nic.rcfw("query_version"))
 
             tasks.start_soon(query)
-            await anyio.sleep(0.005)
+            await anyio.wait_all_tasks_blocked()  # the query is posted: its answer is 20 ms away
             nic.pci.debug({"op": "event", "event": {"kind": "qp_error", "xid": qp.qpn}})
             nic.pci.debug({"op": "event", "event": {"kind": "cq_error", "xid": cq.id}})
             nic.pci.debug({"op": "event", "event": {"kind": "function", "event": 1}})
@@ -184,7 +194,7 @@ async def test_error_notifications_are_routed_not_mistaken_for_replies():
 async def test_emulator_killed_mid_command_fails_every_waiter_promptly():
     started = time.monotonic()
     async with open_nic("sim:doomed") as nic:
-        nic.pci.debug({"op": "latency", "us": 200_000})
+        nic.pci.debug({"op": "latency", "us": 2_000_000})  # no command finishes before the kill
         errors = []
 
         async def command(run):
@@ -197,7 +207,7 @@ async def test_emulator_killed_mid_command_fails_every_waiter_promptly():
             for _ in range(8):
                 tasks.start_soon(command, lambda: nic.rcfw("query_version"))
             tasks.start_soon(command, lambda: nic.hwrm("func_qcfg", fid=0xFFFF))
-            await anyio.sleep(0.05)
+            await anyio.wait_all_tasks_blocked()  # every command posted or waiting for its channel
             os.kill(nic.pci.pid, signal.SIGKILL)
         assert len(errors) == 9
         assert "emulator exited with status -9" in str(errors[0])
@@ -206,9 +216,9 @@ async def test_emulator_killed_mid_command_fails_every_waiter_promptly():
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.loop_agnostic
 async def test_several_nics_in_one_process():
-    async with open_nic("sim:a", ip="127.0.0.11") as a, open_nic("sim:b", ip="127.0.0.12") as b, \
-            open_nic("sim:c", ip="127.0.0.13") as c:
+    async with open_nic("sim:a") as a, open_nic("sim:b") as b, open_nic("sim:c") as c:
         assert len({a.mac, b.mac, c.mac}) == 3
         assert len({a.pci.pid, b.pci.pid, c.pci.pid}) == 3
         async with anyio.create_task_group() as tasks:
@@ -217,6 +227,7 @@ async def test_several_nics_in_one_process():
         assert [counts(n)["cqs"] for n in (a, b, c)] == [1, 1, 1]
 
 
+@pytest.mark.loop_agnostic
 async def test_bad_spec_is_refused():
     with pytest.raises(Exception, match="bad NIC spec"):
         async with open_nic("eth0"):

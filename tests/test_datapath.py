@@ -10,8 +10,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from aiofabric import Access, DeviceLostError, QPInfo, QPState, device, open_nic
+from aiofabric import Access, DeviceLostError, QPInfo, QPState, hwrm_channel, open_nic, rcfw_channel
+from aiofabric.autogen import bnxt
 from aiofabric.completions import CompletionError
+from aiofabric.hw.wqe import MSN_ENTRY, SQ_SLOT
 from aiofabric.poller import QUIET_SAFETY_POLL
 from aiofabric.queues import LocalBuffer, RemoteRegion
 
@@ -31,6 +33,7 @@ async def pair(mtu=1024, sq_depth=64, **options):
         yield a, b, qa, qb
 
 
+@pytest.mark.loop_agnostic
 async def test_write_lands_exactly_across_message_sizes():
     async with pair(mtu=1024) as (a, b, qa, qb):
         source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
@@ -43,13 +46,68 @@ async def test_write_lands_exactly_across_message_sizes():
             assert not any(target.view[size:size + 64])  # nothing beyond the message
 
 
-async def test_zero_length_write_completes():
+@pytest.mark.loop_agnostic
+async def test_zero_length_write_completes_as_one_message_that_places_nothing():
     async with pair() as (a, b, qa, qb):
         source, target = await a.register_mr(4096), await b.register_mr(4096)
+        source.view[:] = b"\x5a" * 4096
         with anyio.fail_after(5):
-            await qa.write(source, target, 0)
+            done = await qa.write(source, target, 0)
+        assert done.done and done.error is None and done.byte_len == 0
+        assert not any(target.view)
+        placed = b.pci.debug({"op": "placed"})["qps"][str(qb.qpn)]
+        assert (placed["write_messages"], placed["write_bytes"]) == (1, 0)
 
 
+@pytest.mark.loop_agnostic
+async def test_unsignaled_work_before_a_failing_request_completes_without_its_error():
+    """One error CQE retires the unsignaled work requests before it too: they succeeded, only the last one failed."""
+    async with pair() as (a, b, qa, qb):
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        source.view[:] = random.Random(5).randbytes(4096)
+        good = [await qa.post_write(source, target, 64, local_offset=64 * i, remote_offset=64 * i, signaled=False)
+                for i in range(3)]
+        bad = await qa.post_write(source, RemoteRegion(target.addr, target.rkey ^ 0x100), 16)
+        with anyio.fail_after(10), pytest.raises(CompletionError, match="REMOTE_ACCESS_ERR"):
+            await bad
+        for completion in good:
+            assert completion.done and completion.error is None
+            await completion
+        assert bytes(target.view[:192]) == bytes(source.view[:192])
+
+
+@pytest.mark.loop_agnostic
+async def test_msn_table_entries_name_each_messages_psns_and_wqe_as_the_wire_does():
+    """The host MSN table after the SQ ring (one entry per message, wrapping; Linux's sq_msn_search layout): start
+    PSN, next PSN and first SQ slot of each message. Its PSNs chain from the QP's initial PSN to the PSN the
+    emulated requester sends next, each message taking one PSN per MTU-sized packet (one for zero bytes)."""
+    mtu = 1024
+    async with pair(mtu=mtu) as (a, b, qa, qb):
+        source, target = await a.register_mr(8 * mtu), await b.register_mr(8 * mtu)
+        sizes = [0, 1, mtu, mtu + 1, 3 * mtu + 5]
+        first_psn, first_slot = qa.info().psn, qa.sq_producer
+        messages = qa.msn_entries + 3  # the table wraps
+        expected, psn, slot = [], first_psn, first_slot
+        with anyio.fail_after(20):
+            for i in range(messages):
+                size = sizes[i % len(sizes)]
+                post = qa.post_read if i % 7 == 6 else qa.post_write
+                await (await post(source, target, size))
+                packets = max(1, -(-size // mtu))
+                expected.append((psn, (psn + packets) & 0xFFFFFF, slot & (qa.sq_slots - 1)))
+                psn, slot = (psn + packets) & 0xFFFFFF, qa.sq_producer
+        entries = [MSN_ENTRY.unpack_from(qa.sq.view, qa.sq_slots * SQ_SLOT + k * MSN_ENTRY.size)[0]
+                   for k in range(qa.msn_entries)]
+        decoded = [((e & bnxt.SQ_MSN_SEARCH_START_PSN_MASK) >> bnxt.SQ_MSN_SEARCH_START_PSN_SFT,
+                    (e & bnxt.SQ_MSN_SEARCH_NEXT_PSN_MASK) >> bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT,
+                    (e & bnxt.SQ_MSN_SEARCH_START_IDX_MASK) >> bnxt.SQ_MSN_SEARCH_START_IDX_SFT) for e in entries]
+        latest = {i % qa.msn_entries: entry for i, entry in enumerate(expected)}
+        assert decoded == [latest[k] for k in range(qa.msn_entries)]
+        wire = a.pci.debug({"op": "datapath"})["qps"][str(qa.qpn)]
+        assert wire["next_psn"] & 0xFFFFFF == psn == expected[-1][1]
+
+
+@pytest.mark.loop_agnostic
 async def test_read_send_recv_and_write_with_imm():
     async with pair(mtu=512) as (a, b, qa, qb):
         local, remote = await a.register_mr(8192), await b.register_mr(8192)
@@ -74,6 +132,7 @@ async def test_read_send_recv_and_write_with_imm():
         assert bytes(remote.view[:700]) == bytes(local.view[:700])
 
 
+@pytest.mark.loop_agnostic
 async def test_hundreds_in_flight_unsignaled_retired_and_sq_wraps():
     async with pair(sq_depth=32) as (a, b, qa, qb):
         source, target = await a.register_mr(256 * 64), await b.register_mr(256 * 64)
@@ -92,6 +151,7 @@ async def test_hundreds_in_flight_unsignaled_retired_and_sq_wraps():
         assert qa.send_cq.outstanding == 0
 
 
+@pytest.mark.loop_agnostic
 async def test_bad_rkey_fails_with_remote_access_error_and_flushes_the_rest():
     async with pair() as (a, b, qa, qb):
         source, target = await a.register_mr(4096), await b.register_mr(4096)
@@ -111,6 +171,7 @@ async def test_bad_rkey_fails_with_remote_access_error_and_flushes_the_rest():
             await qa.write(source, target, 16)  # a QP in error flushes new work at once
 
 
+@pytest.mark.loop_agnostic
 async def test_bad_lkey_and_read_into_read_only_memory():
     async with pair() as (a, b, qa, qb):
         target = await b.register_mr(4096)
@@ -123,6 +184,7 @@ async def test_bad_lkey_and_read_into_read_only_memory():
             await qa.read(readonly, remote, 64)
 
 
+@pytest.mark.loop_agnostic
 async def test_modify_to_error_flushes_posted_receives():
     async with pair() as (a, b, qa, qb):
         inbox = await b.register_mr(4096)
@@ -134,6 +196,7 @@ async def test_modify_to_error_flushes_posted_receives():
                     await receive
 
 
+@pytest.mark.loop_agnostic
 async def test_qp_info_wider_than_the_wire_is_refused_and_reaches_no_qp():
     """BTH carries 24 bits of QP number and PSN: QP 1 << 24 | 2 must not become QP 2."""
     async with pair() as (a, b, qa, qb):
@@ -163,15 +226,17 @@ def count_wakeups(monkeypatch, *nics):
     """What an idle NIC's driver would wake up for: the poller's sleeps ending, the device's own interrupt waits
     (CREQ reader, HWRM) starting, and doorbells or register writes reaching the emulator (each wakes it)."""
     device_waits = []
-    original = device.wait_for_interrupt
+    for channel in (hwrm_channel, rcfw_channel):
+        original = channel.wait_for_interrupt
 
-    async def counting(fd, timeout):
-        device_waits.append(timeout)
-        return await original(fd, timeout)
-    monkeypatch.setattr(device, "wait_for_interrupt", counting)
+        async def counting(fd, timeout, _original=original):
+            device_waits.append(timeout)
+            return await _original(fd, timeout)
+        monkeypatch.setattr(channel, "wait_for_interrupt", counting)
     writes = []
     for nic in nics:
-        for bar, method in ((nic.doorbells, "write64"), (nic.bar0, "write32"), (nic.bar0, "write64")):
+        for bar, method in ((nic.device.doorbells, "write64"), (nic.device.bar0, "write32"),
+                            (nic.device.bar0, "write64")):
             def written(*args, _write=getattr(bar, method)):
                 writes.append(args)
                 return _write(*args)
@@ -230,6 +295,7 @@ async def test_quiet_work_backs_off_its_safety_poll_but_new_work_is_insured_at_o
             await receive
 
 
+@pytest.mark.loop_agnostic
 async def test_faults_still_deliver_every_byte_exactly_once():
     async with pair(loss=0.05, dup=0.05, reorder=0.05, corrupt=0.02, seed=11) as (a, b, qa, qb):
         source, target = await a.register_mr(64 * 1024), await b.register_mr(64 * 1024)
@@ -250,6 +316,7 @@ async def test_faults_still_deliver_every_byte_exactly_once():
         assert stats["retransmits"] > 0 and b.pci.debug({"op": "stats"})["stats"]["dropped"] > 0
 
 
+@pytest.mark.loop_agnostic
 async def test_phy_loopback_write():
     from aiofabric.perftest import run_loopback
     result = await run_loopback("sim", 5000)

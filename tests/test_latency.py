@@ -20,6 +20,7 @@ def check_sane(result, config):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("test", ["write", "read", "send"])
+@pytest.mark.loop_agnostic
 async def test_each_verb_runs_and_reports_sane_numbers(test):
     config = LatConfig(test=test, iters=ITERS, size=4100 if test == "write" else 2, mtu=1024, histogram=True)
     result = await run_latency(config)
@@ -67,6 +68,7 @@ def test_bad_config_names_the_field(field, value):
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_run_latency_refuses_a_bad_config_before_booting():
     with pytest.raises(ValueError, match="--iters"):
         await run_latency(LatConfig(iters=0))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 if sys.version_info < (3, 11):
@@ -48,6 +49,10 @@ def test_requests_round_trip_with_defaults_filled_in():
     (b'{"id": 8, "op": "post", "args": {"qp": 1, "verb": "write", "mr": 2}}', "needs field 'remote'", 8),
     (b'{"id": 9, "op": "post", "args": {"qp": 1, "verb": "jump", "mr": 2}}', "one of write, read", 9),
     (b'{"id": 10, "op": "connect_qp", "args": {"qp": 1, "peer": {"qpn": 1}}}', "a QP info", 10),
+    (b'{"id": 11, "op": "close", "args": {"handle": true}}', "close: field 'handle' must be an integer, not True", 11),
+    (b'{"id": 12, "op": "create_cq", "args": {"nic": 1, "depth": false}}', "field 'depth' must be an integer", 12),
+    (b'{"id": 13, "op": "post", "args": {"qp": 1, "verb": "send", "mr": 2, "deadline": true}}',
+     "field 'deadline' must be a positive number of seconds, not True", 13),
     (b'{"id": true, "op": "ping"}', "without a valid id", None),
     (b'[1, 2]', "not a JSON object", None),
     (b'{"id": 1, "op": "ping"', "not JSON", None),
@@ -212,16 +217,16 @@ async def test_bench_with_the_server_side_on_a_peer(server, test, shape):
 @ASYNCIO_ONLY
 @BOTH_SERVERS
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
-async def test_bench_peer_interrupted_or_killed_mid_run_leaves_nothing_on_either_side(server, signum):
+async def test_bench_peer_interrupted_or_killed_mid_run_leaves_nothing_on_either_side(server, signum, tmp_path):
     """Ctrl-C: the client stops the remote endpoint. A killed client cannot: its endpoint exits at the end of its
     input, which sshd closes (OpenSSH signals nothing), and every emulator follows its driver."""
+    pcap = tmp_path / "wire.pcap"
     async with await anyio.open_process([*CLI, "bench", "write", "--peer", "127.0.0.1", *server.cli_flags(),
-                                         "--duration", "60", "--json"]) as process:
-        with anyio.fail_after(30):  # running: the remote endpoint's emulator is up
-            while not any("aiofabric.sim.process" in line for line in leftovers(server.port)):
+                                         "--duration", "60", "--pcap", str(pcap), "--json"]) as process:
+        with anyio.fail_after(30):  # moving data: the local NIC's capture holds packets
+            while not (pcap.exists() and pcap.stat().st_size > 24):
                 assert process.returncode is None, (await process.stderr.receive()).decode()
-                await anyio.sleep(0.1)
-        await anyio.sleep(1)
+                await anyio.sleep(0.05)
         process.send_signal(signum)
         with anyio.fail_after(10):
             code = await process.wait()
@@ -413,7 +418,9 @@ async def test_remote_endpoint_killed_mid_request_fails_what_was_in_flight(serve
             mr = await peer.register_mr(nic, 4096)
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(peer.post, qp, "recv", mr)  # never completes: nobody sends
-                await anyio.sleep(0.3)
+                with anyio.fail_after(5):
+                    while "post" not in peer.state.in_flight.values():
+                        await anyio.lowlevel.checkpoint()
                 started = time.monotonic()
                 os.kill(peer.remote_pid, signal.SIGKILL)
     assert time.monotonic() - started < 5

@@ -36,6 +36,13 @@ def overlaps(a, b):
     return a.start_ns < b.end_ns and b.start_ns < a.end_ns
 
 
+async def wait_until(event: threading.Event) -> None:
+    """Until a worker thread sets `event` (a few seconds at most)."""
+    with anyio.fail_after(5):
+        while not event.is_set():
+            await anyio.sleep(0.001)
+
+
 # -- planned order holds when calls really run, with random durations ---------------------------------------------
 @st.composite
 def host_batches(draw):
@@ -86,6 +93,7 @@ def double(out, a):
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_replay_with_new_bindings_gives_new_results_without_planning_again():
     c0, c1, copier = sched.ComputeQueue("c0"), sched.ComputeQueue("c1"), sched.CopyQueue()
     x, y, z, w = np.arange(8.0), np.zeros(8), np.zeros(8), np.zeros(8)
@@ -107,6 +115,7 @@ async def test_replay_with_new_bindings_gives_new_results_without_planning_again
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_views_of_an_input_are_rebound_too():
     queue = sched.ComputeQueue()
     x, out = np.zeros(8), np.zeros(4)
@@ -129,6 +138,7 @@ def test_the_low_rank_rule_names_the_call_and_the_argument():
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_flatten_writes_land_in_the_nd_array():
     grid = np.arange(16.0).reshape(4, 4)
     result = np.zeros((4, 4))
@@ -234,10 +244,16 @@ def test_system_exit_and_keyboard_interrupt_in_a_call_leave_the_run_as_themselve
 async def test_a_cancelled_run_leaves_nothing_waiting_and_the_next_run_works():
     c0, c1 = sched.ComputeQueue("c0"), sched.ComputeQueue("c1")
     x, y = np.ones(4), np.zeros(4)
-    batch = sched.compile([sched.kernel(lambda o, a: time.sleep(0.2), [y], [x], queue=c0, threaded=True),
+    started, release = threading.Event(), threading.Event()
+    batch = sched.compile([sched.kernel(lambda o, a: started.set() or release.wait(5), [y], [x], queue=c0,
+                                        threaded=True),
                            sched.kernel(double, [x], [y], queue=c1)])
-    with anyio.move_on_after(0.05) as scope:
-        await batch.run()
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(batch.run)
+            await wait_until(started)  # the first call runs in its thread, the second waits for it
+            scope.cancel()
+            release.set()
     assert scope.cancelled_caught
     with anyio.fail_after(5):
         await batch.run()
@@ -247,12 +263,14 @@ async def test_a_cancelled_run_leaves_nothing_waiting_and_the_next_run_works():
 @pytest.mark.anyio
 async def test_concurrent_runs_of_one_batch_never_overlap_and_disjoint_batches_do():
     def nap(*_):
-        time.sleep(0.05)
+        time.sleep(0.05)  # a window for a second run of the batch to overlap this one
+    meeting = threading.Barrier(2, timeout=5)  # broken (failing the run) unless both batches' kernels run at once
 
     c0, c1 = sched.ComputeQueue("c0"), sched.ComputeQueue("c1")
     a, b = np.zeros(1), np.zeros(1)
     first = sched.compile([sched.kernel(nap, [a], queue=c0, threaded=True)])
-    second = sched.compile([sched.kernel(nap, [b], queue=c1, threaded=True)])
+    together = [sched.compile([sched.kernel(lambda o: meeting.wait(), [buffer], queue=queue, threaded=True)])
+                for buffer, queue in ((a, c0), (b, c1))]
     traces = []
 
     async def run_and_keep(batch):
@@ -265,9 +283,9 @@ async def test_concurrent_runs_of_one_batch_never_overlap_and_disjoint_batches_d
     assert not overlaps(*traces), "two runs of one batch overlapped: the reuse fence failed"
     traces.clear()
     async with anyio.create_task_group() as group:
-        group.start_soon(first.run)
-        group.start_soon(second.run)
-    assert overlaps(first.last_trace[0], second.last_trace[0]), "batches on disjoint queues did not overlap"
+        for batch in together:
+            group.start_soon(batch.run)
+    assert overlaps(together[0].last_trace[0], together[1].last_trace[0])
 
 
 def test_describe_dot_and_chrome_trace(tmp_path):
@@ -371,6 +389,7 @@ async def connected(a, b):
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_a_batch_of_c_kernel_copy_and_rdma_writes_matches_the_steps_run_one_by_one():
     n = 4096
     spin = sched.CKernel(SPIN, "spin")
@@ -410,6 +429,7 @@ async def test_a_batch_of_c_kernel_copy_and_rdma_writes_matches_the_steps_run_on
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_with_new_or_reset_qps():
     async with open_nic("sim") as a, open_nic("sim") as b:
         qa, qb = await connected(a, b)
@@ -492,6 +512,7 @@ def test_a_batch_held_past_its_worker_threads_lifetime_replays_on_every_backend(
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_a_batch_over_a_destroyed_qp_or_a_closed_nic_fails_at_once_naming_the_call():
     async with open_nic("sim") as b:
         async with open_nic("sim") as a:
@@ -521,9 +542,14 @@ def test_a_rebinding_that_makes_buffers_share_memory_is_refused_and_changes_noth
     # x and y were disjoint when planned: the two kernels were not ordered. Bound to y, x would race the fill.
     with pytest.raises(sched.BindingError, match=r"input 'x': its new memory overlaps argument 0 of call 0 \(fill y\)"):
         batch.bind({"x": y})
+    x[:] = 5.0
+    anyio.run(batch.run)
+    assert z.tolist() == [5.0] * 4 and y.tolist() == [1.0] * 4  # still x: the refused binding changed nothing
+    fill = sched.compile([sched.kernel(lambda o: o.fill(1.0), [out], queue=sched.ComputeQueue())], inputs={"out": out})
     with pytest.raises(sched.BindingError, match="is read-only, and argument 0 of call 0"):
-        sched.compile([sched.kernel(lambda o: o.fill(1.0), [out], queue=sched.ComputeQueue())],
-                      inputs={"out": out}).bind({"out": np.frombuffer(bytes(32))})
+        fill.bind({"out": np.frombuffer(bytes(32))})
+    anyio.run(fill.run)
+    assert out.tolist() == [1.0] * 4
     with pytest.raises(ValueError, match=r"outs\[0\] is read-only"):
         sched.kernel(lambda o: None, [np.frombuffer(bytes(8))], queue=sched.ComputeQueue())
     # an input whose memory a constant argument shares cannot be rebound: that argument would stay behind
@@ -536,10 +562,13 @@ def test_a_rebinding_that_makes_buffers_share_memory_is_refused_and_changes_noth
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_overlapping_runs_keep_their_own_bindings():
     x, z, seen = np.zeros(4), np.zeros(4), []
     q = sched.ComputeQueue("q")
-    batch = sched.compile([sched.kernel(lambda o: time.sleep(0.05), [np.zeros(1)], queue=q, threaded=True),
+    started, release = threading.Event(), threading.Event()
+    batch = sched.compile([sched.kernel(lambda o: started.set() or release.wait(5), [np.zeros(1)], queue=q,
+                                        threaded=True),
                            sched.kernel(lambda o, i: np.copyto(o, i), [z], [x], queue=q)], inputs={"x": x})
 
     async def run(value):
@@ -547,14 +576,16 @@ async def test_overlapping_runs_keep_their_own_bindings():
         seen.append((value, z[0]))
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(run, 1.0)
-        await anyio.sleep(0.01)  # the first run is inside the slow kernel
+        await wait_until(started)  # the first run is inside its first kernel
         with pytest.raises(sched.BindingError, match="a run of this batch is in progress"):
             batch.bind({"x": np.full(4, 3.0)})
         tasks.start_soon(run, 2.0)
+        release.set()
     assert seen == [(1.0, 1.0), (2.0, 2.0)]
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_rebinding_qps_and_mrs_stays_on_their_nic_is_all_or_nothing_and_errors_name_the_bound_qp():
     async with open_nic("sim") as a, open_nic("sim") as b:
         qa, qb = await connected(a, b)
@@ -623,6 +654,7 @@ async def test_a_run_that_ends_with_a_receive_posted_flushes_it_says_so_and_neve
 
 
 @pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_qps_of_two_nics_with_one_number_get_their_own_names_and_trace_tracks(tmp_path):
     async with open_nic("sim") as a, open_nic("sim") as b, open_nic("sim") as c:
         qa, qb = await connected(a, b)  # each NIC numbers its own QPs: the first QP of every NIC has one number
