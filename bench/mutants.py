@@ -1,0 +1,171 @@
+"""Mutation check of the hot spots: one deliberate bug at a time, and the tests that must catch it.
+
+Each mutant replaces one snippet of one file (it must occur there exactly once) in a temporary copy of the checkout
+(its tracked and untracked files; the checkout itself is never modified) and runs its tests there. A mutant its
+tests do not fail survived: some behaviour is not checked. The tests first run unmutated, so a failure is the
+mutant's, not the tree's.
+
+    python bench/mutants.py              # every mutant; exit status 1 if one survived or could not be applied
+    python bench/mutants.py -k retire    # the mutants whose name contains "retire"
+    python bench/mutants.py --list
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    original: str
+    mutated: str
+    tests: tuple[str, ...]  # pytest node ids (a test function's id selects all its parameters)
+
+
+PACKETS, RESPONDER, QUEUES = "aiofabric/sim/packets.py", "aiofabric/sim/responder.py", "aiofabric/queues.py"
+PLAN, PROTOCOL, DEVICE, LATENCY = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/device.py",
+                                   "aiofabric/latency.py")
+SCAPY_ICRC = ("tests/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
+              "tests/test_packets.py::test_icrc_over_nonzero_ip_ids_matches_scapy",
+              "tests/test_packets.py::test_golden_capture_decodes_and_reencodes_bit_exactly")
+SIM = "tests/test_sim_datapath.py::"
+DATAPATH = "tests/test_datapath.py::"
+MSN = (DATAPATH + "test_msn_table_entries_name_each_messages_psns_and_wqe_as_the_wire_does",)
+RETIRE = (DATAPATH + "test_unsignaled_work_before_a_failing_request_completes_without_its_error",
+          DATAPATH + "test_hundreds_in_flight_unsignaled_retired_and_sq_wraps",
+          DATAPATH + "test_bad_rkey_fails_with_remote_access_error_and_flushes_the_rest")
+PLANNING = ("tests/test_sched_plan.py",)
+PEER_REQUESTS = ("tests/test_peer.py::test_bad_requests_name_what_is_wrong_and_keep_their_id",)
+CLOSE = ("tests/test_lifetimes.py::test_close_inside_the_block_stops_the_nics_own_tasks_before_freeing_their_rings",
+         "tests/test_lifetimes.py::test_creations_cancelled_at_random_moments_leave_no_orphan_objects",
+         "tests/test_lifetimes.py::test_objects_of_a_closed_nic_refuse_use")
+SUMMARY = ("tests/test_latency.py::test_summary_follows_perftest_definitions",)
+
+MUTANTS = [
+    Mutant("icrc: the masked LRH seed is 4 bytes, not 8", PACKETS,
+           '_ICRC_SEED = zlib.crc32(b"\\xff" * 8)', '_ICRC_SEED = zlib.crc32(b"\\xff" * 4)', SCAPY_ICRC),
+    Mutant("icrc: the plain rule leaves BTH byte 4 (FECN/BECN) unmasked", PACKETS,
+           "    masked[ihl + UDP_HEADER_SIZE + 4] = 0xFF\n", "", ("tests/test_packets.py",)),
+    Mutant("nak: the packets behind one refused with an RNR NAK earn a sequence NAK", RESPONDER,
+           "if self.nak_sent or racing:", "if racing:",
+           (SIM + "test_lost_packet_is_recovered_by_nak_sequence",
+            "tests/test_soak.py::test_a_send_before_its_receive")),
+    Mutant("nak: a packet reordered behind a NAKed one earns a second NAK", RESPONDER,
+           "racing = self.go_back_due and psn_diff(psn, self.dropped_hi) > 0", "racing = False",
+           (SIM + "test_a_reordered_pair_earns_one_nak_and_one_go_back",
+            SIM + "test_a_lost_retransmission_is_a_new_gap_with_its_own_nak")),
+    Mutant("wqe: immediate and length swapped in the RDMA header", QUEUES,
+           "SQ_RDMA_HEADER.pack(wqe_type, flags, slots, imm, length,",
+           "SQ_RDMA_HEADER.pack(wqe_type, flags, slots, length, imm,",
+           (DATAPATH + "test_write_lands_exactly_across_message_sizes",)),
+    Mutant("msn: start PSN and next PSN swapped in the MSN entry", QUEUES,
+           "msn_entry(psn, next_psn,", "msn_entry(next_psn, psn,", MSN),
+    Mutant("msn: the WQE's first slot packed into the next-PSN field", "aiofabric/hw/wqe.py",
+           "start_idx << _START_IDX[0] & _START_IDX[1]", "start_idx << _NEXT_PSN[0] & _NEXT_PSN[1]", MSN),
+    Mutant("msn: every message writes the same MSN entry", QUEUES,
+           "self.psn, self.msn = next_psn, self.msn + 1", "self.psn, self.msn = next_psn, self.msn", MSN),
+    Mutant("retire: unsignaled work before a failing request gets its error", QUEUES,
+           "if distance == 1 and status:", "if status:", RETIRE),
+    Mutant("retire: a CQE also retires the work request at its consumer index", QUEUES,
+           "if distance == 0 or distance > 0x8000:", "if distance > 0x8000:", RETIRE),
+    Mutant("plan: a write does not wait for earlier readers (write-after-read)", PLAN,
+           "if segment.readers:  # every reader", "if False:  # every reader", PLANNING),
+    Mutant("plan: a write does not wait for the earlier writer (write-after-write)", PLAN,
+           "elif segment.writer is not None:", "elif False:", PLANNING),
+    Mutant("protocol: true is an integer (and handle 1)", PROTOCOL,
+           "if isinstance(value, bool) or not isinstance(value, int):", "if not isinstance(value, int):",
+           PEER_REQUESTS),
+    Mutant("protocol: handle 0 is a handle", PROTOCOL, "if _int(value) < 1:", "if _int(value) < 0:", PEER_REQUESTS),
+    Mutant("protocol: true is a deadline", PROTOCOL,
+           "if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:",
+           "if not isinstance(value, (int, float)) or not value > 0:", PEER_REQUESTS),
+    Mutant("close: the NIC's own tasks keep running while it frees their rings", DEVICE,
+           "            for scope in self._background:", "            for scope in ():", CLOSE),
+    Mutant("close: CQs and MRs are destroyed before the QPs that use them", DEVICE,
+           "key=lambda o: o.release_order)", "key=lambda o: -o.release_order)", CLOSE),
+    Mutant("percentile: one rank too high", LATENCY,
+           "return ordered[max(0, rank - 1)]", "return ordered[min(len(ordered) - 1, rank)]", SUMMARY),
+    Mutant("percentile: float error rounds 99.9% of 1000 up to the maximum", LATENCY,
+           "rank = math.ceil(round(p / 100 * len(ordered), 9))", "rank = math.ceil(p / 100 * len(ordered))", SUMMARY),
+]
+
+
+def copy_checkout(destination: Path) -> None:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout
+    for name in filter(None, listed.split(b"\0")):
+        source = ROOT / os.fsdecode(name)
+        if source.is_file():  # a tracked file deleted in the checkout is not copied
+            target = destination / os.fsdecode(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
+    """pytest's exit status (None: timed out) and the last line it printed, run in `tree` on `tree`'s package."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(tree), os.environ.get("PYTHONPATH")))),
+           "PYTHONDONTWRITEBYTECODE": "1"}  # a mutant and its undoing may fit in one second of the same size
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0", *tests]
+    try:
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"no result within {timeout:g} s"
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return done.returncode, lines[-1] if lines else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", dest="match", default="", help="only the mutants whose name contains this")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds for one mutant's tests (default 600)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if args.match in m.name]
+    if args.list:
+        for mutant in mutants:
+            print(f"{mutant.name}\n  {mutant.path}: {mutant.original.strip()!r} -> {mutant.mutated.strip()!r}\n"
+                  + "".join(f"  {test}\n" for test in mutant.tests), end="")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="aiofabric-mutants-") as temporary:
+        tree = Path(temporary)
+        copy_checkout(tree)
+        unapplied = [m for m in mutants if (tree / m.path).read_text().count(m.original) != 1]
+        for mutant in unapplied:
+            print(f"NOT APPLIED  {mutant.name}: {mutant.original.strip()!r} is not in {mutant.path} exactly once")
+        baseline = tuple(dict.fromkeys(test for m in mutants for test in m.tests))
+        status, last = run_tests(tree, baseline, args.timeout)
+        if status != 0:
+            print(f"the tests fail unmutated ({last}): fix the tree first")
+            return 2
+        survivors = []
+        for mutant in (m for m in mutants if m not in unapplied):
+            path = tree / mutant.path
+            original = path.read_text()
+            path.write_text(original.replace(mutant.original, mutant.mutated))
+            started = time.monotonic()
+            try:
+                status, last = run_tests(tree, mutant.tests, args.timeout)
+            finally:
+                path.write_text(original)
+            verdict = "SURVIVED" if status == 0 else "killed"
+            if status == 0:
+                survivors.append(mutant)
+            print(f"{verdict:8}  {mutant.name} ({time.monotonic() - started:.0f} s: {last})", flush=True)
+    print(f"{len(mutants) - len(survivors) - len(unapplied)} of {len(mutants)} mutants killed"
+          + "".join(f"\nsurvived: {m.name}" for m in survivors))
+    return 1 if survivors or unapplied else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
