@@ -24,7 +24,7 @@ from .autogen import bnxt
 from .close_budget import CLOSE_TIMEOUT, CloseBudget
 from .errors import ClosedError, DeviceLostError, FirmwareError
 from .hw.cqe import CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, NQ_ENTRY, creq_type
-from .hw.firmware import BackingStoreType
+from .hw.firmware import RING_ENTRY_SIZES, BackingStoreType, add_gid_fields
 from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, HWRM_VECTOR, NQ_VECTOR, wake
 from .liveness import Liveness
@@ -251,8 +251,8 @@ class Device:
         await self._configure_backing_store()
         await self._open_rcfw(task_group)
         await self._open_l2()
-        gid = await self.rcfw("add_gid", gid=_gid_words(self.gid), src_mac=_mac_words(bytes.fromhex(
-            self.mac.replace(":", ""))))
+        gid_field, mac_field = add_gid_fields(self.gid, bytes.fromhex(self.mac.replace(":", "")))
+        gid = await self.rcfw("add_gid", gid=gid_field, src_mac=mac_field)
         self.gid_index = gid.xid
         self._on_close("RCFW delete_gid", lambda: self.rcfw_channel.command("delete_gid", gid_index=self.gid_index))
         log.info("%s: booted fw %s mac %s gid %s", self.pci.address, self.fw_version, self.mac, self.ip)
@@ -334,10 +334,10 @@ class Device:
     async def _open_l2(self) -> None:
         """The L2 receive path (completion ring, RX ring, VNIC, MAC filter) that RoCE ingress needs."""
         nq_enable = bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID
-        completion = Ring(self.pci, 64, 16, queue=False)
+        completion = Ring(self.pci, 64, RING_ENTRY_SIZES[bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL], queue=False)
         cmpl_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, completion, enables=nq_enable,
                                          nq_ring_id=self.nq_id)
-        receive = Ring(self.pci, 64, 16)
+        receive = Ring(self.pci, 64, RING_ENTRY_SIZES[bnxt.RING_ALLOC_REQ_RING_TYPE_RX])
         rx_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_RX, receive, rx_buf_size=2048,
                                        enables=nq_enable | bnxt.RING_ALLOC_REQ_ENABLES_RX_BUF_SIZE_VALID,
                                        nq_ring_id=self.nq_id)
@@ -422,12 +422,3 @@ def _free_all(*items: Any) -> None:
     for item in items:
         item.free()
 
-
-def _gid_words(gid: bytes) -> tuple[int, ...]:
-    """ADD_GID's gid field: the 16 bytes fully reversed (Linux: gid[i] = cpu_to_be32(dw[3-i]))."""
-    return tuple(int.from_bytes(gid[::-1][i:i + 4], "little") for i in range(0, 16, 4))
-
-
-def _mac_words(mac: bytes) -> tuple[int, ...]:
-    """ADD_GID's src_mac: three 16-bit words with the bytes of each swapped (cpu_to_be16)."""
-    return tuple(int.from_bytes(mac[i:i + 2], "big") for i in range(0, 6, 2))

@@ -21,7 +21,8 @@ from .device import Device, DeviceEvent, log
 from .errors import ClosedError, CompletionError, DeviceLostError, FabricError, QPStateError
 from .hw import doorbell
 from .hw.cqe import (CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, QP_ERROR_REASON_NAMES, RECV_STATUS_NAMES,
-                     SEND_STATUS_NAMES, cqe_type)
+                     SEND_STATUS_NAMES, SQ_CONS_IDX_MASK, cqe_type)
+from .hw.layout import field_type
 from .hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState, psn_count
 from .hw.wqe import (MSN_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
                      SQ_WQE_HEADER_SLOTS, msn_entry, msn_table_entries)
@@ -84,7 +85,7 @@ def check_qp_info(info: QPInfo) -> None:
     """Refuse what the wire cannot carry: BTH holds 24-bit QP numbers and PSNs, and a wider value would be
     truncated into another QP's number (or another PSN) instead of failing."""
     check_range("qpn", info.qpn, 0, 0xFFFFFF)
-    check_range("psn", info.psn, 0, 0xFFFFFF)
+    check_range("psn", info.psn, 0, PSN_MASK)
     if not isinstance(info.gid, bytes) or len(info.gid) != 16:
         raise ValueError(f"gid must be 16 bytes, not {info.gid!r}")
     mac_bytes(info.mac)
@@ -434,9 +435,9 @@ class QueuePair:
             | m.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU | m.CMDQ_MODIFY_QP_MODIFY_MASK_RQ_PSN
             | m.CMDQ_MODIFY_QP_MODIFY_MASK_MIN_RNR_TIMER | m.CMDQ_MODIFY_QP_MODIFY_MASK_MAX_DEST_RD_ATOMIC
             | m.CMDQ_MODIFY_QP_MODIFY_MASK_DEST_QP_ID,
-            dgid=tuple(int.from_bytes(peer.gid[i:i + 4], "little") for i in range(0, 16, 4)),
+            dgid=field_type(bnxt.cmdq_modify_qp, "dgid").from_buffer_copy(peer.gid),
             sgid_index=self.device.gid_index, hop_limit=64, path_mtu_pingpong_push_enable=PATH_MTUS[mtu],
-            dest_mac=tuple(int.from_bytes(mac_bytes(peer.mac)[i:i + 2], "little") for i in range(0, 6, 2)),
+            dest_mac=field_type(bnxt.cmdq_modify_qp, "dest_mac").from_buffer_copy(mac_bytes(peer.mac)),
             rq_psn=peer.psn, min_rnr_timer=min_rnr_timer, max_dest_rd_atomic=max(max_rd_atomic, 1),
             dest_qp_id=peer.qpn)
         await self.modify(
@@ -502,7 +503,7 @@ class QueuePair:
             if self.state not in RECV_STATES:
                 return self._refused("recv", "receives need INIT, RTR or RTS")
             await self._wait_for_space("recv")
-        tag = self.rq_producer & 0xFFFFF
+        tag = self.rq_producer & bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
         wqe = RQ_WQE_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.rq_wqe_size // SQ_SLOT, tag, 0)
         if sge is not None:
             wqe += SGE.pack(*sge)
@@ -568,7 +569,7 @@ class QueuePair:
                             msn_entry(psn, next_psn, start & self._slot_mask))
         self.psn, self.msn = next_psn, self.msn + 1
         completion = Completion(verb)
-        self.pending.append(_SendWork(self.wqe_count & 0xFFFF, slots, completion))
+        self.pending.append(_SendWork(self.wqe_count & SQ_CONS_IDX_MASK, slots, completion))
         self.wqe_count += 1
         self.sq_producer = start + slots
         self.send_cq.outstanding += 1
@@ -601,8 +602,8 @@ class QueuePair:
         pending = self.pending
         while pending:
             work = pending[0]
-            distance = (consumer - work.index) & 0xFFFF
-            if distance == 0 or distance > 0x8000:
+            distance = (consumer - work.index) & SQ_CONS_IDX_MASK
+            if distance == 0 or distance > (SQ_CONS_IDX_MASK + 1) >> 1:  # 0 or behind: not completed
                 break
             pending.popleft()
             self.sq_consumer += work.slots
@@ -624,7 +625,7 @@ class QueuePair:
             return
         tag, completion = self.receives.popleft()
         self.recv_cq.outstanding -= 1
-        if tag != wr_id & 0xFFFFF:
+        if tag != wr_id & bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK:
             log.warning("QP %#x: receive completion for wr_id %#x, expected %#x", self.qpn, wr_id, tag)
         if status == RECV_FLUSHED:
             completion.finish(self._flushed("recv"))

@@ -6,13 +6,13 @@ device-written entry says it is new, is the hardware's rule (aiofabric/hw/ring.p
 from __future__ import annotations
 
 import dataclasses
-import struct
 
 from .autogen import bnxt
 from .hw import ring
+from .hw.firmware import PTE_SIZE, pack_ptes
 from .pci import PAGE_SIZE, DmaBuffer, PCIDevice
 
-PTES_PER_PAGE = PAGE_SIZE // 8
+PTES_PER_PAGE = PAGE_SIZE // PTE_SIZE
 
 
 @dataclasses.dataclass
@@ -38,14 +38,14 @@ def page_table(pci: PCIDevice, pages: list[int], *, queue: bool) -> PageTable:
         ptes[-2] |= bnxt.PTU_PTE_NEXT_TO_LAST
     leaf_pages = -(-len(ptes) // PTES_PER_PAGE)
     leaves = pci.alloc_dma(leaf_pages * PAGE_SIZE)
-    struct.pack_into(f"<{len(ptes)}Q", leaves.view, 0, *ptes)
+    leaves.view[:len(ptes) * PTE_SIZE] = pack_ptes(ptes)
     if leaf_pages == 1:
         return PageTable(1, leaves.bus_addr, [leaves])
     if leaf_pages > PTES_PER_PAGE:
         raise ValueError(f"{len(pages)} pages need more than a 2-level page table")
     directory = pci.alloc_dma(PAGE_SIZE)
     pdes = [leaves.bus_addrs[i] | bnxt.PTU_PDE_VALID for i in range(leaf_pages)]
-    struct.pack_into(f"<{leaf_pages}Q", directory.view, 0, *pdes)
+    directory.view[:leaf_pages * PTE_SIZE] = pack_ptes(pdes)
     return PageTable(2, directory.bus_addr, [leaves, directory])
 
 

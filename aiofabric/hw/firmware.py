@@ -70,6 +70,19 @@ PTE_FLAGS = (1 << bnxt.PTU_PTE_PAGE_SFT) - 1  # PTU_PTE_PAGE_MASK masks only the
 _PTE_CODE = "Q"
 
 
+def add_gid_fields(gid: bytes, mac: bytes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """ADD_GID's `gid` and `src_mac` fields for a GID and a MAC: the GID's 16 bytes fully reversed (Linux:
+    gid[i] = cpu_to_be32(dw[3 - i])) as four little-endian words, the MAC's three 16-bit words byte-swapped
+    (cpu_to_be16). MODIFY_QP's dgid and dest_mac, unlike these, carry the bytes as they are."""
+    return (tuple(int.from_bytes(gid[::-1][i:i + 4], "little") for i in range(0, 16, 4)),
+            tuple(int.from_bytes(mac[i:i + 2], "big") for i in range(0, 6, 2)))
+
+
+def add_gid_values(gid_field: bytes, mac_field: bytes) -> tuple[bytes, bytes]:
+    """The GID and MAC an ADD_GID names, from its fields' bytes (the inverse of `add_gid_fields`)."""
+    return gid_field[::-1], bytes(mac_field[i ^ 1] for i in range(6))
+
+
 def pack_ptes(entries: Sequence[int]) -> bytes:
     """A page table (or directory) of `entries`: page addresses with their PTU_PTE_* / PTU_PDE_* flags."""
     return struct.pack(f"<{len(entries)}{_PTE_CODE}", *entries)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from ..autogen import bnxt
 from ..hw import doorbell
 from ..hw.cqe import CQ_ENTRY, SQ_CONS_IDX_MASK
-from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT, PAGE_SIZE_CODES
+from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT, PAGE_SIZE_CODES, add_gid_values
 from ..hw.firmware import BackingStoreType as BS
 from ..hw.layout import field_type
 from ..hw.verbs import PATH_MTU_BYTES, QUERY_QP_PATH_MTU_CODES, QPState, legal_transition
@@ -312,8 +312,7 @@ class Rcfw:
         index = lowest_free_id(self.gids, 0, MAX_GIDS)
         if index is None:
             raise CommandError(RESOURCES, f"all {MAX_GIDS} GID table entries are in use")
-        words = bytes(request.src_mac)  # each 16-bit word byte-swapped (cpu_to_be16)
-        self.gids[index] = Gid(index, bytes(request.gid)[::-1], bytes(words[i ^ 1] for i in range(6)), request.vlan,
+        self.gids[index] = Gid(index, *add_gid_values(bytes(request.gid), bytes(request.src_mac)), request.vlan,
                                request.stats_ctx)
         return {"xid": index}
 
