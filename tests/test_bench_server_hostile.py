@@ -135,7 +135,7 @@ def test_nothing_a_client_names_touches_the_host(server):
         _refused(client.request(5, "open_nic", options={"netns": "../../etc"}), "'netns'")
         _refused(client.request(6, "post", qp=1, verb="send", mr=2), "op 'post' is not allowed")
         nic = client.request(7, "open_nic", options={"loss": 0.0, "seed": 4})
-        assert nic["ok"] and nic["result"]["ip"] == "127.0.0.1", nic  # the address the connection reached
+        assert nic["ok"] and nic["result"]["ip"].startswith("127.0.0."), nic  # reached over loopback: a free one
         cq = client.request(8, "create_cq", nic=1, depth=64)["result"]["cq"]
         qp = client.request(9, "create_qp", nic=1, cq=cq)["result"]["qp"]
         for target in ("127.0.0.99", "10.0.0.1"):  # reflection: the server's packets would go elsewhere

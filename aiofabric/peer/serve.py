@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import os
 import stat
@@ -31,11 +32,12 @@ from ..nic import NIC, DmaBudget, open_nic
 from ..queues import CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from . import protocol
 from ..errors import LimitError, NotAllowed, ProtocolError
-from .policy import ServerPolicy
+from .policy import ServerPolicy, unmapped
 from .protocol import Answer, Ready
 
 log = logging.getLogger("aiofabric.serve")
 READ_CHUNK = 1 << 16
+EOF_GRACE = 1.0  # seconds the requests in flight at the end of input get to finish and be answered
 LOGGED_REFUSALS = 20  # per client
 
 
@@ -124,7 +126,7 @@ class Endpoint:
             if open_nics >= self.policy.limits.nics:
                 raise LimitError(f"open_nic: this client has {open_nics} NIC(s) open or opening, the server's "
                                  "limit (--max-nics): close one first")
-            spec, ip = self.policy.nic, self.policy.ip or self.connection_ip
+            spec, ip = self.policy.nic, self.policy.ip or self._reached_address(self.policy.nic)
             options.update(self.policy.nic_options())
         elif ip == "ssh":  # the address the client's SSH connection reached: this host's address on that network
             try:
@@ -148,6 +150,14 @@ class Endpoint:
         assert nic is not None
         info = nic.info()
         return {"nic": self._add(slot), "ip": info["ip"], "gid": info["gid"], "mac": info["mac"]}
+
+    def _reached_address(self, spec: str) -> str | None:
+        """The address the client's connection reached, for the server's NIC; None (a free 127.0.0.x) for an
+        emulated NIC reached over loopback, where every server on the host would otherwise want 127.0.0.1."""
+        reached = self.connection_ip
+        if reached is not None and spec.startswith("sim") and unmapped(reached).is_loopback:
+            return None
+        return reached
 
     async def _run_nic(self, slot: _NicSlot, spec: str, ip: str | None, options: dict[str, Any],
                        *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -303,7 +313,10 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
     write_lock = anyio.Lock()
     stop = anyio.Event()
     in_flight = [0]
-    cut_short: list[protocol.Request] = []  # in flight when the session ended: answered if the client can read
+    unanswered: dict[int, protocol.Request] = {}  # by a token of ours (a client may reuse ids): answered at the end
+    tokens = itertools.count()
+    drained = [anyio.Event()]  # set while nothing is unanswered
+    drained[0].set()
     last_request = [anyio.current_time()]
     summary: dict[str, Any] = {"client": client, "outcome": "end of input", "error": None, "requests": 0,
                                "errors": 0, "refused": 0, "reports": 0, "objects_closed": 0, "objects_left": 0}
@@ -339,12 +352,14 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
         except _GONE as gone:
             finish("cannot answer", f"{who}: cannot answer: {gone}")
 
-    async def run(endpoint: Endpoint, request: protocol.Request) -> None:
+    def answered(token: int) -> None:
+        unanswered.pop(token, None)
+        if not unanswered:
+            drained[0].set()
+
+    async def run(endpoint: Endpoint, request: protocol.Request, token: int) -> None:
         try:
             answer = Answer(request.id, True, await endpoint.handle(request))
-        except anyio.get_cancelled_exc_class():
-            cut_short.append(request)
-            raise
         except Exception as exc:  # every failure is an answer, never a crash
             log.debug("request %d (%s) failed", request.id, request.op, exc_info=True)
             if isinstance(exc, (NotAllowed, LimitError)):
@@ -364,6 +379,7 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
             if not strict:
                 log.warning("cannot answer request %d: %s; stopping", request.id, exc)
             finish("cannot answer", f"{who}: cannot answer request {request.id}: {exc}")
+        answered(token)  # or never will be: the session ends without answers
 
     async def watch_idle(idle: float) -> None:
         """Drop a client that sends no complete request for `idle` s (bytes that never end a line do not count)."""
@@ -398,8 +414,10 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
                     finish("non-protocol bytes", f"{who} sent non-protocol bytes ({overlong}); dropped it")
                     return
                 data = b""
-        if endpoint.objects or in_flight[0]:
-            finish("disconnected mid-run", f"{who} disconnected mid-run ({in_flight[0]} request(s) in flight, "
+        with anyio.move_on_after(EOF_GRACE):  # a client that only closed its sending side still reads its answers
+            await drained[0].wait()
+        if endpoint.objects or unanswered:
+            finish("disconnected mid-run", f"{who} disconnected mid-run ({len(unanswered)} request(s) in flight, "
                                            f"{len(endpoint.objects)} object(s) open); closed them")
         finish("end of input")
 
@@ -422,7 +440,11 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
                     "(--max-requests): wait for their answers"))
                 continue
             in_flight[0] += 1
-            requests.start_soon(run, endpoint, request)
+            token = next(tokens)
+            unanswered[token] = request
+            if drained[0].is_set():
+                drained[0] = anyio.Event()
+            requests.start_soon(run, endpoint, request, token)
         return True
 
     async with anyio.create_task_group() as nics:  # NIC tasks outlive request tasks: closed last
@@ -446,7 +468,7 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
             if summary["outcome"] not in ("connection lost", "cannot answer", "not reading"):
                 why = summary["error"] or "the client ended its input"
                 with anyio.move_on_after(1), contextlib.suppress(*_GONE):  # best effort: the client may be gone
-                    for request in cut_short:
+                    for request in unanswered.values():
                         await send(protocol.encode(Answer(request.id, False, None, "Cancelled",
                                                           f"{request.op} was cut short: {why}")))
         finally:
