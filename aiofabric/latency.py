@@ -55,7 +55,6 @@ RETRY_CNT = 7  # the QPs' retry count (perftest's default): a lost packet is res
 WAIT_BASE_SECONDS, WAIT_SLOWEST_BPS = 5.0, 1 << 20  # an iteration's bound: 5 s + retransmissions + 1 s per MiB
 HISTOGRAM_SUBBUCKETS = 4  # each power-of-two octave [2^k, 2^(k+1)) us is split in 4 equal buckets
 HISTOGRAM_BAR = 50  # characters of the longest ASCII histogram bar
-VERBS = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send"}
 WIRE_COUNTERS = perftest.WIRE_COUNTERS[:3]  # packets, retransmits, dropped: lat reports no rx_overflow
 HEADER = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]"
           "   99% percentile[usec]   99.9% percentile[usec]")
@@ -509,7 +508,7 @@ def format_latency_table(result: dict[str, Any], config: LatConfig) -> str:
     measured = "one-way = RTT/2" if config.test != "read" else "READ post to completion"
     values = [str(result["size"]), str(result["iters"])] + [f"{result[key]:.2f}" for key in LATENCY_FIELDS]
     nic = "emulated BNXT" if config.nic.startswith("sim") else f"{config.nic}, PHY loopback"
-    lines = [rule, f"                    {VERBS[config.test]} Latency Test (aiofabric, {nic})",
+    lines = [rule, f"                    {perftest.TEST_TITLES[config.test]} Latency Test (aiofabric, {nic})",
              " Number of qps   : 1\t\tTransport type : IB",
              " Connection type : RC\t\tUsing SRQ      : OFF",
              f" Warm-up         : {result['warmup']} iterations\tLatency        : {measured}",

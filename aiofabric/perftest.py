@@ -36,6 +36,7 @@ from .peer.protocol import fill_pattern
 from .queues import QueuePair
 
 TESTS = ("write", "read", "send")
+TEST_TITLES = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send"}  # perftest's names in its banners
 MTUS = (256, 512, 1024, 2048, 4096)
 MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
 FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its own bytes to compare at the end
@@ -538,7 +539,7 @@ def _verification(config: BenchConfig, emulated: bool) -> str:
 def format_table(result: dict[str, Any], config: BenchConfig) -> str:
     """perftest's banner and BW table (MB/sec = MiB/s, or Gb/sec), one row per size, then the loaded latency and
     the wire counters of each row."""
-    verb = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send"}[config.test]
+    verb = TEST_TITLES[config.test]
     rows = result.get("rows", [result])
     rule = "-" * 103
     unit = "Gb/sec" if config.report_gbits else "MB/sec"

@@ -15,7 +15,7 @@ import anyio
 import numpy as np
 
 from aiofabric import open_nic, sched
-from aiofabric.sched.plan import Access, Span, plan
+from aiofabric.sched.plan import PlannedCall, Span, plan
 
 SPIN = r"""
 #include <stdint.h>
@@ -43,7 +43,7 @@ def planning(sizes=(1_000, 10_000, 100_000), queues=8, buffers=256, rounds=7):
     def span():
         slot = rng.randrange(4)
         return Span(keys[rng.randrange(buffers)], slot * 4096, slot * 4096 + 4096)
-    batches = {n: [Access(names[i % queues], "host", (span(), span()), (span(),)) for i in range(n)] for n in sizes}
+    batches = {n: [PlannedCall(names[i % queues], "host", (span(), span()), (span(),)) for i in range(n)] for n in sizes}
     results = {n: float("inf") for n in sizes}
     for _ in range(rounds):
         for n, calls in batches.items():

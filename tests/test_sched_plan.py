@@ -4,7 +4,7 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from aiofabric.sched.plan import Access, Span, Wait, plan
+from aiofabric.sched.plan import PlannedCall, Span, Wait, plan
 
 BUFFER_BYTES = 64
 
@@ -20,7 +20,7 @@ def batches(draw, max_calls=40):
                           st.integers(0, BUFFER_BYTES), st.integers(0, BUFFER_BYTES))
     slot = st.builds(lambda key, k: Span(key, k * 16, k * 16 + 16), keys, st.integers(0, BUFFER_BYTES // 16 - 1))
     span = st.one_of(any_range, slot)  # slots repeat exactly: the planner's no-cut path, mixed with cuts and merges
-    call = st.builds(lambda q, r, w: Access(f"q{q}", f"d{devices[q]}", tuple(r), tuple(w)),
+    call = st.builds(lambda q, r, w: PlannedCall(f"q{q}", f"d{devices[q]}", tuple(r), tuple(w)),
                      st.integers(0, queue_count - 1), st.lists(span, max_size=2), st.lists(span, max_size=2))
     return draw(st.lists(call, min_size=1, max_size=max_calls))
 
@@ -97,16 +97,16 @@ def test_signals_waits_timeline_and_finalisers_are_minimal_and_well_formed(calls
 
 def test_only_the_newest_dependency_per_producer_queue_is_kept():
     a, b = Span("buf", 0, 8), Span("buf", 8, 16)
-    result = plan([Access("p", "d", writes=(a,)), Access("p", "d", writes=(b,)),
-                   Access("c", "d", reads=(a, b))])
+    result = plan([PlannedCall("p", "d", writes=(a,)), PlannedCall("p", "d", writes=(b,)),
+                   PlannedCall("c", "d", reads=(a, b))])
     assert result.submissions[2].waits == (Wait(0, 2),)  # the producer's second call implies its first
     assert result.submissions[0].signal is None and result.submissions[1].signal == 2
 
 
 def test_a_wait_already_made_at_a_newer_point_is_dropped_and_same_queue_is_a_fence():
     x, y = Span("x", 0, 8), Span("y", 0, 8)
-    result = plan([Access("p", "d", writes=(x,)), Access("p", "d", writes=(y,)),
-                   Access("c", "d", reads=(y,)), Access("c", "d", reads=(x,)), Access("c", "d", writes=(y,))])
+    result = plan([PlannedCall("p", "d", writes=(x,)), PlannedCall("p", "d", writes=(y,)),
+                   PlannedCall("c", "d", reads=(y,)), PlannedCall("c", "d", reads=(x,)), PlannedCall("c", "d", writes=(y,))])
     c0, c1, c2 = result.submissions[2:]
     assert c0.waits == (Wait(0, 2),)
     assert c1.waits == () and not c1.fence  # c already waited for p >= 2, which implies p's call 1
@@ -114,20 +114,20 @@ def test_a_wait_already_made_at_a_newer_point_is_dropped_and_same_queue_is_a_fen
 
 
 def test_disjoint_ranges_and_reads_after_reads_need_no_waits():
-    result = plan([Access("p", "d", writes=(Span("x", 0, 8),)), Access("c", "d", writes=(Span("x", 8, 16),)),
-                   Access("p", "d", reads=(Span("z", 0, 8),)), Access("c", "d", reads=(Span("z", 0, 8),))])
+    result = plan([PlannedCall("p", "d", writes=(Span("x", 0, 8),)), PlannedCall("c", "d", writes=(Span("x", 8, 16),)),
+                   PlannedCall("p", "d", reads=(Span("z", 0, 8),)), PlannedCall("c", "d", reads=(Span("z", 0, 8),))])
     assert result.waits == 0
     assert [s.signal for s in result.submissions] == [None, None, 2, 2]  # only the finalisers wait
 
 
 def test_a_queue_on_two_devices_is_refused():
     with pytest.raises(ValueError, match="queue 'q' was used on device 'a', not 'b'"):
-        plan([Access("q", "a"), Access("q", "b")])
+        plan([PlannedCall("q", "a"), PlannedCall("q", "b")])
 
 
 def test_plan_size_and_interval_maps_stay_linear_on_a_long_chain():
     n = 20_000
-    calls = [Access(f"q{i % 8}", "d", reads=(Span("buf", (i - 1) % 100 * 8, (i - 1) % 100 * 8 + 8),),
+    calls = [PlannedCall(f"q{i % 8}", "d", reads=(Span("buf", (i - 1) % 100 * 8, (i - 1) % 100 * 8 + 8),),
                     writes=(Span("buf", i % 100 * 8, i % 100 * 8 + 8),)) for i in range(n)]
     result = plan(calls)
     assert len(result.submissions) == n
@@ -135,7 +135,7 @@ def test_plan_size_and_interval_maps_stay_linear_on_a_long_chain():
 
 
 def test_describe_and_dot_name_queues_waits_and_signals():
-    result = plan([Access("gpu", "host", writes=(Span("x", 0, 4),)), Access("qp", "nic", reads=(Span("x", 0, 4),))])
+    result = plan([PlannedCall("gpu", "host", writes=(Span("x", 0, 4),)), PlannedCall("qp", "nic", reads=(Span("x", 0, 4),))])
     text = result.describe(["kernel", "write"])
     assert "gpu[1] kernel; wait timeline; signal gpu=1" in text
     assert "qp[1] write; wait timeline; wait gpu>=1; signal qp=1" in text
@@ -153,13 +153,13 @@ def test_the_cyclic_gc_is_paused_while_planning_and_left_as_it_was():
     def calls(n=50):
         for i in range(n):
             seen.append(gc.isenabled())  # a generator of calls sees the collector as planning leaves it
-            yield Access(f"q{i % 3}", "d", writes=(Span("x", i, i + 1),))
+            yield PlannedCall(f"q{i % 3}", "d", writes=(Span("x", i, i + 1),))
 
     assert gc.isenabled()
     plan(calls())
     assert seen and not any(seen) and gc.isenabled()
     with pytest.raises(ValueError):  # a refused batch resumes it too
-        plan([Access("q", "a"), Access("q", "b")])
+        plan([PlannedCall("q", "a"), PlannedCall("q", "b")])
     assert gc.isenabled()
     gc.disable()
     try:  # a program that disabled it itself keeps it disabled
@@ -177,7 +177,7 @@ def test_the_cyclic_gc_is_paused_while_planning_and_left_as_it_was():
                 if i == 100:
                     barrier.wait(timeout=10)  # all four are planning now
                 enabled_mid_plan.append(gc.isenabled())
-                yield Access("q", "d", reads=(Span("y", 0, 8),))
+                yield PlannedCall("q", "d", reads=(Span("y", 0, 8),))
         plan(slow_calls())
     threads = [threading.Thread(target=plan_in_thread) for _ in range(4)]
     for thread in threads:

@@ -80,7 +80,7 @@ from ..errors import ProtocolError as ProtocolError, Refused as Refused  # defin
 PROTOCOL_VERSION = 1
 MAX_LINE = 1 << 20
 MAX_DEPTH = 32  # JSON nesting: a request is 4 deep, a bench report 6
-VERBS = ("write", "read", "send", "recv", "write_with_imm")
+POST_VERBS = ("write", "read", "send", "recv", "write_with_imm")  # what the post op takes
 REQUIRED = object()  # marks a field without a default
 
 
@@ -136,8 +136,8 @@ def _test_options(value: Any) -> dict[str, Any]:
 
 
 def _verb(value: Any) -> str:
-    if value not in VERBS:
-        raise ValueError(f"one of {', '.join(VERBS)}, not {value!r}")
+    if value not in POST_VERBS:
+        raise ValueError(f"one of {', '.join(POST_VERBS)}, not {value!r}")
     return value
 
 

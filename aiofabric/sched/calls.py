@@ -14,10 +14,9 @@ import numpy as np
 
 from ..queues import MemoryRegion, QueuePair, RemoteRegion
 from .kernels import CKernel, c_scalar, check_flat
-from .plan import Access, Span
+from .plan import PlannedCall, Span
 
 HOST = "host"
-VERBS = ("write", "read", "send", "recv", "write_with_imm", "wait_imm")
 
 
 class ComputeQueue:
@@ -79,8 +78,8 @@ class Call:
     def device(self) -> Any:
         return self.queue if isinstance(self.queue, QueuePair) else self.queue.device
 
-    def access(self) -> Access:
-        return Access(self.queue, self.device, self.reads, self.writes)
+    def access(self) -> PlannedCall:
+        return PlannedCall(self.queue, self.device, self.reads, self.writes)
 
     def __repr__(self) -> str:
         return f"{self.name} on {queue_name(self.queue)}"

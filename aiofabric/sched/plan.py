@@ -37,7 +37,7 @@ class Span:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Access:
+class PlannedCall:
     """What the planner needs of one call: where it runs and which spans it reads and writes."""
     queue: Hashable
     device: Hashable
@@ -214,7 +214,7 @@ def _whole(memory: dict[Hashable, _IntervalMap], spans: tuple[Span, ...], found:
     return True
 
 
-def _cut(memory: dict[Hashable, _IntervalMap], call: Access) -> tuple[list[_Segment], list[_Segment]]:
+def _cut(memory: dict[Hashable, _IntervalMap], call: PlannedCall) -> tuple[list[_Segment], list[_Segment]]:
     """The general case: cut the buffers' segments at every end of the call's (non-empty) spans, and return the
     segments its reads and its writes cover."""
     for span in (*call.reads, *call.writes):
@@ -234,7 +234,7 @@ def _cut(memory: dict[Hashable, _IntervalMap], call: Access) -> tuple[list[_Segm
     return found
 
 
-def plan(calls: Iterable[Access]) -> Plan:
+def plan(calls: Iterable[PlannedCall]) -> Plan:
     """Plan `calls` (in program order: a call sees the effects of every earlier call it conflicts with)."""
     with _cyclic_gc_paused:
         return _plan(calls)
@@ -270,7 +270,7 @@ class _CyclicGCPause:
 _cyclic_gc_paused = _CyclicGCPause()
 
 
-def _plan(calls: Iterable[Access]) -> Plan:
+def _plan(calls: Iterable[PlannedCall]) -> Plan:
     queue_index: dict[Hashable, int] = {}
     device_index: dict[Hashable, int] = {}
     device_of_queue: list[int] = []

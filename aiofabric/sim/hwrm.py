@@ -18,7 +18,7 @@ from ..hw.firmware import HWRM_REQUEST_HEADER, PAGE_SIZE_CODES, RING_ENTRY_SIZES
 from ..hw.firmware import BackingStoreType as BS
 from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, ContextType, FirmwareConfig, FunctionState
 from .memory import BusMemory, DmaFault
-from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, PageList, Ring, StatContext, Vnic,
+from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, Ring, StatContext, Vnic,
                       lowest_free_id, map_memory)
 from .rcfw import Rcfw
 
