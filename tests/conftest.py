@@ -1,13 +1,14 @@
 """Every `anyio` test runs on asyncio, uvloop and trio, except those marked `loop_agnostic`: they run once, on the
-backend their name picks, so that together they still use all three. Under pytest-xdist, tests/test_wire.py's tests
-run alone: they bind fixed 127.0.0.x addresses, which another worker's emulated NIC (it binds the first free one)
-may hold."""
+backend their name picks, so that together they still use all three. Under pytest-xdist, the tests of
+tests/test_wire.py and tests/test_interop.py run alone: they bind fixed 127.0.0.x addresses, which another worker's
+emulated NIC (it binds the first free one) may hold."""
 import fcntl
 import os
 import zlib
 
 import pytest
 
+ALONE = ("test_wire.py", "test_interop.py")  # their tests bind fixed addresses
 BACKENDS = [pytest.param(("asyncio", {}), id="asyncio"),
             pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
             pytest.param(("trio", {}), id="trio")]
@@ -31,5 +32,5 @@ def alone_on_fixed_addresses(request, tmp_path_factory):
         yield
         return
     with open(tmp_path_factory.getbasetemp().parent / "fixed-addresses.lock", "w") as lock:  # one per run
-        fcntl.flock(lock, fcntl.LOCK_EX if request.path.name == "test_wire.py" else fcntl.LOCK_SH)
+        fcntl.flock(lock, fcntl.LOCK_EX if request.path.name in ALONE else fcntl.LOCK_SH)
         yield

@@ -11,6 +11,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import time
 
 import anyio
 import pytest
@@ -42,6 +43,7 @@ class ScapyPeer:
     def __init__(self):
         self.send_socket = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
         self.receive_socket = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+        self.receive_socket.bind((PEER_IP, 0))  # the kernel then delivers only packets addressed to the peer
         self.sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # keeps the kernel from answering ICMP
         self.sink.bind((PEER_IP, 4791))
 
@@ -49,14 +51,15 @@ class ScapyPeer:
         self.send_socket.sendto(raw(packet), (packet[IP].dst, 0))
 
     def receive(self, timeout=5.0):
-        for _ in range(1000):  # bounded: other loopback UDP traffic is skipped, at most this many packets
-            ready, _, _ = select.select([self.receive_socket], [], [], timeout)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.receive_socket], [], [], left)
             if not ready:
                 break
             packet = IP(self.receive_socket.recv(65535))
-            if packet.dst == PEER_IP and UDP in packet and packet[UDP].dport == 4791:
+            if UDP in packet and packet[UDP].dport == 4791:
                 return packet
-        raise TimeoutError("no RoCE packet reached the scapy peer")
+        raise TimeoutError(f"no RoCE packet reached the scapy peer within {timeout:g} s")
 
     def close(self):
         for s in (self.send_socket, self.receive_socket, self.sink):
