@@ -1,4 +1,4 @@
-"""The command line contract (design.md §5): --json prints one JSON object last, with "ok"; failures exit non-zero."""
+"""The command line contract (README: Command line): --json prints one JSON object last, with "ok"; failures exit non-zero."""
 import json
 import re
 import signal
@@ -249,7 +249,7 @@ def test_bench_pcap_names_one_file_per_nic(tmp_path):
     assert all(p.stat().st_size > 24 for p in tmp_path.iterdir())  # more than the pcap header: packets
 
 
-# -- verification can fail (issue 7): the emulator misbehaves on purpose and `bench` must notice ----------------------
+# -- verification can fail: the emulator misbehaves on purpose and `bench` must notice ----------------------
 FULL = ("--size", "4096", "--iters", "64", "--depth", "8", "--mtu", "1024")  # every operation has its own slot
 REUSED = ("--size", "65536", "--iters", "1100", "--depth", "16")  # 68.75 MiB > 64 MiB: slots reused, stamped
 
@@ -276,7 +276,7 @@ def test_bench_refuses_an_unknown_fault():
     assert code == 1 and "--inject-fault must be KIND" in result["error"]
 
 
-# -- bench as perftest users expect it (issue 10) ---------------------------------------------------------------------
+# -- bench as perftest users expect it -------------------------------------------------------------------------------
 def test_sizes_take_suffixes_and_a_sweep_gives_one_row_per_size(tmp_path):
     saved = tmp_path / "sweep.json"
     code, result, process = run("bench", "write", "--min-size", "1K", "--max-size", "16K", "--factor", "4",

@@ -1,6 +1,6 @@
 """Lifetimes, cancellation and errors: every object refuses use after close, nothing hangs, errors name the cause.
 
-Each test is the repro of a defect once seen on the real objects (issue 6), run on asyncio, uvloop and trio.
+Each test is the repro of a defect once seen on the real objects, run on asyncio, uvloop and trio.
 """
 import os
 import random
