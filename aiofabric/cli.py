@@ -31,9 +31,9 @@ from anyio.abc import TaskStatus
 
 from . import signals
 from .version import __version__
-from .nic import open_nic
+from .nic import PCI_ADDRESS, open_nic
 from .signals import Signalled
-from . import plot
+from . import plot, preflight
 from .latency import LatConfig, format_latency_table, run_latency
 from .perftest import MTUS, TESTS, BenchConfig, count_text, format_table, open_bench_nics, run_bench, run_loopback
 from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
@@ -255,6 +255,21 @@ async def cmd_plot(args: argparse.Namespace) -> dict[str, Any]:
     return {"output": args.output, "runs": len(runs)}
 
 
+def pci_address(text: str) -> str:
+    """argparse type for a PCI address (domain:bus:device.function)."""
+    if not PCI_ADDRESS.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"bad PCI address {text!r}: expected domain:bus:device.function, "
+                                         "e.g. 0000:41:00.0")
+    return text.lower()
+
+
+async def cmd_doctor(args: argparse.Namespace) -> dict[str, Any]:
+    report = preflight.doctor(args.address, access=args.access)
+    if not args.json:
+        print(report.format())
+    return report.as_dict()  # with "error" (exit 1) when nothing found can be driven
+
+
 async def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     from .peer.serve import serve  # the remote endpoint: stdout carries the protocol, so no --json here
     await serve()
@@ -420,6 +435,15 @@ def build_parser() -> argparse.ArgumentParser:
     plotter.add_argument("-o", "--output", required=True, metavar="PNG")
     plotter.add_argument("--json", action="store_true", help="print one JSON object")
     plotter.set_defaults(run=cmd_plot)
+
+    doctor = sub.add_parser("doctor", help="check a PCI function before the driver takes it over (without an "
+                                           "address: the bus): what is wrong, and the command that fixes it")
+    doctor.add_argument("address", nargs="?", type=pci_address, metavar="PCI_ADDRESS",
+                        help="domain:bus:device.function, e.g. 0000:41:00.0 (default: every supported function)")
+    doctor.add_argument("--access", choices=preflight.ACCESSES, default="sysfs",
+                        help="how the driver will reach it: sysfs (what open_nic uses today) or vfio")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.set_defaults(run=cmd_doctor)
     return parser
 
 

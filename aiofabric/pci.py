@@ -323,24 +323,13 @@ class SysfsPCIDevice(PCIDevice):
         self._bars: dict[int, SysfsBar] = {}
         self._dma: set[DmaBuffer] = set()
         self._config_fd = -1
-        if not os.path.isdir(self._dir):
-            raise PCIError(f"no PCI device {self.address} (no {self._dir})")
-        driver = os.path.join(self._dir, "driver")
-        if os.path.lexists(driver):
-            drv_dir = os.path.realpath(driver)
-            name = os.path.basename(drv_dir)
-            raise PCIError(f"{self.address} is bound to {name}: unbind it first "
-                           f"(echo {self.address} > {os.path.join(drv_dir, 'unbind')})")
-        try:
-            with open(os.path.join(self._dir, "vendor")) as f:
-                vendor = int(f.read().strip(), 16)
-        except (OSError, ValueError) as e:
-            raise PCIError(f"cannot read the vendor id of {self.address}: {e}") from e
-        if vendor != BROADCOM_VENDOR_ID:
-            raise PCIError(f"{self.address} has vendor {vendor:#06x}, not Broadcom ({BROADCOM_VENDOR_ID:#06x})")
+        from .preflight import Host, claim  # preflight reads this module's constants, so it comes in here
+        # present, a supported chip, no kernel driver, nobody else's (the lock, held until close); warns of the rest
+        self._lock = claim(self.address, Host.with_devices(sysfs_root))
         try:
             self._config_fd = os.open(os.path.join(self._dir, "config"), os.O_RDWR)
         except PermissionError as e:
+            self._lock.release()
             raise PCIError(f"cannot open config space of {self.address}: {_NEED_ROOT}") from e
 
     def _check_open(self) -> None:
@@ -442,6 +431,7 @@ class SysfsPCIDevice(PCIDevice):
         if self._config_fd >= 0:
             os.close(self._config_fd)
             self._config_fd = -1
+        self._lock.release()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
