@@ -42,6 +42,12 @@ CAP_IPC_LOCK, CAP_SYS_ADMIN = 14, 21  # include/uapi/linux/capability.h
 # Drivers VFIO accepts beside ours in an IOMMU group (they leave DMA to the group's owner), and no driver at all
 GROUP_PEER_DRIVERS = frozenset({"vfio-pci", "pci-stub", "pcieport"})
 TRANSLATING = ("DMA", "DMA-FQ", "unmanaged")  # iommu_groups/N/type values that translate DMA ("unmanaged": VFIO's)
+# Checks whose failure leaves the device drivable (a warning), by the accesses that holds for
+WARNING_ONLY: dict[str, tuple[Access, ...]] = {
+    "driver_override": ACCESSES, "intx": ACCESSES, "memlock": ACCESSES, "hugepages": ACCESSES, "quiesced": ACCESSES,
+    "iommu_group": ("sysfs",),  # only VFIO takes the whole group
+    "power": ("vfio",),  # VFIO wakes the function when it opens it
+}
 FATAL_AT_OPEN = ("present", "device_id", "driver")  # the lock too: without these the open refuses the function
 LOCK_DIR = "/run/aiofabric"
 
@@ -181,8 +187,8 @@ class Target:
         return (f"modprobe vfio-pci && echo vfio-pci > {self.dir}/driver_override && "
                 f"echo {self.address} > {probe}")
 
-    def finding(self, name: str, ok: bool, detail: str, fix: str = "", blocking: bool = True) -> Finding:
-        return Finding(name, ok, detail, fix, blocking, self.address)
+    def finding(self, name: str, ok: bool, detail: str, fix: str = "") -> Finding:
+        return Finding(name, ok, detail, fix, self.access not in WARNING_ONLY.get(name, ()), self.address)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -229,7 +235,7 @@ def check_driver_override(t: Target) -> Finding:
     seen = "unset" if value in (None, "(null)") else value
     return t.finding("driver_override", False, f"{seen}: bnxt_en can bind the function mid-run (a rescan, a "
                                                 "modprobe, a hotplug event)",
-                     f"echo vfio-pci > {t.dir}/driver_override", blocking=False)
+                     f"echo vfio-pci > {t.dir}/driver_override")
 
 
 def check_iommu(t: Target) -> Finding:
@@ -272,8 +278,7 @@ def check_iommu_group(t: Target) -> Finding:
     listed = ", ".join(f"{peer} (bound to {driver})" for peer, driver in busy)
     return t.finding("iommu_group", False,
                      f"IOMMU group {group} also holds {listed}: VFIO takes a whole group and refuses one with a "
-                     "kernel driver in it", " && ".join(_unbind(os.path.join(members, peer)) for peer, _ in busy),
-                     blocking=t.access == "vfio")
+                     "kernel driver in it", " && ".join(_unbind(os.path.join(members, peer)) for peer, _ in busy))
 
 
 def check_lockdown(t: Target) -> Finding:
@@ -297,15 +302,13 @@ def check_power(t: Target) -> Finding:
     detail = (f"power state {state or 'unknown (no power_state file)'}, "
               + ("enabled" if enabled else "not enabled by the kernel (the driver turns on memory decoding itself)"))
     return t.finding("power", ok, detail if ok else f"{detail}: its BARs read as all ones until it is in D0",
-                     f"echo on > {t.dir}/power/control && echo 1 > {t.dir}/enable",
-                     blocking=t.access == "sysfs")  # VFIO wakes the function when it opens it
+                     f"echo on > {t.dir}/power/control && echo 1 > {t.dir}/enable")
 
 
 def check_intx(t: Target) -> Finding:
     command = t.command()
     if command is None:
-        return t.finding("intx", False, f"cannot read {t.dir}/config", "sudo aiofabric doctor  # as root",
-                         blocking=False)
+        return t.finding("intx", False, f"cannot read {t.dir}/config", "sudo aiofabric doctor  # as root")
     if t.access == "vfio":
         return t.finding("intx", True, "vfio-pci masks INTx itself")
     if command & PCI_COMMAND_INTX_DISABLE:
@@ -313,7 +316,7 @@ def check_intx(t: Target) -> Finding:
     return t.finding("intx", False,
                      "INTx enabled (PCI_COMMAND bit 10 clear): on the polling sysfs path a legacy interrupt the "
                      "device raises is handled by nobody, and the kernel then disables that IRQ line for every "
-                     "device sharing it", f"setpci -s {t.address} COMMAND=0400:0400", blocking=False)
+                     "device sharing it", f"setpci -s {t.address} COMMAND=0400:0400")
 
 
 def check_privileges(t: Target) -> Finding:
@@ -340,7 +343,7 @@ def check_memlock(t: Target) -> Finding:
     return t.finding("memlock", False,
                      f"RLIMIT_MEMLOCK is {t.memlock >> 10} KiB: the driver pins its rings, the firmware's backing "
                      "store and every registered MR, and pinning past the limit fails",
-                     "ulimit -l unlimited  # or a memlock line in /etc/security/limits.conf", blocking=False)
+                     "ulimit -l unlimited  # or a memlock line in /etc/security/limits.conf")
 
 
 def check_hugepages(t: Target) -> Finding:
@@ -349,7 +352,7 @@ def check_hugepages(t: Target) -> Finding:
     if free:
         return t.finding("hugepages", True, f"{free} of {total} 2 MiB hugepages free")
     return t.finding("hugepages", False, f"no free 2 MiB hugepage (nr_hugepages {total}): a contiguous DMA buffer "
-                                         "over 4 KiB needs one", "sysctl -w vm.nr_hugepages=64", blocking=False)
+                                         "over 4 KiB needs one", "sysctl -w vm.nr_hugepages=64")
 
 
 def check_compaction(t: Target) -> Finding:
@@ -372,7 +375,7 @@ def check_quiesced(t: Target) -> Finding:
     return t.finding("quiesced", False,
                      "bus mastering is on with no process holding the function: the last one ended without closing "
                      "it (a crash or SIGKILL), and the NIC may still write into memory that process no longer owns",
-                     f"echo 1 > {t.dir}/reset  # a function-level reset stops its DMA", blocking=False)
+                     f"echo 1 > {t.dir}/reset  # a function-level reset stops its DMA")
 
 
 IDENTITY: tuple[Callable[[Target], Finding], ...] = (check_present, check_device_id)  # the rest needs these to pass
@@ -402,7 +405,7 @@ def _lock_directory(preferred: str) -> str:
     sticky like /tmp, so a lock taken by one user binds every other."""
     for directory in (preferred, os.path.join(tempfile.gettempdir(), "aiofabric")):
         try:
-            os.mkdir(directory)
+            os.makedirs(directory)
             os.chmod(directory, 0o1777)
         except FileExistsError:
             pass
@@ -466,17 +469,17 @@ def check_lock(address: str, host: Host) -> Finding:
     return Finding("lock", True, f"no other process holds {address} (lock {path})", address=address)
 
 
-def claim(address: str, host: Host) -> DeviceLock:
-    """The pre-flight of an open through sysfs: refuse the function when it is absent, not a supported chip, bound to
-    a kernel driver or held by another process; log every other failed check; take its lock."""
-    for finding in check_function(address, host, "sysfs"):
+def claim(address: str, host: Host = Host(), access: Access = "sysfs") -> DeviceLock:
+    """The pre-flight of a seam's open: refuse the function when it is absent, not a supported chip, bound to the
+    wrong driver or held by another process; log every other failed check; take its lock, to hold until close."""
+    for finding in check_function(address, host, access):
         if finding.ok:
             continue
         if finding.name in FATAL_AT_OPEN:
             raise refusal(finding)
         log.warning("%s: pre-flight %s", address, finding.line())
     lock = DeviceLock(address, host.locks)
-    quiesced = check_quiesced(Target.of(address, host, "sysfs"))
+    quiesced = check_quiesced(Target.of(address, host, access))
     if not quiesced.ok:
         log.warning("%s: pre-flight %s", address, quiesced.line())
     return lock

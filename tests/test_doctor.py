@@ -1,0 +1,356 @@
+"""Pre-flight checks and `aiofabric doctor` (README: Real NIC): each check passing and failing with its fix on a fake
+machine (tests/test_pci_sysfs.py's fake sysfs tree under a fake root), the per-device lock, the open's refusals, and
+the command on this machine, which has no BNXT function."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from aiofabric import preflight
+from aiofabric.autogen import bnxt
+from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER, PCIError, SysfsPCIDevice
+from aiofabric.preflight import (CAP_IPC_LOCK, CAP_SYS_ADMIN, PCI_COMMAND_INTX_DISABLE, SUPPORTED_CHIPS, DeviceLock,
+                                 Host, Target, check_memlock, claim, doctor)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_pci_sysfs import ADDR, make_tree  # noqa: E402
+
+PEER = "0000:41:00.1"
+ALL_CAPS = (1 << 41) - 1
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def set_command(device: Path, command: int) -> None:
+    config = bytearray(device.joinpath("config").read_bytes())
+    config[PCI_COMMAND:PCI_COMMAND + 2] = command.to_bytes(2, "little")
+    device.joinpath("config").write_bytes(bytes(config))
+
+
+def bind(device: Path, driver: str) -> None:
+    """Bind the fake function to `driver` (a directory under the fake bus's drivers/)."""
+    drivers = Path(device).parent.parent / "drivers" / driver
+    drivers.mkdir(parents=True, exist_ok=True)
+    device.joinpath("driver").symlink_to(drivers)
+
+
+def iommu_group(host: Host, device: Path, number: int, kind: str) -> Path:
+    """Put the function in IOMMU group `number` of type `kind`."""
+    group = Path(host.iommu_groups) / str(number)
+    write(group / "type", f"{kind}\n")
+    (group / "devices").mkdir()
+    (group / "devices" / device.name).symlink_to(device)
+    device.joinpath("iommu_group").symlink_to(group)
+    return group
+
+
+@pytest.fixture
+def host(tmp_path) -> Host:
+    """A machine where a BCM57508 at ADDR passes every check for the sysfs path."""
+    host = Host.under(str(tmp_path))
+    device = make_tree(Path(host.devices))
+    write(device / "driver_override", "vfio-pci\n")
+    write(device / "power_state", "D0\n")
+    write(device / "enable", "0\n")
+    set_command(device, PCI_COMMAND_INTX_DISABLE)
+    Path(host.iommu_groups).mkdir(parents=True)
+    write(Path(host.lockdown), "[none] integrity confidentiality\n")
+    write(Path(host.vm) / "nr_hugepages", "64\n")
+    write(Path(host.hugepages) / "free_hugepages", "64\n")
+    write(Path(host.vm) / "compact_unevictable_allowed", "0\n")
+    write(Path(host.status), f"Name:\tpython\nCapEff:\t{ALL_CAPS:016x}\n")
+    return host
+
+
+@pytest.fixture
+def device(host) -> Path:
+    return Path(host.devices) / ADDR
+
+
+def findings(host: Host, access: preflight.Access = "sysfs") -> dict[str, preflight.Finding]:
+    return {f.name: f for f in doctor(ADDR, host, access).findings}
+
+
+def test_a_supported_unbound_function_passes_every_check(host):
+    report = doctor(ADDR, host)
+    assert [f.name for f in report.findings] == [
+        "present", "device_id", "driver", "driver_override", "iommu", "iommu_group", "lockdown", "power", "intx",
+        "privileges", "memlock", "hugepages", "compaction", "lock", "quiesced"]
+    assert all(f.ok and f.address == ADDR for f in report.findings), report.format()
+    assert report.error == "" and "error" not in report.as_dict()
+    assert "Broadcom BCM57508 (Thor)" in report.findings[1].detail
+
+
+def test_the_allow_list_is_bnxt_en_thor_and_thor2_physical_functions():
+    """bnxt_en's bnxt_pci_tbl: BCM5750x (Thor) and BCM5760x (Thor2) PFs; the bindings' chip numbers agree, and the
+    emulated NIC (a BCM57608) is on it."""
+    assert SUPPORTED_CHIPS == {0x1750: "BCM57508 (Thor)", 0x1751: "BCM57504 (Thor)", 0x1752: "BCM57502 (Thor)",
+                               0x1760: "BCM57608 (Thor2)", 0x1761: "BCM57604 (Thor2)", 0x1762: "BCM57602 (Thor2)",
+                               0x1763: "BCM57601 (Thor2)"}
+    for name in ("57508", "57504", "57502", "57608"):
+        assert SUPPORTED_CHIPS[getattr(bnxt, f"CHIP_NUM_{name}")].startswith(f"BCM{name}")
+
+
+def set_device_id(device: Path, vendor: str, ident: str) -> None:
+    write(device / "vendor", f"{vendor}\n")
+    write(device / "device", f"{ident}\n")
+
+
+def peer_with_a_driver(host: Host, device: Path) -> None:
+    """Another function in the device's IOMMU group, bound to nvme."""
+    peer = Path(host.devices) / PEER
+    peer.mkdir()
+    bind(peer, "nvme")
+    iommu_group(host, device, 7, "identity").joinpath("devices", PEER).symlink_to(peer)
+
+
+def vfio_group_without_access(host: Host, device: Path) -> None:
+    iommu_group(host, device, 7, "DMA")
+    bind(device, "vfio-pci")  # and no /dev/vfio files this process may open
+
+
+# (check, how the machine breaks it, access, what the finding says (a regex), its fix, whether the failure blocks)
+FAILURES = [
+    ("present", lambda host, device: os.rename(device, device.with_name("gone")), "sysfs",
+     f"no PCI device {ADDR}", "aiofabric doctor  # without an address", True),
+    ("device_id", lambda host, device: set_device_id(device, "0x14e4", "0x165f"), "sysfs",  # an on-board tg3
+     "vendor 0x14e4 device 0x165f: Broadcom, but not a BNXT RoCE chip we support", "aiofabric doctor", True),
+    ("device_id", lambda host, device: set_device_id(device, "0x8086", "0x1750"), "sysfs",
+     "vendor 0x8086 device 0x1750: not Broadcom", "aiofabric doctor", True),
+    ("driver", lambda host, device: bind(device, "bnxt_en"), "sysfs",
+     f"{ADDR} is bound to bnxt_en .*: unbind it first", f"echo {ADDR} > {{bus}}/drivers/bnxt_en/unbind", True),
+    ("driver", lambda host, device: None, "vfio", "no driver bound: VFIO reaches a function through vfio-pci",
+     f"modprobe vfio-pci && echo vfio-pci > {{devices}}/{ADDR}/driver_override && echo {ADDR} > {{bus}}/drivers_probe",
+     True),
+    ("driver_override", lambda host, device: write(device / "driver_override", "(null)\n"), "sysfs",
+     "unset: bnxt_en can bind the function mid-run", f"echo vfio-pci > {{devices}}/{ADDR}/driver_override", False),
+    ("iommu", lambda host, device: iommu_group(host, device, 7, "DMA-FQ"), "sysfs",
+     r"IOMMU translating \(group 7, type DMA-FQ\): the sysfs path gives the NIC physical addresses",
+     "echo identity > {iommu_groups}/7/type", True),
+    ("iommu", lambda host, device: None, "vfio", r"IOMMU off \(no IOMMU group\): VFIO needs one",
+     "add intel_iommu=on", True),
+    ("iommu_group", peer_with_a_driver, "vfio", rf"IOMMU group 7 also holds {PEER} \(bound to nvme\)",
+     f"echo {PEER} > {{bus}}/drivers/nvme/unbind", True),
+    ("iommu_group", peer_with_a_driver, "sysfs", rf"IOMMU group 7 also holds {PEER} \(bound to nvme\)",
+     f"echo {PEER} > {{bus}}/drivers/nvme/unbind", False),
+    ("lockdown", lambda host, device: write(Path(host.lockdown), "none [integrity] confidentiality\n"), "sysfs",
+     r"the kernel is locked down \(integrity\).*even to root, so running as root does not help",
+     f"modprobe vfio-pci && echo vfio-pci > {{devices}}/{ADDR}/driver_override", True),
+    ("power", lambda host, device: write(device / "power_state", "D3hot\n"), "sysfs",
+     "power state D3hot, not enabled by the kernel.*: its BARs read as all ones",
+     f"echo on > {{devices}}/{ADDR}/power/control && echo 1 > {{devices}}/{ADDR}/enable", True),
+    ("intx", lambda host, device: set_command(device, 0), "sysfs",
+     r"INTx enabled \(PCI_COMMAND bit 10 clear\)", f"setpci -s {ADDR} COMMAND=0400:0400", False),
+    ("privileges", lambda host, device: write(Path(host.status), f"CapEff:\t{ALL_CAPS & ~(1 << CAP_SYS_ADMIN):x}\n"),
+     "sysfs", "no CAP_SYS_ADMIN", "sudo aiofabric", True),
+    ("privileges", vfio_group_without_access, "vfio",
+     "no read-write access to {vfio}/vfio; no read-write access to {vfio}/7", "chown $USER {vfio}/vfio {vfio}/7",
+     True),
+    ("hugepages", lambda host, device: write(Path(host.hugepages) / "free_hugepages", "0\n"), "sysfs",
+     "no free 2 MiB hugepage", "sysctl -w vm.nr_hugepages=64", False),
+    ("compaction", lambda host, device: write(Path(host.vm) / "compact_unevictable_allowed", "1\n"), "sysfs",
+     "compact_unevictable_allowed = 1: compaction may move the mlocked DMA pages",
+     "sysctl -w vm.compact_unevictable_allowed=0", True),
+    ("quiesced", lambda host, device: set_command(device, PCI_COMMAND_INTX_DISABLE | PCI_COMMAND_MASTER), "sysfs",
+     "bus mastering is on with no process holding the function", f"echo 1 > {{devices}}/{ADDR}/reset", False),
+]
+
+
+@pytest.mark.parametrize("name, breaks, access, says, fix, blocking", FAILURES,
+                         ids=[f"{case[0]}-{case[2]}-{i}" for i, case in enumerate(FAILURES)])
+def test_each_check_fails_with_its_fix(host, device, name, breaks, access, says, fix, blocking):
+    paths = {"devices": host.devices, "bus": os.path.dirname(host.devices), "iommu_groups": host.iommu_groups,
+             "vfio": host.vfio}
+    breaks(host, device)
+    report = doctor(ADDR, host, access)
+    finding = {f.name: f for f in report.findings}[name]
+    assert not finding.ok and finding.blocking is blocking and finding.status == ("FAIL" if blocking else "WARN")
+    assert re.search(says.format(**paths), finding.detail), finding.detail
+    assert fix.format(**paths) in finding.fix
+    assert (report.error != "") is blocking  # exit 1 only for a failure that blocks
+    assert f"fix: {finding.fix}" in report.format()
+
+
+@pytest.mark.parametrize("access, kind, ok", [("sysfs", "identity", True), ("sysfs", "DMA", False),
+                                              ("vfio", "identity", True), ("vfio", "DMA-FQ", True)])
+def test_the_iommu_mode_each_access_needs(host, device, access, kind, ok):
+    """Raw sysfs hands out physical addresses (passthrough or off); VFIO maps through any IOMMU domain."""
+    iommu_group(host, device, 3, kind)
+    assert findings(host, access)["iommu"].ok is ok
+
+
+@pytest.mark.parametrize("driver", ["vfio-pci", "pci-stub", "pcieport"])
+def test_group_peers_that_leave_dma_to_the_owner_are_fine(host, device, driver):
+    peer = Path(host.devices) / PEER
+    peer.mkdir()
+    bind(peer, driver)
+    iommu_group(host, device, 7, "DMA").joinpath("devices", PEER).symlink_to(peer)
+    assert findings(host, "vfio")["iommu_group"].ok
+
+
+def test_what_only_the_sysfs_path_needs_is_fine_for_vfio(host, device):
+    write(Path(host.lockdown), "none integrity [confidentiality]\n")
+    write(Path(host.vm) / "compact_unevictable_allowed", "1\n")
+    set_command(device, 0)
+    seen = findings(host, "vfio")
+    assert seen["lockdown"].ok and seen["compaction"].ok and seen["intx"].ok
+
+
+def test_a_vfio_ready_function_passes(host, device):
+    iommu_group(host, device, 7, "DMA-FQ")
+    bind(device, "vfio-pci")
+    for name in ("vfio", "7"):
+        write(Path(host.vfio) / name, "")
+    report = doctor(ADDR, host, "vfio")
+    assert report.error == "" and all(f.ok for f in report.findings), report.format()
+
+
+@pytest.mark.parametrize("limit, caps, ok", [(8 << 20, 0, False), (8 << 20, 1 << CAP_IPC_LOCK, True),
+                                             (preflight.resource.RLIM_INFINITY, 0, True)])
+def test_memlock(host, limit, caps, ok):
+    finding = check_memlock(Target(ADDR, host, "sysfs", caps, limit))
+    assert finding.ok is ok and not finding.blocking
+    if not ok:
+        assert "RLIMIT_MEMLOCK is 8192 KiB" in finding.detail and finding.fix.startswith("ulimit -l unlimited")
+
+
+# -- the open's pre-flight ---------------------------------------------------------------------------------------------
+def test_the_open_refuses_a_broadcom_function_that_is_not_a_supported_chip(tmp_path):
+    """An on-board tg3 is Broadcom too: a mistyped address must not get firmware words in its registers."""
+    device = make_tree(tmp_path / "devices")
+    write(device / "device", "0x165f\n")
+    with pytest.raises(PCIError, match="^pre-flight device_id: .*0x165f: Broadcom, but not a BNXT RoCE chip"):
+        SysfsPCIDevice(ADDR, sysfs_root=str(tmp_path / "devices"))
+    assert device.joinpath("config").read_bytes() == bytes(256)  # untouched
+
+
+def test_the_open_takes_a_function_bound_to_vfio_pci(tmp_path):
+    device = make_tree(tmp_path / "devices")
+    bind(device, "vfio-pci")
+    SysfsPCIDevice(ADDR, sysfs_root=str(tmp_path / "devices")).close()
+
+
+def test_claim_refuses_what_must_pass_and_warns_of_the_rest(host, device, caplog):
+    set_command(device, 0)
+    write(Path(host.vm) / "compact_unevictable_allowed", "1\n")
+    claim(ADDR, host).release()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("pre-flight intx: INTx enabled" in m and "setpci" in m for m in warned), warned
+    assert any("pre-flight compaction:" in m and "sysctl -w vm.compact_unevictable_allowed=0" in m for m in warned)
+    bind(device, "bnxt_en")
+    with pytest.raises(PCIError, match=f"^pre-flight driver: {ADDR} is bound to bnxt_en .*; fix: echo {ADDR} > "):
+        claim(ADDR, host)
+
+
+def test_claim_warns_of_a_function_the_last_holder_left_running(host, device, caplog):
+    set_command(device, PCI_COMMAND_INTX_DISABLE | PCI_COMMAND_MASTER)
+    claim(ADDR, host).release()
+    assert any("pre-flight quiesced: bus mastering is on" in r.getMessage() for r in caplog.records)
+
+
+# -- the lock ----------------------------------------------------------------------------------------------------------
+def test_a_second_open_fails_naming_the_holder_and_close_releases_it(tmp_path):
+    make_tree(tmp_path / "devices")
+    first = SysfsPCIDevice(ADDR, sysfs_root=str(tmp_path / "devices"))
+    with pytest.raises(PCIError, match=rf"^pre-flight lock: {ADDR} is in use by pid {os.getpid()} \(.+\) \(lock "
+                                       rf".*{ADDR}\.lock\); fix: kill {os.getpid()}"):
+        SysfsPCIDevice(ADDR, sysfs_root=str(tmp_path / "devices"))
+    first.close()
+    SysfsPCIDevice(ADDR, sysfs_root=str(tmp_path / "devices")).close()
+
+
+HOLD = """
+import sys
+from aiofabric.preflight import DeviceLock
+lock = DeviceLock(sys.argv[1], sys.argv[2])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_another_process_holding_the_lock_is_named_and_its_death_frees_it(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, ADDR, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(PCIError, match=rf"in use by pid {holder.pid} \(python.*\).*fix: kill {holder.pid}"):
+            DeviceLock(ADDR, str(tmp_path))
+        seen = preflight.check_lock(ADDR, Host(locks=str(tmp_path)))
+        assert not seen.ok and f"pid {holder.pid}" in seen.detail
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_file = tmp_path / f"{ADDR}.lock"
+    assert lock_file.read_text() == f"{holder.pid}\n"  # a dead process's file blocks nobody
+    lock = DeviceLock(ADDR, str(tmp_path))
+    assert lock_file.read_text() == f"{os.getpid()}\n"
+    lock.release()
+    lock.release()  # idempotent
+
+
+def test_the_lock_falls_back_to_a_temp_dir_when_its_directory_cannot_be_made():
+    lock = DeviceLock("0000:ff:1f.7", "/proc/aiofabric-cannot-be-made")
+    try:
+        assert lock.path == os.path.join(tempfile.gettempdir(), "aiofabric", "0000:ff:1f.7.lock")
+    finally:
+        lock.release()
+
+
+# -- the bus, and the command on this machine --------------------------------------------------------------------------
+def test_a_bus_without_broadcom_lists_what_it_has(tmp_path):
+    host = Host.under(str(tmp_path))
+    other = make_tree(Path(host.devices), vendor="0x1af4\n")
+    write(other / "device", "0x1041\n")
+    bind(other, "virtio-pci")
+    report = doctor(None, host)
+    assert report.error.startswith("no supported BNXT RoCE function on this machine") and "none of them Broadcom" \
+        in report.error
+    assert f"{ADDR} 1af4:1041 (virtio-pci)" in report.findings[0].detail
+    assert report.findings[0].fix.startswith("aiofabric bench write")
+
+
+def test_a_bus_with_only_a_tg3_says_it_is_not_a_supported_chip(tmp_path):
+    host = Host.under(str(tmp_path))
+    write(make_tree(Path(host.devices)) / "device", "0x165f\n")
+    assert "1 Broadcom, none of them a supported chip" in doctor(None, host).error
+
+
+def test_a_bus_with_a_supported_function_diagnoses_it(host):
+    report = doctor(None, host)
+    assert report.findings[0].name == "bus" and report.findings[0].ok and "BCM57508 (Thor)" in \
+        report.findings[0].detail
+    assert report.error == "" and [f.name for f in report.findings[1:]] == [f.name for f in doctor(ADDR, host).findings]
+    write(Path(host.vm) / "compact_unevictable_allowed", "1\n")
+    assert doctor(None, host).error.startswith(f"{ADDR} cannot be driven through sysfs: compaction: ")
+
+
+CLI = [sys.executable, "-m", "aiofabric.cli", "doctor"]
+NO_BNXT = not any(f.vendor == preflight.BROADCOM_VENDOR_ID and f.device in SUPPORTED_CHIPS
+                  for f in preflight.bus_functions(Host()))
+
+
+@pytest.mark.skipif(not NO_BNXT, reason="this machine has a BNXT function")
+def test_doctor_on_this_machine_explains_there_is_nothing_to_drive():
+    done = subprocess.run([*CLI, "--json"], capture_output=True, text=True, timeout=60)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 1 and result["ok"] is False
+    assert result["error"].startswith("no supported BNXT RoCE function on this machine")
+    assert [f["name"] for f in result["findings"]] == ["bus"] and result["findings"][0]["status"] == "FAIL"
+    plain = subprocess.run(CLI, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 1 and "FAIL  bus" in plain.stdout and "fix: aiofabric bench write" in plain.stdout
+    assert plain.stderr.startswith("aiofabric doctor: no supported BNXT RoCE function")
+
+
+def test_doctor_usage_errors_exit_2():
+    done = subprocess.run([*CLI, "41:00.0", "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert json.loads(done.stdout)["error"] == ("usage: argument PCI_ADDRESS: bad PCI address '41:00.0': expected "
+                                                "domain:bus:device.function, e.g. 0000:41:00.0")
