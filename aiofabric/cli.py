@@ -31,7 +31,7 @@ from anyio.abc import TaskStatus
 
 from . import signals
 from .version import __version__
-from .nic import PCI_ADDRESS, open_nic
+from .nic import open_nic
 from .signals import Signalled
 from . import plot, preflight
 from .latency import LatConfig, format_latency_table, run_latency
@@ -257,7 +257,7 @@ async def cmd_plot(args: argparse.Namespace) -> dict[str, Any]:
 
 def pci_address(text: str) -> str:
     """argparse type for a PCI address (domain:bus:device.function)."""
-    if not PCI_ADDRESS.fullmatch(text):
+    if not preflight.ADDRESS.fullmatch(text.lower()):
         raise argparse.ArgumentTypeError(f"bad PCI address {text!r}: expected domain:bus:device.function, "
                                          "e.g. 0000:41:00.0")
     return text.lower()

@@ -20,6 +20,7 @@ import tempfile
 import textwrap
 from typing import Any, Callable, Literal
 
+from .pci import _ADDRESS_RE as ADDRESS  # the seam's: a function's domain:bus:device.function, lower case
 from .pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_COMMAND_MASTER, PCIError
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,8 @@ def check_iommu(t: Target) -> Finding:
     if t.access == "vfio":
         if group is None:
             return t.finding("iommu", False, f"IOMMU {mode}: VFIO needs one",
-                             "add intel_iommu=on (AMD: amd_iommu=on) to the kernel command line and reboot")
+                             "add intel_iommu=on (AMD: amd_iommu=on) to the kernel command line and reboot  # or, "
+                             "with no isolation: echo 1 > /sys/module/vfio/parameters/enable_unsafe_noiommu_mode")
         return t.finding("iommu", True, f"IOMMU {mode}: VFIO maps the driver's DMA through it")
     if group is None or kind == "identity":
         return t.finding("iommu", True, f"IOMMU {mode}: bus addresses are physical, as the sysfs path needs")
