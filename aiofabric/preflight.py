@@ -2,8 +2,8 @@
 
 Every check reads the machine through a `Host` (sysfs, procfs, /dev/vfio: the real paths, or a fake tree's in tests)
 and returns a `Finding`: what it saw, whether that is fine, and the command that fixes it. `aiofabric doctor` prints
-them all (`doctor`); opening a function through sysfs (`claim`) refuses it when its identity or binding is wrong or
-another process holds it, and logs every other failure as a warning.
+them all (`doctor`); opening a function (`claim`, called by the seam's backends) refuses it when its identity or
+binding is wrong or another process holds it, logs every other failure as a warning, and takes the per-device lock.
 
 What is fine depends on how the driver reaches the device (`access`). Raw sysfs gives the NIC physical addresses, so
 it needs the IOMMU off or in passthrough and DMA pages the kernel never moves; VFIO maps DMA through the IOMMU (the
@@ -42,7 +42,6 @@ PCI_COMMAND_INTX_DISABLE = 0x400  # PCI_COMMAND bit 10 (include/uapi/linux/pci_r
 CAP_IPC_LOCK, CAP_SYS_ADMIN = 14, 21  # include/uapi/linux/capability.h
 # Drivers VFIO accepts beside ours in an IOMMU group (they leave DMA to the group's owner), and no driver at all
 GROUP_PEER_DRIVERS = frozenset({"vfio-pci", "pci-stub", "pcieport"})
-TRANSLATING = ("DMA", "DMA-FQ", "unmanaged")  # iommu_groups/N/type values that translate DMA ("unmanaged": VFIO's)
 # Checks whose failure leaves the device drivable (a warning), by the accesses that holds for
 WARNING_ONLY: dict[str, tuple[Access, ...]] = {
     "driver_override": ACCESSES, "intx": ACCESSES, "memlock": ACCESSES, "hugepages": ACCESSES, "quiesced": ACCESSES,
@@ -258,7 +257,7 @@ def check_iommu(t: Target) -> Finding:
         return t.finding("iommu", True, f"IOMMU {mode}: bus addresses are physical, as the sysfs path needs")
     return t.finding("iommu", False,
                      f"IOMMU {mode}: the sysfs path gives the NIC physical addresses, so its first firmware answer "
-                     "never arrives (VFIO works with translation: --access vfio)",
+                     "never arrives (VFIO works with translation)",
                      f"echo identity > {t.host.iommu_groups}/{group}/type  # with the group's devices unbound; "
                      "or boot with iommu=pt")
 
@@ -295,7 +294,7 @@ def check_lockdown(t: Target) -> Finding:
     return t.finding("lockdown", False,
                      f"the kernel is locked down ({mode}): it refuses BAR mmaps and config-space writes through "
                      "sysfs even to root, so running as root does not help",
-                     f"{t.bind_vfio()}  # then --access vfio; or boot with lockdown=none (Secure Boot off)")
+                     f"{t.bind_vfio()}  # then open it through VFIO; or boot with lockdown=none (Secure Boot off)")
 
 
 def check_power(t: Target) -> Finding:
