@@ -20,10 +20,11 @@ from .pci import DmaBudget, DmaBuffer, PCIDevice, SysfsPCIDevice
 from .poller import Poller
 from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair, check_range
 from .taskgroups import own_task_group
+from .vfio import VfioPCIDevice
 
 __all__ = ["NIC", "DmaBudget", "PCI_ADDRESS", "open_nic", "open_pci"]  # DmaBudget: open_nic's, from the seam
 MAX_SGE = 1  # scatter/gather elements per work request: posting encodes one
-PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
+PCI_ADDRESS = re.compile(r"(?:sysfs:)?[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")  # a PCI NIC's spec
 _sim_numbers = itertools.count()
 
 
@@ -155,9 +156,12 @@ class NIC:
         self.device.rcfw_timeout = seconds
 
     def info(self) -> dict[str, Any]:
+        link = self.device.link
         return {"nic": self.pci.address, "fw_version": self.fw_version, "hwrm_version": self.hwrm_version,
                 "mac": self.mac, "port": self.port_id, "ip": self.ip, "gid": _gid_text(self.gid),
-                "gid_index": self.gid_index, "hw_retransmit": self.hw_retransmit, "caps": dict(self.caps)}
+                "gid_index": self.gid_index, "hw_retransmit": self.hw_retransmit,
+                "link": "up" if link.up else "down", "link_speed_mbps": link.speed_mbps,
+                "port_mtu": self.device.port_mtu, "caps": dict(self.caps)}
 
 
 def _gid_text(gid: bytes) -> str:
@@ -165,15 +169,25 @@ def _gid_text(gid: bytes) -> str:
 
 
 def open_pci(spec: str, **options: Any) -> PCIDevice:
-    """The seam for a spec: "sim", "sim:NAME" (emulated NIC process) or a PCI address like "0000:41:00.0"."""
+    """The seam for a spec:
+
+    - "sim", "sim:NAME": an emulated NIC in its own process;
+    - a PCI address like "0000:41:00.0": the function through VFIO (bound to vfio-pci; the IOMMU isolates it, or,
+      in VFIO's no-IOMMU mode, nothing does and a warning says so);
+    - "sysfs:" and a PCI address: the function through raw sysfs, unsafe: no isolation (the IOMMU must be off or
+      in passthrough, and the device can write any memory), no interrupts, no reset on a crash.
+    """
     if spec == "sim" or spec.startswith("sim:"):
         from .sim.host import SimPCIDevice  # the only place the driver reaches into sim/
         return SimPCIDevice(spec.partition(":")[2] or f"sim{next(_sim_numbers)}", **options)
     if PCI_ADDRESS.fullmatch(spec):
         if options:
             raise PCIError(f"options {sorted(options)} apply only to emulated NICs")
-        return SysfsPCIDevice(spec)
-    raise PCIError(f"bad NIC spec {spec!r}: use 'sim', 'sim:NAME' or a PCI address like 0000:41:00.0")
+        if spec.startswith("sysfs:"):
+            return SysfsPCIDevice(spec.removeprefix("sysfs:"))
+        return VfioPCIDevice(spec)
+    raise PCIError(f"bad NIC spec {spec!r}: use 'sim', 'sim:NAME', a PCI address like 0000:41:00.0 (through VFIO) "
+                   "or sysfs:0000:41:00.0 (raw sysfs, unsafe)")
 
 
 @contextlib.asynccontextmanager

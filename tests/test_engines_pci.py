@@ -3,9 +3,9 @@ emulator's debug channel, which only an emulated NIC has (`PCIDevice.debug_clien
 client never blocks the event loop, even when the emulator stops answering.
 
 Two kinds of PCI NIC:
-- the real seam (`SysfsPCIDevice`) over tests/test_pci_sysfs.py's fake sysfs tree: its BAR and config files record
-  what the driver wrote; no firmware answers, so each engine stops at the first firmware command, having reached
-  the device;
+- the real sysfs seam (`SysfsPCIDevice`, spec "sysfs:ADDRESS") over tests/test_pci_sysfs.py's fake sysfs tree: its
+  BAR and config files record what the driver wrote; no firmware answers, so each engine stops at the first
+  firmware command, having reached the device;
 - an emulator behind a seam that presents it as sysfs presents a PCI NIC (no debug channel, no interrupts, no
   removal fd): the firmware answers, so every engine path runs to its end as it would on a PCI NIC.
 """
@@ -37,6 +37,7 @@ from test_pci_sysfs import ADDR, make_tree  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 OTHER = "0000:42:00.0"  # the bench server's PCI NIC
+SYSFS = f"sysfs:{ADDR}"  # ADDR through the raw sysfs seam
 ONE_BACKEND = {name: pytest.mark.parametrize("anyio_backend", [pytest.param((backend, options), id=name)])
                for name, backend, options in [("asyncio", "asyncio", {}), ("uvloop", "asyncio", {"use_uvloop": True}),
                                               ("trio", "trio", {})]}
@@ -59,7 +60,7 @@ def debug_uses(monkeypatch):
 # -- the real seam over a fake sysfs tree ------------------------------------------------------------------------------
 @pytest.fixture
 def fake_tree(tmp_path, monkeypatch):
-    """open_nic(ADDR) opens SysfsPCIDevice over a fake sysfs tree (returned: ADDR's directory)."""
+    """open_nic(SYSFS) opens SysfsPCIDevice over a fake sysfs tree (returned: ADDR's directory)."""
     device = make_tree(tmp_path / "devices")
     monkeypatch.setattr(nic_module, "SysfsPCIDevice", functools.partial(SysfsPCIDevice, sysfs_root=str(device.parent)))
     # a fake device has no bus: its bus addresses are the virtual ones (pagemap gives physical ones only to root)
@@ -82,9 +83,9 @@ def reached_the_device(device: Path) -> None:
 async def test_each_engine_reaches_the_fake_sysfs_device_and_not_the_debug_channel(fake_tree, debug_uses, engine,
                                                                                    anyio_backend):
     ip = "10.0.0.1"
-    runs = {"bench write --peer": lambda: run_bench(BenchConfig(test="write", nic=ADDR, ip=ip, remote=object())),
-            "lat write": lambda: run_latency(LatConfig(test="write", nic=ADDR, ip=ip, iters=5)),
-            "loopback": lambda: run_loopback(ADDR, 4096, ip)}
+    runs = {"bench write --peer": lambda: run_bench(BenchConfig(test="write", nic=SYSFS, ip=ip, remote=object())),
+            "lat write": lambda: run_latency(LatConfig(test="write", nic=SYSFS, ip=ip, iters=5)),
+            "loopback": lambda: run_loopback(SYSFS, 4096, ip)}
     with anyio.fail_after(30), pytest.raises(FirmwareTimeoutError, match=f"^HWRM ver_get: no answer from {ADDR}"):
         await runs[engine]()  # no firmware behind the files: the first command times out
     reached_the_device(fake_tree)
