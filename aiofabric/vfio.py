@@ -229,7 +229,7 @@ class LinuxVfio(VfioApi):
         os.close(fd)
 
 
-# -- DMA windows in the IOMMU -----------------------------------------------------------------------------------------
+# -- DMA windows in the IOMMU ------------------------------------------------------------------------------------------
 class IovaSpace:
     """IOVAs for DMA windows: blocks of a power-of-two size (a slab's at least), aligned to it, so the IOMMU can map
     each with its largest pages; a freed block serves the next window of its size. Blocks are taken from the valid
@@ -291,7 +291,7 @@ class IommuWindows:
         self.space.free(bus_address, size)
 
 
-# -- BARs -------------------------------------------------------------------------------------------------------------
+# -- BARs --------------------------------------------------------------------------------------------------------------
 class MappedBar(SysfsBar):
     """A BAR mmapped from the device fd: SysfsBar's accesses (one aligned load or store each) over that mapping."""
 
@@ -335,7 +335,7 @@ class RegionBar(Bar):
         self.closed = True
 
 
-# -- the device -------------------------------------------------------------------------------------------------------
+# -- the device --------------------------------------------------------------------------------------------------------
 class VfioPCIDevice(PCIDevice):
     """A PCI function bound to vfio-pci (see the module docstring). `host` is where the machine is read (sysfs,
     /dev/vfio: a fake tree's in tests); `api` is the kernel (by default the device files under `host.vfio`; a fake in
@@ -375,7 +375,7 @@ class VfioPCIDevice(PCIDevice):
             self.close()
             raise
 
-    # -- open ---------------------------------------------------------------------------------------------------------
+    # -- open ----------------------------------------------------------------------------------------------------------
     def _not_viable(self, group: str) -> PCIError:
         """The pre-flight's finding on the group's other devices (which to unbind), else what VFIO said."""
         finding = check_iommu_group(self._target)
@@ -391,6 +391,8 @@ class VfioPCIDevice(PCIDevice):
         except FileNotFoundError as e:
             raise PCIError(f"{self.address}: no {where}/vfio: load VFIO (`modprobe vfio-pci`); in a container, "
                            f"pass {where} through") from e
+        except OSError as e:
+            raise self._open_error("vfio", e) from e
         noiommu = False
         try:
             self._group = api.open_group(group)
@@ -401,9 +403,9 @@ class VfioPCIDevice(PCIDevice):
                 raise PCIError(f"{self.address}: no {where}/{group} for its IOMMU group {group}: in a container, pass "
                                f"{where}/{group} through") from e
             except OSError as e:
-                raise self._group_error(f"noiommu-{group}", e) from e
+                raise self._open_error(f"noiommu-{group}", e) from e
         except OSError as e:
-            raise self._group_error(group, e) from e
+            raise self._open_error(group, e) from e
         if noiommu:
             log.warning("%s: VFIO without an IOMMU (%s/noiommu-%s): no isolation, the device can reach all memory "
                         "and DMA uses physical addresses", self.address, where, group)
@@ -426,11 +428,12 @@ class VfioPCIDevice(PCIDevice):
         self._pool = DmaPool(windows, self.address)
         self._wire_interrupts(info.num_irqs)
 
-    def _group_error(self, name: str, error: OSError) -> PCIError:
+    def _open_error(self, name: str, error: OSError) -> PCIError:
+        """Why /dev/vfio/NAME (the container or a group) would not open, and what to run."""
         path = os.path.join(self.api.dev_dir, name)
         if isinstance(error, PermissionError):
             return PCIError(f"{self.address}: cannot open {path} ({error.strerror}): run as root, or give this user "
-                            f"the group: `chown $USER {path}`")
+                            f"the file: `chown $USER {path}`")
         if error.errno == errno.EBUSY:
             return PCIError(f"{self.address}: {path} is busy: another process has its IOMMU group open (VFIO gives a "
                             "group to one process at a time)")
@@ -479,7 +482,7 @@ class VfioPCIDevice(PCIDevice):
             for fd in self._removal.values():
                 self._epoll.register(fd, select.EPOLLIN)
 
-    # -- the seam -----------------------------------------------------------------------------------------------------
+    # -- the seam ------------------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._device < 0:
             raise PCIError(f"{self.address} is closed")

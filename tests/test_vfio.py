@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 import os
 import select
 import shutil
@@ -24,7 +23,7 @@ from aiofabric import vfio as vfio_module
 from aiofabric import vfio_abi as abi
 from aiofabric.dma_pool import SLAB_SIZE, DmaPool
 from aiofabric.errors import PCIError
-from aiofabric.pci import PAGE_SIZE, SysfsPCIDevice
+from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER, SysfsPCIDevice
 from aiofabric.preflight import Host
 from aiofabric.sim.memory import BUS_BASE
 from aiofabric.sim.vfio import EmulatedVfio, IommuFault
@@ -180,6 +179,22 @@ def test_msix_vectors_and_the_device_request_are_wired_to_the_emulator(device):
     assert pci.removal_reason() == "the kernel asked for it back (VFIO device request: unbind or unplug)"
 
 
+def test_close_releases_the_device_before_it_unmaps_what_the_device_could_write(device):
+    pci, fake = device
+    held = [pci.alloc_dma(PAGE_SIZE), pci.alloc_dma(3 * SLAB_SIZE)]  # still held at close: freed by it
+    pci.close()
+    order = [call[:2] for call in fake.calls[fake.calls.index(("set_irqs", MSIX, [])):]]
+    assert order[:4] == [("set_irqs", MSIX), ("set_irqs", abi.VFIO_PCI_REQ_IRQ_INDEX),
+                         ("set_irqs", abi.VFIO_PCI_ERR_IRQ_INDEX), ("close", "device")]
+    assert sorted(order[4:6]) == [("unmap_dma", held[0].bus_addr), ("unmap_dma", held[1].bus_addr)]
+    assert order[6:] == [("close", "group"), ("close", "container")] and fake.left_at_close == []
+    assert fake.sim.read_config(PCI_COMMAND, 2) & PCI_COMMAND_MASTER == 0
+    with pytest.raises(ValueError):
+        held[0].view[0]
+    with pytest.raises(PCIError, match="closed"):
+        pci.alloc_dma(PAGE_SIZE)
+
+
 @pytest.mark.parametrize("resettable", [True, False])
 def test_reset_is_vfio_device_reset_when_the_function_has_one(machine, emulated, resettable):
     fake = emulated(resettable=resettable)
@@ -247,12 +262,30 @@ def test_a_bar_the_kernel_lets_us_mmap_is_mapped_at_its_region_offset(machine, e
         bar0.read32(0)
 
 
-# -- errors: one line each, naming what to run --------------------------------------------------------------------------
+# -- errors: one line each, naming what to run -------------------------------------------------------------------------
 def test_without_dev_vfio_it_says_to_load_vfio(machine):
     with pytest.raises(PCIError) as error:
         VfioPCIDevice(ADDR, host=machine)  # the real kernel interface, on a machine with no /dev/vfio
     assert one_line(error) == (f"{ADDR}: no {machine.vfio}/vfio: load VFIO (`modprobe vfio-pci`); in a container, "
                                f"pass {machine.vfio} through")
+
+
+@pytest.mark.parametrize("errno_, says", [
+    (None, "no {dev}/7 for its IOMMU group 7: in a container, pass {dev}/7 through"),
+    (13, "cannot open {dev}/7 (Permission denied): run as root, or give this user the file: `chown $USER {dev}/7`"),
+    (16, "{dev}/7 is busy: another process has its IOMMU group open (VFIO gives a group to one process at a time)")])
+def test_a_group_file_that_will_not_open_says_why(machine, errno_, says):
+    class Kernel(LinuxVfio):
+        def open_group(self, name):
+            if errno_ is None:
+                return super().open_group(name)  # neither /dev/vfio/7 nor /dev/vfio/noiommu-7 is there
+            raise OSError(errno_, os.strerror(errno_))
+
+    os.makedirs(machine.vfio)
+    Path(machine.vfio, "vfio").touch()
+    with pytest.raises(PCIError) as error:
+        VfioPCIDevice(ADDR, host=machine, api=Kernel(machine.vfio))
+    assert one_line(error) == f"{ADDR}: " + says.format(dev=machine.vfio)
 
 
 def test_a_group_that_is_not_viable_names_the_device_to_unbind(tmp_path, emulated):
@@ -364,7 +397,7 @@ def test_iovas_are_aligned_blocks_within_the_valid_ranges_reused_by_size_and_nev
         space.alloc(1 << 34)
 
 
-# -- the ioctls' encoding, against a kernel that answers like Linux's ----------------------------------------------------
+# -- the ioctls' encoding, against a kernel that answers like Linux's --------------------------------------------------
 def test_iova_ranges_read_from_the_capability_chain(monkeypatch):
     info_size = ctypes.sizeof(abi.vfio_iommu_type1_info)
     cap_size = ctypes.sizeof(abi.vfio_iommu_type1_info_cap_iova_range)
@@ -397,7 +430,8 @@ def test_set_irqs_passes_the_eventfds_after_the_header(monkeypatch):
     assert seen[0][0] == abi.VFIO_DEVICE_SET_IRQS and seen[0][1][header:] == b"\x0a\0\0\0\x0b\0\0\0"
     assert (on.argsz, on.index, on.start, on.count) == (header + 8, MSIX, 0, 2)
     assert on.flags == abi.VFIO_IRQ_SET_DATA_EVENTFD | abi.VFIO_IRQ_SET_ACTION_TRIGGER
-    assert (off.argsz, off.count, off.flags) == (header, 0, abi.VFIO_IRQ_SET_DATA_NONE | abi.VFIO_IRQ_SET_ACTION_TRIGGER)
+    assert (off.argsz, off.count) == (header, 0)
+    assert off.flags == abi.VFIO_IRQ_SET_DATA_NONE | abi.VFIO_IRQ_SET_ACTION_TRIGGER
 
 
 # -- the ABI against the kernel's header -------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ class EmulatedVfio(VfioApi):
 
     def __init__(self, address: str, group: int = 7, *, viable: bool = True, resettable: bool = True,
                  noiommu: bool = False, **options: Any) -> None:
-        self.address, self.group, self.viable, self.resettable, self.noiommu = address, group, viable, resettable, noiommu
+        self.address, self.group, self.noiommu = address, group, noiommu
+        self.viable, self.resettable = viable, resettable
         self.sim = SimPCIDevice(f"vfio{next(_names)}-{os.getpid()}", **options)
         self.ip = self.sim.ip
         self.calls: list[tuple[Any, ...]] = []
@@ -86,7 +87,7 @@ class EmulatedVfio(VfioApi):
     def _record(self, *call: Any) -> None:
         self.calls.append(call)
 
-    # -- container and group --------------------------------------------------------------------------------------
+    # -- container and group -------------------------------------------------------------------------------------------
     def open_container(self) -> int:
         self._record("open_container")
         return self._open("container")
@@ -121,7 +122,7 @@ class EmulatedVfio(VfioApi):
             raise _os_error(errno.ENODEV, f"{address} is not in IOMMU group {self.group}")
         return self._open("device")
 
-    # -- the IOMMU ------------------------------------------------------------------------------------------------
+    # -- the IOMMU -----------------------------------------------------------------------------------------------------
     def map_dma(self, container: int, vaddr: int, iova: int, size: int) -> None:
         self._record("map_dma", iova, size)
         if vaddr % PAGE or iova % PAGE or size % PAGE or not size:
@@ -170,7 +171,7 @@ class EmulatedVfio(VfioApi):
     def _punch(self, offset: int, length: int) -> None:
         self.sim._arena.madvise(mmap.MADV_REMOVE, offset, length)
 
-    # -- the device -----------------------------------------------------------------------------------------------
+    # -- the device ----------------------------------------------------------------------------------------------------
     def device_info(self, device: int) -> vfio_device_info:
         return vfio_device_info(flags=VFIO_DEVICE_FLAGS_PCI | (VFIO_DEVICE_FLAGS_RESET if self.resettable else 0),
                                 num_regions=9, num_irqs=5)
