@@ -175,7 +175,8 @@ def open_pci(spec: str, **options: Any) -> PCIDevice:
     - a PCI address like "0000:41:00.0": the function through VFIO (bound to vfio-pci; the IOMMU isolates it, or,
       in VFIO's no-IOMMU mode, nothing does and a warning says so);
     - "sysfs:" and a PCI address: the function through raw sysfs, unsafe: no isolation (the IOMMU must be off or
-      in passthrough, and the device can write any memory), no interrupts, no reset on a crash.
+      in passthrough, and the device can write any memory), no interrupts (the driver polls), and nothing stops the
+      device when the process is killed (VFIO's kernel side resets it when its files close).
     """
     if spec == "sim" or spec.startswith("sim:"):
         from .sim.host import SimPCIDevice  # the only place the driver reaches into sim/
