@@ -22,9 +22,12 @@ import anyio.abc
 
 from .autogen import bnxt
 from .close_budget import CLOSE_TIMEOUT, CloseBudget
-from .errors import ClosedError, DeviceLostError, FirmwareError
+from .errors import ClosedError, DeviceLostError, FabricError, FirmwareError
 from .hw.cqe import CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, NQ_ENTRY, creq_type
 from .hw.firmware import RING_ENTRY_SIZES, BackingStoreType, add_gid_fields
+from .firmware_events import EVENT_RING_DEPTH, EVENT_VECTOR, EventRing, Link, event_kind, reset_text
+from .hw.async_event import ASYNC_EVENT_ENTRY, EventId, forwarding
+from .hw.firmware import LINK_SPEED_MBPS
 from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, HWRM_VECTOR, NQ_VECTOR, wake
 from .liveness import Liveness
@@ -51,9 +54,10 @@ def ipv4_gid(ip: str) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceEvent:
-    """An asynchronous event the firmware reported on the CREQ."""
-    kind: str  # "qp_error", "cq_error" or "function"
-    xid: int  # QP number / CQ id; the event code for function events
+    """An asynchronous event the firmware reported: on the CREQ ("qp_error", "cq_error", "function") or on the event
+    ring (firmware_events.event_kind: "link", "mtu", "reset", "fatal", ...)."""
+    kind: str
+    xid: int  # QP number / CQ id; the event code for function and firmware events
     detail: dict[str, int]
 
 
@@ -69,6 +73,9 @@ class DeviceObject(Protocol):
 
 class Device:
     """One BNXT function driven from userspace. Use `aiofabric.open_nic`, which boots and closes it."""
+
+    link = Link(up=False, speed_mbps=0)  # PORT_PHY_QCFG's, from boot on; link events keep it current
+    port_mtu = 0  # the port's MTU (FUNC_QCFG admin_mtu), from boot on; 0: not known
 
     def __init__(self, pci: PCIDevice, ip: str, *, hwrm_timeout: float = HWRM_TIMEOUT,
                  rcfw_timeout: float = RCFW_TIMEOUT) -> None:
@@ -178,10 +185,35 @@ class Device:
             handlers = self._qp_handlers if event == QP_ERROR else self._cq_handlers
             self._deliver(routed, handlers.get(notice.xid))
         elif kind == FUNC_EVENT:
-            for handler in [None, *self.function_handlers]:
-                self._deliver(DeviceEvent("function", event, {}), handler)
+            self._announce(DeviceEvent("function", event, {}))
         else:
             log.warning("%s: unexpected CREQ entry type %#x dropped", self.pci.address, kind)
+
+    async def _on_firmware_event(self, event_id: int, data1: int, data2: int) -> None:
+        """An event from the event ring (firmware_events.py). Link and MTU changes are read again from the firmware,
+        as bnxt_en does; a reset notice or a fatal firmware error loses the device at once: the firmware resets it
+        and everything must be set up again."""
+        kind = event_kind(event_id, data1)
+        detail = {"data1": data1, "data2": data2}
+        if kind in ("reset", "fatal"):
+            self.liveness.declare(DeviceLostError(
+                f"{self.pci.address}: firmware event RESET_NOTIFY ({reset_text(data1)}): the firmware resets the "
+                "device, which must be opened again"))
+        try:
+            if kind == "link":
+                await self._query_link()
+                detail.update(up=self.link.up, speed_mbps=self.link.speed_mbps)
+            elif kind == "mtu":
+                await self._query_port_mtu()
+                detail.update(port_mtu=self.port_mtu)
+        except FabricError as exc:  # the event still counts; what it changed stays unknown
+            log.warning("%s: %s event %#x: the port could not be queried: %s", self.pci.address, kind, event_id, exc)
+        self._announce(DeviceEvent(kind, event_id, detail))
+
+    def _announce(self, event: DeviceEvent) -> None:
+        """A function-wide event: to `events` and to every function handler."""
+        for handler in [None, *self.function_handlers]:
+            self._deliver(event, handler)
 
     def _deliver(self, event: DeviceEvent, handler: Callable[[DeviceEvent], None] | None) -> None:
         if handler is None:
@@ -242,7 +274,8 @@ class Device:
                      "max_tx_rings": caps.max_tx_rings, "max_rx_rings": caps.max_rx_rings,
                      "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext}
         await self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
-                        | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER, os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
+                        | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD,
+                        async_event_fwd=forwarding(EventId), os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
                         **dict(zip(("ver_maj_8b", "ver_min_8b", "ver_upd_8b"),
                                    (int(x) for x in __version__.split(".")))))
         self._on_close("HWRM func_drv_unrgtr", lambda: self.hwrm_channel.command("func_drv_unrgtr"))
@@ -251,6 +284,7 @@ class Device:
         await self._configure_backing_store()
         await self._open_rcfw(task_group)
         await self._open_l2()
+        await self._open_events(task_group)
         gid_field, mac_field = add_gid_fields(self.gid, bytes.fromhex(self.mac.replace(":", "")))
         gid = await self.rcfw("add_gid", gid=gid_field, src_mac=mac_field)
         self.gid_index = gid.xid
@@ -354,6 +388,29 @@ class Device:
             | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID)
         filter_id = l2_filter.l2_filter_id
         self._on_close("HWRM cfa_l2_filter_free", lambda: self.hwrm_channel.command("cfa_l2_filter_free", l2_filter_id=filter_id))
+
+    async def _open_events(self, task_group: anyio.abc.TaskGroup) -> None:
+        """The event ring and its reader (firmware_events.py), then the link and the MTU as they are now."""
+        ring = Ring(self.pci, EVENT_RING_DEPTH, ASYNC_EVENT_ENTRY.size)
+        ring_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, ring, EVENT_VECTOR)
+        fd = self.pci.interrupt_fd(EVENT_VECTOR) if EVENT_VECTOR < self.pci.num_vectors else None
+        self.liveness.on_lost(lambda _: wake(fd))  # the reader sleeps without a timeout: it must hear of a loss
+        reader = EventRing(ring, ring_id, self.doorbells, self.db_offset, fd, self.liveness)
+        await task_group.start(self.in_background, functools.partial(reader.serve, self._on_firmware_event))
+        await self._query_link()
+        await self._query_port_mtu()
+
+    async def _query_link(self) -> None:
+        """The link, from PORT_PHY_QCFG (bnxt_en's bnxt_update_link)."""
+        phy = await self.hwrm_channel.command("port_phy_qcfg", port_id=self.port_id)
+        up = phy.link == bnxt.PORT_PHY_QCFG_RESP_LINK_LINK
+        self.link = Link(up, LINK_SPEED_MBPS.get(phy.link_speed, 0) if up else 0)
+
+    async def _query_port_mtu(self) -> None:
+        """The port's MTU: FUNC_QCFG's admin_mtu, as DPDK's bnxt_hwrm_func_qcfg reads it (bnxt_en takes
+        max_mtu_configured as the ceiling of its netdev's MTU: the fallback)."""
+        qcfg = await self.hwrm_channel.command("func_qcfg", fid=0xFFFF)
+        self.port_mtu = qcfg.admin_mtu or qcfg.max_mtu_configured
 
     async def set_loopback(self, mode: int) -> None:
         """PHY loopback: bnxt PORT_PHY_CFG_REQ_LPBK_NONE / _LOCAL / _REMOTE / _EXTERNAL."""

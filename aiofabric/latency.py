@@ -448,13 +448,16 @@ async def run_latency(config: LatConfig) -> dict[str, Any]:
     """Boot the NICs (`LatConfig.nic`), run `config.test`'s latency loop and report perftest's latency fields in us.
 
     WRITE and SEND report one-way latency, half the client's round trip (as perftest: RTT/2); READ reports each
-    READ's post-to-completion time. Keys: the LATENCY_FIELDS, iters, size, test, mtu, warmup, verified,
+    READ's post-to-completion time. Keys: the LATENCY_FIELDS, iters, size, test, mtu (the path MTU used: the
+    requested one unless a port is too small for it, see perftest.fit_mtu), mtu_requested, warmup, verified,
     verification (what `verified` checked), latency (what was measured), seconds, packets, retransmits, dropped
     (None on a PCI NIC: only an emulator counts them), fw_version; "histogram" with config.histogram; "error" when
     verification failed. A lost message raises TimeoutError naming the side and the iteration."""
     config.check()
+    requested = config.mtu
     async with _open_nics(config) as (client_nic, server_nic):
         nics = list(dict.fromkeys((client_nic, server_nic)))  # one NIC when both ends share it
+        config = dataclasses.replace(config, mtu=perftest.fit_mtu(requested, nics, "lat"))
         pair = await _connect(config, client_nic, server_nic)
         fault = config.bench_config().fault()
         if fault is not None:
@@ -470,7 +473,7 @@ async def run_latency(config: LatConfig) -> dict[str, Any]:
         fw_version = client_nic.info()["fw_version"]
     return {
         **summarize(samples), "iters": len(samples), "size": config.size, "test": config.test, "mtu": config.mtu,
-        "warmup": config.warmup, "verified": mismatch is None,
+        "mtu_requested": requested, "warmup": config.warmup, "verified": mismatch is None,
         "verification": _verification(config, None not in placed),
         "latency": "one-way (RTT/2)" if config.test != "read" else "READ completion",
         "seconds": seconds, **wire, "fw_version": fw_version,
@@ -512,7 +515,7 @@ def format_latency_table(result: dict[str, Any], config: LatConfig) -> str:
              " Number of qps   : 1\t\tTransport type : IB",
              " Connection type : RC\t\tUsing SRQ      : OFF",
              f" Warm-up         : {result['warmup']} iterations\tLatency        : {measured}",
-             f" Mtu             : {config.mtu}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
+             f" Mtu             : {result.get('mtu', config.mtu)}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
              f" Firmware        : {result['fw_version']}", rule, HEADER, _row(values), rule,
              f" verified: {'yes' if result['verified'] else 'NO'}   "
              f"packets: {perftest.count_text(result['packets'])}   "

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Iterable
 import anyio
 
 from .autogen import bnxt
+from .hw.verbs import ROCE_OVERHEAD, path_mtu_for_port
 from .nic import NIC, PCI_ADDRESS, open_nic
 from .peer.protocol import fill_pattern
 from .queues import QueuePair
@@ -399,6 +400,25 @@ async def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, Any
     return None
 
 
+def fit_mtu(requested: int, nics: Iterable[NIC], what: str) -> int:
+    """The path MTU to connect with: `requested`, or, when a NIC's port cannot carry its packets, the largest path
+    MTU every port carries (Linux picks a RoCE port's MTU so: iboe_get_mtu of the netdev's MTU), said on stderr. A
+    port whose MTU is not known (0) limits nothing."""
+    ports = {nic.pci.address: nic.device.port_mtu for nic in nics if nic.device.port_mtu}
+    if not ports:
+        return requested
+    address, port_mtu = min(ports.items(), key=lambda item: item[1])
+    fitting = path_mtu_for_port(port_mtu)
+    if fitting >= requested:
+        return requested
+    if not fitting:
+        raise ValueError(f"{address}'s port MTU {port_mtu} is too small for any RoCE packet (the headers take "
+                         f"{ROCE_OVERHEAD} bytes, the smallest path MTU is 256)")
+    print(f"{what}: path MTU {requested} does not fit the port MTU {port_mtu} of {address} (RoCE headers take "
+          f"{ROCE_OVERHEAD} bytes): using {fitting}", file=sys.stderr, flush=True)
+    return fitting
+
+
 def _percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] if ordered else 0.0
@@ -467,13 +487,15 @@ async def run_bench(config: BenchConfig, nics: list[NIC] | None = None) -> dict[
     rows = []
     async with contextlib.nullcontext(nics) if nics is not None else open_bench_nics(config) as nics:
         first = nics[0].info()
+        mtu = fit_mtu(config.mtu, nics, "bench")
         for size in sizes:
-            rows.append(await _run_size(dataclasses.replace(config, size=size), nics, first["fw_version"]))
+            row = await _run_size(dataclasses.replace(config, size=size, mtu=mtu), nics, first["fw_version"])
+            rows.append({**row, "mtu_requested": config.mtu})
     if config.sizes is None:
         return rows[0]
     failed = [row for row in rows if "error" in row]
     return {"verified": all(row["verified"] for row in rows), "test": config.test, "sizes": sizes, "rows": rows,
-            "fw_version": first["fw_version"],
+            "fw_version": first["fw_version"], "mtu": mtu, "mtu_requested": config.mtu,
             **({"error": f"size {failed[0]['size']}: {failed[0]['error']}"} if failed else {})}
 
 
@@ -548,7 +570,7 @@ def format_table(result: dict[str, Any], config: BenchConfig) -> str:
              f" Number of qps   : {config.qps}\t\tTransport type : IB",
              " Connection type : RC\t\tUsing SRQ      : OFF",
              f" TX depth        : {config.depth}\t\tNICs           : {config.nics}",
-             f" Mtu             : {config.mtu}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
+             f" Mtu             : {rows[0].get('mtu', config.mtu)}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
              f" Firmware        : {result['fw_version']}" + (f"\t\tDuration       : {config.duration:g} s"
                                                          if config.duration else ""), rule,
              f" #bytes     #iterations    BW peak[{unit}]    BW average[{unit}]   MsgRate[Mpps]   "

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 from aiofabric.autogen import bnxt
-from aiofabric.hw import cqe, doorbell, firmware, ring, verbs, wqe
+from aiofabric.hw import async_event, cqe, doorbell, firmware, ring, verbs, wqe
 from aiofabric.hw.layout import Field, Layout
 
-MODULES = (wqe, cqe, firmware)
+MODULES = (wqe, cqe, firmware, async_event)
 LAYOUTS = {f"{module.__name__}.{name}": value for module in MODULES for name, value in vars(module).items()
            if isinstance(value, Layout)}
 TOKEN = re.compile(r"(\d*)([xBHIQ])")
@@ -170,7 +170,7 @@ def test_position_slot_epoch_and_phase(depth, count):
     assert ring.epoch(count + depth, depth) != ring.epoch(count, depth)  # every lap flips it
 
 
-@pytest.mark.parametrize("entry", [cqe.CQ_ENTRY, cqe.NQ_ENTRY, cqe.CREQ_ENTRY])
+@pytest.mark.parametrize("entry", [cqe.CQ_ENTRY, cqe.NQ_ENTRY, cqe.CREQ_ENTRY, async_event.ASYNC_EVENT_ENTRY])
 def test_published_entries_are_new_on_their_lap_only(entry):
     depth, memory = 4, bytearray(4 * entry.size)
     body = bytes(range(1, entry.size + 1))
@@ -194,6 +194,11 @@ def test_entry_valid_bits_are_the_bindings():
     assert (cqe.NQ_ENTRY.valid_offset, cqe.NQ_ENTRY.valid_bit) == (bnxt.nq_base.info63_v.offset, bnxt.NQ_BASE_V)
     assert (cqe.CREQ_ENTRY.valid_offset, cqe.CREQ_ENTRY.valid_bit) == (bnxt.creq_qp_event.v.offset,
                                                                        bnxt.CREQ_QP_EVENT_V)
+    events = async_event.ASYNC_EVENT_ENTRY
+    assert (events.size, events.valid_offset, events.valid_bit) == (
+        ctypes.sizeof(bnxt.hwrm_async_event_cmpl), bnxt.hwrm_async_event_cmpl.opaque_v.offset, bnxt.ASYNC_EVENT_CMPL_V)
+    assert (events.size, events.valid_offset, events.valid_bit) == (  # events travel on an NQ: same size, same bit
+        cqe.NQ_ENTRY.size, cqe.NQ_ENTRY.valid_offset, cqe.NQ_ENTRY.valid_bit)
 
 
 @given(produced=st.integers(0, 1000), length=st.integers(1, 64), behind=st.integers(0, 64))
@@ -276,6 +281,34 @@ def test_qp_state_machine():
     assert verbs.legal_transition(S.RESET, S.INIT) and not verbs.legal_transition(S.RESET, S.RTS)
     assert all(verbs.legal_transition(s, S.ERR) and verbs.legal_transition(s, S.RESET) for s in S)
     assert not verbs.legal_transition(S.ERR, S.RTS)
+
+
+def test_path_mtu_for_a_port_is_linux_iboe_get_mtu():
+    """iboe_get_mtu takes 96 bytes of headers off the netdev's MTU and picks the largest IB MTU left."""
+    assert verbs.ROCE_OVERHEAD == 96
+    ports = (351, 352, 576, 1500, 2143, 2144, 4191, 4192, 9000)
+    assert [verbs.path_mtu_for_port(mtu) for mtu in ports] == [0, 256, 256, 1024, 1024, 2048, 2048, 4096, 4096]
+
+
+def test_async_events_and_their_forwarding_are_linux_hwrm_async_event_cmpl_and_func_drv_rgtr():
+    entry = bnxt.hwrm_async_event_cmpl.from_buffer_copy(async_event.async_event(
+        async_event.EventId.LINK_STATUS_CHANGE, async_event.link_event_data(True, 3), 7))
+    assert (entry.type & bnxt.ASYNC_EVENT_CMPL_TYPE_MASK, entry.event_id, entry.event_data1, entry.event_data2) == (
+        bnxt.ASYNC_EVENT_CMPL_TYPE_HWRM_ASYNC_EVENT, bnxt.ASYNC_EVENT_CMPL_EVENT_ID_LINK_STATUS_CHANGE, 3 << 4 | 1, 7)
+    data1 = async_event.reset_event_data(async_event.ResetReason.FW_EXCEPTION_FATAL)
+    assert data1 == 0x200 and async_event.reset_reason(data1) == async_event.ResetReason.FW_EXCEPTION_FATAL
+    ids = [async_event.EventId.RESET_NOTIFY, async_event.EventId.LINK_STATUS_CHANGE, 0x4C, 0xFF]
+    request = bnxt.hwrm_func_drv_rgtr_input(async_event_fwd=async_event.forwarding(ids))
+    bitmap = int.from_bytes(bytes(request)[bnxt.hwrm_func_drv_rgtr_input.async_event_fwd.offset:][:32], "little")
+    assert bitmap == sum(1 << i for i in ids)  # bit i of the little-endian 256-bit map, as bnxt_en's __set_bit
+    assert [i for i in range(256) if async_event.forwarded(request.async_event_fwd, i)] == sorted(ids)
+
+
+def test_link_speed_codes_in_mbps():
+    speeds = firmware.LINK_SPEED_MBPS
+    assert speeds[bnxt.PORT_PHY_QCFG_RESP_LINK_SPEED_400GB] == 400_000
+    assert speeds[bnxt.PORT_PHY_QCFG_RESP_LINK_SPEED_2_5GB] == 2_500
+    assert speeds[bnxt.PORT_PHY_QCFG_RESP_LINK_SPEED_10MB] == 10  # 0xffff, not 100 Mb/s units
 
 
 def test_psn_diff_wraps_at_24_bits():

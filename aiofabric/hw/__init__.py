@@ -9,12 +9,14 @@ with their users.
     layout     `Layout`: a precompiled `struct.Struct` built from a binding's field offsets and sizes; `field_type`
     wqe        SQ WQE headers (RDMA, SEND), the SGE, the RQ WQE header, the MSN table entry; SQ slot geometry
     cqe        CQEs (requester, RC responder), NQ CQ notifications, CREQ entries; status and error-reason names
+    async_event HWRM async event completions, their event data, the FUNC_DRV_RGTR forwarding bitmap
     doorbell   the 64-bit doorbell: `encode` (driver), `decode` (device)
     ring       slot and lap parity of free-running counts, the valid bit of device-written entries (`RingEntry`),
                the counts a doorbell names
-    verbs      QP states and legal transitions, path-MTU codes, QP and MR access bits, 24-bit PSN arithmetic
+    verbs      QP states and legal transitions, path-MTU codes and the largest a port's MTU carries, QP and MR
+               access bits, 24-bit PSN arithmetic
     firmware   HWRM request/response headers, the RCFW CMDQ header and its cmdq_init mailbox, backing-store types,
-               page-size codes, ring entry sizes, page-table entries, the HWRM interrupt vector
+               page-size codes, link speed codes, ring entry sizes, page-table entries, the HWRM interrupt vector
     names      the bindings' constants by prefix (for status tables)
 
 tests/test_hw.py checks every layout against the bindings, field by field, and shows a moved field is caught.

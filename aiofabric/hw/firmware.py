@@ -11,8 +11,8 @@ producer write after cmdq_init carries `CMDQ_FIRST_PRODUCER` (FIRMWARE_FIRST_FLA
 (cqe.py).
 
 Function-level: backing-store context types (`BackingStoreType`), the page-size codes of page-table fields
-(`PAGE_SIZE_CODES`), the entry size of each HWRM ring type (`RING_ENTRY_SIZES`), and page tables: arrays of
-`PTE_SIZE`-byte entries (`ptu_pte`, `ptu_pde`) holding a page address with flag bits below it (`PTE_FLAGS`:
+(`PAGE_SIZE_CODES`), PORT_PHY_QCFG's link speed codes in Mb/s (`LINK_SPEED_MBPS`), the entry size of each HWRM ring
+type (`RING_ENTRY_SIZES`), and page tables: arrays of `PTE_SIZE`-byte entries (`ptu_pte`, `ptu_pde`) holding a page address with flag bits below it (`PTE_FLAGS`:
 PTU_PTE_VALID, _LAST, _NEXT_TO_LAST), packed and read by `pack_ptes` / `unpack_ptes`.
 """
 from __future__ import annotations
@@ -57,6 +57,10 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 PAGE_SIZE_CODES = {  # page-size code (after the field's shift) -> bytes: CMDQ_CREATE_QP_SQ_PG_SIZE_PG_4K is 4 KiB
     code >> bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_SFT: int(name[3:-1]) * _UNITS[name[-1]]
     for name, code in constants("CMDQ_CREATE_QP_SQ_PG_SIZE_").items() if name.startswith("PG_")}
+
+LINK_SPEED_MBPS = {  # PORT_PHY_QCFG link_speed code -> Mb/s: PORT_PHY_QCFG_RESP_LINK_SPEED_400GB is 400000
+    code: int(float(name[:-2].replace("_", ".")) * (1000 if name.endswith("GB") else 1))
+    for name, code in constants("PORT_PHY_QCFG_RESP_LINK_SPEED_").items() if name[0].isdigit()}
 
 L2_RING_ENTRY = 16  # tx_bd, rx_prod_pkt_bd and cmpl_base (hsi.h) are all 16 bytes; the bindings do not carry them
 RING_ENTRY_SIZES = {  # HWRM RING_ALLOC ring type -> bytes per entry

@@ -1,7 +1,8 @@
 """Verbs-level facts of the firmware interface: QP states and their legal moves, path-MTU codes, access bits, PSNs.
 
 QP states are MODIFY_QP's new_state codes (CMDQ_MODIFY_QP_NEW_STATE_*); the path MTU travels as a code
-(CMDQ_MODIFY_QP_PATH_MTU_MTU_<bytes> in MODIFY_QP, CREQ_QUERY_QP_RESP_SB_PATH_MTU_MTU_<bytes> in QUERY_QP's answer).
+(CMDQ_MODIFY_QP_PATH_MTU_MTU_<bytes> in MODIFY_QP, CREQ_QUERY_QP_RESP_SB_PATH_MTU_MTU_<bytes> in QUERY_QP's answer),
+and the largest one a port carries follows from the port's MTU (`path_mtu_for_port`).
 Access rights come in two bit orders: MODIFY_QP's (`QPAccess`) and REGISTER_MR's (`MRAccess`), which swap REMOTE_READ
 and REMOTE_WRITE. PSNs are 24 bits wide (the MSN table's and BTH's), compared modulo 2^24 (`psn_diff`).
 """
@@ -46,6 +47,18 @@ def _mtu_codes(prefix: str) -> dict[int, int]:
 PATH_MTU_CODES = _mtu_codes("CMDQ_MODIFY_QP_PATH_MTU_")  # bytes -> MODIFY_QP path_mtu code (256 .. 8192)
 PATH_MTU_BYTES = {code: mtu for mtu, code in PATH_MTU_CODES.items()}
 QUERY_QP_PATH_MTU_CODES = _mtu_codes("CREQ_QUERY_QP_RESP_SB_PATH_MTU_")  # bytes -> QUERY_QP's path_mtu code
+ROCE_MAX_PATH_MTU = 4096  # the largest IB MTU (IB_MTU_4096); MODIFY_QP's 8192 is beyond what RoCE peers take
+# What a RoCE packet adds to its payload, as Linux reserves it against a netdev's MTU (include/rdma/ib_addr.h
+# iboe_get_mtu, sizes from ib_pack.h): GRH 40 (room for IPv6) + UDP 8 + BTH 12 + XRC 4 + AtomicETH 28 (the largest
+# extension header) + ICRC 4.
+ROCE_OVERHEAD = 40 + 8 + 12 + 4 + 28 + 4
+
+
+def path_mtu_for_port(port_mtu: int) -> int:
+    """The largest path MTU (256 .. 4096) whose packets fit a port of MTU `port_mtu`, as Linux picks the active MTU
+    of a RoCE port (iboe_get_mtu of the netdev's MTU); 0 when not even 256 fits."""
+    room = min(port_mtu - ROCE_OVERHEAD, ROCE_MAX_PATH_MTU)
+    return max((mtu for mtu in PATH_MTU_CODES if mtu <= room), default=0)
 
 
 class QPAccess(enum.IntFlag):

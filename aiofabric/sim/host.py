@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..autogen import bnxt
 from ..pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError, _virt_addr
 from .memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
+from .port import DEFAULT_MTU as DEFAULT_PORT_MTU, MAX_MTU as MAX_PORT_MTU, MIN_MTU as MIN_PORT_MTU
 
 if TYPE_CHECKING:
     from .debug import DebugClient
@@ -39,7 +40,7 @@ START_TIMEOUT = 20.0
 FAULTS = ("loss", "dup", "reorder", "corrupt")
 TRANSPORTS = ("udp", "raw")
 # Every option the emulator reads (process.py), plus netns, which places the process.
-OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "netns")
+OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "netns", "port_mtu")
 NETNS_DIR = "/run/netns"  # where `ip netns add` puts its namespaces
 
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
@@ -109,6 +110,9 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     seed = options.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={seed!r}: must be an int")
+    port_mtu = options.get("port_mtu", DEFAULT_PORT_MTU)
+    if isinstance(port_mtu, bool) or not isinstance(port_mtu, int) or not MIN_PORT_MTU <= port_mtu <= MAX_PORT_MTU:
+        raise ValueError(f"port_mtu={port_mtu!r}: must be an integer in [{MIN_PORT_MTU}, {MAX_PORT_MTU}] bytes")
     mac = options.get("mac")
     if mac is not None:
         try:
@@ -172,9 +176,9 @@ class SimPCIDevice(PCIDevice):
 
     `options` go to the emulator; see OPTIONS and the README: `ip` (without one the emulator binds a free 127.0.0.x
     itself, race-free across processes; `self.ip` says which), `mac`, `fw_latency_us`, `transport`, the wire faults
-    `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, and `netns`, which starts the process inside that network
-    namespace, so its wire is the namespace's interfaces. Bad options raise ValueError before anything starts; an
-    emulator that cannot start raises PCIError with its reason.
+    `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, `port_mtu` (port.py), and `netns`, which starts the process
+    inside that network namespace, so its wire is the namespace's interfaces. Bad options raise ValueError before
+    anything starts; an emulator that cannot start raises PCIError with its reason.
     """
 
     ip: str

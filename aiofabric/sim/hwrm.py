@@ -2,17 +2,20 @@
 
 `Firmware.hwrm(request)` executes one request window and returns where to DMA the answer and its bytes; the I/O
 shell writes them (valid byte last) and fires interrupts from `Firmware.interrupts`. `Firmware` is the function's
-shared state (function.py) plus the HWRM commands; its RoCE command channel is `rcfw.Rcfw`, created here over that
+shared state (function.py) plus the HWRM commands, the Ethernet port (port.py: link and MTU) and the asynchronous
+events the driver registered for (`post_event`); its RoCE command channel is `rcfw.Rcfw`, created here over that
 state. Behaviour follows what Linux's bnxt_en (bnxt_hwrm.c, bnxt.c) expects of real firmware. Bad input never
 raises: it gets an error code.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..autogen import bnxt
+from ..hw.async_event import EventId, ResetReason, async_event, forwarded, link_event_data, reset_event_data
 from ..hw.doorbell import INDEX_MASK
 from ..hw.firmware import HWRM_REQUEST_HEADER, PAGE_SIZE_CODES, RING_ENTRY_SIZES
 from ..hw.firmware import BackingStoreType as BS
@@ -20,13 +23,13 @@ from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, Co
 from .memory import BusMemory, DmaFault
 from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, Ring, StatContext, Vnic,
                       lowest_free_id, map_memory)
+from .port import Port
 from .rcfw import Rcfw
 
 INVALID_PARAMS, RESOURCE_ALLOC_ERROR = bnxt.HWRM_ERR_CODE_INVALID_PARAMS, bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR
 INTERFACE_VERSION = tuple(int(part) for part in bnxt.HWRM_INTERFACE_VERSION.split("."))  # 1.10.3.151
 FUNCTION_ID = 0  # this PF's fid; requests may also say 0xFFFF for "myself"
 DEFAULT_REQUEST_TIMEOUT_MS = 500
-MTU = 9000
 MAX_RING_LENGTH = INDEX_MASK + 1  # a doorbell's index must reach every entry
 ALL_DONE = bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_FLAGS_BS_CFG_ALL_DONE
 
@@ -35,6 +38,12 @@ L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TY
 RING_LIMITS = {L2_CMPL: 128, TX: 128, RX: 128, ROCE_CMPL: 128, RX_AGG: 128, NQ: 64}
 MAX_L2_FILTERS, MAX_RSS_CONTEXTS = 1024, 64
 MAX_VNICS, MAX_STAT_CTXS = CONTEXT_TYPES[BS.VNIC].max_entries, CONTEXT_TYPES[BS.STAT].max_entries
+PORT_EVENTS = {  # post_event's kinds for the port and the firmware itself: (event id, event_data1 for a port id)
+    "link_down": (EventId.LINK_STATUS_CHANGE, lambda port_id: link_event_data(False, port_id)),
+    "link_up": (EventId.LINK_STATUS_CHANGE, lambda port_id: link_event_data(True, port_id)),
+    "reset_notify": (EventId.RESET_NOTIFY, lambda _: reset_event_data(ResetReason.MANAGEMENT_RESET_REQUEST)),
+    "fatal": (EventId.RESET_NOTIFY, lambda _: reset_event_data(ResetReason.FW_EXCEPTION_FATAL)),
+}
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,8 @@ class Firmware(FunctionState):
     def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
         super().__init__(mem, config)
         self.rcfw = Rcfw(self)
+        self.port = Port(self.stats)
+        self.async_events: collections.deque[bytes] = collections.deque()  # waiting for room on the event ring
         self._commands = {getattr(bnxt, f"HWRM_{name.upper()}"): _Command(
             name, getattr(bnxt, f"hwrm_{name}_input"), getattr(bnxt, f"hwrm_{name}_output"), getattr(self, f"_{name}"))
             for name in self.COMMANDS}
@@ -98,6 +109,8 @@ class Firmware(FunctionState):
             self.stats["legacy_doorbells"] += 1
         else:
             self.rcfw.doorbell(value)
+            if self.async_events:  # an NQ doorbell may have made room on the event ring
+                self._flush_async_events()
 
     def objects(self) -> dict[str, int]:
         """Live object counts, for the debug channel (a clean shutdown brings every one back to zero)."""
@@ -108,6 +121,7 @@ class Firmware(FunctionState):
         """FUNC_RESET: every L2 and RoCE object and the backing store are gone; the RoCE channel starts over."""
         self.rcfw.reset()
         self.clear()
+        self.async_events.clear()
 
     # -- function ----------------------------------------------------------------------------------------------------
     def _ver_get(self, request: Any) -> dict[str, Any]:
@@ -146,15 +160,18 @@ class Firmware(FunctionState):
     def _func_qcfg(self, request: Any) -> dict[str, Any]:
         self._own_function(request.fid)
         return {"fid": FUNCTION_ID, "port_id": self.config.port_id, "mac_address": tuple(self.config.mac),
-                "admin_mtu": MTU, "mru": MTU, "max_mtu_configured": MTU, "host_mtu": MTU, "port_pf_cnt": 1,
+                "admin_mtu": self.port.mtu, "mru": self.port.mtu, "max_mtu_configured": self.port.mtu,
+                "host_mtu": self.port.mtu, "port_pf_cnt": 1,
                 "alloc_vnics": len(self.vnics), "alloc_stat_ctx": len(self.stat_ctxs),
                 "legacy_l2_db_size_kb": self.config.roce_db_page_kb,
                 "l2_doorbell_bar_size_kb": 2 * self.config.roce_db_page_kb,
                 "db_page_size": bnxt.FUNC_QCFG_RESP_DB_PAGE_SIZE_4KB, "always_1": 1}
 
     def _func_drv_rgtr(self, request: Any) -> dict[str, Any]:
+        forward = request.enables & bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD
         self.driver = {"enables": request.enables, "os_type": request.os_type,
-                       "version": (request.ver_maj_8b, request.ver_min_8b, request.ver_upd_8b)}
+                       "version": (request.ver_maj_8b, request.ver_min_8b, request.ver_upd_8b),
+                       "async_event_fwd": tuple(request.async_event_fwd) if forward else ()}
         return {}
 
     def _func_drv_unrgtr(self, request: Any) -> dict[str, Any]:
@@ -319,8 +336,48 @@ class Firmware(FunctionState):
 
     def _port_phy_qcfg(self, request: Any) -> dict[str, Any]:
         self._own_port(request.port_id)
-        return {"link": bnxt.PORT_PHY_QCFG_RESP_LINK_LINK, "link_speed": bnxt.PORT_PHY_QCFG_RESP_LINK_SPEED_400GB,
+        up = self.port.up
+        return {"link": bnxt.PORT_PHY_QCFG_RESP_LINK_LINK if up else bnxt.PORT_PHY_QCFG_RESP_LINK_NO_LINK,
+                "link_speed": self.port.speed if up else 0,
                 "duplex_state": bnxt.PORT_PHY_QCFG_RESP_DUPLEX_STATE_FULL, "lpbk": self.loopback}
+
+    # -- asynchronous events (Linux bnxt.c: bnxt_hwrm_func_drv_rgtr, bnxt_async_event_process) ----------------------
+    def post_event(self, kind: str, **fields: int) -> None:
+        """Report an asynchronous event. The port's and the firmware's (`PORT_EVENTS`) go to the async event ring:
+        "link_down" / "link_up" change the link (the port then drops or carries packets) and LINK_STATUS_CHANGE
+        says so; "reset_notify" is RESET_NOTIFY for a management reset, "fatal" RESET_NOTIFY for a fatal firmware
+        exception. The RoCE ones go to the CREQ (rcfw.Rcfw.post_event)."""
+        if kind not in PORT_EVENTS:
+            self.rcfw.post_event(kind, **fields)
+            return
+        if kind.startswith("link_"):
+            self.port.up = kind == "link_up"
+        event_id, data1 = PORT_EVENTS[kind]
+        self.post_async_event(event_id, data1(self.config.port_id))
+
+    def post_async_event(self, event_id: int, data1: int = 0, data2: int = 0) -> None:
+        """Write one event to the async event ring if the driver registered for it (FUNC_DRV_RGTR's
+        async_event_fwd); it waits while the ring is full or not there yet."""
+        if self.driver is None or not forwarded(self.driver["async_event_fwd"], event_id):
+            self.stats["async_events_not_forwarded"] += 1
+            return
+        self.async_events.append(async_event(event_id, data1, data2))
+        self._flush_async_events()
+
+    def _flush_async_events(self) -> None:
+        ring = self._async_event_ring()
+        while self.async_events and ring is not None and ring.post(self.async_events[0]):
+            self.async_events.popleft()
+
+    def _async_event_ring(self) -> NotificationQueue | None:
+        """Where events go. Drivers name the ring with FUNC_CFG's async_event_cr (Linux:
+        bnxt_hwrm_set_async_event_cr, an NQ on P5 chips); these bindings carry no FUNC_CFG, so the HSI's rule for a
+        function that names none applies, its default completion ring, which this firmware takes to be the newest
+        NQ the function uses for nothing else: not the CREQ, no CQ and no ring attached."""
+        used = {id(self.rcfw.creq)} | {id(cq.nq) for cq in self.rcfw.cqs.values()} | \
+            {id(self.rings.get(ring.nq_ring_id)) for ring in self.rings.values() if ring.nq_ring_id is not None}
+        return next((ring for ring in reversed(self.rings.values())
+                     if isinstance(ring, NotificationQueue) and id(ring) not in used), None)
 
     # -- id tables ---------------------------------------------------------------------------------------------------
     @staticmethod

@@ -13,8 +13,10 @@ Start-up: before serving, the emulator writes exactly one line on the debug sock
 Config keys (JSON): name, bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds, driver_pid (from SimPCIDevice); mac;
 fw_latency_us; ip (the NIC's IPv4 address; when null the emulator binds the first free 127.0.0.x from a pid-derived
 start and reports it); transport ("udp" default, or "raw"); loss, dup, reorder, corrupt (wire fault probabilities)
-and seed; pcap (a file that gets every packet sent and received). While port_phy_cfg selects LPBK_LOCAL, packets go
-through an in-process loopback transport instead of the wire. The log level comes from AIOFABRIC_SIM_LOG (WARNING).
+and seed; pcap (a file that gets every packet sent and received); port_mtu (the port's MTU, port.py: longer packets
+are dropped). While port_phy_cfg selects LPBK_LOCAL, packets go through an in-process loopback transport instead of
+the wire; while the link is down (debug "event" link_down, until link_up) the port carries nothing. The log level
+comes from AIOFABRIC_SIM_LOG (WARNING).
 
 Debug "stats" reply: the shell's counters (hwrm, rcfw, kicks, interrupts, ...), the firmware's, the data path's
 (packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts, ...; see
@@ -34,6 +36,11 @@ ONLY, with or without immediate) are acknowledged and completed as usual, but th
 by "placed"). {"op": "fault", "kind": "misplace", "count": N, "offset": K}: their payload lands K bytes away from the
 RETH's address, clamped to stay inside the MR (it never faults); counted as placed. A request replaces the pending
 count of its kind (count 0 cancels it).
+
+Debug "event" request: {"op": "event", "event": {"kind": K, ...}} reports what the firmware would (hwrm.Firmware.
+post_event): "link_down", "link_up", "reset_notify" and "fatal" on the async event ring, if the driver registered for
+them; "qp_error", "cq_error" and "function" on the CREQ. The port's drops are the firmware's counters
+dropped_link_down and dropped_oversize.
 """
 from __future__ import annotations
 
@@ -58,6 +65,7 @@ from .host import CONFIG_SPACE, KICK
 from .hwrm import Firmware
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .pcap import PcapWriter
+from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
 from .requester import WINDOW
 from .wire import LOOPBACK_HOSTS, Faults, Transport, open_on_free_loopback, open_transport
 
@@ -137,6 +145,7 @@ class Emulator:
         self.irq_fds: list[int] = config["irq_fds"]
         mac = bytes.fromhex(config["mac"].replace(":", "")) if config.get("mac") else mac_for(self.name)
         self.fw = Firmware(self.mem, FirmwareConfig(mac=mac))
+        self.fw.port.mtu = config.get("port_mtu", DEFAULT_PORT_MTU)
         self.latency = config.get("fw_latency_us", DEFAULT_LATENCY_US) * 1e-6
         self.bus_master = False
         self.stall = {"hwrm": 0, "rcfw": 0}  # drop this many responses: firmware timeouts on demand
@@ -261,7 +270,8 @@ class Emulator:
                 if packets:
                     moved += len(packets)
                     backlog |= len(packets) == RX_BUDGET
-                    dp.receive(packets, now)  # before the next receive(), which may reuse the packets' buffers
+                    # before the next receive(), which may reuse the packets' buffers
+                    dp.receive(self.fw.port.carried(packets), now)
             if not backlog:
                 # Timers fire once the arrivals queued before them are processed: a NIC keeps up with its wire, so
                 # an ACK waiting in our receive queue never loses the race against a timeout (a spurious go-back).
@@ -270,7 +280,7 @@ class Emulator:
             outbox = dp.take_outbox()
             if outbox:
                 moved += len(outbox)
-                port.send_all(outbox)
+                port.send_all(self.fw.port.carried(outbox))
             if not moved or now > until:
                 break
             wire_idle = False
@@ -413,7 +423,7 @@ class Emulator:
             self.datapath.faults.inject(request["kind"], request.get("count", 1), request.get("offset", 0))
             return {}
         if op == "event":
-            self.fw.rcfw.post_event(**request["event"])
+            self.fw.post_event(**request["event"])
             self.fire_interrupts()
             return {}
         raise ValueError(f"unknown debug op {op!r}")

@@ -1,0 +1,210 @@
+"""Firmware events (README: firmware events, link and MTU): the async event ring and its reader, link changes as
+DeviceEvents, reset notices and fatal errors as a lost device at once, the port's link and MTU, and the engines
+clamping the path MTU to the port's. The reader's tests run on every backend: it sleeps on an interrupt."""
+import time
+
+import anyio
+import pytest
+
+from aiofabric import open_nic
+from aiofabric import firmware_events
+from aiofabric.autogen import bnxt
+from aiofabric.errors import CompletionError, DeviceLostError
+from aiofabric.hw.async_event import (ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, EventId, ResetReason,
+                                      forwarding, reset_reason)
+from aiofabric.perftest import BenchConfig, run_bench
+from aiofabric.sim.packets import Op, Packet
+from aiofabric.sim.port import Port, frame_size
+from test_datapath import count_wakeups, pair
+from test_sim_firmware import Driver
+
+NQ = bnxt.RING_ALLOC_REQ_RING_TYPE_NQ
+pytestmark = pytest.mark.anyio
+
+
+async def wait_for(condition, seconds=5.0):
+    with anyio.fail_after(seconds):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+# -- the emulated firmware, without I/O ---------------------------------------------------------------------------
+def registered(driver, events=EventId):
+    """A driver registered for `events`, with an event ring (the NQ the firmware sends them to): its ring id."""
+    driver.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
+                | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD, os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
+                async_event_fwd=forwarding(events))
+    return driver.ring(NQ, 4, logical_id=firmware_events.EVENT_VECTOR)
+
+
+def ring_entries(driver, ring_id, count):
+    pages = driver.fw.rings[ring_id].pages
+    return [driver.mem.read(pages.address(i * ASYNC_EVENT_ENTRY.size), ASYNC_EVENT_ENTRY.size) for i in range(count)]
+
+
+def test_the_firmware_sends_only_the_events_the_driver_registered():
+    driver = Driver()
+    driver.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE)  # no forwarding asked for
+    quiet = driver.ring(NQ, 4)
+    driver.fw.post_event("link_down")
+    assert driver.fw.stats["async_events_not_forwarded"] == 1 and driver.fw.rings[quiet].produced == 0
+    ring_id = registered(driver, [EventId.RESET_NOTIFY])
+    driver.fw.post_event("link_up")
+    driver.fw.post_event("fatal")
+    assert driver.fw.stats["async_events_not_forwarded"] == 2
+    entry = ring_entries(driver, ring_id, 1)[0]
+    assert ASYNC_EVENT_ENTRY.is_new(entry, 0, 0, 4)
+    kind, event_id, _, data1 = ASYNC_EVENT.unpack(entry)
+    assert (kind, event_id, reset_reason(data1)) == (ASYNC_EVENT_TYPE, EventId.RESET_NOTIFY,
+                                                     ResetReason.FW_EXCEPTION_FATAL)
+
+
+def test_events_wait_for_room_and_interrupt_only_an_armed_ring():
+    driver = Driver()
+    ring_id = registered(driver)
+    ring = driver.fw.rings[ring_id]
+    for _ in range(6):  # two more than the ring holds
+        driver.fw.post_event("link_down")
+    assert ring.produced == 4 and len(driver.fw.async_events) == 2 and driver.fw.interrupts == []
+    driver.doorbell(ring_id, bnxt.DBC_DBC_TYPE_NQ_ARM, 2, 0)  # two read, and armed: the waiting ones land
+    assert ring.produced == 6 and not driver.fw.async_events
+    assert driver.fw.interrupts == [firmware_events.EVENT_VECTOR]  # once: firing disarms it
+    assert [ASYNC_EVENT_ENTRY.is_new(entry, 0, 4 + i, 4) for i, entry in enumerate(ring_entries(driver, ring_id, 2))] \
+        == [True, True]  # the second lap's valid bit
+
+
+def test_the_event_ring_is_an_nq_the_function_uses_for_nothing_else():
+    driver = Driver()
+    driver.open_rcfw()  # the CREQ is an NQ too
+    nq = driver.ring(NQ, 64, logical_id=2)
+    driver.ring(bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, 64, enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID,
+                nq_ring_id=nq)  # nq now carries a completion ring
+    ring_id = registered(driver)
+    driver.fw.post_event("link_up")
+    assert driver.fw.rings[ring_id].produced == 1 and driver.fw.rings[nq].produced == 0
+
+
+def test_the_link_and_mtu_as_the_firmware_reports_them():
+    driver = Driver()
+    driver.fw.port.mtu = 1500
+    assert driver.hwrm("func_qcfg", fid=0xFFFF).admin_mtu == 1500
+    phy = driver.hwrm("port_phy_qcfg", port_id=0)
+    assert (phy.link, phy.link_speed) == (bnxt.PORT_PHY_QCFG_RESP_LINK_LINK, bnxt.PORT_PHY_QCFG_RESP_LINK_SPEED_400GB)
+    driver.fw.post_event("link_down")
+    phy = driver.hwrm("port_phy_qcfg", port_id=0)
+    assert (phy.link, phy.link_speed) == (bnxt.PORT_PHY_QCFG_RESP_LINK_NO_LINK, 0)
+
+
+def test_a_port_carries_nothing_while_down_and_no_frame_longer_than_its_mtu():
+    packets = [Packet(Op.RDMA_WRITE_ONLY, 1, 0, payload=bytes(size)) for size in (1024, 1412, 1413, 4096)]
+    assert [frame_size(p) for p in packets] == [1084, 1472, 1476, 4156]  # IP 20, UDP 8, BTH 12, RETH 16, pad, ICRC 4
+    port = Port(mtu=1472)
+    assert port.carried(packets) == packets[:2] and port.stats["dropped_oversize"] == 2
+    port.up = False
+    assert port.carried(packets) == [] and port.stats["dropped_link_down"] == 4
+    assert Port().carried(packets) == packets  # the default jumbo MTU carries any path MTU
+
+
+# -- the driver ---------------------------------------------------------------------------------------------------
+async def test_link_down_and_up_arrive_as_events_and_the_port_drops_packets_meanwhile():
+    async with open_nic("sim:link-a") as a, open_nic("sim:link-b") as b:
+        qa, qb = await a.create_qp(await a.create_cq(64)), await b.create_qp(await b.create_cq(64))
+        await qa.connect(qb.info(), timeout=14)  # 67 ms per retry: retries outlast the link's 0.2 s down
+        await qb.connect(qa.info(), timeout=14)
+        assert a.device.link == firmware_events.Link(up=True, speed_mbps=400000)
+        assert (a.info()["link"], a.info()["link_speed_mbps"], a.info()["port_mtu"]) == ("up", 400000, 9000)
+        heard = []
+        a.device.function_handlers.append(heard.append)
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        source.view[:] = bytes(range(256)) * 16
+
+        a.pci.debug({"op": "event", "event": {"kind": "link_down"}})
+        await wait_for(lambda: heard)
+        assert heard[0].kind == "link" and heard[0].xid == EventId.LINK_STATUS_CHANGE and not heard[0].detail["up"]
+        assert a.device.link == firmware_events.Link(up=False, speed_mbps=0) and a.info()["link"] == "down"
+        assert a.events[-1] is heard[0]
+        write = await qa.post_write(source, target, 4096)
+        await anyio.sleep(0.2)  # retransmissions go nowhere while the link is down
+        assert not write.done and (await a.pci.debug_client().stats())["dropped_link_down"] > 0
+
+        a.pci.debug({"op": "event", "event": {"kind": "link_up"}})
+        await wait_for(lambda: len(heard) == 2)
+        assert heard[1].detail["up"] and a.device.link.up and a.device.link.speed_mbps == 400000
+        with anyio.fail_after(5):  # the next retransmission gets through
+            await write
+        assert bytes(target.view) == bytes(source.view)
+
+
+@pytest.mark.parametrize("kind,reason", [("reset_notify", "MANAGEMENT_RESET_REQUEST"),
+                                         ("fatal", "FW_EXCEPTION_FATAL")])
+async def test_reset_notice_and_fatal_error_fail_everything_at_once_naming_the_event(kind, reason):
+    async with open_nic("sim:reset", hwrm_timeout=30) as nic:
+        cq = await nic.create_cq(64)
+        qp = await nic.create_qp(cq)
+        receive = await qp.post_recv(await nic.register_mr(4096), 64)  # nothing will ever arrive
+        nic.pci.debug({"op": "stall", "channel": "rcfw"})
+        nic.pci.debug({"op": "stall", "channel": "hwrm"})
+        failures = []
+
+        async def fails(run):
+            try:
+                await run()
+            except DeviceLostError as exc:
+                failures.append(exc)
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(fails, lambda: nic.rcfw("query_version"))  # 20 s to its timeout
+            tasks.start_soon(fails, lambda: nic.hwrm("func_qcfg", fid=0xFFFF))  # 30 s to its timeout
+            tasks.start_soon(fails, lambda: receive)
+            await anyio.wait_all_tasks_blocked()
+            nic.pci.debug({"op": "event", "event": {"kind": kind}})
+        assert time.monotonic() - started < 2 and len(failures) == 3
+        for failure in failures:
+            assert f"RESET_NOTIFY ({reason})" in str(failure), failure
+        with pytest.raises(DeviceLostError, match=reason):
+            await nic.create_cq(64)
+        assert nic.events[-1].kind == ("fatal" if kind == "fatal" else "reset")
+
+
+async def test_an_idle_nic_with_the_event_reader_wakes_nobody(monkeypatch):
+    async with pair() as (a, b, qa, qb):
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        with anyio.fail_after(5):
+            await qa.write(source, target, 64)
+        reader_waits = []
+        original = firmware_events.wait_for_interrupt
+
+        async def counting(fd, timeout):
+            reader_waits.append(timeout)
+            return await original(fd, timeout)
+        monkeypatch.setattr(firmware_events, "wait_for_interrupt", counting)
+        counts = count_wakeups(monkeypatch, a, b)
+        await anyio.sleep(0.5)
+        before = counts(), len(reader_waits)
+        await anyio.sleep(1.0)
+        assert (counts(), len(reader_waits)) == before  # no timer anywhere, the event reader's included
+        a.pci.debug({"op": "event", "event": {"kind": "link_up"}})
+        await wait_for(lambda: len(a.events) == 1)  # its interrupt is heard: one wake-up, then sleep again
+        assert reader_waits[before[1]:] == [None]
+
+
+# -- the engines ----------------------------------------------------------------------------------------------------
+@pytest.mark.loop_agnostic
+async def test_bench_on_a_1500_byte_port_uses_path_mtu_1024_and_says_so(capsys):
+    async with open_nic("sim:mtu0", port_mtu=1500) as a, open_nic("sim:mtu1", port_mtu=1500) as b:
+        assert a.info()["port_mtu"] == 1500
+        result = await run_bench(BenchConfig(size=8192, iters=64), [a, b])
+    assert result["verified"] and (result["mtu"], result["mtu_requested"]) == (1024, 4096)
+    assert result["retransmits"] == 0
+    assert "path MTU 4096 does not fit the port MTU 1500 of sim:mtu0" in capsys.readouterr().err
+
+
+@pytest.mark.loop_agnostic
+async def test_path_mtu_4096_on_a_1500_byte_port_is_lost_until_retries_run_out():
+    """What the bench's clamp avoids: the port drops every full packet, as a 1500-byte fabric would."""
+    async with pair(mtu=4096, port_mtu=1500) as (a, b, qa, qb):
+        source, target = await a.register_mr(8192), await b.register_mr(8192)
+        with anyio.fail_after(10), pytest.raises(CompletionError, match="TRANSPORT_RETRY_CNT_ERR"):
+            await qa.write(source, target, 8192)
+        assert (await a.pci.debug_client().stats())["dropped_oversize"] > 0
