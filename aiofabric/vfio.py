@@ -495,11 +495,13 @@ class VfioPCIDevice(PCIDevice):
             region = self._vfio(f"BAR{index}'s region info", self.api.region_info, self._device, index)
             if not region.size:
                 raise PCIError(f"{self.address} has no BAR{index}")
+            self._bars[index] = RegionBar(self.api, self._device, region, index)
             if region.flags & abi.VFIO_REGION_INFO_FLAG_MMAP:
-                mapping = self._vfio(f"mmap of BAR{index}", self.api.mmap, self._device, region.offset, region.size)
-                self._bars[index] = MappedBar(mapping, index)
-            else:
-                self._bars[index] = RegionBar(self.api, self._device, region, index)
+                try:
+                    self._bars[index] = MappedBar(self.api.mmap(self._device, region.offset, region.size), index)
+                except OSError as e:  # before Linux 4.16 a BAR holding the MSI-X table maps only in parts
+                    log.info("%s: BAR%d cannot be mmapped whole (%s): accessed through the device fd", self.address,
+                             index, e.strerror)
         return self._bars[index]
 
     def _config_offset(self, offset: int, size: int) -> int:

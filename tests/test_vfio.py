@@ -262,6 +262,25 @@ def test_a_bar_the_kernel_lets_us_mmap_is_mapped_at_its_region_offset(machine, e
         bar0.read32(0)
 
 
+def test_a_bar_that_will_not_mmap_whole_is_read_and_written_through_the_fd(machine, emulated):
+    class PartlyMmappable(EmulatedVfio):  # what a kernel before 4.16 says of a BAR holding the MSI-X table
+        def region_info(self, device, index):
+            info = super().region_info(device, index)
+            info.flags |= abi.VFIO_REGION_INFO_FLAG_MMAP
+            return info
+
+    fake = PartlyMmappable(ADDR, int(GROUP))
+    pci = VfioPCIDevice(ADDR, host=machine, api=fake)
+    try:
+        bar0 = pci.map_bar(0)
+        assert isinstance(bar0, RegionBar)
+        bar0.write32(0x40, 7)
+        assert fake.sim.map_bar(0).read32(0x40) == 7
+    finally:
+        pci.close()
+        fake.shutdown()
+
+
 # -- errors: one line each, naming what to run -------------------------------------------------------------------------
 def test_without_dev_vfio_it_says_to_load_vfio(machine):
     with pytest.raises(PCIError) as error:
