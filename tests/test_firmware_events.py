@@ -93,6 +93,10 @@ def test_the_link_and_mtu_as_the_firmware_reports_them():
     driver.fw.post_event("link_down")
     phy = driver.hwrm("port_phy_qcfg", port_id=0)
     assert (phy.link, phy.link_speed) == (bnxt.PORT_PHY_QCFG_RESP_LINK_NO_LINK, 0)
+    driver.fw.post_event("mtu", mtu=4200)
+    assert driver.hwrm("func_qcfg", fid=0xFFFF).admin_mtu == 4200
+    with pytest.raises(ValueError, match=r"mtu=100: must be an integer in \[576, 9500\]"):
+        driver.fw.post_event("mtu", mtu=100)
 
 
 def test_a_port_carries_nothing_while_down_and_no_frame_longer_than_its_mtu():
@@ -133,6 +137,17 @@ async def test_link_down_and_up_arrive_as_events_and_the_port_drops_packets_mean
         with anyio.fail_after(5):  # the next retransmission gets through
             await write
         assert bytes(target.view) == bytes(source.view)
+
+
+@pytest.mark.loop_agnostic
+async def test_an_mtu_change_arrives_as_an_event_and_port_mtu_follows():
+    async with open_nic("sim:mtu-change") as nic:
+        assert nic.device.port_mtu == 9000
+        nic.pci.debug({"op": "event", "event": {"kind": "mtu", "mtu": 1500}})
+        await wait_for(lambda: nic.events)
+        event = nic.events[-1]
+        assert (event.kind, event.xid, event.detail["port_mtu"]) == ("mtu", EventId.LINK_MTU_CHANGE, 1500)
+        assert nic.device.port_mtu == 1500 and nic.info()["port_mtu"] == 1500
 
 
 @pytest.mark.parametrize("kind,reason", [("reset_notify", "MANAGEMENT_RESET_REQUEST"),

@@ -11,7 +11,8 @@ event ids in `async_event_fwd` (`forwarding`, bnxt_hwrm_func_drv_rgtr's bnxt_asy
 
 The bindings carry the generic record, not the per-event ones, so the event_data1 fields read here are listed with
 their hsi.h names: hwrm_async_event_cmpl_link_status_change's EVENT_DATA1_LINK_CHANGE (`LINK_UP`) and
-EVENT_DATA1_PORT_ID, and hwrm_async_event_cmpl_reset_notify's EVENT_DATA1_REASON_CODE (`ResetReason`).
+EVENT_DATA1_PORT_ID, hwrm_async_event_cmpl_link_mtu_change's EVENT_DATA1_NEW_MTU, and
+hwrm_async_event_cmpl_reset_notify's EVENT_DATA1_REASON_CODE (`ResetReason`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ FORWARD_WORDS = bnxt.hwrm_func_drv_rgtr_input.async_event_fwd.size // 4  # 32-bi
 LINK_UP = 0x1  # ASYNC_EVENT_CMPL_LINK_STATUS_CHANGE_EVENT_DATA1_LINK_CHANGE_UP (DOWN is 0)
 LINK_PORT_ID_SHIFT, LINK_PORT_ID_MASK = 4, 0xFFFF0  # ..._LINK_STATUS_CHANGE_EVENT_DATA1_PORT_ID_SFT / _MASK
 RESET_REASON_SHIFT, RESET_REASON_MASK = 8, 0xFF00  # ..._RESET_NOTIFY_EVENT_DATA1_REASON_CODE_SFT / _MASK
+NEW_MTU_MASK = 0xFFFF  # ..._LINK_MTU_CHANGE_EVENT_DATA1_NEW_MTU_MASK (shift 0)
 
 
 class EventId(enum.IntEnum):

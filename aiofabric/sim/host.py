@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..autogen import bnxt
 from ..pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError, _virt_addr
 from .memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
-from .port import DEFAULT_MTU as DEFAULT_PORT_MTU, MAX_MTU as MAX_PORT_MTU, MIN_MTU as MIN_PORT_MTU
+from .port import DEFAULT_MTU as DEFAULT_PORT_MTU, check_mtu
 
 if TYPE_CHECKING:
     from .debug import DebugClient
@@ -110,9 +110,7 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     seed = options.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={seed!r}: must be an int")
-    port_mtu = options.get("port_mtu", DEFAULT_PORT_MTU)
-    if isinstance(port_mtu, bool) or not isinstance(port_mtu, int) or not MIN_PORT_MTU <= port_mtu <= MAX_PORT_MTU:
-        raise ValueError(f"port_mtu={port_mtu!r}: must be an integer in [{MIN_PORT_MTU}, {MAX_PORT_MTU}] bytes")
+    check_mtu(options.get("port_mtu", DEFAULT_PORT_MTU))
     mac = options.get("mac")
     if mac is not None:
         try:

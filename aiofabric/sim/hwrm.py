@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..autogen import bnxt
-from ..hw.async_event import EventId, ResetReason, async_event, forwarded, link_event_data, reset_event_data
+from ..hw.async_event import (NEW_MTU_MASK, EventId, ResetReason, async_event, forwarded, link_event_data,
+                              reset_event_data)
 from ..hw.doorbell import INDEX_MASK
 from ..hw.firmware import HWRM_REQUEST_HEADER, PAGE_SIZE_CODES, RING_ENTRY_SIZES
 from ..hw.firmware import BackingStoreType as BS
@@ -23,7 +24,7 @@ from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, Co
 from .memory import BusMemory, DmaFault
 from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, Ring, StatContext, Vnic,
                       lowest_free_id, map_memory)
-from .port import Port
+from .port import Port, check_mtu
 from .rcfw import Rcfw
 
 INVALID_PARAMS, RESOURCE_ALLOC_ERROR = bnxt.HWRM_ERR_CODE_INVALID_PARAMS, bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR
@@ -38,9 +39,10 @@ L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TY
 RING_LIMITS = {L2_CMPL: 128, TX: 128, RX: 128, ROCE_CMPL: 128, RX_AGG: 128, NQ: 64}
 MAX_L2_FILTERS, MAX_RSS_CONTEXTS = 1024, 64
 MAX_VNICS, MAX_STAT_CTXS = CONTEXT_TYPES[BS.VNIC].max_entries, CONTEXT_TYPES[BS.STAT].max_entries
-PORT_EVENTS = {  # post_event's kinds for the port and the firmware itself: (event id, event_data1 for a port id)
-    "link_down": (EventId.LINK_STATUS_CHANGE, lambda port_id: link_event_data(False, port_id)),
-    "link_up": (EventId.LINK_STATUS_CHANGE, lambda port_id: link_event_data(True, port_id)),
+PORT_EVENTS: dict[str, tuple[EventId, Callable[[Firmware], int]]] = {  # post_event's: (event id, its event_data1)
+    "link_down": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(False, fw.config.port_id)),
+    "link_up": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(True, fw.config.port_id)),
+    "mtu": (EventId.LINK_MTU_CHANGE, lambda fw: fw.port.mtu & NEW_MTU_MASK),
     "reset_notify": (EventId.RESET_NOTIFY, lambda _: reset_event_data(ResetReason.MANAGEMENT_RESET_REQUEST)),
     "fatal": (EventId.RESET_NOTIFY, lambda _: reset_event_data(ResetReason.FW_EXCEPTION_FATAL)),
 }
@@ -66,7 +68,7 @@ class Firmware(FunctionState):
     def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
         super().__init__(mem, config)
         self.rcfw = Rcfw(self)
-        self.port = Port(self.stats)
+        self.port: Port = Port(self.stats)  # annotated: PORT_EVENTS, above, reads it
         self.async_events: collections.deque[bytes] = collections.deque()  # waiting for room on the event ring
         self._commands = {getattr(bnxt, f"HWRM_{name.upper()}"): _Command(
             name, getattr(bnxt, f"hwrm_{name}_input"), getattr(bnxt, f"hwrm_{name}_output"), getattr(self, f"_{name}"))
@@ -345,15 +347,18 @@ class Firmware(FunctionState):
     def post_event(self, kind: str, **fields: int) -> None:
         """Report an asynchronous event. The port's and the firmware's (`PORT_EVENTS`) go to the async event ring:
         "link_down" / "link_up" change the link (the port then drops or carries packets) and LINK_STATUS_CHANGE
-        says so; "reset_notify" is RESET_NOTIFY for a management reset, "fatal" RESET_NOTIFY for a fatal firmware
-        exception. The RoCE ones go to the CREQ (rcfw.Rcfw.post_event)."""
+        says so; "mtu" (field `mtu`) changes the port's MTU and LINK_MTU_CHANGE says so; "reset_notify" is
+        RESET_NOTIFY for a management reset, "fatal" RESET_NOTIFY for a fatal firmware exception. The RoCE ones go to
+        the CREQ (rcfw.Rcfw.post_event)."""
         if kind not in PORT_EVENTS:
             self.rcfw.post_event(kind, **fields)
             return
         if kind.startswith("link_"):
             self.port.up = kind == "link_up"
+        elif kind == "mtu":
+            self.port.mtu = check_mtu(fields.get("mtu"), "mtu")
         event_id, data1 = PORT_EVENTS[kind]
-        self.post_async_event(event_id, data1(self.config.port_id))
+        self.post_async_event(event_id, data1(self))
 
     def post_async_event(self, event_id: int, data1: int = 0, data2: int = 0) -> None:
         """Write one event to the async event ring if the driver registered for it (FUNC_DRV_RGTR's

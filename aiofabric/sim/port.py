@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..autogen import bnxt
 from ..hw.verbs import PATH_MTU_BYTES
@@ -18,6 +18,13 @@ MIN_MTU, MAX_MTU = 576, 9500  # the datagram every IPv4 host takes; bnxt_en's BN
 _LARGEST_FRAME = (IPV4_HEADER_SIZE + UDP_HEADER_SIZE + max(header_size(op) for op in Op) + max(PATH_MTU_BYTES.values())
                   + 3 + ICRC_SIZE)  # no packet is longer: a port with this MTU never looks at one
 Item = TypeVar("Item", Packet, Packet | Segments)
+
+
+def check_mtu(mtu: Any, name: str = "port_mtu") -> int:
+    """`mtu` if it is a port MTU this emulator takes; ValueError naming `name` if not."""
+    if isinstance(mtu, bool) or not isinstance(mtu, int) or not MIN_MTU <= mtu <= MAX_MTU:
+        raise ValueError(f"{name}={mtu!r}: must be an integer in [{MIN_MTU}, {MAX_MTU}] bytes")
+    return mtu
 
 
 def frame_size(item: Packet | Segments) -> int:
