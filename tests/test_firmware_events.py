@@ -168,12 +168,13 @@ async def test_reset_notice_and_fatal_error_fail_everything_at_once_naming_the_e
                 failures.append(exc)
 
         started = time.monotonic()
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(fails, lambda: nic.rcfw("query_version"))  # 20 s to its timeout
-            tasks.start_soon(fails, lambda: nic.hwrm("func_qcfg", fid=0xFFFF))  # 30 s to its timeout
-            tasks.start_soon(fails, lambda: receive)
-            await anyio.wait_all_tasks_blocked()
-            nic.pci.debug({"op": "event", "event": {"kind": kind}})
+        with anyio.fail_after(10):  # without the event's effect the receive would wait forever
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(fails, lambda: nic.rcfw("query_version"))  # 20 s to its timeout
+                tasks.start_soon(fails, lambda: nic.hwrm("func_qcfg", fid=0xFFFF))  # 30 s to its timeout
+                tasks.start_soon(fails, lambda: receive)
+                await anyio.wait_all_tasks_blocked()
+                nic.pci.debug({"op": "event", "event": {"kind": kind}})
         assert time.monotonic() - started < 2 and len(failures) == 3
         for failure in failures:
             assert f"RESET_NOTIFY ({reason})" in str(failure), failure
