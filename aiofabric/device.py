@@ -3,9 +3,12 @@ firmware channels (`HwrmChannel`, `RcfwChannel`), the removal watch (`Liveness`)
 (`CloseBudget`); verbs objects attach to it through `DeviceObject`.
 
 Bring-up follows the seed's BNXTDev, corrected where Linux (bnxt_en/bnxt_re) differs: the driver registers with an OS
-type, walks backing-store types by `next_valid_type`, initialises context memory at `ctx_init_offset * 4` only when
-the firmware asks (ENABLE_CTX_KIND_INIT), sizes every ring explicitly, and asks for hardware retransmission only
-when QUERY_FUNC says the firmware supports the host MSN table.
+type, walks backing-store types by `next_valid_type` and configures the ones bnxt_en sizes (no trace buffers),
+initialises context memory at `ctx_init_offset * 4` only when the firmware asks (ENABLE_CTX_KIND_INIT) and sizes every
+ring explicitly. Each chip and firmware feature is used only where Linux finds it: Thor and Thor2 chips only (VER_GET
+chip_num), variable-size WQEs on Thor2 only, short HWRM commands when VER_GET requires them, backing store v2 when
+FUNC_QCAPS offers it (v1 is refused), hardware retransmission when QUERY_FUNC's dev_cap_flags offer it, and the MSN
+or PSN search table its dev_cap_ext_flags_2 name (hw/firmware.py).
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ import anyio.abc
 
 from .autogen import bnxt
 from .close_budget import CLOSE_TIMEOUT, CloseBudget
-from .errors import ClosedError, DeviceLostError, FabricError, FirmwareError
+from .errors import ClosedError, DeviceLostError, FabricError, FirmwareError, PCIError
 from .hw.cqe import CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, NQ_ENTRY, creq_type
-from .hw.firmware import RING_ENTRY_SIZES, BackingStoreType, add_gid_fields
+from .hw.firmware import (CONFIGURED_CONTEXT_TYPES, RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, BackingStoreType,
+                          add_gid_fields, host_msn_table, hw_retx_supported, short_commands_required)
 from .firmware_events import EVENT_RING_DEPTH, EVENT_VECTOR, EventRing, Link, event_kind, reset_text
 from .hw.async_event import ASYNC_EVENT_ENTRY, EventId, forwarding
 from .hw.firmware import LINK_SPEED_MBPS
@@ -43,7 +47,6 @@ QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
 FUNC_EVENT = bnxt.CREQ_BASE_TYPE_FUNC_EVENT
 QP_ERROR = bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION
 CQ_ERROR = bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION
-HOST_MSN_TABLE = bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE  # in dev_cap_ext_flags_2
 EXTRA_QPS, EXTRA_MRS = 1024, 4096  # RoCE objects the backing store is sized for, beyond the firmware's L2 needs
 
 
@@ -103,7 +106,8 @@ class Device:
         self.port_id = self.db_offset = self.nq_id = 0
         self.gid_index = -1
         self.caps: dict[str, int] = {}
-        self.hw_retransmit = False
+        self.chip_num = 0  # VER_GET's
+        self.variable_wqes = self.hw_retransmit = self.host_msn_table = False  # what boot finds the device offers
 
     # -- what verbs objects and the poller use ------------------------------------------------------------------------
     def interrupt_fd(self, vector: int) -> int | None:
@@ -261,8 +265,15 @@ class Device:
         ver = await self.hwrm("ver_get", hwrm_intf_maj=major, hwrm_intf_min=minor, hwrm_intf_upd=update)
         self.fw_version = f"{ver.hwrm_fw_maj_8b}.{ver.hwrm_fw_min_8b}.{ver.hwrm_fw_bld_8b}.{ver.hwrm_fw_rsvd_8b}"
         self.hwrm_version = f"{ver.hwrm_intf_maj_8b}.{ver.hwrm_intf_min_8b}.{ver.hwrm_intf_upd_8b}"
+        self.chip_num = ver.chip_num
+        if self.chip_num not in THOR_CHIPS | THOR2_CHIPS:
+            raise PCIError(f"{self.pci.address}: chip {self.chip_num:#06x} is not supported: only Thor (P5) and Thor2 "
+                           "(P7) chips are (VER_GET chip_num)")
+        self.variable_wqes = self.chip_num in THOR2_CHIPS  # Linux bnxt_re_set_drv_mode
         if ver.max_req_win_len:
             self.hwrm_channel.max_request = min(ver.max_req_win_len, 0x100)
+        if short_commands_required(ver.dev_caps_cfg):
+            self.hwrm_channel.use_short_commands(max(ver.max_ext_req_len, bnxt.HWRM_MAX_REQ_LEN))
         if ver.def_req_timeout:
             self.hwrm_channel.timeout = max(self.hwrm_channel.timeout, ver.def_req_timeout / 1000)
         await self.hwrm("func_reset", command_timeout=4 * self.hwrm_channel.timeout)
@@ -295,12 +306,18 @@ class Device:
         self._teardown.append((what, action))
 
     async def _configure_backing_store(self) -> None:
-        """Backing store v2 (bnxt.c bnxt_backing_store_cfg_v2): one CFG_V2 per valid type and instance."""
+        """Backing store v2 (bnxt.c bnxt_backing_store_cfg_v2): one CFG_V2 per instance of each valid type bnxt_en
+        sizes (CONFIGURED_CONTEXT_TYPES: not the firmware's trace buffers). Firmware without it wants v1
+        (FUNC_BACKING_STORE_QCAPS/CFG, bnxt_backing_store_cfg), whose layouts the bindings lack: refused."""
+        if not self.caps["flags_ext"] & bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED:
+            raise PCIError(f"{self.pci.address}: backing store v1 (pre-Thor2 firmware) is not supported (FUNC_QCAPS "
+                           "flags_ext has no BS_V2_SUPPORTED)")
         plan, kind, seen = [], 0, set()
         while kind != BackingStoreType.INVALID and kind not in seen:
             seen.add(kind)
             caps = await self.hwrm("func_backing_store_qcaps_v2", type=kind)
-            if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID and caps.entry_size:
+            valid = caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID and caps.entry_size
+            if valid and kind in CONFIGURED_CONTEXT_TYPES:
                 plan.append((kind, caps))
             kind = caps.next_valid_type
         counts: dict[int, int] = {}
@@ -335,7 +352,8 @@ class Device:
         await task_group.start(self.in_background, channel.serve)
 
         function = await self.rcfw("query_func")
-        self.hw_retransmit = bool(function.dev_cap_ext_flags_2 & HOST_MSN_TABLE)
+        self.hw_retransmit = hw_retx_supported(function.dev_cap_flags)
+        self.host_msn_table = host_msn_table(function.dev_cap_ext_flags_2)
         self.caps.update(max_qp=function.max_qp, max_cq=function.max_cq, max_mr=function.max_mr,
                          max_qp_wr=function.max_qp_wr, max_sge=function.max_sge, max_cqe=function.max_cqe,
                          max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data)

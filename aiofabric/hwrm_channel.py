@@ -1,5 +1,6 @@
 """The HWRM channel: one command at a time, written into BAR0's mailbox window, answered by DMA into a host buffer
-whose last byte turns valid, with an interrupt on the HWRM vector."""
+whose last byte turns valid, with an interrupt on the HWRM vector. Firmware that requires short commands takes each
+request from a host buffer instead, the window naming only its address and length (Linux bnxt_hwrm.c)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,10 +13,10 @@ from .autogen import bnxt
 from .close_budget import CloseBudget
 from .commands import HWRM_HEADER_FIELDS, build, hwrm_types
 from .errors import FirmwareError, FirmwareTimeoutError
-from .hw.firmware import HWRM_RESPONSE_HEADER
+from .hw.firmware import HWRM_RESPONSE_HEADER, HWRM_SHORT_REQUEST, SHORT_REQUEST_SIGNATURE
 from .interrupts import COMMAND_POLL, wait_for_interrupt
 from .liveness import Liveness
-from .pci import PAGE_SIZE, Bar, PCIDevice
+from .pci import PAGE_SIZE, Bar, DmaBuffer, PCIDevice
 
 HWRM_TIMEOUT = 2.0  # Linux: 500 ms default; generous for loaded CI machines
 CMD_ERR_OFFSET = bnxt.hwrm_err_output.cmd_err.offset  # the firmware's detail, in an error answer of that size
@@ -32,6 +33,7 @@ class HwrmChannel:
         self.timeout = timeout
         self.max_request = bnxt.HWRM_MAX_REQ_LEN  # until ver_get says what this firmware takes
         self._answers = pci.alloc_dma(PAGE_SIZE)
+        self._requests: DmaBuffer | None = None  # with short commands: where each request is written
         self._lock = anyio.Lock()
         self._seq = 0
 
@@ -55,7 +57,12 @@ class HwrmChannel:
                 raise ValueError(f"HWRM {name}: {len(data)}-byte request exceeds the {self.max_request}-byte window")
             answer = self._answers.view
             answer[:HWRM_RESPONSE_HEADER.size] = bytes(HWRM_RESPONSE_HEADER.size)
-            self.bar0.write_block(bnxt.BNXT_GRCPF_REG_CHIMP_COMM, data.ljust(self.max_request, b"\0"))
+            window = data.ljust(self.max_request, b"\0")
+            if self._requests is not None:
+                self._requests.view[:len(window)] = window
+                window = HWRM_SHORT_REQUEST.pack(request_kind, SHORT_REQUEST_SIGNATURE,
+                                                 bnxt.SHORT_REQ_TARGET_ID_DEFAULT, len(data), self._requests.bus_addr)
+            self.bar0.write_block(bnxt.BNXT_GRCPF_REG_CHIMP_COMM, window)
             self.bar0.write32(bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER, 1)
 
             def answered() -> bool:  # the answer to this seq_id, its last byte (the valid key) written
@@ -72,6 +79,12 @@ class HwrmChannel:
             raise FirmwareError.hwrm(name, error, cmd_err)
         size = ctypes.sizeof(response_type)
         return response_type.from_buffer_copy(raw[:size].ljust(size, b"\0"))
+
+    def use_short_commands(self, max_request: int) -> None:
+        """From now on send every request in the short format (VER_GET said the firmware requires it), each up to
+        `max_request` bytes (its max_ext_req_len)."""
+        self._requests = self._requests or self.pci.alloc_dma(PAGE_SIZE)
+        self.max_request = min(max_request, PAGE_SIZE)
 
     @contextlib.asynccontextmanager
     async def exclusive(self, name: str, timeout: float) -> AsyncIterator[None]:
@@ -104,8 +117,10 @@ class HwrmChannel:
                                        + self.budget.note()) from None
 
     async def close(self) -> None:
-        """Free the answer buffer once no command is reading it (one started before a close ends at the close's
-        deadline, a poll later)."""
+        """Free the answer and request buffers once no command is using them (one started before a close ends at the
+        close's deadline, a poll later)."""
         with anyio.move_on_after(1.0):
             async with self._lock:
                 self._answers.free()
+                if self._requests is not None:
+                    self._requests.free()

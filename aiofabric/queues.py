@@ -24,8 +24,8 @@ from .hw.cqe import (CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, QP_ERROR_RE
                      SEND_STATUS_NAMES, SQ_CONS_IDX_MASK, cqe_type)
 from .hw.layout import field_type
 from .hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState, psn_count
-from .hw.wqe import (MSN_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
-                     SQ_WQE_HEADER_SLOTS, msn_entry, msn_table_entries)
+from .hw.wqe import (MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER,
+                     SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry, msn_entry, psn_search_values)
 from .pci import DmaBuffer
 from .poller import Poller
 from .rings import Ring, page_table
@@ -35,7 +35,7 @@ __all__ = ["ALL_ACCESS", "Access", "CompletionQueue", "LocalBuffer", "MemoryRegi
 SQ_SLOT_ALIGN = 256  # Linux sizes variable-WQE send queues in slots aligned to 256 (BNXT_VAR_MAX_SLOT_ALIGN)
 CQE_KIND_REQ, CQE_KIND_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
 SIGNAL_COMP = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP
-MSN_ENTRY_SIZE = MSN_ENTRY.size
+MSN_ENTRY_SIZE, PSN_SEARCH_ENTRY_SIZE = MSN_ENTRY.size, PSN_SEARCH_ENTRY.size
 PATH_MTUS = {mtu: code for mtu, code in PATH_MTU_CODES.items() if mtu <= 4096}  # RoCE path MTUs: IB's, up to 4096
 _handles = itertools.count(1)
 
@@ -231,8 +231,9 @@ class CompletionQueue:
 
 
 class QueuePair:
-    """An RC queue pair with a variable-WQE send queue (P7 layout: MSN table right after the ring) and an RQ. Made by
-    `NIC.create_qp` (`create`)."""
+    """An RC queue pair: a send queue of variable-size WQEs on Thor2 (static ones before it, as Linux's
+    bnxt_re_set_drv_mode chooses), followed by the search table the firmware wants (the MSN table or the PSN search
+    table, hw.wqe.SqGeometry), and an RQ. Made by `NIC.create_qp` (`create`)."""
 
     release_order = 0  # at the NIC's close: first (it holds its CQs)
 
@@ -242,12 +243,18 @@ class QueuePair:
         self.handle = next(_handles)
         self.max_send_sge, self.max_recv_sge = max_send_sge, max_recv_sge
         wqe_slots = SQ_WQE_HEADER_SLOTS + max_send_sge
-        slots = -(-sq_depth * wqe_slots // SQ_SLOT_ALIGN) * SQ_SLOT_ALIGN
-        self.sq_slots = 1 << (slots - 1).bit_length()
-        self.msn_entries = msn_table_entries(self.sq_slots)
-        self._ring_bytes, self._slot_mask, self._msn_mask = self.sq_slots * SQ_SLOT, self.sq_slots - 1, \
-            self.msn_entries - 1
-        self.sq = Ring(device.pci, self.sq_slots, SQ_SLOT, extra=self.msn_entries * MSN_ENTRY_SIZE)
+        if device.variable_wqes:
+            slots = -(-sq_depth * wqe_slots // SQ_SLOT_ALIGN) * SQ_SLOT_ALIGN
+            size = 1 << (slots - 1).bit_length()
+        else:
+            size, wqe_slots = 1 << (sq_depth - 1).bit_length(), SQ_STATIC_WQE_SLOTS
+        self.geometry = SqGeometry(device.variable_wqes, size, device.host_msn_table)
+        self.sq_slots, entries = self.geometry.slots, self.geometry.table_entries
+        self.msn_entries = entries if device.host_msn_table else 0  # the MSN table's; 0 with the PSN search table
+        self._ring_bytes, self._slot_mask, self._table_mask = self.sq_slots * SQ_SLOT, self.sq_slots - 1, entries - 1
+        self._static_slots = 0 if device.variable_wqes else SQ_STATIC_WQE_SLOTS  # a static WQE's, whatever it holds
+        self._unit_shift = self.geometry.slot_unit.bit_length() - 1  # slot -> doorbell index and PSN search entry
+        self.sq = Ring(device.pci, self.sq_slots, SQ_SLOT, extra=entries * self.geometry.table_entry.size)
         self.rq_wqe_size = RQ_WQE_HEADER.size + max_recv_sge * SGE.size
         self.rq = Ring(device.pci, 1 << (max(rq_depth, 1) - 1).bit_length(), self.rq_wqe_size)
         self.read_queues: list[DmaBuffer] = [device.pci.alloc_dma(0x1000), device.pci.alloc_dma(0x1000)]
@@ -292,10 +299,10 @@ class QueuePair:
         try:
             reply = await self.device.rcfw(
                 "create_qp", qp_handle=self.handle, type=bnxt.CMDQ_CREATE_QP_TYPE_RC,
-                qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED,
+                qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED if self.geometry.variable else 0,
                 sq_pg_size_sq_lvl=self.sq.level | bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_PG_4K,
                 rq_pg_size_rq_lvl=self.rq.level | bnxt.CMDQ_CREATE_QP_RQ_PG_SIZE_PG_4K,
-                sq_size=self.sq_slots, rq_size=self.rq.depth, sq_fwo_sq_sge=self.max_send_sge,
+                sq_size=self.geometry.size, rq_size=self.rq.depth, sq_fwo_sq_sge=self.max_send_sge,
                 rq_fwo_rq_sge=self.max_recv_sge, scq_cid=self.send_cq.id, rcq_cid=self.recv_cq.id,
                 sq_pbl=self.sq.base, rq_pbl=self.rq.base, irrq_addr=irrq.bus_addr, orrq_addr=orrq.bus_addr)
         except BaseException:
@@ -536,10 +543,11 @@ class QueuePair:
 
     async def _post(self, verb: str, wqe_type: int, sge: tuple[int, int, int] | None, length: int, remote_addr: int,
                     rkey: int, imm: int, signaled: bool) -> Completion:
-        """Write one WQE (header + at most one SGE) at the SQ producer, its MSN entry after the ring, and ring
-        the doorbell unless batching. This is the per-operation hot path: keep it lean."""
+        """Write one WQE (header + at most one SGE) at the SQ producer, its search-table entry after the ring, and
+        ring the doorbell unless batching. This is the per-operation hot path: keep it lean."""
         slots = 2 if sge is None else 3
-        while self.state is not QPState.RTS or self.sq_slots - (self.sq_producer - self.sq_consumer) < slots:
+        taken = self._static_slots or slots  # ring slots the WQE occupies
+        while self.state is not QPState.RTS or self.sq_slots - (self.sq_producer - self.sq_consumer) < taken:
             if self.state is not QPState.RTS:
                 return self._refused(verb, "connect() it first")
             await self._wait_for_space(verb)
@@ -563,15 +571,19 @@ class QueuePair:
             first = ring_bytes - offset
             view[offset:ring_bytes] = wqe[:first]
             view[0:len(wqe) - first] = wqe[first:]
-        psn = self.psn
-        next_psn = (psn + psn_count(length, self.mtu)) & PSN_MASK
-        MSN_ENTRY.pack_into(view, ring_bytes + (self.msn & self._msn_mask) * MSN_ENTRY_SIZE,
-                            msn_entry(psn, next_psn, start & self._slot_mask))
-        self.psn, self.msn = next_psn, self.msn + 1
+        psn, start_slot = self.psn, start & self._slot_mask
+        self.psn = next_psn = (psn + psn_count(length, self.mtu)) & PSN_MASK
+        if self.msn_entries:  # Linux bnxt_qplib_fill_msn_search / bnxt_qplib_fill_psn_search
+            MSN_ENTRY.pack_into(view, ring_bytes + (self.msn & self._table_mask) * MSN_ENTRY_SIZE,
+                                msn_entry(psn, next_psn, start_slot))
+            self.msn += 1
+        else:
+            PSN_SEARCH_ENTRY.pack_into(view, ring_bytes + (start_slot >> self._unit_shift) * PSN_SEARCH_ENTRY_SIZE,
+                                       *psn_search_values(wqe_type, psn, next_psn, start_slot))
         completion = Completion(verb)
-        self.pending.append(_SendWork(self.wqe_count & SQ_CONS_IDX_MASK, slots, completion))
+        self.pending.append(_SendWork(self.wqe_count & SQ_CONS_IDX_MASK, taken, completion))
         self.wqe_count += 1
-        self.sq_producer = start + slots
+        self.sq_producer = start + taken
         self.send_cq.outstanding += 1
         if self._batch_depth:
             self._doorbell_due = True
@@ -583,8 +595,9 @@ class QueuePair:
 
     def _ring_sq(self) -> None:
         self._doorbell_due = False
-        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
-            self.qpn, bnxt.DBC_DBC_TYPE_SQ, self.sq.slot(self.sq_producer), self.sq.epoch(self.sq_producer)))
+        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(  # names a slot, or a static WQE
+            self.qpn, bnxt.DBC_DBC_TYPE_SQ, self.sq.slot(self.sq_producer) >> self._unit_shift,
+            self.sq.epoch(self.sq_producer)))
 
     async def _wait_for_space(self, verb: str) -> None:
         if self._doorbell_due:

@@ -86,8 +86,9 @@ def test_every_layout_is_the_bindings_field_by_field(name):
 def test_the_layouts_cover_the_host_interface():
     """The formats both sides exchange on the hot paths, each from its binding."""
     covered = {field.binding.__name__ for layout in LAYOUTS.values() for field in layout.fields}
-    assert covered >= {"sq_rdma_hdr", "sq_send_hdr", "sq_sge", "rq_wqe_hdr", "sq_msn_search", "cq_req", "cq_res_rc",
-                       "nq_cn", "creq_qp_event", "hwrm_cmd_hdr", "hwrm_resp_hdr", "cmdq_base", "cmdq_init"}
+    assert covered >= {"sq_rdma_hdr", "sq_send_hdr", "sq_sge", "rq_wqe_hdr", "sq_msn_search", "sq_psn_search_ext",
+                       "cq_req", "cq_res_rc", "nq_cn", "creq_qp_event", "hwrm_cmd_hdr", "hwrm_resp_hdr",
+                       "hwrm_short_input", "cmdq_base", "cmdq_init"}
 
 
 def test_send_and_rdma_headers_share_what_a_device_reads_first():
@@ -228,8 +229,31 @@ def test_msn_entry_round_trips_through_linux_masks(start, after, slot):
     assert linux.start_idx_next_psn_start_psn == entry
 
 
-def test_msn_table_is_half_the_slots_rounded_to_a_power_of_two():
-    assert [wqe.msn_table_entries(slots) for slots in (256, 257, 512, 768)] == [128, 256, 256, 512]
+@given(kind=st.integers(0, 0xFF), start=st.integers(0, verbs.PSN_MASK), after=st.integers(0, verbs.PSN_MASK),
+       slot=st.integers(0, 0xFFFF))
+def test_psn_search_entry_round_trips_through_linux_masks(kind, start, after, slot):
+    values = wqe.psn_search_values(kind, start, after, slot)
+    assert wqe.psn_search_fields(*values) == (start, after, slot)
+    linux = bnxt.sq_psn_search_ext.from_buffer_copy(wqe.PSN_SEARCH_ENTRY.pack(*values))  # bnxt_qplib_fill_psn_search
+    assert linux.opcode_start_psn == (start << bnxt.SQ_PSN_SEARCH_START_PSN_SFT & bnxt.SQ_PSN_SEARCH_START_PSN_MASK
+                                      | kind << bnxt.SQ_PSN_SEARCH_OPCODE_SFT & bnxt.SQ_PSN_SEARCH_OPCODE_MASK)
+    assert linux.flags_next_psn == after << bnxt.SQ_PSN_SEARCH_NEXT_PSN_SFT & bnxt.SQ_PSN_SEARCH_NEXT_PSN_MASK
+    assert linux.start_slot_idx == slot
+
+
+def test_search_tables_are_sized_and_indexed_as_linux_does():
+    """msn_tbl_sz: sq_size rounded up to a power of two, halved with variable WQEs; the PSN search table: one entry
+    per sq_size unit (a slot, or a static WQE), at the WQE's start."""
+    msn = [wqe.SqGeometry(True, slots, True).table_entries for slots in (256, 257, 512, 768)]
+    assert msn == [128, 256, 256, 512]
+    assert [wqe.SqGeometry(False, wqes, True).table_entries for wqes in (64, 65)] == [64, 128]
+    variable, static = wqe.SqGeometry(True, 256, False), wqe.SqGeometry(False, 64, False)
+    assert (variable.table_entries, static.table_entries, static.slots) == (256, 64, 64 * wqe.SQ_STATIC_WQE_SLOTS)
+    assert (variable.table_index(7, 93), static.table_index(7, 3 * wqe.SQ_STATIC_WQE_SLOTS)) == (93, 3)
+    assert wqe.SqGeometry(True, 256, True).table_index(128 + 5, 93) == 5  # the MSN table: by message, wrapping
+    assert static.table_offset == static.slots * wqe.SQ_SLOT and static.table_entry is wqe.PSN_SEARCH_ENTRY
+    entry = wqe.msn_entry(10, 12, 93)
+    assert wqe.SqGeometry(True, 256, True).entry_fields((entry,)) == (10, 12, 93)
 
 
 @given(handle=st.integers(0, (1 << 64) - 1), toggle=st.integers(0, 3))
@@ -330,6 +354,31 @@ def test_page_table_entries_are_linux_ptu_pte(entries):
         assert low | high << 32 == entry
         assert low & bnxt.PTU_PTE_PAGE_MASK == entry & ~firmware.PTE_FLAGS & 0xFFFFFFFF
     assert firmware.unpack_ptes(table, len(entries)) == tuple(entries)
+
+
+def test_short_requests_and_capabilities_are_linux_bnxt_en_and_bnxt_re():
+    short = bnxt.hwrm_short_input.from_buffer_copy(firmware.HWRM_SHORT_REQUEST.pack(0x10, 0x4321, 0, 96, 1 << 40))
+    assert (short.req_type, short.signature, short.size, short.req_addr) == (0x10, 0x4321, 96, 1 << 40)
+    assert firmware.SHORT_REQUEST_SIGNATURE == bnxt.SHORT_REQ_SIGNATURE_SHORT_CMD == 0x4321
+    supported, required = (bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_SUPPORTED,
+                           bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_REQUIRED)
+    assert [firmware.short_commands_required(caps) for caps in (0, supported, required, supported | required)] == \
+        [False, False, False, True]  # bnxt_hwrm_ver_get: both bits
+    retx = bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_REQUESTER_RETX_ENABLED, bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_RESPONDER_RETX_ENABLED
+    assert [firmware.hw_retx_supported(flags) for flags in (0, *retx)] == [False, True, True]
+    tables = (bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_PSN_TABLE,
+              bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE,
+              bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_IQM_MSN_TABLE)
+    assert [firmware.host_msn_table(flags | 0x1) for flags in tables] == [False, True, False]
+    assert firmware.THOR_CHIPS.isdisjoint(firmware.THOR2_CHIPS) and bnxt.CHIP_NUM_57608 in firmware.THOR2_CHIPS
+
+
+def test_the_driver_configures_the_context_types_bnxt_en_sizes():
+    """QP through TIM (BNXT_CTX_MAX); trace buffers and the rest are left to features that use them."""
+    kinds = firmware.CONFIGURED_CONTEXT_TYPES
+    assert kinds == {0, 1, 2, 3, 4, 5, 6, 0xE, 0xF} and bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_TX_CK not in kinds
+    assert bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_SRT_TRACE in firmware.TRACE_CONTEXT_TYPES
+    assert kinds.isdisjoint(firmware.TRACE_CONTEXT_TYPES) and len(firmware.TRACE_CONTEXT_TYPES) >= 10
 
 
 def test_firmware_tables():

@@ -1,7 +1,8 @@
 """The emulated NIC's RC data path without any I/O: two firmware instances, each with its own host memory (a
 bytearray), objects created through the real RCFW commands, WQEs written into SQ memory the way a driver writes
-them, doorbells rung, and packets carried by an in-memory wire (through the real codec, with seeded loss,
-duplication and reordering when a test asks). Time is a fake clock that jumps to the engine's next deadline."""
+them (with the search table after the SQ: MSN or PSN entries, as the firmware profile wants), doorbells rung, and
+packets carried by an in-memory wire (through the real codec, with seeded loss, duplication and reordering when a test
+asks). Time is a fake clock that jumps to the engine's next deadline."""
 import collections
 import dataclasses
 import random
@@ -15,15 +16,16 @@ from aiofabric.hw.cqe import (CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, CR
                               cqe_type)
 from aiofabric.hw.layout import field_type
 from aiofabric.hw.ring import position, slot
-from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState
-from aiofabric.hw.wqe import (MSN_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
-                              SQ_WQE_HEADER_SLOTS, msn_table_entries)
+from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState, psn_count
+from aiofabric.hw.wqe import (RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
+                              SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry, msn_entry, psn_search_values)
 from aiofabric.sim import packets as pk
 from aiofabric.sim.datapath import Datapath
 from aiofabric.sim.function import FirmwareConfig
 from aiofabric.sim.hwrm import NQ, Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
 from aiofabric.sim.objects import NotificationQueue, PageList
+from aiofabric.sim.profiles import DEFAULT_PROFILE, PROFILES
 from aiofabric.sim.rcfw import PendingCommand
 
 SUCCESS = bnxt.CREQ_QP_EVENT_STATUS_SUCCESS
@@ -43,11 +45,11 @@ RES_FLUSHED = bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
 class Host:
     """One emulated NIC driven like a driver would, plus the bookkeeping a test needs to check it."""
 
-    def __init__(self, ip: str, memory: int = 8 << 20) -> None:
+    def __init__(self, ip: str, memory: int = 8 << 20, profile: str = DEFAULT_PROFILE, hw_retx: bool = False) -> None:
         self.ip, self.mem = ip, BusMemory(bytearray(memory))
         self.next_page = BUS_BASE
-        self.fw = Firmware(self.mem, FirmwareConfig(mac=bytes(6)))
-        self.fw.rcfw.initialized = True
+        self.fw = Firmware(self.mem, FirmwareConfig(mac=bytes(6), profile=PROFILES[profile]))
+        self.fw.rcfw.initialized, self.fw.rcfw.hw_retx = True, hw_retx  # what INITIALIZE_FW would have granted
         self.dp = Datapath(self.fw, ip)
         self.cookie = 0
         self.creq = self.nq(4096, logical_id=0)  # long enough that tests need not return credits
@@ -92,17 +94,23 @@ class Host:
                            pbl=address, va=address, mr_size=size)
         return address, key
 
-    def create_qp(self, cq: int, sq_slots: int = 256, rq_size: int = 64, rq_sge: int = 2) -> int:
+    def create_qp(self, cq: int, sq_slots: int = 256, rq_size: int = 64, rq_sge: int = 2,
+                  variable: bool = True) -> int:
+        """An RC QP of `sq_slots` slots: variable WQEs, or static ones (sq_slots / SQ_STATIC_WQE_SLOTS of them)."""
+        self.geometry = geometry = SqGeometry(variable, sq_slots if variable else sq_slots // SQ_STATIC_WQE_SLOTS,
+                                              self.fw.config.profile.host_msn_table)
         self.sq_slots, self.rq_size, self.rq_sge = sq_slots, rq_size, rq_sge
-        self.sq = self.alloc(sq_slots * SQ_SLOT + msn_table_entries(sq_slots) * MSN_ENTRY.size)  # ring + MSN table
+        self.sq = self.alloc(geometry.table_offset + geometry.table_entries * geometry.table_entry.size)
         self.rq_stride = RQ_WQE_HEADER.size + SGE.size * rq_sge
         self.rq = self.alloc(rq_size * self.rq_stride)
         qpn = self.command("create_qp", type=bnxt.CMDQ_CREATE_QP_TYPE_RC, qp_handle=0xAB00 + sq_slots,
-                           qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED, sq_size=sq_slots,
-                           sq_fwo_sq_sge=6, sq_pg_size_sq_lvl=0, sq_pbl=self.sq, rq_size=rq_size,
-                           rq_fwo_rq_sge=rq_sge, rq_pg_size_rq_lvl=0, rq_pbl=self.rq, scq_cid=cq, rcq_cid=cq, pd_id=1)
+                           qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED if variable else 0,
+                           sq_size=geometry.size, sq_fwo_sq_sge=6, sq_pg_size_sq_lvl=0, sq_pbl=self.sq,
+                           rq_size=rq_size, rq_fwo_rq_sge=rq_sge, rq_pg_size_rq_lvl=0, rq_pbl=self.rq, scq_cid=cq,
+                           rcq_cid=cq, pd_id=1)
         self.qpn, self.cq = qpn, cq
         self.sq_producer = self.wqe_count = self.rq_producer = 0
+        self.psn, self.mtu = 0, 256  # the next message's first PSN and the path MTU, from connect() on
         return qpn
 
     def modify(self, state: QPState, mask: int = 0, **fields) -> None:
@@ -114,6 +122,7 @@ class Host:
                 timeout: int = 10, retry_cnt: int = 7, rnr_retry: int = 7, rts: bool = True) -> None:
         m = MASK
         self.modify(QPState.INIT, m["ACCESS"] | m["PKEY"], access=ALL_QP_ACCESS, pkey=0xFFFF)
+        self.mtu = mtu
         gid = bytes(10) + b"\xff\xff" + bytes(map(int, peer.ip.split(".")))
         self.modify(QPState.RTR, m["DGID"] | m["PATH_MTU"] | m["RQ_PSN"] | m["DEST_QP_ID"] | m["MAX_DEST_RD_ATOMIC"]
                     | m["MIN_RNR_TIMER"], dgid=field_type(bnxt.cmdq_modify_qp, "dgid").from_buffer_copy(gid),
@@ -124,13 +133,15 @@ class Host:
 
     def rts(self, sq_psn: int = 0x1000, timeout: int = 10, retry_cnt: int = 7, rnr_retry: int = 7) -> None:
         m = MASK
+        self.psn = sq_psn
         self.modify(QPState.RTS, m["TIMEOUT"] | m["RETRY_CNT"] | m["RNR_RETRY"] | m["SQ_PSN"] | m["MAX_RD_ATOMIC"],
                     timeout=timeout, retry_cnt=retry_cnt, rnr_retry=rnr_retry, sq_psn=sq_psn, max_rd_atomic=4)
 
     # -- work requests -----------------------------------------------------------------------------------------------
     def post(self, kind: int, sges: list[tuple[int, int, int]], *, remote: int = 0, rkey: int = 0, imm: int = 0,
              signaled: bool = True, length: int | None = None, ring: bool = True) -> int:
-        """Write one WQE (header + SGE slots, each slot wrapping on its own) and ring the SQ doorbell."""
+        """Write one WQE (header + SGE slots, each slot wrapping on its own), its search-table entry, and ring the SQ
+        doorbell."""
         length = sum(size for _, _, size in sges) if length is None else length
         slots = SQ_WQE_HEADER_SLOTS + len(sges)
         flags = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP if signaled else 0
@@ -142,14 +153,22 @@ class Host:
         for i in range(slots):
             self.mem.write(self.sq + slot(self.sq_producer + i, self.sq_slots) * SQ_SLOT,
                            data[i * SQ_SLOT:(i + 1) * SQ_SLOT])
-        self.sq_producer += slots
+        geometry, start = self.geometry, slot(self.sq_producer, self.sq_slots)
+        next_psn = (self.psn + psn_count(length, self.mtu)) & PSN_MASK
+        values = ((msn_entry(self.psn, next_psn, start),) if geometry.host_msn
+                  else psn_search_values(kind, self.psn, next_psn, start))
+        self.mem.write(self.sq + geometry.table_offset + geometry.table_index(self.wqe_count, start)
+                       * geometry.table_entry.size, geometry.table_entry.pack(*values))
+        self.psn = next_psn
+        self.sq_producer += slots if geometry.variable else SQ_STATIC_WQE_SLOTS
         self.wqe_count += 1
         if ring:
             self.ring_sq()
         return self.wqe_count
 
     def ring_sq(self) -> None:
-        self.doorbell(bnxt.DBC_DBC_TYPE_SQ, *position(self.sq_producer, self.sq_slots))
+        unit = self.geometry.slot_unit  # the doorbell names a slot, or a static WQE
+        self.doorbell(bnxt.DBC_DBC_TYPE_SQ, *position(self.sq_producer // unit, self.sq_slots // unit))
 
     def post_recv(self, sges: list[tuple[int, int, int]], tag: int) -> None:
         wqe = RQ_WQE_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.rq_stride // SQ_SLOT, tag, 0)
@@ -243,10 +262,11 @@ class Wire:
 
 
 def pair(mtu: int = 1024, loss: float = 0.0, dup: float = 0.0, reorder: float = 0.0, seed: int = 0,
-         sq_slots: int = 256, sq_psn: int = 0x1000, rq_psn: int = 0x2000, **connect):
-    a, b = Host("127.0.0.2"), Host("127.0.0.3")
+         sq_slots: int = 256, sq_psn: int = 0x1000, rq_psn: int = 0x2000, profile: str = DEFAULT_PROFILE,
+         hw_retx: bool = False, variable: bool = True, **connect):
+    a, b = Host("127.0.0.2", profile=profile, hw_retx=hw_retx), Host("127.0.0.3", profile=profile, hw_retx=hw_retx)
     for host in (a, b):
-        host.create_qp(host.create_cq(), sq_slots=sq_slots)
+        host.create_qp(host.create_cq(), sq_slots=sq_slots, variable=variable)
     a.connect(b, mtu=mtu, sq_psn=sq_psn, rq_psn=rq_psn, **connect)
     b.connect(a, mtu=mtu, sq_psn=rq_psn, rq_psn=sq_psn, **connect)
     return a, b, Wire(a, b, loss=loss, dup=dup, reorder=reorder, seed=seed)
@@ -891,3 +911,56 @@ def test_the_requester_goes_back_once_per_loss(second):
     assert sequence_naks(wire) == [0x1001] and not held
     assert a.dp.stats["go_backs"] == 1
     assert a.dp.stats["timeouts"] == (1 if second == "timeout first" else 0)
+
+
+# -- hardware retransmission: a go-back finds its message in the search table the driver wrote ---------------------
+TABLES = [("thor2", True), ("thor2", False), ("psn-table", True), ("psn-table", False)]  # (profile, variable WQEs)
+
+
+def swap_search_table_psns(host: Host) -> None:
+    """Every written entry with its start and next PSN swapped: a driver bug the chip would follow."""
+    geometry, entry = host.geometry, host.geometry.table_entry
+    for index in range(geometry.table_entries):
+        address = host.sq + geometry.table_offset + index * entry.size
+        values = entry.unpack(host.mem.read(address, entry.size))
+        if any(values):
+            start, after, start_slot = geometry.entry_fields(values)
+            swapped = ((msn_entry(after, start, start_slot),) if geometry.host_msn
+                       else psn_search_values(values[0] >> 24, after, start, start_slot))
+            host.mem.write(address, entry.pack(*swapped))
+
+
+def writes_under_loss(swap: bool, **options) -> tuple[Host, bool]:
+    """Sixteen WRITEs of unequal sizes (a misnumbered message cannot pass for another) over a lossy wire; (the
+    requester, whether every one completed and landed)."""
+    a, b, wire = pair(mtu=256, loss=0.1, seed=4, timeout=3, **options)
+    src, lkey = a.register(1 << 16)
+    dst, rkey = b.register(1 << 16)
+    data = fill(a, src, 1 << 16, 9)
+    sizes = [1 + i * 1237 % 4000 for i in range(16)]
+    for i, size in enumerate(sizes):
+        a.post(WRITE, [(src + i * 4096, lkey, size)], remote=dst + i * 4096, rkey=rkey, ring=False)
+    if swap:
+        swap_search_table_psns(a)
+    a.ring_sq()
+    wire.run()
+    landed = all(b.mem.read(dst + i * 4096, size) == data[i * 4096:i * 4096 + size] for i, size in enumerate(sizes))
+    return a, [c[1] for c in a.poll()] == [REQ_OK] * 16 and landed
+
+
+@pytest.mark.parametrize("profile,variable", TABLES)
+def test_a_go_back_resumes_from_the_search_table_the_driver_wrote(profile, variable):
+    a, delivered = writes_under_loss(False, profile=profile, variable=variable, hw_retx=True)
+    assert delivered and a.dp.stats["go_backs"] > 0 and a.dp.stats["search_table_mismatches"] == 0
+
+
+@pytest.mark.parametrize("profile,variable", TABLES)
+def test_a_wrong_search_table_misleads_the_retransmission(profile, variable):
+    """The chip trusts the table: entries with their PSNs swapped send the go-back astray, and the transfer fails."""
+    a, delivered = writes_under_loss(True, profile=profile, variable=variable, hw_retx=True)
+    assert not delivered and a.dp.stats["search_table_mismatches"] > 0
+
+
+def test_without_hardware_retransmission_the_firmware_retransmits_from_its_own_context():
+    a, delivered = writes_under_loss(True, hw_retx=False)
+    assert delivered and a.dp.stats["go_backs"] > 0 and a.dp.stats["search_table_mismatches"] == 0

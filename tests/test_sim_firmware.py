@@ -9,8 +9,10 @@ from aiofabric.autogen import bnxt
 from aiofabric.hw import doorbell
 from aiofabric.hw.cqe import (CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY, NQ_ENTRY, RequesterErrorReason, creq_type,
                               notification_fields)
-from aiofabric.hw.firmware import (CMDQ_FIRST_PRODUCER, CMDQ_INIT, CMDQ_SLOT, HWRM_RESPONSE_HEADER, RING_ENTRY_SIZES,
-                                   BackingStoreType, pack_ptes)
+from aiofabric.hw.firmware import (CMDQ_FIRST_PRODUCER, CMDQ_INIT, CMDQ_SLOT, CONFIGURED_CONTEXT_TYPES,
+                                   HWRM_RESPONSE_HEADER, HWRM_SHORT_REQUEST, RING_ENTRY_SIZES,
+                                   SHORT_REQUEST_SIGNATURE, TRACE_CONTEXT_TYPES, BackingStoreType, host_msn_table,
+                                   hw_retx_supported, pack_ptes, short_commands_required)
 from aiofabric.hw.layout import field_type
 from aiofabric.hw.ring import phase, position, slot
 from aiofabric.hw.verbs import QPAccess, QPState
@@ -19,6 +21,7 @@ from aiofabric.sim.function import CONTEXT_TYPES, FirmwareConfig
 from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
 from aiofabric.sim.objects import CompletionQueue, MemoryProtectionError, NotificationQueue, PageList, walk_pbl
+from aiofabric.sim.profiles import PROFILES
 
 MAC = bytes.fromhex("020af0123456")
 GID = bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 7])
@@ -53,7 +56,8 @@ class Driver:
         self.next_page = BUS_BASE
         self.fw = Firmware(self.mem, FirmwareConfig(mac=MAC, **config))
         self.seq = self.cookie = 0
-        self.response = self.alloc()
+        self.response, self.requests = self.alloc(), self.alloc()
+        self.short_commands = False  # what VER_GET asks for
         self.side_buffers: dict[int, int] = {}  # cookie -> where a query's result lands
 
     def alloc(self, pages: int = 1) -> int:
@@ -89,7 +93,11 @@ class Driver:
         request = getattr(bnxt, f"hwrm_{name}_input")(
             req_type=getattr(bnxt, f"HWRM_{name.upper()}"), cmpl_ring=0xFFFF, seq_id=self.seq, target_id=0xFFFF,
             resp_addr=self.response, **fields)
-        addr, data = self.fw.hwrm(bytes(request).ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0"))
+        window = bytes(request)
+        if self.short_commands:
+            self.mem.write(self.requests, window)
+            window = HWRM_SHORT_REQUEST.pack(request.req_type, SHORT_REQUEST_SIGNATURE, 0, len(window), self.requests)
+        addr, data = self.fw.hwrm(window.ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0"))
         assert addr == self.response and data[-1] == 1
         error = HWRM_RESPONSE_HEADER.unpack_from(data)[0]
         assert error == expect, f"{name}: error {error:#x} ({self.fw.last_error})"
@@ -106,12 +114,15 @@ class Driver:
                          page_size=12, page_tbl_depth=level, length=length, logical_id=logical_id,
                          int_mode=bnxt.RING_ALLOC_REQ_INT_MODE_MSIX, **fields).ring_id
 
-    def backing_store(self, init_offset_units: int = 4, all_done: bool = True) -> list[tuple[int, int]]:
-        """Linux's walk: next_valid_type, skip invalid types, one CFG_V2 per instance, ALL_DONE on the very last."""
+    def backing_store(self, init_offset_units: int = 4, all_done: bool = True,
+                      trace: bool = False) -> list[tuple[int, int]]:
+        """Linux's walk: next_valid_type, skip invalid types, one CFG_V2 per instance of the types bnxt_en sizes (and
+        the trace buffers when `trace`), ALL_DONE on the very last."""
         steps, kind = [], 0
         while kind != BackingStoreType.INVALID:
             caps = self.hwrm("func_backing_store_qcaps_v2", type=kind)
-            if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID:
+            wanted = kind in CONFIGURED_CONTEXT_TYPES or trace and kind in TRACE_CONTEXT_TYPES
+            if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID and wanted:
                 instances = [i for i in range(32) if caps.instance_bit_map >> i & 1] or [0]
                 steps += [(caps, instance) for instance in instances]
             kind = caps.next_valid_type
@@ -212,7 +223,7 @@ class Driver:
         self.fw.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch))
 
     def boot(self, **rcfw) -> None:
-        self.hwrm("ver_get")
+        self.short_commands = short_commands_required(self.hwrm("ver_get").dev_caps_cfg)
         self.hwrm("func_reset")
         self.hwrm("func_qcaps", fid=0xFFFF)
         self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE,
@@ -355,6 +366,16 @@ def test_backing_store_walk_gates_initialize_fw():
     host.rcfw("initialize_fw", stat_ctx_id=stat)
 
 
+def test_trace_buffers_are_optional_and_accepted():
+    """A firmware log buffer (FW_DBG_TRACE) is valid but not needed: bnxt_en configures it only to collect logs."""
+    trace = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_SRT_TRACE
+    assert CONTEXT_TYPES[trace].flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_FW_DBG_TRACE
+    with_trace = Driver()
+    assert (trace, 0) in with_trace.backing_store(trace=True) and with_trace.fw.backing_store_missing() is None
+    without = Driver()
+    assert (trace, 0) not in without.backing_store() and without.fw.backing_store_missing() is None
+
+
 def test_context_init_at_a_byte_offset_is_noted_not_refused():
     host = Driver()
     host.backing_store(init_offset_units=1)  # the seed's mistake: ctx_init_offset used as a byte offset
@@ -477,15 +498,55 @@ def test_injected_errors_fail_the_next_commands_only(driver):
     assert driver.fw.objects()["cqs"] == 1 and not driver.fw.injected_errors
 
 
-def test_query_func_reports_host_msn_table_only_with_hw_retx():
-    for hw_retx in (True, False):
-        host = Driver(hw_retx=hw_retx)
-        host.boot()
-        caps = host.rcfw("query_func")
-        msn = caps.dev_cap_ext_flags_2 & bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_MASK
-        assert (msn == bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE) == hw_retx
-        areas = {kind: area.entries for (kind, _), area in host.fw.backing_store.items()}
-        assert (caps.max_qp, caps.max_cq, caps.max_mr, caps.max_gid) == (areas[0], areas[2], areas[0xE] // 2, 256)
+@pytest.mark.parametrize("profile", PROFILES.values(), ids=PROFILES)
+def test_each_profile_reports_its_chip_and_capabilities_where_linux_reads_them(profile):
+    host = Driver(profile=profile)
+    ver = host.hwrm("ver_get")
+    assert ver.chip_num == profile.chip_num and short_commands_required(ver.dev_caps_cfg) == profile.short_commands
+    host.short_commands = profile.short_commands
+    flags_ext = host.hwrm("func_qcaps", fid=0xFFFF).flags_ext
+    assert bool(flags_ext & bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED) == profile.backing_store_v2
+    if not profile.backing_store_v2:  # the v2 commands are not there either
+        host.hwrm("func_backing_store_qcaps_v2", expect=bnxt.HWRM_ERR_CODE_CMD_NOT_SUPPORTED, type=0)
+        return
+    host.boot()
+    caps = host.rcfw("query_func")
+    assert hw_retx_supported(caps.dev_cap_flags) == profile.hw_retx
+    assert host_msn_table(caps.dev_cap_ext_flags_2) == profile.host_msn_table
+    areas = {kind: area.entries for (kind, _), area in host.fw.backing_store.items()}
+    assert (caps.max_qp, caps.max_cq, caps.max_mr, caps.max_gid) == (areas[0], areas[2], areas[0xE] // 2, 256)
+
+
+@pytest.mark.parametrize("profile", ["thor2", "no-hw-retx"])
+def test_initialize_fw_grants_hardware_retransmission_only_where_offered(profile):
+    host = Driver(profile=PROFILES[profile])
+    host.boot()  # INITIALIZE_FW without the flag: no hardware retransmission
+    assert not host.fw.rcfw.hw_retx
+    retx = bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED
+    offered = PROFILES[profile].hw_retx
+    host.rcfw("initialize_fw", expect=SUCCESS if offered else INVALID_PARAMETER, stat_ctx_id=host.stat_ctx,
+              flags=retx)
+    assert host.fw.rcfw.hw_retx == offered
+    assert offered or "dev_cap_flags do not offer hardware retransmission" in host.fw.last_error
+    qp = host.create_qp(host.create_cq())
+    assert host.fw.rcfw.qps[qp].hw_retx == offered  # the QP's go-backs read its search table
+
+
+def test_short_commands_are_read_from_host_memory_and_required_where_asked():
+    host = Driver(profile=PROFILES["short-cmd"])
+    host.hwrm("ver_get")  # Linux sends VER_GET the long way: it learns about short commands from its answer
+    host.hwrm("func_qcaps", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, fid=0xFFFF)
+    assert "requires short commands" in host.fw.last_error
+    request = bytes(bnxt.hwrm_func_qcaps_input(req_type=bnxt.HWRM_FUNC_QCAPS, cmpl_ring=0xFFFF, seq_id=7,
+                                               target_id=0xFFFF, resp_addr=host.response, fid=0xFFFF))
+    host.mem.write(host.requests, request)
+    window = HWRM_SHORT_REQUEST.pack(bnxt.HWRM_FUNC_QCAPS, SHORT_REQUEST_SIGNATURE, 0, len(request), host.requests)
+    addr, data = host.fw.hwrm(window.ljust(bnxt.HWRM_MAX_REQ_LEN, b"\xee"))  # the rest of the window: stale bytes
+    caps = bnxt.hwrm_func_qcaps_output.from_buffer_copy(data)
+    assert (addr, caps.error_code, caps.seq_id, bytes(caps.mac_address)) == (host.response, 0, 7, MAC)
+    assert host.fw.stats["short_commands"] == 1
+    nowhere = HWRM_SHORT_REQUEST.pack(bnxt.HWRM_FUNC_QCAPS, SHORT_REQUEST_SIGNATURE, 0, len(request), 1 << 60)
+    assert host.fw.hwrm(nowhere.ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0")) is None  # no request there: nothing to answer
 
 
 def test_add_gid_stores_the_plain_gid_and_mac(driver):

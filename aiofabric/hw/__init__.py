@@ -7,7 +7,8 @@ hand-written copies. It imports only the bindings and the standard library; choi
 with their users.
 
     layout     `Layout`: a precompiled `struct.Struct` built from a binding's field offsets and sizes; `field_type`
-    wqe        SQ WQE headers (RDMA, SEND), the SGE, the RQ WQE header, the MSN table entry; SQ slot geometry
+    wqe        SQ WQE headers (RDMA, SEND), the SGE, the RQ WQE header, the MSN and PSN search entries; the SQ's
+               geometry and search table (`SqGeometry`)
     cqe        CQEs (requester, RC responder), NQ CQ notifications, CREQ entries; status and error-reason names
     async_event HWRM async event completions, their event data, the FUNC_DRV_RGTR forwarding bitmap
     doorbell   the 64-bit doorbell: `encode` (driver), `decode` (device)
@@ -15,8 +16,10 @@ with their users.
                the counts a doorbell names
     verbs      QP states and legal transitions, path-MTU codes and the largest a port's MTU carries, QP and MR
                access bits, 24-bit PSN arithmetic
-    firmware   HWRM request/response headers, the RCFW CMDQ header and its cmdq_init mailbox, backing-store types,
-               page-size codes, link speed codes, ring entry sizes, page-table entries, the HWRM interrupt vector
+    firmware   HWRM request/response headers and the short request, the RCFW CMDQ header and its cmdq_init
+               mailbox, chip generations, retransmission capabilities, backing-store types (those a driver
+               configures), page-size codes, link speed codes, ring entry sizes, page-table entries, the HWRM
+               interrupt vector
     names      the bindings' constants by prefix (for status tables)
 
 tests/test_hw.py checks every layout against the bindings, field by field, and shows a moved field is caught.

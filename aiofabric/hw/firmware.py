@@ -2,7 +2,10 @@
 
 HWRM (the ChiMP channel in BAR0, bindings hwrm_*): a request starts with `hwrm_cmd_hdr` (`HWRM_REQUEST_HEADER`), the
 answer the firmware DMAs to `resp_addr` with `hwrm_resp_hdr` (`HWRM_RESPONSE_HEADER`), its last byte the valid key
-written last. The emulated function raises MSI-X vector `HWRM_VECTOR` when an answer has landed.
+written last. The emulated function raises MSI-X vector `HWRM_VECTOR` when an answer has landed. Firmware whose
+VER_GET asks for short commands (`short_commands_required`) takes the request from host memory instead: the window
+then holds only `hwrm_short_input` (`HWRM_SHORT_REQUEST`, signed `SHORT_REQUEST_SIGNATURE`) naming its address and
+length (Linux bnxt_hwrm.c __hwrm_send).
 
 RCFW (the RoCE channel): the driver latches `cmdq_init` (`CMDQ_INIT`) through the BAR0 mailbox at
 RCFW_COMM_BASE_OFFSET, then writes commands of `CMDQ_SLOT`-byte slots into the CMDQ ring, each starting with
@@ -10,10 +13,13 @@ RCFW_COMM_BASE_OFFSET, then writes commands of `CMDQ_SLOT`-byte slots into the C
 producer write after cmdq_init carries `CMDQ_FIRST_PRODUCER` (FIRMWARE_FIRST_FLAG). Answers come back on the CREQ
 (cqe.py).
 
-Function-level: backing-store context types (`BackingStoreType`), the page-size codes of page-table fields
-(`PAGE_SIZE_CODES`), PORT_PHY_QCFG's link speed codes in Mb/s (`LINK_SPEED_MBPS`), the entry size of each HWRM ring
-type (`RING_ENTRY_SIZES`), and page tables: arrays of `PTE_SIZE`-byte entries (`ptu_pte`, `ptu_pde`) holding a page address with flag bits below it (`PTE_FLAGS`:
-PTU_PTE_VALID, _LAST, _NEXT_TO_LAST), packed and read by `pack_ptes` / `unpack_ptes`.
+Function-level: the chips by generation (`THOR_CHIPS`, P5; `THOR2_CHIPS`, P7), backing-store context types
+(`BackingStoreType`; `CONFIGURED_CONTEXT_TYPES` are the ones a driver sizes, `TRACE_CONTEXT_TYPES` hold firmware
+logs), QUERY_FUNC's retransmission capabilities (`hw_retx_supported`, `host_msn_table`), the page-size codes of
+page-table fields (`PAGE_SIZE_CODES`), PORT_PHY_QCFG's link speed codes in Mb/s (`LINK_SPEED_MBPS`), the entry size of
+each HWRM ring type (`RING_ENTRY_SIZES`), and page tables: arrays of `PTE_SIZE`-byte entries (`ptu_pte`, `ptu_pde`)
+holding a page address with flag bits below it (`PTE_FLAGS`: PTU_PTE_VALID, _LAST, _NEXT_TO_LAST), packed and read by
+`pack_ptes` / `unpack_ptes`.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from .names import constant_names, constants
 
 HWRM_REQUEST_HEADER = Layout.of(bnxt.hwrm_cmd_hdr, "req_type", "cmpl_ring", "seq_id", "target_id", "resp_addr")
 HWRM_RESPONSE_HEADER = Layout.of(bnxt.hwrm_resp_hdr, "error_code", "req_type", "seq_id", "resp_len")
+HWRM_SHORT_REQUEST = Layout.of(bnxt.hwrm_short_input, "req_type", "signature", "target_id", "size", "req_addr")
+SHORT_REQUEST_SIGNATURE = bnxt.SHORT_REQ_SIGNATURE_SHORT_CMD
+_SHORT_COMMANDS = bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_SUPPORTED | bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_REQUIRED
 HWRM_ERROR_NAMES = constant_names("HWRM_ERR_CODE_")
 HWRM_VECTOR = 0
 
@@ -36,6 +45,30 @@ CMDQ_HEADER = Layout.of(bnxt.cmdq_base, "opcode", "cmd_size", "flags", "cookie",
 CMDQ_INIT = Layout.of(bnxt.cmdq_init, "cmdq_pbl", "cmdq_size_cmdq_lvl", "creq_ring_id", "prod_idx")
 CMDQ_FIRST_PRODUCER = 1 << bnxt.FIRMWARE_FIRST_FLAG
 RCFW_STATUS_NAMES = constant_names("CREQ_QP_EVENT_STATUS_")
+
+THOR_CHIPS = frozenset({bnxt.CHIP_NUM_57508, bnxt.CHIP_NUM_57504, bnxt.CHIP_NUM_57502})  # bnxt_qplib_is_chip_gen_p5
+THOR2_CHIPS = frozenset({bnxt.CHIP_NUM_57608, bnxt.CHIP_NUM_58818})  # bnxt_qplib_is_chip_gen_p7
+_HW_RETX = (bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_REQUESTER_RETX_ENABLED
+            | bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_RESPONDER_RETX_ENABLED)
+_RETX_TABLE = bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_MASK
+
+
+def short_commands_required(dev_caps_cfg: int) -> bool:
+    """VER_GET's dev_caps_cfg asks for the short command format: SUPPORTED and REQUIRED both set (bnxt_en
+    bnxt_hwrm_ver_get, BNXT_FW_CAP_SHORT_CMD)."""
+    return dev_caps_cfg & _SHORT_COMMANDS == _SHORT_COMMANDS
+
+
+def hw_retx_supported(dev_cap_flags: int) -> bool:
+    """QUERY_FUNC's dev_cap_flags offer hardware retransmission, which INITIALIZE_FW then asks for with
+    HW_REQUESTER_RETX_SUPPORTED (Linux bnxt_re _is_hw_retx_supported, bnxt_qplib_init_rcfw)."""
+    return bool(dev_cap_flags & _HW_RETX)
+
+
+def host_msn_table(dev_cap_ext_flags_2: int) -> bool:
+    """QUERY_FUNC's dev_cap_ext_flags_2 want the host MSN table after each SQ (sq_msn_search); otherwise the PSN
+    search table (sq_psn_search_ext) (Linux bnxt_re _is_host_msn_table)."""
+    return dev_cap_ext_flags_2 & _RETX_TABLE == bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE
 
 
 class BackingStoreType(enum.IntEnum):
@@ -51,6 +84,13 @@ class BackingStoreType(enum.IntEnum):
     TIM = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_TIM
     TX_CK = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_TX_CK
     INVALID = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_INVALID  # ends the next_valid_type walk
+
+
+# What bnxt_en's bnxt_alloc_ctx_mem sizes for a RoCE function: QP through TIM (below BNXT_CTX_MAX). It configures the
+# trace types only to collect firmware logs (bnxt_backing_store_cfg_v2, bnxt_bs_trace_avail), and none of the rest.
+CONFIGURED_CONTEXT_TYPES = frozenset(kind for kind in BackingStoreType if kind <= BackingStoreType.TIM)
+TRACE_CONTEXT_TYPES = frozenset(kind for name, kind in constants("FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_").items()
+                                if name.endswith("_TRACE"))
 
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -8,8 +8,10 @@ mode every WQE takes `SQ_STATIC_WQE_SLOTS` (the size of `sq_send`) and the doorb
 wqe_type, flags, wqe_size, the immediate and the length at the same offsets (tests/test_hw.py holds them to it), so a
 device reads any WQE's first three slots with `SQ_RDMA_HEADER_AND_SGE` and lets wqe_type say which fields count.
 
-MSN table (`sq_msn_search`, hardware retransmission): one 8-byte entry per message right after the ring's last slot,
-indexed by a message count modulo `msn_table_entries(slots)`; `msn_entry` packs it.
+Search table: right after the ring's last slot, where the chip finds the message it retransmits. Firmware that wants
+the host MSN table (hw.firmware.host_msn_table) takes one `sq_msn_search` per message, indexed by a message count
+(`msn_entry` packs it); other firmware takes the PSN search table, one `sq_psn_search_ext` (the P5/P7 form) per WQE
+at the WQE's start (`psn_search_values` packs it). `SqGeometry` sizes and indexes both as Linux does.
 
 Receive queue: `rq_wqe_hdr` (32 bytes) then the SGEs; the driver's `wr_id[0]` comes back in
 `cq_res_rc.srq_or_rq_wr_id` (masked by CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK).
@@ -17,6 +19,7 @@ Receive queue: `rq_wqe_hdr` (32 bytes) then the SGEs; the driver's `wr_id[0]` co
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 from ..autogen import bnxt
 from .layout import Layout
@@ -36,6 +39,7 @@ SQ_SEND_HEADER = Layout.of(bnxt.sq_send_hdr, "wqe_type", "flags", "wqe_size", "i
 SQ_RDMA_HEADER_AND_SGE = SQ_RDMA_HEADER + SGE
 RQ_WQE_HEADER = Layout.of(bnxt.rq_wqe_hdr, "wqe_type", "flags", "wqe_size", "wr_id")  # wr_id unpacks as 2 values
 MSN_ENTRY = Layout.of(bnxt.sq_msn_search, "start_idx_next_psn_start_psn")
+PSN_SEARCH_ENTRY = Layout.of(bnxt.sq_psn_search_ext, "opcode_start_psn", "flags_next_psn", "start_slot_idx")
 
 _START_PSN = bnxt.SQ_MSN_SEARCH_START_PSN_SFT, bnxt.SQ_MSN_SEARCH_START_PSN_MASK
 _NEXT_PSN = bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT, bnxt.SQ_MSN_SEARCH_NEXT_PSN_MASK
@@ -55,7 +59,67 @@ def msn_fields(entry: int) -> tuple[int, int, int]:
             (entry & _START_IDX[1]) >> _START_IDX[0])
 
 
-def msn_table_entries(sq_slots: int) -> int:
-    """Entries of the MSN table of a variable-WQE SQ of `sq_slots` slots: half its slot count rounded up to a power
-    of two (Linux bnxt_qplib_create_qp, msn_tbl_sz)."""
-    return (1 << (sq_slots - 1).bit_length()) // 2
+_OPCODE = bnxt.SQ_PSN_SEARCH_EXT_OPCODE_SFT, bnxt.SQ_PSN_SEARCH_EXT_OPCODE_MASK
+_SEARCH_START_PSN = bnxt.SQ_PSN_SEARCH_EXT_START_PSN_SFT, bnxt.SQ_PSN_SEARCH_EXT_START_PSN_MASK
+_SEARCH_NEXT_PSN = bnxt.SQ_PSN_SEARCH_EXT_NEXT_PSN_SFT, bnxt.SQ_PSN_SEARCH_EXT_NEXT_PSN_MASK
+
+
+def psn_search_values(wqe_type: int, start_psn: int, next_psn: int, start_slot: int) -> tuple[int, int, int]:
+    """PSN_SEARCH_ENTRY's values for one WQE: its type and first PSN, the PSN after its last (flags 0), the slot it
+    starts at (Linux bnxt_qplib_fill_psn_search, P5/P7)."""
+    return (wqe_type << _OPCODE[0] & _OPCODE[1] | start_psn << _SEARCH_START_PSN[0] & _SEARCH_START_PSN[1],
+            next_psn << _SEARCH_NEXT_PSN[0] & _SEARCH_NEXT_PSN[1], start_slot)
+
+
+def psn_search_fields(opcode_start_psn: int, flags_next_psn: int, start_slot: int) -> tuple[int, int, int]:
+    """(start_psn, next_psn, start_slot) of PSN_SEARCH_ENTRY's values: what `msn_fields` gives for an MSN entry."""
+    return ((opcode_start_psn & _SEARCH_START_PSN[1]) >> _SEARCH_START_PSN[0],
+            (flags_next_psn & _SEARCH_NEXT_PSN[1]) >> _SEARCH_NEXT_PSN[0], start_slot)
+
+
+def _power_of_two(count: int) -> int:
+    return 1 << (count - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class SqGeometry:
+    """One send queue as CREATE_QP names it: `size` is its sq_size, slots with `variable` WQEs or WQEs without;
+    `host_msn` says which search table follows the ring. Linux: bnxt_qplib_create_qp, bnxt_re_set_sq_size,
+    bnxt_qplib_pull_psn_buff."""
+    variable: bool
+    size: int
+    host_msn: bool
+
+    @property
+    def slot_unit(self) -> int:
+        """Slots per unit of the doorbell index: 1, or a whole static WQE (Linux _set_sq_max_slot)."""
+        return 1 if self.variable else SQ_STATIC_WQE_SLOTS
+
+    @property
+    def slots(self) -> int:
+        return self.size * self.slot_unit
+
+    @property
+    def table_offset(self) -> int:
+        """Bytes from the start of the ring to the search table."""
+        return self.slots * SQ_SLOT
+
+    @property
+    def table_entry(self) -> Layout:
+        return MSN_ENTRY if self.host_msn else PSN_SEARCH_ENTRY
+
+    @property
+    def table_entries(self) -> int:
+        """The MSN table: sq_size rounded up to a power of two, halved with variable WQEs (msn_tbl_sz); the PSN search
+        table: one entry per sq_size unit."""
+        if self.host_msn:
+            return _power_of_two(self.size) // (2 if self.variable else 1)
+        return self.size
+
+    def table_index(self, message: int, start_slot: int) -> int:
+        """The entry of the message numbered `message` (from 0 at RESET) whose WQE starts at ring slot `start_slot`."""
+        return (message if self.host_msn else start_slot // self.slot_unit) % self.table_entries
+
+    def entry_fields(self, values: tuple[int, ...]) -> tuple[int, int, int]:
+        """(start_psn, next_psn, start_slot) of an entry unpacked with `table_entry`."""
+        return msn_fields(values[0]) if self.host_msn else psn_search_fields(*values)

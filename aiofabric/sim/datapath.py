@@ -31,8 +31,10 @@ Deviations from rxe/hardware, on purpose:
 - When a reordered packet closes a NAKed gap, later packets that raced the requester's go-back are dropped without a
   second NAK-sequence (rxe sends one; the requester would go back twice for one reordering): see responder.py.
 - A duplicate READ is answered from its own RETH (rkey checked again, memory read again); responder READ resources
-  (max_dest_rd_atomic, the IRRQ) are not limited, and the ORRQ/IRRQ and MSN-table memory is not used: the engine
-  keeps that state itself. `max_rd_atomic` 0 is treated as 1.
+  (max_dest_rd_atomic, the IRRQ) are not limited, and the ORRQ/IRRQ memory is not used: the engine keeps that state
+  itself. The SQ's search table (MSN or PSN entries) is read only by a go-back with hardware retransmission on, to
+  find the message it resumes (requester.py); without it the engine retransmits from its own state, as firmware keeps
+  it in the QP context. `max_rd_atomic` 0 is treated as 1.
 - No P_Key or source-address check on received packets (the socket binding does the addressing).
 - Atomics, SEND with invalidate, SRQs, UD and UC are not emulated (atomic requests get NAK invalid request).
 """

@@ -17,9 +17,12 @@ from ..autogen import bnxt
 from ..hw.firmware import BackingStoreType as BS
 from .memory import PAGE, BusMemory, DmaFault
 from .objects import BackingStoreArea, CommandError, L2Filter, PageTableError, Ring, StatContext, Vnic
+from .profiles import DEFAULT_PROFILE, PROFILES, FirmwareProfile
 
 TYPE_VALID = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID
 CTX_INIT = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_ENABLE_CTX_KIND_INIT
+FW_TRACE = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_FW_DBG_TRACE  # a log buffer: a driver may leave it out
+SRT_TRACE = bnxt.FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_SRT_TRACE
 
 
 @dataclass
@@ -28,7 +31,7 @@ class FirmwareConfig:
     port_id: int = 0
     fw_version: tuple[int, int, int, int] = (230, 0, 150, 0)  # major, minor, build, reserved
     roce_db_page_kb: int = 64  # func_qcfg.legacy_l2_db_size_kb: the RoCE doorbell page is at BAR2 + this * 1024
-    hw_retx: bool = True  # QUERY_FUNC reports the host MSN table (hardware requester retransmission)
+    profile: FirmwareProfile = PROFILES[DEFAULT_PROFILE]  # the chip and what its firmware offers (profiles.py)
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,15 @@ class ContextType:
     def instances(self) -> list[int]:
         return [i for i in range(32) if self.instance_bit_map >> i & 1] or [0]
 
+    @property
+    def required(self) -> bool:
+        """RoCE needs it configured: valid, and not a firmware log buffer."""
+        return bool(self.flags & TYPE_VALID) and not self.flags & FW_TRACE
+
 
 # A Thor2-like set, small enough for an emulator's arena: Linux sizes QPs as split0 (L2) + split1 (QP1) + extra RoCE
-# QPs, CQs as split0 + 2 * extra QPs, TIM like QPs. TX_CK is reported but not valid for this function.
+# QPs, CQs as split0 + 2 * extra QPs, TIM like QPs. TX_CK is reported but not valid for this function; SRT_TRACE is a
+# firmware log buffer, valid but optional (bnxt_en configures it only to collect logs).
 CONTEXT_TYPES = {ctx.kind: ctx for ctx in (
     #           type            size flags                 instances init  offset multiple min  max    splits
     ContextType(BS.QP,          704, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 2,     64,      256, 2048,  (128, 2, 0)),
@@ -64,6 +73,7 @@ CONTEXT_TYPES = {ctx.kind: ctx for ctx in (
     ContextType(BS.MRAV,        128, TYPE_VALID | CTX_INIT, 0x00,     0x80, 1,     64,      64,  8192),
     ContextType(BS.TIM,         16,  TYPE_VALID,            0x00,     0,    0,     1,       1,   2048),
     ContextType(BS.TX_CK,       0,   0,                     0x00,     0,    0,     0,       0,   0),
+    ContextType(SRT_TRACE,      64,  TYPE_VALID | FW_TRACE, 0x00,     0,    0,     1,       16,  256),
 )}
 _kinds = sorted(CONTEXT_TYPES)
 NEXT_CONTEXT_TYPE = dict(zip(_kinds, _kinds[1:] + [BS.INVALID]))
@@ -157,7 +167,7 @@ class FunctionState:
         if not self.backing_store_done:
             return "backing store not configured (no FUNC_BACKING_STORE_CFG_V2 with BS_CFG_ALL_DONE)"
         for ctx in CONTEXT_TYPES.values():
-            missing = [i for i in ctx.instances if ctx.flags & TYPE_VALID and (ctx.kind, i) not in self.backing_store]
+            missing = [i for i in ctx.instances if ctx.required and (ctx.kind, i) not in self.backing_store]
             if missing:
                 return f"backing-store type {ctx.kind:#x} instances {missing} not configured"
         return None

@@ -28,6 +28,7 @@ from ..autogen import bnxt
 from ..pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_VENDOR_ID, Bar, DmaBuffer, PCIDevice, PCIError, _virt_addr
 from .memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU, check_mtu
+from .profiles import DEFAULT_PROFILE, PROFILES
 
 if TYPE_CHECKING:
     from .debug import DebugClient
@@ -40,7 +41,7 @@ START_TIMEOUT = 20.0
 FAULTS = ("loss", "dup", "reorder", "corrupt")
 TRANSPORTS = ("udp", "raw")
 # Every option the emulator reads (process.py), plus netns, which places the process.
-OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "netns", "port_mtu")
+OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "netns", "port_mtu", "profile")
 NETNS_DIR = "/run/netns"  # where `ip netns add` puts its namespaces
 
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
@@ -107,6 +108,8 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     latency = options.get("fw_latency_us", 0)
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0:
         raise ValueError(f"fw_latency_us={latency!r}: must be a number >= 0")
+    if options.get("profile", DEFAULT_PROFILE) not in PROFILES:
+        raise ValueError(f"profile={options['profile']!r}: choose one of {', '.join(PROFILES)}")
     seed = options.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={seed!r}: must be an int")
@@ -174,7 +177,8 @@ class SimPCIDevice(PCIDevice):
 
     `options` go to the emulator; see OPTIONS and the README: `ip` (without one the emulator binds a free 127.0.0.x
     itself, race-free across processes; `self.ip` says which), `mac`, `fw_latency_us`, `transport`, the wire faults
-    `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, `port_mtu` (port.py), and `netns`, which starts the process
+    `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, `port_mtu` (port.py), `profile` (the chip and firmware it
+    plays, profiles.py), and `netns`, which starts the process
     inside that network namespace, so its wire is the namespace's interfaces. Bad options raise ValueError before
     anything starts; an emulator that cannot start raises PCIError with its reason.
     """
@@ -202,7 +206,8 @@ class SimPCIDevice(PCIDevice):
         self._debug, debug_peer = socket.socketpair()
         self._debug_file = self._debug.makefile("rwb", buffering=0)
         self._config = bytearray(256)
-        struct.pack_into("<HH", self._config, PCI_VENDOR_ID, BROADCOM_VENDOR_ID, bnxt.CHIP_NUM_57608)
+        struct.pack_into("<HH", self._config, PCI_VENDOR_ID, BROADCOM_VENDOR_ID,
+                         PROFILES[options.get("profile", DEFAULT_PROFILE)].chip_num)
         config = {"name": name, "bar0_fd": self._bar0_fd, "arena_fd": self._arena_fd, "kick_fd": kick_peer.fileno(),
                   "debug_fd": debug_peer.fileno(), "irq_fds": self._irqs, "driver_pid": os.getpid(), **options}
         self._bars = {0: SimBar(0, self._bar0_mem, BAR0_SIZE, self._kick, BAR0_KICK_FROM),

@@ -1,11 +1,12 @@
 """The emulated NIC's firmware, HWRM side: the ChiMP command channel, doorbells and fault injection (sans-IO).
 
 `Firmware.hwrm(request)` executes one request window and returns where to DMA the answer and its bytes; the I/O
-shell writes them (valid byte last) and fires interrupts from `Firmware.interrupts`. `Firmware` is the function's
-shared state (function.py) plus the HWRM commands, the Ethernet port (port.py: link and MTU) and the asynchronous
-events the driver registered for (`post_event`); its RoCE command channel is `rcfw.Rcfw`, created here over that
-state. Behaviour follows what Linux's bnxt_en (bnxt_hwrm.c, bnxt.c) expects of real firmware. Bad input never
-raises: it gets an error code.
+shell writes them (valid byte last) and fires interrupts from `Firmware.interrupts`. A window holding a short request
+(`hwrm_short_input`) names the request in host memory, read from there. What the firmware offers (its chip, backing
+store v2, short commands) is its profile's (profiles.py). `Firmware` is the function's shared state (function.py)
+plus the HWRM commands, the Ethernet port (port.py: link and MTU) and the asynchronous events the driver registered
+for (`post_event`); its RoCE command channel is `rcfw.Rcfw`, created here over that state. Behaviour follows what
+Linux's bnxt_en (bnxt_hwrm.c, bnxt.c) expects of real firmware. Bad input never raises: it gets an error code.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from ..autogen import bnxt
 from ..hw.async_event import (NEW_MTU_MASK, EventId, ResetReason, async_event, forwarded, link_event_data,
                               reset_event_data)
 from ..hw.doorbell import INDEX_MASK
-from ..hw.firmware import HWRM_REQUEST_HEADER, PAGE_SIZE_CODES, RING_ENTRY_SIZES
+from ..hw.firmware import (HWRM_REQUEST_HEADER, HWRM_SHORT_REQUEST, PAGE_SIZE_CODES, RING_ENTRY_SIZES,
+                           SHORT_REQUEST_SIGNATURE)
 from ..hw.firmware import BackingStoreType as BS
 from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, ContextType, FirmwareConfig, FunctionState
 from .memory import BusMemory, DmaFault
@@ -33,6 +35,9 @@ FUNCTION_ID = 0  # this PF's fid; requests may also say 0xFFFF for "myself"
 DEFAULT_REQUEST_TIMEOUT_MS = 500
 MAX_RING_LENGTH = INDEX_MASK + 1  # a doorbell's index must reach every entry
 ALL_DONE = bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_FLAGS_BS_CFG_ALL_DONE
+BACKING_STORE_V2 = bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED | bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_REQUIRED
+SHORT_COMMANDS = bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_SUPPORTED | bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_REQUIRED
+BACKING_STORE_V2_COMMANDS = {bnxt.HWRM_FUNC_BACKING_STORE_QCAPS_V2, bnxt.HWRM_FUNC_BACKING_STORE_CFG_V2}
 
 L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TYPE_{name}") for name in
                                           ("L2_CMPL", "TX", "RX", "ROCE_CMPL", "RX_AGG", "NQ"))
@@ -80,12 +85,22 @@ class Firmware(FunctionState):
         if len(request) < HWRM_REQUEST_HEADER.size:
             self.stats["hwrm_unanswerable"] += 1
             return None
+        short = HWRM_SHORT_REQUEST.unpack_from(request)[1] == SHORT_REQUEST_SIGNATURE
+        if short:
+            named = self._short_request(request)
+            if named is None:
+                self.stats["hwrm_unanswerable"] += 1
+                return None
+            request = named
         req_type, _, seq_id, _, resp_addr = HWRM_REQUEST_HEADER.unpack_from(request)
         command = self._commands.get(req_type)
         output: ctypes.Structure = bnxt.hwrm_err_output()
+        profile = self.config.profile
         try:
-            if command is None:
+            if command is None or req_type in BACKING_STORE_V2_COMMANDS and not profile.backing_store_v2:
                 raise CommandError(bnxt.HWRM_ERR_CODE_CMD_NOT_SUPPORTED, "command not supported")
+            if profile.short_commands and not short and req_type != bnxt.HWRM_VER_GET:
+                raise CommandError(INVALID_PARAMS, "a request in the window: this firmware requires short commands")
             if (injected := self.take_injected_error(command.name)) is not None:
                 output.error_code = injected
             else:
@@ -104,6 +119,18 @@ class Firmware(FunctionState):
             self.stats["hwrm_unanswerable"] += 1
             return None
         return resp_addr, response
+
+    def _short_request(self, window: bytes) -> bytes | None:
+        """The request a short one names (hwrm_short_input: its bus address and length), or None if it names
+        none that exists."""
+        _, _, _, size, address = HWRM_SHORT_REQUEST.unpack_from(window)
+        if not HWRM_REQUEST_HEADER.size <= size <= bnxt.HWRM_MAX_REQ_LEN:
+            return None
+        self.stats["short_commands"] += 1
+        try:
+            return self.mem.read(address, size).ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0")
+        except DmaFault:
+            return None
 
     def doorbell(self, offset: int, value: int) -> None:
         """A 64-bit write to BAR2. Below the RoCE doorbell page are legacy L2 doorbells: counted, ignored."""
@@ -136,7 +163,9 @@ class Firmware(FunctionState):
             fields.update(zip((f"{component}_{part}" for part in ("maj_8b", "min_8b", "bld_8b", "rsvd_8b")), version))
             fields.update(zip((f"{component}_{part}" for part in ("major", "minor", "build", "patch")), version))
             fields[f"{component}_name"] = name
-        return {**fields, "active_pkg_name": name, "chip_num": bnxt.CHIP_NUM_57608,
+        profile = self.config.profile
+        return {**fields, "active_pkg_name": name, "chip_num": profile.chip_num,
+                "dev_caps_cfg": SHORT_COMMANDS if profile.short_commands else 0,
                 "max_req_win_len": bnxt.HWRM_MAX_REQ_LEN, "max_resp_len": bnxt.HWRM_MAX_RESP_LEN,
                 "def_req_timeout": DEFAULT_REQUEST_TIMEOUT_MS, "max_ext_req_len": bnxt.HWRM_MAX_REQ_LEN,
                 "flags": bnxt.VER_GET_RESP_FLAGS_EXT_VER_AVAIL, "always_1": 1}
@@ -153,8 +182,7 @@ class Firmware(FunctionState):
         self._own_function(request.fid)
         return {"fid": FUNCTION_ID, "port_id": self.config.port_id, "mac_address": tuple(self.config.mac),
                 "flags": bnxt.FUNC_QCAPS_RESP_FLAGS_ROCE_V2_SUPPORTED,
-                "flags_ext": bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED
-                | bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_REQUIRED,
+                "flags_ext": BACKING_STORE_V2 if self.config.profile.backing_store_v2 else 0,
                 "max_rsscos_ctx": MAX_RSS_CONTEXTS, "max_cmpl_rings": RING_LIMITS[L2_CMPL],
                 "max_tx_rings": RING_LIMITS[TX], "max_rx_rings": RING_LIMITS[RX], "max_l2_ctxs": MAX_L2_FILTERS,
                 "max_vnics": MAX_VNICS, "max_stat_ctx": MAX_STAT_CTXS, "max_hw_ring_grps": RING_LIMITS[RX]}

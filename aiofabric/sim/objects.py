@@ -17,6 +17,7 @@ from ..hw.cqe import CQ_ENTRY, NQ_ENTRY, cq_notification
 from ..hw.firmware import PTE_FLAGS, PTE_SIZE, unpack_ptes
 from ..hw.ring import consumer_from_doorbell
 from ..hw.verbs import QPState
+from ..hw.wqe import SqGeometry
 from .memory import PAGE, BusMemory, DmaFault
 
 PTES_PER_PAGE = PAGE // PTE_SIZE
@@ -235,8 +236,7 @@ class QueuePair:
     scq: CompletionQueue
     rcq: CompletionQueue
     sq: PageList
-    sq_size: int  # as created: WQEs (static mode) or 16-byte slots (variable-WQE mode)
-    sq_slots: int  # 16-byte slots in the ring
+    sq_geometry: SqGeometry  # as created: its size (WQEs, or slots with variable WQEs) and search table
     sq_sge: int
     rq: PageList | None
     rq_size: int  # WQEs
@@ -267,6 +267,7 @@ class QueuePair:
     max_rd_atomic: int = 0
     max_dest_rd_atomic: int = 0
     dest_qp_id: int = 0
+    hw_retx: bool = False  # INITIALIZE_FW asked for hardware retransmission: a go-back reads the SQ's search table
     attributes_set: int = 0  # union of every MODIFY_QP mask applied so far
     sq_producer: int = 0  # last SQ doorbell index (WQEs in static mode, slots in variable mode) and its epoch
     sq_producer_epoch: int = 0
@@ -286,7 +287,16 @@ class QueuePair:
 
     @property
     def variable_wqe(self) -> bool:
-        return bool(self.flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED)
+        return self.sq_geometry.variable
+
+    @property
+    def sq_size(self) -> int:
+        return self.sq_geometry.size
+
+    @property
+    def sq_slots(self) -> int:
+        """16-byte slots in the ring."""
+        return self.sq_geometry.slots
 
     @property
     def force_completion(self) -> bool:

@@ -66,6 +66,7 @@ from .hwrm import Firmware
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .pcap import PcapWriter
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
+from .profiles import DEFAULT_PROFILE, PROFILES
 from .requester import WINDOW
 from .wire import LOOPBACK_HOSTS, Faults, Transport, open_on_free_loopback, open_transport
 
@@ -144,7 +145,7 @@ class Emulator:
         self.driver_fd = driver_fd
         self.irq_fds: list[int] = config["irq_fds"]
         mac = bytes.fromhex(config["mac"].replace(":", "")) if config.get("mac") else mac_for(self.name)
-        self.fw = Firmware(self.mem, FirmwareConfig(mac=mac))
+        self.fw = Firmware(self.mem, FirmwareConfig(mac=mac, profile=PROFILES[config.get("profile", DEFAULT_PROFILE)]))
         self.fw.port.mtu = config.get("port_mtu", DEFAULT_PORT_MTU)
         self.latency = config.get("fw_latency_us", DEFAULT_LATENCY_US) * 1e-6
         self.bus_master = False

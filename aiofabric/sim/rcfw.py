@@ -22,7 +22,7 @@ from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT
 from ..hw.firmware import BackingStoreType as BS
 from ..hw.layout import field_type
 from ..hw.verbs import PATH_MTU_BYTES, QUERY_QP_PATH_MTU_CODES, QPState, legal_transition
-from ..hw.wqe import RQ_WQE_HEADER_SLOTS, SQ_SLOT, SQ_STATIC_WQE_SLOTS
+from ..hw.wqe import RQ_WQE_HEADER_SLOTS, SQ_SLOT, SqGeometry
 from .function import FunctionState
 from .memory import BAR2_SIZE, PAGE, DmaFault
 from .objects import (CommandError, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList, PageTableError,
@@ -89,7 +89,7 @@ class Rcfw:
         self.producer = self.published = self.consumer = 0  # 16-bit free-running slot counts
         self.consumer_slot = 0
         self.initialized = False
-        self.hw_retx = False  # INITIALIZE_FW asked for hardware requester retransmission, and we offer it
+        self.hw_retx = False  # INITIALIZE_FW asked for hardware requester retransmission (the profile offers it)
         self.events: collections.deque[bytes] = collections.deque()  # asynchronous events waiting for CREQ room
         self.gids: dict[int, Gid] = {}
         self.cqs: dict[int, CompletionQueue] = {}
@@ -270,8 +270,11 @@ class Rcfw:
             raise CommandError(FAIL, missing)
         if request.stat_ctx_id not in self.fw.stat_ctxs:
             raise CommandError(INVALID_PARAMETER, f"stat_ctx_id {request.stat_ctx_id} is not allocated")
-        self.hw_retx = self.fw.config.hw_retx and bool(
-            request.flags & bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED)
+        hw_retx = bool(request.flags & bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED)
+        if hw_retx and not self.fw.config.profile.hw_retx:  # strict: a driver asking for what is not offered fails
+            raise CommandError(INVALID_PARAMETER, "HW_REQUESTER_RETX_SUPPORTED: QUERY_FUNC's dev_cap_flags do not "
+                                                  "offer hardware retransmission")
+        self.hw_retx = hw_retx
         self.initialized = True
         return {}
 
@@ -280,7 +283,7 @@ class Rcfw:
         return {}
 
     def _query_func(self, request: Any, command: PendingCommand) -> dict[str, Any]:
-        hw_retx = self.fw.config.hw_retx
+        profile = self.fw.config.profile
         qps, cqs, mravs = (self.fw.context_capacity(kind) for kind in (BS.QP, BS.CQ, BS.MRAV))
         sb = bnxt.creq_query_func_resp_sb(
             max_mr_size=MAX_MR_SIZE, max_qp=qps, max_qp_wr=0xFFFF, max_cq=cqs, max_cqe=MAX_CQES, max_pd=1 << 16,
@@ -289,9 +292,9 @@ class Rcfw:
             l2_db_space_size=self.fw.roce_db_offset // PAGE - 1, max_dpi=(BAR2_SIZE - self.fw.roce_db_offset) // PAGE,
             max_sge_var_wqe=13, max_inline_data_var_wqe=13 * SQ_SLOT,
             dev_cap_flags=bnxt.CREQ_QUERY_FUNC_RESP_SB_MR_REGISTER_ALLOC
-            | (bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_REQUESTER_RETX_ENABLED if hw_retx else 0),
-            dev_cap_ext_flags_2=bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE if hw_retx
-            else bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_PSN_TABLE)
+            | (bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_REQUESTER_RETX_ENABLED if profile.hw_retx else 0),
+            dev_cap_ext_flags_2=bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE
+            if profile.host_msn_table else bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_PSN_TABLE)
         return self._side_buffer(command, sb)
 
     def _side_buffer(self, command: PendingCommand, sb: ctypes.Structure) -> dict[str, Any]:
@@ -358,12 +361,13 @@ class Rcfw:
             raise CommandError(INVALID_PARAMETER, f"SRQ {request.srq_cid} does not exist (SRQs are not emulated)")
         if not request.sq_size:
             raise CommandError(INVALID_PARAMETER, "sq_size 0")
-        variable = bool(request.qp_flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED)
-        sq_slots = request.sq_size if variable else request.sq_size * SQ_STATIC_WQE_SLOTS
+        geometry = SqGeometry(bool(request.qp_flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED),
+                              request.sq_size, self.fw.config.profile.host_msn_table)
         sq_pages = request.sq_pg_size_sq_lvl
         sq = self._queue_pages("SQ", sq_pages & bnxt.CMDQ_CREATE_QP_SQ_LVL_MASK,
                                (sq_pages & bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_MASK) >> bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_SFT,
-                               request.sq_pbl, sq_slots * SQ_SLOT)
+                               request.sq_pbl, geometry.table_offset + geometry.table_entries
+                               * geometry.table_entry.size)  # the ring, then the search table
         rq_sge = request.rq_fwo_rq_sge & bnxt.CMDQ_CREATE_QP_RQ_SGE_MASK
         rq_wqe_size = (RQ_WQE_HEADER_SLOTS + rq_sge) * SQ_SLOT  # rq_wqe_hdr, then the SGEs
         rq_pages = request.rq_pg_size_rq_lvl
@@ -377,9 +381,9 @@ class Rcfw:
         else:
             qpn = self._new_id(self.qps, self.fw.context_capacity(BS.QP), "QP", first=2)
         self.qps[qpn] = QueuePair(
-            qpn, request.qp_handle, request.type, request.qp_flags, request.pd_id, scq, rcq, sq, request.sq_size,
-            sq_slots, request.sq_fwo_sq_sge & bnxt.CMDQ_CREATE_QP_SQ_SGE_MASK, rq, request.rq_size, rq_wqe_size,
-            rq_sge, request.irrq_addr, request.orrq_addr)
+            qpn, request.qp_handle, request.type, request.qp_flags, request.pd_id, scq, rcq, sq, geometry,
+            request.sq_fwo_sq_sge & bnxt.CMDQ_CREATE_QP_SQ_SGE_MASK, rq, request.rq_size, rq_wqe_size, rq_sge,
+            request.irrq_addr, request.orrq_addr, hw_retx=self.hw_retx)
         return {"xid": qpn}
 
     def _modify_qp(self, request: Any, command: PendingCommand) -> dict[str, Any]:

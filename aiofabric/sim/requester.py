@@ -12,7 +12,9 @@ completer retires WQEs in order as ACKs arrive (an ACK for PSN n acknowledges ev
 responses in the local SGEs and retransmits go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an
 implied NAK (an ACK past an unfinished READ, a gap in read responses) or a timeout, once per loss: a NAK that names
 the PSN a go-back already restarted from (a duplicate, or one slower than the timer) starts no second one (stat
-"go_backs" counts them). Behaviour follows rxe
+"go_backs" counts them). With hardware retransmission on (INITIALIZE_FW), a go-back finds the message it resumes in
+the search table the driver wrote after the SQ, as the chip does: the message's MSN table entry, or its PSN search
+entry (`_resume_from_search_table`). Behaviour follows rxe
 (rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise. All it reaches of the data
 path is its `QpPort` (qpport.py).
 """
@@ -326,8 +328,34 @@ class Requester:
                 self.send = i
                 self.send_pkt = max(0, psn_diff(una, w.first_psn))  # a READ's: its first response not received
                 break
+        if self.qp.hw_retx and self.send < len(wqes) and wqes[self.send].status is None:
+            self._resume_from_search_table()
         self.noack = 0
         self.port.wake()
+
+    def _resume_from_search_table(self) -> None:
+        """Take the message a go-back resumes from the search table: re-read the WQE in the slot its entry names,
+        number it from the entry's start PSN, complete it at the entry's next PSN, and number what follows on from it.
+        An entry that says what the data path already knows changes nothing; a wrong one misleads the retransmission
+        as it would mislead the chip."""
+        wqes, i = self.wqes, self.send
+        w = wqes[i]
+        try:
+            start_psn, next_psn, start_slot = self.sq.search_entry(w)
+        except (*ACCESS_ERRORS, IndexError):
+            self.fail(S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, R.REQ_TX_MEMORY_ERROR)
+            return
+        if start_psn == w.first_psn and next_psn == (w.last_psn + 1) & PSN_MASK and start_slot == w.slot:
+            return
+        self.stats["search_table_mismatches"] += 1
+        resumed = wqes[i] = self.sq.parse_at(start_slot, start_psn, w.index)
+        resumed.last_psn = (next_psn - 1) & PSN_MASK
+        psn = (start_psn + resumed.npkts) & PSN_MASK
+        for later in wqes[i + 1:]:
+            later.first_psn, later.last_psn = psn, (psn + later.npkts - 1) & PSN_MASK
+            psn = (psn + later.npkts) & PSN_MASK
+        self.next_psn = psn
+        self.send_pkt = min(max(0, psn_diff(self.una, start_psn)), resumed.npkts - 1)
 
     def _retry(self, now: float, timeout: bool = False) -> None:
         if self.started_retry and not timeout:

@@ -4,7 +4,9 @@ The WQE format is hw/wqe.py's. Variable-WQE mode (what the driver uses): the rin
 header plus `wqe_size - 2` SGE (or inline data) slots, every slot wrapping on its own, and the doorbell names the
 producer slot. Static mode: every WQE takes SQ_STATIC_WQE_SLOTS slots and the doorbell names the producer WQE. Each
 WQE becomes a `SendWqe` with its local memory already mapped (a memoryview, or a ScatterGather) and its PSN range
-assigned; a WQE the device cannot use carries the completion status it will fail with.
+assigned; a WQE the device cannot use carries the completion status it will fail with. After the ring comes the
+search table the driver fills (hw.wqe.SqGeometry): `search_entry` reads a WQE's entry, `parse_at` reads again the
+WQE an entry names, as hardware retransmission does.
 """
 from __future__ import annotations
 
@@ -59,14 +61,15 @@ class PsnAllocator(Protocol):
 class SendWqe:
     """One fetched SQ WQE and its progress."""
 
-    __slots__ = ("index", "ops", "read", "signaled", "solicited", "fence", "length", "remote_va", "rkey", "imm",
-                 "data", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason")
+    __slots__ = ("index", "slot", "ops", "read", "signaled", "solicited", "fence", "length", "remote_va", "rkey",
+                 "imm", "data", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason")
 
     def __init__(self, index: int, ops: pk.Opcodes | None = None, read: bool = False, signaled: bool = False,
                  solicited: bool = False, fence: bool = False, length: int = 0, remote_va: int = 0, rkey: int = 0,
                  imm: int = 0, data: Buffer = EMPTY, first_psn: int = 0, npkts: int = 1,
-                 status: int | None = None, reason: int = 0) -> None:
-        self.index = index  # free-running WQE count: sq_cons_idx of its CQE is index + 1
+                 status: int | None = None, reason: int = 0, slot: int = 0) -> None:
+        self.index = index  # free-running WQE count: sq_cons_idx of its CQE is index + 1; its message number
+        self.slot = slot  # the ring slot it starts at
         self.ops, self.read, self.signaled, self.solicited, self.fence = ops, read, signaled, solicited, fence
         self.length, self.remote_va, self.rkey, self.imm, self.data = length, remote_va, rkey, imm, data
         self.first_psn, self.npkts = first_psn, npkts
@@ -109,7 +112,7 @@ class SendQueue:
         """Every WQE the driver published since the last call, in order (bare ones when `flush`: they only need their
         index); PSN ranges come from `psns.next_psn`. None when the doorbell named an impossible producer."""
         qp, wqes = self.qp, list[SendWqe]()
-        unit = 1 if qp.variable_wqe else SQ_STATIC_WQE_SLOTS
+        unit = qp.sq_geometry.slot_unit
         ring = qp.sq_slots
         produced = producer_from_doorbell(self.fetched_slots // unit, qp.sq_producer, qp.sq_producer_epoch,
                                           ring // unit)
@@ -120,7 +123,7 @@ class SendQueue:
             views, shift, mask = self._ring()
         except ACCESS_ERRORS:
             views, shift, mask = [], 0, 0
-        largest = min(SQ_WQE_HEADER_SLOTS + MAX_SGES, SQ_STATIC_WQE_SLOTS if unit > 1 else ring)
+        largest = self._largest_wqe()
         unpack, append = SQ_RDMA_HEADER_AND_SGE.unpack_from, wqes.append
         while self.fetched_slots < produced:
             available = produced - self.fetched_slots
@@ -136,7 +139,12 @@ class SendQueue:
             size = fields[2]
             if HEADER_SLOTS <= size <= available and size <= largest:
                 stride = size if unit == 1 else SQ_STATIC_WQE_SLOTS
-                w = self._parse(psns, first, fields) if not flush else SendWqe(self.fetched)
+                if flush:
+                    w = SendWqe(self.fetched)
+                else:
+                    w = self._parse(psns.next_psn, first, fields, self.fetched)
+                    if w.status is None:
+                        psns.next_psn = (w.last_psn + 1) & PSN_MASK
             else:  # nothing after a malformed WQE can be parsed: it takes the rest of what was published
                 stride = available
                 w = SendWqe(self.fetched, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR)
@@ -145,11 +153,37 @@ class SendQueue:
             append(w)
         return wqes
 
-    def _parse(self, psns: PsnAllocator, first: int, fields: tuple[int, ...]) -> SendWqe:
+    def _largest_wqe(self) -> int:
+        """Slots the largest WQE this SQ can hold takes."""
+        qp = self.qp
+        return min(SQ_WQE_HEADER_SLOTS + MAX_SGES, qp.sq_slots if qp.variable_wqe else SQ_STATIC_WQE_SLOTS)
+
+    def search_entry(self, w: SendWqe) -> tuple[int, int, int]:
+        """(start_psn, next_psn, start_slot) the search table holds for WQE `w` (DmaFault or IndexError if the table
+        cannot be read)."""
+        geometry = self.qp.sq_geometry
+        entry = geometry.table_entry
+        address = self.qp.sq.address(geometry.table_offset + geometry.table_index(w.index, w.slot) * entry.size)
+        return geometry.entry_fields(entry.unpack(self.mem.read(address, entry.size)))
+
+    def parse_at(self, first: int, first_psn: int, index: int) -> SendWqe:
+        """The WQE starting at ring slot `first` read again, numbered `index`, its PSNs from `first_psn` on."""
+        ring = self.qp.sq_slots
+        try:
+            fields = SQ_RDMA_HEADER_AND_SGE.unpack(self._slot(first) + self._slot((first + 1) % ring)
+                                                   + self._slot((first + HEADER_SLOTS) % ring))
+        except (*ACCESS_ERRORS, IndexError):
+            fields = UNREADABLE
+        if not HEADER_SLOTS <= fields[2] <= self._largest_wqe():
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR, slot=first)
+        return self._parse(first_psn, first, fields, index)
+
+    def _parse(self, first_psn: int, first: int, fields: tuple[int, ...], index: int) -> SendWqe:
         """A SendWqe from its header and first SGE slot (SQ_RDMA_HEADER_AND_SGE: a SEND's header keeps the fields read
-        here at the same offsets), with its local memory mapped and its PSNs assigned (or the local error found)."""
+        here at the same offsets), with its local memory mapped and its PSNs from `first_psn` on (or the local error
+        found)."""
         kind, flags, size, imm, length, remote_va, rkey, _, va, key, sge_size = fields
-        qp, index = self.qp, self.fetched
+        qp = self.qp
         known = KINDS.get(kind)
         if known is None:
             return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR)
@@ -181,9 +215,6 @@ class SendQueue:
                     return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=TX_MEMORY_ERROR)
         except ACCESS_ERRORS:
             return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=TX_MEMORY_ERROR)
-        npkts = psn_count(length, qp.path_mtu)
-        first_psn = psns.next_psn
-        psns.next_psn = (first_psn + npkts) & PSN_MASK
         return SendWqe(index, ops, read, flags & SIGNAL != 0 or self.force_completion, flags & SOLICIT != 0,
                        flags & FENCE != 0, length, remote_va if rdma else 0, rkey if rdma else 0, imm, data, first_psn,
-                       npkts)
+                       psn_count(length, qp.path_mtu), slot=first)

@@ -1,0 +1,46 @@
+"""Firmware profiles: which chip the emulated NIC is and what its firmware offers, reported where Linux reads it.
+
+    chip_num           VER_GET chip_num (bnxt_en bp->chip_num; bnxt_re's P5/P7 gates: variable WQEs on P7 only)
+    backing_store_v2   FUNC_QCAPS flags_ext BS_V2_SUPPORTED | BS_V2_REQUIRED (bnxt_en BNXT_FW_CAP_BACKING_STORE_V2);
+                       without it FUNC_BACKING_STORE_QCAPS_V2/CFG_V2 are not supported
+    hw_retx            QUERY_FUNC dev_cap_flags HW_REQUESTER_RETX_ENABLED (bnxt_re _is_hw_retx_supported); without it
+                       INITIALIZE_FW refuses HW_REQUESTER_RETX_SUPPORTED
+    host_msn_table     QUERY_FUNC dev_cap_ext_flags_2 REQ_RETRANSMISSION_SUPPORT: HOST_MSN_TABLE, else HOST_PSN_TABLE
+                       (bnxt_re _is_host_msn_table): the table hardware retransmission reads after each SQ
+    short_commands     VER_GET dev_caps_cfg SHORT_CMD_SUPPORTED | SHORT_CMD_REQUIRED (bnxt_en BNXT_FW_CAP_SHORT_CMD);
+                       then every request but VER_GET must come in the short format
+
+The default, "thor2", is a Thor2 (BCM57608) with current firmware. Pure data: hwrm.py and rcfw.py read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..autogen import bnxt
+
+
+@dataclass(frozen=True)
+class FirmwareProfile:
+    name: str
+    summary: str  # one line, for option errors and the README
+    chip_num: int = bnxt.CHIP_NUM_57608
+    backing_store_v2: bool = True
+    hw_retx: bool = True
+    host_msn_table: bool = True
+    short_commands: bool = False
+
+
+PROFILES = {profile.name: profile for profile in (
+    FirmwareProfile("thor2", "Thor2 (BCM57608): backing store v2, hardware retransmission from the host MSN table"),
+    FirmwareProfile("thor", "Thor (BCM57508) firmware: backing store v1 only, no hardware retransmission, the PSN "
+                    "search table", chip_num=bnxt.CHIP_NUM_57508, backing_store_v2=False, hw_retx=False,
+                    host_msn_table=False),
+    FirmwareProfile("thor-bs-v2", "Thor (BCM57508) whose firmware offers backing store v2: static WQEs, no hardware "
+                    "retransmission, the PSN search table", chip_num=bnxt.CHIP_NUM_57508, hw_retx=False,
+                    host_msn_table=False),
+    FirmwareProfile("psn-table", "Thor2 firmware that wants the PSN search table for hardware retransmission",
+                    host_msn_table=False),
+    FirmwareProfile("no-hw-retx", "Thor2 firmware without hardware requester retransmission", hw_retx=False),
+    FirmwareProfile("short-cmd", "Thor2 firmware that requires short HWRM commands", short_commands=True),
+)}
+DEFAULT_PROFILE = "thor2"

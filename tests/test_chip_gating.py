@@ -1,0 +1,138 @@
+"""Chip and capability gating, end to end on emulated NICs playing each firmware profile (aiofabric/sim/profiles.py):
+the driver uses each feature only where Linux finds it (bnxt_en: VER_GET chip_num and dev_caps_cfg, FUNC_QCAPS
+flags_ext; bnxt_re: QUERY_FUNC dev_cap_flags and dev_cap_ext_flags_2) and refuses in one line what it does not
+support; the emulator's go-backs retransmit from the search table the driver writes, so a wrong entry fails a
+transfer under loss."""
+import contextlib
+import os
+import random
+
+import anyio
+import pytest
+
+from aiofabric import PCIError, open_nic, queues
+from aiofabric.completions import CompletionError
+from aiofabric.hw.firmware import CONFIGURED_CONTEXT_TYPES, THOR2_CHIPS
+from aiofabric.sim.function import CONTEXT_TYPES
+from aiofabric.sim.profiles import PROFILES
+
+pytestmark = pytest.mark.anyio
+BOOTING = [name for name, profile in PROFILES.items() if profile.backing_store_v2]
+
+
+@contextlib.asynccontextmanager
+async def pair(profile, sq_depth=64, loss=0.0, timeout=8):
+    """Two emulated NICs of `profile`, one connected RC QP each (ACK timeout exponent `timeout`); `a` loses `loss`
+    of what it sends (seeded)."""
+    tag = f"{os.getpid()}-{random.getrandbits(20)}"
+    async with open_nic(f"sim:a{tag}", profile=profile, loss=loss, seed=11) as a, \
+            open_nic(f"sim:b{tag}", profile=profile) as b:
+        cq_a, cq_b = await a.create_cq(256), await b.create_cq(256)
+        qa = await a.create_qp(cq_a, sq_depth=sq_depth, rq_depth=64)
+        qb = await b.create_qp(cq_b, sq_depth=sq_depth, rq_depth=64)
+        await qa.connect(qb.info(), mtu=1024, timeout=timeout)
+        await qb.connect(qa.info(), mtu=1024, timeout=timeout)
+        yield a, b, qa, qb
+
+
+@pytest.mark.loop_agnostic
+async def test_an_unknown_profile_is_refused_in_one_line_naming_the_valid_ones():
+    with pytest.raises(ValueError, match="^profile='thor3': choose one of thor2, thor, thor-bs-v2, psn-table"):
+        async with open_nic("sim", profile="thor3"):
+            pass
+
+
+@pytest.mark.loop_agnostic
+async def test_backing_store_v1_firmware_is_refused_in_one_line():
+    with pytest.raises(PCIError, match=r"backing store v1 \(pre-Thor2 firmware\) is not supported \(FUNC_QCAPS "
+                                       r"flags_ext has no BS_V2_SUPPORTED\)$"):
+        async with open_nic("sim", profile="thor"):
+            pass
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("profile", BOOTING)
+async def test_each_feature_is_used_where_the_firmware_offers_it(profile):
+    """Variable WQEs on Thor2 only (bnxt_re_set_drv_mode), hardware retransmission from dev_cap_flags, the MSN or PSN
+    search table from dev_cap_ext_flags_2, short commands where VER_GET requires them (a driver that missed any of
+    these would fail to boot or to move data here); WRITE, READ and SEND all work."""
+    firmware = PROFILES[profile]
+    async with pair(profile) as (a, b, qa, qb):
+        device = a.device
+        assert (device.variable_wqes, device.hw_retransmit, device.host_msn_table) == \
+            (firmware.chip_num in THOR2_CHIPS, firmware.hw_retx, firmware.host_msn_table)
+        assert (qa.geometry.variable, qa.geometry.host_msn, bool(qa.msn_entries)) == \
+            (device.variable_wqes, firmware.host_msn_table, firmware.host_msn_table)
+        source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
+        source.view[:] = random.Random(3).randbytes(1 << 16)
+        with anyio.fail_after(20):
+            await qa.write(source, target, 20000)
+            await qa.read(source, target, 5000, local_offset=30000, remote_offset=100)
+            receive = await qb.post_recv(target, 4096, local_offset=40000)
+            await qa.send(source, 3000, local_offset=50000, imm=9)
+            assert ((await receive).byte_len, (await receive).imm) == (3000, 9)
+        view, remote = bytes(source.view), bytes(target.view)
+        assert remote[:20000] == view[:20000] and view[30000:35000] == remote[100:5100]
+        assert remote[40000:43000] == view[50000:53000]
+        stats = a.pci.debug({"op": "stats"})["stats"]
+        assert bool(stats.get("short_commands")) == firmware.short_commands
+
+
+@pytest.mark.loop_agnostic
+async def test_the_backing_store_leaves_the_firmware_trace_buffers_out():
+    """bnxt_en configures QP through TIM for a RoCE function, and the trace types only to collect firmware logs."""
+    configured = sum(len(ctx.instances) for ctx in CONTEXT_TYPES.values()
+                     if ctx.required and ctx.kind in CONFIGURED_CONTEXT_TYPES)
+    assert any(not ctx.required and ctx.entry_size for ctx in CONTEXT_TYPES.values())  # a trace buffer is offered
+    async with open_nic("sim") as nic:
+        assert nic.pci.debug({"op": "objects"})["objects"]["backing_store"] == configured
+
+
+SIZES = [random.Random(5).randrange(1, 12000) for _ in range(32)]  # unequal: a misnumbered message cannot pass
+
+
+async def writes_under_loss(profile):
+    """Thirty-two WRITEs of 1 B .. 12 KB from a NIC losing 5% of what it sends: True if all land intact. The ACK
+    timeout (~67 ms) is long enough that only a loss sends the requester back, never a slow ACK."""
+    async with pair(profile, loss=0.05, timeout=14) as (a, b, qa, qb):
+        source, target = await a.register_mr(1 << 19), await b.register_mr(1 << 19)
+        source.view[:] = random.Random(7).randbytes(1 << 19)
+        writes = [await qa.post_write(source, target, size, local_offset=16384 * i, remote_offset=16384 * i)
+                  for i, size in enumerate(SIZES)]
+        try:
+            with anyio.fail_after(30):
+                for write in writes:
+                    await write
+        except CompletionError:
+            return False
+        assert a.pci.debug({"op": "stats"})["stats"]["go_backs"] > 0  # the loss was recovered by retransmission
+        return all(target.view[16384 * i:16384 * i + size] == source.view[16384 * i:16384 * i + size]
+                   for i, size in enumerate(SIZES))
+
+
+RETRANSMITTING = ["thor2", "psn-table", "no-hw-retx", "thor-bs-v2"]
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("profile", RETRANSMITTING)
+async def test_writes_under_loss_are_retransmitted_intact(profile):
+    assert await writes_under_loss(profile)
+
+
+def swapped_msn_entry(start_psn, next_psn, start_slot):
+    return swapped_msn_entry.correct(next_psn, start_psn, start_slot)
+
+
+def swapped_psn_search_values(wqe_type, start_psn, next_psn, start_slot):
+    return swapped_psn_search_values.correct(wqe_type, next_psn, start_psn, start_slot)
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("profile,packer", [("thor2", "msn_entry"), ("psn-table", "psn_search_values")])
+async def test_a_driver_that_swaps_the_search_entrys_psns_fails_under_loss(profile, packer, monkeypatch):
+    """With hardware retransmission the chip resumes from the table the driver writes: with an entry's start and next
+    PSN swapped, a go-back resumes at the wrong PSNs and the writes fail."""
+    swapped = {"msn_entry": swapped_msn_entry, "psn_search_values": swapped_psn_search_values}[packer]
+    swapped.correct = getattr(queues, packer)
+    monkeypatch.setattr(queues, packer, swapped)
+    assert not await writes_under_loss(profile)
