@@ -10,7 +10,7 @@ import random
 import anyio
 import pytest
 
-from aiofabric import PCIError, open_nic, queues
+from aiofabric import PCIError, device, open_nic, queues
 from aiofabric.completions import CompletionError
 from aiofabric.hw.firmware import CONFIGURED_CONTEXT_TYPES, THOR2_CHIPS
 from aiofabric.sim.function import CONTEXT_TYPES
@@ -39,6 +39,15 @@ async def pair(profile, sq_depth=64, loss=0.0, timeout=8):
 async def test_an_unknown_profile_is_refused_in_one_line_naming_the_valid_ones():
     with pytest.raises(ValueError, match="^profile='thor3': choose one of thor2, thor, thor-bs-v2, psn-table"):
         async with open_nic("sim", profile="thor3"):
+            pass
+
+
+@pytest.mark.loop_agnostic
+async def test_a_chip_that_is_neither_thor_nor_thor2_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(device, "THOR2_CHIPS", frozenset())  # the emulated Thor2 (0x1760) is then unknown
+    with pytest.raises(PCIError, match=r"chip 0x1760 is not supported: only Thor \(P5\) and Thor2 \(P7\) chips are "
+                                       r"\(VER_GET chip_num\)$"):
+        async with open_nic("sim"):
             pass
 
 
