@@ -12,12 +12,14 @@ or PSN search table its dev_cap_ext_flags_2 name (hw/firmware.py).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import dataclasses
 import functools
 import logging
 import socket
+import weakref
 from typing import Any, Callable, Protocol
 
 import anyio
@@ -73,6 +75,8 @@ class DeviceObject(Protocol):
 
     async def release(self) -> None: ...  # destroy or deregister, as the user would
 
+    def forget(self) -> None: ...  # the device is quiesced without having let go of it: free its host memory
+
 
 class Device:
     """One BNXT function driven from userspace. Use `aiofabric.open_nic`, which boots and closes it."""
@@ -97,6 +101,7 @@ class Device:
         self.function_handlers: list[Callable[[DeviceEvent], None]] = []
         self.events: collections.deque[DeviceEvent] = collections.deque(maxlen=256)
         self._teardown: list[tuple[str, Callable[[], Any]]] = []  # firmware objects, freed in reverse order
+        self._memory: list[Callable[[], None]] = []  # host memory the device may write: freed once it is quiesced
         self.objects: dict[int, DeviceObject] = {}  # attached verbs objects by id()
         self._closing = False  # close() started: the public API refuses, teardown still runs commands
         self._close_lock = anyio.Lock()
@@ -259,6 +264,8 @@ class Device:
 
     # -- bring-up ------------------------------------------------------------------------------------------------------
     async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
+        self.pci.reset()  # first: whatever a previous holder (a crashed driver) left running stops here
+        _open_devices.add(self)
         self.pci.enable_bus_master()
         task_group.start_soon(self.in_background, self.liveness.watch)
         major, minor, update = (int(x) for x in bnxt.HWRM_INTERFACE_VERSION.split(".")[:3])
@@ -303,7 +310,13 @@ class Device:
         log.info("%s: booted fw %s mac %s gid %s", self.pci.address, self.fw_version, self.mac, self.ip)
 
     def _on_close(self, what: str, action: Callable[[], Any]) -> None:
+        """A firmware object to free at close (a command), in reverse order of creation."""
         self._teardown.append((what, action))
+
+    def _on_quiesced(self, free: Callable[[], None]) -> None:
+        """Host memory the device may write (rings, context and statistics memory), freed at close only once the
+        device is quiesced: told to let go, then stopped by bus mastering off and a function reset."""
+        self._memory.append(free)
 
     async def _configure_backing_store(self) -> None:
         """Backing store v2 (bnxt.c bnxt_backing_store_cfg_v2): one CFG_V2 per instance of each valid type bnxt_en
@@ -338,7 +351,7 @@ class Device:
                             subtype_valid_cnt=len(splits),
                             flags=bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_FLAGS_BS_CFG_ALL_DONE if last else 0,
                             **{f"split_entry_{j}": v for j, v in enumerate(splits)})
-            self._on_close("backing store memory", functools.partial(_free_all, table, memory))
+            self._on_quiesced(functools.partial(_free_all, table, memory))
 
     async def _open_rcfw(self, task_group: anyio.abc.TaskGroup) -> None:
         creq = Ring(self.pci, CREQ_DEPTH, CREQ_ENTRY.size)
@@ -346,7 +359,7 @@ class Device:
         channel = self._rcfw_channel = RcfwChannel(
             self.pci, self.bar0, self.doorbells, self.db_offset, self.interrupt_fd(CREQ_VECTOR), creq, creq_id,
             self.liveness, self.budget, self._on_event, self._rcfw_timeout)
-        self._on_close("CMDQ memory", channel.cmdq.free)
+        self._on_quiesced(channel.cmdq.free)
         self.bar0.write_block(bnxt.RCFW_COMM_BASE_OFFSET, channel.init_block())
         channel.reading = True  # before the reader runs: no command may find the CREQ unserved and read it too
         await task_group.start(self.in_background, channel.serve)
@@ -358,7 +371,7 @@ class Device:
                          max_qp_wr=function.max_qp_wr, max_sge=function.max_sge, max_cqe=function.max_cqe,
                          max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data)
         self._stats = self.pci.alloc_dma(PAGE_SIZE)
-        self._on_close("statistics memory", self._stats.free)
+        self._on_quiesced(self._stats.free)
         stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr, stats_dma_length=176,
                                update_period_ms=1000, stat_ctx_flags=bnxt.STAT_CTX_ALLOC_REQ_STAT_CTX_FLAGS_ROCE)
         self._stat_ctx_id = stat.stat_ctx_id
@@ -370,18 +383,14 @@ class Device:
         self.nq_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, self.nq, NQ_VECTOR)
 
     async def _alloc_ring(self, ring_type: int, ring: Ring, logical_id: int = 0, **fields: Any) -> int:
+        self._on_quiesced(ring.free)  # even if the firmware refuses it: it is ours to free, after the close
         reply = await self.hwrm("ring_alloc", ring_type=ring_type, page_tbl_addr=ring.base, page_size=12,
                                 page_tbl_depth=ring.level, length=ring.depth, logical_id=logical_id,
                                 int_mode=bnxt.RING_ALLOC_REQ_INT_MODE_MSIX, **fields)
         ring_id = reply.ring_id
-        self._on_close(f"HWRM ring_free {ring_id}", functools.partial(self._free_ring, ring_type, ring_id, ring))
+        self._on_close(f"HWRM ring_free {ring_id}",
+                       lambda: self.hwrm_channel.command("ring_free", ring_type=ring_type, ring_id=ring_id))
         return ring_id
-
-    async def _free_ring(self, ring_type: int, ring_id: int, ring: Ring) -> None:
-        try:
-            await self.hwrm_channel.command("ring_free", ring_type=ring_type, ring_id=ring_id)
-        finally:
-            ring.free()
 
     async def _open_l2(self) -> None:
         """The L2 receive path (completion ring, RX ring, VNIC, MAC filter) that RoCE ingress needs."""
@@ -436,12 +445,15 @@ class Device:
 
     # -- close -----------------------------------------------------------------------------------------------------
     async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
-        """Free every firmware object in reverse order of creation; memory is freed even when the firmware is gone.
+        """Free every firmware object in reverse order of creation, quiesce the device (FUNC_RESET, bus mastering
+        off, a function-level reset), and only then free the host memory it could write: rings, context and
+        statistics memory, and the memory of objects the firmware did not let go of. Memory is freed even when the
+        firmware is gone.
 
         From the first call on, the public API raises ClosedError. It works without the NIC's background tasks (a
         cancelled block has lost them): each command then reads its own reply, and notices a device that died.
         The firmware gets at most `timeout` seconds in all: once spent, the remaining commands are not sent (the
-        device's reset frees what they would have)."""
+        function reset that ends the close frees what they would have)."""
         if not self._closing:
             self._closing = True
             for scope in self._background:  # the poller and the CREQ reader stop here; commands read their own replies
@@ -450,18 +462,43 @@ class Device:
             return
         self.budget.start(timeout)  # each call's own budget: a cancelled close resumes
         async with self._close_lock:  # a second close waits for the first, and takes over if that one is cancelled
+            if self._closed:  # the first finished meanwhile
+                return
             await self._release_objects()
             await self._teardown_all()
+            await self._quiesce()
+            await self._free_memory()
             self._closed = True
+            _open_devices.discard(self)
 
     async def _release_objects(self) -> None:
-        """Destroy the attached verbs objects, QPs first (they hold CQs), then the rest, newest first."""
+        """Destroy the attached verbs objects, QPs first (they hold CQs), then the rest, newest first. One the
+        firmware did not let go of stays attached: its memory is freed after the quiesce."""
         for obj in sorted(reversed(list(self.objects.values())), key=lambda o: o.release_order):
             try:
                 await obj.release()
             except Exception as exc:  # still close the rest
                 log.warning("%s: close: %s", self.pci.address, exc)
+
+    async def _quiesce(self) -> None:
+        """Stop the device from touching host memory before any is freed, as Linux's bnxt_en does before it frees
+        its rings: FUNC_RESET through the firmware (within the close's budget), then bus mastering off and a
+        function-level reset, which stop its DMA whatever the firmware did (the FUNC_RESET is skipped when the
+        firmware left the last HWRM command unanswered)."""
+        if self.alive and self.hwrm_channel.answering and not self.budget.spent():
+            try:
+                await self.hwrm_channel.command("func_reset")
+            except FabricError as exc:  # a firmware that does not answer is stopped below all the same
+                log.info("%s: close: HWRM func_reset: %s", self.pci.address, exc)
+        quiesce_function(self.pci)
+
+    async def _free_memory(self) -> None:
+        for obj in list(self.objects.values()):  # what the firmware kept: the device is stopped, it is ours again
+            obj.forget()
         self.objects.clear()
+        while self._memory:
+            self._memory.pop()()
+        await self.hwrm_channel.close()
 
     async def _teardown_all(self) -> None:
         failures = []
@@ -476,9 +513,29 @@ class Device:
             except Exception as exc:  # keep freeing the rest; report at the end
                 failures.append(f"{what}: {exc}")
             self._teardown.pop()
-        await self.hwrm_channel.close()
         if failures:
             log.warning("%s: close: %s", self.pci.address, "; ".join(failures))
+
+
+_open_devices: weakref.WeakSet[Device] = weakref.WeakSet()  # booted, not yet closed: the crash path stops them
+
+
+def quiesce_function(pci: PCIDevice) -> None:
+    """Bus mastering off and a function-level reset, best effort (a device already gone takes neither)."""
+    for step in (pci.disable_bus_master, pci.reset):
+        try:
+            step()
+        except (PCIError, OSError) as exc:
+            log.info("%s: %s: %s", pci.address, step.__name__, exc)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """A process that exits with NICs still open (an exception that escaped, sys.exit from a thread) must not leave
+    them writing into memory it no longer owns: stop their DMA. A process killed outright runs nothing; the next open
+    resets the function first, and the kernel's vfio-pci resets it when its file closes."""
+    for device in list(_open_devices):
+        quiesce_function(device.pci)
 
 
 def _backing_entries(kind: int, caps: ctypes.Structure, splits: list[int], counts: dict[int, int]) -> int:

@@ -36,6 +36,7 @@ class HwrmChannel:
         self._requests: DmaBuffer | None = None  # with short commands: where each request is written
         self._lock = anyio.Lock()
         self._seq = 0
+        self.answering = True  # False once a command went unanswered, True again at the next answer
 
     async def command(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
         """Run HWRM command `name` (e.g. "func_qcaps") with the given input fields; its output structure.
@@ -111,7 +112,9 @@ class HwrmChannel:
                     if self.budget.spent():
                         raise TimeoutError
                     await wait_for_interrupt(self.fd, COMMAND_POLL)
+            self.answering = True
         except TimeoutError:
+            self.answering = False
             self.liveness.check()
             raise FirmwareTimeoutError(f"{what}: no answer from {self.pci.address} within {timeout:g} s"
                                        + self.budget.note()) from None

@@ -8,6 +8,7 @@ Doorbells go through `Bar.write64_doorbell`, which puts `memory_barrier()` befor
 from __future__ import annotations
 
 import abc
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -25,6 +26,7 @@ PAGE_SIZE = 0x1000
 # PCI config space (include/uapi/linux/pci_regs.h)
 PCI_VENDOR_ID, PCI_DEVICE_ID, PCI_COMMAND = 0x00, 0x02, 0x04
 PCI_COMMAND_MEMORY, PCI_COMMAND_MASTER = 0x2, 0x4
+PCI_COMMAND_INTX_DISABLE = 0x400  # bit 10 (include/uapi/linux/pci_regs.h): no legacy interrupt line
 BROADCOM_VENDOR_ID = 0x14E4
 
 
@@ -188,8 +190,20 @@ class PCIDevice(abc.ABC):
     def close(self) -> None: ...
 
     def enable_bus_master(self) -> None:
+        """Memory decoding and DMA on, the legacy INTx line off (MSI-X, or polling, is all the driver uses)."""
         command = self.read_config(PCI_COMMAND, 2)
-        self.write_config(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER, 2)
+        self.write_config(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER | PCI_COMMAND_INTX_DISABLE, 2)
+
+    def disable_bus_master(self) -> None:
+        """Stop the function's DMA (PCI_COMMAND's bus-master bit): what a close and the crash path do before they
+        free memory the device could still write."""
+        command = self.read_config(PCI_COMMAND, 2)
+        self.write_config(PCI_COMMAND, command & ~PCI_COMMAND_MASTER, 2)
+
+    def reset(self) -> bool:
+        """Reset the function (a function-level reset: every queue, context and DMA stops) if the platform can;
+        whether it did. The default platform cannot."""
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -422,7 +436,23 @@ class SysfsPCIDevice(PCIDevice):
     def interrupt_fd(self, vector: int) -> int:
         raise PCIError("no interrupts through sysfs; the driver polls")
 
+    def reset(self) -> bool:
+        """A function-level reset through the kernel (sysfs `reset`, which saves and restores config space)."""
+        path = os.path.join(self._dir, "reset")
+        if not os.path.exists(path):
+            return False
+        try:
+            with open(path, "w") as f:
+                f.write("1")
+        except OSError as e:
+            raise PCIError(f"cannot reset {self.address} ({path}: {e.strerror})") from e
+        return True
+
     def close(self) -> None:
+        if self._config_fd >= 0:  # the device must not write what is freed below: stop its DMA first
+            with contextlib.suppress(OSError, PCIError):
+                self.disable_bus_master()
+                self.reset()
         for buf in list(self._dma):
             buf.free()
         for bar in self._bars.values():

@@ -21,7 +21,7 @@ import textwrap
 from typing import Any, Callable, Literal
 
 from .pci import _ADDRESS_RE as ADDRESS  # the seam's: a function's domain:bus:device.function, lower case
-from .pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_COMMAND_MASTER, PCIError
+from .pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_COMMAND_INTX_DISABLE, PCI_COMMAND_MASTER, PCIError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ SUPPORTED_CHIPS: dict[int, str] = {device: f"{part} ({family})"
                                    for family, parts in _FAMILIES.items() for device, part in parts.items()}
 _SUPPORTED = "; ".join(f"{family} {', '.join(parts.values())}" for family, parts in _FAMILIES.items())
 
-PCI_COMMAND_INTX_DISABLE = 0x400  # PCI_COMMAND bit 10 (include/uapi/linux/pci_regs.h)
 CAP_IPC_LOCK, CAP_SYS_ADMIN = 14, 21  # include/uapi/linux/capability.h
 # Drivers VFIO accepts beside ours in an IOMMU group (they leave DMA to the group's owner), and no driver at all
 GROUP_PEER_DRIVERS = frozenset({"vfio-pci", "pci-stub", "pcieport"})

@@ -217,6 +217,12 @@ class CompletionQueue:
     async def release(self) -> None:
         await self.destroy()
 
+    def forget(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.fail_all(ClosedError(f"CQ {self.id:#x} was closed with its NIC"))
+            self.ring.free()
+
     async def destroy(self) -> None:
         """DESTROY_CQ and free the ring; the firmware refuses while QPs still use the CQ (FirmwareError)."""
         if self.closed:
@@ -367,6 +373,12 @@ class QueuePair:
 
     async def release(self) -> None:
         await self.destroy()
+
+    def forget(self) -> None:
+        if not self.closed:
+            self.closed, self.state = True, QPState.RESET
+            self._fail_outstanding(ClosedError(f"QP {self.qpn:#x} was closed with its NIC"))
+            self._free_memory()
 
     def _refuse(self, verb: str) -> None:
         """Raise if the QP cannot be used at all: the device is lost, or the QP is destroyed."""
@@ -740,6 +752,13 @@ class MemoryRegion:
 
     async def release(self) -> None:
         await self.deregister()
+
+    def forget(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.table.free()
+            if self.owns_buffer:
+                self.buffer.free()
 
     async def deregister(self) -> None:
         """DEREGISTER_MR and free what the registration allocated; every later use raises ClosedError."""

@@ -13,6 +13,7 @@ left pointing at private zero pages, never at the memfd.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import json
@@ -33,8 +34,11 @@ from .profiles import DEFAULT_PROFILE, PROFILES
 if TYPE_CHECKING:
     from .debug import DebugClient
 
-KICK = struct.Struct("<BxxxIQ")  # space (0 = BAR0, 2 = BAR2, CONFIG_SPACE), offset, value
+KICK = struct.Struct("<BxxxIQ")  # space (0 = BAR0, 2 = BAR2, or one of those below), offset, value
 CONFIG_SPACE = 0xFF
+DMA_MAP, DMA_UNMAP = 0xFE, 0xFD  # arena offset, length: what the driver allocates and frees, as an IOMMU is told
+PUNCHED = 1 << 63  # in DMA_UNMAP's value: the freed pages were punched out, so any later content is the device's
+FUNCTION_RESET = 0xFC  # a function-level reset
 BAR0_KICK_FROM = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER  # below: the HWRM request window, memory read on the trigger
 NUM_VECTORS = 8
 START_TIMEOUT = 20.0
@@ -282,6 +286,7 @@ class SimPCIDevice(PCIDevice):
         buffer = DmaBuffer(view, [BUS_BASE + start + i for i in range(0, length, PAGE)], True,
                            lambda: self._free(start))
         self._live[start] = buffer
+        self._tell(DMA_MAP, start, length)
         return buffer
 
     def _free(self, start: int) -> None:
@@ -289,11 +294,24 @@ class SimPCIDevice(PCIDevice):
         mapping too): a NIC holds the memory of what is allocated now, not the most it ever had. (Allocating touches
         every page, as pinning a real MR does, so transfers do not fault pages in.)"""
         if self._live.pop(start, None) is not None:
+            length, punched = self._allocator.used[start], PUNCHED
             try:
-                self._arena.madvise(mmap.MADV_REMOVE, start, self._allocator.used[start])
+                self._arena.madvise(mmap.MADV_REMOVE, start, length)
             except OSError:  # a kernel without it for shmem: the pages stay until the NIC closes, nothing worse
-                pass
+                punched = 0
+            self._tell(DMA_UNMAP, start, length | punched)
             self._allocator.free(start)
+
+    def _tell(self, space: int, offset: int, value: int) -> None:
+        """A record for the emulator outside the BARs (DMA mapping, reset): in order with the MMIO kicks."""
+        if not self._closed:
+            with contextlib.suppress(OSError):  # a dead emulator: the removal fd tells the driver
+                self._kick.sendall(KICK.pack(space, offset, value))
+
+    def reset(self) -> bool:
+        """A function-level reset: the emulated function drops every object and stops its DMA."""
+        self._tell(FUNCTION_RESET, 0, 0)
+        return True
 
     @property
     def num_vectors(self) -> int:

@@ -61,7 +61,8 @@ from ..hw.firmware import CMDQ_INIT, HWRM_VECTOR
 from ..pci import PCI_COMMAND_MASTER
 from .datapath import Datapath
 from .function import FirmwareConfig
-from .host import CONFIG_SPACE, KICK
+from .freed import FreedMemory
+from .host import CONFIG_SPACE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, PUNCHED
 from .hwrm import Firmware
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .pcap import PcapWriter
@@ -140,6 +141,7 @@ class Emulator:
         self.arena_map = mmap.mmap(config["arena_fd"], ARENA_SIZE)
         self.bar0 = memoryview(self.bar0_map)
         self.mem = BusMemory(self.arena_map)
+        self.freed = FreedMemory(self.arena_map)
         self.kick = socket.socket(fileno=config["kick_fd"])
         self.debug = debug
         self.driver_fd = driver_fd
@@ -150,6 +152,7 @@ class Emulator:
         self.latency = config.get("fw_latency_us", DEFAULT_LATENCY_US) * 1e-6
         self.bus_master = False
         self.stall = {"hwrm": 0, "rcfw": 0}  # drop this many responses: firmware timeouts on demand
+        self.hang = {"hwrm": 0, "rcfw": 0}  # neither execute nor answer this many commands: a hung firmware
         self.stats = {"hwrm": 0, "rcfw": 0, "kicks": 0, "interrupts": 0, "dropped_no_bus_master": 0}
         self.creq_backlog: list[bytes] = []
         self.partial = b""
@@ -258,6 +261,11 @@ class Emulator:
         transports = [t for t in (self.wire, self.loopback) if t is not None]
         wire_idle = not self.wire_readable and self.wire is not None and self.wire.fileno() is not None
         self.wire_readable = False
+        if not self.bus_master:  # no DMA: arrivals are dropped, and nothing is placed, posted or completed
+            for transport in transports:
+                dropped = len(transport.receive(RX_BUDGET))
+                self.stats["dropped_no_bus_master"] += dropped
+            return
         until = time.monotonic() + SERVICE_SLICE
         while True:
             now = time.monotonic()
@@ -321,6 +329,13 @@ class Emulator:
     def mmio_write(self, space: int, offset: int, value: int) -> None:
         if space == CONFIG_SPACE:
             self.bus_master = bool(value & PCI_COMMAND_MASTER)
+        elif space == DMA_MAP:
+            self.freed.mapped(offset, value)
+        elif space == DMA_UNMAP:
+            if value & PUNCHED:
+                self.freed.unmapped(offset, value & ~PUNCHED)
+        elif space == FUNCTION_RESET:
+            self.function_reset()
         elif space == 2:
             self.fw.doorbell(offset, value)
         elif offset == HWRM_TRIGGER:
@@ -341,6 +356,9 @@ class Emulator:
         if not self.bus_master:
             self.stats["dropped_no_bus_master"] += 1  # a device without bus mastering cannot DMA its answer
             return
+        if self.hang["hwrm"]:
+            self.hang["hwrm"] -= 1
+            return
         result = self.fw.hwrm(request)
         self.stats["hwrm"] += 1
         self.firmware_delay(started)
@@ -356,8 +374,9 @@ class Emulator:
         self.fire_interrupts()
 
     def run_rcfw(self) -> None:
-        """Execute pending RoCE commands one at a time, answering each on the CREQ as it finishes."""
-        while self.running:
+        """Execute pending RoCE commands one at a time, answering each on the CREQ as it finishes (not while bus
+        mastering is off: a device without it cannot read a command or write its answer)."""
+        while self.running and self.bus_master:
             while self.creq_backlog:
                 if not self.fw.rcfw.post_creq(self.creq_backlog[0]):
                     return  # CREQ full: wait for the driver's consumer doorbell
@@ -367,6 +386,9 @@ class Emulator:
             command = self.fw.rcfw.next_command()
             if command is None:
                 return
+            if self.hang["rcfw"]:
+                self.hang["rcfw"] -= 1
+                continue
             entry = self.fw.rcfw.execute(command)
             self.stats["rcfw"] += 1
             self.firmware_delay(started)
@@ -376,7 +398,22 @@ class Emulator:
                 self.creq_backlog.append(entry)
             self.on_kick(blocking=False)  # doorbells and new commands keep flowing while we work
 
+    def function_reset(self) -> None:
+        """A function-level reset: every firmware object, queue and pending answer is gone, DMA stops until the driver
+        enables bus mastering again, and the data path starts empty."""
+        self.fw.reset()
+        self.datapath = Datapath(self.fw, self.ip)
+        self.bus_master = False
+        self.creq_backlog.clear()
+        self.fw.interrupts.clear()
+        self.stall = {"hwrm": 0, "rcfw": 0}
+        self.hang = {"hwrm": 0, "rcfw": 0}
+        self.stats["function_resets"] = self.stats.get("function_resets", 0) + 1
+
     def fire_interrupts(self) -> None:
+        if not self.bus_master:  # an MSI-X message is a DMA write too
+            self.fw.interrupts.clear()
+            return
         for vector in self.fw.interrupts:
             if 0 <= vector < len(self.irq_fds):
                 os.eventfd_write(self.irq_fds[vector], 1)
@@ -405,6 +442,7 @@ class Emulator:
             return {"objects": self.fw.objects()}
         if op == "stats":
             return {"stats": {**self.stats, **self.fw.stats, **self.wire_stats(),
+                              "writes_after_free": self.freed.written_pages(),
                               "fw_internal_errors": self.fw.stats.get("internal_errors", 0)}}
         if op == "datapath":
             return {"qps": self.datapath.describe(), "now": time.monotonic(), "timers": len(self.datapath._timers),
@@ -412,8 +450,8 @@ class Emulator:
         if op == "inject":
             self.fw.inject_error(request["command"], request["status"], request.get("count", 1))
             return {}
-        if op == "stall":
-            self.stall[request["channel"]] += request.get("count", 1)
+        if op in ("stall", "hang"):
+            getattr(self, op)[request["channel"]] += request.get("count", 1)
             return {}
         if op == "latency":
             self.latency = request["us"] * 1e-6
