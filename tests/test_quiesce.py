@@ -2,6 +2,7 @@
 memory it could write is freed, and the next open resets the function first. The emulated NIC counts what a device
 writes into memory the driver freed (`writes_after_free` in its stats): it must stay 0."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,9 @@ import pytest
 
 from aiofabric import open_nic
 from aiofabric.device import Device
+from aiofabric.errors import CompletionError
 from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER
+from aiofabric.queues import QPInfo, RemoteRegion
 
 pytestmark = pytest.mark.anyio
 
@@ -99,3 +102,64 @@ def test_a_process_that_exits_with_a_nic_open_stops_its_dma():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["resets"] == 2 and not report["command"] & PCI_COMMAND_MASTER
+
+
+async def test_a_sigkilled_driver_leaves_a_device_that_places_nothing_more():
+    """SIGKILL runs no handler. What stops the device then is the kernel's vfio-pci, which resets the function when
+    the dead process's device file closes; the emulator plays that reset by stopping with its driver. A peer writing
+    into the dead driver's registered memory must see its writes fail (no ACK: nothing placed), not succeed."""
+    script = textwrap.dedent("""
+        import json, sys
+        import anyio
+        from aiofabric import open_nic
+        from aiofabric.queues import QPInfo
+        async def hold():
+            async with open_nic() as nic:
+                cq = await nic.create_cq(64)
+                qp = await nic.create_qp(cq)
+                mr = await nic.register_mr(1 << 16)
+                ping = nic.pci.debug({"op": "ping"})
+                print(json.dumps({"qp": qp.info().to_dict(), "mr": mr.remote().to_dict(), "emulator": ping["pid"]}),
+                      flush=True)
+                peer = json.loads(await anyio.to_thread.run_sync(sys.stdin.readline))
+                await qp.connect(QPInfo.from_dict(peer))
+                print("connected", flush=True)
+                await anyio.sleep(60)
+        anyio.run(hold)
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        with anyio.fail_after(30):
+            line = await anyio.to_thread.run_sync(driver.stdout.readline)
+            assert line, driver.stderr.read()[-3000:]
+            held = json.loads(line)
+            async with open_nic() as peer:
+                cq = await peer.create_cq(64)
+                qp = await peer.create_qp(cq)
+                source = await peer.register_mr(4096)
+                await qp.connect(QPInfo.from_dict(held["qp"]), timeout=8, retry_cnt=2)  # ~1 ms per try
+                driver.stdin.write(json.dumps(qp.info().to_dict()) + "\n")
+                driver.stdin.flush()
+                assert await anyio.to_thread.run_sync(driver.stdout.readline) == "connected\n"
+                remote = RemoteRegion.from_dict(held["mr"])
+                for _ in range(4):  # the path works while the driver lives
+                    await qp.write(source, remote, 4096)
+                driver.kill()
+                await anyio.to_thread.run_sync(driver.wait)
+                with anyio.move_on_after(5):  # the device's reset: the emulator stops with its driver
+                    while _alive(held["emulator"]):
+                        await anyio.sleep(0.01)
+                with pytest.raises(CompletionError, match="TRANSPORT_RETRY_CNT_ERR"):
+                    await qp.write(source, remote, 4096)
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
