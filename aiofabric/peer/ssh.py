@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
 import anyio
 
 from . import PeerError
+from ..nic import CLOSE_TIMEOUT
 from ..taskgroups import own_task_group, run_in
 from .client import Peer
 
@@ -40,7 +41,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aiofabric.peer")
 DEFAULT: Any = object()  # known_hosts default: ~/.ssh/known_hosts
-STOP_GRACE = 5.0  # seconds the endpoint gets to close its NICs after end of input, before it is signalled
+# Seconds the endpoint gets to close its NICs after end of input, before it is signalled: the whole close budget, so a
+# slow firmware is waited for rather than the endpoint killed mid-close (a kill is safe all the same: the function is
+# reset when its VFIO file closes, and on the raw sysfs path at the next open).
+STOP_GRACE = CLOSE_TIMEOUT + 1.0
 ABORT_GRACE = 1.0  # the same for an aborted endpoint (its input ended and it was signalled already)
 SIGNAL_WAIT = 2.0  # seconds each signal gets to end the endpoint, and to be delivered by `kill`
 STDERR_TAIL = 12  # remote stderr lines kept for error messages
