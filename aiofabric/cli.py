@@ -88,9 +88,10 @@ async def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
     async with open_nic(args.nic, ip=args.ip) as nic:
         info = nic.info()
     if not args.json:
-        for key in ("nic", "fw_version", "hwrm_version", "mac", "port", "ip", "gid", "gid_index", "hw_retransmit"):
-            print(f"{key:<14} {info[key]}")
-        print(f"{'caps':<14} " + ", ".join(f"{k}={v}" for k, v in info["caps"].items()))
+        for key in ("nic", "fw_version", "hwrm_version", "mac", "port", "ip", "gid", "gid_index", "hw_retransmit",
+                    "link", "link_speed_mbps", "port_mtu"):
+            print(f"{key:<16} {info[key]}")
+        print(f"{'caps':<16} " + ", ".join(f"{k}={v}" for k, v in info["caps"].items()))
     return info
 
 
@@ -440,8 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "address: the bus): what is wrong, and the command that fixes it")
     doctor.add_argument("address", nargs="?", type=pci_address, metavar="PCI_ADDRESS",
                         help="domain:bus:device.function, e.g. 0000:41:00.0 (default: every supported function)")
-    doctor.add_argument("--access", choices=preflight.ACCESSES, default="sysfs",
-                        help="how the driver will reach it: sysfs (what open_nic uses today) or vfio")
+    doctor.add_argument("--access", choices=preflight.ACCESSES, default="vfio",
+                        help="how the driver will reach it: vfio (what open_nic uses for a PCI address, the default) "
+                             "or sysfs (open_nic('sysfs:ADDR'), unsafe)")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
     doctor.set_defaults(run=cmd_doctor)
     return parser

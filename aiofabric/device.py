@@ -28,12 +28,11 @@ import anyio.abc
 from .autogen import bnxt
 from .close_budget import CLOSE_TIMEOUT, CloseBudget
 from .errors import ClosedError, DeviceLostError, FabricError, FirmwareError, PCIError
-from .hw.cqe import CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, NQ_ENTRY, creq_type
-from .hw.firmware import (CONFIGURED_CONTEXT_TYPES, RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, BackingStoreType,
-                          add_gid_fields, host_msn_table, hw_retx_supported, short_commands_required)
 from .firmware_events import EVENT_RING_DEPTH, EVENT_VECTOR, EventRing, Link, event_kind, reset_text
 from .hw.async_event import ASYNC_EVENT_ENTRY, EventId, forwarding
-from .hw.firmware import LINK_SPEED_MBPS
+from .hw.cqe import CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, NQ_ENTRY, creq_type
+from .hw.firmware import (CONFIGURED_CONTEXT_TYPES, LINK_SPEED_MBPS, RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS,
+                          BackingStoreType, add_gid_fields, host_msn_table, hw_retx_supported, short_commands_required)
 from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, HWRM_VECTOR, NQ_VECTOR, wake
 from .liveness import Liveness

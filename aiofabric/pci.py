@@ -339,7 +339,7 @@ class SysfsPCIDevice(PCIDevice):
         self._config_fd = -1
         from .preflight import Host, claim  # preflight reads this module's constants, so it comes in here
         # present, a supported chip, no kernel driver, nobody else's (the lock, held until close); warns of the rest
-        self._lock = claim(self.address, Host.with_devices(sysfs_root))
+        self._lock = claim(self.address, Host.with_devices(sysfs_root), "sysfs")
         try:
             self._config_fd = os.open(os.path.join(self._dir, "config"), os.O_RDWR)
         except PermissionError as e:

@@ -384,7 +384,7 @@ CHECKS: tuple[Callable[[Target], Finding], ...] = (
     check_privileges, check_memlock, check_hugepages, check_compaction)
 
 
-def check_function(address: str, host: Host, access: Access = "sysfs") -> list[Finding]:
+def check_function(address: str, host: Host, access: Access = "vfio") -> list[Finding]:
     """Every check of the function at `address` but the lock, in order; after a failed identity check (absent, or
     not a supported chip) the rest would describe a function we will not drive, so they do not run."""
     target = Target.of(address, host, access)
@@ -469,7 +469,7 @@ def check_lock(address: str, host: Host) -> Finding:
     return Finding("lock", True, f"no other process holds {address} (lock {path})", address=address)
 
 
-def claim(address: str, host: Host = Host(), access: Access = "sysfs") -> DeviceLock:
+def claim(address: str, host: Host = Host(), access: Access = "vfio") -> DeviceLock:
     """The pre-flight of a seam's open: refuse the function when it is absent, not a supported chip, bound to the
     wrong driver or held by another process; log every other failed check; take its lock, to hold until close."""
     for finding in check_function(address, host, access):
@@ -584,7 +584,7 @@ def scan(host: Host, access: Access) -> Report:
     return Report(None, access, [found] + [f for findings in each.values() for f in findings], error)
 
 
-def doctor(address: str | None, host: Host = Host(), access: Access = "sysfs") -> Report:
+def doctor(address: str | None, host: Host = Host(), access: Access = "vfio") -> Report:
     """`aiofabric doctor`: one function's findings, or without an address the bus's."""
     if address is None:
         return scan(host, access)

@@ -80,7 +80,7 @@ def findings(host: Host, access: preflight.Access = "sysfs") -> dict[str, prefli
 
 
 def test_a_supported_unbound_function_passes_every_check(host):
-    report = doctor(ADDR, host)
+    report = doctor(ADDR, host, "sysfs")
     assert [f.name for f in report.findings] == [
         "present", "device_id", "driver", "driver_override", "iommu", "iommu_group", "lockdown", "power", "intx",
         "privileges", "memlock", "hugepages", "compaction", "lock", "quiesced"]
@@ -241,18 +241,18 @@ def test_the_open_takes_a_function_bound_to_vfio_pci(tmp_path):
 def test_claim_refuses_what_must_pass_and_warns_of_the_rest(host, device, caplog):
     set_command(device, 0)
     write(Path(host.vm) / "compact_unevictable_allowed", "1\n")
-    claim(ADDR, host).release()
+    claim(ADDR, host, "sysfs").release()
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("pre-flight intx: INTx enabled" in m and "setpci" in m for m in warned), warned
     assert any("pre-flight compaction:" in m and "sysctl -w vm.compact_unevictable_allowed=0" in m for m in warned)
     bind(device, "bnxt_en")
     with pytest.raises(PCIError, match=f"^pre-flight driver: {ADDR} is bound to bnxt_en .*; fix: echo {ADDR} > "):
-        claim(ADDR, host)
+        claim(ADDR, host, "sysfs")
 
 
 def test_claim_warns_of_a_function_the_last_holder_left_running(host, device, caplog):
     set_command(device, PCI_COMMAND_INTX_DISABLE | PCI_COMMAND_MASTER)
-    claim(ADDR, host).release()
+    claim(ADDR, host, "sysfs").release()
     assert any("pre-flight quiesced: bus mastering is on" in r.getMessage() for r in caplog.records)
 
 
@@ -324,12 +324,12 @@ def test_a_bus_with_only_a_tg3_says_it_is_not_a_supported_chip(tmp_path):
 
 
 def test_a_bus_with_a_supported_function_diagnoses_it(host):
-    report = doctor(None, host)
+    report = doctor(None, host, "sysfs")
     assert report.findings[0].name == "bus" and report.findings[0].ok and "BCM57508 (Thor)" in \
         report.findings[0].detail
-    assert report.error == "" and [f.name for f in report.findings[1:]] == [f.name for f in doctor(ADDR, host).findings]
+    assert report.error == "" and [f.name for f in report.findings[1:]] == [f.name for f in doctor(ADDR, host, "sysfs").findings]
     write(Path(host.vm) / "compact_unevictable_allowed", "1\n")
-    assert doctor(None, host).error.startswith(f"{ADDR} cannot be driven through sysfs: compaction: ")
+    assert doctor(None, host, "sysfs").error.startswith(f"{ADDR} cannot be driven through sysfs: compaction: ")
 
 
 CLI = [sys.executable, "-m", "aiofabric.cli", "doctor"]
