@@ -318,6 +318,12 @@ def _release_mapping(view: memoryview, m: mmap.mmap) -> None:
         pass
 
 
+def check_bar_index(index: int) -> None:
+    """A function has six BARs, 0..5."""
+    if not 0 <= index <= 5:
+        raise PCIError(f"BAR index {index} out of range 0..5")
+
+
 class SysfsPCIDevice(PCIDevice):
     """A real NIC driven from userspace through sysfs, with no kernel driver bound.
 
@@ -354,8 +360,7 @@ class SysfsPCIDevice(PCIDevice):
 
     def map_bar(self, index: int) -> Bar:
         self._check_open()
-        if not 0 <= index <= 5:
-            raise PCIError(f"BAR index {index} out of range 0..5")
+        check_bar_index(index)
         if index not in self._bars:
             self._bars[index] = SysfsBar(os.path.join(self._dir, f"resource{index}"), index)
         return self._bars[index]

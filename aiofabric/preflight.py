@@ -351,8 +351,10 @@ def check_hugepages(t: Target) -> Finding:
     total = _number(_read(os.path.join(t.host.vm, "nr_hugepages"))) or 0
     if free:
         return t.finding("hugepages", True, f"{free} of {total} 2 MiB hugepages free")
-    return t.finding("hugepages", False, f"no free 2 MiB hugepage (nr_hugepages {total}): a contiguous DMA buffer "
-                                         "over 4 KiB needs one", "sysctl -w vm.nr_hugepages=64")
+    why = ("DMA slabs fall back to 4 KiB pages (each an IOTLB entry of its own)" if t.access == "vfio" else
+           "a contiguous DMA buffer over 4 KiB needs one")
+    return t.finding("hugepages", False, f"no free 2 MiB hugepage (nr_hugepages {total}): {why}",
+                     "sysctl -w vm.nr_hugepages=64")
 
 
 def check_compaction(t: Target) -> Finding:

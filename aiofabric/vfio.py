@@ -37,7 +37,7 @@ from typing import Any, Callable, TypeVar
 
 from . import vfio_abi as abi
 from .dma_pool import SLAB_SIZE, DmaPool, DmaWindows, PhysicalWindows
-from .pci import _ADDRESS_RE, PAGE_SIZE, Bar, DmaBuffer, PCIDevice, PCIError, SysfsBar
+from .pci import _ADDRESS_RE, PAGE_SIZE, Bar, DmaBuffer, PCIDevice, PCIError, SysfsBar, check_bar_index
 from .preflight import DeviceLock, Host, Target, check_iommu, check_iommu_group, check_present, claim, refusal
 
 log = logging.getLogger(__name__)
@@ -489,8 +489,7 @@ class VfioPCIDevice(PCIDevice):
 
     def map_bar(self, index: int) -> Bar:
         self._check_open()
-        if not 0 <= index <= 5:
-            raise PCIError(f"BAR index {index} out of range 0..5")
+        check_bar_index(index)
         if index not in self._bars:
             region = self._vfio(f"BAR{index}'s region info", self.api.region_info, self._device, index)
             if not region.size:

@@ -117,6 +117,14 @@ def vfio_group_without_access(host: Host, device: Path) -> None:
     bind(device, "vfio-pci")  # and no /dev/vfio files this process may open
 
 
+def vfio_without_hugepages(host: Host, device: Path) -> None:
+    """A function ready for VFIO (group, binding, device files), on a machine with no hugepage free."""
+    vfio_group_without_access(host, device)
+    for name in ("vfio", "7"):
+        write(Path(host.vfio) / name, "")
+    write(Path(host.hugepages) / "free_hugepages", "0\n")
+
+
 # (check, how the machine breaks it, access, what the finding says (a regex), its fix, whether the failure blocks)
 FAILURES = [
     ("present", lambda host, device: os.rename(device, device.with_name("gone")), "sysfs",
@@ -155,7 +163,8 @@ FAILURES = [
      "no read-write access to {vfio}/vfio; no read-write access to {vfio}/7", "chown $USER {vfio}/vfio {vfio}/7",
      True),
     ("hugepages", lambda host, device: write(Path(host.hugepages) / "free_hugepages", "0\n"), "sysfs",
-     "no free 2 MiB hugepage", "sysctl -w vm.nr_hugepages=64", False),
+     "no free 2 MiB hugepage .*: a contiguous DMA buffer over 4 KiB needs one", "sysctl -w vm.nr_hugepages=64", False),
+    ("hugepages", vfio_without_hugepages, "vfio", "no free 2 MiB hugepage .*: DMA slabs fall back to 4 KiB pages", "sysctl -w vm.nr_hugepages=64", False),
     ("compaction", lambda host, device: write(Path(host.vm) / "compact_unevictable_allowed", "1\n"), "sysfs",
      "compact_unevictable_allowed = 1: compaction may move the mlocked DMA pages",
      "sysctl -w vm.compact_unevictable_allowed=0", True),
