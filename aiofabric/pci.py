@@ -455,9 +455,9 @@ class SysfsPCIDevice(PCIDevice):
 
     def close(self) -> None:
         if self._config_fd >= 0:  # the device must not write what is freed below: stop its DMA first
-            with contextlib.suppress(OSError, PCIError):
-                self.disable_bus_master()
-                self.reset()
+            for step in (self.disable_bus_master, self.reset):  # each on its own: one failing must not skip the other
+                with contextlib.suppress(OSError, PCIError):
+                    step()
         for buf in list(self._dma):
             buf.free()
         for bar in self._bars.values():

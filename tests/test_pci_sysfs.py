@@ -11,7 +11,7 @@ import pytest
 
 from aiofabric import pci as seam
 from aiofabric.errors import FabricError
-from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, DmaBuffer, PCIError, SysfsPCIDevice, _phys_addr
+from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER, DmaBuffer, PCIError, SysfsPCIDevice, _phys_addr
 
 ADDR = "0000:41:00.0"
 BAR_SIZE = 64 * 1024
@@ -155,6 +155,36 @@ def test_alloc_dma_pages(pci):
     buf.free()
     buf.free()  # idempotent
     other.free()
+
+
+@needs_root
+def test_close_stops_the_device_before_it_frees_its_dma(tree, monkeypatch):
+    """Bus mastering off and the sysfs reset written, then the memory freed: a device still running would write
+    into pages given back to the kernel. Without a `reset` file the close still turns bus mastering off."""
+    (tree / "reset").write_text("")
+    pci = SysfsPCIDevice(ADDR, sysfs_root=str(tree.parent))
+    pci.enable_bus_master()
+    pci.alloc_dma(PAGE_SIZE), pci.alloc_dma(2 * PAGE_SIZE)
+    seen = []
+    free = DmaBuffer.free
+
+    def watched(buffer):  # the device's state as each buffer is freed
+        seen.append(((tree / "reset").read_text(), command(tree)))
+        free(buffer)
+
+    monkeypatch.setattr(DmaBuffer, "free", watched)
+    pci.close()
+    assert len(seen) == 2 and all(reset == "1" and not cmd & PCI_COMMAND_MASTER for reset, cmd in seen), seen
+    (tree / "reset").unlink()
+    pci = SysfsPCIDevice(ADDR, sysfs_root=str(tree.parent))
+    pci.enable_bus_master()
+    assert pci.reset() is False
+    pci.close()
+    assert not command(tree) & PCI_COMMAND_MASTER
+
+
+def command(tree) -> int:
+    return struct.unpack_from("<H", (tree / "config").read_bytes(), PCI_COMMAND)[0]
 
 
 @needs_root
