@@ -129,6 +129,11 @@ class CallError(FabricError):
                          f"the batch was aborted{note}")
 
 
+class BatchTimeoutError(FabricError, TimeoutError):
+    """A batch's run did not finish within its `timeout`; the batch was aborted. The message names the calls still
+    pending."""
+
+
 class BindingError(FabricError, ValueError):
     """A batch's `run(bindings)` or `bind` got an input that does not fit its slot (name, size, dtype, memory)."""
 

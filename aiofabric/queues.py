@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import itertools
 import random
+import weakref
 from typing import Any, Iterator
 
 import anyio
@@ -270,6 +271,7 @@ class QueuePair:
         self.error: BaseException | None = None  # what moved the QP to ERR; flushed work requests name it
         self.psn = random.getrandbits(24)  # like perftest: a random initial PSN per QP
         self.mtu = 1024
+        self.peer: QPInfo | None = None  # whom connect() pointed it at
         self.errors: list[DeviceEvent] = []
         self.sq_producer = self.sq_consumer = 0  # in 16-byte slots, free-running
         self.wqe_count = 0  # WQEs posted, free-running (CQEs report sq_cons_idx in WQE units, mod 2^16)
@@ -731,6 +733,7 @@ class MemoryRegion:
             raise
         self.lkey = self.rkey = reply.xid  # no checkpoint from the reply to here (see QueuePair._create)
         self.device.attach(self)
+        _registered[self.device.gid, self.rkey] = self
 
     def _check_open(self) -> None:
         if self.closed:
@@ -756,6 +759,7 @@ class MemoryRegion:
     def forget(self) -> None:
         if not self.closed:
             self.closed = True
+            _registered.pop((self.device.gid, self.rkey), None)
             self.table.free()
             if self.owns_buffer:
                 self.buffer.free()
@@ -771,9 +775,19 @@ class MemoryRegion:
             self.closed = False
             raise
         self.device.detach(self)
+        _registered.pop((self.device.gid, self.rkey), None)
         self.table.free()
         if self.owns_buffer:
             self.buffer.free()
+
+    @staticmethod
+    def registered_here(gid: bytes, rkey: int) -> MemoryRegion | None:
+        """The MR a peer at `gid` names by `rkey`, if a NIC of this process registered it (two ranks or a loopback
+        pair in one process): the memory a remote access to it really touches."""
+        return _registered.get((gid, rkey))
+
+
+_registered: weakref.WeakValueDictionary[tuple[bytes, int], MemoryRegion] = weakref.WeakValueDictionary()
 
 
 async def _unless_lost(command: Any) -> bool:

@@ -1,5 +1,5 @@
-"""Scheduler benchmarks (bench/RESULTS.md, Scheduler): planning time vs batch size, replay overhead per call, two C kernels on two
-compute queues against one, and the overlap of C kernels on two compute queues with RDMA writes against the same
+"""Scheduler benchmarks (bench/RESULTS.md, Scheduler): planning time vs batch size, compiling (building the calls,
+planning, the input table) vs batch size, replay overhead per call, two C kernels on two compute queues against one, and the overlap of C kernels on two compute queues with RDMA writes against the same
 calls run one after another.
 
     python bench/sched.py [--json] [--skip-nic]
@@ -50,6 +50,28 @@ def planning(sizes=(1_000, 10_000, 100_000), queues=8, buffers=256, rounds=7):
             repeat = max(sizes) // n
             results[n] = min(results[n], _cpu_timed(lambda: [plan(calls) for _ in range(repeat)]) / repeat)
     return results
+
+
+def compiling(sizes=(2_000, 8_000, 100_000), queues=8, arrays=256, inputs=64, rounds=3):
+    """Per size: CPU seconds to build N kernel calls (each writing one and reading two of `arrays` arrays, `inputs`
+    of them inputs of the batch) and to compile them, best of `rounds`; what a user pays, not only the planner."""
+    rng = random.Random(3)
+    pool = [np.zeros(16) for _ in range(arrays)]
+    qs = [sched.ComputeQueue(f"c{i}") for i in range(queues)]
+    bound = {f"x{i}": pool[i] for i in range(inputs)}
+
+    def noop(*_):
+        pass
+    picks = {n: [(rng.randrange(arrays), rng.randrange(arrays), rng.randrange(arrays)) for _ in range(n)] for n in sizes}
+    build, total = {n: float("inf") for n in sizes}, {n: float("inf") for n in sizes}
+    for _ in range(rounds):
+        for n in sizes:
+            made = []
+            build[n] = min(build[n], _cpu_timed(lambda: made.extend(
+                sched.kernel(noop, [pool[o]], [pool[a], pool[b]], queue=qs[i % queues])
+                for i, (o, a, b) in enumerate(picks[n]))))
+            total[n] = min(total[n], build[n] + _cpu_timed(lambda: sched.compile(made, inputs=bound)))
+    return build, total
 
 
 def _cpu_timed(fn):
@@ -161,6 +183,9 @@ async def main(as_json: bool, skip_nic: bool) -> None:
     result["plan_us_per_call"] = {n: seconds / n * 1e6 for n, seconds in plans.items()}
     result["plan_ratio_10k_over_1k"] = plans[10_000] / plans[1_000]
     result["plan_ratio_100k_over_10k"] = plans[100_000] / plans[10_000]
+    build, total = compiling()
+    result["build_us_per_call"] = {n: seconds / n * 1e6 for n, seconds in build.items()}
+    result["compile_us_per_call"] = {n: seconds / n * 1e6 for n, seconds in total.items()}
     per_call, waits, signals = await replay_overhead()
     result["replay_us_per_noop_call"] = per_call * 1e6
     result["replay_plan"] = {"calls": 10_000, "waits": waits, "signals": signals}
@@ -176,6 +201,9 @@ async def main(as_json: bool, skip_nic: bool) -> None:
         print(f"planning {n:>7} calls over 8 queues: {us:6.2f} us/call ({plans[n] * 1e3:8.1f} ms)")
     print(f"10x calls -> {result['plan_ratio_10k_over_1k']:.2f}x time (1k->10k), "
           f"{result['plan_ratio_100k_over_10k']:.2f}x (10k->100k)")
+    for n, us in result["compile_us_per_call"].items():
+        print(f"building and compiling {n:>7} calls (64 inputs): {us:6.2f} us/call (building alone "
+              f"{result['build_us_per_call'][n]:.2f})")
     print(f"replay of 10k no-op kernels on 8 queues: {result['replay_us_per_noop_call']:.2f} us/call "
           f"({waits} waits, {signals} signals)")
     print(f"two equal C kernels on two queues: {result['two_kernels_over_one']:.2f}x the wall time of one")

@@ -9,8 +9,9 @@ Modules: `plan` (pure planner), `calls` (queues and calls), `kernels` (C and num
 """
 from .calls import Call, ComputeQueue, CopyQueue, copy, kernel, read, recv, send, wait_imm, write, write_with_imm
 from .kernels import CKernel, CompilerNotFoundError, KernelBuildError, flatten
+from ..errors import BatchTimeoutError
 from .run import Batch, BindingError, CallError, compile
 
-__all__ = ["Batch", "BindingError", "CKernel", "Call", "CallError", "CompilerNotFoundError", "ComputeQueue",
+__all__ = ["Batch", "BatchTimeoutError", "BindingError", "CKernel", "Call", "CallError", "CompilerNotFoundError", "ComputeQueue",
            "CopyQueue", "KernelBuildError", "compile", "copy", "flatten", "kernel", "read", "recv", "send",
            "wait_imm", "write", "write_with_imm"]

@@ -8,19 +8,22 @@ starts only after run N finished, failed or was cancelled.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
+import itertools
 import logging
+import math
 import time
 import weakref
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ..errors import BindingError, CallError
+from ..errors import BatchTimeoutError, BindingError, CallError
 from ..queues import LocalBuffer, MemoryRegion, QPState, QueuePair, RemoteRegion
-from .calls import Call, host_address, queue_name
+from .calls import RECEIVE, Call, QPQueue, host_address, qp_name, queue_name
 from .plan import Plan, Submission, plan
 from .timeline import Counter, Timeline
 from .trace import CallTrace, write_chrome_trace
@@ -49,22 +52,53 @@ def timeline_of(device: Any) -> Timeline:
     return timeline
 
 
-class _Slot:
-    """Where an input reaches a call argument: the whole object, or an array view at a byte offset into it."""
-    __slots__ = ("call", "arg", "input", "offset", "dtype", "shape", "strides")
+class _Containing:
+    """Which of some byte extents contain a given one, in O(log n) for extents that do not nest (each is checked
+    from the nearest start down, only while an extent that far back could still reach)."""
 
-    def __init__(self, call: int, arg: int, input: int, view: np.ndarray | None, base: int) -> None:
-        self.call, self.arg, self.input = call, arg, input
-        if view is not None:
-            self.offset, self.dtype, self.shape, self.strides = (view.__array_interface__["data"][0] - base,
-                                                                 view.dtype, view.shape, view.strides)
-        else:
-            self.offset = None
+    def __init__(self, extents: list[tuple[tuple[int, int], int]]) -> None:
+        extents = sorted(extents)
+        self.starts = [start for (start, _), _ in extents]
+        self.stops = [stop for (_, stop), _ in extents]
+        self.labels = [label for _, label in extents]
+        self.reach = list(itertools.accumulate(self.stops, max))  # the furthest stop among extents up to here
+
+    def first(self, start: int, stop: int, accept: Callable[[int], bool]) -> int:
+        """The lowest label whose extent holds [start, stop) and that `accept`s, or -1."""
+        best = -1
+        j = bisect.bisect_right(self.starts, start) - 1
+        while j >= 0 and self.reach[j] >= stop:
+            label = self.labels[j]
+            if self.stops[j] >= stop and (best < 0 or label < best) and accept(label):
+                best = label
+            j -= 1
+        return best
+
+
+class _View(NamedTuple):
+    """An array view of an input: where it starts in the input's bytes, and its layout."""
+    offset: int
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @classmethod
+    def of(cls, view: np.ndarray, base: int) -> _View:
+        return cls(view.__array_interface__["data"][0] - base, view.dtype, view.shape, view.strides)
+
+
+class _Slot:
+    """Where an input reaches a call argument: the whole object, or an array view into it."""
+    __slots__ = ("call", "arg", "input", "view")
+
+    def __init__(self, call: int, arg: int, input: int, view: _View | None) -> None:
+        self.call, self.arg, self.input, self.view = call, arg, input, view
 
     def resolve(self, value: Any) -> Any:
-        if self.offset is None:
+        view = self.view
+        if view is None:
             return value
-        return np.ndarray(self.shape, self.dtype, buffer=_bytes_of(value), offset=self.offset, strides=self.strides)
+        return np.ndarray(view.shape, view.dtype, buffer=_bytes_of(value), offset=view.offset, strides=view.strides)
 
 
 class Batch:
@@ -107,31 +141,44 @@ class Batch:
             elif isinstance(value, RemoteRegion):
                 bases.append(None)
             elif isinstance(value, QueuePair):
-                if value not in self._queues:
+                if value not in self._qps():
                     raise BindingError(f"input {name!r}: {queue_name(value)} is not a queue of the batch")
                 bases.append(None)
             else:
                 raise BindingError(f"input {name!r} is a {type(value).__name__}; inputs are numpy arrays, "
                                    "MemoryRegions, RemoteRegions or QueuePairs")
         ranges = [_extent(base) if base is not None else None for base in bases]
+        by_identity: dict[int, int] = {}
+        for ii, value in enumerate(self._inputs):
+            by_identity.setdefault(id(value), ii)
+        containing = _Containing([(extent, ii) for ii, extent in enumerate(ranges) if extent is not None])
+        def classify(arg: Any) -> tuple[int, Any]:
+            """(the input it is or views, its _View or None) or (-1, the host extent of a constant, or None)."""
+            ii = by_identity.get(id(arg), -1)
+            if ii >= 0:
+                extent = ranges[ii]
+                return ii, _View.of(arg, extent[0]) if isinstance(arg, np.ndarray) and extent else None
+            if isinstance(arg, np.ndarray):  # a view of a host input: the first input holding it
+                start, stop = _extent(arg)
+                ii = containing.first(start, stop, lambda i: bool(np.shares_memory(arg, bases[i])))
+                if ii >= 0:
+                    return ii, _View.of(arg, ranges[ii][0])  # type: ignore[index]
+                return -1, (start, stop)
+            return -1, _extent(arg) if isinstance(arg, MemoryRegion) else None
+
         self._slots: list[_Slot] = []
         constants: list[tuple[int, int, int, int]] = []  # host memory of every other argument: (start, stop, call, arg)
+        known: dict[int, tuple[int, Any]] = {}  # id(arg) -> classify(arg): calls share buffers; args outlive this
         for ci, args in enumerate(self._args):
             for ai, arg in enumerate(args):
-                for ii, value in enumerate(self._inputs):
-                    extent = ranges[ii]
-                    if arg is value:
-                        self._slots.append(_Slot(ci, ai, ii, arg if isinstance(arg, np.ndarray) else None,
-                                                 extent[0] if extent else 0))
-                        break
-                    if isinstance(arg, np.ndarray) and extent is not None:
-                        start, stop = _extent(arg)
-                        if extent[0] <= start and stop <= extent[1] and np.shares_memory(arg, bases[ii]):
-                            self._slots.append(_Slot(ci, ai, ii, arg, extent[0]))
-                            break
-                else:
-                    if isinstance(arg, (np.ndarray, MemoryRegion)):
-                        constants.append((*_extent(arg), ci, ai))
+                kind = known.get(id(arg))
+                if kind is None:
+                    kind = known[id(arg)] = classify(arg)
+                ii, what = kind
+                if ii >= 0:
+                    self._slots.append(_Slot(ci, ai, ii, what))
+                elif what is not None:
+                    constants.append((what[0], what[1], ci, ai))
         self._slot_of = {(slot.call, slot.arg): slot.input for slot in self._slots}
         extents = np.array([c[:2] for c in constants], dtype=np.uint64).reshape(-1, 2)
         self._constant_starts, self._constant_stops = extents[:, 0], extents[:, 1]
@@ -142,9 +189,19 @@ class Batch:
             hit = self._overlapping_constant(extent) if extent is not None else None
             self._entangled.append(None if hit is None else self._argument_text(*hit))
         used = {slot.input for slot in self._slots} | {i for i, v in enumerate(self._inputs) if isinstance(v, QueuePair)}
+        self._peers = {id(q.qp): q.qp.peer.gid for q in self.plan.queues  # remote memory was keyed by these peers
+                       if isinstance(q, QPQueue) and q.qp.peer is not None}
         unused = [name for i, name in enumerate(self.input_names) if i not in used]
         if unused:
             raise BindingError(f"inputs {unused} are not arguments of any call of the batch")
+
+    def _qps(self, queues: Sequence[Any] | None = None) -> list[QueuePair]:
+        """The QPs the batch's queues are sides of, each once, in plan order."""
+        seen: dict[int, QueuePair] = {}
+        for queue in self._queues if queues is None else queues:
+            if isinstance(queue, QPQueue):
+                seen.setdefault(id(queue.qp), queue.qp)
+        return list(seen.values())
 
     def _overlapping_constant(self, extent: tuple[int, int]) -> tuple[int, int] | None:
         start, stop = extent
@@ -184,9 +241,14 @@ class Batch:
                 raise BindingError(f"input {name!r} cannot be rebound: {self._entangled[index]} shares its memory "
                                    "and is not an input (it would keep the old memory); make that one an input too")
             if isinstance(old, QueuePair):
-                if value in queues:
+                if value in self._qps(queues):
                     raise BindingError(f"input {name!r}: {queue_name(value)} is already a queue of the batch")
-                queues[queues.index(old)] = value
+                compiled_peer = self._peers.get(id(self._compiled_qp(old)))
+                if compiled_peer is not None and value.peer is not None and value.peer.gid != compiled_peer:
+                    raise BindingError(f"input {name!r}: {queue_name(value)} is connected to another peer (GID "
+                                       f"{value.peer.gid.hex()}) than the QP compiled (GID {compiled_peer.hex()}), "
+                                       "whose remote memory the plan ordered; compile the batch again")
+                queues = [QPQueue(value, q.side) if isinstance(q, QPQueue) and q.qp is old else q for q in queues]
             inputs[index] = value
             changed.add(index)
         if not changed:
@@ -201,10 +263,17 @@ class Batch:
                                        f"{self._argument_text(slot.call, slot.arg)} writes it")
         self._check_no_new_sharing(inputs, changed)
         self._inputs, self._queues = inputs, queues
-        self._devices = [queues[self.plan.queues.index(d)] if d in self.plan.queues else d for d in self.plan.devices]
+        now = {id(compiled.qp): queue.qp for compiled, queue in zip(self.plan.queues, queues)
+               if isinstance(compiled, QPQueue) and isinstance(queue, QPQueue)}  # a QP's device (timeline) is the QP: it follows a rebinding
+        self._devices = [now.get(id(d), d) for d in self.plan.devices]
         for index, call_args in args.items():
             self._args[index] = tuple(call_args)
             self._prepare(index)
+
+    def _compiled_qp(self, current: QueuePair) -> QueuePair | None:
+        """The QP compiled in the place `current` is bound to now."""
+        return next((c.qp for c, q in zip(self.plan.queues, self._queues)
+                     if isinstance(c, QPQueue) and isinstance(q, QPQueue) and q.qp is current), None)
 
     def _writes_to(self, ci: int, ai: int) -> bool:
         call = self.calls[ci]
@@ -236,7 +305,8 @@ class Batch:
         if call.kind == "kernel":
             options = call.options
             if options["c"]:
-                self._prepared[index] = (options["fn"], (*(ctypes.c_void_p(a.ctypes.data) for a in args),
+                self._prepared[index] = (options["fn"], (*(ctypes.c_void_p(a.__array_interface__["data"][0])
+                                                            for a in args),
                                                           *options["scalars"]))
             else:
                 self._prepared[index] = (options["fn"], (*args, *options["scalars"]))
@@ -248,10 +318,13 @@ class Batch:
             self._prepared[index] = args
 
     # -- running ------------------------------------------------------------------------------------------------
-    async def run(self, bindings: Mapping[str, Any] | Sequence[Any] | None = None) -> None:
+    async def run(self, bindings: Mapping[str, Any] | Sequence[Any] | None = None, *,
+                  timeout: float | None = None) -> None:
         """Run the batch once (after rebinding `bindings`); raises `CallError` naming the first call that failed.
         A call raising SystemExit or KeyboardInterrupt (any BaseException but a cancellation) aborts the batch the
-        same way, then that exception leaves as itself, with a note naming the call (Python >= 3.11)."""
+        same way, then that exception leaves as itself, with a note naming the call (Python >= 3.11). With
+        `timeout`, a run that has not finished that many seconds after it started (its turn after the previous run)
+        is aborted the same way and raises `BatchTimeoutError` naming the calls still pending."""
         number = self._fence.take()
         tickets: dict[Any, int] = {}
         self._active += 1
@@ -261,7 +334,7 @@ class Batch:
                 self._bind(bindings)  # after the previous run ended: its calls keep their arguments
             for device in self._devices:  # one synchronous step: a total order of runs on every device
                 tickets[device] = timeline_of(device).take()
-            await self._execute(tickets)
+            await self._execute(tickets, timeout)
             self.runs += 1
         finally:
             self._active -= 1
@@ -269,11 +342,27 @@ class Batch:
                 timeline_of(device).complete(ticket)
             self._fence.complete(number)
 
-    async def _execute(self, tickets: dict[Any, int]) -> None:
+    async def _execute(self, tickets: dict[Any, int], timeout: float | None) -> None:
         queues, devices, plan_ = self._queues, self._devices, self.plan
         signals = [Counter() for _ in queues]
         records: list[tuple[int, int]] = [(0, 0)] * len(self.calls)
         failures: list[tuple[int, BaseException]] = []
+        with anyio.move_on_after(math.inf if timeout is None else timeout) as deadline:
+            await self._work(tickets, signals, records, failures)
+        self._records = records
+        if deadline.cancelled_caught and not failures:
+            pending = [i for i, (_, end) in enumerate(records) if not end]
+            names = self.queue_names()
+            listed = ", ".join(f"call {i} ({self.calls[i].name}) on {names[plan_.submissions[i].queue]}"
+                               for i in pending[:8]) + (f" and {len(pending) - 8} more" if len(pending) > 8 else "")
+            raise BatchTimeoutError(f"the batch did not finish within {timeout:g} s and was aborted; "
+                                    f"{len(pending)} of {len(self.calls)} calls pending: {listed}"
+                                    + self._broken_note())
+        self._raise_failure(failures)
+
+    async def _work(self, tickets: dict[Any, int], signals: list[Counter], records: list[tuple[int, int]],
+                    failures: list[tuple[int, BaseException]]) -> None:
+        queues, devices, plan_ = self._queues, self._devices, self.plan
         async with anyio.create_task_group() as group:
             def fail(submission: Submission | None, error: BaseException) -> None:
                 failures.append((submission.call if submission else -1, error))
@@ -283,21 +372,28 @@ class Batch:
                 queue = queues[qi]
                 device = devices[plan_.device_of_queue[qi]]
                 ticket, timeline = tickets[device], timeline_of(device)
-                worker = self._qp_worker if isinstance(queue, QueuePair) else self._host_worker
+                worker = self._qp_worker if isinstance(queue, QPQueue) else self._host_worker
                 group.start_soon(worker, qi, submissions, signals, timeline, ticket, records, fail)
             for finaliser in plan_.finalisers:
                 group.start_soon(self._finalise, finaliser.waits, signals, devices[finaliser.device], tickets)
-        self._records = records
+
+    def _broken_note(self) -> str:
+        """The QPs an abort left in ERR, and what to do about them."""
+        names = self.qp_names()
+        broken = [names[id(qp)] for qp in self._qps() if qp.state is QPState.ERR]
+        if not broken:
+            return ""
+        return ("; " + ", ".join(broken) + " left in ERR (its outstanding work was flushed): reset and reconnect both "
+                "ends (qp.modify(QPState.RESET), then connect), or connect new QPs and rebind them (a QueuePair "
+                "input), before the next run")
+
+    def _raise_failure(self, failures: list[tuple[int, BaseException]]) -> None:
         if failures:
+            plan_ = self.plan
             # the first failure names the abort, but a SystemExit or KeyboardInterrupt among them must not be lost
             index, error = next((f for f in failures if not isinstance(f[1], Exception)), failures[0])
             names = self.queue_names()
-            broken = [names[i] for i, q in enumerate(queues) if isinstance(q, QueuePair) and q.state.name == "ERR"]
-            note = ""
-            if broken:
-                note = ("; " + ", ".join(broken) + " left in ERR (its outstanding work was "
-                        "flushed): reset and reconnect both ends (qp.modify(QPState.RESET), then connect), or connect "
-                        "new QPs and rebind them (a QueuePair input), before the next run")
+            note = self._broken_note()
             queue = names[plan_.submissions[index].queue] if index >= 0 else None
             if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt: not a call's failure to catch
                 if hasattr(error, "add_note"):  # Python >= 3.11
@@ -356,8 +452,9 @@ class Batch:
     async def _qp_worker(self, qi: int, submissions: list[Submission], signals: list[Counter], timeline: Timeline,
                          ticket: int, records: list[tuple[int, int]], fail: Any) -> None:
         """Post in order (waits, fences), retire completions in order (end times, signals) in a second task."""
-        qp = self._queues[qi]
-        assert isinstance(qp, QueuePair)
+        side = self._queues[qi]
+        assert isinstance(side, QPQueue)
+        qp = side.qp
         signal, clock = signals[qi], time.perf_counter_ns
         completions: list[Any] = [None] * len(submissions)
         starts = [0] * len(submissions)
@@ -432,12 +529,21 @@ class Batch:
         """The plan as Graphviz text (`dot -Tsvg`)."""
         return self.plan.to_dot([c.name for c in self.calls], self._namer())
 
+    def qp_names(self) -> dict[int, str]:
+        """The batch's QPs by id(): `qp 0x2`, with the NIC added where two QPs of different NICs share a number
+        (each NIC numbers its own QPs)."""
+        qps = self._qps()
+        base = [qp_name(qp) for qp in qps]
+        return {id(qp): name + (f" ({qp.device.pci.address})" if base.count(name) > 1 else "")
+                for name, qp in zip(base, qps)}
+
     def queue_names(self) -> list[str]:
-        """The batch's queues as errors, describe() and traces name them, in plan order: `qp 0x2`, `compute`...,
-        with the NIC added where two QPs of different NICs share a number (each NIC numbers its own QPs)."""
-        base = [queue_name(q) for q in self._queues]
-        return [name + (f" ({q.device.pci.address})" if isinstance(q, QueuePair) else f" #{i}")
-                if base.count(name) > 1 else name for i, (name, q) in enumerate(zip(base, self._queues))]
+        """The batch's queues as errors, describe() and traces name them, in plan order: `qp 0x2` (its send side),
+        `qp 0x2 recv` (its receive side), `compute`..."""
+        qps = self.qp_names()
+        base = [qps[id(q.qp)] + (" recv" if q.side == RECEIVE else "") if isinstance(q, QPQueue) else queue_name(q)
+                for q in self._queues]
+        return [name + f" #{i}" if base.count(name) > 1 else name for i, name in enumerate(base)]
 
     def _namer(self) -> Any:
         """Name a compiled queue (or device) by what it is bound to now (a QP input may have been rebound)."""
