@@ -129,6 +129,16 @@ class CallError(FabricError):
                          f"the batch was aborted{note}")
 
 
+class ImmediateMismatchError(FabricError):
+    """A WRITE_WITH_IMM arrived with another immediate than the receiver expected: the peers disagree about what
+    runs (another collective, another size, a step missed), and the data it placed cannot be trusted."""
+
+    def __init__(self, expected: int, got: int | None) -> None:
+        self.expected, self.got = expected, got
+        got_text = f"{got:#x}" if got is not None else "none (a SEND without immediate)"
+        super().__init__(f"expected immediate {expected:#x}, got {got_text}")
+
+
 class BatchTimeoutError(FabricError, TimeoutError):
     """A batch's run did not finish within its `timeout`; the batch was aborted. The message names the calls still
     pending."""

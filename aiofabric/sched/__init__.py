@@ -5,13 +5,17 @@
     print(batch.describe()); batch.trace("run.json")
 
 Modules: `plan` (pure planner), `calls` (queues and calls), `kernels` (C and numpy kernels, the 0-d/1-d rule),
-`timeline` (awaitable counters), `run` (compiled batches and their workers), `trace` (Chrome trace JSON).
+`timeline` (awaitable counters), `pool` (receive pools), `run` (compiled batches and their workers), `trace`
+(Chrome trace JSON), `reduce` (reduction kernels).
 """
 from .calls import Call, ComputeQueue, CopyQueue, copy, kernel, read, recv, send, wait_imm, write, write_with_imm
 from .kernels import CKernel, CompilerNotFoundError, KernelBuildError, flatten
-from ..errors import BatchTimeoutError
+from ..errors import BatchTimeoutError, ImmediateMismatchError
+from .pool import ReceivePool, receive_pool
+from . import reduce  # sched.reduce.reduce(...), sched.reduce.reduction(...)
 from .run import Batch, BindingError, CallError, compile
 
-__all__ = ["Batch", "BatchTimeoutError", "BindingError", "CKernel", "Call", "CallError", "CompilerNotFoundError", "ComputeQueue",
-           "CopyQueue", "KernelBuildError", "compile", "copy", "flatten", "kernel", "read", "recv", "send",
-           "wait_imm", "write", "write_with_imm"]
+__all__ = ["Batch", "BatchTimeoutError", "BindingError", "CKernel", "Call", "CallError", "CompilerNotFoundError",
+           "ComputeQueue", "CopyQueue", "ImmediateMismatchError", "KernelBuildError", "ReceivePool", "compile", "copy",
+           "flatten", "kernel", "read", "receive_pool", "recv", "reduce", "send", "wait_imm", "write",
+           "write_with_imm"]

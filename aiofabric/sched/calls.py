@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ from .plan import PlannedCall, Span
 HOST = "host"
 SEND, RECEIVE = "send", "recv"  # a QP's two queues
 RECEIVE_VERBS = frozenset({"recv", "wait_imm"})
+_tokens = itertools.count()  # control dependencies: one private "buffer" per call waited for
 _byte_bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds  # moved in numpy 2; look up once
 
 
@@ -107,6 +109,25 @@ class Call:
     options: dict[str, Any]
     reads: tuple[Span, ...] = ()
     writes: tuple[Span, ...] = ()
+    earlier: tuple[Call, ...] = ()  # after(): calls this one waits for beyond what its memory says
+
+    def after(self, *calls: Call) -> Call:
+        """Run only once `calls` (earlier in the same batch) completed, though no memory says so: causality the
+        planner cannot see, such as a peer's ready message (a `wait_imm`) before a write into its memory. Returns
+        this call, so it chains: `sched.write(...).after(ready)`."""
+        for call in calls:
+            if not isinstance(call, Call):
+                raise TypeError(f"{self.name}: after() takes calls, not {type(call).__name__}")
+            if call is self:
+                raise ValueError(f"{self.name}: a call cannot run after itself")
+            token = next((s for s in call.writes if isinstance(s.key, tuple) and s.key[0] == "after"), None)
+            if token is None:
+                token = Span(("after", next(_tokens)), 0, 1)
+                call.writes = (*call.writes, token)
+            if token not in self.reads:
+                self.reads = (*self.reads, token)
+                self.earlier = (*self.earlier, call)
+        return self
 
     @property
     def device(self) -> Any:
@@ -227,9 +248,14 @@ def recv(qp: QueuePair, local: MemoryRegion, size: int | None = None, *, local_o
     return _verb("recv", qp, local, None, size, local_offset, 0, name)
 
 
-def wait_imm(qp: QueuePair, landed: np.ndarray | MemoryRegion | None = None, *, name: str | None = None) -> Call:
-    """Complete when a peer's WRITE_WITH_IMM arrives on `qp`; `landed` is the memory it wrote (later readers wait)."""
-    call = _verb("wait_imm", qp, None, None, 0, 0, 0, name)
+def wait_imm(qp: QueuePair, landed: np.ndarray | MemoryRegion | None = None, *, imm: int | None = None,
+             name: str | None = None) -> Call:
+    """Complete when a peer's WRITE_WITH_IMM arrives on `qp`; `landed` is the memory it wrote (later readers wait).
+    With `imm`, another immediate fails the call (`ImmediateMismatchError`, in the batch's `CallError`): the
+    peers disagree about what runs. With a receive pool on the QP (`receive_pool`) it takes a pooled receive."""
+    if imm is not None and (not isinstance(imm, int) or isinstance(imm, bool) or not 0 <= imm <= 0xFFFFFFFF):
+        raise ValueError(f"{name or 'wait_imm'}: imm must be an integer in [0, 0xffffffff], not {imm!r}")
+    call = _verb("wait_imm", qp, None, None, 0, 0, 0, name, imm=imm)
     if landed is not None:
         call.writes = (host_span(landed),)
     return call

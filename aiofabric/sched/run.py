@@ -21,10 +21,11 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ..errors import BatchTimeoutError, BindingError, CallError
-from ..queues import LocalBuffer, MemoryRegion, QPState, QueuePair, RemoteRegion
+from ..errors import BatchTimeoutError, BindingError, CallError, ImmediateMismatchError
+from ..queues import MemoryRegion, QPState, QueuePair, RemoteRegion
 from .calls import RECEIVE, Call, QPQueue, host_address, qp_name, queue_name
 from .plan import Plan, Submission, plan
+from .pool import NO_SGE, pool_of
 from .timeline import Counter, Timeline
 from .trace import CallTrace, write_chrome_trace
 
@@ -35,7 +36,6 @@ YIELD_EVERY = 32  # inline calls a host worker runs before it lets the rest of t
 DRAIN_TIMEOUT = 5.0  # seconds an aborted QP worker waits for work it already posted
 RECEIVE_GRACE = 1.0  # ... and for its receives, whose matching sends may still be on the wire
 RECEIVES = ("recv", "wait_imm")
-NO_SGE = LocalBuffer(0, 0, 0)
 
 _timelines: weakref.WeakKeyDictionary[Any, Timeline] = weakref.WeakKeyDictionary()
 _named_timelines: dict[Any, Timeline] = {}
@@ -109,6 +109,7 @@ class Batch:
         self.calls = list(calls)
         if not self.calls:
             raise ValueError("a batch needs at least one call")
+        _check_order(self.calls)
         self.plan: Plan = plan(call.access() for call in self.calls)
         self._queue_submissions = self.plan.queue_submissions()
         self._queues, self._devices = list(self.plan.queues), list(self.plan.devices)  # QP inputs replace entries
@@ -459,13 +460,17 @@ class Batch:
         completions: list[Any] = [None] * len(submissions)
         starts = [0] * len(submissions)
         posted, retired = Counter(), Counter()
+        expected = [self.calls[s.call].options.get("imm") if side.side == RECEIVE else None for s in submissions]
 
         async def retire() -> None:
             submission = None
             try:
                 for k, submission in enumerate(submissions):
                     await posted.wait_for(k + 1)
-                    await completions[k]
+                    done = await completions[k]
+                    want = expected[k]
+                    if want is not None and done.imm != want:
+                        raise ImmediateMismatchError(want, done.imm)
                     records[submission.call] = (starts[k], clock())
                     retired.set(k + 1)
                     if submission.signal is not None:
@@ -516,8 +521,15 @@ class Batch:
                                       remote_offset=o["remote_offset"])
         if call.kind == "send":
             return await qp.post_send(local, o["size"], local_offset=o["local_offset"])
+        pool = pool_of(qp)
         if call.kind == "recv":
+            if pool is not None:  # receives complete in posting order: this one would take a pooled message
+                raise ValueError(f"{call.name}: {qp_name(qp)} has a receive pool (sched.receive_pool), whose "
+                                 "receives come first; receive into memory on another QP, or use write_with_imm "
+                                 "and wait_imm")
             return await qp.post_recv(local, o["size"], local_offset=o["local_offset"])
+        if pool is not None:
+            return await pool.take()
         return await qp.post_recv(NO_SGE, 0)  # wait_imm: a receive without memory, consumed by WRITE_WITH_IMM
 
     # -- looking at it ------------------------------------------------------------------------------------------
@@ -636,6 +648,18 @@ def _check_binding(name: str, old: Any, new: Any) -> None:
         if not isinstance(new, RemoteRegion) or new.length != old.length:
             raise BindingError(f"input {name!r} must be a RemoteRegion of {old.length} bytes (as compiled); got "
                                f"{getattr(new, 'length', type(new).__name__)}")
+
+
+def _check_order(calls: list[Call]) -> None:
+    """A call's after() targets come earlier in the batch: planned later, the planner would order them the other
+    way round (a write after a read of its token)."""
+    position = {id(call): i for i, call in enumerate(calls)}
+    for i, call in enumerate(calls):
+        for earlier in call.earlier:
+            at = position.get(id(earlier))
+            if at is None or at > i:
+                where = "is not in the batch" if at is None else f"comes later (call {at})"
+                raise ValueError(f"call {i} ({call.name}) runs after {earlier.name!r}, which {where}: list it first")
 
 
 def compile(calls: Iterable[Call], inputs: Mapping[str, Any] | Sequence[Any] | None = None) -> Batch:

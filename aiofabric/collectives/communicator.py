@@ -1,0 +1,250 @@
+"""A rank of a ring: its QPs to the next and previous rank, its registered buffers and receive pools, and the
+collectives as scheduler batches, compiled once per (collective, count, dtype, op, root, placement) and replayed.
+
+Every run of a collective on a link starts with a ready message from the receiver (a zero-byte WRITE_WITH_IMM): "my
+buffers are yours to write". The sender's first write waits for it, so a rank that runs ahead never overwrites memory
+its neighbour still reads, and never gets more than one run's messages ahead of its neighbour's receive pool (which
+holds more than a run's messages): no RNR NAK, whatever the ranks' speeds. Every message's immediate names the
+collective, a digest of its arguments and its sequence number on the link (`layout.tag`), and the receiver checks
+it. Within a run no landing memory is reused: reduce-scatter lands step s in its own slot of the landing MR, and
+allgather and broadcast write the final bytes in place.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import sched
+from ..errors import FabricError
+from ..nic import NIC
+from ..queues import MemoryRegion, QueuePair, RemoteRegion
+from ..sched.reduce import DTYPES, OPS
+from . import layout
+
+PIECE_BYTES = 512 << 10  # a message: small enough to pipeline reductions with transfers, large enough to amortise
+MAX_PIECES = 32  # per chunk (the piece grows past PIECE_BYTES above this), so a run's messages fit the pool
+RUN_TIMEOUT = 60.0  # seconds a collective may take before it fails naming the calls still pending
+
+
+class CollectiveError(FabricError):
+    """A collective failed at a rank (its own failure, or a peer's); the communicator is unusable afterwards."""
+
+
+class Link:
+    """One direction of the ring as this rank sees it: the QP, and the peer's buffers as RemoteRegions."""
+
+    def __init__(self, qp: QueuePair, peer_rank: int, work: RemoteRegion, landing: RemoteRegion) -> None:
+        self.qp, self.peer_rank, self.work, self.landing = qp, peer_rank, work, landing
+
+
+class Communicator:
+    """Rank `rank` of `size`. Made by a launcher (`collectives.local`), which connects the QPs and exchanges the
+    buffers' keys. Collectives take numpy arrays (any shape, C-contiguous); `out=None` means in place."""
+
+    def __init__(self, rank: int, size: int, work: MemoryRegion | None, landing: MemoryRegion | None,
+                 next_link: Link | None, prev_link: Link | None, *, nic: NIC | None = None,
+                 piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT) -> None:
+        self.rank, self.size, self.nic = rank, size, nic
+        self.work, self.landing = work, landing
+        self.next, self.prev = next_link, prev_link
+        self.piece_bytes, self.timeout = piece_bytes, timeout
+        self.capacity = work.length if work is not None else 0
+        self.compute = sched.ComputeQueue(f"rank {rank} reduce")
+        self.copies = sched.CopyQueue(f"rank {rank} copy")
+        self._batches: dict[tuple[Any, ...], tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]] = {}
+        self.broken: BaseException | None = None
+        self._barrier = np.zeros(1, np.int32)
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank {self.rank} of {self.size})"
+
+    # -- the collectives --------------------------------------------------------------------------------------------
+    async def allreduce(self, x: np.ndarray, out: np.ndarray | None = None, *, op: str = "sum") -> np.ndarray:
+        """out = x reduced over the ranks, elementwise (every rank gets the same bytes)."""
+        return await self._collective("allreduce", x, out, x.size, op=op)
+
+    async def reduce_scatter(self, x: np.ndarray, out: np.ndarray, *, op: str = "sum") -> np.ndarray:
+        """out (count elements) = chunk `rank` of x (size * count elements) reduced over the ranks."""
+        if x.size != out.size * self.size:
+            raise ValueError(f"reduce_scatter: x has {x.size} elements; it needs size ({self.size}) x out's "
+                             f"{out.size}")
+        return await self._collective("reduce_scatter", x, out, out.size, op=op)
+
+    async def allgather(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out (size * count elements) = every rank's x (count elements), in rank order."""
+        if out.size != x.size * self.size:
+            raise ValueError(f"allgather: out has {out.size} elements; it needs size ({self.size}) x x's {x.size}")
+        return await self._collective("allgather", x, out, x.size)
+
+    async def broadcast(self, x: np.ndarray, out: np.ndarray | None = None, *, root: int = 0) -> np.ndarray:
+        """out = the root's x at every rank."""
+        if not isinstance(root, int) or not 0 <= root < self.size:
+            raise ValueError(f"broadcast: root must be a rank in [0, {self.size - 1}], not {root!r}")
+        return await self._collective("broadcast", x, out, x.size, root=root)
+
+    async def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        await self._collective("barrier", self._barrier, None, 1, op="sum")
+
+    # -- compiling and running ----------------------------------------------------------------------------------
+    async def _collective(self, kind: str, x: np.ndarray, out: np.ndarray | None, count: int, *,
+                          op: str | None = None, root: int = 0) -> np.ndarray:
+        if self.broken is not None:
+            raise CollectiveError(f"rank {self.rank}: the communicator failed earlier ({self.broken}); make a new "
+                                  "one") from self.broken
+        result = x if out is None else out
+        _check_array(kind, "x", x)
+        _check_array(kind, "out", result)
+        if result.dtype != x.dtype:
+            raise TypeError(f"{kind}: out is {result.dtype}, x is {x.dtype}")
+        if op is not None and op not in OPS:
+            raise ValueError(f"{kind}: unknown op {op!r}; the ops are {', '.join(OPS)}")
+        if op is not None and x.dtype not in DTYPES:
+            raise TypeError(f"{kind}: reductions take {', '.join(d.name for d in DTYPES)}, not {x.dtype}")
+        if out is None and kind in ("reduce_scatter", "allgather"):
+            raise ValueError(f"{kind}: needs an out array (its size differs from x's)")
+        if out is not None and out is not x and np.may_share_memory(x, out):
+            raise ValueError(f"{kind}: out overlaps x; pass out=None (allreduce, broadcast) for in place")
+        buffer_bytes = max(x.nbytes, result.nbytes)
+        if buffer_bytes > self.capacity:
+            raise ValueError(f"{kind}: {buffer_bytes} bytes exceed the communicator's {self.capacity}-byte buffers "
+                             "(its buffer_bytes)")
+        if count == 0 or self.size == 1:
+            if out is not None and x.size:
+                np.copyto(out.reshape(-1), x.reshape(-1))
+            return result
+        inplace = out is None
+        key = (kind, count, x.dtype.str, op, root, inplace)
+        entry = self._batches.get(key)
+        if entry is None:
+            entry = self._batches[key] = self._compile(kind, count, x.dtype, op, root, inplace)
+        batch, bindings = entry
+        try:
+            await batch.run(bindings(x.reshape(-1), result.reshape(-1)), timeout=self.timeout)
+        except Exception as error:
+            self.broken = error
+            raise CollectiveError(f"rank {self.rank} failed: {kind} of {count} x {x.dtype}: {error}") from error
+        except BaseException as error:  # cancelled mid-run: what the links hold is unknown
+            self.broken = error
+            raise
+        return result
+
+    def _compile(self, kind: str, count: int, dtype: np.dtype[Any], op: str | None, root: int,
+                 inplace: bool) -> tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]:
+        assert self.work is not None and self.landing is not None and self.next is not None and self.prev is not None
+        size, rank, isz = self.size, self.rank, dtype.itemsize
+        total = count * size if kind in ("reduce_scatter", "allgather") else count
+        w = np.frombuffer(self.work.view, dtype, total)
+        lands = np.frombuffer(self.landing.view, dtype, self.landing.length // isz)
+        x_len = count if kind != "reduce_scatter" else total
+        out_len = count if kind != "allgather" else total
+        x, out = np.zeros(x_len, dtype), np.zeros(out_len, dtype)  # compile-time stand-ins, rebound every run
+        digest = layout.digest(kind, count, dtype.str, op, root)
+        send = _Messages(kind, digest)
+        receive = _Messages(kind, digest)
+        chunk_list = layout.chunks(total, size)
+        largest = max(c.length for c in chunk_list)
+        piece = max(self.piece_bytes, -(-largest * isz // MAX_PIECES) if kind != "broadcast" else
+                    -(-total * isz // (MAX_PIECES * 2 * (size - 1))))
+        calls: list[sched.Call] = []
+        nq, pq = self.next.qp, self.prev.qp
+        sends_data = kind != "broadcast" or (rank + 1) % size != root
+        receives_data = kind != "broadcast" or rank != root
+
+        # 1. this run's input into the registered buffer
+        if kind == "allgather":
+            mine = chunk_list[rank]
+            first = sched.copy(w[mine.start:mine.start + mine.length], x, queue=self.copies, name="copy in")
+        elif kind != "broadcast" or rank == root:
+            first = sched.copy(w, x, queue=self.copies, name="copy in")
+        else:
+            first = None
+        if first is not None:
+            calls.append(first)
+        # 2. ready: the previous rank may write into our memory (the previous run's readers are done: the timeline)
+        if receives_data:
+            ready = sched.write_with_imm(pq, self.work, self.prev.work, receive.ready(), 0, name="ready to prev")
+            calls.append(ready.after(first) if first is not None else ready)
+        if sends_data:
+            wait_ready = sched.wait_imm(nq, imm=send.ready(), name="next is ready")
+            calls.append(wait_ready)
+        first_write: list[sched.Call] = []
+
+        work = self.work
+
+        def write(where: RemoteRegion, at: layout.Piece, remote_offset: int, label: str) -> None:
+            call = sched.write_with_imm(nq, work, where, send.next(), at.length * isz,
+                                        local_offset=at.start * isz, remote_offset=remote_offset, name=label)
+            if not first_write:
+                first_write.append(call.after(wait_ready))
+            calls.append(call)
+
+        # 3. reduce-scatter: step s lands in landing slot s and is reduced into the work buffer
+        if kind in ("allreduce", "reduce_scatter"):
+            assert op is not None
+            slot = largest * isz
+            for step in range(size - 1):
+                sent, got = layout.reduce_scatter_chunks(rank, size, step)
+                for at in layout.pieces(chunk_list[sent], isz, piece):
+                    write(self.next.landing, at, step * slot + (at.start - chunk_list[sent].start) * isz,
+                          f"rs {step} chunk {sent}")
+                for at in layout.pieces(chunk_list[got], isz, piece):
+                    low = step * slot // isz + at.start - chunk_list[got].start
+                    landed = lands[low:low + at.length]
+                    calls.append(sched.wait_imm(pq, landed, imm=receive.next(), name=f"rs {step} landed {got}"))
+                    acc = w[at.start:at.start + at.length]
+                    calls.append(sched.reduce.reduce(acc, acc, landed, op=op, queue=self.compute,
+                                                     name=f"rs {step} reduce {got}"))
+        # 4. allgather: every chunk in place at every rank
+        if kind in ("allreduce", "allgather"):
+            for step in range(size - 1):
+                sent, got = layout.allgather_chunks(rank, size, step)
+                for at in layout.pieces(chunk_list[sent], isz, piece):
+                    write(self.next.work, at, at.start * isz, f"ag {step} chunk {sent}")
+                for at in layout.pieces(chunk_list[got], isz, piece):
+                    calls.append(sched.wait_imm(pq, w[at.start:at.start + at.length], imm=receive.next(),
+                                                name=f"ag {step} landed {got}"))
+        # 5. broadcast: a pipeline from the root along the ring
+        if kind == "broadcast":
+            for at in layout.pieces(layout.Piece(0, total), isz, piece):
+                if receives_data:
+                    calls.append(sched.wait_imm(pq, w[at.start:at.start + at.length], imm=receive.next(),
+                                                name=f"bcast landed {at.start}"))
+                if sends_data:
+                    write(self.next.work, at, at.start * isz, f"bcast {at.start}")
+        # 6. the result out of the registered buffer
+        if kind == "reduce_scatter":
+            mine = chunk_list[rank]
+            calls.append(sched.copy(out, w[mine.start:mine.start + mine.length], queue=self.copies, name="copy out"))
+        else:
+            calls.append(sched.copy(x if inplace else out, w, queue=self.copies, name="copy out"))
+        inputs = {"x": x} if inplace else {"x": x, "out": out}
+        batch = sched.compile(calls, inputs=inputs)
+
+        def bindings(new_x: np.ndarray, new_out: np.ndarray) -> dict[str, np.ndarray]:
+            return {"x": new_x} if inplace else {"x": new_x, "out": new_out}
+        return batch, bindings
+
+
+class _Messages:
+    """Sequence numbers of one link in one run: the ready message is 0, data messages count from 1."""
+
+    def __init__(self, kind: str, digest: int) -> None:
+        self.kind, self.digest, self.seq = kind, digest, layout.READY_SEQ
+
+    def ready(self) -> int:
+        return layout.tag(self.kind, self.digest, layout.READY_SEQ)
+
+    def next(self) -> int:
+        self.seq += 1
+        return layout.tag(self.kind, self.digest, self.seq)
+
+
+def _check_array(kind: str, label: str, array: Any) -> None:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{kind}: {label} is a {type(array).__name__}, not a numpy array")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{kind}: {label} is not C-contiguous; pass np.ascontiguousarray(...)")
+    if label == "out" and not array.flags.writeable:
+        raise ValueError(f"{kind}: {label} is read-only")

@@ -1,0 +1,74 @@
+"""Ring arithmetic, pure: how a buffer splits into ring chunks and pieces, which chunk each rank sends and receives at
+each step, the immediates that name every message, and nccl-tests' bus bandwidth factors.
+
+A ring of N ranks: rank r sends to r+1 and receives from r-1 (mod N). Allreduce is a reduce-scatter then an
+allgather, each N-1 steps over N chunks; a chunk is cut into pieces of at most `piece` bytes, each its own message,
+so the transfer of piece p+1 overlaps the reduction of piece p.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
+# nccl-tests' busbw = algbw * factor (its doc/PERFORMANCE.md): what each rank's link carries, per byte of the result
+BUS_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+               "allgather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "barrier": lambda n: 0.0}
+READY_SEQ = 0  # the first message of a run on each link, receiver to sender: "my memory is yours to write"
+MAX_SEQ = 0xFFFF
+
+
+class Piece(NamedTuple):
+    """Elements [start, start + length) of the buffer: one message."""
+    start: int
+    length: int
+
+
+def chunks(count: int, ranks: int) -> list[Piece]:
+    """`count` elements as `ranks` contiguous chunks, the first `count % ranks` one element longer (so counts that
+    do not divide work, and chunks may be empty)."""
+    base, extra = divmod(count, ranks)
+    out, start = [], 0
+    for i in range(ranks):
+        size = base + (i < extra)
+        out.append(Piece(start, size))
+        start += size
+    return out
+
+
+def pieces(chunk: Piece, itemsize: int, piece_bytes: int) -> list[Piece]:
+    """A chunk cut into messages of at most `piece_bytes` (whole elements; an empty chunk has no piece)."""
+    per = max(1, piece_bytes // itemsize)
+    return [Piece(start, min(per, chunk.start + chunk.length - start))
+            for start in range(chunk.start, chunk.start + chunk.length, per)]
+
+
+def reduce_scatter_chunks(rank: int, ranks: int, step: int) -> tuple[int, int]:
+    """(chunk sent, chunk received and reduced) at reduce-scatter `step`, arranged so rank r ends with chunk r
+    fully reduced (what reduce_scatter returns at rank r)."""
+    return (rank - step - 1) % ranks, (rank - step - 2) % ranks
+
+
+def allgather_chunks(rank: int, ranks: int, step: int) -> tuple[int, int]:
+    """(chunk sent, chunk received) at allgather `step`: rank r starts with chunk r complete."""
+    return (rank - step) % ranks, (rank - step - 1) % ranks
+
+
+def tag(kind: str, key: int, seq: int) -> int:
+    """The immediate of message `seq` of one collective: its kind and a 12-bit digest of what was asked (count,
+    dtype, op, root) above the sequence number, so ranks that disagree about what runs fail at the first message
+    instead of reducing each other's garbage."""
+    if not 0 <= seq <= MAX_SEQ:
+        raise ValueError(f"{kind}: {seq} messages on one link exceed the {MAX_SEQ} a run can name")
+    return (KINDS.index(kind) << 28) | ((key & 0xFFF) << 16) | seq
+
+
+def digest(*parts: object) -> int:
+    """A stable 12-bit digest of `parts` (Python's hash() of a str differs from process to process)."""
+    value = 0
+    for byte in repr(parts).encode():
+        value = (value * 131 + byte) % 4093
+    return value
+
+
+def bus_bandwidth(kind: str, ranks: int, algbw: float) -> float:
+    return algbw * BUS_FACTORS[kind](ranks)

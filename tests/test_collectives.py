@@ -1,0 +1,230 @@
+"""Collectives on a ring of emulated NICs: every collective, dtype and op bit for bit against numpy reduced in the
+ring's order, for 2-5 ranks and awkward sizes; replays; a faulty wire; no RNR NAK; ranks that disagree or die."""
+import itertools
+import os
+import signal
+import threading
+
+import anyio
+import numpy as np
+import pytest
+
+from aiofabric import collectives
+from aiofabric.collectives import launch, layout
+from aiofabric.collectives.communicator import CollectiveError
+from aiofabric.sched.reduce import DTYPES, OPS, UFUNCS
+
+PIECE = 1024  # small messages, so every size above a few hundred elements is cut into several pieces
+
+
+def ring_reduce(xs, op, chunk_list):
+    """What a ring allreduce computes, in its order: chunk c starts at rank c + 1 and every later rank applies
+    `mine OP arrived`, ending at rank c."""
+    n, ufunc = len(xs), UFUNCS[op]
+    out = np.empty_like(xs[0])
+    for c, piece in enumerate(chunk_list):
+        part = slice(piece.start, piece.start + piece.length)
+        acc = xs[(c + 1) % n][part].copy()
+        for k in range(2, n + 1):
+            with np.errstate(all="ignore"):  # float16 products overflow to inf, as the kernels' do
+                acc = ufunc(xs[(c + k) % n][part], acc)
+        out[part] = acc
+    return out
+
+
+def data(rng, dtype, count):
+    if np.dtype(dtype).kind == "f":
+        values = rng.standard_normal(count) * 8
+        values[rng.random(count) < 0.02] = np.nan
+        return values.astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+async def all_ranks(comms, method, *per_rank, **options):
+    return await collectives.run_ranks([lambda c=c, args=args: getattr(c, method)(*args, **options)
+                                        for c, args in zip(comms, zip(*per_rank))])
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+async def test_every_collective_dtype_and_op_matches_numpy_bit_for_bit(ranks):
+    rng = np.random.default_rng(ranks)
+    async with collectives.local(ranks, buffer_bytes=1 << 20, piece_bytes=PIECE) as comms:
+        for dtype, op in itertools.product(DTYPES, OPS):  # allreduce, out of place and in place
+            for count in (0, 1, ranks - 1, 1001):
+                xs = [data(rng, dtype, count) for _ in range(ranks)]
+                expected = ring_reduce(xs, op, layout.chunks(count, ranks))
+                outs = [np.zeros(count, dtype) for _ in range(ranks)]
+                await all_ranks(comms, "allreduce", xs, outs, op=op)
+                assert all(same_bits(out, expected) for out in outs), (dtype, op, count)
+                await all_ranks(comms, "allreduce", xs, op=op)  # in place
+                assert all(same_bits(x, expected) for x in xs), (dtype, op, count, "in place")
+        for dtype, op in itertools.product((np.float16, np.int64), OPS):  # reduce-scatter
+            for count in (0, 1, 333):
+                xs = [data(rng, dtype, count * ranks) for _ in range(ranks)]
+                whole = ring_reduce(xs, op, layout.chunks(count * ranks, ranks))
+                outs = [np.zeros(count, dtype) for _ in range(ranks)]
+                await all_ranks(comms, "reduce_scatter", xs, outs, op=op)
+                for rank, out in enumerate(outs):
+                    assert same_bits(out, whole[rank * count:(rank + 1) * count]), (dtype, op, count, rank)
+        for count in (0, 1, ranks - 1, 777):  # allgather and broadcast move bytes: any dtype
+            xs = [data(rng, np.int32, count) for _ in range(ranks)]
+            outs = [np.zeros(count * ranks, np.int32) for _ in range(ranks)]
+            await all_ranks(comms, "allgather", xs, outs)
+            assert all(same_bits(out, np.concatenate(xs)) for out in outs), count
+            for root in range(ranks):
+                xs = [data(rng, np.float64, count) for _ in range(ranks)]
+                source = xs[root].copy()
+                await all_ranks(comms, "broadcast", xs, root=root)
+                assert all(same_bits(x, source) for x in xs), (count, root)
+        await all_ranks(comms, "barrier")
+
+
+@pytest.mark.anyio
+async def test_replays_take_new_inputs_and_a_large_allreduce_is_exact():
+    """Compiled once, replayed with other arrays (any shape, same size) and other values; 2 MiB per rank is cut into
+    64 KiB pieces, so transfers and reductions pipeline."""
+    rng = np.random.default_rng(7)
+    async with collectives.local(4, buffer_bytes=2 << 20, piece_bytes=64 << 10) as comms:
+        for round_ in range(3):
+            xs = [rng.integers(-1000, 1000, (512, 512)).astype(np.int64) for _ in range(4)]
+            outs = [np.empty((512, 512), np.int64) for _ in range(4)]
+            await all_ranks(comms, "allreduce", xs, outs)
+            assert all(np.array_equal(out, sum(xs)) for out in outs), round_
+        assert len(comms[0]._batches) == 1  # one compile, three runs
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_lossy_reordering_wire_still_gives_exact_results():
+    rng = np.random.default_rng(3)
+    async with collectives.local(3, buffer_bytes=1 << 20, piece_bytes=8192, loss=0.02, reorder=0.05,
+                                 dup=0.02, seed=5) as comms:
+        for _ in range(3):
+            xs = [rng.integers(-2**31, 2**31, 50_001, dtype=np.int32) for _ in range(3)]
+            expected = ring_reduce(xs, "sum", layout.chunks(50_001, 3))
+            await all_ranks(comms, "allreduce", xs)
+            assert all(np.array_equal(x, expected) for x in xs)
+        stats = [await c.nic.pci.debug_client().stats() for c in comms]
+        assert sum(s["dropped"] for s in stats) > 0 and sum(s["retransmits"] for s in stats) > 0
+
+
+async def rnr_naks(comms):
+    return sum([(await c.nic.pci.debug_client().stats())["rnr_naks"] for c in comms])
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_replays_never_meet_an_rnr_nak(monkeypatch):
+    """Receive pools posted before the first run and a ready message per run and link: ranks of different speeds
+    never send into a missing receive. Without the pools (tampered), the same replays do meet RNR NAKs."""
+    async def replays(comms):
+        xs = [np.ones(4096, np.float32) for _ in range(4)]
+        for _ in range(10):
+            await all_ranks(comms, "allreduce", xs)
+        return xs
+
+    async with collectives.local(4, buffer_bytes=1 << 16, piece_bytes=2048) as comms:
+        xs = await replays(comms)
+        assert all(np.all(x == 4.0 ** 10) for x in xs)
+        assert await rnr_naks(comms) == 0
+
+    async def no_pool(qp, depth):
+        return None
+    monkeypatch.setattr(launch, "receive_pool", no_pool)
+    async with collectives.local(4, buffer_bytes=1 << 16, piece_bytes=2048) as comms:
+        xs = await replays(comms)
+        assert all(np.all(x == 4.0 ** 10) for x in xs)  # RNR NAKs cost retransmissions, not bytes
+        assert await rnr_naks(comms) > 0
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_ranks_that_disagree_fail_at_the_first_message_naming_the_immediates():
+    async with collectives.local(2, buffer_bytes=1 << 16, timeout=10) as comms:
+        with anyio.fail_after(20), pytest.raises(CollectiveError, match=r"rank \d failed: .*expected immediate"):
+            await collectives.run_ranks([lambda: comms[0].allreduce(np.ones(100, np.float32)),
+                                         lambda: comms[1].allreduce(np.ones(101, np.float32))])
+        with pytest.raises(CollectiveError, match="failed earlier"):
+            await comms[0].allreduce(np.ones(100, np.float32))
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_rank_whose_nic_dies_fails_every_rank_naming_it():
+    async with collectives.local(3, buffer_bytes=4 << 20, piece_bytes=64 << 10, timeout=20) as comms:
+        xs = [np.ones(1 << 19, np.float64) for _ in range(3)]
+        await all_ranks(comms, "allreduce", xs)
+
+        killer = threading.Timer(0.005, os.kill, (comms[2].nic.pci.pid, signal.SIGKILL))  # mid-run
+        killer.start()
+        try:
+            with anyio.fail_after(30), pytest.raises(CollectiveError, match=r"rank 2 failed: .*(lost|gone|died)"):
+                await all_ranks(comms, "allreduce", xs)
+        finally:
+            killer.join()
+        for comm in comms:
+            assert comm.broken is not None
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_communicator_held_idle_longer_than_a_worker_thread_lives_still_works():
+    async with collectives.local(2, buffer_bytes=1 << 16) as comms:
+        xs = [np.full(1000, 2.0, np.float32) for _ in range(2)]
+        await all_ranks(comms, "allreduce", xs)
+        await anyio.sleep(13)
+        await all_ranks(comms, "allreduce", xs)
+        assert all(np.all(x == 8.0) for x in xs)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_bad_arguments_are_refused_naming_them():
+    async with collectives.local(2, buffer_bytes=4096) as comms:
+        comm = comms[0]
+        with pytest.raises(ValueError, match="exceed the communicator's 4096-byte buffers"):
+            await comm.allreduce(np.ones(1025, np.float32))
+        with pytest.raises(ValueError, match="unknown op 'mean'"):
+            await comm.allreduce(np.ones(4, np.float32), op="mean")
+        with pytest.raises(TypeError, match="reductions take .* not complex64"):
+            await comm.allreduce(np.ones(4, np.complex64))
+        with pytest.raises(ValueError, match="x is not C-contiguous"):
+            await comm.allreduce(np.ones(8, np.float32)[::2])
+        with pytest.raises(ValueError, match="out is read-only"):
+            frozen = np.ones(4, np.float32)
+            frozen.flags.writeable = False
+            await comm.allreduce(np.ones(4, np.float32), frozen)
+        with pytest.raises(ValueError, match="x has 5 elements; it needs size \\(2\\) x out's 2"):
+            await comm.reduce_scatter(np.ones(5, np.float32), np.ones(2, np.float32))
+        with pytest.raises(ValueError, match="root must be a rank in \\[0, 1\\]"):
+            await comm.broadcast(np.ones(4, np.float32), root=2)
+        with pytest.raises(ValueError, match="out overlaps x"):
+            x = np.ones(8, np.float32)
+            await comm.allreduce(x[:4], x[2:6])
+        assert comm.broken is None  # refusals do not break it
+
+
+def test_ring_layout_covers_every_element_once_and_ends_with_chunk_r_at_rank_r():
+    for n, count in itertools.product(range(1, 7), (0, 1, 5, 6, 7, 100)):
+        chunk_list = layout.chunks(count, n)
+        assert sum(c.length for c in chunk_list) == count and [c.start for c in chunk_list] == sorted(
+            c.start for c in chunk_list)
+        assert max(c.length for c in chunk_list) - min(c.length for c in chunk_list) <= 1
+        for c in chunk_list:
+            parts = layout.pieces(c, 4, 12)
+            assert sum(p.length for p in parts) == c.length and all(p.length <= 3 for p in parts)
+        for r in range(n):  # what rank r receives at step s is what rank r-1 sent
+            for s in range(n - 1):
+                assert layout.reduce_scatter_chunks(r, n, s)[1] == layout.reduce_scatter_chunks((r - 1) % n, n, s)[0]
+                assert layout.allgather_chunks(r, n, s)[1] == layout.allgather_chunks((r - 1) % n, n, s)[0]
+            if n > 1:  # the last reduce-scatter step reduces chunk r; allgather step 0 sends it
+                assert layout.reduce_scatter_chunks(r, n, n - 2)[1] == r == layout.allgather_chunks(r, n, 0)[0]
+    assert layout.tag("allreduce", 5, 1) != layout.tag("allgather", 5, 1) != layout.tag("allreduce", 6, 1)
+    assert layout.bus_bandwidth("allreduce", 4, 1.0) == 1.5
