@@ -36,12 +36,17 @@ from .signals import Signalled
 from . import plot, preflight
 from .latency import LatConfig, format_latency_table, run_latency
 from .perftest import MTUS, TESTS, BenchConfig, count_text, format_table, open_bench_nics, run_bench, run_loopback
+from .collectives.layout import DTYPE_NAMES, PIECE_BYTES
 from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+# nccl-tests' binaries, without _perf: the collective each runs
+COLLECTIVE_COMMANDS = {"allreduce": "allreduce", "reducescatter": "reduce_scatter", "allgather": "allgather",
+                       "broadcast": "broadcast"}
+
 SSH_PORT = 22
 
 
@@ -248,6 +253,31 @@ async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
+    from .collectives import local
+    from .collectives.perf import PerfConfig, format_table, run_perf
+    if args.ranks < 1:
+        raise ValueError(f"--ranks must be at least 1, not {args.ranks}")
+    if not 0 <= args.root < args.ranks:
+        raise ValueError(f"--root must be a rank in [0, {args.ranks - 1}], not {args.root}")
+    for flag in ("iters", "warmup_iters"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag} must not be negative")
+    sizes = [args.size] if args.size is not None else sweep(args.minbytes, args.maxbytes, args.stepfactor)
+    nics = args.nics.split(",") if args.nics else None
+    options = {} if nics else {name: getattr(args, name) for name in ("loss", "reorder", "dup", "corrupt", "seed")}
+    if args.pcap and not nics:
+        options["pcap"] = args.pcap
+    config = PerfConfig(args.kind, sizes, iters=args.iters, warmup=args.warmup_iters, dtype=DTYPE_NAMES[args.datatype],
+                        op=args.op, root=args.root, check=bool(args.verify),
+                        progress=not args.json and sys.stdout.isatty())
+    async with local(args.ranks, nics=nics, buffer_bytes=max(sizes), piece_bytes=args.piece, **options) as comms:
+        result = await run_perf(comms, config)
+    if not args.json:
+        print(format_table(result))
+    return result
+
+
 async def cmd_plot(args: argparse.Namespace) -> dict[str, Any]:
     runs = plot.load(args.results)
     plot.plot_runs(runs, args.output)
@@ -412,6 +442,32 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--json", action="store_true", help="print one JSON object")
     lat.set_defaults(run=cmd_lat)
 
+    for command, kind in COLLECTIVE_COMMANDS.items():
+        coll = sub.add_parser(command, help=f"nccl-tests' {kind}_perf over a ring of emulated (or PCI) NICs in this "
+                                            "process: a size sweep, every element checked")
+        coll.add_argument("--ranks", type=int, default=2, help="ranks, one NIC each (default 2)")
+        coll.add_argument("--nics", metavar="A,B,...", help="PCI NICs, one per rank (default: emulated NICs)")
+        coll.add_argument("-b", "--minbytes", type=size_argument, default=32 << 10,
+                          help="smallest size (default 32K); K/M/G suffixes are powers of 1024")
+        coll.add_argument("-e", "--maxbytes", type=size_argument, default=32 << 20,
+                          help="largest size (default 32M)")
+        coll.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step (2)")
+        coll.add_argument("--size", type=size_argument, help="one size instead of a sweep")
+        coll.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
+        coll.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first (default 5)")
+        coll.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES),
+                          help="element type (default float)")
+        coll.add_argument("-o", "--op", default="sum", choices=("sum", "prod", "min", "max"),
+                          help="reduction (default sum)")
+        coll.add_argument("-r", "--root", type=int, default=0, help="broadcast's root rank (default 0)")
+        coll.add_argument("-c", "--check", dest="verify", type=int, default=1, choices=(0, 1),
+                          help="check every element of one run per size (default 1)")
+        coll.add_argument("--piece", type=size_argument, default=PIECE_BYTES,
+                          help="bytes per RDMA message (default 512K): pieces pipeline transfers with reductions")
+        _add_wire_flags(coll, mtu=False)
+        coll.add_argument("--json", action="store_true", help="print one JSON object")
+        coll.set_defaults(run=cmd_collective, kind=kind)
+
     serve = sub.add_parser("serve", help="the remote endpoint connect_peer starts over SSH: JSON-lines requests on "
                                          "stdin, answers on stdout (protocol: aiofabric/peer/protocol.py)")
     serve.set_defaults(run=cmd_serve, json=False)
@@ -449,10 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_wire_flags(parser: argparse.ArgumentParser) -> None:
-    """The path MTU, the QPs' ACK timeout and the emulated wire's faults and capture (bench, lat)."""
-    parser.add_argument("--mtu", type=int, default=4096, choices=MTUS)
-    parser.add_argument("--timeout", type=int, default=14, help="QP ACK timeout exponent (default 14: 67 ms)")
+def _add_wire_flags(parser: argparse.ArgumentParser, mtu: bool = True) -> None:
+    """The path MTU, the QPs' ACK timeout and the emulated wire's faults and capture (bench, lat; the collectives
+    take only the wire's)."""
+    if mtu:
+        parser.add_argument("--mtu", type=int, default=4096, choices=MTUS)
+        parser.add_argument("--timeout", type=int, default=14, help="QP ACK timeout exponent (default 14: 67 ms)")
     for fault in ("loss", "reorder", "dup", "corrupt"):
         parser.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
                             help=f"probability of {fault} per packet on the emulated wire")

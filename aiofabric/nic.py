@@ -16,6 +16,7 @@ import anyio.lowlevel
 from .close_budget import CLOSE_TIMEOUT
 from .device import Device, DeviceEvent, DeviceObject
 from .errors import ClosedError, PCIError
+from .hw.verbs import path_mtu_for_port
 from .pci import DmaBudget, DmaBuffer, PCIDevice, SysfsPCIDevice
 from .poller import Poller
 from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair, check_range
@@ -111,6 +112,11 @@ class NIC:
     @property
     def caps(self) -> dict[str, int]:
         return self.device.caps
+
+    @property
+    def path_mtu(self) -> int:
+        """The largest RoCE path MTU the port's MTU carries (4096 while the port MTU is not known)."""
+        return path_mtu_for_port(self.device.port_mtu) if self.device.port_mtu else 4096
 
     @property
     def fw_version(self) -> str:

@@ -12,24 +12,17 @@ import pytest
 from aiofabric import collectives
 from aiofabric.collectives import launch, layout
 from aiofabric.collectives.communicator import CollectiveError
-from aiofabric.sched.reduce import DTYPES, OPS, UFUNCS
+from aiofabric.collectives.perf import ring_reference
+from aiofabric.sched.reduce import DTYPES, OPS
 
 PIECE = 1024  # small messages, so every size above a few hundred elements is cut into several pieces
 
 
 def ring_reduce(xs, op, chunk_list):
-    """What a ring allreduce computes, in its order: chunk c starts at rank c + 1 and every later rank applies
-    `mine OP arrived`, ending at rank c."""
-    n, ufunc = len(xs), UFUNCS[op]
-    out = np.empty_like(xs[0])
-    for c, piece in enumerate(chunk_list):
-        part = slice(piece.start, piece.start + piece.length)
-        acc = xs[(c + 1) % n][part].copy()
-        for k in range(2, n + 1):
-            with np.errstate(all="ignore"):  # float16 products overflow to inf, as the kernels' do
-                acc = ufunc(xs[(c + k) % n][part], acc)
-        out[part] = acc
-    return out
+    """What a ring allreduce computes, in its order (checked against numpy's exact integer sums in
+    test_cli_collectives.py)."""
+    assert chunk_list == layout.chunks(xs[0].size, len(xs))
+    return ring_reference(xs, op)
 
 
 def data(rng, dtype, count):

@@ -79,12 +79,22 @@ def test_peer_and_sched_use_only_the_public_driver_api_and_not_each_other(folder
     assert offenders(modules(folder), lambda path, name: not name.startswith(other)) == []
 
 
+def test_collectives_use_the_public_driver_api_and_the_scheduler_only():
+    """And nothing below them imports them: the scheduler knows no collective."""
+    def allowed(path, name):
+        return not name.startswith("aiofabric") or name in PUBLIC_API or name.startswith(
+            ("aiofabric.collectives", "aiofabric.sched"))
+    assert offenders(modules("collectives"), allowed) == []
+    below = [path for path in modules() if path.parent.name != "collectives" and path.name != "cli.py"]
+    assert offenders(below, lambda path, name: not name.startswith("aiofabric.collectives")) == []
+
+
 def test_asyncssh_only_in_peer_ssh():
     assert offenders(modules(), lambda path, name: not name.startswith("asyncssh")
                      or path.relative_to(PACKAGE).as_posix() == "peer/ssh.py") == []
 
 
-@pytest.mark.parametrize("pure", ["sched/plan.py", "peer/protocol.py", "units.py", "rings.py"])
+@pytest.mark.parametrize("pure", ["sched/plan.py", "peer/protocol.py", "units.py", "rings.py", "collectives/layout.py"])
 def test_pure_modules_import_no_io_framework(pure):
     assert offenders([PACKAGE / pure], lambda path, name: not name.startswith(IO_FRAMEWORKS)) == []
 

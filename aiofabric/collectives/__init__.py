@@ -1,14 +1,28 @@
 """Collectives over a ring of RDMA NICs, on the scheduler (README: Collectives).
 
     async with collectives.local(4) as comms:             # 4 ranks in this process, an emulated NIC each
-        await collectives.run_ranks([lambda c=c, x=x: c.allreduce(x) for c, x in zip(comms, xs)])
+        await collectives.run_ranks([functools.partial(c.allreduce, x) for c, x in zip(comms, xs)])
 
-Modules: `layout` (pure ring arithmetic and nccl-tests' bus factors), `communicator` (a rank: its links, buffers and
-compiled collectives), `launch` (N ranks in one process, and running them together).
+Modules: `layout` (pure ring arithmetic, nccl-tests' names and bus factors), `communicator` (a rank: its links,
+buffers and compiled collectives), `launch` (N ranks in one process, and running them together), `perf` (the
+nccl-tests sweep behind `aiofabric allreduce ...`). The names below load on first use (PEP 562), so the command line
+reads `layout` without the scheduler.
 """
-from .communicator import CollectiveError, Communicator
-from .layout import BUS_FACTORS, KINDS, bus_bandwidth
-from .launch import connect_ring, local, run_ranks
+from __future__ import annotations
 
-__all__ = ["BUS_FACTORS", "KINDS", "CollectiveError", "Communicator", "bus_bandwidth", "connect_ring", "local",
-           "run_ranks"]
+import importlib
+from typing import Any
+
+_HOMES = {".communicator": ("CollectiveError", "Communicator"), ".layout": ("BUS_FACTORS", "KINDS", "bus_bandwidth"),
+          ".launch": ("connect_ring", "local", "run_ranks")}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiofabric.collectives' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -21,8 +21,8 @@ from ..nic import NIC
 from ..queues import MemoryRegion, QueuePair, RemoteRegion
 from ..sched.reduce import DTYPES, OPS
 from . import layout
+from .layout import PIECE_BYTES
 
-PIECE_BYTES = 512 << 10  # a message: small enough to pipeline reductions with transfers, large enough to amortise
 MAX_PIECES = 32  # per chunk (the piece grows past PIECE_BYTES above this), so a run's messages fit the pool
 RUN_TIMEOUT = 60.0  # seconds a collective may take before it fails naming the calls still pending
 
@@ -65,14 +65,16 @@ class Communicator:
         return await self._collective("allreduce", x, out, x.size, op=op)
 
     async def reduce_scatter(self, x: np.ndarray, out: np.ndarray, *, op: str = "sum") -> np.ndarray:
-        """out (count elements) = chunk `rank` of x (size * count elements) reduced over the ranks."""
+        """out (count elements) = chunk `rank` of x (size * count elements) reduced over the ranks. In place: out is
+        that chunk of x (`x[rank * count:(rank + 1) * count]`)."""
         if x.size != out.size * self.size:
             raise ValueError(f"reduce_scatter: x has {x.size} elements; it needs size ({self.size}) x out's "
                              f"{out.size}")
         return await self._collective("reduce_scatter", x, out, out.size, op=op)
 
     async def allgather(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """out (size * count elements) = every rank's x (count elements), in rank order."""
+        """out (size * count elements) = every rank's x (count elements), in rank order. In place: x is this rank's
+        part of out (`out[rank * count:(rank + 1) * count]`)."""
         if out.size != x.size * self.size:
             raise ValueError(f"allgather: out has {out.size} elements; it needs size ({self.size}) x x's {x.size}")
         return await self._collective("allgather", x, out, x.size)
@@ -102,10 +104,16 @@ class Communicator:
             raise ValueError(f"{kind}: unknown op {op!r}; the ops are {', '.join(OPS)}")
         if op is not None and x.dtype not in DTYPES:
             raise TypeError(f"{kind}: reductions take {', '.join(d.name for d in DTYPES)}, not {x.dtype}")
-        if out is None and kind in ("reduce_scatter", "allgather"):
-            raise ValueError(f"{kind}: needs an out array (its size differs from x's)")
-        if out is not None and out is not x and np.may_share_memory(x, out):
-            raise ValueError(f"{kind}: out overlaps x; pass out=None (allreduce, broadcast) for in place")
+        inplace = out is None or out is x
+        if out is not None and not inplace and np.may_share_memory(x, out):
+            if kind == "allgather" and _is_part(x, out, self.rank):
+                inplace = True
+            elif kind == "reduce_scatter" and _is_part(out, x, self.rank):
+                inplace = True
+            else:
+                raise ValueError(f"{kind}: out overlaps x; in place is " + {
+                    "allgather": "x = out[rank * count:(rank + 1) * count]",
+                    "reduce_scatter": "out = x[rank * count:(rank + 1) * count]"}.get(kind, "out=None"))
         buffer_bytes = max(x.nbytes, result.nbytes)
         if buffer_bytes > self.capacity:
             raise ValueError(f"{kind}: {buffer_bytes} bytes exceed the communicator's {self.capacity}-byte buffers "
@@ -114,7 +122,6 @@ class Communicator:
             if out is not None and x.size:
                 np.copyto(out.reshape(-1), x.reshape(-1))
             return result
-        inplace = out is None
         key = (kind, count, x.dtype.str, op, root, inplace)
         entry = self._batches.get(key)
         if entry is None:
@@ -137,9 +144,18 @@ class Communicator:
         total = count * size if kind in ("reduce_scatter", "allgather") else count
         w = np.frombuffer(self.work.view, dtype, total)
         lands = np.frombuffer(self.landing.view, dtype, self.landing.length // isz)
-        x_len = count if kind != "reduce_scatter" else total
-        out_len = count if kind != "allgather" else total
-        x, out = np.zeros(x_len, dtype), np.zeros(out_len, dtype)  # compile-time stand-ins, rebound every run
+        # compile-time stand-ins, rebound every run; in place, one is a view of the other (views follow their input)
+        mine = layout.chunks(total, size)[rank]
+        x = np.zeros(count if kind != "reduce_scatter" else total, dtype)
+        if not inplace:
+            out = np.zeros(count if kind != "allgather" else total, dtype)
+        elif kind == "allgather":
+            out = np.zeros(total, dtype)
+            x = out[mine.start:mine.start + mine.length]
+        elif kind == "reduce_scatter":
+            out = x[mine.start:mine.start + mine.length]
+        else:
+            out = x
         digest = layout.digest(kind, count, dtype.str, op, root)
         send = _Messages(kind, digest)
         receive = _Messages(kind, digest)
@@ -154,7 +170,6 @@ class Communicator:
 
         # 1. this run's input into the registered buffer
         if kind == "allgather":
-            mine = chunk_list[rank]
             first = sched.copy(w[mine.start:mine.start + mine.length], x, queue=self.copies, name="copy in")
         elif kind != "broadcast" or rank == root:
             first = sched.copy(w, x, queue=self.copies, name="copy in")
@@ -215,15 +230,19 @@ class Communicator:
                     write(self.next.work, at, at.start * isz, f"bcast {at.start}")
         # 6. the result out of the registered buffer
         if kind == "reduce_scatter":
-            mine = chunk_list[rank]
             calls.append(sched.copy(out, w[mine.start:mine.start + mine.length], queue=self.copies, name="copy out"))
         else:
-            calls.append(sched.copy(x if inplace else out, w, queue=self.copies, name="copy out"))
-        inputs = {"x": x} if inplace else {"x": x, "out": out}
-        batch = sched.compile(calls, inputs=inputs)
+            calls.append(sched.copy(out, w, queue=self.copies, name="copy out"))
+        names: tuple[str, ...]
+        if inplace:  # one input, the other a view of it
+            names = ("out",) if kind == "allgather" else ("x",)
+        else:  # a broadcast's x is read at the root only
+            names = ("x", "out") if kind != "broadcast" or rank == root else ("out",)
+        batch = sched.compile(calls, inputs={name: {"x": x, "out": out}[name] for name in names})
 
         def bindings(new_x: np.ndarray, new_out: np.ndarray) -> dict[str, np.ndarray]:
-            return {"x": new_x} if inplace else {"x": new_x, "out": new_out}
+            given = {"x": new_x, "out": new_out}
+            return {name: given[name] for name in names}
         return batch, bindings
 
 
@@ -239,6 +258,14 @@ class _Messages:
     def next(self) -> int:
         self.seq += 1
         return layout.tag(self.kind, self.digest, self.seq)
+
+
+def _is_part(part: np.ndarray, whole: np.ndarray, rank: int) -> bool:
+    """Whether `part` is exactly chunk `rank` of `whole` (same dtype, contiguous, size divides)."""
+    if part.dtype != whole.dtype or not part.size or whole.size % part.size:
+        return False
+    start = whole.__array_interface__["data"][0] + rank * part.nbytes
+    return part.__array_interface__["data"][0] == start and whole.size // part.size > rank
 
 
 def _check_array(kind: str, label: str, array: Any) -> None:

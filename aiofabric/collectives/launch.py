@@ -49,6 +49,7 @@ async def connect_ring(nics: Sequence[NIC], *, buffer_bytes: int = DEFAULT_BUFFE
     if size == 1:
         return [Communicator(0, 1, None, None, None, None, nic=nics[0], piece_bytes=piece_bytes, timeout=timeout)]
     depth = pool_depth(size)
+    mtu = min(nic.path_mtu for nic in nics)  # 4096 unless a port is smaller: a quarter of 1024's packets
     cqs = [await nic.create_cq(4 * depth + 1024) for nic in nics]
     # the landing MR holds size - 1 chunks of at most ceil(count / size) elements: a little more than the work MR
     works = [await nic.register_mr(max(buffer_bytes, 64)) for nic in nics]
@@ -60,8 +61,8 @@ async def connect_ring(nics: Sequence[NIC], *, buffer_bytes: int = DEFAULT_BUFFE
         b = await nics[after].create_qp(cqs[after], sq_depth=256, rq_depth=2 * depth)
         for qp in (a, b):  # posted before either end can send: the first run's messages find receives
             await receive_pool(qp, depth)
-        await a.connect(b.info())
-        await b.connect(a.info())
+        await a.connect(b.info(), mtu=mtu)
+        await b.connect(a.info(), mtu=mtu)
         to_next.append(a)
         from_prev.append(b)  # from_prev[rank] is rank + 1's QP from rank
     comms = []

@@ -13,6 +13,11 @@ KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
 # nccl-tests' busbw = algbw * factor (its doc/PERFORMANCE.md): what each rank's link carries, per byte of the result
 BUS_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                "allgather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "barrier": lambda n: 0.0}
+# nccl-tests' type names (and numpy's) -> numpy's, and back for the table
+DTYPE_NAMES = {"float": "float32", "half": "float16", "double": "float64", "int": "int32", "int32": "int32",
+               "int64": "int64", "float32": "float32", "float16": "float16", "float64": "float64"}
+NCCL_NAMES = {"float32": "float", "float16": "half", "float64": "double", "int32": "int32", "int64": "int64"}
+PIECE_BYTES = 512 << 10  # a message: small enough to pipeline reductions with transfers, large enough to amortise
 READY_SEQ = 0  # the first message of a run on each link, receiver to sender: "my memory is yours to write"
 MAX_SEQ = 0xFFFF
 

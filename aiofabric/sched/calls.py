@@ -142,10 +142,12 @@ class Call:
 
 def kernel(fn: CKernel | Callable[..., Any], outs: Sequence[np.ndarray] = (), ins: Sequence[np.ndarray] = (),
            scalars: Sequence[int | float] = (), *, queue: ComputeQueue, name: str | None = None,
-           threaded: bool = False) -> Call:
-    """`fn(*outs, *ins, *scalars)` on `queue`: a `CKernel` (called in a worker thread with pointers), or a Python
-    callable on numpy arrays (called on the event loop, or in a thread with `threaded=True`: worth it only for
-    work that releases the GIL). Every buffer must be 0-d or 1-d (see `flatten`)."""
+           threaded: bool | None = None) -> Call:
+    """`fn(*outs, *ins, *scalars)` on `queue`: a `CKernel` (called with pointers, in a worker thread unless
+    `threaded=False`), or a Python callable on numpy arrays (called on the event loop, or in a thread with
+    `threaded=True`: worth it only for work that releases the GIL). The hop to a thread and back costs ~50 µs, and
+    milliseconds on a loaded machine: run kernels of a few µs inline. Every buffer must be 0-d or 1-d (see
+    `flatten`)."""
     name = name or f"kernel {getattr(fn, 'name', None) or getattr(fn, '__name__', 'fn')}"
     if not isinstance(queue, ComputeQueue) or isinstance(queue, CopyQueue):
         raise TypeError(f"{name}: kernels run on a ComputeQueue, not {queue!r}")
@@ -162,9 +164,10 @@ def kernel(fn: CKernel | Callable[..., Any], outs: Sequence[np.ndarray] = (), in
                     raise ValueError(f"{name}: {label}[{i}] is not contiguous (strides {a.strides}); a C kernel "
                                      "would read its base memory as if it were: pass np.ascontiguousarray(x)")
         c_args = tuple(c_scalar(v, name, i) for i, v in enumerate(scalars))
-        options = {"fn": fn.function, "c": True, "scalars": c_args, "outs": len(outs)}
+        options = {"fn": fn.function, "c": True, "scalars": c_args, "outs": len(outs),
+                   "threaded": threaded is not False}
     else:
-        options = {"fn": fn, "c": False, "scalars": scalars, "outs": len(outs), "threaded": threaded}
+        options = {"fn": fn, "c": False, "scalars": scalars, "outs": len(outs), "threaded": bool(threaded)}
     return Call("kernel", queue, name, outs + ins, options, tuple([host_span(a) for a in ins]),
                 tuple([host_span(a) for a in outs]))
 

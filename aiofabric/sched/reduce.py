@@ -26,7 +26,7 @@ UFUNCS: dict[str, np.ufunc] = {"sum": np.add, "prod": np.multiply, "min": np.min
 # -O3: GCC's -O2 (very-cheap cost model) will not version a loop for possible aliasing, so without `restrict` (out
 # may be a or b) it would stay scalar. IEEE semantics are kept: no -ffast-math.
 FLAGS = ("-O3", "-shared", "-fPIC")
-THREAD_BYTES = 256 << 10  # numpy fallback: from this size the ufunc runs in a worker thread (it releases the GIL)
+THREAD_BYTES = 256 << 10  # from this size a reduction runs in a worker thread (C and ufuncs release the GIL)
 
 # float16 <-> float32 in integer arithmetic: C has no portable half type (and GCC's _Float16 on x86 without
 # AVX512-FP16 calls libgcc's soft-float conversions anyway). These match numpy's npy_half_to_float/npy_float_to_half,
@@ -163,13 +163,14 @@ def reduce(out: np.ndarray, a: np.ndarray, b: np.ndarray, *, op: str = "sum", qu
     check_arguments(out, a, b, label)
     found = reduction(op, out.dtype)
     name = name or f"reduce {op} {found.dtype.name} ({found.backend})"
+    threaded = out.nbytes >= THREAD_BYTES  # below, the hop to a worker thread costs more than the work
     if found.kernel is not None:
-        return kernel(found.kernel, [out], [a, b], [out.size], queue=queue, name=name)
+        return kernel(found.kernel, [out], [a, b], [out.size], queue=queue, name=name, threaded=threaded)
     ufunc = found.ufunc
 
     def apply(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
         ufunc(a, b, out=out)
-    return kernel(apply, [out], [a, b], queue=queue, name=name, threaded=out.nbytes >= THREAD_BYTES)
+    return kernel(apply, [out], [a, b], queue=queue, name=name, threaded=threaded)
 
 
 def check_arguments(out: Any, a: Any, b: Any, name: str) -> None:

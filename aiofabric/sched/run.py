@@ -427,7 +427,7 @@ class Batch:
                 start = clock()
                 if call.kind == "kernel":
                     fn, args = work
-                    if call.options["c"] or call.options["threaded"]:
+                    if call.options["threaded"]:
                         await to_thread(fn, *args)  # cancellation waits for the thread: nothing runs behind us
                     else:
                         fn(*args)
