@@ -6,6 +6,8 @@ Each (op, dtype) is one generated C function, built once per process with the sy
 no compiler, the matching numpy ufunc (`Reduction.backend` says which). Both give numpy's results bit for bit, so a
 batch computes the same numbers on every host whichever it got: NaN propagation and the signed-zero choice of
 np.minimum/np.maximum, wrap-around of signed integers, float16 computed in float32 and rounded to nearest even.
+One exception: the sum or product of two NaNs is a's NaN here, where numpy's float32/float64 loops give a's or b's
+depending on the element's position (its SIMD and scalar paths differ); both are a quiet NaN of one operand.
 """
 from __future__ import annotations
 
@@ -117,7 +119,8 @@ class Reduction:
         if self.kernel is not None:
             self.kernel.function(*(ctypes.c_void_p(x.ctypes.data) for x in (out, a, b)), ctypes.c_int64(out.size))
         else:
-            self.ufunc(a, b, out=out)
+            with np.errstate(all="ignore"):  # silent, as the C kernels are (inf - inf is nan, not a warning)
+                self.ufunc(a, b, out=out)
 
     def __repr__(self) -> str:
         return f"Reduction({self.op!r}, {self.dtype.name}, backend={self.backend!r})"
@@ -169,7 +172,8 @@ def reduce(out: np.ndarray, a: np.ndarray, b: np.ndarray, *, op: str = "sum", qu
     ufunc = found.ufunc
 
     def apply(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-        ufunc(a, b, out=out)
+        with np.errstate(all="ignore"):
+            ufunc(a, b, out=out)
     return kernel(apply, [out], [a, b], queue=queue, name=name, threaded=threaded)
 
 
