@@ -254,26 +254,40 @@ async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
-    from .collectives import local
+    from .collectives import join, local
     from .collectives.perf import PerfConfig, format_table, run_perf
-    if args.ranks < 1:
-        raise ValueError(f"--ranks must be at least 1, not {args.ranks}")
-    if not 0 <= args.root < args.ranks:
-        raise ValueError(f"--root must be a rank in [0, {args.ranks - 1}], not {args.root}")
+    from .collectives.world import from_environment
+    world = from_environment(os.environ) if args.ranks is None else None
+    ranks = world.size if world is not None else args.ranks or 2
+    if ranks < 1:
+        raise ValueError(f"--ranks must be at least 1, not {ranks}")
+    if not 0 <= args.root < ranks:
+        raise ValueError(f"--root must be a rank in [0, {ranks - 1}], not {args.root}")
     for flag in ("iters", "warmup_iters"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag} must not be negative")
+    for flag in ("timeout", "rendezvous_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     sizes = [args.size] if args.size is not None else sweep(args.minbytes, args.maxbytes, args.stepfactor)
     nics = args.nics.split(",") if args.nics else None
     options = {} if nics else {name: getattr(args, name) for name in ("loss", "reorder", "dup", "corrupt", "seed")}
     if args.pcap and not nics:
         options["pcap"] = args.pcap
+    leader = world is None or world.rank == 0  # prints the table, as nccl-tests' rank 0 does
     config = PerfConfig(args.kind, sizes, iters=args.iters, warmup=args.warmup_iters, dtype=DTYPE_NAMES[args.datatype],
                         op=args.op, root=args.root, check=bool(args.verify),
-                        progress=not args.json and sys.stdout.isatty())
-    async with local(args.ranks, nics=nics, buffer_bytes=max(sizes), piece_bytes=args.piece, **options) as comms:
-        result = await run_perf(comms, config)
-    if not args.json:
+                        progress=leader and not args.json and sys.stdout.isatty())
+    if world is not None:
+        async with join(world, nic=args.nic, ip=args.ip, buffer_bytes=max(sizes), piece_bytes=args.piece,
+                        timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout, **options) as comm:
+            result = await run_perf([comm], config)
+        result["launcher"] = world.launcher
+    else:
+        async with local(ranks, nics=nics, buffer_bytes=max(sizes), piece_bytes=args.piece, timeout=args.timeout,
+                         **options) as comms:
+            result = await run_perf(comms, config)
+    if not args.json and leader:
         print(format_table(result))
     return result
 
@@ -445,7 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     for command, kind in COLLECTIVE_COMMANDS.items():
         coll = sub.add_parser(command, help=f"nccl-tests' {kind}_perf over a ring of emulated (or PCI) NICs in this "
                                             "process: a size sweep, every element checked")
-        coll.add_argument("--ranks", type=int, default=2, help="ranks, one NIC each (default 2)")
+        coll.add_argument("--ranks", type=int, help="ranks in this process, one NIC each (default 2; under torchrun, "
+                                                   "mpirun or srun: this process is one rank of their job, "
+                                                   "rendezvous at MASTER_ADDR:MASTER_PORT)")
+        coll.add_argument("--nic", default="sim", help="with a launcher: this rank's NIC (default sim)")
+        coll.add_argument("--ip", help="with a launcher: this rank's NIC's IPv4 address (emulated: a free 127.0.0.x)")
         coll.add_argument("--nics", metavar="A,B,...", help="PCI NICs, one per rank (default: emulated NICs)")
         coll.add_argument("-b", "--minbytes", type=size_argument, default=32 << 10,
                           help="smallest size (default 32K); K/M/G suffixes are powers of 1024")
@@ -462,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
         coll.add_argument("-r", "--root", type=int, default=0, help="broadcast's root rank (default 0)")
         coll.add_argument("-c", "--check", dest="verify", type=int, default=1, choices=(0, 1),
                           help="check every element of one run per size (default 1)")
+        coll.add_argument("--timeout", type=float, default=60.0, help="seconds one collective may take before every "
+                                                                     "rank fails naming what it waited for (60)")
+        coll.add_argument("--rendezvous-timeout", type=float, default=60.0,
+                          help="with a launcher: seconds for every rank to join (60)")
         coll.add_argument("--piece", type=size_argument, default=PIECE_BYTES,
                           help="bytes per RDMA message (default 512K): pieces pipeline transfers with reductions")
         _add_wire_flags(coll, mtu=False)

@@ -141,7 +141,9 @@ class ImmediateMismatchError(FabricError):
 
 class BatchTimeoutError(FabricError, TimeoutError):
     """A batch's run did not finish within its `timeout`; the batch was aborted. The message names the calls still
-    pending."""
+    pending; `pending_queues` lists their queues' names, in call order."""
+
+    pending_queues: list[str] = []
 
 
 class BindingError(FabricError, ValueError):

@@ -4,7 +4,8 @@
         await collectives.run_ranks([functools.partial(c.allreduce, x) for c, x in zip(comms, xs)])
 
 Modules: `layout` (pure ring arithmetic, nccl-tests' names and bus factors), `communicator` (a rank: its links,
-buffers and compiled collectives), `launch` (N ranks in one process, and running them together), `perf` (the
+buffers and compiled collectives), `launch` (N ranks in one process, one rank of a job, and running ranks together), `world` (the
+launchers' variables), `rendezvous` (rank 0's TCP rendezvous), `perf` (the
 nccl-tests sweep behind `aiofabric allreduce ...`). The names below load on first use (PEP 562), so the command line
 reads `layout` without the scheduler.
 """
@@ -14,7 +15,8 @@ import importlib
 from typing import Any
 
 _HOMES = {".communicator": ("CollectiveError", "Communicator"), ".layout": ("BUS_FACTORS", "KINDS", "bus_bandwidth"),
-          ".launch": ("connect_ring", "local", "run_ranks")}
+          ".launch": ("connect_ring", "join", "local", "run_ranks"), ".world": ("World", "from_environment"),
+          ".rendezvous": ("RendezvousError",)}
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_MODULE_OF)
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import sched
-from ..errors import FabricError
+from ..errors import CallError, FabricError
 from ..nic import NIC
 from ..queues import MemoryRegion, QueuePair, RemoteRegion
 from ..sched.reduce import DTYPES, OPS
@@ -131,11 +131,23 @@ class Communicator:
             await batch.run(bindings(x.reshape(-1), result.reshape(-1)), timeout=self.timeout)
         except Exception as error:
             self.broken = error
-            raise CollectiveError(f"rank {self.rank} failed: {kind} of {count} x {x.dtype}: {error}") from error
+            raise CollectiveError(f"rank {self.rank} failed: {kind} of {count} x {x.dtype}{self._blame(error)}: "
+                                  f"{error}") from error
         except BaseException as error:  # cancelled mid-run: what the links hold is unknown
             self.broken = error
             raise
         return result
+
+    def _blame(self, error: BaseException) -> str:
+        """The neighbour a failure points at: the rank behind the link whose QP failed, or, for a run that timed
+        out, the rank whose link held the first call still pending."""
+        timed_out = not isinstance(error, CallError)
+        queues = [error.queue] if isinstance(error, CallError) else getattr(error, "pending_queues", [])
+        for queue in queues:
+            for link in (self.prev, self.next):
+                if link is not None and queue.removesuffix(" recv") == sched.qp_name(link.qp):
+                    return f" ({'waiting for' if timed_out else 'its link with'} rank {link.peer_rank})"
+        return ""
 
     def _compile(self, kind: str, count: int, dtype: np.dtype[Any], op: str | None, root: int,
                  inplace: bool) -> tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]:

@@ -1,5 +1,7 @@
-"""N ranks in this process, one NIC each (emulated, or PCI functions), connected in a ring; and `run_ranks`, which
-runs one coroutine per rank and, when a rank fails, stops the others and names it."""
+"""Making communicators: N ranks in this process, one NIC each (emulated, or PCI functions), connected in a ring
+(`local`); one rank of a job of processes or hosts, through the TCP rendezvous (`join`); and `run_ranks`, which runs
+one coroutine per rank of this process and, when a rank fails, stops the others and names it. Both connect the same
+`Endpoint`s, so a ring in one process is wired exactly as a ring across hosts."""
 from __future__ import annotations
 
 import contextlib
@@ -8,11 +10,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 import anyio
 
 from ..nic import NIC, open_nic
+from ..queues import MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from ..sched import receive_pool
+from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer
+from .world import World
 from .communicator import MAX_PIECES, PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
 
 T = TypeVar("T")
 DEFAULT_BUFFER = 16 << 20
+RENDEZVOUS_TIMEOUT = 60.0  # seconds for every rank to come and connect
 
 
 def pool_depth(size: int) -> int:
@@ -41,39 +47,93 @@ async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: i
         yield await connect_ring(opened, buffer_bytes=buffer_bytes, piece_bytes=piece_bytes, timeout=timeout)
 
 
+class Endpoint:
+    """One rank's half of the ring before it is connected: its CQ, work and landing MRs, and two QPs with receive
+    pools (posted before either end can send, so the first run's messages find receives): `to_next` for the link to
+    rank + 1, `from_prev` for the link from rank - 1. `card()` is what the other ranks need of it."""
+
+    def __init__(self, nic: NIC, size: int, work: MemoryRegion, landing: MemoryRegion, to_next: QueuePair,
+                 from_prev: QueuePair) -> None:
+        self.nic, self.size, self.work, self.landing = nic, size, work, landing
+        self.to_next, self.from_prev = to_next, from_prev
+
+    @classmethod
+    async def create(cls, nic: NIC, size: int, buffer_bytes: int) -> Endpoint:
+        depth = pool_depth(size)
+        cq = await nic.create_cq(4 * depth + 1024)
+        # the landing MR holds size - 1 chunks of at most ceil(count / size) elements: a little more than the work MR
+        work = await nic.register_mr(max(buffer_bytes, 64))
+        landing = await nic.register_mr(max(buffer_bytes, 64) + 16 * size)
+        qps = [await nic.create_qp(cq, sq_depth=256, rq_depth=2 * depth) for _ in range(2)]
+        for qp in qps:
+            await receive_pool(qp, depth)
+        return cls(nic, size, work, landing, *qps)
+
+    def card(self) -> dict[str, Any]:
+        return {"to_next": self.to_next.info().to_dict(), "from_prev": self.from_prev.info().to_dict(),
+                "work": self.work.remote().to_dict(), "landing": self.landing.remote().to_dict(),
+                "path_mtu": self.nic.path_mtu}
+
+    async def connect(self, rank: int, cards: Sequence[dict[str, Any]], *, piece_bytes: int,
+                      timeout: float) -> Communicator:
+        """Connect both QPs to the neighbours' (at 4096 unless a port is smaller: a quarter of 1024's packets) and
+        make rank `rank`'s communicator. The neighbours must be connected before anyone sends (a barrier)."""
+        size = self.size
+        after, before = (rank + 1) % size, (rank - 1) % size
+        mtu = min(int(card["path_mtu"]) for card in cards)
+        await self.to_next.connect(QPInfo.from_dict(cards[after]["from_prev"]), mtu=mtu)
+        await self.from_prev.connect(QPInfo.from_dict(cards[before]["to_next"]), mtu=mtu)
+        remote = RemoteRegion.from_dict
+        return Communicator(rank, size, self.work, self.landing,
+                            Link(self.to_next, after, remote(cards[after]["work"]), remote(cards[after]["landing"])),
+                            Link(self.from_prev, before, remote(cards[before]["work"]),
+                                 remote(cards[before]["landing"])),
+                            nic=self.nic, piece_bytes=piece_bytes, timeout=timeout)
+
+
 async def connect_ring(nics: Sequence[NIC], *, buffer_bytes: int = DEFAULT_BUFFER, piece_bytes: int = PIECE_BYTES,
                        timeout: float = RUN_TIMEOUT) -> list[Communicator]:
-    """Communicators over open NICs (rank r on nics[r]): a CQ, a work and a landing MR per rank, and per link r -> r+1
-    a connected QP at each end with a receive pool. The NICs' close frees it all."""
+    """Communicators over open NICs of this process, rank r on nics[r]. The NICs' close frees it all."""
     size = len(nics)
     if size == 1:
         return [Communicator(0, 1, None, None, None, None, nic=nics[0], piece_bytes=piece_bytes, timeout=timeout)]
-    depth = pool_depth(size)
-    mtu = min(nic.path_mtu for nic in nics)  # 4096 unless a port is smaller: a quarter of 1024's packets
-    cqs = [await nic.create_cq(4 * depth + 1024) for nic in nics]
-    # the landing MR holds size - 1 chunks of at most ceil(count / size) elements: a little more than the work MR
-    works = [await nic.register_mr(max(buffer_bytes, 64)) for nic in nics]
-    landings = [await nic.register_mr(max(buffer_bytes, 64) + 16 * size) for nic in nics]
-    to_next, from_prev = [], []
-    for rank in range(size):
-        after = (rank + 1) % size
-        a = await nics[rank].create_qp(cqs[rank], sq_depth=256, rq_depth=2 * depth)
-        b = await nics[after].create_qp(cqs[after], sq_depth=256, rq_depth=2 * depth)
-        for qp in (a, b):  # posted before either end can send: the first run's messages find receives
-            await receive_pool(qp, depth)
-        await a.connect(b.info(), mtu=mtu)
-        await b.connect(a.info(), mtu=mtu)
-        to_next.append(a)
-        from_prev.append(b)  # from_prev[rank] is rank + 1's QP from rank
-    comms = []
-    for rank in range(size):
-        after, before = (rank + 1) % size, (rank - 1) % size
-        comms.append(Communicator(
-            rank, size, works[rank], landings[rank],
-            Link(to_next[rank], after, works[after].remote(), landings[after].remote()),
-            Link(from_prev[before], before, works[before].remote(), landings[before].remote()),
-            nic=nics[rank], piece_bytes=piece_bytes, timeout=timeout))
-    return comms
+    endpoints = [await Endpoint.create(nic, size, buffer_bytes) for nic in nics]
+    cards = [endpoint.card() for endpoint in endpoints]
+    return [await endpoint.connect(rank, cards, piece_bytes=piece_bytes, timeout=timeout)
+            for rank, endpoint in enumerate(endpoints)]
+
+
+@contextlib.asynccontextmanager
+async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_bytes: int = DEFAULT_BUFFER,
+               piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
+               rendezvous_timeout: float = RENDEZVOUS_TIMEOUT, **nic_options: Any) -> AsyncIterator[Communicator]:
+    """This process's rank of `world` (`World(rank, size, addr, port)`, or `world.from_environment(os.environ)`
+    under torchrun, mpirun or srun), on NIC `nic`. Rank 0 serves the rendezvous at addr:port; every rank publishes
+    its QPs and buffer keys there, connects to its neighbours, and waits for all to be connected. A rank that does
+    not come within `rendezvous_timeout` fails every rank with an error naming it."""
+    size, rank = world.size, world.rank
+    async with contextlib.AsyncExitStack() as stack:
+        if rank == 0:
+            listener = await anyio.create_tcp_listener(local_host=world.addr, local_port=world.port)
+            group = await stack.enter_async_context(anyio.create_task_group())
+            group.start_soon(RendezvousServer(size, rendezvous_timeout).serve, listener)
+        client = await RendezvousClient.connect(world.addr, world.port, rank, size, rendezvous_timeout)
+        try:
+            opened = await stack.enter_async_context(open_nic(nic, ip=ip, **nic_options))
+            endpoint = await Endpoint.create(opened, size, buffer_bytes) if size > 1 else None
+            cards = await client.allgather(endpoint.card() if endpoint is not None else {})
+            if endpoint is None:
+                comm = Communicator(0, 1, None, None, None, None, nic=opened, piece_bytes=piece_bytes,
+                                    timeout=timeout)
+            else:
+                try:
+                    comm = await endpoint.connect(rank, cards, piece_bytes=piece_bytes, timeout=timeout)
+                except (KeyError, TypeError, ValueError) as error:
+                    raise RendezvousError(f"rank {rank}: a neighbour's card is malformed: {error!r}") from None
+            await client.allgather({"connected": True})  # nobody sends before its neighbour's QP is ready
+        finally:
+            await client.aclose()
+        yield comm
 
 
 async def run_ranks(work: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
@@ -100,4 +160,4 @@ async def run_ranks(work: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
     return results
 
 
-__all__ = ["connect_ring", "local", "pool_depth", "run_ranks"]
+__all__ = ["Endpoint", "connect_ring", "join", "local", "pool_depth", "run_ranks"]

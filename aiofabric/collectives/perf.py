@@ -59,11 +59,13 @@ def _inputs(rng: np.random.Generator, dtype: np.dtype[Any], count: int, ranks: i
 
 
 class _Case:
-    """One collective at one size: per-rank arrays for a placement, the call, and the expected result per rank."""
+    """One collective at one size: every rank's arrays for a placement (each process draws them all from one seed,
+    so the expected result is known everywhere), the call on this process's ranks, and their expected results."""
 
     def __init__(self, comms: list[Communicator], config: PerfConfig, size: int, rng: np.random.Generator) -> None:
         self.comms, self.config, self.kind, self.rng = comms, config, config.kind, rng
-        n, self.dtype = len(comms), np.dtype(config.dtype)
+        self.n, self.dtype = comms[0].size, np.dtype(config.dtype)
+        n = self.n
         count = size // self.dtype.itemsize
         if self.kind in ("reduce_scatter", "allgather"):
             count -= count % n
@@ -73,7 +75,7 @@ class _Case:
     def fill(self, placement: str) -> None:
         """Fresh inputs. In place (nccl-tests' layout): allreduce and broadcast results replace x; allgather's x is
         the rank's part of out; reduce-scatter's out is the rank's part of x."""
-        n, kind, dtype, part = len(self.comms), self.kind, self.dtype, self.part
+        n, kind, dtype, part = self.n, self.kind, self.dtype, self.part
         inputs = _inputs(self.rng, dtype, self.count if kind != "allgather" else part, n)
         self.originals = [x.copy() for x in inputs]
         self.inplace = placement == "in-place"
@@ -92,7 +94,7 @@ class _Case:
             self.xs = self.outs = inputs
 
     def expected(self) -> list[np.ndarray]:
-        n, xs = len(self.comms), self.originals
+        n, xs = self.n, self.originals
         if self.kind == "allreduce":
             return [ring_reference(xs, self.config.op)] * n
         if self.kind == "reduce_scatter":
@@ -103,10 +105,10 @@ class _Case:
         return [xs[self.config.root]] * n
 
     async def run(self) -> None:
-        await run_ranks([functools.partial(self._call, rank) for rank in range(len(self.comms))])
+        await run_ranks([functools.partial(self._call, comm) for comm in self.comms])
 
-    async def _call(self, rank: int) -> np.ndarray:
-        comm, x, out, config = self.comms[rank], self.xs[rank], self.outs[rank], self.config
+    async def _call(self, comm: Communicator) -> np.ndarray:
+        x, out, config = self.xs[comm.rank], self.outs[comm.rank], self.config
         if self.kind == "allreduce":
             return await comm.allreduce(x, out, op=config.op)
         if self.kind == "broadcast":
@@ -115,8 +117,14 @@ class _Case:
             return await comm.reduce_scatter(x, out, op=config.op)
         return await comm.allgather(x, out)
 
-    def wrong(self) -> int:
-        return sum(int(np.count_nonzero(_differ(got, want))) for got, want in zip(self.outs, self.expected()))
+    async def wrong(self) -> int:
+        """Elements wrong at every rank of the job: each rank counts its own, and an allreduce sums them (over the
+        job's ranks in other processes too, as nccl-tests does)."""
+        expected = self.expected()
+        counts = [np.array([np.count_nonzero(_differ(self.outs[c.rank], expected[c.rank]))], np.int64)
+                  for c in self.comms]
+        await run_ranks([functools.partial(c.allreduce, count) for c, count in zip(self.comms, counts)])
+        return int(counts[0][0])
 
 
 def _differ(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -128,7 +136,7 @@ def _differ(got: np.ndarray, want: np.ndarray) -> np.ndarray:
 async def run_perf(comms: list[Communicator], config: PerfConfig) -> dict[str, Any]:
     """The sweep: per size and placement, warm-up runs, `iters` timed runs (mean wall time of all ranks finishing),
     then, with `check`, one run on fresh inputs checked element by element."""
-    n, rng = len(comms), np.random.default_rng(0)
+    n, rng = comms[0].size, np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
     for size in config.sizes:
         case = _Case(comms, config, size, rng)
@@ -144,18 +152,19 @@ async def run_perf(comms: list[Communicator], config: PerfConfig) -> dict[str, A
             if config.check:
                 case.fill(placement)
                 await case.run()
-                wrong = case.wrong()
+                wrong = await case.wrong()
             algbw = case.size / seconds / 1e9 if seconds > 0 else 0.0
             rows.append({"size": case.size, "count": case.count, "dtype": config.dtype, "op": _op(config),
                          "root": _root(config), "placement": placement, "time_us": round(seconds * 1e6, 2),
-                         "algbw_GBps": round(algbw, 4), "busbw_GBps": round(layout.bus_bandwidth(config.kind, n,
-                                                                                              algbw), 4),
+                         "algbw_GBps": round(algbw, 6), "busbw_GBps": round(layout.bus_bandwidth(config.kind, n,
+                                                                                              algbw), 6),
                          "wrong": wrong if config.check else None})
         if config.progress:
             print(f"{config.kind}: {case.size} B done", file=sys.stderr)
     busbws = [row["busbw_GBps"] for row in rows]
     wrong_total = sum(row["wrong"] or 0 for row in rows)
-    result: dict[str, Any] = {"collective": config.kind, "ranks": n, "rows": rows,
+    result: dict[str, Any] = {"collective": config.kind, "ranks": n, "local_ranks": [c.rank for c in comms],
+                              "rows": rows,
                               "avg_busbw_GBps": round(sum(busbws) / len(busbws), 4) if busbws else 0.0,
                               "wrong": wrong_total, "checked": config.check}
     if wrong_total:

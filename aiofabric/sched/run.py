@@ -356,9 +356,11 @@ class Batch:
             names = self.queue_names()
             listed = ", ".join(f"call {i} ({self.calls[i].name}) on {names[plan_.submissions[i].queue]}"
                                for i in pending[:8]) + (f" and {len(pending) - 8} more" if len(pending) > 8 else "")
-            raise BatchTimeoutError(f"the batch did not finish within {timeout:g} s and was aborted; "
-                                    f"{len(pending)} of {len(self.calls)} calls pending: {listed}"
-                                    + self._broken_note())
+            error = BatchTimeoutError(f"the batch did not finish within {timeout:g} s and was aborted; "
+                                      f"{len(pending)} of {len(self.calls)} calls pending: {listed}"
+                                      + self._broken_note())
+            error.pending_queues = [names[plan_.submissions[i].queue] for i in pending]
+            raise error
         self._raise_failure(failures)
 
     async def _work(self, tickets: dict[Any, int], signals: list[Counter], records: list[tuple[int, int]],

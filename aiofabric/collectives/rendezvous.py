@@ -1,0 +1,233 @@
+"""The TCP rendezvous of a job's ranks: rank 0 (or the launcher) listens at MASTER_ADDR:MASTER_PORT, every rank
+connects, and in each round every rank sends one JSON object and gets back the list of all ranks' objects (an
+allgather of what a ring needs: QP numbers, GIDs, PSNs, buffer keys). Two rounds set a ring up: the keys, then
+"connected" (a barrier, so no rank sends before its neighbour's QP is ready to receive).
+
+Like torchrun's TCP store it authenticates nobody: anyone who reaches the port may claim a free rank. It is
+bounded against what a stray or hostile client can do: one JSON line of at most `MAX_LINE` bytes per round, a rank
+in range claimed once, the job's size, and a deadline for the whole job, after which every rank still waiting is
+told which ranks never came; a rank that leaves early is named to the others. Bind it to the job's network only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from ..errors import FabricError
+
+log = logging.getLogger("aiofabric.collectives")
+MAX_LINE = 64 << 10  # one rank's round: a few QPInfos and keys
+MAX_CONNECTIONS_PER_RANK = 4  # connections open at once, per rank of the job: strays beyond are closed at once
+CONNECT_RETRY = 0.1
+FAREWELL = 5.0  # seconds a failed rendezvous gives its handlers to tell their ranks why  # seconds between attempts while rank 0 is not listening yet
+
+
+class RendezvousError(FabricError):
+    """The rendezvous failed: a rank never came, left, or disagreed; or the server refused a request."""
+
+
+class RendezvousServer:
+    """Serves one job of `size` ranks on `listener` until every rank has left, or `timeout` seconds."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.size, self.timeout = size, timeout
+        self.rounds: list[dict[int, Any]] = []
+        self.complete: list[anyio.Event] = []
+        self.joined: set[int] = set()
+        self.left: set[int] = set()
+        self.failure: str | None = None
+        self.failed = anyio.Event()
+        self.refused = 0
+        self.connections = 0
+        self._changed = anyio.Event()
+
+    async def serve(self, listener: anyio.abc.Listener[Any]) -> None:
+        async with anyio.create_task_group() as group:
+            async def deadline() -> None:
+                with anyio.move_on_after(self.timeout):
+                    await self.failed.wait()
+                    return
+                missing = sorted(set(range(self.size)) - self.joined)
+                self._fail(f"ranks {missing} did not join within {self.timeout:g} s" if missing else
+                           f"the rendezvous did not finish within {self.timeout:g} s")
+
+            async def serve_all() -> None:
+                await listener.serve(self._client, task_group=group)
+
+            group.start_soon(deadline)
+            group.start_soon(serve_all)
+            while len(self.left) < self.size and self.failure is None:
+                await self._wait_change()
+            with anyio.move_on_after(FAREWELL):  # the ranks still connected are told why, then the server stops
+                while self.failure is not None and self.connections:
+                    await self._wait_change()
+            group.cancel_scope.cancel()
+
+    async def _wait_change(self) -> None:
+        self._changed = anyio.Event()
+        await self._changed.wait()
+
+    def _changed_now(self) -> None:
+        self._changed.set()
+
+    def _fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.warning("rendezvous: %s", reason)
+            self.failed.set()
+            self._changed_now()
+
+    async def _client(self, stream: anyio.abc.ByteStream) -> None:
+        rank = None
+        if self.connections >= MAX_CONNECTIONS_PER_RANK * self.size:  # strays must not pin the server's memory
+            await stream.aclose()
+            return
+        self.connections += 1
+        reader = BufferedByteReceiveStream(stream)
+        try:
+            while True:
+                try:
+                    with anyio.fail_after(self.timeout):
+                        line = await reader.receive_until(b"\n", MAX_LINE)
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                    break
+                except anyio.DelimiterNotFound:
+                    raise RendezvousError(f"a request line longer than {MAX_LINE} bytes") from None
+                except TimeoutError:
+                    raise RendezvousError(f"no request for {self.timeout:g} s") from None
+                message = _parse(line, self.size)
+                if rank is None:
+                    rank = self._claim(message["rank"])
+                elif message["rank"] != rank:
+                    raise RendezvousError(f"this connection is rank {rank}, not {message['rank']}")
+                await self._round(stream, reader, rank, message)
+        except RendezvousError as error:
+            self.refused += 1
+            await _send(stream, {"error": str(error)})
+            if rank is not None:
+                self._fail(f"rank {rank}: {error}")
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+        finally:
+            self.connections -= 1
+            self._changed_now()
+            await stream.aclose()
+            if rank is not None:
+                self.left.add(rank)
+                if not self.rounds or not self.complete[-1].is_set():  # others wait for a round it will not send
+                    self._fail(f"rank {rank} left the rendezvous before the others were done")
+                self._changed_now()
+
+    def _claim(self, rank: int) -> int:
+        if rank in self.joined:
+            raise RendezvousError(f"rank {rank} is already taken")
+        self.joined.add(rank)
+        self._changed_now()
+        return rank
+
+    async def _round(self, stream: anyio.abc.ByteStream, reader: BufferedByteReceiveStream, rank: int,
+                     message: dict[str, Any]) -> None:
+        number = message["round"]
+        if number > len(self.rounds) or number < len(self.rounds) - 1:
+            raise RendezvousError(f"round {number} is out of step (the job is at round {len(self.rounds) - 1})")
+        if number == len(self.rounds):
+            self.rounds.append({})
+            self.complete.append(anyio.Event())
+        if rank in self.rounds[number]:
+            raise RendezvousError(f"rank {rank} sent round {number} twice")
+        self.rounds[number][rank] = message["data"]
+        if len(self.rounds[number]) == self.size:
+            self.complete[number].set()
+        async with anyio.create_task_group() as group:  # the round completes, or the job fails, or the rank leaves
+            async def failed() -> None:
+                await self.failed.wait()
+                group.cancel_scope.cancel()
+
+            async def watch() -> None:
+                try:
+                    await reader.receive(1)
+                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    self._fail(f"rank {rank} left the rendezvous before the others were done")
+                else:
+                    self._fail(f"rank {rank} sent a request before round {number} was complete")
+            group.start_soon(failed)
+            group.start_soon(watch)
+            await self.complete[number].wait()
+            group.cancel_scope.cancel()
+        if self.failure is not None:
+            raise RendezvousError(self.failure)
+        await _send(stream, {"round": number, "all": [self.rounds[number][r] for r in range(self.size)]})
+
+
+def _parse(line: bytes, size: int) -> dict[str, Any]:
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError) as error:
+        raise RendezvousError(f"not a JSON object: {type(error).__name__}") from None
+    if not isinstance(message, dict) or set(message) != {"rank", "size", "round", "data"}:
+        raise RendezvousError("a request is {\"rank\", \"size\", \"round\", \"data\"}")
+    for field in ("rank", "size", "round"):
+        if not isinstance(message[field], int) or isinstance(message[field], bool):
+            raise RendezvousError(f"{field} must be an integer")
+    if message["size"] != size:
+        raise RendezvousError(f"this job has {size} ranks, not {message['size']}")
+    if not 0 <= message["rank"] < size:
+        raise RendezvousError(f"rank {message['rank']} is not in [0, {size - 1}]")
+    if not isinstance(message["data"], dict):
+        raise RendezvousError("data must be a JSON object")
+    return message
+
+
+async def _send(stream: anyio.abc.ByteStream, message: dict[str, Any]) -> None:
+    try:
+        with anyio.move_on_after(5):
+            await stream.send(json.dumps(message).encode() + b"\n")
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass
+
+
+class RendezvousClient:
+    """One rank's connection to the rendezvous; `allgather(data)` is one round."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, rank: int, size: int, timeout: float) -> None:
+        self.stream, self.rank, self.size, self.timeout = stream, rank, size, timeout
+        self.reader = BufferedByteReceiveStream(stream)
+        self.round = 0
+
+    @classmethod
+    async def connect(cls, host: str, port: int, rank: int, size: int, timeout: float) -> RendezvousClient:
+        """Connect to the rendezvous, retrying while nobody listens yet (rank 0 may start last), for `timeout` s."""
+        with anyio.move_on_after(timeout):
+            while True:
+                try:
+                    stream = await anyio.connect_tcp(host, port)
+                    return cls(stream, rank, size, timeout)
+                except OSError:
+                    await anyio.sleep(CONNECT_RETRY)
+        raise RendezvousError(f"rank {rank}: no rendezvous at {host}:{port} within {timeout:g} s (is rank 0 "
+                              "running, and MASTER_ADDR/MASTER_PORT the same for every rank?)")
+
+    async def allgather(self, data: dict[str, Any]) -> list[dict[str, Any]]:
+        line = json.dumps({"rank": self.rank, "size": self.size, "round": self.round, "data": data}).encode()
+        if len(line) >= MAX_LINE:
+            raise ValueError(f"rendezvous data of {len(line)} bytes exceeds {MAX_LINE}")
+        with anyio.move_on_after(self.timeout):
+            try:
+                await self.stream.send(line + b"\n")
+                answer = json.loads(await self.reader.receive_until(b"\n", 1 << 30))
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as error:
+                raise RendezvousError(f"rank {self.rank}: the rendezvous closed the connection "
+                                      f"({type(error).__name__})") from None
+            if "error" in answer:
+                raise RendezvousError(f"rank {self.rank}: rendezvous: {answer['error']}")
+            self.round += 1
+            return list(answer["all"])
+        raise RendezvousError(f"rank {self.rank}: rendezvous round {self.round} took longer than {self.timeout:g} s")
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()

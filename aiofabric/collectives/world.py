@@ -1,0 +1,49 @@
+"""Where a rank of a job learns its rank, the job's size and its rendezvous: from the variables launchers set. Pure.
+
+    torchrun         RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    Open MPI mpirun  OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE
+    Slurm srun       SLURM_PROCID, SLURM_NTASKS
+
+MASTER_ADDR and MASTER_PORT name rank 0's rendezvous for all three (mpirun and srun do not set them: export them,
+e.g. `MASTER_ADDR=$(hostname) srun ...`); without them it is 127.0.0.1:29500, torchrun's default port.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+LAUNCHERS = (("torchrun", "RANK", "WORLD_SIZE"), ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+             ("srun", "SLURM_PROCID", "SLURM_NTASKS"))
+DEFAULT_ADDR, DEFAULT_PORT = "127.0.0.1", 29500
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    addr: str = DEFAULT_ADDR
+    port: int = DEFAULT_PORT
+    launcher: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.size or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} of a job of {self.size} ranks: the rank must be in [0, size - 1]")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"rendezvous port {self.port} is not in [1, 65535]")
+
+
+def from_environment(environ: Mapping[str, str]) -> World | None:
+    """The World the first launcher whose variables are set describes, or None when none is. A variable that is
+    set but not an integer is a ValueError naming it."""
+    for launcher, rank_name, size_name in LAUNCHERS:
+        if rank_name in environ and size_name in environ:
+            values = {}
+            for name in (rank_name, size_name, "MASTER_PORT"):
+                text = environ.get(name, str(DEFAULT_PORT))
+                try:
+                    values[name] = int(text)
+                except ValueError:
+                    raise ValueError(f"{name}={text!r} ({launcher}) is not an integer") from None
+            return World(values[rank_name], values[size_name], environ.get("MASTER_ADDR", DEFAULT_ADDR),
+                         values["MASTER_PORT"], launcher)
+    return None

@@ -1,0 +1,182 @@
+"""One rank per process, started the way torchrun, mpirun and srun start them (their variables), meeting at rank 0's
+TCP rendezvous; ranks that never come or die mid-run; the rendezvous against clients that misbehave."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from aiofabric.collectives import world as world_module
+from aiofabric.collectives.rendezvous import MAX_LINE, RendezvousClient, RendezvousError, RendezvousServer
+from aiofabric.collectives.world import World, from_environment
+
+CLI = [sys.executable, "-m", "aiofabric"]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(size, variables, *args, ranks=None, port=None):
+    """Start `size` processes (or only `ranks` of them) with a launcher's variables."""
+    port = port or free_port()
+    processes = {}
+    for rank in (ranks if ranks is not None else range(size)):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   **{name: str(value) for name, value in variables(rank, size).items()})
+        processes[rank] = subprocess.Popen([*CLI, *args, "--json"], env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+    return processes
+
+
+def finish(processes, timeout=120):
+    results = {}
+    for rank, process in processes.items():
+        stdout, stderr = process.communicate(timeout=timeout)
+        lines = stdout.strip().splitlines()
+        results[rank] = (process.returncode, json.loads(lines[-1]) if lines else None, stderr)
+    return results
+
+
+TORCHRUN = lambda rank, size: {"RANK": rank, "WORLD_SIZE": size}  # noqa: E731
+MPIRUN = lambda rank, size: {"OMPI_COMM_WORLD_RANK": rank, "OMPI_COMM_WORLD_SIZE": size}  # noqa: E731
+SRUN = lambda rank, size: {"SLURM_PROCID": rank, "SLURM_NTASKS": size}  # noqa: E731
+
+
+def test_three_processes_started_like_torchrun_run_a_checked_sweep():
+    results = finish(launch(3, TORCHRUN, "allreduce", "-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-d", "double"))
+    for rank, (code, result, stderr) in results.items():
+        assert code == 0 and result["ok"] is True, (rank, stderr)
+        assert result["ranks"] == 3 and result["local_ranks"] == [rank] and result["launcher"] == "torchrun"
+        assert [row["wrong"] for row in result["rows"]] == [0] * 6  # 3 sizes x 2 placements, summed over ranks
+
+
+@pytest.mark.parametrize("variables,launcher", [(MPIRUN, "mpirun"), (SRUN, "srun")])
+def test_mpirun_and_srun_variables_work_too(variables, launcher):
+    results = finish(launch(2, variables, "allgather", "--size", "8K", "-n", "2", "-d", "int64"))
+    assert all(code == 0 and result["launcher"] == launcher and result["wrong"] == 0
+               for code, result, _ in results.values()), results
+
+
+def test_a_rank_that_never_comes_fails_the_others_naming_it():
+    started = time.monotonic()
+    results = finish(launch(3, TORCHRUN, "allreduce", "--size", "4K", "--rendezvous-timeout", "4", ranks=[0, 1]))
+    for rank, (code, result, stderr) in results.items():
+        assert code == 1 and "ranks [2] did not join within 4 s" in result["error"], (rank, result, stderr)
+    assert time.monotonic() - started < 60
+
+
+def test_a_rank_killed_mid_run_fails_the_others_naming_it():
+    processes = launch(3, TORCHRUN, "allreduce", "--size", "1M", "-n", "100000", "-w", "0", "--timeout", "10")
+    time.sleep(5)  # set up and running (the rendezvous and three emulated NICs take ~2 s)
+    processes[2].send_signal(signal.SIGKILL)
+    results = finish(processes)
+    assert results[2][0] == -signal.SIGKILL
+    for rank in (0, 1):
+        code, result, stderr = results[rank]
+        assert code == 1 and "rank 2" in result["error"], (rank, result, stderr)
+
+
+def test_the_launchers_variables_are_read_and_bad_ones_named():
+    assert from_environment({}) is None
+    assert from_environment({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}) == \
+        World(1, 4, "10.0.0.1", 1234, "torchrun")
+    assert from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}) == World(0, 2, "127.0.0.1", 29500, "srun")
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE='x' \\(mpirun\\) is not an integer"):
+        from_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "x"})
+    with pytest.raises(ValueError, match="rank 4 of a job of 4 ranks"):
+        from_environment({"RANK": "4", "WORLD_SIZE": "4"})
+    assert world_module.LAUNCHERS[0][0] == "torchrun"
+
+
+async def serve(size, timeout=10):
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    return RendezvousServer(size, timeout), listener, listener.extra(anyio.abc.SocketAttribute.local_port)
+
+
+async def raw(port, payload, read=True):
+    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
+        await stream.send(payload)
+        if not read:
+            return None
+        with anyio.fail_after(5):
+            data = b""
+            while not data.endswith(b"\n"):
+                data += await stream.receive()
+            return json.loads(data)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_the_rendezvous_refuses_hostile_requests_and_still_serves_the_job():
+    server, listener, port = await serve(2)
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve, listener)
+        hostile = [b"not json\n", b"[" * 60000 + b"\n", json.dumps({"rank": 0}).encode() + b"\n",
+                   json.dumps({"rank": 5, "size": 2, "round": 0, "data": {}}).encode() + b"\n",
+                   json.dumps({"rank": 0, "size": 3, "round": 0, "data": {}}).encode() + b"\n",
+                   json.dumps({"rank": True, "size": 2, "round": 0, "data": {}}).encode() + b"\n",
+                   json.dumps({"rank": 0, "size": 2, "round": 0, "data": []}).encode() + b"\n",
+                   b"x" * (MAX_LINE + 10) + b"\n"]
+        answers = [await raw(port, payload) for payload in hostile]
+        assert [a["error"] for a in answers] == [
+            "not a JSON object: JSONDecodeError", "not a JSON object: RecursionError",
+            'a request is {"rank", "size", "round", "data"}', "rank 5 is not in [0, 1]",
+            "this job has 2 ranks, not 3", "rank must be an integer", "data must be a JSON object",
+            f"a request line longer than {MAX_LINE} bytes"]
+        clients = [await RendezvousClient.connect("127.0.0.1", port, rank, 2, 10) for rank in range(2)]
+        cards = [None, None]
+
+        async def rank(r):
+            cards[r] = await clients[r].allgather({"me": r})
+            assert await clients[r].allgather({}) == [{}, {}]
+            await clients[r].aclose()
+        async with anyio.create_task_group() as job:
+            for r in range(2):
+                job.start_soon(rank, r)
+        assert cards == [[{"me": 0}, {"me": 1}]] * 2 and server.refused == len(hostile)
+    assert server.failure is None
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_the_rendezvous_names_a_rank_that_leaves_or_is_claimed_twice():
+    server, listener, port = await serve(3)
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve, listener)
+        first = await RendezvousClient.connect("127.0.0.1", port, 0, 3, 10)
+        async with anyio.create_task_group() as job:
+            async def wait_for_all():
+                with pytest.raises(RendezvousError, match="rank 1 left the rendezvous before the others were done"):
+                    await first.allgather({})
+            job.start_soon(wait_for_all)
+            await anyio.sleep(0.2)  # rank 0 has claimed its rank and waits for round 0
+            twice = await raw(port, json.dumps({"rank": 0, "size": 3, "round": 0, "data": {}}).encode() + b"\n")
+            assert twice == {"error": "rank 0 is already taken"}
+            # rank 1 joins with its round 0 and leaves before rank 2 came: rank 0 would wait for round 0 forever
+            await raw(port, json.dumps({"rank": 1, "size": 3, "round": 0, "data": {}}).encode() + b"\n", read=False)
+        await first.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_idle_and_stray_connections_do_not_pin_the_rendezvous():
+    server, listener, port = await serve(1, timeout=2)
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve, listener)
+        streams = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(10)]  # idle; 4 per rank are kept
+        await anyio.sleep(0.3)
+        assert server.connections <= 4
+        with anyio.fail_after(10):
+            while server.connections:  # the idle ones are dropped after the timeout
+                await anyio.sleep(0.1)
+        for stream in streams:
+            await stream.aclose()
+    assert "did not join within 2 s" in server.failure
