@@ -20,6 +20,7 @@ import functools
 import ipaddress
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -255,7 +256,7 @@ async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
 
 async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
     from .collectives import join, local
-    from .collectives.perf import PerfConfig, format_table, run_perf
+    from .collectives.perf import PerfConfig, run_perf
     from .collectives.world import from_environment
     world = from_environment(os.environ) if args.ranks is None else None
     ranks = world.size if world is not None else args.ranks or 2
@@ -270,6 +271,8 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     sizes = [args.size] if args.size is not None else sweep(args.minbytes, args.maxbytes, args.stepfactor)
+    if args.hosts:
+        return await _collective_over_ssh(args, sizes)
     nics = args.nics.split(",") if args.nics else None
     options = {} if nics else {name: getattr(args, name) for name in ("loss", "reorder", "dup", "corrupt", "seed")}
     if args.pcap and not nics:
@@ -288,7 +291,65 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
                          **options) as comms:
             result = await run_perf(comms, config)
     if not args.json and leader:
-        print(format_table(result))
+        print(format_collective(result))
+    return result
+
+
+def format_collective(result: dict[str, Any]) -> str:
+    from .collectives.perf import format_table
+    return format_table(result)
+
+
+# the flags a launcher passes on to every rank (dest, flag)
+RANK_FLAGS = (("minbytes", "-b"), ("maxbytes", "-e"), ("stepfactor", "-f"), ("iters", "-n"), ("warmup_iters", "-w"),
+              ("datatype", "-d"), ("op", "-o"), ("root", "-r"), ("verify", "-c"), ("piece", "--piece"),
+              ("timeout", "--timeout"), ("rendezvous_timeout", "--rendezvous-timeout"), ("size", "--size"))
+
+
+async def _collective_over_ssh(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
+    """One rank per host: each runs this command over SSH with the launchers' variables, meeting at a rendezvous
+    served here and forwarded to each host's 127.0.0.1 over its SSH connection. Rank 0's result is the table."""
+    from .collectives.communicator import CollectiveError
+    from .collectives.rendezvous import RendezvousServer
+    from .peer.ssh import run_remote
+    hosts = _hosts(args.hosts, args.port or SSH_PORT)
+    if len(hosts) < 1:
+        raise ValueError("--hosts names no host")
+    ssh = _ssh_options(args)
+    ssh.pop("command_timeout")
+    flags = [word for dest, flag in RANK_FLAGS if getattr(args, dest) is not None
+             for word in (flag, str(getattr(args, dest)))]
+    server = RendezvousServer(len(hosts), args.rendezvous_timeout)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    runs: list[Any] = [None] * len(hosts)
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve, listener)
+
+        async def rank(index: int) -> None:
+            user, host, ssh_port = hosts[index]
+            ip = host if args.remote_ip == "ssh" else args.remote_ip
+            runs[index] = await run_remote(
+                host, ssh_port, user=user or args.user, args=[args.command, *flags, "--nic", args.remote_nic,
+                                                              *(["--ip", ip] if ip else []), "--json"],
+                env={"RANK": str(index), "WORLD_SIZE": str(len(hosts)), "AIOFABRIC_RENDEZVOUS": "external"},
+                tunnel=("127.0.0.1", port), timeout=math.inf, **ssh)
+        async with anyio.create_task_group() as ranks:
+            for index in range(len(hosts)):
+                ranks.start_soon(rank, index)
+        group.cancel_scope.cancel()
+    results = []
+    for index, run in enumerate(runs):
+        lines = run.stdout.strip().splitlines()
+        result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+        if result is None or not result.get("ok"):
+            why = result["error"] if result else (run.stopped or f"exit status {run.exit_status}; stderr: "
+                                                  + " | ".join(run.stderr_tail))
+            raise CollectiveError(f"rank {index} on {run.host} failed: {why}")
+        results.append(result)
+    result = {**results[0], "hosts": [run.host for run in runs]}
+    if not args.json:
+        print(format_collective(result))
     return result
 
 
@@ -487,6 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
         coll.add_argument("--piece", type=size_argument, default=PIECE_BYTES,
                           help="bytes per RDMA message (default 512K): pieces pipeline transfers with reductions")
         _add_wire_flags(coll, mtu=False)
+        coll.add_argument("--hosts", metavar="FILE|h1,h2", help="one rank per host, started over SSH (`python -m "
+                                                              "aiofabric` there); the rendezvous is relayed over SSH")
+        coll.add_argument("--remote-nic", default="sim", help="with --hosts: each host's NIC (default sim)")
+        coll.add_argument("--remote-ip", help="with --hosts: each host's NIC address ('ssh': the address SSH reached)")
+        _add_ssh_flags(coll)
         coll.add_argument("--json", action="store_true", help="print one JSON object")
         coll.set_defaults(run=cmd_collective, kind=kind)
 

@@ -96,10 +96,18 @@ def make_handler(cwd: str):
     return handle
 
 
+class _Server(asyncssh.SSHServer):
+    """Allows what OpenSSH allows by default: remote port forwarding (AllowTcpForwarding yes), which a launcher
+    uses to relay a rendezvous to the hosts it starts."""
+
+    def server_requested(self, listen_host, listen_port):
+        return listen_host in ("127.0.0.1", "localhost")
+
+
 async def start_server(host: str, port: int, host_key: str, authorized_key: str, cwd: str) -> asyncssh.SSHAcceptor:
     """Listen on host:port (0: any free port; `server.sockets[0].getsockname()[1]` says which)."""
     return await asyncssh.listen(
-        host, port, server_host_keys=[host_key],
+        host, port, server_factory=_Server, server_host_keys=[host_key],
         authorized_client_keys=asyncssh.import_authorized_keys(open(authorized_key).read()),
         process_factory=make_handler(cwd), encoding=None, allow_scp=False, sftp_factory=True)
 

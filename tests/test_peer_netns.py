@@ -120,3 +120,32 @@ def test_ring_of_three_namespaces(hosts):
     code, result, stderr = connect_in_a(hosts, "--hosts", ring, "--remote-ip", "ssh", "--size", "200000")
     assert code == 0, stderr
     assert result["verified"] and result["remote_ips"] == [ADDRESS[h] for h in "BCD"]
+
+
+def collective_in_a(hosts, command, *args, timeout=180):
+    """`aiofabric COMMAND --hosts ... --json` run inside namespace A, the launcher; (exit code, JSON, stderr)."""
+    ring = ",".join(f"{ADDRESS[h]}:{hosts['ports'][h]}" for h in "BCD")
+    process = subprocess.run(
+        ["ip", "netns", "exec", NS["A"], sys.executable, "-m", "aiofabric", command, "--hosts", ring, "--remote-ip",
+         "ssh", "--identity", hosts["keys"]["client"], "--known-hosts", hosts["known_hosts"], "--python",
+         sys.executable, *args, "--json"], capture_output=True, text=True, timeout=timeout)
+    last = process.stdout.strip().splitlines()[-1] if process.stdout.strip() else ""
+    return process.returncode, json.loads(last) if last.startswith("{") else None, process.stderr
+
+
+def test_allreduce_with_one_rank_per_namespace_over_ssh(hosts):
+    """The launcher in A starts a rank on B, C and D over SSH and relays the rendezvous over each SSH connection
+    (B, C and D have no route to it but SSH); RoCEv2 crosses the veths, every element is checked."""
+    code, result, stderr = collective_in_a(hosts, "allreduce", "-b", "4K", "-e", "256K", "-f", "8", "-n", "3")
+    assert code == 0, stderr
+    assert result["ranks"] == 3 and result["wrong"] == 0 and result["launcher"] == "torchrun"
+    assert result["hosts"] == [f"{ADDRESS[h]}:{hosts['ports'][h]}" for h in "BCD"]
+    assert [row["size"] for row in result["rows"]] == [4096, 4096, 32768, 32768, 262144, 262144]
+
+
+def test_a_host_whose_rank_cannot_start_is_named(hosts):
+    """Every rank gets a NIC address that is not its host's: the emulated NICs cannot bind it, and the launcher
+    names the rank and host that failed."""
+    code, result, stderr = collective_in_a(hosts, "broadcast", "--size", "4K", "--rendezvous-timeout", "5",
+                                           "--remote-ip", "10.78.0.99")
+    assert code == 1 and re.search(r"rank \d on 10\.78\.0\.\d:\d+ failed", result["error"]), (result, stderr)

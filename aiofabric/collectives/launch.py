@@ -113,7 +113,7 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
     not come within `rendezvous_timeout` fails every rank with an error naming it."""
     size, rank = world.size, world.rank
     async with contextlib.AsyncExitStack() as stack:
-        if rank == 0:
+        if rank == 0 and world.serve:
             listener = await anyio.create_tcp_listener(local_host=world.addr, local_port=world.port)
             group = await stack.enter_async_context(anyio.create_task_group())
             group.start_soon(RendezvousServer(size, rendezvous_timeout).serve, listener)

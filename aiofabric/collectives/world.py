@@ -5,7 +5,8 @@
     Slurm srun       SLURM_PROCID, SLURM_NTASKS
 
 MASTER_ADDR and MASTER_PORT name rank 0's rendezvous for all three (mpirun and srun do not set them: export them,
-e.g. `MASTER_ADDR=$(hostname) srun ...`); without them it is 127.0.0.1:29500, torchrun's default port.
+e.g. `MASTER_ADDR=$(hostname) srun ...`); without them it is 127.0.0.1:29500, torchrun's default port. With
+AIOFABRIC_RENDEZVOUS=external rank 0 does not serve it: a launcher does (`aiofabric <collective> --hosts`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class World:
     addr: str = DEFAULT_ADDR
     port: int = DEFAULT_PORT
     launcher: str = ""
+    serve: bool = True  # rank 0 serves the rendezvous (not when a launcher does)
 
     def __post_init__(self) -> None:
         if not 1 <= self.size or not 0 <= self.rank < self.size:
@@ -45,5 +47,5 @@ def from_environment(environ: Mapping[str, str]) -> World | None:
                 except ValueError:
                     raise ValueError(f"{name}={text!r} ({launcher}) is not an integer") from None
             return World(values[rank_name], values[size_name], environ.get("MASTER_ADDR", DEFAULT_ADDR),
-                         values["MASTER_PORT"], launcher)
+                         values["MASTER_PORT"], launcher, environ.get("AIOFABRIC_RENDEZVOUS", "") != "external")
     return None

@@ -16,6 +16,7 @@ pid over a second session (`kill`); its emulators exit with their driver.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -26,7 +27,7 @@ import sysconfig
 import time
 from collections import deque
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping, Sequence
 
 import anyio
 
@@ -55,6 +56,7 @@ PID_MARKER = "aiofabric-endpoint-pid"  # the stderr line of the remote command's
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 PUSH_IN_FLIGHT = 16  # files a push copies at once: numpy alone is some 1,500 files, each a few round trips
 CLIENT_ONLY = {"asyncssh"}  # requirements only this side imports: the endpoint never opens SSH
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MISSING_MODULE = re.compile(r"No module named '?([\w.]+)'?")
 # The remote python's side of a push: a private (0700) temp dir, its version, ABI and platform, and which of the
 # distributions named in argv it lacks. One line (any login shell passes it on) in Python 3.8's syntax.
@@ -337,13 +339,19 @@ async def push(connection: asyncssh.SSHClientConnection, python: str | Sequence[
     return remote_dir
 
 
-def remote_command(python: str | Sequence[str], pushed_to: str | None = None) -> str:
-    """The endpoint's command line, every word quoted so the remote shell only splits it: a wrapper that reports
-    its pid on stderr (PID_MARKER), then execs the endpoint in the same process."""
-    argv = _argv(python)
-    if pushed_to is not None:
-        argv = ["env", f"PYTHONPATH={pushed_to}", *argv]
-    return _quoted(["sh", "-c", f'echo {PID_MARKER} $$ >&2; exec "$@"', "sh", *argv, "-m", "aiofabric", "serve"])
+def remote_command(python: str | Sequence[str], pushed_to: str | None = None, args: Sequence[str] = ("serve",),
+                   env: Mapping[str, str] | None = None) -> str:
+    """`python -m aiofabric ARGS` (the endpoint: `serve`) as a command line, every word quoted so the remote shell
+    only splits it: a wrapper that reports its pid on stderr (PID_MARKER), then execs it in the same process, with
+    `env` (and PYTHONPATH for a push) set through env(1): sshd passes a client's environment only where AcceptEnv
+    says so."""
+    variables = {**(env or {}), **({"PYTHONPATH": pushed_to} if pushed_to is not None else {})}
+    for name in variables:
+        if not ENV_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+    argv = [*(["env", *(f"{name}={value}" for name, value in variables.items())] if variables else []),
+            *_argv(python)]
+    return _quoted(["sh", "-c", f'echo {PID_MARKER} $$ >&2; exec "$@"', "sh", *argv, "-m", "aiofabric", *args])
 
 
 def _start_error(exc: PeerError, peer: SSHPeer, python: str | Sequence[str], push: bool) -> PeerError:
@@ -443,3 +451,89 @@ async def _push_step(connection: asyncssh.SSHClientConnection, python: str | Seq
         raise
     except Exception as exc:
         raise PeerError(f"{where}: push over SFTP failed: {type(exc).__name__}: {exc}", host=where) from None
+
+
+@dataclasses.dataclass
+class RemoteRun:
+    """What `run_remote` saw: the command's exit status (None: killed by a signal, or stopped by us), its stdout,
+    the last lines of its stderr, and why it was stopped (`stopped`: "" if it ended by itself)."""
+    host: str
+    exit_status: int | None
+    stdout: str
+    stderr_tail: list[str]
+    stopped: str = ""
+
+
+async def run_remote(host: str, port: int = 22, *, args: Sequence[str], env: Mapping[str, str] | None = None,
+                     tunnel: tuple[str, int] | None = None, user: str | None = None,
+                     identity: str | os.PathLike | None = None, known_hosts: Any = DEFAULT,
+                     python: str | Sequence[str] = "python3", connect_timeout: float = 20.0, timeout: float = 600.0,
+                     push: bool = False) -> RemoteRun:
+    """Run `python -m aiofabric ARGS` on `host` with `env`, and return how it ended. With `tunnel` (a host and port
+    that this side reaches), SSH forwards a port of the host's 127.0.0.1 to it (remote port forwarding, which
+    OpenSSH allows by default) and MASTER_ADDR/MASTER_PORT name that port: the torchrun convention for a rendezvous,
+    relayed over SSH so the host needs no route to this side. A command that runs past `timeout`, or whose run is
+    cancelled, is signalled by pid (TERM, then KILL) and the connection closed: nothing outlives the call."""
+    where = f"{user + '@' if user else ''}{host}:{port}"
+    if _async_library() != "asyncio":
+        raise PeerError(f"run_remote needs asyncio or uvloop (asyncssh is asyncio-only), not {_async_library()}",
+                        host=where)
+    connection = await _connect(host, port, user, identity, known_hosts, connect_timeout, where)
+    pushed_to: str | None = None
+    try:
+        env = dict(env or {})
+        if tunnel is not None:
+            try:
+                listener = await connection.forward_remote_port("127.0.0.1", 0, tunnel[0], tunnel[1])
+            except Exception as exc:
+                raise PeerError(f"{where}: the SSH server refused to forward a port for the rendezvous ({exc}); "
+                                "allow TCP forwarding (sshd_config AllowTcpForwarding)", host=where) from None
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listener.get_port()))
+        if push:
+            pushed_to = await _push_step(connection, python, where)
+        try:
+            process = await connection.create_process(remote_command(python, pushed_to, args, env), encoding=None)
+        except Exception as exc:
+            raise PeerError(f"{where}: cannot start `aiofabric {' '.join(args)}`: {exc}", host=where) from None
+        peer = SSHPeer(_ProcessCarrier(process), connection, where, timeout)  # for its stderr pump and signals
+        output: list[bytes] = []
+        stopped = ""
+
+        async def read_stdout() -> None:
+            with contextlib.suppress(Exception):
+                while chunk := await process.stdout.read(1 << 16):
+                    output.append(chunk)
+        def running() -> bool:
+            return process.exit_status is None and process.exit_signal is None
+
+        async def kill() -> None:
+            with anyio.CancelScope(shield=True):
+                for signal in ("TERM", "KILL"):
+                    await peer._signal(signal)
+                    with anyio.move_on_after(SIGNAL_WAIT):
+                        await process.wait_closed()
+                    if not running():
+                        break
+                process.close()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(peer.pump_stderr)
+                group.start_soon(read_stdout)
+                with anyio.move_on_after(timeout):
+                    await process.wait_closed()
+                if running():
+                    stopped = f"still running after {timeout:g} s"
+                    await kill()  # its output ends with it, and with that the readers
+        finally:
+            if running():  # cancelled
+                await kill()
+        return RemoteRun(where, process.exit_status, b"".join(output).decode(errors="replace"),
+                         list(peer.stderr_tail), stopped)
+    finally:
+        with anyio.CancelScope(shield=True):
+            if pushed_to:
+                await _remove(connection, pushed_to)
+            with anyio.move_on_after(5):
+                connection.close()
+                with contextlib.suppress(Exception):
+                    await connection.wait_closed()
