@@ -1,5 +1,6 @@
 """Collectives on a ring of emulated NICs: every collective, dtype and op bit for bit against numpy reduced in the
 ring's order, for 2-5 ranks and awkward sizes; replays; a faulty wire; no RNR NAK; ranks that disagree or die."""
+import functools
 import itertools
 import os
 import signal
@@ -221,3 +222,31 @@ def test_ring_layout_covers_every_element_once_and_ends_with_chunk_r_at_rank_r()
                 assert layout.reduce_scatter_chunks(r, n, n - 2)[1] == r == layout.allgather_chunks(r, n, 0)[0]
     assert layout.tag("allreduce", 5, 1) != layout.tag("allgather", 5, 1) != layout.tag("allreduce", 6, 1)
     assert layout.bus_bandwidth("allreduce", 4, 1.0) == 1.5
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_an_allreduce_inside_a_users_batch_is_ordered_between_its_kernels_and_replays():
+    """A training step in one plan: a kernel writes the gradients, the allreduce's calls sum them across ranks, a
+    kernel reads the sums; rebinding the step's input replays all of it."""
+    from aiofabric import sched
+    async with collectives.local(3, buffer_bytes=1 << 16, piece_bytes=1024) as comms:
+        batches, inputs, results = [], [], []
+        for comm in comms:
+            a, grads, result = np.zeros(3000, np.float64), np.zeros(3000, np.float64), np.zeros(3000, np.float64)
+            queue = sched.ComputeQueue(f"step {comm.rank}")
+            batches.append(sched.compile([
+                sched.kernel(lambda g, a: np.multiply(a, 2.0, out=g), [grads], [a], queue=queue, name="gradients"),
+                *comm.calls("allreduce", grads),
+                sched.kernel(lambda r, g: np.add(g, 1.0, out=r), [result], [grads], queue=queue, name="update"),
+            ], inputs={"a": a}))
+            inputs.append(a)
+            results.append(result)
+        for round_ in range(2):
+            new = [np.full(3000, 10.0 * round_ + rank, np.float64) for rank in range(3)]
+            await collectives.run_ranks([functools.partial(batch.run, {"a": a}) for batch, a in zip(batches, new)])
+            assert all(np.all(result == 2 * sum(10.0 * round_ + r for r in range(3)) + 1) for result in results)
+        with pytest.raises(ValueError, match="move nothing"):
+            comms[0].calls("allreduce", np.zeros(0, np.float32))
+        with pytest.raises(ValueError, match="unknown collective 'gather'"):
+            comms[0].calls("gather", np.zeros(4, np.float32))

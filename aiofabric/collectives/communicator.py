@@ -92,6 +92,54 @@ class Communicator:
     # -- compiling and running ----------------------------------------------------------------------------------
     async def _collective(self, kind: str, x: np.ndarray, out: np.ndarray | None, count: int, *,
                           op: str | None = None, root: int = 0) -> np.ndarray:
+        inplace, result = self._check(kind, x, out, op)
+        if count == 0 or self.size == 1:
+            if out is not None and x.size:
+                np.copyto(out.reshape(-1), x.reshape(-1))
+            return result
+        key = (kind, count, x.dtype.str, op, root, inplace)
+        entry = self._batches.get(key)
+        if entry is None:
+            entry = self._batches[key] = self._compile(kind, count, x.dtype, op, root, inplace)
+        batch, bindings = entry
+        try:
+            await batch.run(bindings(x.reshape(-1), result.reshape(-1)), timeout=self.timeout)
+        except Exception as error:
+            self.broken = error
+            raise CollectiveError(f"rank {self.rank} failed: {kind} of {count} x {x.dtype}{self._blame(error)}: "
+                                  f"{error}") from error
+        except BaseException as error:  # cancelled mid-run: what the links hold is unknown
+            self.broken = error
+            raise
+        return result
+
+    def calls(self, kind: str, x: np.ndarray, out: np.ndarray | None = None, *, op: str = "sum",
+              root: int = 0) -> list[sched.Call]:
+        """The calls of collective `kind` ("allreduce", "reduce_scatter", "allgather", "broadcast") on `x` and `out`
+        (arguments as the methods take them), to put in a batch of your own: `sched.compile([*step, *comm.calls(
+        "allreduce", grads), *update])` plans the reduction between the kernels that write and read `grads`, and
+        overlaps it with whatever else the batch does. Every rank's batch must hold the same collectives in the
+        same order, and the batch's runs must not overlap this communicator's own collectives (its QPs and
+        buffers are shared: the device timelines keep them in turn)."""
+        if kind not in layout.KINDS or kind == "barrier":
+            raise ValueError(f"calls: unknown collective {kind!r}; one of allreduce, reduce_scatter, allgather, "
+                             "broadcast")
+        if kind in ("reduce_scatter", "allgather") and out is None:
+            raise ValueError(f"{kind}: needs out")
+        count = out.size if kind == "reduce_scatter" and out is not None else x.size
+        if kind == "reduce_scatter" and out is not None and x.size != out.size * self.size:
+            raise ValueError(f"reduce_scatter: x has {x.size} elements; it needs size ({self.size}) x out's "
+                             f"{out.size}")
+        if kind == "allgather" and out is not None and out.size != x.size * self.size:
+            raise ValueError(f"allgather: out has {out.size} elements; it needs size ({self.size}) x x's {x.size}")
+        reduces = kind in ("allreduce", "reduce_scatter")
+        _, result = self._check(kind, x, out, op if reduces else None)
+        if count == 0 or self.size == 1:
+            raise ValueError(f"{kind}: {count} elements on {self.size} rank(s) move nothing: leave it out of the batch")
+        return self._calls(kind, x.reshape(-1), result.reshape(-1), count, op if reduces else None, root)
+
+    def _check(self, kind: str, x: np.ndarray, out: np.ndarray | None, op: str | None) -> tuple[bool, np.ndarray]:
+        """Refuse, naming it, what the collective cannot do; (in place?, the array the result lands in)."""
         if self.broken is not None:
             raise CollectiveError(f"rank {self.rank}: the communicator failed earlier ({self.broken}); make a new "
                                   "one") from self.broken
@@ -118,25 +166,7 @@ class Communicator:
         if buffer_bytes > self.capacity:
             raise ValueError(f"{kind}: {buffer_bytes} bytes exceed the communicator's {self.capacity}-byte buffers "
                              "(its buffer_bytes)")
-        if count == 0 or self.size == 1:
-            if out is not None and x.size:
-                np.copyto(out.reshape(-1), x.reshape(-1))
-            return result
-        key = (kind, count, x.dtype.str, op, root, inplace)
-        entry = self._batches.get(key)
-        if entry is None:
-            entry = self._batches[key] = self._compile(kind, count, x.dtype, op, root, inplace)
-        batch, bindings = entry
-        try:
-            await batch.run(bindings(x.reshape(-1), result.reshape(-1)), timeout=self.timeout)
-        except Exception as error:
-            self.broken = error
-            raise CollectiveError(f"rank {self.rank} failed: {kind} of {count} x {x.dtype}{self._blame(error)}: "
-                                  f"{error}") from error
-        except BaseException as error:  # cancelled mid-run: what the links hold is unknown
-            self.broken = error
-            raise
-        return result
+        return inplace, result
 
     def _blame(self, error: BaseException) -> str:
         """The neighbour a failure points at: the rank behind the link whose QP failed, or, for a run that timed
@@ -151,13 +181,9 @@ class Communicator:
 
     def _compile(self, kind: str, count: int, dtype: np.dtype[Any], op: str | None, root: int,
                  inplace: bool) -> tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]:
-        assert self.work is not None and self.landing is not None and self.next is not None and self.prev is not None
-        size, rank, isz = self.size, self.rank, dtype.itemsize
-        total = count * size if kind in ("reduce_scatter", "allgather") else count
-        w = np.frombuffer(self.work.view, dtype, total)
-        lands = np.frombuffer(self.landing.view, dtype, self.landing.length // isz)
+        total = count * self.size if kind in ("reduce_scatter", "allgather") else count
         # compile-time stand-ins, rebound every run; in place, one is a view of the other (views follow their input)
-        mine = layout.chunks(total, size)[rank]
+        mine = layout.chunks(total, self.size)[self.rank]
         x = np.zeros(count if kind != "reduce_scatter" else total, dtype)
         if not inplace:
             out = np.zeros(count if kind != "allgather" else total, dtype)
@@ -168,6 +194,29 @@ class Communicator:
             out = x[mine.start:mine.start + mine.length]
         else:
             out = x
+        calls = self._calls(kind, x, out, count, op, root)
+        names: tuple[str, ...]
+        if inplace:  # one input, the other a view of it
+            names = ("out",) if kind == "allgather" else ("x",)
+        else:  # a broadcast's x is read at the root only
+            names = ("x", "out") if kind != "broadcast" or self.rank == root else ("out",)
+        batch = sched.compile(calls, inputs={name: {"x": x, "out": out}[name] for name in names})
+
+        def bindings(new_x: np.ndarray, new_out: np.ndarray) -> dict[str, np.ndarray]:
+            given = {"x": new_x, "out": new_out}
+            return {name: given[name] for name in names}
+        return batch, bindings
+
+    def _calls(self, kind: str, x: np.ndarray, out: np.ndarray, count: int, op: str | None,
+               root: int) -> list[sched.Call]:
+        """The ring's calls for this rank: x and out are flat (in place, out is x or a view of it)."""
+        assert self.work is not None and self.landing is not None and self.next is not None and self.prev is not None
+        size, rank, dtype = self.size, self.rank, x.dtype
+        isz = dtype.itemsize
+        total = count * size if kind in ("reduce_scatter", "allgather") else count
+        w = np.frombuffer(self.work.view, dtype, total)
+        lands = np.frombuffer(self.landing.view, dtype, self.landing.length // isz)
+        mine = layout.chunks(total, size)[rank]
         digest = layout.digest(kind, count, dtype.str, op, root)
         send = _Messages(kind, digest)
         receive = _Messages(kind, digest)
@@ -245,17 +294,7 @@ class Communicator:
             calls.append(sched.copy(out, w[mine.start:mine.start + mine.length], queue=self.copies, name="copy out"))
         else:
             calls.append(sched.copy(out, w, queue=self.copies, name="copy out"))
-        names: tuple[str, ...]
-        if inplace:  # one input, the other a view of it
-            names = ("out",) if kind == "allgather" else ("x",)
-        else:  # a broadcast's x is read at the root only
-            names = ("x", "out") if kind != "broadcast" or rank == root else ("out",)
-        batch = sched.compile(calls, inputs={name: {"x": x, "out": out}[name] for name in names})
-
-        def bindings(new_x: np.ndarray, new_out: np.ndarray) -> dict[str, np.ndarray]:
-            given = {"x": new_x, "out": new_out}
-            return {name: given[name] for name in names}
-        return batch, bindings
+        return calls
 
 
 class _Messages:
