@@ -366,6 +366,16 @@ class Batch:
     async def _work(self, tickets: dict[Any, int], signals: list[Counter], records: list[tuple[int, int]],
                     failures: list[tuple[int, BaseException]]) -> None:
         queues, devices, plan_ = self._queues, self._devices, self.plan
+        # A device with one queue in this batch (the usual case) is finalised by that queue's worker when it ends:
+        # a task less per device and run, and the epoch published as early
+        finish_by = {f.waits[0].queue: devices[f.device] for f in plan_.finalisers if len(f.waits) == 1}
+
+        async def work(worker: Any, qi: int, *args: Any) -> None:
+            await worker(qi, *args)
+            device = finish_by.get(qi)
+            if device is not None and not failures:
+                timeline_of(device).complete(tickets[device])
+
         async with anyio.create_task_group() as group:
             def fail(submission: Submission | None, error: BaseException) -> None:
                 failures.append((submission.call if submission else -1, error))
@@ -376,9 +386,10 @@ class Batch:
                 device = devices[plan_.device_of_queue[qi]]
                 ticket, timeline = tickets[device], timeline_of(device)
                 worker = self._qp_worker if isinstance(queue, QPQueue) else self._host_worker
-                group.start_soon(worker, qi, submissions, signals, timeline, ticket, records, fail)
+                group.start_soon(work, worker, qi, submissions, signals, timeline, ticket, records, fail)
             for finaliser in plan_.finalisers:
-                group.start_soon(self._finalise, finaliser.waits, signals, devices[finaliser.device], tickets)
+                if len(finaliser.waits) > 1:
+                    group.start_soon(self._finalise, finaliser.waits, signals, devices[finaliser.device], tickets)
 
     def _broken_note(self) -> str:
         """The QPs an abort left in ERR, and what to do about them."""
