@@ -94,6 +94,22 @@ def test_the_launchers_variables_are_read_and_bad_ones_named():
     with pytest.raises(ValueError, match="rank 4 of a job of 4 ranks"):
         from_environment({"RANK": "4", "WORLD_SIZE": "4"})
     assert world_module.LAUNCHERS[0][0] == "torchrun"
+    # torchrun's agent serves its own store on MASTER_PORT (checked with torchrun 2.13): the rendezvous takes the next
+    agent = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "40627", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert from_environment(agent).port == 40628
+    assert from_environment({**agent, "AIOFABRIC_RENDEZVOUS_PORT": "5000"}).port == 5000
+    assert from_environment({**agent, "AIOFABRIC_RENDEZVOUS": "external"}).serve is False
+
+
+def test_a_port_in_use_says_how_to_choose_another():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        results = finish(launch(1, TORCHRUN, "allreduce", "--size", "4K", port=port))
+    code, result, _ = results[0]
+    assert code == 1 and f"cannot serve the rendezvous at 127.0.0.1:{port}" in result["error"]
+    assert "AIOFABRIC_RENDEZVOUS_PORT" in result["error"]
 
 
 async def serve(size, timeout=10):

@@ -114,7 +114,12 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
     size, rank = world.size, world.rank
     async with contextlib.AsyncExitStack() as stack:
         if rank == 0 and world.serve:
-            listener = await anyio.create_tcp_listener(local_host=world.addr, local_port=world.port)
+            try:
+                listener = await anyio.create_tcp_listener(local_host=world.addr, local_port=world.port)
+            except OSError as error:
+                raise RendezvousError(f"rank 0 cannot serve the rendezvous at {world.addr}:{world.port}: "
+                                      f"{error.strerror or error}; set AIOFABRIC_RENDEZVOUS_PORT to a free port "
+                                      "(the same for every rank)") from None
             group = await stack.enter_async_context(anyio.create_task_group())
             group.start_soon(RendezvousServer(size, rendezvous_timeout).serve, listener)
         client = await RendezvousClient.connect(world.addr, world.port, rank, size, rendezvous_timeout)

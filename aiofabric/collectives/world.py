@@ -5,7 +5,9 @@
     Slurm srun       SLURM_PROCID, SLURM_NTASKS
 
 MASTER_ADDR and MASTER_PORT name rank 0's rendezvous for all three (mpirun and srun do not set them: export them,
-e.g. `MASTER_ADDR=$(hostname) srun ...`); without them it is 127.0.0.1:29500, torchrun's default port. With
+e.g. `MASTER_ADDR=$(hostname) srun ...`); without them it is 127.0.0.1:29500, torchrun's default port. torchrun's
+agent serves its own store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), so under it the rendezvous takes
+MASTER_PORT + 1. AIOFABRIC_RENDEZVOUS_PORT overrides the port (the same for every rank); with
 AIOFABRIC_RENDEZVOUS=external rank 0 does not serve it: a launcher does (`aiofabric <collective> --hosts`).
 """
 from __future__ import annotations
@@ -40,12 +42,15 @@ def from_environment(environ: Mapping[str, str]) -> World | None:
     for launcher, rank_name, size_name in LAUNCHERS:
         if rank_name in environ and size_name in environ:
             values = {}
-            for name in (rank_name, size_name, "MASTER_PORT"):
+            for name in (rank_name, size_name, "MASTER_PORT", "AIOFABRIC_RENDEZVOUS_PORT"):
                 text = environ.get(name, str(DEFAULT_PORT))
                 try:
                     values[name] = int(text)
                 except ValueError:
                     raise ValueError(f"{name}={text!r} ({launcher}) is not an integer") from None
-            return World(values[rank_name], values[size_name], environ.get("MASTER_ADDR", DEFAULT_ADDR),
-                         values["MASTER_PORT"], launcher, environ.get("AIOFABRIC_RENDEZVOUS", "") != "external")
+            port = values["MASTER_PORT"] + (environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+            if "AIOFABRIC_RENDEZVOUS_PORT" in environ:
+                port = values["AIOFABRIC_RENDEZVOUS_PORT"]
+            return World(values[rank_name], values[size_name], environ.get("MASTER_ADDR", DEFAULT_ADDR), port,
+                         launcher, environ.get("AIOFABRIC_RENDEZVOUS", "") != "external")
     return None
