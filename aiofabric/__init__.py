@@ -5,9 +5,9 @@ which imports `aiofabric.sim.process`, never loads the driver or anyio.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .lazy import lazy_attributes
 from .version import __version__
 
 _HOMES = {
@@ -19,18 +19,8 @@ _HOMES = {
                 "CompletionError", "QPStateError", "OperationTimeoutError", "PeerError"),
     ".peer.ssh": ("connect_peer",),
 }
-_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
-
-__all__ = [*_MODULE_OF, "__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'aiofabric' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__all__ = [*(name for names in _HOMES.values() for name in names), "__version__"]
+__getattr__ = lazy_attributes(globals(), _HOMES)
 
 
 def __dir__() -> list[str]:

@@ -1,5 +1,6 @@
 """One rank per process, started the way torchrun, mpirun and srun start them (their variables), meeting at rank 0's
 TCP rendezvous; ranks that never come or die mid-run; the rendezvous against clients that misbehave."""
+import contextlib
 import json
 import os
 import signal
@@ -112,9 +113,14 @@ def test_a_port_in_use_says_how_to_choose_another():
     assert "AIOFABRIC_RENDEZVOUS_PORT" in result["error"]
 
 
-async def serve(size, timeout=10):
+@contextlib.asynccontextmanager
+async def serving(size, timeout=10):
+    """A rendezvous for `size` ranks on a free port: (server, port); it ends with the block (or before)."""
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    return RendezvousServer(size, timeout), listener, listener.extra(anyio.abc.SocketAttribute.local_port)
+    server = RendezvousServer(size, timeout)
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve, listener)
+        yield server, listener.extra(anyio.abc.SocketAttribute.local_port)
 
 
 async def raw(port, payload, read=True):
@@ -132,9 +138,7 @@ async def raw(port, payload, read=True):
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_the_rendezvous_refuses_hostile_requests_and_still_serves_the_job():
-    server, listener, port = await serve(2)
-    async with anyio.create_task_group() as group:
-        group.start_soon(server.serve, listener)
+    async with serving(2) as (server, port):
         hostile = [b"not json\n", b"[" * 60000 + b"\n", json.dumps({"rank": 0}).encode() + b"\n",
                    json.dumps({"rank": 5, "size": 2, "round": 0, "data": {}}).encode() + b"\n",
                    json.dumps({"rank": 0, "size": 3, "round": 0, "data": {}}).encode() + b"\n",
@@ -164,9 +168,7 @@ async def test_the_rendezvous_refuses_hostile_requests_and_still_serves_the_job(
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_the_rendezvous_names_a_rank_that_leaves_or_is_claimed_twice():
-    server, listener, port = await serve(3)
-    async with anyio.create_task_group() as group:
-        group.start_soon(server.serve, listener)
+    async with serving(3) as (server, port):
         first = await RendezvousClient.connect("127.0.0.1", port, 0, 3, 10)
         async with anyio.create_task_group() as job:
             async def wait_for_all():
@@ -184,9 +186,7 @@ async def test_the_rendezvous_names_a_rank_that_leaves_or_is_claimed_twice():
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_idle_and_stray_connections_do_not_pin_the_rendezvous():
-    server, listener, port = await serve(1, timeout=2)
-    async with anyio.create_task_group() as group:
-        group.start_soon(server.serve, listener)
+    async with serving(1, timeout=2) as (server, port):
         streams = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(10)]  # idle; 4 per rank are kept
         await anyio.sleep(0.3)
         assert server.connections <= 4

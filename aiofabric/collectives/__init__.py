@@ -11,20 +11,10 @@ reads `layout` without the scheduler.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_attributes
 
 _HOMES = {".communicator": ("CollectiveError", "Communicator"), ".layout": ("BUS_FACTORS", "KINDS", "bus_bandwidth"),
           ".launch": ("connect_ring", "join", "local", "run_ranks"), ".world": ("World", "from_environment"),
           ".rendezvous": ("RendezvousError",)}
-_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'aiofabric.collectives' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__all__ = sorted(name for names in _HOMES.values() for name in names)
+__getattr__ = lazy_attributes(globals(), _HOMES)

@@ -7,24 +7,15 @@ this package costs nothing and never imports asyncssh.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import PeerError
+from ..lazy import lazy_attributes
 
-_MODULE_OF = {"Peer": ".client", "RemoteNIC": ".client", "RemoteQP": ".client", "RemoteMR": ".client",
-              "connect_peer": ".ssh", "SSHPeer": ".ssh", "connect_tcp": ".tcp", "serve_tcp": ".tcp",
-              "TCPPeer": ".tcp"}
-__all__ = ["PeerError", *_MODULE_OF]
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'aiofabric.peer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+_HOMES = {".client": ("Peer", "RemoteNIC", "RemoteQP", "RemoteMR"), ".ssh": ("connect_peer", "SSHPeer"),
+          ".tcp": ("connect_tcp", "serve_tcp", "TCPPeer")}
+__all__ = ["PeerError", *(name for names in _HOMES.values() for name in names)]
+__getattr__ = lazy_attributes(globals(), _HOMES)
 
 
 if TYPE_CHECKING:
