@@ -183,11 +183,11 @@ def _root(config: PerfConfig) -> int:
 def format_table(result: dict[str, Any]) -> str:
     """nccl-tests' table: one line per size, the out-of-place columns then the in-place ones."""
     lines = [f"# aiofabric {result['collective']}: {result['ranks']} ranks",
-             "#" + " " * 54 + f"{'out-of-place':>31}" + f"{'in-place':>31}",
+             "#" + " " * 54 + f"{'out-of-place':>33}" + f"{'in-place':>33}",
              f"#{'size':>11} {'count':>12} {'type':>7} {'redop':>6} {'root':>6}"
-             + f" {'time':>8} {'algbw':>7} {'busbw':>7} {'#wrong':>6}" * 2,
+             + f" {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}" * 2,
              f"#{'(B)':>11} {'(elements)':>12} {'':>7} {'':>6} {'':>6}"
-             + f" {'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}" * 2]
+             + f" {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}" * 2]
     by_size: dict[int, dict[str, dict[str, Any]]] = {}
     for row in result["rows"]:
         by_size.setdefault(row["size"], {})[row["placement"]] = row
@@ -198,7 +198,7 @@ def format_table(result: dict[str, Any]) -> str:
         for placement in PLACEMENTS:
             row = placed[placement]
             wrong = "N/A" if row["wrong"] is None else str(row["wrong"])
-            line += f" {row['time_us']:>8.2f} {row['algbw_GBps']:>7.2f} {row['busbw_GBps']:>7.2f} {wrong:>6}"
+            line += f" {row['time_us']:>10.1f} {row['algbw_GBps']:>7.2f} {row['busbw_GBps']:>7.2f} {wrong:>6}"
         lines.append(line)
     lines.append(f"# Out of bounds values : {result['wrong']} {'OK' if not result['wrong'] else 'FAILED'}")
     lines.append(f"# Avg bus bandwidth    : {result['avg_busbw_GBps']:g}")
