@@ -176,3 +176,45 @@ async def test_a_qp_input_rebound_to_one_connected_elsewhere_is_refused():
         with anyio.fail_after(20):
             await batch.run()
         assert bytes(target.view) == bytes(source.view)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_scalars_and_rdma_sizes_rebind_by_name_within_what_was_compiled():
+    """A kernel's scale and an RDMA WRITE's size change between runs without compiling again; a size above the
+    compiled one (bytes the plan never ordered), another type, or an unknown name is refused, and a refused run
+    changes nothing."""
+    scale_source = r"""
+    #include <stdint.h>
+    void scale(double *out, const double *in, int64_t n, double k) {
+        for (int64_t i = 0; i < n; i++) out[i] = in[i] * k;
+    }
+    """
+    scale = sched.CKernel(scale_source, "scale")
+    async with open_nic("sim") as a, open_nic("sim") as b:
+        qa, _ = await connected(a, b)
+        source, landing = await a.register_mr(8192), await b.register_mr(8192)
+        x = np.arange(1024, dtype=np.float64)
+        staged = np.frombuffer(source.view, np.float64)
+        k, nbytes = sched.Scalar("k", 2.0), sched.Scalar("bytes", 8192)
+        queue = sched.ComputeQueue()
+        batch = sched.compile([sched.kernel(scale, [staged], [x], [1024, k], queue=queue),
+                               sched.write(qa, source, landing.remote(), nbytes)], inputs={"x": x})
+        arrived = np.frombuffer(landing.view, np.float64)
+        await batch.run()
+        assert np.array_equal(arrived, x * 2.0)
+        arrived[:] = 0
+        await batch.run({"k": 3.0, "bytes": 4096})  # half the bytes, scaled by 3
+        assert np.array_equal(arrived[:512], x[:512] * 3.0) and not arrived[512:].any()
+        for bindings, message in (({"bytes": 8200}, r"must be in \[0, 8192\]"), ({"k": 3}, "is float .* got int"),
+                                  ({"bytes": 1.5}, "is int .* got float"), ({"kk": 1.0}, "scalars \\['bytes', 'k'\\]"),
+                                  ({"k": 5.0, "bytes": -1}, r"must be in \[0, 8192\]")):
+            with pytest.raises(sched.BindingError, match=message):
+                await batch.run(bindings)
+        arrived[:] = 0
+        await batch.run()  # the refused bindings changed nothing: k is 3.0, bytes 4096
+        assert np.array_equal(arrived[:512], x[:512] * 3.0) and not arrived[512:].any()
+    with pytest.raises(ValueError, match="two Scalars named 'k' with different values"):
+        q = sched.ComputeQueue()
+        sched.compile([sched.kernel(lambda o, s: None, [np.zeros(1)], [], [sched.Scalar("k", 1.0)], queue=q),
+                       sched.kernel(lambda o, s: None, [np.zeros(1)], [], [sched.Scalar("k", 2.0)], queue=q)])

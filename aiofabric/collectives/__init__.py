@@ -4,9 +4,9 @@
         await collectives.run_ranks([functools.partial(c.allreduce, x) for c, x in zip(comms, xs)])
 
 Modules: `layout` (pure ring arithmetic, nccl-tests' names and bus factors), `communicator` (a rank: its links,
-buffers and compiled collectives), `launch` (N ranks in one process, one rank of a job, and running ranks together), `world` (the
-launchers' variables), `rendezvous` (rank 0's TCP rendezvous), `perf` (the
-nccl-tests sweep behind `aiofabric allreduce ...`). The names below load on first use (PEP 562), so the command line
+buffers and compiled collectives), `launch` (N ranks in one process, one rank of a job, and running ranks
+together), `world` (the launchers' variables), `rendezvous` (rank 0's TCP rendezvous), `perf` (the nccl-tests sweep
+behind `aiofabric allreduce ...`). The names below load on first use (PEP 562), so the command line
 reads `layout` without the scheduler.
 """
 from __future__ import annotations

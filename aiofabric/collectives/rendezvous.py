@@ -23,8 +23,8 @@ from ..errors import FabricError
 log = logging.getLogger("aiofabric.collectives")
 MAX_LINE = 64 << 10  # one rank's round: a few QPInfos and keys
 MAX_CONNECTIONS_PER_RANK = 4  # connections open at once, per rank of the job: strays beyond are closed at once
-CONNECT_RETRY = 0.1
-FAREWELL = 5.0  # seconds a failed rendezvous gives its handlers to tell their ranks why  # seconds between attempts while rank 0 is not listening yet
+CONNECT_RETRY = 0.1  # seconds between attempts while rank 0 is not listening yet
+FAREWELL = 5.0  # seconds a failed rendezvous gives its handlers to tell their ranks why
 
 
 class RendezvousError(FabricError):

@@ -8,8 +8,8 @@ Modules: `plan` (pure planner), `calls` (queues and calls), `kernels` (C and num
 `timeline` (awaitable counters), `pool` (receive pools), `run` (compiled batches and their workers), `trace`
 (Chrome trace JSON), `reduce` (reduction kernels).
 """
-from .calls import (Call, ComputeQueue, CopyQueue, copy, kernel, qp_name, read, recv, send, wait_imm, write,
-                    write_with_imm)
+from .calls import (Call, ComputeQueue, CopyQueue, Scalar, copy, kernel, qp_name, read, recv, send, wait_imm,
+                    write, write_with_imm)
 from .kernels import CKernel, CompilerNotFoundError, KernelBuildError, flatten
 from ..errors import BatchTimeoutError, ImmediateMismatchError
 from .pool import ReceivePool, receive_pool
@@ -17,6 +17,6 @@ from . import reduce  # sched.reduce.reduce(...), sched.reduce.reduction(...)
 from .run import Batch, BindingError, CallError, compile
 
 __all__ = ["Batch", "BatchTimeoutError", "BindingError", "CKernel", "Call", "CallError", "CompilerNotFoundError",
-           "ComputeQueue", "CopyQueue", "ImmediateMismatchError", "KernelBuildError", "ReceivePool", "compile", "copy",
-           "flatten", "kernel", "qp_name", "read", "receive_pool", "recv", "reduce", "send", "wait_imm", "write",
-           "write_with_imm"]
+           "ComputeQueue", "CopyQueue", "ImmediateMismatchError", "KernelBuildError", "ReceivePool", "Scalar",
+           "compile", "copy", "flatten", "kernel", "qp_name", "read", "receive_pool", "recv", "reduce", "send",
+           "wait_imm", "write", "write_with_imm"]

@@ -30,6 +30,28 @@ _tokens = itertools.count()  # control dependencies: one private "buffer" per ca
 _byte_bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds  # moved in numpy 2; look up once
 
 
+class Scalar:
+    """A value a compiled batch can rebind by name, `run({"n": 7})`: a kernel scalar (an int stays an int, a float a
+    float: a C kernel's signature is fixed) or the size of an RDMA call. The value given here is the one compiled:
+    the plan covers the bytes of that size, so a size rebinds to at most it."""
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: int | float) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a Scalar needs a name, not {name!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"Scalar {name!r}: the value is an int or a float, not {type(value).__name__}")
+        self.name, self.value = name, value
+
+    def __repr__(self) -> str:
+        return f"Scalar({self.name!r}, {self.value!r})"
+
+
+def value_of(value: Any) -> Any:
+    """A Scalar's compiled value, anything else as it is."""
+    return value.value if isinstance(value, Scalar) else value
+
+
 class QPQueue(NamedTuple):
     """One side of a QP as the planner's queue: equal for every call on that side (a tuple hashes by content)."""
     qp: QueuePair
@@ -141,13 +163,13 @@ class Call:
 
 
 def kernel(fn: CKernel | Callable[..., Any], outs: Sequence[np.ndarray] = (), ins: Sequence[np.ndarray] = (),
-           scalars: Sequence[int | float] = (), *, queue: ComputeQueue, name: str | None = None,
+           scalars: Sequence[int | float | Scalar] = (), *, queue: ComputeQueue, name: str | None = None,
            threaded: bool | None = None) -> Call:
     """`fn(*outs, *ins, *scalars)` on `queue`: a `CKernel` (called with pointers, in a worker thread unless
     `threaded=False`), or a Python callable on numpy arrays (called on the event loop, or in a thread with
     `threaded=True`: worth it only for work that releases the GIL). The hop to a thread and back costs ~50 µs, and
     milliseconds on a loaded machine: run kernels of a few µs inline. Every buffer must be 0-d or 1-d (see
-    `flatten`)."""
+    `flatten`). A `Scalar` among the scalars is rebindable by name at run time."""
     name = name or f"kernel {getattr(fn, 'name', None) or getattr(fn, '__name__', 'fn')}"
     if not isinstance(queue, ComputeQueue) or isinstance(queue, CopyQueue):
         raise TypeError(f"{name}: kernels run on a ComputeQueue, not {queue!r}")
@@ -163,8 +185,9 @@ def kernel(fn: CKernel | Callable[..., Any], outs: Sequence[np.ndarray] = (), in
                 if not a.flags.c_contiguous:  # a C kernel gets the first element's address and steps by itemsize
                     raise ValueError(f"{name}: {label}[{i}] is not contiguous (strides {a.strides}); a C kernel "
                                      "would read its base memory as if it were: pass np.ascontiguousarray(x)")
-        c_args = tuple(c_scalar(v, name, i) for i, v in enumerate(scalars))
-        options = {"fn": fn.function, "c": True, "scalars": c_args, "outs": len(outs),
+        for i, v in enumerate(scalars):
+            c_scalar(value_of(v), name, i)  # refused now, not at run time
+        options = {"fn": fn.function, "c": True, "scalars": scalars, "outs": len(outs),
                    "threaded": threaded is not False}
     else:
         options = {"fn": fn, "c": False, "scalars": scalars, "outs": len(outs), "threaded": bool(threaded)}
@@ -191,7 +214,7 @@ def copy(dst: np.ndarray | MemoryRegion, src: np.ndarray | MemoryRegion, *, queu
 
 
 def _verb(verb: str, qp: QueuePair, local: MemoryRegion | None, remote: RemoteRegion | MemoryRegion | None,
-          size: int | None, local_offset: int, remote_offset: int, name: str | None, **options: Any) -> Call:
+          size: int | Scalar | None, local_offset: int, remote_offset: int, name: str | None, **options: Any) -> Call:
     if not isinstance(qp, QueuePair):
         raise TypeError(f"{verb}: the queue of an RDMA call is a QueuePair, not {type(qp).__name__}")
     name = name or verb
@@ -199,10 +222,11 @@ def _verb(verb: str, qp: QueuePair, local: MemoryRegion | None, remote: RemoteRe
         raise TypeError(f"{name}: local is a {type(local).__name__}; RDMA calls take a registered MemoryRegion")
     if size is None:
         size = (local.length - local_offset) if local is not None else 0
-    _check_range(name, "local", local, local_offset, size)
-    _check_range(name, "remote", remote, remote_offset, size)
-    local_span = host_span(local, local_offset, size) if local is not None else None
-    remote_span_ = remote_span(qp, remote, remote_offset, size) if remote is not None else None
+    planned = value_of(size)  # a Scalar size: the plan covers its compiled value, the most it rebinds to
+    _check_range(name, "local", local, local_offset, planned)
+    _check_range(name, "remote", remote, remote_offset, planned)
+    local_span = host_span(local, local_offset, planned) if local is not None else None
+    remote_span_ = remote_span(qp, remote, remote_offset, planned) if remote is not None else None
     reads, writes = {"write": ((local_span, remote_span_)), "write_with_imm": (local_span, remote_span_),
                      "read": (remote_span_, local_span), "send": (local_span, None),
                      "recv": (None, local_span), "wait_imm": (None, None)}[verb]
@@ -222,29 +246,29 @@ def _check_range(name: str, label: str, region: MemoryRegion | RemoteRegion | No
         raise ValueError(f"{name}: {label}_offset {offset} + size {size} is past the {label} region's {length} bytes")
 
 
-def write(qp: QueuePair, local: MemoryRegion, remote: RemoteRegion | MemoryRegion, size: int | None = None, *,
+def write(qp: QueuePair, local: MemoryRegion, remote: RemoteRegion | MemoryRegion, size: int | Scalar | None = None, *,
           local_offset: int = 0, remote_offset: int = 0, name: str | None = None) -> Call:
     """RDMA WRITE of `size` bytes of `local` to `remote` (done once the peer acknowledged the placement)."""
     return _verb("write", qp, local, remote, size, local_offset, remote_offset, name)
 
 
 def write_with_imm(qp: QueuePair, local: MemoryRegion, remote: RemoteRegion | MemoryRegion, imm: int,
-                   size: int | None = None, *, local_offset: int = 0, remote_offset: int = 0,
+                   size: int | Scalar | None = None, *, local_offset: int = 0, remote_offset: int = 0,
                    name: str | None = None) -> Call:
     return _verb("write_with_imm", qp, local, remote, size, local_offset, remote_offset, name, imm=imm)
 
 
-def read(qp: QueuePair, local: MemoryRegion, remote: RemoteRegion | MemoryRegion, size: int | None = None, *,
+def read(qp: QueuePair, local: MemoryRegion, remote: RemoteRegion | MemoryRegion, size: int | Scalar | None = None, *,
          local_offset: int = 0, remote_offset: int = 0, name: str | None = None) -> Call:
     return _verb("read", qp, local, remote, size, local_offset, remote_offset, name)
 
 
-def send(qp: QueuePair, local: MemoryRegion, size: int | None = None, *, local_offset: int = 0,
+def send(qp: QueuePair, local: MemoryRegion, size: int | Scalar | None = None, *, local_offset: int = 0,
          name: str | None = None) -> Call:
     return _verb("send", qp, local, None, size, local_offset, 0, name)
 
 
-def recv(qp: QueuePair, local: MemoryRegion, size: int | None = None, *, local_offset: int = 0,
+def recv(qp: QueuePair, local: MemoryRegion, size: int | Scalar | None = None, *, local_offset: int = 0,
          name: str | None = None) -> Call:
     """Post a receive and complete when a peer's SEND lands in it. It runs on the QP's receive side, so a receive
     listed before a send of the same QP does not hold that send up."""

@@ -23,7 +23,8 @@ import numpy as np
 
 from ..errors import BatchTimeoutError, BindingError, CallError, ImmediateMismatchError
 from ..queues import MemoryRegion, QPState, QueuePair, RemoteRegion
-from .calls import RECEIVE, Call, QPQueue, host_address, qp_name, queue_name
+from .calls import RECEIVE, Call, QPQueue, Scalar, host_address, qp_name, queue_name
+from .kernels import c_scalar
 from .plan import Plan, Submission, plan
 from .pool import NO_SGE, pool_of
 from .timeline import Counter, Timeline
@@ -115,6 +116,7 @@ class Batch:
         self._queues, self._devices = list(self.plan.queues), list(self.plan.devices)  # QP inputs replace entries
         self._fence = Timeline()
         self._args = [call.args for call in self.calls]
+        self._collect_scalars()
         self._prepared: list[Any] = [None] * len(self.calls)
         for index in range(len(self.calls)):
             self._prepare(index)
@@ -124,6 +126,35 @@ class Batch:
         self.runs = 0
 
     # -- input table --------------------------------------------------------------------------------------------
+    def _collect_scalars(self) -> None:
+        """The Scalars the calls use, by name: their current values, the calls to prepare again when one is
+        rebound, and the most an RDMA size may become (its compiled value: the bytes the plan covers)."""
+        self._scalar_values: dict[str, int | float] = {}
+        self._scalar_calls: dict[str, list[int]] = {}
+        self._scalar_limits: dict[str, int] = {}
+        for index, call in enumerate(self.calls):
+            size = call.options.get("size")
+            for scalar in (*call.options.get("scalars", ()), size):
+                if not isinstance(scalar, Scalar):
+                    continue
+                known = self._scalar_values.setdefault(scalar.name, scalar.value)
+                if known != scalar.value or type(known) is not type(scalar.value):
+                    raise ValueError(f"two Scalars named {scalar.name!r} with different values ({known!r} and "
+                                     f"{scalar.value!r}): a name is one value")
+                self._scalar_calls.setdefault(scalar.name, []).append(index)
+            if isinstance(size, Scalar):
+                self._scalar_limits[size.name] = int(size.value)
+
+    def _check_scalar(self, name: str, value: Any) -> None:
+        compiled = self._scalar_values[name]
+        if isinstance(value, bool) or type(value) is not type(compiled):
+            raise BindingError(f"scalar {name!r} is {type(compiled).__name__} (as compiled); got "
+                               f"{type(value).__name__} {value!r}")
+        limit = self._scalar_limits.get(name)
+        if limit is not None and not 0 <= value <= limit:
+            raise BindingError(f"scalar {name!r} sizes an RDMA call: it must be in [0, {limit}] (the compiled size, "
+                               f"whose bytes the plan ordered), not {value}; compile with the largest size")
+
     def _compile_inputs(self, inputs: Mapping[str, Any] | Sequence[Any] | None) -> None:
         if inputs is None:
             inputs = {}
@@ -131,6 +162,9 @@ class Batch:
             inputs = {str(i): value for i, value in enumerate(inputs)}
         self.input_names = list(inputs)
         self._inputs = list(inputs.values())
+        clash = sorted(set(self.input_names) & set(self._scalar_values))
+        if clash:
+            raise BindingError(f"inputs {clash} are also names of Scalars of the batch: a name is one thing")
         bases: list[np.ndarray | None] = []  # the bytes of each host input, to find the views of it the calls use
         for name, value in inputs.items():
             if isinstance(value, np.ndarray):
@@ -189,7 +223,8 @@ class Batch:
         for ii, extent in enumerate(ranges):
             hit = self._overlapping_constant(extent) if extent is not None else None
             self._entangled.append(None if hit is None else self._argument_text(*hit))
-        used = {slot.input for slot in self._slots} | {i for i, v in enumerate(self._inputs) if isinstance(v, QueuePair)}
+        used = {slot.input for slot in self._slots} | {i for i, v in enumerate(self._inputs)
+                                                       if isinstance(v, QueuePair)}
         self._peers = {id(q.qp): q.qp.peer.gid for q in self.plan.queues  # remote memory was keyed by these peers
                        if isinstance(q, QPQueue) and q.qp.peer is not None}
         unused = [name for i, name in enumerate(self.input_names) if i not in used]
@@ -228,11 +263,17 @@ class Batch:
                 raise BindingError(f"run() got {len(bindings)} positional bindings for {len(self._inputs)} inputs "
                                    f"{self.input_names}")
             bindings = dict(zip(self.input_names, bindings))
+        scalars = {name: value for name, value in bindings.items() if name in self._scalar_values}
+        for name, value in scalars.items():
+            self._check_scalar(name, value)
         inputs, queues = list(self._inputs), list(self._queues)
         changed = set()
         for name, value in bindings.items():
+            if name in scalars:
+                continue
             if name not in self.input_names:
-                raise BindingError(f"no input named {name!r}; the inputs are {self.input_names}")
+                raise BindingError(f"no input named {name!r}; the inputs are {self.input_names} and the scalars "
+                                   f"{sorted(self._scalar_values)}")
             index = self.input_names.index(name)
             old = inputs[index]
             if value is old:
@@ -253,6 +294,7 @@ class Batch:
             inputs[index] = value
             changed.add(index)
         if not changed:
+            self._apply_scalars(scalars)  # checked above: all or nothing
             return
         args: dict[int, list[Any]] = {}
         for slot in self._slots:
@@ -264,11 +306,18 @@ class Batch:
                                        f"{self._argument_text(slot.call, slot.arg)} writes it")
         self._check_no_new_sharing(inputs, changed)
         self._inputs, self._queues = inputs, queues
+        # a QP's device (its timeline) is the QP: it follows a rebinding
         now = {id(compiled.qp): queue.qp for compiled, queue in zip(self.plan.queues, queues)
-               if isinstance(compiled, QPQueue) and isinstance(queue, QPQueue)}  # a QP's device (timeline) is the QP: it follows a rebinding
+               if isinstance(compiled, QPQueue) and isinstance(queue, QPQueue)}
         self._devices = [now.get(id(d), d) for d in self.plan.devices]
         for index, call_args in args.items():
             self._args[index] = tuple(call_args)
+            self._prepare(index)
+        self._apply_scalars(scalars)
+
+    def _apply_scalars(self, scalars: dict[str, Any]) -> None:
+        self._scalar_values.update(scalars)
+        for index in sorted({i for name in scalars for i in self._scalar_calls[name]}):
             self._prepare(index)
 
     def _compiled_qp(self, current: QueuePair) -> QueuePair | None:
@@ -305,18 +354,20 @@ class Batch:
         call, args = self.calls[index], self._args[index]
         if call.kind == "kernel":
             options = call.options
+            values = [self._scalar_values[s.name] if isinstance(s, Scalar) else s for s in options["scalars"]]
             if options["c"]:
                 self._prepared[index] = (options["fn"], (*(ctypes.c_void_p(a.__array_interface__["data"][0])
                                                             for a in args),
-                                                          *options["scalars"]))
+                                                          *(c_scalar(v, call.name, i) for i, v in enumerate(values))))
             else:
-                self._prepared[index] = (options["fn"], (*args, *options["scalars"]))
+                self._prepared[index] = (options["fn"], (*args, *values))
         elif call.kind == "copy":
             dst, src = (np.frombuffer(a.view, np.uint8) if isinstance(a, MemoryRegion) else a.reshape(-1).view(np.uint8)
                         for a in args)
             self._prepared[index] = (dst, src)
         else:
-            self._prepared[index] = args
+            size = call.options["size"]
+            self._prepared[index] = (*args, self._scalar_values[size.name] if isinstance(size, Scalar) else size)
 
     # -- running ------------------------------------------------------------------------------------------------
     async def run(self, bindings: Mapping[str, Any] | Sequence[Any] | None = None, *,
@@ -521,26 +572,26 @@ class Batch:
 
     @staticmethod
     async def _post(qp: QueuePair, call: Call, args: tuple[Any, ...]) -> Any:
-        local, remote = args
+        local, remote, size = args
         o = call.options
         if call.kind == "write":
-            return await qp.post_write(local, remote, o["size"], local_offset=o["local_offset"],
+            return await qp.post_write(local, remote, size, local_offset=o["local_offset"],
                                        remote_offset=o["remote_offset"])
         if call.kind == "write_with_imm":
-            return await qp.post_write_with_imm(local, remote, o["imm"], o["size"], local_offset=o["local_offset"],
+            return await qp.post_write_with_imm(local, remote, o["imm"], size, local_offset=o["local_offset"],
                                                 remote_offset=o["remote_offset"])
         if call.kind == "read":
-            return await qp.post_read(local, remote, o["size"], local_offset=o["local_offset"],
+            return await qp.post_read(local, remote, size, local_offset=o["local_offset"],
                                       remote_offset=o["remote_offset"])
         if call.kind == "send":
-            return await qp.post_send(local, o["size"], local_offset=o["local_offset"])
+            return await qp.post_send(local, size, local_offset=o["local_offset"])
         pool = pool_of(qp)
         if call.kind == "recv":
             if pool is not None:  # receives complete in posting order: this one would take a pooled message
                 raise ValueError(f"{call.name}: {qp_name(qp)} has a receive pool (sched.receive_pool), whose "
                                  "receives come first; receive into memory on another QP, or use write_with_imm "
                                  "and wait_imm")
-            return await qp.post_recv(local, o["size"], local_offset=o["local_offset"])
+            return await qp.post_recv(local, size, local_offset=o["local_offset"])
         if pool is not None:
             return await pool.take()
         return await qp.post_recv(NO_SGE, 0)  # wait_imm: a receive without memory, consumed by WRITE_WITH_IMM
