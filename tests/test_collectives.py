@@ -59,24 +59,28 @@ async def test_every_collective_dtype_and_op_matches_numpy_bit_for_bit(ranks):
                 assert all(same_bits(out, expected) for out in outs), (dtype, op, count)
                 await all_ranks(comms, "allreduce", xs, op=op)  # in place
                 assert all(same_bits(x, expected) for x in xs), (dtype, op, count, "in place")
-        for dtype, op in itertools.product((np.float16, np.int64), OPS):  # reduce-scatter
-            for count in (0, 1, 333):
+        xs = [data(rng, np.float32, 100_003) for _ in range(ranks)]  # large: many pieces per chunk
+        expected = ring_reduce(xs, "sum", layout.chunks(100_003, ranks))
+        await all_ranks(comms, "allreduce", xs)
+        assert all(same_bits(x, expected) for x in xs)
+        for dtype, op in itertools.product(DTYPES, OPS):  # reduce-scatter
+            for count in ((0, 1, 333) if dtype in (np.float16, np.int64) else (333,)):
                 xs = [data(rng, dtype, count * ranks) for _ in range(ranks)]
                 whole = ring_reduce(xs, op, layout.chunks(count * ranks, ranks))
                 outs = [np.zeros(count, dtype) for _ in range(ranks)]
                 await all_ranks(comms, "reduce_scatter", xs, outs, op=op)
                 for rank, out in enumerate(outs):
                     assert same_bits(out, whole[rank * count:(rank + 1) * count]), (dtype, op, count, rank)
-        for count in (0, 1, ranks - 1, 777):  # allgather and broadcast move bytes: any dtype
-            xs = [data(rng, np.int32, count) for _ in range(ranks)]
-            outs = [np.zeros(count * ranks, np.int32) for _ in range(ranks)]
+        for dtype, count in [(np.int32, c) for c in (0, 1, ranks - 1, 777)] + [(d, 777) for d in DTYPES]:
+            xs = [data(rng, dtype, count) for _ in range(ranks)]  # allgather and broadcast move bytes
+            outs = [np.zeros(count * ranks, dtype) for _ in range(ranks)]
             await all_ranks(comms, "allgather", xs, outs)
-            assert all(same_bits(out, np.concatenate(xs)) for out in outs), count
+            assert all(same_bits(out, np.concatenate(xs)) for out in outs), (dtype, count)
             for root in range(ranks):
-                xs = [data(rng, np.float64, count) for _ in range(ranks)]
+                xs = [data(rng, dtype, count) for _ in range(ranks)]
                 source = xs[root].copy()
                 await all_ranks(comms, "broadcast", xs, root=root)
-                assert all(same_bits(x, source) for x in xs), (count, root)
+                assert all(same_bits(x, source) for x in xs), (dtype, count, root)
         await all_ranks(comms, "barrier")
 
 
