@@ -258,8 +258,11 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
     from .collectives import join, local
     from .collectives.perf import PerfConfig, run_perf
     from .collectives.world import from_environment
-    world = from_environment(os.environ) if args.ranks is None else None
-    ranks = world.size if world is not None else args.ranks or 2
+    if args.hosts and args.ranks is not None:
+        raise ValueError("--ranks and --hosts both say where the ranks run: give one (--hosts: one rank per host)")
+    world = from_environment(os.environ) if args.ranks is None and not args.hosts else None
+    ranks = world.size if world is not None else len(_hosts(args.hosts, args.port or SSH_PORT)) if args.hosts \
+        else args.ranks or 2
     if ranks < 1:
         raise ValueError(f"--ranks must be at least 1, not {ranks}")
     if not 0 <= args.root < ranks:
@@ -303,7 +306,9 @@ def format_collective(result: dict[str, Any]) -> str:
 # the flags a launcher passes on to every rank (dest, flag)
 RANK_FLAGS = (("minbytes", "-b"), ("maxbytes", "-e"), ("stepfactor", "-f"), ("iters", "-n"), ("warmup_iters", "-w"),
               ("datatype", "-d"), ("op", "-o"), ("root", "-r"), ("verify", "-c"), ("piece", "--piece"),
-              ("timeout", "--timeout"), ("rendezvous_timeout", "--rendezvous-timeout"), ("size", "--size"))
+              ("timeout", "--timeout"), ("rendezvous_timeout", "--rendezvous-timeout"), ("size", "--size"),
+              ("loss", "--loss"), ("reorder", "--reorder"), ("dup", "--dup"), ("corrupt", "--corrupt"),
+              ("seed", "--seed"), ("pcap", "--pcap"))
 
 
 async def _collective_over_ssh(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
@@ -322,32 +327,34 @@ async def _collective_over_ssh(args: argparse.Namespace, sizes: list[int]) -> di
     server = RendezvousServer(len(hosts), args.rendezvous_timeout)
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    runs: list[Any] = [None] * len(hosts)
+    results: list[Any] = [None] * len(hosts)
+    failed: list[str] = []
     async with anyio.create_task_group() as group:
         group.start_soon(server.serve, listener)
 
         async def rank(index: int) -> None:
             user, host, ssh_port = hosts[index]
             ip = host if args.remote_ip == "ssh" else args.remote_ip
-            runs[index] = await run_remote(
+            run = await run_remote(
                 host, ssh_port, user=user or args.user, args=[args.command, *flags, "--nic", args.remote_nic,
                                                               *(["--ip", ip] if ip else []), "--json"],
                 env={"RANK": str(index), "WORLD_SIZE": str(len(hosts)), "AIOFABRIC_RENDEZVOUS": "external"},
                 tunnel=("127.0.0.1", port), timeout=math.inf, **ssh)
+            lines = run.stdout.strip().splitlines()
+            result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+            if result is None or not result.get("ok"):
+                why = result["error"] if result else (run.stopped or f"exit status {run.exit_status}; stderr: "
+                                                      + " | ".join(run.stderr_tail))
+                failed.append(f"rank {index} on {run.host} failed: {why}")
+                ranks.cancel_scope.cancel()  # the first failure is the cause: the others would only wait for it
+            results[index] = result
         async with anyio.create_task_group() as ranks:
             for index in range(len(hosts)):
                 ranks.start_soon(rank, index)
         group.cancel_scope.cancel()
-    results = []
-    for index, run in enumerate(runs):
-        lines = run.stdout.strip().splitlines()
-        result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
-        if result is None or not result.get("ok"):
-            why = result["error"] if result else (run.stopped or f"exit status {run.exit_status}; stderr: "
-                                                  + " | ".join(run.stderr_tail))
-            raise CollectiveError(f"rank {index} on {run.host} failed: {why}")
-        results.append(result)
-    result = {**results[0], "hosts": [run.host for run in runs]}
+    if failed:
+        raise CollectiveError(failed[0])
+    result = {**results[0], "hosts": [f"{user + '@' if user else ''}{host}:{port}" for user, host, port in hosts]}
     if not args.json:
         print(format_collective(result))
     return result

@@ -94,3 +94,12 @@ def test_nccl_tests_reference_is_the_ring_order_and_agrees_with_exact_sums():
         xs = [rng.integers(-2**40, 2**40, 1001) for _ in range(n)]
         assert np.array_equal(ring_reference(xs, "sum"), np.sum(xs, axis=0))
         assert np.array_equal(ring_reference(xs, "max"), np.max(xs, axis=0))
+
+
+def test_hosts_set_the_number_of_ranks_and_an_unreachable_host_is_named():
+    """Found by review: --root was checked against the default 2 ranks, not the 3 hosts."""
+    code, result, _ = run("broadcast", "--hosts", "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", "-r", "2",
+                          "--connect-timeout", "3", "--json")
+    assert code == 1 and "--root" not in result["error"] and "127.0.0.1" in result["error"], result
+    code, result, _ = run("allreduce", "--hosts", "a,b", "--ranks", "2", "--json")
+    assert code == 1 and "--ranks and --hosts both say where the ranks run" in result["error"]

@@ -5,6 +5,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 
 import anyio
 import numpy as np
@@ -145,10 +146,11 @@ async def test_replays_never_meet_an_rnr_nak(monkeypatch):
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_ranks_that_disagree_fail_at_the_first_message_naming_the_immediates():
+    """163 and 200 elements collided in a 12-bit digest (found by review): the ready message carries 28 bits."""
     async with collectives.local(2, buffer_bytes=1 << 16, timeout=10) as comms:
         with anyio.fail_after(20), pytest.raises(CollectiveError, match=r"rank \d failed: .*expected immediate"):
-            await collectives.run_ranks([lambda: comms[0].allreduce(np.ones(100, np.float32)),
-                                         lambda: comms[1].allreduce(np.ones(101, np.float32))])
+            await collectives.run_ranks([lambda: comms[0].allreduce(np.ones(163, np.float32)),
+                                         lambda: comms[1].allreduce(np.ones(200, np.float32))])
         with pytest.raises(CollectiveError, match="failed earlier"):
             await comms[0].allreduce(np.ones(100, np.float32))
 
@@ -199,13 +201,17 @@ async def test_bad_arguments_are_refused_naming_them():
             frozen = np.ones(4, np.float32)
             frozen.flags.writeable = False
             await comm.allreduce(np.ones(4, np.float32), frozen)
-        with pytest.raises(ValueError, match="x has 5 elements; it needs size \\(2\\) x out's 2"):
+        with pytest.raises(ValueError, match="x has 5 elements and out 2; x needs size \\(2\\) x out's"):
             await comm.reduce_scatter(np.ones(5, np.float32), np.ones(2, np.float32))
         with pytest.raises(ValueError, match="root must be a rank in \\[0, 1\\]"):
             await comm.broadcast(np.ones(4, np.float32), root=2)
         with pytest.raises(ValueError, match="out overlaps x"):
             x = np.ones(8, np.float32)
             await comm.allreduce(x[:4], x[2:6])
+        with pytest.raises(ValueError, match="x has 10 elements and out 12; they must be equal"):
+            await comm.allreduce(np.ones(10, np.float32), np.zeros(12, np.float32))
+        with pytest.raises(ValueError, match="root must be a rank in \\[0, 1\\], not 5"):
+            comm.calls("broadcast", np.ones(4, np.float32), root=5)
         assert comm.broken is None  # refusals do not break it
 
 
@@ -254,3 +260,53 @@ async def test_an_allreduce_inside_a_users_batch_is_ordered_between_its_kernels_
             comms[0].calls("allreduce", np.zeros(0, np.float32))
         with pytest.raises(ValueError, match="unknown collective 'gather'"):
             comms[0].calls("gather", np.zeros(4, np.float32))
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_barrier_holds_every_rank_until_the_last_enters():
+    """Found by review: the barrier was only a handshake with the next rank, so rank 0 left before rank 2 came."""
+    async with collectives.local(3, buffer_bytes=4096) as comms:
+        await collectives.run_ranks([comm.barrier for comm in comms])
+        left = {}
+        started = anyio.current_time()
+
+        async def rank(r):
+            if r == 2:
+                await anyio.sleep(1.0)
+            await comms[r].barrier()
+            left[r] = anyio.current_time() - started
+        await collectives.run_ranks([functools.partial(rank, r) for r in range(3)])
+        assert min(left.values()) >= 0.95, left
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_ready_message_waits_for_the_earlier_collective_still_reading_the_buffer(monkeypatch):
+    """Found by review: an allreduce then a broadcast in one batch; at the non-root rank the broadcast's ready did
+    not wait for the allreduce's copy out, so the root's data overwrote the sum being copied out. The copy out is
+    slowed (a preempted thread) to make the race certain."""
+    from aiofabric import sched
+    count = 1 << 16
+    async with collectives.local(2, buffer_bytes=4 * count, piece_bytes=64 << 10) as comms:
+        sums, payloads, batches = [], [], []
+        for comm in comms:
+            g, h = np.zeros(count, np.float32), np.zeros(count, np.float32)
+            batches.append(sched.compile([*comm.calls("allreduce", g), *comm.calls("broadcast", h, root=0)],
+                                         inputs={"g": g, "h": h}))
+            sums.append(g)
+            payloads.append(h)
+        copy, victim = np.copyto, sums[1].ctypes.data
+
+        def slow_copy_out(dst, src, *args, **kwargs):
+            if getattr(dst, "ctypes", None) is not None and dst.ctypes.data == victim and src.ctypes.data != victim:
+                time.sleep(0.05)
+            return copy(dst, src, *args, **kwargs)
+        monkeypatch.setattr(np, "copyto", slow_copy_out)
+        for round_ in range(3):
+            for r in range(2):
+                copy(sums[r], np.full(count, r + 1.0, np.float32))
+                copy(payloads[r], np.full(count, 1000.0 + round_ if r == 0 else -1.0, np.float32))
+            await collectives.run_ranks([functools.partial(batch.run, {"g": g, "h": h}, timeout=30)
+                                         for batch, g, h in zip(batches, sums, payloads)])
+            assert all(np.all(g == 3.0) for g in sums) and all(np.all(h == 1000.0 + round_) for h in payloads)

@@ -218,3 +218,33 @@ async def test_scalars_and_rdma_sizes_rebind_by_name_within_what_was_compiled():
         q = sched.ComputeQueue()
         sched.compile([sched.kernel(lambda o, s: None, [np.zeros(1)], [], [sched.Scalar("k", 1.0)], queue=q),
                        sched.kernel(lambda o, s: None, [np.zeros(1)], [], [sched.Scalar("k", 2.0)], queue=q)])
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_receive_pool_serves_again_after_the_qp_is_reset_and_reconnected():
+    """An aborted run leaves the QP in ERR and its pooled receives flushed; after the reset and reconnect the error
+    note advises, the pool posts afresh instead of handing out the flushed ones."""
+    async with open_nic("sim") as a, open_nic("sim") as b:
+        qa, qb = await connected(a, b)
+        await sched.receive_pool(qb, 8)
+        source, landing = await a.register_mr(64), await b.register_mr(64)
+        waiter = sched.compile([sched.wait_imm(qb, imm=7, name="wait")])
+        with pytest.raises(sched.BatchTimeoutError):
+            await waiter.run(timeout=0.3)  # nobody sends: aborted, the QP moved to ERR to flush its receives
+        assert qb.state is QPState.ERR
+        for qp in (qa, qb):
+            await qp.modify(QPState.RESET)
+        await qa.connect(qb.info(), timeout=8)
+        await qb.connect(qa.info(), timeout=8)
+        sender = sched.compile([sched.write_with_imm(qa, source, landing, 7, 64)])
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+                group.start_soon(sender.run)
+                await waiter.run(timeout=5)
+
+
+def test_a_c_scalar_that_does_not_fit_int64_is_refused():
+    cpy = sched.CKernel(COPY, "cpy")
+    with pytest.raises(ValueError, match="scalar 0 = 1180591620717411303424 does not fit a C int64_t"):
+        sched.kernel(cpy, [np.zeros(8, np.int64)], [np.zeros(8, np.int64)], [2 ** 70], queue=sched.ComputeQueue())

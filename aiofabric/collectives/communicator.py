@@ -19,10 +19,13 @@ from .. import sched
 from ..errors import CallError, FabricError
 from ..nic import NIC
 from ..queues import MemoryRegion, QueuePair, RemoteRegion
+from ..sched.calls import host_span
 from ..sched.reduce import DTYPES, OPS
 from . import layout
 from .layout import PIECE_BYTES
 
+PUBLIC_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+MAX_BATCHES = 32  # compiled collectives kept per communicator (least recently used dropped)
 MAX_PIECES = 32  # per chunk (the piece grows past PIECE_BYTES above this), so a run's messages fit the pool
 RUN_TIMEOUT = 60.0  # seconds a collective may take before it fails naming the calls still pending
 
@@ -62,45 +65,43 @@ class Communicator:
     # -- the collectives --------------------------------------------------------------------------------------------
     async def allreduce(self, x: np.ndarray, out: np.ndarray | None = None, *, op: str = "sum") -> np.ndarray:
         """out = x reduced over the ranks, elementwise (every rank gets the same bytes)."""
-        return await self._collective("allreduce", x, out, x.size, op=op)
+        return await self._collective("allreduce", x, out, op=op)
 
     async def reduce_scatter(self, x: np.ndarray, out: np.ndarray, *, op: str = "sum") -> np.ndarray:
         """out (count elements) = chunk `rank` of x (size * count elements) reduced over the ranks. In place: out is
         that chunk of x (`x[rank * count:(rank + 1) * count]`)."""
-        if x.size != out.size * self.size:
-            raise ValueError(f"reduce_scatter: x has {x.size} elements; it needs size ({self.size}) x out's "
-                             f"{out.size}")
-        return await self._collective("reduce_scatter", x, out, out.size, op=op)
+        return await self._collective("reduce_scatter", x, out, op=op)
 
     async def allgather(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out (size * count elements) = every rank's x (count elements), in rank order. In place: x is this rank's
         part of out (`out[rank * count:(rank + 1) * count]`)."""
-        if out.size != x.size * self.size:
-            raise ValueError(f"allgather: out has {out.size} elements; it needs size ({self.size}) x x's {x.size}")
-        return await self._collective("allgather", x, out, x.size)
+        return await self._collective("allgather", x, out)
 
     async def broadcast(self, x: np.ndarray, out: np.ndarray | None = None, *, root: int = 0) -> np.ndarray:
         """out = the root's x at every rank."""
-        if not isinstance(root, int) or not 0 <= root < self.size:
-            raise ValueError(f"broadcast: root must be a rank in [0, {self.size - 1}], not {root!r}")
-        return await self._collective("broadcast", x, out, x.size, root=root)
+        return await self._collective("broadcast", x, out, root=root)
 
     async def barrier(self) -> None:
-        """Return once every rank has entered the barrier."""
-        await self._collective("barrier", self._barrier, None, 1, op="sum")
+        """Return once every rank has entered the barrier: an allreduce of one element, which no rank can finish
+        before every rank has contributed."""
+        self._barrier[0] = 0
+        await self._collective("allreduce", self._barrier, None, op="sum")
 
     # -- compiling and running ----------------------------------------------------------------------------------
-    async def _collective(self, kind: str, x: np.ndarray, out: np.ndarray | None, count: int, *,
-                          op: str | None = None, root: int = 0) -> np.ndarray:
-        inplace, result = self._check(kind, x, out, op)
+    async def _collective(self, kind: str, x: np.ndarray, out: np.ndarray | None, *, op: str = "sum",
+                          root: int = 0) -> np.ndarray:
+        count, inplace, result, op_ = self._arguments(kind, x, out, op, root)
         if count == 0 or self.size == 1:
             if out is not None and x.size:
                 np.copyto(out.reshape(-1), x.reshape(-1))
             return result
-        key = (kind, count, x.dtype.str, op, root, inplace)
-        entry = self._batches.get(key)
+        key = (kind, count, x.dtype.str, op_, root, inplace)
+        entry = self._batches.pop(key, None)
         if entry is None:
-            entry = self._batches[key] = self._compile(kind, count, x.dtype, op, root, inplace)
+            entry = self._compile(kind, count, x.dtype, op_, root, inplace)
+        self._batches[key] = entry  # most recently used last
+        while len(self._batches) > MAX_BATCHES:
+            del self._batches[next(iter(self._batches))]
         batch, bindings = entry
         try:
             await batch.run(bindings(x.reshape(-1), result.reshape(-1)), timeout=self.timeout)
@@ -119,39 +120,43 @@ class Communicator:
         (arguments as the methods take them), to put in a batch of your own: `sched.compile([*step, *comm.calls(
         "allreduce", grads), *update])` plans the reduction between the kernels that write and read `grads`, and
         overlaps it with whatever else the batch does. Every rank's batch must hold the same collectives in the
-        same order, and the batch's runs must not overlap this communicator's own collectives (its QPs and
-        buffers are shared: the device timelines keep them in turn)."""
-        if kind not in layout.KINDS or kind == "barrier":
-            raise ValueError(f"calls: unknown collective {kind!r}; one of allreduce, reduce_scatter, allgather, "
-                             "broadcast")
-        if kind in ("reduce_scatter", "allgather") and out is None:
-            raise ValueError(f"{kind}: needs out")
-        count = out.size if kind == "reduce_scatter" and out is not None else x.size
-        if kind == "reduce_scatter" and out is not None and x.size != out.size * self.size:
-            raise ValueError(f"reduce_scatter: x has {x.size} elements; it needs size ({self.size}) x out's "
-                             f"{out.size}")
-        if kind == "allgather" and out is not None and out.size != x.size * self.size:
-            raise ValueError(f"allgather: out has {out.size} elements; it needs size ({self.size}) x x's {x.size}")
-        reduces = kind in ("allreduce", "reduce_scatter")
-        _, result = self._check(kind, x, out, op if reduces else None)
+        same order. Its runs take turns with this communicator's other collectives on the same copy queue, QPs and
+        buffers; give the batch a timeout (`run(timeout=)`): a peer that never runs its part is otherwise waited
+        for."""
+        count, _, result, op_ = self._arguments(kind, x, out, op, root)
         if count == 0 or self.size == 1:
             raise ValueError(f"{kind}: {count} elements on {self.size} rank(s) move nothing: leave it out of the batch")
-        return self._calls(kind, x.reshape(-1), result.reshape(-1), count, op if reduces else None, root)
+        return self._calls(kind, x.reshape(-1), result.reshape(-1), count, op_, root)
 
-    def _check(self, kind: str, x: np.ndarray, out: np.ndarray | None, op: str | None) -> tuple[bool, np.ndarray]:
-        """Refuse, naming it, what the collective cannot do; (in place?, the array the result lands in)."""
+    def _arguments(self, kind: str, x: np.ndarray, out: np.ndarray | None, op: str,
+                   root: int) -> tuple[int, bool, np.ndarray, str | None]:
+        """Refuse, naming it, what collective `kind` cannot do with these arguments, before anything runs (so a
+        refusal leaves the communicator usable); (count, in place?, the array the result lands in, the op or None)."""
+        if kind not in PUBLIC_KINDS:
+            raise ValueError(f"unknown collective {kind!r}; one of {', '.join(PUBLIC_KINDS)}")
         if self.broken is not None:
             raise CollectiveError(f"rank {self.rank}: the communicator failed earlier ({self.broken}); make a new "
                                   "one") from self.broken
+        if out is None and kind in ("reduce_scatter", "allgather"):
+            raise ValueError(f"{kind}: needs out (its size differs from x's)")
         result = x if out is None else out
         _check_array(kind, "x", x)
         _check_array(kind, "out", result)
         if result.dtype != x.dtype:
             raise TypeError(f"{kind}: out is {result.dtype}, x is {x.dtype}")
-        if op is not None and op not in OPS:
+        expected = {"reduce_scatter": x.size // self.size, "allgather": x.size * self.size}.get(kind, x.size)
+        if result.size != expected or kind == "reduce_scatter" and x.size % self.size:
+            raise ValueError(f"{kind}: x has {x.size} elements and out {result.size}; " + {
+                "reduce_scatter": f"x needs size ({self.size}) x out's",
+                "allgather": f"out needs size ({self.size}) x x's"}.get(kind, "they must be equal"))
+        reduces = kind in ("allreduce", "reduce_scatter")
+        if reduces and op not in OPS:
             raise ValueError(f"{kind}: unknown op {op!r}; the ops are {', '.join(OPS)}")
-        if op is not None and x.dtype not in DTYPES:
+        if reduces and x.dtype not in DTYPES:
             raise TypeError(f"{kind}: reductions take {', '.join(d.name for d in DTYPES)}, not {x.dtype}")
+        if kind == "broadcast" and (not isinstance(root, int) or isinstance(root, bool)
+                                    or not 0 <= root < self.size):
+            raise ValueError(f"broadcast: root must be a rank in [0, {self.size - 1}], not {root!r}")
         inplace = out is None or out is x
         if out is not None and not inplace and np.may_share_memory(x, out):
             if kind == "allgather" and _is_part(x, out, self.rank):
@@ -166,7 +171,8 @@ class Communicator:
         if buffer_bytes > self.capacity:
             raise ValueError(f"{kind}: {buffer_bytes} bytes exceed the communicator's {self.capacity}-byte buffers "
                              "(its buffer_bytes)")
-        return inplace, result
+        count = result.size if kind == "reduce_scatter" else x.size
+        return count, inplace, result, op if reduces else None
 
     def _blame(self, error: BaseException) -> str:
         """The neighbour a failure points at: the rank behind the link whose QP failed, or, for a run that timed
@@ -222,8 +228,11 @@ class Communicator:
         receive = _Messages(kind, digest)
         chunk_list = layout.chunks(total, size)
         largest = max(c.length for c in chunk_list)
-        piece = max(self.piece_bytes, -(-largest * isz // MAX_PIECES) if kind != "broadcast" else
-                    -(-total * isz // (MAX_PIECES * 2 * (size - 1))))
+        # whole elements per message, and at most MAX_PIECES per chunk (2 (size - 1) MAX_PIECES per broadcast), so a
+        # run's messages on a link fit its receive pool
+        per = max(self.piece_bytes // isz, -(-largest // MAX_PIECES) if kind != "broadcast" else
+                  -(-total // (MAX_PIECES * 2 * (size - 1))))
+        piece = per * isz
         calls: list[sched.Call] = []
         nq, pq = self.next.qp, self.prev.qp
         sends_data = kind != "broadcast" or (rank + 1) % size != root
@@ -231,17 +240,18 @@ class Communicator:
 
         # 1. this run's input into the registered buffer
         if kind == "allgather":
-            first = sched.copy(w[mine.start:mine.start + mine.length], x, queue=self.copies, name="copy in")
+            calls.append(sched.copy(w[mine.start:mine.start + mine.length], x, queue=self.copies, name="copy in"))
         elif kind != "broadcast" or rank == root:
-            first = sched.copy(w, x, queue=self.copies, name="copy in")
-        else:
-            first = None
-        if first is not None:
-            calls.append(first)
-        # 2. ready: the previous rank may write into our memory (the previous run's readers are done: the timeline)
+            calls.append(sched.copy(w, x, queue=self.copies, name="copy in"))
+        # 2. our turn: a no-op on the copy queue that claims both buffers, so it runs after every earlier access to
+        # them, in this batch (the planner) and in earlier runs of any batch (the copy queue's timeline: their copy
+        # out is their last access); then the ready: the previous rank may write into our memory
+        turn = sched.copy(w[:0], w[:0], queue=self.copies, name="our turn")
+        turn.writes = (host_span(self.work), host_span(self.landing))
+        calls.append(turn)
         if receives_data:
-            ready = sched.write_with_imm(pq, self.work, self.prev.work, receive.ready(), 0, name="ready to prev")
-            calls.append(ready.after(first) if first is not None else ready)
+            calls.append(sched.write_with_imm(pq, self.work, self.prev.work, receive.ready(), 0,
+                                              name="ready to prev").after(turn))
         if sends_data:
             wait_ready = sched.wait_imm(nq, imm=send.ready(), name="next is ready")
             calls.append(wait_ready)
@@ -298,13 +308,13 @@ class Communicator:
 
 
 class _Messages:
-    """Sequence numbers of one link in one run: the ready message is 0, data messages count from 1."""
+    """The immediates of one link in one run: the ready message, then data messages numbered from 1."""
 
     def __init__(self, kind: str, digest: int) -> None:
-        self.kind, self.digest, self.seq = kind, digest, layout.READY_SEQ
+        self.kind, self.digest, self.seq = kind, digest, 0
 
     def ready(self) -> int:
-        return layout.tag(self.kind, self.digest, layout.READY_SEQ)
+        return layout.ready_tag(self.kind, self.digest)
 
     def next(self) -> int:
         self.seq += 1

@@ -133,7 +133,7 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
             else:
                 try:
                     comm = await endpoint.connect(rank, cards, piece_bytes=piece_bytes, timeout=timeout)
-                except (KeyError, TypeError, ValueError) as error:
+                except (KeyError, TypeError, ValueError, OverflowError) as error:
                     raise RendezvousError(f"rank {rank}: a neighbour's card is malformed: {error!r}") from None
             await client.allgather({"connected": True})  # nobody sends before its neighbour's QP is ready
         finally:

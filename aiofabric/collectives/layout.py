@@ -7,6 +7,7 @@ so the transfer of piece p+1 overlaps the reduction of piece p.
 """
 from __future__ import annotations
 
+import zlib
 from typing import NamedTuple
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier")
@@ -18,7 +19,6 @@ DTYPE_NAMES = {"float": "float32", "half": "float16", "double": "float64", "int"
                "int64": "int64", "float32": "float32", "float16": "float16", "float64": "float64"}
 NCCL_NAMES = {"float32": "float", "float16": "half", "float64": "double", "int32": "int32", "int64": "int64"}
 PIECE_BYTES = 512 << 10  # a message: small enough to pipeline reductions with transfers, large enough to amortise
-READY_SEQ = 0  # the first message of a run on each link, receiver to sender: "my memory is yours to write"
 MAX_SEQ = 0xFFFF
 
 
@@ -59,20 +59,23 @@ def allgather_chunks(rank: int, ranks: int, step: int) -> tuple[int, int]:
 
 
 def tag(kind: str, key: int, seq: int) -> int:
-    """The immediate of message `seq` of one collective: its kind and a 12-bit digest of what was asked (count,
-    dtype, op, root) above the sequence number, so ranks that disagree about what runs fail at the first message
-    instead of reducing each other's garbage."""
-    if not 0 <= seq <= MAX_SEQ:
+    """The immediate of message `seq` (1, 2, ...) of one collective on a link: bit 31 clear, the kind in bits 28-30,
+    12 bits of the digest of what was asked in bits 16-27, the sequence number below."""
+    if not 1 <= seq <= MAX_SEQ:
         raise ValueError(f"{kind}: {seq} messages on one link exceed the {MAX_SEQ} a run can name")
     return (KINDS.index(kind) << 28) | ((key & 0xFFF) << 16) | seq
 
 
+def ready_tag(kind: str, key: int) -> int:
+    """The immediate of a run's ready message: bit 31 set, the kind, and all 28 bits of the digest. Every link's
+    run starts with one, so ranks that disagree about what runs (another count, dtype, op or root) fail before any
+    data moves, but for a 1 in 2^28 collision."""
+    return 1 << 31 | KINDS.index(kind) << 28 | key & 0xFFFFFFF
+
+
 def digest(*parts: object) -> int:
-    """A stable 12-bit digest of `parts` (Python's hash() of a str differs from process to process)."""
-    value = 0
-    for byte in repr(parts).encode():
-        value = (value * 131 + byte) % 4093
-    return value
+    """A stable 28-bit digest of `parts` (Python's hash() of a str differs from process to process)."""
+    return zlib.crc32(repr(parts).encode()) & 0xFFFFFFF
 
 
 def bus_bandwidth(kind: str, ranks: int, algbw: float) -> float:

@@ -1,12 +1,15 @@
 """The TCP rendezvous of a job's ranks: rank 0 (or the launcher) listens at MASTER_ADDR:MASTER_PORT, every rank
 connects, and in each round every rank sends one JSON object and gets back the list of all ranks' objects (an
-allgather of what a ring needs: QP numbers, GIDs, PSNs, buffer keys). Two rounds set a ring up: the keys, then
-"connected" (a barrier, so no rank sends before its neighbour's QP is ready to receive).
+allgather of what a ring needs: QP numbers, GIDs, PSNs, buffer keys). A job has a known number of rounds; a ring
+takes two (`JOIN_ROUNDS`): the keys, then "connected" (a barrier, so no rank sends before its neighbour's QP is
+ready to receive).
 
 Like torchrun's TCP store it authenticates nobody: anyone who reaches the port may claim a free rank. It is
-bounded against what a stray or hostile client can do: one JSON line of at most `MAX_LINE` bytes per round, a rank
-in range claimed once, the job's size, and a deadline for the whole job, after which every rank still waiting is
-told which ranks never came; a rank that leaves early is named to the others. Bind it to the job's network only.
+bounded against what a stray or hostile client can do: one JSON line of at most `MAX_LINE` bytes and `MAX_DEPTH`
+levels per round, a rank in range claimed once, the job's size and round count, a connection that claims no rank
+within `CLAIM_TIMEOUT` dropped, at most `MAX_UNCLAIMED` such connections at once (a rank turned away retries), and
+a deadline for the whole job, after which every rank still waiting is told which ranks never came; a rank that
+leaves before the last round is named to the others. Bind it to the job's network only.
 """
 from __future__ import annotations
 
@@ -19,10 +22,14 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ..errors import FabricError
+from ..json_depth import json_depth
 
 log = logging.getLogger("aiofabric.collectives")
 MAX_LINE = 64 << 10  # one rank's round: a few QPInfos and keys
-MAX_CONNECTIONS_PER_RANK = 4  # connections open at once, per rank of the job: strays beyond are closed at once
+MAX_DEPTH = 16  # JSON nesting of a round's data (a card is 2 deep): deeper would not even encode back
+JOIN_ROUNDS = 2  # a ring's: the cards, then "connected"
+MAX_UNCLAIMED = 64  # connections open at once that have claimed no rank yet: more are closed at once
+CLAIM_TIMEOUT = 10.0  # seconds a connection has to claim a rank (ranks connect once their NIC is up)
 CONNECT_RETRY = 0.1  # seconds between attempts while rank 0 is not listening yet
 FAREWELL = 5.0  # seconds a failed rendezvous gives its handlers to tell their ranks why
 
@@ -32,10 +39,11 @@ class RendezvousError(FabricError):
 
 
 class RendezvousServer:
-    """Serves one job of `size` ranks on `listener` until every rank has left, or `timeout` seconds."""
+    """Serves one job of `size` ranks and `rounds` rounds on `listener` until every rank has left, or `timeout`
+    seconds."""
 
-    def __init__(self, size: int, timeout: float) -> None:
-        self.size, self.timeout = size, timeout
+    def __init__(self, size: int, timeout: float, rounds: int = JOIN_ROUNDS) -> None:
+        self.size, self.timeout, self.total_rounds = size, timeout, rounds
         self.rounds: list[dict[int, Any]] = []
         self.complete: list[anyio.Event] = []
         self.joined: set[int] = set()
@@ -44,6 +52,7 @@ class RendezvousServer:
         self.failed = anyio.Event()
         self.refused = 0
         self.connections = 0
+        self.unclaimed = 0
         self._changed = anyio.Event()
 
     async def serve(self, listener: anyio.abc.Listener[Any]) -> None:
@@ -84,25 +93,28 @@ class RendezvousServer:
 
     async def _client(self, stream: anyio.abc.ByteStream) -> None:
         rank = None
-        if self.connections >= MAX_CONNECTIONS_PER_RANK * self.size:  # strays must not pin the server's memory
+        if self.unclaimed >= MAX_UNCLAIMED:  # strays must not pin the server: the ranks turned away retry
             await stream.aclose()
             return
         self.connections += 1
+        self.unclaimed += 1
         reader = BufferedByteReceiveStream(stream)
         try:
             while True:
                 try:
-                    with anyio.fail_after(self.timeout):
+                    with anyio.fail_after(self.timeout if rank is not None else CLAIM_TIMEOUT):
                         line = await reader.receive_until(b"\n", MAX_LINE)
                 except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
                     break
                 except anyio.DelimiterNotFound:
                     raise RendezvousError(f"a request line longer than {MAX_LINE} bytes") from None
                 except TimeoutError:
-                    raise RendezvousError(f"no request for {self.timeout:g} s") from None
-                message = _parse(line, self.size)
+                    raise RendezvousError("no request for " + (f"{self.timeout:g} s" if rank is not None else
+                                                                f"{CLAIM_TIMEOUT:g} s after connecting")) from None
+                message = _parse(line, self.size, self.total_rounds)
                 if rank is None:
                     rank = self._claim(message["rank"])
+                    self.unclaimed -= 1
                 elif message["rank"] != rank:
                     raise RendezvousError(f"this connection is rank {rank}, not {message['rank']}")
                 await self._round(stream, reader, rank, message)
@@ -115,11 +127,13 @@ class RendezvousServer:
             pass
         finally:
             self.connections -= 1
+            self.unclaimed -= rank is None
             self._changed_now()
             await stream.aclose()
             if rank is not None:
                 self.left.add(rank)
-                if not self.rounds or not self.complete[-1].is_set():  # others wait for a round it will not send
+                done = len(self.rounds) == self.total_rounds and self.complete[-1].is_set()
+                if not done:  # the others wait for a round it will not send
                     self._fail(f"rank {rank} left the rendezvous before the others were done")
                 self._changed_now()
 
@@ -164,7 +178,7 @@ class RendezvousServer:
         await _send(stream, {"round": number, "all": [self.rounds[number][r] for r in range(self.size)]})
 
 
-def _parse(line: bytes, size: int) -> dict[str, Any]:
+def _parse(line: bytes, size: int, rounds: int) -> dict[str, Any]:
     try:
         message = json.loads(line)
     except (ValueError, RecursionError) as error:
@@ -178,8 +192,12 @@ def _parse(line: bytes, size: int) -> dict[str, Any]:
         raise RendezvousError(f"this job has {size} ranks, not {message['size']}")
     if not 0 <= message["rank"] < size:
         raise RendezvousError(f"rank {message['rank']} is not in [0, {size - 1}]")
+    if not 0 <= message["round"] < rounds:
+        raise RendezvousError(f"round {message['round']} is not in [0, {rounds - 1}]")
     if not isinstance(message["data"], dict):
         raise RendezvousError("data must be a JSON object")
+    if json_depth(message["data"]) > MAX_DEPTH:
+        raise RendezvousError(f"data nested deeper than {MAX_DEPTH} levels")
     return message
 
 
@@ -192,42 +210,65 @@ async def _send(stream: anyio.abc.ByteStream, message: dict[str, Any]) -> None:
 
 
 class RendezvousClient:
-    """One rank's connection to the rendezvous; `allgather(data)` is one round."""
+    """One rank's connection to the rendezvous; `allgather(data)` is one round. A connection the server turns away
+    before the first answer (too many strangers connected, or not listening yet) is retried until `timeout`."""
 
-    def __init__(self, stream: anyio.abc.ByteStream, rank: int, size: int, timeout: float) -> None:
-        self.stream, self.rank, self.size, self.timeout = stream, rank, size, timeout
-        self.reader = BufferedByteReceiveStream(stream)
+    def __init__(self, host: str, port: int, rank: int, size: int, timeout: float) -> None:
+        self.host, self.port, self.rank, self.size, self.timeout = host, port, rank, size, timeout
+        self.stream: anyio.abc.ByteStream | None = None
         self.round = 0
 
     @classmethod
     async def connect(cls, host: str, port: int, rank: int, size: int, timeout: float) -> RendezvousClient:
-        """Connect to the rendezvous, retrying while nobody listens yet (rank 0 may start last), for `timeout` s."""
-        with anyio.move_on_after(timeout):
-            while True:
-                try:
-                    stream = await anyio.connect_tcp(host, port)
-                    return cls(stream, rank, size, timeout)
-                except OSError:
-                    await anyio.sleep(CONNECT_RETRY)
-        raise RendezvousError(f"rank {rank}: no rendezvous at {host}:{port} within {timeout:g} s (is rank 0 "
-                              "running, and MASTER_ADDR/MASTER_PORT the same for every rank?)")
+        """A client of the rendezvous at host:port; it connects on its first round (rank 0 may start last)."""
+        return cls(host, port, rank, size, timeout)
 
     async def allgather(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         line = json.dumps({"rank": self.rank, "size": self.size, "round": self.round, "data": data}).encode()
         if len(line) >= MAX_LINE:
             raise ValueError(f"rendezvous data of {len(line)} bytes exceeds {MAX_LINE}")
+        where = f"rank {self.rank}: the rendezvous at {self.host}:{self.port}"
         with anyio.move_on_after(self.timeout):
-            try:
-                await self.stream.send(line + b"\n")
-                answer = json.loads(await self.reader.receive_until(b"\n", 1 << 30))
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as error:
-                raise RendezvousError(f"rank {self.rank}: the rendezvous closed the connection "
-                                      f"({type(error).__name__})") from None
-            if "error" in answer:
-                raise RendezvousError(f"rank {self.rank}: rendezvous: {answer['error']}")
-            self.round += 1
-            return list(answer["all"])
-        raise RendezvousError(f"rank {self.rank}: rendezvous round {self.round} took longer than {self.timeout:g} s")
+            while True:
+                if self.stream is None:
+                    try:
+                        self.stream = await anyio.connect_tcp(self.host, self.port)
+                    except OSError:
+                        await anyio.sleep(CONNECT_RETRY)
+                        continue
+                    self.reader = BufferedByteReceiveStream(self.stream)
+                try:
+                    await self.stream.send(line + b"\n")
+                    text = await self.reader.receive_until(b"\n", MAX_LINE * (self.size + 1))
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as error:
+                    await self.aclose()
+                    if self.round == 0:  # turned away before it knew us: try again
+                        await anyio.sleep(CONNECT_RETRY)
+                        continue
+                    raise RendezvousError(f"{where} closed the connection ({type(error).__name__})") from None
+                except anyio.DelimiterNotFound:
+                    raise RendezvousError(f"{where} answered more than {MAX_LINE * (self.size + 1)} bytes") from None
+                answer = _answer(text, self.size, where)
+                self.round += 1
+                return answer
+        raise RendezvousError(f"{where}: round {self.round} got no answer within {self.timeout:g} s (is rank 0 "
+                              "running, and MASTER_ADDR/MASTER_PORT the same for every rank?)")
 
     async def aclose(self) -> None:
-        await self.stream.aclose()
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            await stream.aclose()
+
+
+def _answer(text: bytes, size: int, where: str) -> list[dict[str, Any]]:
+    """The round's cards, or the server's error, from an answer line; anything else is the server's fault."""
+    try:
+        answer = json.loads(text)
+    except (ValueError, RecursionError):
+        raise RendezvousError(f"{where} sent an answer that is not JSON") from None
+    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+        raise RendezvousError(f"{where}: {answer['error']}")
+    cards = answer.get("all") if isinstance(answer, dict) else None
+    if not isinstance(cards, list) or len(cards) != size or not all(isinstance(card, dict) for card in cards):
+        raise RendezvousError(f"{where} sent a malformed answer (not {size} objects under \"all\")")
+    return cards

@@ -74,6 +74,7 @@ import random
 import re
 from typing import Any, Callable
 
+from ..json_depth import json_depth
 from ..errors import NotAllowed as NotAllowed, NotProtocolError as NotProtocolError  # the protocol's errors,
 from ..errors import ProtocolError as ProtocolError, Refused as Refused  # defined with the others
 
@@ -303,18 +304,6 @@ def encode(message: Ready | Request | Answer) -> bytes:
     return line
 
 
-def _depth(value: Any) -> int:
-    """How deeply `value` nests lists and objects (a scalar: 0), without recursion."""
-    deepest, level = 0, [(value, 1)]
-    while level:
-        item, depth = level.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is not None:
-            deepest = max(deepest, depth)
-            level.extend((child, depth + 1) for child in children)
-    return deepest
-
-
 def _object(line: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     try:
         data = json.loads(line)
@@ -324,7 +313,7 @@ def _object(line: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
         raise NotProtocolError(f"not JSON ({exc}): {line[:80]!r}") from None
     if not isinstance(data, dict):
         raise NotProtocolError(f"not a JSON object: {line[:80]!r}")
-    if _depth(data) > max_depth:
+    if json_depth(data) > max_depth:
         raise NotProtocolError(f"JSON nested deeper than {max_depth} levels")
     return data
 

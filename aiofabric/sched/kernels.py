@@ -90,6 +90,8 @@ class CKernel:
 
 def c_scalar(value: Any, call: str, index: int) -> Any:
     if isinstance(value, (bool, int, np.integer)):
+        if not -1 << 63 <= int(value) < 1 << 63:  # ctypes would wrap it silently
+            raise ValueError(f"{call}: scalar {index} = {value} does not fit a C int64_t")
         return ctypes.c_int64(int(value))
     if isinstance(value, (float, np.floating)):
         return ctypes.c_double(float(value))

@@ -15,7 +15,7 @@ import collections
 import weakref
 
 from ..completions import Completion
-from ..queues import LocalBuffer, QueuePair
+from ..queues import LocalBuffer, QPState, QueuePair
 
 NO_SGE = LocalBuffer(0, 0, 0)  # a receive without memory: WRITE_WITH_IMM consumes it (its data went elsewhere)
 _pools: weakref.WeakKeyDictionary[QueuePair, ReceivePool] = weakref.WeakKeyDictionary()
@@ -34,7 +34,11 @@ class ReceivePool:
 
     async def take(self) -> Completion:
         """The oldest posted receive (complete, or completing when the next immediate arrives); a new one is posted
-        in its place first, so the pool keeps `depth` receives ahead of its reader."""
+        in its place first, so the pool keeps `depth` receives ahead of its reader. Receives an earlier failure
+        flushed are dropped once the QP was reset (left ERR): the pool posts afresh on the reconnected QP."""
+        if self.qp.state is not QPState.ERR:
+            while self.posted and self.posted[0].done and self.posted[0].error is not None:
+                self.posted.popleft()
         await self.fill()
         self.posted.append(await self.qp.post_recv(NO_SGE, 0))
         return self.posted.popleft()
