@@ -232,7 +232,8 @@ def test_concurrent_runs_each_get_their_own_nics():
     assert all(result and result["ok"] and result["verified"] for result in results), results
 
 
-@pytest.mark.parametrize("example,args", [("loopback.py", []), ("multi_qp.py", ["--qps", "8", "--writes", "40"])])
+@pytest.mark.parametrize("example,args", [("loopback.py", []), ("multi_qp.py", ["--qps", "8", "--writes", "40"]),
+                                          ("allreduce.py", ["--ranks", "3", "--size", "5000", "--steps", "3"])])
 def test_examples_run_as_is(example, args):
     path = Path(__file__).resolve().parents[1] / "examples" / example
     process = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
