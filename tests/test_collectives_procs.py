@@ -3,6 +3,7 @@ TCP rendezvous; ranks that never come or die mid-run; the rendezvous against cli
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,10 +12,13 @@ import time
 
 import anyio
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from aiofabric.collectives import rendezvous, world as world_module
 from aiofabric.collectives.rendezvous import MAX_LINE, RendezvousClient, RendezvousError, RendezvousServer
 from aiofabric.collectives.world import World, from_environment
+from aiofabric.json_depth import json_depth
 
 CLI = [sys.executable, "-m", "aiofabric"]
 
@@ -231,3 +235,63 @@ async def test_a_rank_that_leaves_between_rounds_is_named():
             await clients[0].allgather({})
         assert anyio.current_time() - started < 5
         await clients[0].aclose()
+
+
+def claims_a_rank(request):
+    """Whether a stranger's request is a well-formed round 0 of a 2-rank job (it may take a rank)."""
+    return set(request) == {"rank", "size", "round", "data"} and all(
+        type(request[field]) is int for field in ("rank", "size", "round")) and request["size"] == 2 \
+        and request["rank"] in (0, 1) and request["round"] == 0 and isinstance(request["data"], dict) \
+        and json_depth(request["data"]) <= rendezvous.MAX_DEPTH
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                        max_size=4), max_leaves=30)
+REQUESTS = st.fixed_dictionaries({}, optional={"rank": JSON_VALUES, "size": JSON_VALUES, "round": JSON_VALUES,
+                                               "data": JSON_VALUES, "extra": JSON_VALUES})
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(REQUESTS | st.builds(lambda rank, data: {"rank": rank, "size": 2, "round": 0, "data": data},
+                                                st.integers(-1, 2), st.dictionaries(st.text(max_size=3), JSON_VALUES,
+                                                                                    max_size=2)),
+                        min_size=1, max_size=4))
+async def test_any_request_a_stranger_sends_is_answered_or_refused_and_the_job_still_runs(requests):
+    """Every field of every request hostile (any JSON in any field, fields missing or extra): each stranger gets one
+    JSON line back, the server never crashes, and a real job of 2 ranks completes afterwards unless a stranger
+    claimed one of its ranks with a well-formed request (the rendezvous authenticates nobody: it is named then)."""
+    async with serving(2, timeout=10) as (server, port):
+        claimed = set()
+        for request in requests:
+            line = json.dumps(request).encode() + b"\n"
+            try:
+                if claims_a_rank(request):  # well formed: it waits for round 0 (not read), then leaves
+                    await raw(port, line, read=False)
+                    claimed.add(request["rank"])
+                    continue
+                answer = await raw(port, line)
+            except (OSError, anyio.BrokenResourceError, anyio.EndOfStream):
+                assert claimed  # the job failed (a stranger took a rank and left): the server stopped listening
+                continue
+            assert set(answer) == {"error"} and isinstance(answer["error"], str), answer
+        if claimed:  # a stranger took a rank and left: the job is failed, naming the rank
+            with anyio.fail_after(5):
+                while server.failure is None:
+                    await anyio.sleep(0.01)
+            assert re.search(r"rank [01]", server.failure)
+            return
+        clients = [await RendezvousClient.connect("127.0.0.1", port, r, 2, 5) for r in range(2)]
+
+        async def rank(r):
+            try:
+                await clients[r].allgather({"me": r})
+                await clients[r].allgather({})
+            finally:
+                await clients[r].aclose()
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as job:
+                for r in range(2):
+                    job.start_soon(rank, r)

@@ -76,6 +76,8 @@ class RendezvousServer:
                 while self.failure is not None and self.connections:
                     await self._wait_change()
             group.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await listener.aclose()  # later connections are refused, not left waiting for an answer
 
     async def _wait_change(self) -> None:
         self._changed = anyio.Event()
