@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import anyio
 import numpy as np
 
 from .. import sched
@@ -57,10 +58,19 @@ class Communicator:
         self.copies = sched.CopyQueue(f"rank {rank} copy")
         self._batches: dict[tuple[Any, ...], tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]] = {}
         self.broken: BaseException | None = None
+        self.peer_failure: str | None = None  # news of another rank's end (the rendezvous's watch)
+        self._running: anyio.CancelScope | None = None
         self._barrier = np.zeros(1, np.int32)
 
     def __repr__(self) -> str:
         return f"Communicator(rank {self.rank} of {self.size})"
+
+    def peer_failed(self, reason: str) -> None:
+        """Another rank of the job is gone (`reason` names it): the collective under way fails now, naming it,
+        instead of waiting for its timeout; later ones are refused."""
+        self.peer_failure = reason
+        if self._running is not None:
+            self._running.cancel()
 
     # -- the collectives --------------------------------------------------------------------------------------------
     async def allreduce(self, x: np.ndarray, out: np.ndarray | None = None, *, op: str = "sum") -> np.ndarray:
@@ -104,7 +114,13 @@ class Communicator:
             del self._batches[next(iter(self._batches))]
         batch, bindings = entry
         try:
-            await batch.run(bindings(x.reshape(-1), result.reshape(-1)), timeout=self.timeout)
+            with anyio.CancelScope() as self._running:
+                await batch.run(bindings(x.reshape(-1), result.reshape(-1)), timeout=self.timeout)
+            if self._running.cancelled_caught:
+                raise CollectiveError(f"rank {self.rank} failed: {kind} of {count} x {x.dtype}: {self.peer_failure}")
+        except CollectiveError as error:
+            self.broken = error
+            raise
         except Exception as error:
             self.broken = error
             raise CollectiveError(f"rank {self.rank} failed: {kind} of {count} x {x.dtype}{self._blame(error)}: "
@@ -112,6 +128,8 @@ class Communicator:
         except BaseException as error:  # cancelled mid-run: what the links hold is unknown
             self.broken = error
             raise
+        finally:
+            self._running = None
         return result
 
     def calls(self, kind: str, x: np.ndarray, out: np.ndarray | None = None, *, op: str = "sum",
@@ -134,6 +152,8 @@ class Communicator:
         refusal leaves the communicator usable); (count, in place?, the array the result lands in, the op or None)."""
         if kind not in PUBLIC_KINDS:
             raise ValueError(f"unknown collective {kind!r}; one of {', '.join(PUBLIC_KINDS)}")
+        if self.peer_failure is not None:
+            raise CollectiveError(f"rank {self.rank}: {self.peer_failure}")
         if self.broken is not None:
             raise CollectiveError(f"rank {self.rank}: the communicator failed earlier ({self.broken}); make a new "
                                   "one") from self.broken

@@ -110,9 +110,12 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
     """This process's rank of `world` (`World(rank, size, addr, port)`, or `world.from_environment(os.environ)`
     under torchrun, mpirun or srun), on NIC `nic`. Rank 0 serves the rendezvous at addr:port; every rank publishes
     its QPs and buffer keys there, connects to its neighbours, and waits for all to be connected. A rank that does
-    not come within `rendezvous_timeout` fails every rank with an error naming it."""
+    not come within `rendezvous_timeout` fails every rank with an error naming it. The connection to the rendezvous
+    stays open while the block runs: a rank whose process ends without leaving its block is reported to the others,
+    whose collectives then fail naming it at once. Rank 0 (serving) leaves its block once every rank left theirs."""
     size, rank = world.size, world.rank
     async with contextlib.AsyncExitStack() as stack:
+        group = await stack.enter_async_context(anyio.create_task_group())
         if rank == 0 and world.serve:
             try:
                 listener = await anyio.create_tcp_listener(local_host=world.addr, local_port=world.port)
@@ -120,9 +123,9 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
                 raise RendezvousError(f"rank 0 cannot serve the rendezvous at {world.addr}:{world.port}: "
                                       f"{error.strerror or error}; set AIOFABRIC_RENDEZVOUS_PORT to a free port "
                                       "(the same for every rank)") from None
-            group = await stack.enter_async_context(anyio.create_task_group())
             group.start_soon(RendezvousServer(size, rendezvous_timeout).serve, listener)
         client = await RendezvousClient.connect(world.addr, world.port, rank, size, rendezvous_timeout)
+        stack.push_async_callback(client.goodbye)  # after the NIC's close: the last thing this rank does
         try:
             opened = await stack.enter_async_context(open_nic(nic, ip=ip, **nic_options))
             endpoint = await Endpoint.create(opened, size, buffer_bytes) if size > 1 else None
@@ -136,9 +139,21 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
                 except (KeyError, TypeError, ValueError, OverflowError) as error:
                     raise RendezvousError(f"rank {rank}: a neighbour's card is malformed: {error!r}") from None
             await client.allgather({"connected": True})  # nobody sends before its neighbour's QP is ready
-        finally:
-            await client.aclose()
+        except BaseException:
+            await client.aclose()  # no goodbye: the others are told this rank failed
+            raise
+
+        async def watch() -> None:
+            comm.peer_failed(await client.watch())
+        watcher = anyio.CancelScope()
+        stack.callback(watcher.cancel)
+        group.start_soon(run_in_scope, watcher, watch)
         yield comm
+
+
+async def run_in_scope(scope: anyio.CancelScope, function: Callable[[], Awaitable[Any]]) -> None:
+    with scope:
+        await function()
 
 
 async def run_ranks(work: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:

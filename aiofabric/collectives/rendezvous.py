@@ -13,6 +13,7 @@ leaves before the last round is named to the others. Bind it to the job's networ
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from typing import Any
@@ -50,16 +51,24 @@ class RendezvousServer:
         self.left: set[int] = set()
         self.failure: str | None = None
         self.failed = anyio.Event()
+        self.finished = anyio.Event()  # the last round completed
         self.refused = 0
         self.connections = 0
         self.unclaimed = 0
+        self.watching: dict[int, anyio.abc.ByteStream] = {}  # after the last round: ranks whose departure is news
         self._changed = anyio.Event()
 
     async def serve(self, listener: anyio.abc.Listener[Any]) -> None:
         async with anyio.create_task_group() as group:
-            async def deadline() -> None:
-                with anyio.move_on_after(self.timeout):
-                    await self.failed.wait()
+            async def deadline() -> None:  # for the rounds; the watch after them lasts as long as the job
+                with anyio.move_on_after(self.timeout) as waiting:
+                    async with anyio.create_task_group() as either:
+                        async def until(event: anyio.Event) -> None:
+                            await event.wait()
+                            either.cancel_scope.cancel()
+                        either.start_soon(until, self.failed)
+                        either.start_soon(until, self.finished)
+                if not waiting.cancelled_caught:
                     return
                 missing = sorted(set(range(self.size)) - self.joined)
                 self._fail(f"ranks {missing} did not join within {self.timeout:g} s" if missing else
@@ -120,6 +129,9 @@ class RendezvousServer:
                 elif message["rank"] != rank:
                     raise RendezvousError(f"this connection is rank {rank}, not {message['rank']}")
                 await self._round(stream, reader, rank, message)
+                if message["round"] == self.total_rounds - 1:
+                    await self._watch(stream, reader, rank)
+                    break
         except RendezvousError as error:
             self.refused += 1
             await _send(stream, {"error": str(error)})
@@ -138,6 +150,23 @@ class RendezvousServer:
                 if not done:  # the others wait for a round it will not send
                     self._fail(f"rank {rank} left the rendezvous before the others were done")
                 self._changed_now()
+
+    async def _watch(self, stream: anyio.abc.ByteStream, reader: BufferedByteReceiveStream, rank: int) -> None:
+        """After the last round the connection stays open while the rank works: a line from it is its goodbye; the
+        connection dropping without one means its process is gone, and every rank still working is told which, so
+        its collectives fail naming it instead of waiting for their timeouts."""
+        self.watching[rank] = stream
+        try:
+            await reader.receive_until(b"\n", MAX_LINE)
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.DelimiterNotFound, OSError):
+            del self.watching[rank]
+            news = {"failed": rank, "error": f"rank {rank} is gone (its connection to the rendezvous dropped "
+                                             "before it said goodbye: its process ended)"}
+            log.warning("rendezvous: %s", news["error"])
+            for other in list(self.watching.values()):
+                await _send(other, news)
+            return
+        del self.watching[rank]
 
     def _claim(self, rank: int) -> int:
         if rank in self.joined:
@@ -159,6 +188,8 @@ class RendezvousServer:
         self.rounds[number][rank] = message["data"]
         if len(self.rounds[number]) == self.size:
             self.complete[number].set()
+            if number == self.total_rounds - 1:
+                self.finished.set()
         async with anyio.create_task_group() as group:  # the round completes, or the job fails, or the rank leaves
             async def failed() -> None:
                 await self.failed.wait()
@@ -255,6 +286,29 @@ class RendezvousClient:
                 return answer
         raise RendezvousError(f"{where}: round {self.round} got no answer within {self.timeout:g} s (is rank 0 "
                               "running, and MASTER_ADDR/MASTER_PORT the same for every rank?)")
+
+    async def watch(self) -> str:
+        """After the last round: wait for news of a rank that is gone (or of the rendezvous itself going) and
+        return it, naming the rank. Cancel it to stop watching."""
+        assert self.stream is not None
+        try:
+            while True:
+                text = await self.reader.receive_until(b"\n", MAX_LINE)
+                news = json.loads(text)
+                if isinstance(news, dict) and isinstance(news.get("error"), str):
+                    return news["error"]
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.DelimiterNotFound,
+                ValueError, OSError):
+            return (f"the rendezvous at {self.host}:{self.port} is gone (rank 0, or the launcher that served it, "
+                    "ended)")
+
+    async def goodbye(self) -> None:
+        """Tell the rendezvous this rank leaves on purpose (its work is done), and close."""
+        if self.stream is not None:
+            with anyio.move_on_after(5), contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError,
+                                                             OSError):
+                await self.stream.send(b'{"goodbye": true}\n')
+        await self.aclose()
 
     async def aclose(self) -> None:
         if self.stream is not None:
