@@ -53,8 +53,9 @@ async def test_a_hung_close_frees_nothing_the_device_still_writes(quiesced, monk
                 after = stats(closing)
                 arrived = sum(after.get(name, 0) - before.get(name, 0)
                               for name in ("packets_received", "dropped_no_bus_master"))
-                if arrived >= 100:
-                    break
+                if arrived >= 100 or not quiesced and after.get("writes_after_free", 0):
+                    break  # without the quiesce the first write into freed memory is the finding: the freed
+                    # rings may hold anything by then, and the peer's QP fail before all 100 arrive (seen in CI)
                 await anyio.sleep(0.01)
     if quiesced:
         assert after["writes_after_free"] == 0, after
