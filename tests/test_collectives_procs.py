@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiofabric.collectives import rendezvous, world as world_module
+from aiofabric.collectives import rendezvous
 from aiofabric.collectives.rendezvous import MAX_LINE, RendezvousClient, RendezvousError, RendezvousServer
 from aiofabric.collectives.world import World, from_environment
 from aiofabric.json_depth import json_depth
@@ -103,7 +103,6 @@ def test_the_launchers_variables_are_read_and_bad_ones_named():
         from_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "x"})
     with pytest.raises(ValueError, match="rank 4 of a job of 4 ranks"):
         from_environment({"RANK": "4", "WORLD_SIZE": "4"})
-    assert world_module.LAUNCHERS[0][0] == "torchrun"
     # torchrun's agent serves its own store on MASTER_PORT (checked with torchrun 2.13): the rendezvous takes the next
     agent = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "40627", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert from_environment(agent).port == 40628
@@ -165,7 +164,7 @@ async def test_the_rendezvous_refuses_hostile_requests_and_still_serves_the_job(
             "this job has 2 ranks, not 3", "rank must be an integer", "data must be a JSON object",
             f"a request line longer than {MAX_LINE} bytes", "round -1 is not in [0, 1]",
             "data nested deeper than 16 levels", "round 2 is not in [0, 1]"]
-        clients = [await RendezvousClient.connect("127.0.0.1", port, rank, 2, 10) for rank in range(2)]
+        clients = [RendezvousClient("127.0.0.1", port, rank, 2, 10) for rank in range(2)]
         cards = [None, None]
 
         async def rank(r):
@@ -183,7 +182,7 @@ async def test_the_rendezvous_refuses_hostile_requests_and_still_serves_the_job(
 @pytest.mark.loop_agnostic
 async def test_the_rendezvous_names_a_rank_that_leaves_or_is_claimed_twice():
     async with serving(3) as (server, port):
-        first = await RendezvousClient.connect("127.0.0.1", port, 0, 3, 10)
+        first = RendezvousClient("127.0.0.1", port, 0, 3, 10)
         async with anyio.create_task_group() as job:
             async def wait_for_all():
                 with pytest.raises(RendezvousError, match="rank 1 left the rendezvous before the others were done"):
@@ -211,7 +210,7 @@ async def test_idle_and_stray_connections_do_not_pin_the_rendezvous(monkeypatch)
         cards = [None, None]
 
         async def rank(r):
-            client = await RendezvousClient.connect("127.0.0.1", port, r, 2, 15)
+            client = RendezvousClient("127.0.0.1", port, r, 2, 15)
             cards[r] = await client.allgather({"me": r})
             await client.allgather({})
             await client.aclose()
@@ -230,7 +229,7 @@ async def test_idle_and_stray_connections_do_not_pin_the_rendezvous(monkeypatch)
 async def test_a_rank_that_leaves_between_rounds_is_named():
     """Found by review: leaving after round 0 but before round 1 went unnoticed until the deadline."""
     async with serving(2, timeout=20) as (server, port):
-        clients = [await RendezvousClient.connect("127.0.0.1", port, r, 2, 10) for r in range(2)]
+        clients = [RendezvousClient("127.0.0.1", port, r, 2, 10) for r in range(2)]
         async with anyio.create_task_group() as job:
             for client in clients:
                 job.start_soon(client.allgather, {})
@@ -288,7 +287,7 @@ async def test_any_request_a_stranger_sends_is_answered_or_refused_and_the_job_s
                     await anyio.sleep(0.01)
             assert re.search(r"rank [01]", server.failure)
             return
-        clients = [await RendezvousClient.connect("127.0.0.1", port, r, 2, 5) for r in range(2)]
+        clients = [RendezvousClient("127.0.0.1", port, r, 2, 5) for r in range(2)]
 
         async def rank(r):
             try:

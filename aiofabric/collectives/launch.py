@@ -12,6 +12,7 @@ import anyio
 from ..nic import NIC, open_nic
 from ..queues import MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from ..sched import receive_pool
+from ..taskgroups import run_in
 from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer
 from .world import World
 from .communicator import MAX_PIECES, PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
@@ -124,7 +125,7 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
                                       f"{error.strerror or error}; set AIOFABRIC_RENDEZVOUS_PORT to a free port "
                                       "(the same for every rank)") from None
             group.start_soon(RendezvousServer(size, rendezvous_timeout).serve, listener)
-        client = await RendezvousClient.connect(world.addr, world.port, rank, size, rendezvous_timeout)
+        client = RendezvousClient(world.addr, world.port, rank, size, rendezvous_timeout)
         stack.push_async_callback(client.goodbye)  # after the NIC's close: the last thing this rank does
         try:
             opened = await stack.enter_async_context(open_nic(nic, ip=ip, **nic_options))
@@ -147,13 +148,8 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
             comm.peer_failed(await client.watch())
         watcher = anyio.CancelScope()
         stack.callback(watcher.cancel)
-        group.start_soon(run_in_scope, watcher, watch)
+        group.start_soon(run_in, watcher, watch)
         yield comm
-
-
-async def run_in_scope(scope: anyio.CancelScope, function: Callable[[], Awaitable[Any]]) -> None:
-    with scope:
-        await function()
 
 
 async def run_ranks(work: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:

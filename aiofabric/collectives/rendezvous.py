@@ -243,18 +243,13 @@ async def _send(stream: anyio.abc.ByteStream, message: dict[str, Any]) -> None:
 
 
 class RendezvousClient:
-    """One rank's connection to the rendezvous; `allgather(data)` is one round. A connection the server turns away
-    before the first answer (too many strangers connected, or not listening yet) is retried until `timeout`."""
+    """One rank's connection to the rendezvous at host:port, made on its first round (rank 0 may start last);
+    `allgather(data)` is one round. A connection the server turns away before the first answer (too many strangers connected, or not listening yet) is retried until `timeout`."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout: float) -> None:
         self.host, self.port, self.rank, self.size, self.timeout = host, port, rank, size, timeout
         self.stream: anyio.abc.ByteStream | None = None
         self.round = 0
-
-    @classmethod
-    async def connect(cls, host: str, port: int, rank: int, size: int, timeout: float) -> RendezvousClient:
-        """A client of the rendezvous at host:port; it connects on its first round (rank 0 may start last)."""
-        return cls(host, port, rank, size, timeout)
 
     async def allgather(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         line = json.dumps({"rank": self.rank, "size": self.size, "round": self.round, "data": data}).encode()

@@ -116,6 +116,8 @@ class Batch:
         self._queues, self._devices = list(self.plan.queues), list(self.plan.devices)  # QP inputs replace entries
         self._fence = Timeline()
         self._args = [call.args for call in self.calls]
+        # per call, the immediate its completion must carry (wait_imm(imm=)), looked up by the QP workers
+        self._expected_imm = [call.options.get("imm") if call.kind == "wait_imm" else None for call in self.calls]
         self._collect_scalars()
         self._prepared: list[Any] = [None] * len(self.calls)
         for index in range(len(self.calls)):
@@ -524,7 +526,7 @@ class Batch:
         completions: list[Any] = [None] * len(submissions)
         starts = [0] * len(submissions)
         posted, retired = Counter(), Counter()
-        expected = [self.calls[s.call].options.get("imm") if side.side == RECEIVE else None for s in submissions]
+        expected = self._expected_imm
 
         async def retire() -> None:
             submission = None
@@ -532,7 +534,7 @@ class Batch:
                 for k, submission in enumerate(submissions):
                     await posted.wait_for(k + 1)
                     done = await completions[k]
-                    want = expected[k]
+                    want = expected[submission.call]
                     if want is not None and done.imm != want:
                         raise ImmediateMismatchError(want, done.imm)
                     records[submission.call] = (starts[k], clock())
