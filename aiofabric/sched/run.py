@@ -397,7 +397,7 @@ class Batch:
             self._fence.complete(number)
 
     async def _execute(self, tickets: dict[Any, int], timeout: float | None) -> None:
-        queues, devices, plan_ = self._queues, self._devices, self.plan
+        queues, plan_ = self._queues, self.plan
         signals = [Counter() for _ in queues]
         records: list[tuple[int, int]] = [(0, 0)] * len(self.calls)
         failures: list[tuple[int, BaseException]] = []
