@@ -174,14 +174,18 @@ async def test_a_rank_whose_nic_dies_fails_every_rank_naming_it():
 
 
 @pytest.mark.anyio
-@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # trio's idle worker threads exit after 10 s
 async def test_a_communicator_held_idle_longer_than_a_worker_thread_lives_still_works():
-    async with collectives.local(2, buffer_bytes=1 << 16) as comms:
-        xs = [np.full(1000, 2.0, np.float32) for _ in range(2)]
+    """Held 13 s, with reductions of 1 MiB, which run in worker threads."""
+    async with collectives.local(2, buffer_bytes=4 << 20) as comms:
+        xs = [np.full(1 << 20, 2.0, np.float32) for _ in range(2)]
         await all_ranks(comms, "allreduce", xs)
         await anyio.sleep(13)
         await all_ranks(comms, "allreduce", xs)
         assert all(np.all(x == 8.0) for x in xs)
+    closed = "ClosedError: .*(destroyed|deregistered)"  # used after close: refused at once, naming what is gone
+    with anyio.fail_after(10), pytest.raises(CollectiveError, match=closed):
+        await all_ranks(comms, "allreduce", xs)
 
 
 @pytest.mark.anyio
