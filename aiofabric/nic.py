@@ -24,7 +24,6 @@ from .taskgroups import own_task_group
 from .vfio import VfioPCIDevice
 
 __all__ = ["NIC", "DmaBudget", "PCI_ADDRESS", "open_nic", "open_pci"]  # DmaBudget: open_nic's, from the seam
-MAX_SGE = 1  # scatter/gather elements per work request: posting encodes one
 PCI_ADDRESS = re.compile(r"(?:sysfs:)?[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")  # a PCI NIC's spec
 _sim_numbers = itertools.count()
 
@@ -49,9 +48,10 @@ class NIC:
 
     async def create_qp(self, cq: CompletionQueue | None = None, *, send_cq: CompletionQueue | None = None,
                         recv_cq: CompletionQueue | None = None, sq_depth: int = 128, rq_depth: int = 128,
-                        max_send_sge: int = 1, max_recv_sge: int = 1) -> QueuePair:
+                        max_send_sge: int = 1, max_recv_sge: int = 1, max_inline_data: int = 0) -> QueuePair:
         """An RC QP in INIT. Pass one `cq` for both directions, or `send_cq` and `recv_cq`. A work request carries
-        one scatter/gather element (a send's, a receive's): `max_send_sge`/`max_recv_sge` must be 1."""
+        up to `max_send_sge`/`max_recv_sge` scatter/gather elements, or up to `max_inline_data` bytes inline (the
+        device's limits are in `caps`: max_sge, max_inline_data); each raises the send queue's slots per WQE."""
         self.device.check_open()
         send_cq, recv_cq = send_cq or cq, recv_cq or cq
         if send_cq is None or recv_cq is None:
@@ -64,10 +64,13 @@ class NIC:
         max_wr = self.caps.get("max_qp_wr") or 0xFFFF
         check_range("sq_depth", sq_depth, 1, max_wr)
         check_range("rq_depth", rq_depth, 1, max_wr)
-        check_range("max_send_sge", max_send_sge, 1, MAX_SGE)
-        check_range("max_recv_sge", max_recv_sge, 1, MAX_SGE)
+        max_sge = self.caps.get("max_sge") or 1
+        check_range("max_send_sge", max_send_sge, 1, max_sge)
+        check_range("max_recv_sge", max_recv_sge, 1, max_sge)
+        check_range("max_inline_data", max_inline_data, 0, self.caps.get("max_inline_data") or 0)
         return await QueuePair.create(self.device, self.poller, send_cq, recv_cq, sq_depth=sq_depth,
-                                      rq_depth=rq_depth, max_send_sge=max_send_sge, max_recv_sge=max_recv_sge)
+                                      rq_depth=rq_depth, max_send_sge=max_send_sge, max_recv_sge=max_recv_sge,
+                                      max_inline_data=max_inline_data)
 
     async def register_mr(self, memory: DmaBuffer | int, access: Access = ALL_ACCESS) -> MemoryRegion:
         """Register `memory` (a DMA buffer, or a size in bytes to allocate) for local and remote access."""

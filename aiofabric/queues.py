@@ -5,14 +5,13 @@ RCFW commands on its `Device`; its host memory (rings, page tables) is freed onl
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import enum
 import itertools
 import random
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Sequence, Union
 
 import anyio
 
@@ -22,21 +21,24 @@ from .device import Device, DeviceEvent, log
 from .errors import ClosedError, CompletionError, DeviceLostError, FabricError, QPStateError
 from .hw import doorbell
 from .hw.cqe import (CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, QP_ERROR_REASON_NAMES, RECV_STATUS_NAMES,
-                     SEND_STATUS_NAMES, SQ_CONS_IDX_MASK, cqe_type)
+                     SEND_STATUS_NAMES, cqe_type)
 from .hw.layout import field_type
-from .hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState, psn_count
-from .hw.wqe import (MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER,
-                     SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry, msn_entry, psn_search_values)
+from .hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState
+from .hw.wqe import RQ_WQE_HEADER, SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry
 from .pci import DmaBuffer
 from .poller import Poller
 from .rings import Ring, page_table
+from .workqueue import RecvQueueCodec, SendQueueCodec, Sge
 
 __all__ = ["ALL_ACCESS", "Access", "CompletionQueue", "LocalBuffer", "MemoryRegion", "QPInfo", "QPState", "QueuePair",
            "RemoteRegion", "check_range"]  # QPState: the firmware's QP states (aiofabric.hw.verbs)
 SQ_SLOT_ALIGN = 256  # Linux sizes variable-WQE send queues in slots aligned to 256 (BNXT_VAR_MAX_SLOT_ALIGN)
 CQE_KIND_REQ, CQE_KIND_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
-SIGNAL_COMP = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP
-MSN_ENTRY_SIZE, PSN_SEARCH_ENTRY_SIZE = MSN_ENTRY.size, PSN_SEARCH_ENTRY.size
+RTS = QPState.RTS  # a module global: an Enum member lookup costs ~70 ns on the per-operation path
+WRITE, WRITE_IMM, READ = (bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_W_IMMEAD,
+                          bnxt.SQ_RDMA_HDR_WQE_TYPE_READ_WQE)
+SEND, SEND_IMM = bnxt.SQ_SEND_HDR_WQE_TYPE_SEND, bnxt.SQ_SEND_HDR_WQE_TYPE_SEND_W_IMMEAD
+VERBS = {"write": WRITE, "write_with_imm": WRITE_IMM, "read": READ, "send": SEND}  # post_many's; send with imm=
 PATH_MTUS = {mtu: code for mtu, code in PATH_MTU_CODES.items() if mtu <= 4096}  # RoCE path MTUs: IB's, up to 4096
 _handles = itertools.count(1)
 
@@ -124,13 +126,6 @@ class LocalBuffer:
     addr: int
     lkey: int
     length: int
-
-
-class _SendWork:
-    __slots__ = ("index", "slots", "completion")
-
-    def __init__(self, index: int, slots: int, completion: Completion) -> None:
-        self.index, self.slots, self.completion = index, slots, completion
 
 
 class CompletionQueue:
@@ -245,11 +240,12 @@ class QueuePair:
     release_order = 0  # at the NIC's close: first (it holds its CQs)
 
     def __init__(self, device: Device, poller: Poller, send_cq: CompletionQueue, recv_cq: CompletionQueue, *,
-                 sq_depth: int, rq_depth: int, max_send_sge: int, max_recv_sge: int) -> None:
+                 sq_depth: int, rq_depth: int, max_send_sge: int, max_recv_sge: int,
+                 max_inline_data: int = 0) -> None:
         self.device, self.send_cq, self.recv_cq = device, send_cq, recv_cq
         self.handle = next(_handles)
-        self.max_send_sge, self.max_recv_sge = max_send_sge, max_recv_sge
-        wqe_slots = SQ_WQE_HEADER_SLOTS + max_send_sge
+        self.max_send_sge, self.max_recv_sge, self.max_inline_data = max_send_sge, max_recv_sge, max_inline_data
+        wqe_slots = SQ_WQE_HEADER_SLOTS + max(max_send_sge, -(-max_inline_data // SQ_SLOT))
         if device.variable_wqes:
             slots = -(-sq_depth * wqe_slots // SQ_SLOT_ALIGN) * SQ_SLOT_ALIGN
             size = 1 << (slots - 1).bit_length()
@@ -258,29 +254,20 @@ class QueuePair:
         self.geometry = SqGeometry(device.variable_wqes, size, device.host_msn_table)
         self.sq_slots, entries = self.geometry.slots, self.geometry.table_entries
         self.msn_entries = entries if device.host_msn_table else 0  # the MSN table's; 0 with the PSN search table
-        self._ring_bytes, self._slot_mask, self._table_mask = self.sq_slots * SQ_SLOT, self.sq_slots - 1, entries - 1
-        self._static_slots = 0 if device.variable_wqes else SQ_STATIC_WQE_SLOTS  # a static WQE's, whatever it holds
-        self._unit_shift = self.geometry.slot_unit.bit_length() - 1  # slot -> doorbell index and PSN search entry
         self.sq = Ring(device.pci, self.sq_slots, SQ_SLOT, extra=entries * self.geometry.table_entry.size)
         self.rq_wqe_size = RQ_WQE_HEADER.size + max_recv_sge * SGE.size
         self.rq = Ring(device.pci, 1 << (max(rq_depth, 1) - 1).bit_length(), self.rq_wqe_size)
+        self.send_queue = SendQueueCodec(self.geometry, self.sq.view,
+                                         max_unsignaled=max(1, self.sq_slots // wqe_slots // 2))
+        self.recv_queue = RecvQueueCodec(self.rq.view, self.rq.depth, self.rq_wqe_size, max_recv_sge)
+        self.send_queue.psn = random.getrandbits(24)  # like perftest: a random initial PSN per QP
         self.read_queues: list[DmaBuffer] = [device.pci.alloc_dma(0x1000), device.pci.alloc_dma(0x1000)]
         self.qpn = -1
         self.state = QPState.RESET
         self.closed = False
         self.error: BaseException | None = None  # what moved the QP to ERR; flushed work requests name it
-        self.psn = random.getrandbits(24)  # like perftest: a random initial PSN per QP
-        self.mtu = 1024
         self.peer: QPInfo | None = None  # whom connect() pointed it at
         self.errors: list[DeviceEvent] = []
-        self.sq_producer = self.sq_consumer = 0  # in 16-byte slots, free-running
-        self.wqe_count = 0  # WQEs posted, free-running (CQEs report sq_cons_idx in WQE units, mod 2^16)
-        self.msn = 0
-        self.unsignaled_run = 0
-        self.max_unsignaled = max(1, self.sq_slots // wqe_slots // 2)
-        self.pending: collections.deque[_SendWork] = collections.deque()
-        self.receives: collections.deque[tuple[int, Completion]] = collections.deque()
-        self.rq_producer = 0
         self._space = anyio.Event()
         self._space_waiters = 0
         self._poller = poller
@@ -289,10 +276,11 @@ class QueuePair:
 
     @classmethod
     async def create(cls, device: Device, poller: Poller, send_cq: CompletionQueue, recv_cq: CompletionQueue, *,
-                     sq_depth: int, rq_depth: int, max_send_sge: int, max_recv_sge: int) -> QueuePair:
+                     sq_depth: int, rq_depth: int, max_send_sge: int, max_recv_sge: int,
+                     max_inline_data: int = 0) -> QueuePair:
         """CREATE_QP, then INIT: an RC QP ready to `connect`."""
         qp = cls(device, poller, send_cq, recv_cq, sq_depth=sq_depth, rq_depth=rq_depth, max_send_sge=max_send_sge,
-                 max_recv_sge=max_recv_sge)
+                 max_recv_sge=max_recv_sge, max_inline_data=max_inline_data)
         await qp._create()
         try:
             await qp.to_init()
@@ -358,13 +346,10 @@ class QueuePair:
 
     def _fail_outstanding(self, error: BaseException | None) -> None:
         """Complete every outstanding work request with `error` (None: the verbs FLUSHED status)."""
-        while self.pending:
-            work = self.pending.popleft()
-            self.sq_consumer += work.slots
+        for completion in self.send_queue.drain():
             self.send_cq.outstanding -= 1
-            work.completion.finish(error or self._flushed(work.completion.verb))
-        while self.receives:
-            _, completion = self.receives.popleft()
+            completion.finish(error or self._flushed(completion.verb))
+        for completion in self.recv_queue.drain():
             self.recv_cq.outstanding -= 1
             completion.finish(error or self._flushed("recv"))
         self._wake_posters()
@@ -403,6 +388,16 @@ class QueuePair:
     def info(self) -> QPInfo:
         return QPInfo(self.qpn, self.device.gid, self.device.mac, self.psn)
 
+    @property
+    def psn(self) -> int:
+        """The PSN the next message starts at (before connect(): the initial one the peer expects)."""
+        return self.send_queue.psn
+
+    @property
+    def mtu(self) -> int:
+        """The path MTU connect() set (1024 before)."""
+        return self.send_queue.mtu
+
     async def modify(self, state: QPState, mask: int = 0, **fields: Any) -> None:
         """MODIFY_QP to `state`; `mask` selects which of `fields` the firmware applies (CMDQ_MODIFY_QP_MODIFY_MASK_*)."""
         self._refuse("modify")
@@ -423,10 +418,8 @@ class QueuePair:
         self.send_cq.poll()
         self.recv_cq.poll()
         self._fail_outstanding(None)
-        self.sq.view[:] = bytes(len(self.sq.view))
-        self.rq.view[:] = bytes(len(self.rq.view))
-        self.sq_producer = self.sq_consumer = self.wqe_count = self.msn = self.unsignaled_run = self.rq_producer = 0
-        self.psn = random.getrandbits(24)
+        self.send_queue.reset(random.getrandbits(24))
+        self.recv_queue.reset()
         self.error = None
 
     async def to_init(self, access: Access = ALL_ACCESS) -> None:
@@ -466,7 +459,7 @@ class QueuePair:
             | m.CMDQ_MODIFY_QP_MODIFY_MASK_RNR_RETRY | m.CMDQ_MODIFY_QP_MODIFY_MASK_SQ_PSN
             | m.CMDQ_MODIFY_QP_MODIFY_MASK_MAX_RD_ATOMIC,
             timeout=timeout, retry_cnt=retry_cnt, rnr_retry=rnr_retry, sq_psn=self.psn, max_rd_atomic=max_rd_atomic)
-        self.mtu, self.peer = mtu, peer
+        self.send_queue.mtu, self.peer = mtu, peer
 
 
     # -- data verbs ------------------------------------------------------------------------------------------------
@@ -481,64 +474,127 @@ class QueuePair:
             if not self._batch_depth and self._doorbell_due:
                 self._ring_sq()
 
-    async def post_write(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion,
-                         size: int | None = None, *, local_offset: int = 0, remote_offset: int = 0,
-                         signaled: bool = True) -> Completion:
-        """Post an RDMA WRITE of `size` bytes from `local` to `remote`; returns once posted (waits for SQ space)."""
-        size, sge = _local(local, local_offset, size)
-        addr, rkey = _remote(remote, remote_offset, size)
-        return await self._post("write", bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, sge, size, addr, rkey, 0, signaled)
+    async def post_write(self, local: Local, remote: RemoteRegion | MemoryRegion, size: int | None = None, *,
+                         local_offset: int = 0, remote_offset: int = 0, signaled: bool = True,
+                         inline: bool = False) -> Completion:
+        """Post an RDMA WRITE of `size` bytes from `local` (a region, a raw SGE, or a list of SGEs: `mr.sge()`) to
+        `remote`; returns once posted (waits for SQ space). `inline` copies the bytes into the WQE (at most
+        `max_inline_data`): the buffer is free again as soon as this returns."""
+        if not inline:
+            completion = self._post_one("write", WRITE, local, remote, size, local_offset, remote_offset, 0, signaled)
+            if completion is not None:
+                return completion
+        return await self._post("write", WRITE, local, remote, size, local_offset, remote_offset, 0, signaled, inline)
 
-    async def post_write_with_imm(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion,
-                                  imm: int, size: int | None = None, *, local_offset: int = 0,
-                                  remote_offset: int = 0, signaled: bool = True) -> Completion:
+    async def post_write_with_imm(self, local: Local, remote: RemoteRegion | MemoryRegion, imm: int,
+                                  size: int | None = None, *, local_offset: int = 0, remote_offset: int = 0,
+                                  signaled: bool = True, inline: bool = False) -> Completion:
         """RDMA WRITE with immediate: the data lands at `remote`, `imm` completes a receive at the peer."""
         check_range("imm", imm, 0, 0xFFFFFFFF)
-        size, sge = _local(local, local_offset, size)
-        addr, rkey = _remote(remote, remote_offset, size)
-        return await self._post("write_with_imm", bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_W_IMMEAD, sge, size, addr, rkey,
-                                imm, signaled)
+        return await self._post("write_with_imm", WRITE_IMM, local, remote, size, local_offset, remote_offset, imm,
+                                signaled, inline)
 
-    async def post_read(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion,
-                        size: int | None = None, *, local_offset: int = 0, remote_offset: int = 0,
-                        signaled: bool = True) -> Completion:
+    async def post_read(self, local: Local, remote: RemoteRegion | MemoryRegion, size: int | None = None, *,
+                        local_offset: int = 0, remote_offset: int = 0, signaled: bool = True) -> Completion:
         """Post an RDMA READ of `size` bytes from `remote` into `local`."""
-        size, sge = _local(local, local_offset, size)
-        addr, rkey = _remote(remote, remote_offset, size)
-        return await self._post("read", bnxt.SQ_RDMA_HDR_WQE_TYPE_READ_WQE, sge, size, addr, rkey, 0, signaled)
+        completion = self._post_one("read", READ, local, remote, size, local_offset, remote_offset, 0, signaled)
+        if completion is not None:
+            return completion
+        return await self._post("read", READ, local, remote, size, local_offset, remote_offset, 0, signaled, False)
 
-    async def post_send(self, local: MemoryRegion | LocalBuffer, size: int | None = None, *, local_offset: int = 0,
-                        imm: int | None = None, signaled: bool = True) -> Completion:
+    async def post_send(self, local: Local, size: int | None = None, *, local_offset: int = 0, imm: int | None = None,
+                        signaled: bool = True, inline: bool = False) -> Completion:
         """Post a SEND (with immediate if `imm` is given) into the peer's next posted receive."""
         if imm is not None:
             check_range("imm", imm, 0, 0xFFFFFFFF)
-        size, sge = _local(local, local_offset, size)
-        kind = bnxt.SQ_SEND_HDR_WQE_TYPE_SEND if imm is None else bnxt.SQ_SEND_HDR_WQE_TYPE_SEND_W_IMMEAD
-        return await self._post("send", kind, sge, size, 0, 0, imm or 0, signaled)
+        kind = SEND if imm is None else SEND_IMM
+        return await self._post("send", kind, local, None, size, local_offset, 0, imm or 0, signaled, inline)
 
-    async def post_recv(self, local: MemoryRegion | LocalBuffer, size: int | None = None, *,
-                        local_offset: int = 0) -> Completion:
-        """Post a receive buffer; its completion carries `byte_len` and `imm`."""
-        size, sge = _local(local, local_offset, size)
-        while self.state not in RECV_STATES or len(self.receives) >= self.rq.depth:
+    async def post_recv(self, local: Local, size: int | None = None, *, local_offset: int = 0) -> Completion:
+        """Post a receive buffer (a region, a raw SGE, or a list of up to `max_recv_sge` SGEs); its completion carries
+        `byte_len` and `imm`."""
+        size, sges = self._sges(local, local_offset, size, self.max_recv_sge)
+        rq = self.recv_queue
+        while self.state not in RECV_STATES or not rq.room():
             if self.state not in RECV_STATES:
                 return self._refused("recv", "receives need INIT, RTR or RTS")
             await self._wait_for_space("recv")
-        tag = self.rq_producer & bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
-        wqe = RQ_WQE_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.rq_wqe_size // SQ_SLOT, tag, 0)
-        if sge is not None:
-            wqe += SGE.pack(*sge)
-        offset = self.rq.offset(self.rq_producer)
-        self.rq.view[offset:offset + len(wqe)] = wqe
         completion = Completion("recv")
-        self.receives.append((tag, completion))
+        rq.post(sges, completion)
         self.recv_cq.outstanding += 1
-        self.rq_producer += 1
+        index, epoch = rq.doorbell()
         self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
-            self.qpn, bnxt.DBC_DBC_TYPE_RQ, self.rq.slot(self.rq_producer), self.rq.epoch(self.rq_producer)))
+            self.qpn, bnxt.DBC_DBC_TYPE_RQ, index, epoch))
         if self._poller.sleeping:
             self._poller.work_posted(self.recv_cq)
         return completion
+
+    async def post_many(self, verb: str, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion | None,
+                        size: int, offsets: Sequence[int], *, remote_offsets: Sequence[int] | None = None,
+                        imm: int | None = None, signal: Iterable[int] = ()) -> list[Completion]:
+        """Post len(`offsets`) work requests of one kind at once (perftest's post list, ibverbs' chained WRs): the
+        i-th moves `size` bytes at `local_offset` `offsets[i]` to (write, write_with_imm) or from (read)
+        `remote` at `remote_offsets[i]` (default: `offsets`), or sends them (send, with `imm` if given). They are
+        packed into the SQ in one pass and announced by one doorbell.
+
+        Returns completions in posting order: one for each index in `signal`, then one for the last work request,
+        which completes when all of them have (`completions[-1]`; a failure anywhere in the batch fails it). Waits
+        for room for the whole batch; one larger than the send queue is refused."""
+        wqe_type = VERBS.get(verb)
+        if wqe_type is None:
+            raise ValueError(f"post_many: verb must be one of {sorted(VERBS)}, not {verb!r}")
+        count = len(offsets)
+        if remote_offsets is None:
+            remote_offsets = offsets
+        elif len(remote_offsets) != count:
+            raise ValueError(f"post_many: {len(remote_offsets)} remote offsets for {count} work requests")
+        if imm is not None:
+            check_range("imm", imm, 0, 0xFFFFFFFF)
+            wqe_type = {WRITE: WRITE_IMM, SEND: SEND_IMM}.get(wqe_type, -1)
+            if wqe_type < 0:
+                raise ValueError("post_many: imm goes with write_with_imm or send")
+        elif wqe_type == WRITE_IMM:
+            raise ValueError("post_many: write_with_imm needs imm=")
+        if not count:
+            return []
+        check_range("size", size, 0, 1 << 31)
+        if isinstance(local, MemoryRegion):
+            local._check_open()
+            lo, hi = min(offsets), max(offsets)
+            if lo < 0 or hi + size > local.length:
+                raise ValueError(f"post_many: {size} bytes at local offsets {lo}..{hi} exceed the {local.length}-byte "
+                                 "memory region")
+        elif not isinstance(local, LocalBuffer):
+            raise TypeError(f"post_many: local must be a MemoryRegion or a LocalBuffer, not {type(local).__name__}")
+        address, rkey = 0, 0
+        if wqe_type in (SEND, SEND_IMM):
+            if remote is not None:
+                raise ValueError("post_many: a send has no remote region")
+        elif remote is None:
+            raise ValueError(f"post_many: {verb} needs a remote region")
+        else:
+            _remote(remote, min(remote_offsets), size)
+            _remote(remote, max(remote_offsets), size)
+            address, rkey = remote.addr, remote.rkey
+        marks = sorted(set(signal))
+        if marks and not 0 <= marks[0] <= marks[-1] < count:
+            raise ValueError(f"post_many: signal indexes must be in [0, {count}), not {marks}")
+        sq = self.send_queue
+        taken = sq.taken(sq.wqe_slots(1 if size else 0)) * count
+        while self.state is not RTS or not sq.room(taken, count):
+            if self.state is not RTS:
+                return [self._refused(verb, "connect() it first")]
+            if not sq.fits(taken, count):
+                raise ValueError(f"post_many: {count} work requests do not fit QP {self.qpn:#x}'s send queue "
+                                 f"({sq.slots} slots, {sq.max_wqes} work requests)")
+            await self._wait_for_space(verb)
+        tokens = {i: Completion(verb) for i in marks}
+        if count - 1 not in tokens:
+            tokens[count - 1] = Completion(verb)
+        sq.post_run(wqe_type, local.addr, local.lkey, address, rkey, size, offsets, remote_offsets, imm or 0, tokens)
+        self._posted(len(tokens))
+        return list(tokens.values()) if not marks or marks[-1] == count - 1 else \
+            [tokens[i] for i in marks] + [tokens[count - 1]]
 
     async def write(self, local, remote, size=None, **kw) -> Completion:
         return await (await self.post_write(local, remote, size, **kw))
@@ -555,63 +611,97 @@ class QueuePair:
     async def recv(self, local, size=None, **kw) -> Completion:
         return await (await self.post_recv(local, size, **kw))
 
-    async def _post(self, verb: str, wqe_type: int, sge: tuple[int, int, int] | None, length: int, remote_addr: int,
-                    rkey: int, imm: int, signaled: bool) -> Completion:
-        """Write one WQE (header + at most one SGE) at the SQ producer, its search-table entry after the ring, and
-        ring the doorbell unless batching. This is the per-operation hot path: keep it lean."""
-        slots = 2 if sge is None else 3
-        taken = self._static_slots or slots  # ring slots the WQE occupies
-        while self.state is not QPState.RTS or self.sq_slots - (self.sq_producer - self.sq_consumer) < taken:
-            if self.state is not QPState.RTS:
+    def _post_one(self, verb: str, wqe_type: int, local: Any, remote: Any, size: int | None, local_offset: int,
+                  remote_offset: int, imm: int, signaled: bool) -> Completion | None:
+        """The per-operation hot path: one SGE from a live MemoryRegion, a QP in RTS with room. None when anything
+        is otherwise: `_post` then checks and explains it."""
+        if type(local) is not MemoryRegion or local.closed or self.state is not RTS:
+            return None
+        if size is None:
+            size = local.length - local_offset
+        if not 0 < size <= local.length - local_offset or local_offset < 0:
+            return None
+        kind = type(remote)
+        if kind is MemoryRegion:
+            if remote.closed:
+                return None
+        elif kind is not RemoteRegion:
+            return None
+        length = remote.length
+        if length is not None and not 0 <= remote_offset <= length - size:
+            return None
+        sq = self.send_queue
+        if not sq.room(sq.static_slots or SQ_WQE_HEADER_SLOTS + 1):
+            return None
+        completion = Completion(verb)
+        sq.post_one(wqe_type, local.addr + local_offset, local.lkey, size, remote.addr + remote_offset, remote.rkey,
+                    imm, signaled, completion)
+        self._posted(1)
+        return completion
+
+    async def _post(self, verb: str, wqe_type: int, local: Local, remote: RemoteRegion | MemoryRegion | None,
+                    size: int | None, local_offset: int, remote_offset: int, imm: int, signaled: bool,
+                    inline: bool) -> Completion:
+        """Any send-queue work request, checked: its SGEs (or inline bytes), its remote range, room in the ring."""
+        size, sges = self._sges(local, local_offset, size, self.max_send_sge)
+        if inline:
+            if not isinstance(local, MemoryRegion):
+                raise ValueError(f"{verb} inline: the data must come from a MemoryRegion (the CPU copies it)")
+            if size > self.max_inline_data:
+                raise ValueError(f"{verb} inline: {size} bytes exceed QP {self.qpn:#x}'s max_inline_data "
+                                 f"({self.max_inline_data}; create_qp(max_inline_data=) sets it)")
+        address, rkey = (0, 0) if remote is None else _remote(remote, remote_offset, size)
+        sq = self.send_queue
+        taken = sq.taken(sq.wqe_slots(len(sges), size if inline else 0))
+        while self.state is not RTS or not sq.room(taken):
+            if self.state is not RTS:
                 return self._refused(verb, "connect() it first")
             await self._wait_for_space(verb)
-        if signaled or self.unsignaled_run >= self.max_unsignaled:
-            self.unsignaled_run, flags = 0, SIGNAL_COMP
-        else:
-            self.unsignaled_run, flags = self.unsignaled_run + 1, 0
-        if wqe_type in RDMA_WQE_TYPES:
-            wqe = SQ_RDMA_HEADER.pack(wqe_type, flags, slots, imm, length, remote_addr, rkey, 0)
-        else:
-            wqe = SQ_SEND_HEADER.pack(wqe_type, flags, slots, imm, length, 0, 0, 0, 0)
-        if sge is not None:
-            wqe += SGE.pack(*sge)
-        start = self.sq_producer
-        ring_bytes, view = self._ring_bytes, self.sq.view
-        offset = (start & self._slot_mask) * SQ_SLOT
-        end = offset + len(wqe)
-        if end <= ring_bytes:
-            view[offset:end] = wqe
-        else:  # slots wrap one by one at the end of the ring
-            first = ring_bytes - offset
-            view[offset:ring_bytes] = wqe[:first]
-            view[0:len(wqe) - first] = wqe[first:]
-        psn, start_slot = self.psn, start & self._slot_mask
-        self.psn = next_psn = (psn + psn_count(length, self.mtu)) & PSN_MASK
-        if self.msn_entries:  # Linux bnxt_qplib_fill_msn_search / bnxt_qplib_fill_psn_search
-            MSN_ENTRY.pack_into(view, ring_bytes + (self.msn & self._table_mask) * MSN_ENTRY_SIZE,
-                                msn_entry(psn, next_psn, start_slot))
-            self.msn += 1
-        else:
-            PSN_SEARCH_ENTRY.pack_into(view, ring_bytes + (start_slot >> self._unit_shift) * PSN_SEARCH_ENTRY_SIZE,
-                                       *psn_search_values(wqe_type, psn, next_psn, start_slot))
         completion = Completion(verb)
-        self.pending.append(_SendWork(self.wqe_count & SQ_CONS_IDX_MASK, taken, completion))
-        self.wqe_count += 1
-        self.sq_producer = start + taken
-        self.send_cq.outstanding += 1
+        data = None  # read after the wait: the WQE carries the buffer's bytes as they are when it is posted
+        if inline and isinstance(local, MemoryRegion):
+            data = bytes(local.view[local_offset:local_offset + size])
+        sq.post(wqe_type, sges, size, address, rkey, imm, signaled, completion, data)
+        self._posted(1)
+        return completion
+
+    def _sges(self, local: Local, offset: int, size: int | None, limit: int) -> tuple[int, list[Sge]]:
+        """(message size, its SGEs) of a region (`size` bytes at `offset`), a raw SGE, or a list of them."""
+        if not isinstance(local, (MemoryRegion, LocalBuffer)):
+            if offset or not 1 <= len(local) <= limit:
+                raise ValueError(f"QP {self.qpn:#x} takes 1 to {limit} SGEs per work request (create_qp's "
+                                 f"max_send_sge/max_recv_sge), not {len(local)}" if not offset else
+                                 "local_offset goes with one region; an SGE list names its own addresses")
+            sges = []
+            for element in local:
+                if not isinstance(element, LocalBuffer):
+                    raise TypeError("an SGE list holds LocalBuffers (MemoryRegion.sge()), not "
+                                    f"{type(element).__name__}")
+                if element.length:
+                    sges.append((element.addr, element.lkey, element.length))
+            total = sum(sge[2] for sge in sges)
+            if size is not None and size != total:
+                raise ValueError(f"size {size} is not the {total} bytes the SGE list holds")
+            return total, sges
+        size, one = _local(local, offset, size)
+        return size, [] if one is None else [one]
+
+    def _posted(self, tokens: int) -> None:
+        """After WQEs are in the ring: count their completions, ring the doorbell (or leave it to the batch), wake
+        a sleeping poller."""
+        self.send_cq.outstanding += tokens
         if self._batch_depth:
             self._doorbell_due = True
         else:
             self._ring_sq()
         if self._poller.sleeping:
             self._poller.work_posted(self.send_cq)
-        return completion
 
     def _ring_sq(self) -> None:
         self._doorbell_due = False
-        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(  # names a slot, or a static WQE
-            self.qpn, bnxt.DBC_DBC_TYPE_SQ, self.sq.slot(self.sq_producer) >> self._unit_shift,
-            self.sq.epoch(self.sq_producer)))
+        index, epoch = self.send_queue.doorbell()  # names a slot, or a static WQE
+        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
+            self.qpn, bnxt.DBC_DBC_TYPE_SQ, index, epoch))
 
     async def _wait_for_space(self, verb: str) -> None:
         if self._doorbell_due:
@@ -626,34 +716,31 @@ class QueuePair:
 
     def _send_completed(self, consumer: int, status: int) -> None:
         """A requester CQE: every WQE before `consumer` (WQE units, mod 2^16) is done; the last one has `status`."""
-        pending = self.pending
-        while pending:
-            work = pending[0]
-            distance = (consumer - work.index) & SQ_CONS_IDX_MASK
-            if distance == 0 or distance > (SQ_CONS_IDX_MASK + 1) >> 1:  # 0 or behind: not completed
-                break
-            pending.popleft()
-            self.sq_consumer += work.slots
-            self.send_cq.outstanding -= 1
-            if distance == 1 and status:
-                if status == SEND_FLUSHED:
-                    work.completion.finish(self._flushed(work.completion.verb))
-                else:
-                    error = CompletionError(work.completion.verb, self.qpn, status,
-                                            SEND_STATUS_NAMES.get(status, "UNKNOWN"))
-                    work.completion.finish(error)
-                    self._failed(error)
+        done, named = self.send_queue.retire(consumer, status)
+        for completion in done:
+            completion.finish()
+        cq = self.send_cq
+        cq.outstanding -= len(done)
+        if named is not None:
+            cq.outstanding -= 1
+            if not status:
+                named.finish()
+            elif status == SEND_FLUSHED:
+                named.finish(self._flushed(named.verb))
             else:
-                work.completion.finish()
-        self._wake_posters()
+                error = CompletionError(named.verb, self.qpn, status, SEND_STATUS_NAMES.get(status, "UNKNOWN"))
+                named.finish(error)
+                self._failed(error)
+        if self._space_waiters:
+            self._wake_posters()
 
     def _recv_completed(self, wr_id: int, status: int, length: int, imm: int | None) -> None:
-        if not self.receives:
+        completion, matched = self.recv_queue.complete(wr_id)
+        if completion is None:
             return
-        tag, completion = self.receives.popleft()
         self.recv_cq.outstanding -= 1
-        if tag != wr_id & bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK:
-            log.warning("QP %#x: receive completion for wr_id %#x, expected %#x", self.qpn, wr_id, tag)
+        if not matched:
+            log.warning("QP %#x: receive completion for wr_id %#x does not match the oldest receive", self.qpn, wr_id)
         if status == RECV_FLUSHED:
             completion.finish(self._flushed("recv"))
         elif status:
@@ -745,6 +832,15 @@ class MemoryRegion:
         self._check_open()
         return self.buffer.view
 
+    def sge(self, offset: int = 0, length: int | None = None) -> LocalBuffer:
+        """`length` bytes at `offset` of the region as one scatter/gather element (for SGE lists)."""
+        self._check_open()
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"{length} bytes at offset {offset} exceed the {self.length}-byte memory region")
+        return LocalBuffer(self.addr + offset, self.lkey, length)
+
     def remote(self, offset: int = 0, length: int | None = None) -> RemoteRegion:
         """How a peer names this region (send it over the out-of-band channel)."""
         self._check_open()
@@ -787,6 +883,7 @@ class MemoryRegion:
         return _registered.get((gid, rkey))
 
 
+Local = Union[MemoryRegion, LocalBuffer, Sequence[LocalBuffer]]  # what a work request's local side may be
 _registered: weakref.WeakValueDictionary[tuple[bytes, int], MemoryRegion] = weakref.WeakValueDictionary()
 
 

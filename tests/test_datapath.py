@@ -85,7 +85,7 @@ async def test_msn_table_entries_name_each_messages_psns_and_wqe_as_the_wire_doe
     async with pair(mtu=mtu) as (a, b, qa, qb):
         source, target = await a.register_mr(8 * mtu), await b.register_mr(8 * mtu)
         sizes = [0, 1, mtu, mtu + 1, 3 * mtu + 5]
-        first_psn, first_slot = qa.info().psn, qa.sq_producer
+        first_psn, first_slot = qa.info().psn, qa.send_queue.producer
         messages = qa.msn_entries + 3  # the table wraps
         expected, psn, slot = [], first_psn, first_slot
         with anyio.fail_after(20):
@@ -95,7 +95,7 @@ async def test_msn_table_entries_name_each_messages_psns_and_wqe_as_the_wire_doe
                 await (await post(source, target, size))
                 packets = max(1, -(-size // mtu))
                 expected.append((psn, (psn + packets) & 0xFFFFFF, slot & (qa.sq_slots - 1)))
-                psn, slot = (psn + packets) & 0xFFFFFF, qa.sq_producer
+                psn, slot = (psn + packets) & 0xFFFFFF, qa.send_queue.producer
         entries = [MSN_ENTRY.unpack_from(qa.sq.view, qa.sq_slots * SQ_SLOT + k * MSN_ENTRY.size)[0]
                    for k in range(qa.msn_entries)]
         decoded = [((e & bnxt.SQ_MSN_SEARCH_START_PSN_MASK) >> bnxt.SQ_MSN_SEARCH_START_PSN_SFT,
@@ -146,7 +146,7 @@ async def test_hundreds_in_flight_unsignaled_retired_and_sq_wraps():
             for completion in completions:
                 await completion
         assert all(c.done and c.error is None for c in completions)
-        assert qa.sq_producer > qa.sq_slots  # went round the ring
+        assert qa.send_queue.producer > qa.sq_slots  # went round the ring
         assert bytes(target.view) == bytes(source.view)
         assert qa.send_cq.outstanding == 0
 

@@ -92,7 +92,7 @@ async def test_a_poster_waiting_for_space_learns_of_destroy():
         with anyio.fail_after(5):  # a poster never woken fails here, not hangs
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(fill)
-                while qp.sq_slots - (qp.sq_producer - qp.sq_consumer) >= 3:  # no room for another (header, SGE)
+                while qp.send_queue.room(3):  # room for another (header, SGE)
                     await anyio.lowlevel.checkpoint()
                 await qp.destroy()
         assert outcome and "destroyed" in str(outcome[0])
@@ -466,7 +466,7 @@ async def test_a_failed_qp_pair_is_usable_again_after_reset():
         assert qa.state == QPState.ERR
         for qp in (qa, qb):
             await qp.modify(QPState.RESET)
-            assert qp.error is None and qp.sq_producer == 0
+            assert qp.error is None and qp.send_queue.producer == 0
         await qa.connect(qb.info())  # new PSNs on both sides
         await qb.connect(qa.info())
         source.view[:8192] = bytes(range(256)) * 32

@@ -633,7 +633,7 @@ async def test_a_run_that_ends_with_a_receive_posted_flushes_it_says_so_and_neve
         with pytest.raises(sched.CallError, match=rf"call 0 \(produce\).*RuntimeError: bad input.*qp {qb.qpn:#x} "
                            rf"\({b.pci.address}\) left in ERR \(its outstanding work was flushed\)"):
             await batch.run()
-        assert time.monotonic() - started < 4 and qb.state is QPState.ERR and not qb.receives
+        assert time.monotonic() - started < 4 and qb.state is QPState.ERR and not qb.recv_queue.pending
         broken[0] = False
         with pytest.raises(sched.CallError, match="FLUSHED"):  # not reset: refused at once, no hang
             with anyio.fail_after(10):
@@ -650,7 +650,7 @@ async def test_a_run_that_ends_with_a_receive_posted_flushes_it_says_so_and_neve
         started = time.monotonic()
         with anyio.move_on_after(0.1):
             await batch.run()
-        assert time.monotonic() - started < 3 and qb.state is QPState.ERR and not qb.receives
+        assert time.monotonic() - started < 3 and qb.state is QPState.ERR and not qb.recv_queue.pending
 
 
 @pytest.mark.anyio

@@ -1,0 +1,302 @@
+"""The driver's side of a QP's send and receive queues, sans-IO: what to write into the rings, which doorbell to ring,
+which work requests a completion retires.
+
+`SendQueueCodec` owns the SQ ring's memory and its accounting: the producer and consumer in 16-byte slots
+(free-running), the WQEs posted and retired (free-running; CQEs name them modulo 2^16), the next PSN and message
+number, and the search-table entry of every message (hw.wqe.SqGeometry says which table and where). Each posted WQE
+may carry a token (the caller's: a `Completion`); `retire` maps a requester CQE's `sq_cons_idx` to the tokens it
+completes. WQEs without a token (unsignaled ones inside a `post_run`) cost no bookkeeping beyond one list store: the
+slot a WQE ends at is kept by WQE number, so a CQE releases the ring up to any WQE, signaled or not.
+
+`RecvQueueCodec` does the same for the RQ: one WQE per receive, tagged with its producer count, and completions
+matched in order.
+
+Neither touches a doorbell, a CQ or a clock: `QueuePair` (queues.py) is the I/O around them, and the tests drive
+them with plain memory (tests/test_workqueue.py).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Sequence
+
+from .autogen import bnxt
+from .hw.cqe import SQ_CONS_IDX_MASK
+from .hw.verbs import PSN_MASK, psn_count
+from .hw.wqe import (MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER,
+                     SQ_RDMA_HEADER_AND_SGE, SQ_SEND_HEADER, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS,
+                     SqGeometry, msn_entry, psn_search_values)
+
+SIGNAL = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP
+INLINE = bnxt.SQ_SEND_FLAGS_INLINE
+HALF_WINDOW = (SQ_CONS_IDX_MASK + 1) >> 1  # WQEs in flight at most: more and a 16-bit sq_cons_idx is ambiguous
+SLOT_SHIFT = SQ_SLOT.bit_length() - 1
+RECV_TAG_MASK = bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
+Sge = tuple[int, int, int]  # (address, lkey, length): one scatter/gather element
+
+# The one-SGE paths inline msn_entry (a call per WQE is ~10% of a post; tests/test_workqueue.py holds them to it)
+_PACK_ONE = SQ_RDMA_HEADER_AND_SGE.pack_into
+_PACK_MSN = MSN_ENTRY.pack_into
+_ONE_BYTES = SQ_RDMA_HEADER_AND_SGE.size
+_ONE_SLOTS = SQ_WQE_HEADER_SLOTS + 1
+_SP = bnxt.SQ_MSN_SEARCH_START_PSN_SFT, bnxt.SQ_MSN_SEARCH_START_PSN_MASK
+_NP = bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT, bnxt.SQ_MSN_SEARCH_NEXT_PSN_MASK
+_SI = bnxt.SQ_MSN_SEARCH_START_IDX_SFT, bnxt.SQ_MSN_SEARCH_START_IDX_MASK
+
+
+class SendQueueCodec:
+    """One SQ: `geometry` as CREATE_QP names it, `view` its ring memory followed by the search table.
+
+    Posting writes WQEs at the producer and never checks room: the caller asks `room(slots, wqes)` first (and waits
+    for completions when there is none). `max_unsignaled` bounds a run of unsignaled WQEs, so that completions keep
+    releasing the ring however the caller signals."""
+
+    def __init__(self, geometry: SqGeometry, view: memoryview, *, max_unsignaled: int) -> None:
+        self.geometry, self.view = geometry, view
+        self.slots = geometry.slots
+        self.ring_bytes = self.slots * SQ_SLOT
+        self.slot_mask = self.slots - 1
+        self.static_slots = 0 if geometry.variable else SQ_STATIC_WQE_SLOTS  # what a static WQE takes, any size
+        self.unit_shift = geometry.slot_unit.bit_length() - 1  # slot -> doorbell index and PSN search entry
+        self.host_msn = geometry.host_msn
+        self.table_mask = geometry.table_entries - 1
+        self.max_unsignaled = max_unsignaled
+        self.max_wqes = min(HALF_WINDOW, self.slots // (self.static_slots or SQ_WQE_HEADER_SLOTS))
+        self.ends = [0] * (1 << self.max_wqes.bit_length())  # by WQE number: the slot after it
+        self.ends_mask = len(self.ends) - 1
+        self.mtu = 1024
+        self.pending: collections.deque[tuple[int, Any]] = collections.deque()  # (WQE number + 1, token)
+        self.reset(0)
+
+    def reset(self, psn: int) -> None:
+        """Start over (the QP went to RESET): an empty ring from slot 0, the first PSN `psn`. Tokens still pending are
+        dropped: `drain` them first."""
+        self.view[:] = bytes(len(self.view))
+        self.producer = self.consumer = 0  # slots
+        self.posted = self.retired = 0  # WQEs
+        self.msn = self.unsignaled_run = 0
+        self.psn = psn
+        self.pending.clear()
+
+    # -- room ------------------------------------------------------------------------------------------------------
+    def wqe_slots(self, sges: int = 1, inline: int = 0) -> int:
+        """Slots of a WQE with `sges` SGEs, or `inline` bytes of inline data (a zero-length WQE is its header)."""
+        return SQ_WQE_HEADER_SLOTS + (-(-inline >> SLOT_SHIFT) if inline else sges)
+
+    def taken(self, wqe_slots: int) -> int:
+        """Ring slots a WQE of `wqe_slots` occupies: its own in variable mode, a whole static WQE otherwise."""
+        return self.static_slots or wqe_slots
+
+    def room(self, slots: int, wqes: int = 1) -> bool:
+        """Whether `wqes` WQEs taking `slots` ring slots in all fit now."""
+        return (self.slots - (self.producer - self.consumer) >= slots
+                and self.posted - self.retired + wqes <= self.max_wqes)
+
+    def fits(self, slots: int, wqes: int = 1) -> bool:
+        """Whether they could ever fit (in an empty ring)."""
+        return slots <= self.slots and wqes <= self.max_wqes
+
+    @property
+    def outstanding(self) -> int:
+        """WQEs posted and not yet retired."""
+        return self.posted - self.retired
+
+    # -- posting ---------------------------------------------------------------------------------------------------
+    def _flags(self, signaled: bool) -> int:
+        if signaled or self.unsignaled_run >= self.max_unsignaled:
+            self.unsignaled_run = 0
+            return SIGNAL
+        self.unsignaled_run += 1
+        return 0
+
+    def post(self, wqe_type: int, sges: Sequence[Sge], length: int, remote_va: int, rkey: int, imm: int,
+             signaled: bool, token: Any, inline: bytes | memoryview | None = None) -> None:
+        """Any WQE: its header, then `sges` (or `inline` data, `length` bytes of it), wrapping slot by slot."""
+        flags = self._flags(signaled) | (INLINE if inline is not None else 0)
+        if inline is not None:
+            body = bytes(inline).ljust(-(-len(inline) >> SLOT_SHIFT) << SLOT_SHIFT, b"\0")
+        else:
+            body = b"".join(SGE.pack(*sge) for sge in sges)
+        size = SQ_WQE_HEADER_SLOTS + (len(body) >> SLOT_SHIFT)
+        if wqe_type in RDMA_WQE_TYPES:
+            wqe = SQ_RDMA_HEADER.pack(wqe_type, flags, size, imm, length, remote_va, rkey, 0) + body
+        else:
+            wqe = SQ_SEND_HEADER.pack(wqe_type, flags, size, imm, length, 0, 0, 0, 0) + body
+        start = self.producer
+        offset = (start & self.slot_mask) << SLOT_SHIFT
+        self._write(offset, wqe)
+        self._publish(wqe_type, start, self.taken(size), length, flags, token)
+
+    def _write(self, offset: int, wqe: bytes) -> None:
+        view, ring_bytes, end = self.view, self.ring_bytes, offset + len(wqe)
+        if end <= ring_bytes:
+            view[offset:end] = wqe
+        else:  # slots wrap one by one at the end of the ring
+            first = ring_bytes - offset
+            view[offset:ring_bytes] = wqe[:first]
+            view[0:len(wqe) - first] = wqe[first:]
+
+    def _publish(self, wqe_type: int, start: int, taken: int, length: int, flags: int, token: Any) -> None:
+        """The bookkeeping after a WQE is in the ring: its search-table entry, PSNs, producer, token."""
+        psn, start_slot, mtu = self.psn, start & self.slot_mask, self.mtu
+        self.psn = next_psn = (psn + psn_count(length, mtu)) & PSN_MASK
+        view, ring_bytes = self.view, self.ring_bytes
+        if self.host_msn:  # Linux bnxt_qplib_fill_msn_search / bnxt_qplib_fill_psn_search
+            _PACK_MSN(view, ring_bytes + (self.msn & self.table_mask) * MSN_ENTRY.size,
+                      msn_entry(psn, next_psn, start_slot))
+            self.msn += 1
+        else:
+            PSN_SEARCH_ENTRY.pack_into(view, ring_bytes + (start_slot >> self.unit_shift) * PSN_SEARCH_ENTRY.size,
+                                       *psn_search_values(wqe_type, psn, next_psn, start_slot))
+        self.producer = end = start + taken
+        self.posted = number = self.posted + 1
+        self.ends[(number - 1) & self.ends_mask] = end
+        if token is not None:
+            self.pending.append((number, token))
+
+    def post_one(self, wqe_type: int, address: int, lkey: int, length: int, remote_va: int, rkey: int, imm: int,
+                 signaled: bool, token: Any) -> None:
+        """The common WQE: one SGE of `length` > 0 bytes, packed straight into the ring (the per-operation path)."""
+        start = self.producer
+        offset = (start & self.slot_mask) << SLOT_SHIFT
+        if offset + _ONE_BYTES > self.ring_bytes or not self.host_msn:
+            self.post(wqe_type, ((address, lkey, length),), length, remote_va, rkey, imm, signaled, token)
+            return
+        if signaled or self.unsignaled_run >= self.max_unsignaled:
+            self.unsignaled_run, flags = 0, SIGNAL
+        else:
+            self.unsignaled_run, flags = self.unsignaled_run + 1, 0
+        view = self.view
+        _PACK_ONE(view, offset, wqe_type, flags, _ONE_SLOTS, imm, length, remote_va, rkey, 0, address, lkey, length)
+        psn, mtu = self.psn, self.mtu
+        self.psn = next_psn = (psn + (length + mtu - 1) // mtu) & PSN_MASK
+        msn = self.msn
+        _PACK_MSN(view, self.ring_bytes + (msn & self.table_mask) * 8,
+                  psn << _SP[0] & _SP[1] | next_psn << _NP[0] & _NP[1] | (offset >> SLOT_SHIFT) << _SI[0] & _SI[1])
+        self.msn = msn + 1
+        self.producer = end = start + (self.static_slots or _ONE_SLOTS)
+        self.posted = number = self.posted + 1
+        self.ends[(number - 1) & self.ends_mask] = end
+        self.pending.append((number, token))
+
+    def post_run(self, wqe_type: int, address: int, lkey: int, remote_va: int, rkey: int, length: int,
+                 offsets: Sequence[int], remote_offsets: Sequence[int], imm: int, tokens: dict[int, Any]) -> None:
+        """len(`offsets`) WQEs of one SGE each in one pass: the i-th moves `length` bytes at `address + offsets[i]`
+        (to or from `remote_va + remote_offsets[i]` for RDMA types). WQE i is signaled, with token `tokens[i]`, when
+        `tokens` has it (give the last one a token: its CQE retires the run); the others only when the unsignaled
+        run reaches its bound. The caller checked `room`."""
+        view, ring_bytes, slot_mask, table_mask = self.view, self.ring_bytes, self.slot_mask, self.table_mask
+        ends, ends_mask, pending = self.ends, self.ends_mask, self.pending
+        host_msn, static, cap = self.host_msn, self.static_slots, self.max_unsignaled
+        rdma = wqe_type in RDMA_WQE_TYPES
+        wqe_size = _ONE_SLOTS if length else SQ_WQE_HEADER_SLOTS
+        taken = static or wqe_size
+        npsn = psn_count(length, self.mtu)
+        start, psn, msn, number, run = self.producer, self.psn, self.msn, self.posted, self.unsignaled_run
+        for i, local in enumerate(offsets):
+            token = tokens.get(i)
+            if token is not None or run >= cap:
+                run, flags = 0, SIGNAL
+            else:
+                run, flags = run + 1, 0
+            offset = (start & slot_mask) << SLOT_SHIFT
+            rva = remote_va + remote_offsets[i] if rdma else 0
+            if not length:
+                self._write(offset, SQ_RDMA_HEADER.pack(wqe_type, flags, wqe_size, imm, 0, rva, rkey, 0))
+            elif offset + _ONE_BYTES <= ring_bytes:
+                _PACK_ONE(view, offset, wqe_type, flags, wqe_size, imm, length, rva, rkey, 0, address + local, lkey,
+                          length)
+            else:
+                self._write(offset, SQ_RDMA_HEADER_AND_SGE.pack(wqe_type, flags, wqe_size, imm, length, rva, rkey, 0,
+                                                                address + local, lkey, length))
+            next_psn = (psn + npsn) & PSN_MASK
+            if host_msn:
+                _PACK_MSN(view, ring_bytes + (msn & table_mask) * 8, psn << _SP[0] & _SP[1]
+                          | next_psn << _NP[0] & _NP[1] | (offset >> SLOT_SHIFT) << _SI[0] & _SI[1])
+                msn += 1
+            else:
+                start_slot = offset >> SLOT_SHIFT
+                PSN_SEARCH_ENTRY.pack_into(view, ring_bytes + (start_slot >> self.unit_shift) * PSN_SEARCH_ENTRY.size,
+                                           *psn_search_values(wqe_type, psn, next_psn, start_slot))
+            psn, start, number = next_psn, start + taken, number + 1
+            ends[(number - 1) & ends_mask] = start
+            if token is not None:
+                pending.append((number, token))
+        self.producer, self.psn, self.msn, self.posted, self.unsignaled_run = start, psn, msn, number, run
+
+    def doorbell(self) -> tuple[int, int]:
+        """(index, epoch) of the SQ doorbell that publishes everything posted: a slot, or a static WQE."""
+        producer = self.producer
+        return (producer & self.slot_mask) >> self.unit_shift, producer // self.slots & 1
+
+    # -- completions -----------------------------------------------------------------------------------------------
+    def retire(self, sq_cons_idx: int, status: int) -> tuple[list[Any], Any]:
+        """A requester CQE: every WQE before `sq_cons_idx` (WQEs, mod 2^16) is done, the last with `status`.
+        Returns (the tokens completed without error, the token `status` belongs to or None). A CQE that names no
+        outstanding WQE (stale, duplicated, after a drain) retires nothing.
+
+        The status belongs to the named WQE's token; when that WQE had none (an unsignaled WQE that failed), it
+        belongs to the next token, which a run always has after it."""
+        distance = (sq_cons_idx - self.retired) & SQ_CONS_IDX_MASK
+        if distance == 0 or distance > self.posted - self.retired:
+            return [], None
+        target = self.retired + distance
+        self.retired = target
+        self.consumer = self.ends[(target - 1) & self.ends_mask]
+        done, pending = [], self.pending
+        while pending and pending[0][0] < target:
+            done.append(pending.popleft()[1])
+        named = None
+        if pending and (pending[0][0] == target or status):
+            named = pending.popleft()[1]
+        return done, named
+
+    def drain(self) -> list[Any]:
+        """Everything outstanding, as if completed: the tokens still pending, in order (to flush them)."""
+        tokens = [token for _, token in self.pending]
+        self.pending.clear()
+        self.retired, self.consumer = self.posted, self.producer
+        return tokens
+
+
+class RecvQueueCodec:
+    """One RQ of `depth` WQEs of `wqe_size` bytes in `view` (RQ_WQE_HEADER then up to `max_sge` SGEs)."""
+
+    def __init__(self, view: memoryview, depth: int, wqe_size: int, max_sge: int) -> None:
+        self.view, self.depth, self.wqe_size, self.max_sge = view, depth, wqe_size, max_sge
+        self.pending: collections.deque[tuple[int, Any]] = collections.deque()  # (tag, token)
+        self.reset()
+
+    def reset(self) -> None:
+        self.view[:] = bytes(len(self.view))
+        self.producer = 0
+        self.pending.clear()
+
+    def room(self, wqes: int = 1) -> bool:
+        return len(self.pending) + wqes <= self.depth
+
+    def post(self, sges: Sequence[Sge], token: Any) -> None:
+        """A receive WQE into `sges` (none: a receive for a WRITE_WITH_IMM's immediate); the caller checked `room`."""
+        tag = self.producer & RECV_TAG_MASK
+        wqe = RQ_WQE_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.wqe_size >> SLOT_SHIFT, tag, 0)
+        wqe += b"".join(SGE.pack(*sge) for sge in sges)
+        offset = (self.producer % self.depth) * self.wqe_size
+        self.view[offset:offset + len(wqe)] = wqe
+        self.pending.append((tag, token))
+        self.producer += 1
+
+    def doorbell(self) -> tuple[int, int]:
+        """(slot, epoch) of the RQ doorbell that publishes every receive posted."""
+        return self.producer % self.depth, self.producer // self.depth & 1
+
+    def complete(self, wr_id: int) -> tuple[Any, bool]:
+        """A responder CQE for the oldest receive: (its token, whether the CQE's wr_id is that receive's tag), or
+        (None, False) when none is outstanding."""
+        if not self.pending:
+            return None, False
+        tag, token = self.pending.popleft()
+        return token, tag == wr_id & RECV_TAG_MASK
+
+    def drain(self) -> list[Any]:
+        tokens = [token for _, token in self.pending]
+        self.pending.clear()
+        return tokens
