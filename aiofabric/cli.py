@@ -492,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report-gbits", action="store_true", help="bandwidth in Gb/sec (10^9 bits), as links are "
                                                                   "quoted")
     bench.add_argument("--depth", type=int, default=32, help="work requests in flight per QP (default 32)")
+    bench.add_argument("-l", "--post-list", type=int, default=1, metavar="N",
+                       help="post N work requests per call, one doorbell each (QueuePair.post_many; perftest's "
+                            "post list; default 1: one call per work request, a doorbell per depth/2)")
     bench.add_argument("--nics", type=int, default=2, help="emulated NICs, paired up (default 2)")
     _add_wire_flags(bench)
     bench.add_argument("--inject-fault", metavar="KIND[:N[:OFFSET]]",

@@ -61,6 +61,7 @@ class BenchConfig:
     size: int = 65536
     iters: int = 1000
     depth: int = 32
+    post_list: int = 1  # -l: work requests per post call (QueuePair.post_many); 1: one call each
     nics: int = 2
     mtu: int = 4096
     loss: float = 0.0
@@ -99,6 +100,9 @@ class BenchConfig:
         for name in ("qps", "iters", "depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
+        if not 1 <= self.post_list <= self.depth:
+            raise ValueError(f"-l/--post-list must be in [1, --depth {self.depth}] (a post list is in flight at "
+                             f"once), not {self.post_list}")
         if self.size < 1:
             raise ValueError("--size must be at least 1 byte")
         if self.mtu not in MTUS:
@@ -322,9 +326,10 @@ async def _release(flows: list[_Flow]) -> None:
 
 
 async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop: Any = None) -> None:
-    """Keep `depth` work requests in flight on one QP: post in half-depth chunks, signal each chunk's last. Posts
-    `iters` operations, or (deadline) until the deadline, then drains."""
-    chunk = max(1, config.depth // 2)
+    """Keep `depth` work requests in flight on one QP: post in half-depth chunks (or `post_list` at a time, one
+    post_many each), signal each chunk's last. Posts `iters` operations, or (deadline) until the deadline, then
+    drains."""
+    chunk = config.post_list if config.post_list > 1 else max(1, config.depth // 2)
     in_flight: list[tuple[float, Any, int]] = []
     posted = 0
     size, slots = config.size, config.slots
@@ -341,12 +346,25 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
             if config.test == "send" and flow.remote is not None:  # the receives, posted there first
                 for offset, run in _runs(posted, count, slots):
                     await flow.remote.post_recvs(flow.server, flow.target, run, size, offset=offset * size)
+            if stamp:  # the slots' previous messages completed: posted - done < depth
+                for k in range(count):
+                    slot = (posted + k) % slots * size
+                    data[slot:slot + len(stamp)] = STAMP.pack((flow.index << 40) | (posted + k))[:len(stamp)]
+            if config.post_list > 1:
+                if config.test == "send" and flow.remote is None:
+                    for k in range(count):
+                        await flow.server.post_recv(flow.target, size, local_offset=(posted + k) % slots * size)
+                for first, run in _runs(posted, count, slots):
+                    offsets = range(first * size, (first + run) * size, size)
+                    completion = (await flow.client.post_many(
+                        config.test, flow.source, None if config.test == "send" else target, size, offsets))[-1]
+                in_flight.append((started, completion, count))
+                posted += count
+                continue
             with flow.client.batch():
                 for k in range(count):
                     slot = (posted + k) % slots * size
                     last = k == count - 1
-                    if stamp:  # the slot's previous message completed: posted - done < depth
-                        data[slot:slot + len(stamp)] = STAMP.pack((flow.index << 40) | (posted + k))[:len(stamp)]
                     if config.test == "write":
                         completion = await flow.client.post_write(flow.source, target, size, local_offset=slot,
                                                                   remote_offset=slot, signaled=last)

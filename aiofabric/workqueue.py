@@ -17,6 +17,7 @@ them with plain memory (tests/test_workqueue.py).
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Any, Sequence
 
 from .autogen import bnxt
@@ -38,9 +39,9 @@ _PACK_ONE = SQ_RDMA_HEADER_AND_SGE.pack_into
 _PACK_MSN = MSN_ENTRY.pack_into
 _ONE_BYTES = SQ_RDMA_HEADER_AND_SGE.size
 _ONE_SLOTS = SQ_WQE_HEADER_SLOTS + 1
-_SP = bnxt.SQ_MSN_SEARCH_START_PSN_SFT, bnxt.SQ_MSN_SEARCH_START_PSN_MASK
-_NP = bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT, bnxt.SQ_MSN_SEARCH_NEXT_PSN_MASK
-_SI = bnxt.SQ_MSN_SEARCH_START_IDX_SFT, bnxt.SQ_MSN_SEARCH_START_IDX_MASK
+_MSN_SHIFT = MSN_ENTRY.size.bit_length() - 1
+_SP, _NP = bnxt.SQ_MSN_SEARCH_START_PSN_SFT, bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT  # PSNs are already 24-bit
+_SI_FROM_OFFSET, _SI_MASK = bnxt.SQ_MSN_SEARCH_START_IDX_SFT - SLOT_SHIFT, bnxt.SQ_MSN_SEARCH_START_IDX_MASK
 
 
 class SendQueueCodec:
@@ -158,20 +159,18 @@ class SendQueueCodec:
         """The common WQE: one SGE of `length` > 0 bytes, packed straight into the ring (the per-operation path)."""
         start = self.producer
         offset = (start & self.slot_mask) << SLOT_SHIFT
-        if offset + _ONE_BYTES > self.ring_bytes or not self.host_msn:
+        if offset > self.ring_bytes - _ONE_BYTES or not self.host_msn:
             self.post(wqe_type, ((address, lkey, length),), length, remote_va, rkey, imm, signaled, token)
             return
         if signaled or self.unsignaled_run >= self.max_unsignaled:
             self.unsignaled_run, flags = 0, SIGNAL
         else:
             self.unsignaled_run, flags = self.unsignaled_run + 1, 0
-        view = self.view
+        view, psn, mtu, msn = self.view, self.psn, self.mtu, self.msn
         _PACK_ONE(view, offset, wqe_type, flags, _ONE_SLOTS, imm, length, remote_va, rkey, 0, address, lkey, length)
-        psn, mtu = self.psn, self.mtu
         self.psn = next_psn = (psn + (length + mtu - 1) // mtu) & PSN_MASK
-        msn = self.msn
-        _PACK_MSN(view, self.ring_bytes + (msn & self.table_mask) * 8,
-                  psn << _SP[0] & _SP[1] | next_psn << _NP[0] & _NP[1] | (offset >> SLOT_SHIFT) << _SI[0] & _SI[1])
+        _PACK_MSN(view, self.ring_bytes + ((msn & self.table_mask) << _MSN_SHIFT),
+                  psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
         self.msn = msn + 1
         self.producer = end = start + (self.static_slots or _ONE_SLOTS)
         self.posted = number = self.posted + 1
@@ -184,44 +183,56 @@ class SendQueueCodec:
         (to or from `remote_va + remote_offsets[i]` for RDMA types). WQE i is signaled, with token `tokens[i]`, when
         `tokens` has it (give the last one a token: its CQE retires the run); the others only when the unsignaled
         run reaches its bound. The caller checked `room`."""
-        view, ring_bytes, slot_mask, table_mask = self.view, self.ring_bytes, self.slot_mask, self.table_mask
-        ends, ends_mask, pending = self.ends, self.ends_mask, self.pending
-        host_msn, static, cap = self.host_msn, self.static_slots, self.max_unsignaled
         rdma = wqe_type in RDMA_WQE_TYPES
-        wqe_size = _ONE_SLOTS if length else SQ_WQE_HEADER_SLOTS
-        taken = static or wqe_size
+        if not length or not self.host_msn:  # the rarer WQEs: one at a time
+            for i, local in enumerate(offsets):
+                token = tokens.get(i)
+                sges = ((address + local, lkey, length),) if length else ()
+                self.post(wqe_type, sges, length, remote_va + remote_offsets[i] if rdma else 0, rkey, imm,
+                          token is not None, token)
+            return
+        view, slot_mask, table_mask, cap = self.view, self.slot_mask, self.table_mask, self.max_unsignaled
+        table, limit, pending = self.ring_bytes, self.ring_bytes - _ONE_BYTES, self.pending
+        taken = self.static_slots or _ONE_SLOTS
         npsn = psn_count(length, self.mtu)
-        start, psn, msn, number, run = self.producer, self.psn, self.msn, self.posted, self.unsignaled_run
-        for i, local in enumerate(offsets):
-            token = tokens.get(i)
-            if token is not None or run >= cap:
+        first, psn, msn, number, run = self.producer, self.psn, self.msn, self.posted, self.unsignaled_run
+        if not rdma:
+            remote_va, rkey, remote_offsets = 0, 0, itertools.repeat(0)  # type: ignore[assignment]
+        marks = iter(sorted(tokens))
+        mark = next(marks)
+        start = first
+        for i, (local, remote) in enumerate(zip(offsets, remote_offsets)):
+            if i == mark or run >= cap:
                 run, flags = 0, SIGNAL
             else:
                 run, flags = run + 1, 0
             offset = (start & slot_mask) << SLOT_SHIFT
-            rva = remote_va + remote_offsets[i] if rdma else 0
-            if not length:
-                self._write(offset, SQ_RDMA_HEADER.pack(wqe_type, flags, wqe_size, imm, 0, rva, rkey, 0))
-            elif offset + _ONE_BYTES <= ring_bytes:
-                _PACK_ONE(view, offset, wqe_type, flags, wqe_size, imm, length, rva, rkey, 0, address + local, lkey,
-                          length)
+            if offset <= limit:
+                _PACK_ONE(view, offset, wqe_type, flags, _ONE_SLOTS, imm, length, remote_va + remote, rkey, 0,
+                          address + local, lkey, length)
             else:
-                self._write(offset, SQ_RDMA_HEADER_AND_SGE.pack(wqe_type, flags, wqe_size, imm, length, rva, rkey, 0,
-                                                                address + local, lkey, length))
+                self._write(offset, SQ_RDMA_HEADER_AND_SGE.pack(wqe_type, flags, _ONE_SLOTS, imm, length,
+                                                                remote_va + remote, rkey, 0, address + local, lkey,
+                                                                length))
             next_psn = (psn + npsn) & PSN_MASK
-            if host_msn:
-                _PACK_MSN(view, ring_bytes + (msn & table_mask) * 8, psn << _SP[0] & _SP[1]
-                          | next_psn << _NP[0] & _NP[1] | (offset >> SLOT_SHIFT) << _SI[0] & _SI[1])
-                msn += 1
-            else:
-                start_slot = offset >> SLOT_SHIFT
-                PSN_SEARCH_ENTRY.pack_into(view, ring_bytes + (start_slot >> self.unit_shift) * PSN_SEARCH_ENTRY.size,
-                                           *psn_search_values(wqe_type, psn, next_psn, start_slot))
-            psn, start, number = next_psn, start + taken, number + 1
-            ends[(number - 1) & ends_mask] = start
-            if token is not None:
-                pending.append((number, token))
-        self.producer, self.psn, self.msn, self.posted, self.unsignaled_run = start, psn, msn, number, run
+            _PACK_MSN(view, table + ((msn & table_mask) << _MSN_SHIFT),
+                      psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
+            psn, msn, start = next_psn, msn + 1, start + taken
+            if i == mark:
+                pending.append((number + i + 1, tokens[i]))
+                mark = next(marks, -1)
+        count = (start - first) // taken
+        self._ends(number, first, taken, count)
+        self.producer, self.psn, self.msn, self.posted, self.unsignaled_run = start, psn, msn, number + count, run
+
+    def _ends(self, number: int, first: int, taken: int, count: int) -> None:
+        """Record the end slots of `count` WQEs of `taken` slots each, numbered from `number`, starting at `first`."""
+        ends, size = self.ends, len(self.ends)
+        at = number & self.ends_mask
+        head = min(count, size - at)
+        ends[at:at + head] = range(first + taken, first + taken * (head + 1), taken)
+        if head < count:
+            ends[:count - head] = range(first + taken * (head + 1), first + taken * (count + 1), taken)
 
     def doorbell(self) -> tuple[int, int]:
         """(index, epoch) of the SQ doorbell that publishes everything posted: a slot, or a static WQE."""

@@ -96,7 +96,8 @@ def test_asyncssh_only_in_peer_ssh():
                      or path.relative_to(PACKAGE).as_posix() == "peer/ssh.py") == []
 
 
-@pytest.mark.parametrize("pure", ["sched/plan.py", "peer/protocol.py", "units.py", "rings.py", "collectives/layout.py"])
+@pytest.mark.parametrize("pure", ["sched/plan.py", "peer/protocol.py", "units.py", "rings.py", "collectives/layout.py",
+                                  "workqueue.py"])
 def test_pure_modules_import_no_io_framework(pure):
     assert offenders([PACKAGE / pure], lambda path, name: not name.startswith(IO_FRAMEWORKS)) == []
 
