@@ -630,13 +630,17 @@ class QueuePair:
         length = remote.length
         if length is not None and not 0 <= remote_offset <= length - size:
             return None
-        sq = self.send_queue
-        if not sq.room(sq.static_slots or SQ_WQE_HEADER_SLOTS + 1):
-            return None
         completion = Completion(verb)
-        sq.post_one(wqe_type, local.addr + local_offset, local.lkey, size, remote.addr + remote_offset, remote.rkey,
-                    imm, signaled, completion)
-        self._posted(1)
+        if not self.send_queue.post_one(wqe_type, local.addr + local_offset, local.lkey, size,
+                                        remote.addr + remote_offset, remote.rkey, imm, signaled, completion):
+            return None
+        self.send_cq.outstanding += 1  # _posted(1), inlined: this runs once per operation
+        if self._batch_depth:
+            self._doorbell_due = True
+        else:
+            self._ring_sq()
+        if self._poller.sleeping:
+            self._poller.work_posted(self.send_cq)
         return completion
 
     async def _post(self, verb: str, wqe_type: int, local: Local, remote: RemoteRegion | MemoryRegion | None,
@@ -717,8 +721,11 @@ class QueuePair:
     def _send_completed(self, consumer: int, status: int) -> None:
         """A requester CQE: every WQE before `consumer` (WQE units, mod 2^16) is done; the last one has `status`."""
         done, named = self.send_queue.retire(consumer, status)
-        for completion in done:
-            completion.finish()
+        for completion in done:  # Completion.finish() without an error, inlined: this runs once per operation
+            if not completion.done:
+                completion.done = True
+                if completion._event is not None:
+                    completion._event.set()
         cq = self.send_cq
         cq.outstanding -= len(done)
         if named is not None:

@@ -155,13 +155,17 @@ class SendQueueCodec:
             self.pending.append((number, token))
 
     def post_one(self, wqe_type: int, address: int, lkey: int, length: int, remote_va: int, rkey: int, imm: int,
-                 signaled: bool, token: Any) -> None:
-        """The common WQE: one SGE of `length` > 0 bytes, packed straight into the ring (the per-operation path)."""
+                 signaled: bool, token: Any) -> bool:
+        """The common WQE: one SGE of `length` > 0 bytes, packed straight into the ring (the per-operation path,
+        room check included). False when there is no room for it."""
         start = self.producer
+        taken = self.static_slots or _ONE_SLOTS
+        if self.slots - (start - self.consumer) < taken or self.posted - self.retired >= self.max_wqes:
+            return False
         offset = (start & self.slot_mask) << SLOT_SHIFT
         if offset > self.ring_bytes - _ONE_BYTES or not self.host_msn:
             self.post(wqe_type, ((address, lkey, length),), length, remote_va, rkey, imm, signaled, token)
-            return
+            return True
         if signaled or self.unsignaled_run >= self.max_unsignaled:
             self.unsignaled_run, flags = 0, SIGNAL
         else:
@@ -172,10 +176,11 @@ class SendQueueCodec:
         _PACK_MSN(view, self.ring_bytes + ((msn & self.table_mask) << _MSN_SHIFT),
                   psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
         self.msn = msn + 1
-        self.producer = end = start + (self.static_slots or _ONE_SLOTS)
+        self.producer = end = start + taken
         self.posted = number = self.posted + 1
         self.ends[(number - 1) & self.ends_mask] = end
         self.pending.append((number, token))
+        return True
 
     def post_run(self, wqe_type: int, address: int, lkey: int, remote_va: int, rkey: int, length: int,
                  offsets: Sequence[int], remote_offsets: Sequence[int], imm: int, tokens: dict[int, Any]) -> None:

@@ -132,11 +132,12 @@ def test_the_codec_matches_the_model(layout, data):
             sq.post(kind, sge_list, length, remote, 7, 9, asked, token, payload if inline else None)
             model.add(kind, length, remote, body, inline, asked, token, slots, start)
         elif action == "post_one":
-            if not sq.room(sq.taken(3)):
-                continue
             address, length, remote = data.draw(st.integers(0, 2**63)), data.draw(st.integers(1, 2000)), 0x1234
             asked, token = data.draw(st.booleans()), next(tokens)
-            sq.post_one(WRITE, address, 5, length, remote, 6, 0, asked, token)
+            room = sq.room(sq.taken(3))
+            assert sq.post_one(WRITE, address, 5, length, remote, 6, 0, asked, token) == room  # it checks room
+            if not room:
+                continue
             model.add(WRITE, length, remote, SGE.pack(address, 5, length), False, asked, token, sq.taken(3), start)
         elif action == "post_run":
             count = data.draw(st.integers(1, 12))
@@ -198,8 +199,8 @@ def test_room_counts_slots_and_the_wqe_window():
     sq = codec(GEOMETRIES["static+msn"])
     assert sq.max_wqes == 32 and sq.room(8 * 32, 32) and not sq.room(8 * 33, 33) and not sq.fits(8 * 33, 33)
     for i in range(32):
-        sq.post_one(WRITE, 0x1000, 5, 64, 0x2000, 6, 0, True, i)
-    assert not sq.room(8) and sq.fits(8)
+        assert sq.post_one(WRITE, 0x1000, 5, 64, 0x2000, 6, 0, True, i)
+    assert not sq.room(8) and sq.fits(8) and not sq.post_one(WRITE, 0x1000, 5, 64, 0x2000, 6, 0, True, "no room")
     assert sq.retire(1, 0) == ([], 0) and sq.room(8) and not sq.room(16)
 
 
@@ -210,7 +211,7 @@ class Twin:
         self.fast, self.slow = codec(geometry), codec(geometry)
 
     def post_one(self, address: int, length: int, signaled: bool, token: object) -> None:
-        self.fast.post_one(WRITE, address, 5, length, 0x9000, 6, 0, signaled, token)
+        assert self.fast.post_one(WRITE, address, 5, length, 0x9000, 6, 0, signaled, token)
         self.slow.post(WRITE, [(address, 5, length)], length, 0x9000, 6, 0, signaled, token)
 
     def post_run(self, kind: int, length: int, offsets: list[int], marks: set[int]) -> None:
