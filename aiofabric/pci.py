@@ -53,6 +53,12 @@ class Bar(abc.ABC):
         memory_barrier()
         self.write64(offset, value)
 
+    def write64_doorbells(self, offset: int, values: list[int]) -> None:
+        """Ring several doorbells at `offset`, in order, behind one barrier (a seam may deliver them at once)."""
+        memory_barrier()
+        for value in values:
+            self.write64(offset, value)
+
     def write_block(self, offset: int, data: bytes) -> None:
         """Write `data` (a multiple of 4 bytes) as consecutive 32-bit MMIO writes, lowest address first."""
         words = memoryview(bytes(data)).cast("I")

@@ -39,6 +39,7 @@ class Pollable(Protocol):
     def busy(self) -> bool: ...  # has work requests outstanding
     def poll(self) -> int: ...  # drain CQEs; return how many
     def arm(self) -> None: ...  # CQ_ARMALL: notify on the next CQE
+    def arm_doorbell(self) -> int: ...  # the same, as the doorbell value for the caller to ring
     def fail_all(self, error: BaseException) -> None: ...
 
 
@@ -89,11 +90,12 @@ class Poller:
                 continue
             self.sleeping = True
             try:
+                arms = []
                 for cq in self.cqs.values():
                     if cq.busy and not cq.armed:  # new work, or work whose notification came: the short poll
-                        cq.arm()
+                        arms.append(cq.arm_doorbell())
                         self.safety = SAFETY_POLL
-                self._drain_nq(nq)
+                self._drain_nq(nq, arms)  # the CQ and NQ arms in one kick
                 if self.poll_all():
                     continue
                 if self.safety != SAFETY_POLL and not any(cq.busy for cq in self.cqs.values()):
@@ -103,7 +105,7 @@ class Poller:
                 elif self.safety is not None:  # quiet: the next safety poll waits longer
                     self.safety = min(2 * self.safety, QUIET_SAFETY_POLL)
                 self.stats["wakeups"] += 1
-                self._drain_nq(nq)
+                self._drain_nq(nq, [])
             finally:
                 self.sleeping = False
         error = self.device.lost
@@ -120,8 +122,9 @@ class Poller:
                 return True
         return False
 
-    def _drain_nq(self, nq) -> None:
-        """Consume CQ notifications (each one disarms its CQ) and re-arm the NQ."""
+    def _drain_nq(self, nq, doorbells: list[int]) -> None:
+        """Consume CQ notifications (each one disarms its CQ) and re-arm the NQ, ringing `doorbells` (CQ arms) with
+        the NQ's in one write."""
         view, consumed = nq.view, False
         while True:
             offset = nq.offset(nq.consumer)
@@ -137,6 +140,8 @@ class Poller:
             nq.consumer += 1
             consumed = True
         if consumed or not self.nq_armed:  # an NQ that fired is disarmed; one that did not is still armed
-            self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
-                self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.slot(nq.consumer), nq.epoch(nq.consumer)))
+            doorbells.append(doorbell.encode(self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.slot(nq.consumer),
+                                             nq.epoch(nq.consumer)))
             self.nq_armed = True
+        if doorbells:
+            self.device.doorbells.write64_doorbells(self.device.db_offset, doorbells)

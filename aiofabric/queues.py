@@ -195,13 +195,19 @@ class CompletionQueue:
         return count
 
     def arm(self) -> None:
-        self.armed = True
-        self._doorbell(bnxt.DBC_DBC_TYPE_CQ_ARMALL, self.toggle)
+        self.device.doorbells.write64_doorbell(self.device.db_offset, self.arm_doorbell())
 
-    def _doorbell(self, kind: int, toggle: int = 0) -> None:
+    def arm_doorbell(self) -> int:
+        """Mark the CQ armed; the CQ_ARMALL doorbell that does it, to ring (alone, or with others)."""
+        self.armed = True
+        return self._doorbell_value(bnxt.DBC_DBC_TYPE_CQ_ARMALL, self.toggle)
+
+    def _doorbell(self, kind: int) -> None:
+        self.device.doorbells.write64_doorbell(self.device.db_offset, self._doorbell_value(kind))
+
+    def _doorbell_value(self, kind: int, toggle: int = 0) -> int:
         ring = self.ring
-        self.device.doorbells.write64_doorbell(self.device.db_offset, doorbell.encode(
-            self.id, kind, ring.slot(ring.consumer), ring.epoch(ring.consumer), toggle))
+        return doorbell.encode(self.id, kind, ring.slot(ring.consumer), ring.epoch(ring.consumer), toggle)
 
     def fail_all(self, error: BaseException) -> None:
         for qp in list(self.qps.values()):

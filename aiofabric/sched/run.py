@@ -551,17 +551,25 @@ class Batch:
             async with anyio.create_task_group() as group:
                 group.start_soon(retire)
                 try:
-                    for k, submission in enumerate(submissions):
+                    k, count = 0, len(submissions)
+                    while k < count:
+                        submission = submissions[k]
                         if submission.timeline_wait:
                             await timeline.wait_for(ticket - 1)
                         for wait in submission.waits:
                             await signals[wait.queue].wait_for(wait.value)
                         if submission.fence:
                             await retired.wait_for(k)  # an earlier call on this QP touches our memory: drain it
-                        starts[k] = clock()
-                        completions[k] = await self._post(qp, self.calls[submission.call],
-                                                          self._prepared[submission.call])
-                        posted.set(k + 1)
+                        with qp.batch():  # this post and the ones after it that need not wait: one doorbell
+                            while True:
+                                starts[k] = clock()
+                                completions[k] = await self._post(qp, self.calls[submission.call],
+                                                                  self._prepared[submission.call])
+                                k += 1
+                                posted.set(k)
+                                if k == count or not _ready(submissions[k], k, timeline, ticket, signals, retired):
+                                    break
+                                submission = submissions[k]
                 except BaseException as error:
                     if _cancelled(error):
                         raise
@@ -646,6 +654,15 @@ def _cancelled(error: BaseException) -> bool:
     raises aborts the batch through `fail`, SystemExit and KeyboardInterrupt included: left to escape a worker, they
     stopped the asyncio loop with the batch's other tasks never run, and came out of trio in an exception group."""
     return isinstance(error, (anyio.get_cancelled_exc_class(), GeneratorExit))
+
+
+def _ready(submission: Submission, k: int, timeline: Timeline, ticket: int, signals: list[Counter],
+           retired: Counter) -> bool:
+    """Whether submission `k` of a QP worker may be posted without waiting for anything (a batch of posts never
+    spans a wait: other tasks' posts to the QP would be held back with ours)."""
+    return ((not submission.timeline_wait or timeline.value >= ticket - 1)
+            and all(signals[wait.queue].value >= wait.value for wait in submission.waits)
+            and (not submission.fence or retired.value >= k))
 
 
 async def _drain(qp: QueuePair, outstanding: list[tuple[str, Any]]) -> None:

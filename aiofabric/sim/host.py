@@ -163,6 +163,17 @@ class SimBar(Bar):
         if offset >= self._kick_from:
             self._send(offset, value)
 
+    def write64_doorbells(self, offset: int, values: list[int]) -> None:
+        """One kick message for all of them: the emulator reads them in order, with one wake-up."""
+        self._check(offset, 8)
+        if offset < self._kick_from or self._words is not None:
+            super().write64_doorbells(offset, values)
+            return
+        try:
+            self._kick.sendall(b"".join(KICK.pack(self.index, offset, value) for value in values))
+        except OSError:
+            pass  # the device is gone (see _send)
+
     def close(self) -> None:
         """Drop the register view; later reads see a removed device (all ones), writes vanish."""
         if self._words is not None:
