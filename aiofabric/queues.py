@@ -556,7 +556,7 @@ class QueuePair:
             raise ValueError(f"post_many: {len(remote_offsets)} remote offsets for {count} work requests")
         if imm is not None:
             check_range("imm", imm, 0, 0xFFFFFFFF)
-            wqe_type = {WRITE: WRITE_IMM, SEND: SEND_IMM}.get(wqe_type, -1)
+            wqe_type = {WRITE: WRITE_IMM, WRITE_IMM: WRITE_IMM, SEND: SEND_IMM}.get(wqe_type, -1)
             if wqe_type < 0:
                 raise ValueError("post_many: imm goes with write_with_imm or send")
         elif wqe_type == WRITE_IMM:
@@ -566,7 +566,7 @@ class QueuePair:
         check_range("size", size, 0, 1 << 31)
         if isinstance(local, MemoryRegion):
             local._check_open()
-            lo, hi = min(offsets), max(offsets)
+            lo, hi = _span(offsets)
             if lo < 0 or hi + size > local.length:
                 raise ValueError(f"post_many: {size} bytes at local offsets {lo}..{hi} exceed the {local.length}-byte "
                                  "memory region")
@@ -579,8 +579,9 @@ class QueuePair:
         elif remote is None:
             raise ValueError(f"post_many: {verb} needs a remote region")
         else:
-            _remote(remote, min(remote_offsets), size)
-            _remote(remote, max(remote_offsets), size)
+            lo, hi = _span(remote_offsets)
+            _remote(remote, lo, size)
+            _remote(remote, hi, size)
             address, rkey = remote.addr, remote.rkey
         marks = sorted(set(signal))
         if marks and not 0 <= marks[0] <= marks[-1] < count:
@@ -599,8 +600,7 @@ class QueuePair:
             tokens[count - 1] = Completion(verb)
         sq.post_run(wqe_type, local.addr, local.lkey, address, rkey, size, offsets, remote_offsets, imm or 0, tokens)
         self._posted(len(tokens))
-        return list(tokens.values()) if not marks or marks[-1] == count - 1 else \
-            [tokens[i] for i in marks] + [tokens[count - 1]]
+        return list(tokens.values())  # in index order: the marks, then the last if it is not one
 
     async def write(self, local, remote, size=None, **kw) -> Completion:
         return await (await self.post_write(local, remote, size, **kw))
@@ -927,6 +927,13 @@ def _remote(remote: RemoteRegion | MemoryRegion, offset: int, size: int) -> tupl
     if remote.length is not None and (offset < 0 or offset + size > remote.length):
         raise ValueError(f"{size} bytes at remote offset {offset} exceed the {remote.length}-byte remote region")
     return remote.addr + offset, remote.rkey
+
+
+def _span(values: Sequence[int]) -> tuple[int, int]:
+    """(smallest, largest) of a non-empty sequence; a range's without walking it."""
+    if isinstance(values, range):
+        return (values[0], values[-1]) if values.step > 0 else (values[-1], values[0])
+    return min(values), max(values)
 
 
 def check_range(name: str, value: int, low: int, high: int) -> None:
