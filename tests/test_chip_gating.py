@@ -10,7 +10,7 @@ import random
 import anyio
 import pytest
 
-from aiofabric import PCIError, device, open_nic, queues
+from aiofabric import PCIError, device, open_nic, workqueue
 from aiofabric.completions import CompletionError
 from aiofabric.hw.firmware import CONFIGURED_CONTEXT_TYPES, THOR2_CHIPS
 from aiofabric.sim.function import CONTEXT_TYPES
@@ -140,8 +140,12 @@ def swapped_psn_search_values(wqe_type, start_psn, next_psn, start_slot):
 @pytest.mark.parametrize("profile,packer", [("thor2", "msn_entry"), ("psn-table", "psn_search_values")])
 async def test_a_driver_that_swaps_the_search_entrys_psns_fails_under_loss(profile, packer, monkeypatch):
     """With hardware retransmission the chip resumes from the table the driver writes: with an entry's start and next
-    PSN swapped, a go-back resumes at the wrong PSNs and the writes fail."""
+    PSN swapped, a go-back resumes at the wrong PSNs and the writes fail. (The one-SGE paths pack MSN entries inline,
+    from the shifts swapped here too.)"""
     swapped = {"msn_entry": swapped_msn_entry, "psn_search_values": swapped_psn_search_values}[packer]
-    swapped.correct = getattr(queues, packer)
-    monkeypatch.setattr(queues, packer, swapped)
+    swapped.correct = getattr(workqueue, packer)
+    monkeypatch.setattr(workqueue, packer, swapped)
+    start_shift, next_shift = workqueue._SP, workqueue._NP
+    monkeypatch.setattr(workqueue, "_SP", next_shift)
+    monkeypatch.setattr(workqueue, "_NP", start_shift)
     assert not await writes_under_loss(profile)

@@ -233,6 +233,7 @@ def test_concurrent_runs_each_get_their_own_nics():
 
 
 @pytest.mark.parametrize("example,args", [("loopback.py", []), ("multi_qp.py", ["--qps", "8", "--writes", "40"]),
+                                          ("post_many.py", ["--writes", "1000", "--batch", "16"]),
                                           ("allreduce.py", ["--ranks", "3", "--size", "5000", "--steps", "3"])])
 def test_examples_run_as_is(example, args):
     path = Path(__file__).resolve().parents[1] / "examples" / example

@@ -31,6 +31,7 @@ MAX_DEPTH = 16  # JSON nesting of a round's data (a card is 2 deep): deeper woul
 JOIN_ROUNDS = 2  # a ring's: the cards, then "connected"
 MAX_UNCLAIMED = 64  # connections open at once that have claimed no rank yet: more are closed at once
 CLAIM_TIMEOUT = 10.0  # seconds a connection has to claim a rank (ranks connect once their NIC is up)
+ANSWER_GRACE = 5.0  # seconds a rank waits for an answer beyond the rendezvous timeout
 CONNECT_RETRY = 0.1  # seconds between attempts while rank 0 is not listening yet
 FAREWELL = 5.0  # seconds a failed rendezvous gives its handlers to tell their ranks why
 
@@ -256,7 +257,8 @@ class RendezvousClient:
         if len(line) >= MAX_LINE:
             raise ValueError(f"rendezvous data of {len(line)} bytes exceeds {MAX_LINE}")
         where = f"rank {self.rank}: the rendezvous at {self.host}:{self.port}"
-        with anyio.move_on_after(self.timeout):
+        waited = self.timeout + ANSWER_GRACE  # the server's answer at its own timeout names who is missing: wait for it
+        with anyio.move_on_after(waited):
             while True:
                 if self.stream is None:
                     try:
@@ -279,7 +281,7 @@ class RendezvousClient:
                 answer = _answer(text, self.size, where)
                 self.round += 1
                 return answer
-        raise RendezvousError(f"{where}: round {self.round} got no answer within {self.timeout:g} s (is rank 0 "
+        raise RendezvousError(f"{where}: round {self.round} got no answer within {waited:g} s (is rank 0 "
                               "running, and MASTER_ADDR/MASTER_PORT the same for every rank?)")
 
     async def watch(self) -> str:
