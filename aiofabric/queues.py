@@ -730,8 +730,8 @@ class QueuePair:
         for completion in done:  # Completion.finish() without an error, inlined: this runs once per operation
             if not completion.done:
                 completion.done = True
-                if completion._event is not None:
-                    completion._event.set()
+                if completion._waiters is not None:
+                    completion.wake()
         cq = self.send_cq
         cq.outstanding -= len(done)
         if named is not None:
