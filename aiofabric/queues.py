@@ -6,9 +6,11 @@ RCFW commands on its `Device`; its host memory (rings, page tables) is freed onl
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import itertools
+import operator
 import random
 import weakref
 from typing import Any, Iterable, Iterator, Sequence, Union
@@ -33,6 +35,7 @@ from .workqueue import RecvQueueCodec, SendQueueCodec, Sge
 __all__ = ["ALL_ACCESS", "Access", "CompletionQueue", "LocalBuffer", "MemoryRegion", "QPInfo", "QPState", "QueuePair",
            "RemoteRegion", "check_range"]  # QPState: the firmware's QP states (aiofabric.hw.verbs)
 SQ_SLOT_ALIGN = 256  # Linux sizes variable-WQE send queues in slots aligned to 256 (BNXT_VAR_MAX_SLOT_ALIGN)
+MAX_SQ_SLOTS = (bnxt.SQ_MSN_SEARCH_START_IDX_MASK >> bnxt.SQ_MSN_SEARCH_START_IDX_SFT) + 1  # start_idx: 16 bits
 CQE_KIND_REQ, CQE_KIND_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
 RTS = QPState.RTS  # a module global: an Enum member lookup costs ~70 ns on the per-operation path
 WRITE, WRITE_IMM, READ = (bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_W_IMMEAD,
@@ -41,6 +44,8 @@ SEND, SEND_IMM = bnxt.SQ_SEND_HDR_WQE_TYPE_SEND, bnxt.SQ_SEND_HDR_WQE_TYPE_SEND_
 VERBS = {"write": WRITE, "write_with_imm": WRITE_IMM, "read": READ, "send": SEND}  # post_many's; send with imm=
 PATH_MTUS = {mtu: code for mtu, code in PATH_MTU_CODES.items() if mtu <= 4096}  # RoCE path MTUs: IB's, up to 4096
 _handles = itertools.count(1)
+ADDRESS_MAX, KEY_MAX = (1 << 64) - 1, (1 << 32) - 1  # an SGE's and an RETH's address; a key, an SGE's length
+_batching: contextvars.ContextVar[tuple[QueuePair, ...]] = contextvars.ContextVar("aiofabric_batching", default=())
 
 
 class Access(enum.IntFlag):
@@ -112,6 +117,12 @@ class RemoteRegion:
     rkey: int
     length: int | None = None
 
+    def __post_init__(self) -> None:  # what a WQE can carry (a peer's dict may hold anything)
+        check_range("addr", self.addr, 0, ADDRESS_MAX)
+        check_range("rkey", self.rkey, 0, KEY_MAX)
+        if self.length is not None:
+            check_range("length", self.length, 0, ADDRESS_MAX)
+
     def to_dict(self) -> dict[str, Any]:
         return {"addr": self.addr, "rkey": self.rkey, "length": self.length}
 
@@ -122,10 +133,16 @@ class RemoteRegion:
 
 @dataclasses.dataclass(frozen=True)
 class LocalBuffer:
-    """A raw scatter/gather element (address, lkey, length), unchecked: the NIC validates it, as hardware does."""
+    """A raw scatter/gather element (address, lkey, length): only what an SGE can hold is checked here, the rest
+    the NIC validates, as hardware does."""
     addr: int
     lkey: int
     length: int
+
+    def __post_init__(self) -> None:
+        check_range("addr", self.addr, 0, ADDRESS_MAX)
+        check_range("lkey", self.lkey, 0, KEY_MAX)
+        check_range("length", self.length, 0, KEY_MAX)
 
 
 class CompletionQueue:
@@ -258,6 +275,11 @@ class QueuePair:
         else:
             size, wqe_slots = 1 << (sq_depth - 1).bit_length(), SQ_STATIC_WQE_SLOTS
         self.geometry = SqGeometry(device.variable_wqes, size, device.host_msn_table)
+        if self.geometry.slots > MAX_SQ_SLOTS:
+            most = MAX_SQ_SLOTS // wqe_slots
+            raise ValueError(f"sq_depth {sq_depth} needs {self.geometry.slots} send-queue slots: the search table names "
+                             f"a WQE's slot in 16 bits, so at most {MAX_SQ_SLOTS} ({most} work requests of "
+                             f"{wqe_slots} slots)")
         self.sq_slots, entries = self.geometry.slots, self.geometry.table_entries
         self.msn_entries = entries if device.host_msn_table else 0  # the MSN table's; 0 with the PSN search table
         self.sq = Ring(device.pci, self.sq_slots, SQ_SLOT, extra=entries * self.geometry.table_entry.size)
@@ -277,7 +299,6 @@ class QueuePair:
         self._space = anyio.Event()
         self._space_waiters = 0
         self._poller = poller
-        self._batch_depth = 0
         self._doorbell_due = False
 
     @classmethod
@@ -471,13 +492,16 @@ class QueuePair:
     # -- data verbs ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Post several work requests and ring the SQ doorbell once, when the block ends."""
-        self._batch_depth += 1
+        """Post several work requests and ring the SQ doorbell once, when the block ends (the outermost, if nested).
+        Only the posts of the task in the block wait for its end: another task's post to the QP rings at once (and
+        announces everything posted before it), so no task waits on a doorbell held by a block it cannot see."""
+        outer = _batching.get()
+        token = _batching.set(outer + (self,))
         try:
             yield
         finally:
-            self._batch_depth -= 1
-            if not self._batch_depth and self._doorbell_due:
+            _batching.reset(token)
+            if self._doorbell_due and self not in outer:
                 self._ring_sq()
 
     async def post_write(self, local: Local, remote: RemoteRegion | MemoryRegion, size: int | None = None, *,
@@ -549,11 +573,14 @@ class QueuePair:
         wqe_type = VERBS.get(verb)
         if wqe_type is None:
             raise ValueError(f"post_many: verb must be one of {sorted(VERBS)}, not {verb!r}")
+        offsets = _integers("offsets", offsets)
         count = len(offsets)
         if remote_offsets is None:
             remote_offsets = offsets
-        elif len(remote_offsets) != count:
-            raise ValueError(f"post_many: {len(remote_offsets)} remote offsets for {count} work requests")
+        else:
+            remote_offsets = _integers("remote_offsets", remote_offsets)
+            if len(remote_offsets) != count:
+                raise ValueError(f"post_many: {len(remote_offsets)} remote offsets for {count} work requests")
         if imm is not None:
             check_range("imm", imm, 0, 0xFFFFFFFF)
             wqe_type = {WRITE: WRITE_IMM, WRITE_IMM: WRITE_IMM, SEND: SEND_IMM}.get(wqe_type, -1)
@@ -564,14 +591,16 @@ class QueuePair:
         if not count:
             return []
         check_range("size", size, 0, 1 << 31)
+        if not isinstance(local, (MemoryRegion, LocalBuffer)):
+            raise TypeError(f"post_many: local must be a MemoryRegion or a LocalBuffer, not {type(local).__name__}")
         if isinstance(local, MemoryRegion):
             local._check_open()
-            lo, hi = _span(offsets)
-            if lo < 0 or hi + size > local.length:
-                raise ValueError(f"post_many: {size} bytes at local offsets {lo}..{hi} exceed the {local.length}-byte "
-                                 "memory region")
-        elif not isinstance(local, LocalBuffer):
-            raise TypeError(f"post_many: local must be a MemoryRegion or a LocalBuffer, not {type(local).__name__}")
+        lo, hi = _span(offsets)
+        if lo < 0 or hi + size > local.length:
+            raise ValueError(f"post_many: {size} bytes at local offsets {lo}..{hi} exceed the {local.length}-byte "
+                             f"{'memory region' if isinstance(local, MemoryRegion) else 'buffer'}")
+        check_range("lkey", local.lkey, 0, 0xFFFFFFFF)
+        check_range("local address", local.addr + hi, 0, (1 << 64) - 1)
         address, rkey = 0, 0
         if wqe_type in (SEND, SEND_IMM):
             if remote is not None:
@@ -580,20 +609,23 @@ class QueuePair:
             raise ValueError(f"post_many: {verb} needs a remote region")
         else:
             lo, hi = _span(remote_offsets)
-            _remote(remote, lo, size)
+            if lo < 0:
+                raise ValueError(f"post_many: remote offset {lo} is negative")
             _remote(remote, hi, size)
             address, rkey = remote.addr, remote.rkey
-        marks = sorted(set(signal))
+            check_range("rkey", rkey, 0, 0xFFFFFFFF)
+            check_range("remote address", address + hi, 0, (1 << 64) - 1)
+        marks = sorted(set(_integers("signal", list(signal))))
         if marks and not 0 <= marks[0] <= marks[-1] < count:
             raise ValueError(f"post_many: signal indexes must be in [0, {count}), not {marks}")
         sq = self.send_queue
         taken = sq.taken(sq.wqe_slots(1 if size else 0)) * count
+        if not sq.fits(taken, count):
+            raise ValueError(f"post_many: {count} work requests do not fit QP {self.qpn:#x}'s send queue (a batch "
+                             f"takes at most half its {sq.slots} slots and {sq.max_wqes} work requests)")
         while self.state is not RTS or not sq.room(taken, count):
-            if self.state is not RTS:
-                return [self._refused(verb, "connect() it first")]
-            if not sq.fits(taken, count):
-                raise ValueError(f"post_many: {count} work requests do not fit QP {self.qpn:#x}'s send queue "
-                                 f"({sq.slots} slots, {sq.max_wqes} work requests)")
+            if self.state is not RTS:  # in ERR: as many flushed completions as it would have given
+                return [self._refused(verb, "connect() it first")] * (len(marks) + (count - 1 not in marks))
             await self._wait_for_space(verb)
         tokens = {i: Completion(verb) for i in marks}
         if count - 1 not in tokens:
@@ -641,7 +673,7 @@ class QueuePair:
                                         remote.addr + remote_offset, remote.rkey, imm, signaled, completion):
             return None
         self.send_cq.outstanding += 1  # _posted(1), inlined: this runs once per operation
-        if self._batch_depth:
+        if self in _batching.get():
             self._doorbell_due = True
         else:
             self._ring_sq()
@@ -700,7 +732,7 @@ class QueuePair:
         """After WQEs are in the ring: count their completions, ring the doorbell (or leave it to the batch), wake
         a sleeping poller."""
         self.send_cq.outstanding += tokens
-        if self._batch_depth:
+        if self in _batching.get():
             self._doorbell_due = True
         else:
             self._ring_sq()
@@ -918,6 +950,8 @@ def _local(local: MemoryRegion | LocalBuffer, offset: int, size: int | None) -> 
         local._check_open()
         if offset < 0 or size < 0 or offset + size > local.length:
             raise ValueError(f"{size} bytes at offset {offset} exceed the {local.length}-byte memory region")
+    check_range("size", size, 0, KEY_MAX)  # an SGE's length field
+    check_range("local address", local.addr + offset, 0, ADDRESS_MAX - size + 1)
     return size, ((local.addr + offset, local.lkey, size) if size else None)
 
 
@@ -926,7 +960,23 @@ def _remote(remote: RemoteRegion | MemoryRegion, offset: int, size: int) -> tupl
         remote._check_open()
     if remote.length is not None and (offset < 0 or offset + size > remote.length):
         raise ValueError(f"{size} bytes at remote offset {offset} exceed the {remote.length}-byte remote region")
+    check_range("remote address", remote.addr + offset, 0, ADDRESS_MAX - size + 1)
     return remote.addr + offset, remote.rkey
+
+
+def _integers(name: str, values: Iterable[Any]) -> Sequence[int]:
+    """`values` as a sequence of ints (a range as it is): anything else is refused, naming it."""
+    if isinstance(values, range):
+        return values
+    result = []
+    for value in values:
+        if isinstance(value, bool):
+            raise TypeError(f"post_many: {name} must be integers, not booleans")
+        try:
+            result.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"post_many: {name} must be integers, not {type(value).__name__}") from None
+    return result
 
 
 def _span(values: Sequence[int]) -> tuple[int, int]:

@@ -23,9 +23,9 @@ from typing import Any, Sequence
 from .autogen import bnxt
 from .hw.cqe import SQ_CONS_IDX_MASK
 from .hw.verbs import PSN_MASK, psn_count
-from .hw.wqe import (MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER,
-                     SQ_RDMA_HEADER_AND_SGE, SQ_SEND_HEADER, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS,
-                     SqGeometry, msn_entry, psn_search_values)
+from .hw.wqe import (MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS, SGE,
+                     SQ_RDMA_HEADER, SQ_RDMA_HEADER_AND_SGE, SQ_SEND_HEADER, SQ_SLOT, SQ_STATIC_WQE_SLOTS,
+                     SQ_WQE_HEADER_SLOTS, SqGeometry, msn_entry, psn_search_values)
 
 SIGNAL = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP
 INLINE = bnxt.SQ_SEND_FLAGS_INLINE
@@ -93,8 +93,9 @@ class SendQueueCodec:
                 and self.posted - self.retired + wqes <= self.max_wqes)
 
     def fits(self, slots: int, wqes: int = 1) -> bool:
-        """Whether they could ever fit (in an empty ring)."""
-        return slots <= self.slots and wqes <= self.max_wqes
+        """Whether they can always come to fit: in half the ring (the other half may hold unsignaled WQEs that no
+        completion will retire until a signaled one follows them; `max_unsignaled` keeps them under half)."""
+        return slots <= self.slots // 2 and wqes <= self.max_wqes // 2
 
     @property
     def outstanding(self) -> int:
@@ -102,17 +103,12 @@ class SendQueueCodec:
         return self.posted - self.retired
 
     # -- posting ---------------------------------------------------------------------------------------------------
-    def _flags(self, signaled: bool) -> int:
-        if signaled or self.unsignaled_run >= self.max_unsignaled:
-            self.unsignaled_run = 0
-            return SIGNAL
-        self.unsignaled_run += 1
-        return 0
-
     def post(self, wqe_type: int, sges: Sequence[Sge], length: int, remote_va: int, rkey: int, imm: int,
              signaled: bool, token: Any, inline: bytes | memoryview | None = None) -> None:
-        """Any WQE: its header, then `sges` (or `inline` data, `length` bytes of it), wrapping slot by slot."""
-        flags = self._flags(signaled) | (INLINE if inline is not None else 0)
+        """Any WQE: its header, then `sges` (or `inline` data, `length` bytes of it), wrapping slot by slot. A value
+        the WQE cannot hold raises struct.error and changes nothing."""
+        signaled = signaled or self.unsignaled_run >= self.max_unsignaled
+        flags = (SIGNAL if signaled else 0) | (INLINE if inline is not None else 0)
         if inline is not None:
             body = bytes(inline).ljust(-(-len(inline) >> SLOT_SHIFT) << SLOT_SHIFT, b"\0")
         else:
@@ -125,6 +121,7 @@ class SendQueueCodec:
         start = self.producer
         offset = (start & self.slot_mask) << SLOT_SHIFT
         self._write(offset, wqe)
+        self.unsignaled_run = 0 if signaled else self.unsignaled_run + 1
         self._publish(wqe_type, start, self.taken(size), length, flags, token)
 
     def _write(self, offset: int, wqe: bytes) -> None:
@@ -166,12 +163,11 @@ class SendQueueCodec:
         if offset > self.ring_bytes - _ONE_BYTES or not self.host_msn:
             self.post(wqe_type, ((address, lkey, length),), length, remote_va, rkey, imm, signaled, token)
             return True
-        if signaled or self.unsignaled_run >= self.max_unsignaled:
-            self.unsignaled_run, flags = 0, SIGNAL
-        else:
-            self.unsignaled_run, flags = self.unsignaled_run + 1, 0
+        run = self.unsignaled_run
+        flags = SIGNAL if signaled or run >= self.max_unsignaled else 0
         view, psn, mtu, msn = self.view, self.psn, self.mtu, self.msn
         _PACK_ONE(view, offset, wqe_type, flags, _ONE_SLOTS, imm, length, remote_va, rkey, 0, address, lkey, length)
+        self.unsignaled_run = 0 if flags else run + 1
         self.psn = next_psn = (psn + (length + mtu - 1) // mtu) & PSN_MASK
         _PACK_MSN(view, self.ring_bytes + ((msn & self.table_mask) << _MSN_SHIFT),
                   psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
@@ -187,17 +183,25 @@ class SendQueueCodec:
         """len(`offsets`) WQEs of one SGE each in one pass: the i-th moves `length` bytes at `address + offsets[i]`
         (to or from `remote_va + remote_offsets[i]` for RDMA types). WQE i is signaled, with token `tokens[i]`, when
         `tokens` has it (give the last one a token: its CQE retires the run); the others only when the unsignaled
-        run reaches its bound. The caller checked `room`."""
+        run reaches its bound. The caller checked `room`. A value a WQE cannot hold raises struct.error and posts
+        none of them."""
         rdma = wqe_type in RDMA_WQE_TYPES
         if not length or not self.host_msn:  # the rarer WQEs: one at a time
-            for i, local in enumerate(offsets):
-                token = tokens.get(i)
-                sges = ((address + local, lkey, length),) if length else ()
-                self.post(wqe_type, sges, length, remote_va + remote_offsets[i] if rdma else 0, rkey, imm,
-                          token is not None, token)
+            saved = (self.producer, self.posted, self.psn, self.msn, self.unsignaled_run, len(self.pending))
+            try:
+                for i, local in enumerate(offsets):
+                    token = tokens.get(i)
+                    sges = ((address + local, lkey, length),) if length else ()
+                    self.post(wqe_type, sges, length, remote_va + remote_offsets[i] if rdma else 0, rkey, imm,
+                              token is not None, token)
+            except BaseException:
+                self.producer, self.posted, self.psn, self.msn, self.unsignaled_run, kept = saved
+                while len(self.pending) > kept:
+                    self.pending.pop()
+                raise
             return
         view, slot_mask, table_mask, cap = self.view, self.slot_mask, self.table_mask, self.max_unsignaled
-        table, limit, pending = self.ring_bytes, self.ring_bytes - _ONE_BYTES, self.pending
+        table, limit, entries = self.ring_bytes, self.ring_bytes - _ONE_BYTES, []
         taken = self.static_slots or _ONE_SLOTS
         npsn = psn_count(length, self.mtu)
         first, psn, msn, number, run = self.producer, self.psn, self.msn, self.posted, self.unsignaled_run
@@ -224,8 +228,9 @@ class SendQueueCodec:
                       psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
             psn, msn, start = next_psn, msn + 1, start + taken
             if i == mark:
-                pending.append((number + i + 1, tokens[i]))
+                entries.append((number + i + 1, tokens[i]))
                 mark = next(marks, -1)
+        self.pending.extend(entries)  # only now: a WQE that could not be packed left the codec as it was
         count = (start - first) // taken
         self._ends(number, first, taken, count)
         self.producer, self.psn, self.msn, self.posted, self.unsignaled_run = start, psn, msn, number + count, run
@@ -291,10 +296,13 @@ class RecvQueueCodec:
         return len(self.pending) + wqes <= self.depth
 
     def post(self, sges: Sequence[Sge], token: Any) -> None:
-        """A receive WQE into `sges` (none: a receive for a WRITE_WITH_IMM's immediate); the caller checked `room`."""
+        """A receive WQE into `sges` (none: a receive for a WRITE_WITH_IMM's immediate, which carries one zero-length
+        SGE, as Linux's bnxt_re posts it); the caller checked `room`. Its wqe_size counts the SGEs it has, so the NIC
+        never reads a slot's SGEs left from an earlier receive."""
         tag = self.producer & RECV_TAG_MASK
-        wqe = RQ_WQE_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, self.wqe_size >> SLOT_SHIFT, tag, 0)
-        wqe += b"".join(SGE.pack(*sge) for sge in sges)
+        body = b"".join(SGE.pack(*sge) for sge in sges) or SGE.pack(0, 0, 0)
+        wqe = RQ_WQE_HEADER.pack(bnxt.RQ_WQE_HDR_WQE_TYPE_RCV, 0, RQ_WQE_HEADER_SLOTS + (len(body) >> SLOT_SHIFT),
+                                 tag, 0) + body
         offset = (self.producer % self.depth) * self.wqe_size
         self.view[offset:offset + len(wqe)] = wqe
         self.pending.append((tag, token))

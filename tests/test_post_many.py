@@ -9,7 +9,7 @@ import pytest
 
 from aiofabric import ClosedError, QPStateError, open_nic
 from aiofabric.completions import CompletionError
-from aiofabric.queues import RemoteRegion
+from aiofabric.queues import LocalBuffer, RemoteRegion
 
 pytestmark = pytest.mark.anyio
 
@@ -22,8 +22,8 @@ async def pair(sq_depth=64, **qp_options):
         cq_a, cq_b = await a.create_cq(1024), await b.create_cq(1024)
         qa = await a.create_qp(cq_a, sq_depth=sq_depth, rq_depth=256, **qp_options)
         qb = await b.create_qp(cq_b, sq_depth=sq_depth, rq_depth=256, **qp_options)
-        await qa.connect(qb.info(), timeout=8)
-        await qb.connect(qa.info(), timeout=8)
+        await qa.connect(qb.info(), timeout=14)  # ~67 ms: a loaded 2-core machine never times an ACK out
+        await qb.connect(qa.info(), timeout=14)
         source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
         source.view[:] = random.Random(7).randbytes(1 << 16)
         yield qa, qb, source, target
@@ -187,3 +187,73 @@ async def test_inline_and_sges_beyond_the_device_are_refused_at_create():
         await qp.connect(qp.info())
         with pytest.raises(ValueError, match=r"max_inline_data \(0"):
             await qp.post_write(mr, mr, 8, inline=True)
+
+
+async def test_hostile_arguments_are_refused_before_anything_is_posted():
+    """Each refusal leaves the QP as it was (found by review: a run that failed halfway left a completion behind, and
+    the next good write never completed; a float signal index lost the batch's completions)."""
+    async with pair() as (qa, qb, source, target):
+        far = RemoteRegion(2**64 - 4096, target.rkey)  # a peer's region of unknown length, near the top
+        cases = [
+            ((source, target, 64, [0, 64.0]), {}, TypeError, "offsets must be integers, not float"),
+            ((source, target, 64, [0, True]), {}, TypeError, "not booleans"),
+            ((source, target, 64, [0, 64]), {"signal": [0.5]}, TypeError, "signal must be integers"),
+            ((source, target, 64, [0]), {"remote_offsets": ["0"]}, TypeError, "remote_offsets must be integers"),
+            ((source, far, 64, [0, 64], ), {"remote_offsets": [0, 8192]}, ValueError, "remote address"),
+            ((source, far, 64, [0]), {"remote_offsets": [-2**70]}, ValueError, "is negative"),
+            ((LocalBuffer(source.addr, source.lkey, 4096), target, 64, [0, 4096]), {}, ValueError,
+             "exceed the 4096-byte buffer"),
+        ]
+        for args, keywords, kind, message in cases:
+            before = (qa.send_queue.posted, len(qa.send_queue.pending), qa.send_cq.outstanding)
+            with pytest.raises(kind, match=message):
+                await qa.post_many("write", *args, **keywords)
+            assert (qa.send_queue.posted, len(qa.send_queue.pending), qa.send_cq.outstanding) == before
+        with pytest.raises(ValueError, match="rkey must be an integer"):
+            RemoteRegion(target.addr, 1 << 32)
+        with anyio.fail_after(10):
+            await (await qa.post_many("write", source, target, 64, [0, 64], signal=[0]))[-1]
+            await qa.write(source, target, 64)
+        assert qa.send_cq.outstanding == 0 and qa.send_queue.outstanding == 0
+
+
+async def test_a_batch_takes_at_most_half_the_ring_so_an_unsignaled_tail_cannot_block_it():
+    """Unsignaled writes no completion retires yet sit at the ring's tail: a batch of up to half the ring still gets
+    room (found by review: a batch of most of the ring waited forever behind them)."""
+    async with pair(sq_depth=64) as (qa, qb, source, target):
+        sq = qa.send_queue
+        for i in range(10):
+            await qa.post_write(source, target, 64, local_offset=64 * i, remote_offset=64 * i, signaled=False)
+        half = sq.slots // 2 // 3
+        with pytest.raises(ValueError, match="at most half"):
+            await qa.post_many("write", source, target, 64, range(0, 64 * (half + 1), 64))
+        with anyio.fail_after(10):
+            await (await qa.post_many("write", source, target, 64, range(0, 64 * half, 64)))[-1]
+        assert sq.outstanding == 0
+
+
+async def test_a_receive_never_scatters_into_sges_an_earlier_receive_left_in_its_slot():
+    """RQ depth 1: every receive reuses slot 0. A two-SGE receive, then a one-SGE receive of 100 bytes: a 150-byte
+    send must fail, not spill into the earlier receive's second SGE (found by review)."""
+    async with pair(max_recv_sge=2) as (qa, qb, source, target):
+        first = await qb.post_recv([target.sge(0, 100), target.sge(4096, 100)])
+        with anyio.fail_after(10):
+            await qa.send(source, 200)
+            assert (await first).byte_len == 200
+        target.view[:] = bytes(len(target.view))
+        second = await qb.post_recv(target.sge(1000, 100))
+        with anyio.fail_after(20):
+            with pytest.raises(CompletionError):
+                await qa.send(source, 150)
+            with pytest.raises(CompletionError):
+                await second
+        assert not any(target.view[4096:4196])
+
+
+async def test_a_send_queue_the_search_table_cannot_index_is_refused_at_create():
+    tag = f"{os.getpid()}-{random.getrandbits(20)}"
+    async with open_nic(f"sim:e{tag}") as nic:
+        cq = await nic.create_cq(64)
+        with pytest.raises(ValueError, match="sq_depth 30000 needs 131072 send-queue slots.* 16 bits, so at most 65536"):
+            await nic.create_qp(cq, sq_depth=30000)
+        assert (await nic.create_qp(cq, sq_depth=21845)).sq_slots == 65536

@@ -122,6 +122,28 @@ async def test_a_receive_listed_before_the_send_on_its_qp_does_not_hold_the_send
 
 
 @pytest.mark.anyio
+async def test_a_receive_waiting_for_room_does_not_hold_back_the_sends_doorbell():
+    """The workers of a QP's two sides post behind one doorbell each. Here A's receive side waits for room (its RQ
+    holds 2) inside its batch, while A's send side posts the write B's sends wait for: when the batch was the QP's,
+    not the task's, the write's doorbell waited for the receive side's batch to end, which waited for B's sends
+    (found by review; the run hung)."""
+    async with open_nic("sim") as a, open_nic("sim") as b:
+        cq_a, cq_b = await a.create_cq(64), await b.create_cq(64)
+        qa = await a.create_qp(cq_a, sq_depth=16, rq_depth=2)
+        qb = await b.create_qp(cq_b, sq_depth=16, rq_depth=2)
+        await qa.connect(qb.info(), timeout=14)
+        await qb.connect(qa.info(), timeout=14)
+        source, landing, target = await a.register_mr(4096), await a.register_mr(4096), await b.register_mr(4096)
+        slow = sched.kernel(lambda out: out.fill(1), [np.zeros(8)], queue=sched.ComputeQueue("slow"), name="slow")
+        write = sched.write(qa, source, target, 64, name="write").after(slow)
+        batch = sched.compile([slow, *[sched.recv(qa, landing, 64, local_offset=64 * i, name=f"recv{i}")
+                                       for i in range(3)],
+                               write, *[sched.send(qb, target, 64, name=f"send{i}").after(write) for i in range(3)]])
+        with anyio.fail_after(20):
+            await batch.run(timeout=10)
+
+
+@pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_a_run_past_its_timeout_names_the_calls_still_pending():
     async with open_nic("sim") as a, open_nic("sim") as b:

@@ -5,6 +5,7 @@ its search-table entry checked, so a post that overwrites live WQEs, a wrong PSN
 fast paths (post_one, post_run) are held byte for byte to the general `post`.
 """
 import dataclasses
+import struct
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -274,3 +275,22 @@ def test_receive_queue_posts_tags_and_matches_in_order():
     assert rq.drain() == ["r2", "r3", "r4"] and rq.room(depth)
     rq.reset()
     assert rq.producer == 0 and not any(rq.view)
+
+
+@pytest.mark.parametrize("layout", GEOMETRIES)
+def test_a_wqe_that_cannot_be_packed_changes_nothing(layout):
+    """struct.error from any path leaves the codec as it was: no token, no signal counted, nothing published (found
+    by review: the unsignaled run advanced on a failed post, and a run failing halfway left a token behind)."""
+    sq = codec(GEOMETRIES[layout], max_unsignaled=3)
+    sq.post_one(WRITE, 0x1000, 5, 64, 0x2000, 6, 0, False, "first")
+    state = lambda: (sq.producer, sq.posted, sq.psn, sq.msn, sq.unsignaled_run, list(sq.pending))  # noqa: E731
+    before = state()
+    attempts = [lambda: sq.post(WRITE, [(0x1000, 5, 64)], 64, 0x2000, 1 << 32, 0, False, "bad rkey"),
+                lambda: sq.post_one(WRITE, 0x1000, 5, 64, 0x2000, 1 << 32, 0, False, "bad rkey"),
+                lambda: sq.post_run(WRITE, 2**64 - 200, 5, 0x2000, 6, 64, [0, 64, 128, 256], [0] * 4, 0,
+                                    {0: "signaled", 3: "last"}),
+                lambda: sq.post_run(WRITE, 0x1000, 5, 0x2000, 6, 0, [0, 64], [0, 2**64], 0, {1: "empty, bad va"})]
+    for attempt in attempts:
+        with pytest.raises(struct.error):
+            attempt()
+        assert state() == before
