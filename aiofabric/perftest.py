@@ -550,8 +550,8 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
     result = {
         "verified": mismatch is None, "test": config.test, "qps": config.qps, "size": config.size,
         "iters": config.iters if not config.duration else ops // max(len(flows), 1), "duration": config.duration,
-        "depth": config.depth, "mtu": config.mtu, "nics": config.nics, "ops": ops, "bytes": ops * config.size,
-        "seconds": seconds, "msg_rate": measured_ops / seconds, "bw_MiBps": bandwidth / 2**20,
+        "depth": config.depth, "post_list": config.post_list, "mtu": config.mtu, "nics": config.nics, "ops": ops,
+        "bytes": ops * config.size, "seconds": seconds, "msg_rate": measured_ops / seconds, "bw_MiBps": bandwidth / 2**20,
         "bw_peak_MiBps": max(sampler.peak(), bandwidth) / 2**20, "bw_Gbps": bandwidth * 8 / 1e9,
         "lat_us": {"p50": _percentile(latencies, 50) * 1e6, "p99": _percentile(latencies, 99) * 1e6},
         "driver_cpu_us_per_op": cpu / max(ops, 1) * 1e6, **wire, "fw_version": fw_version,
@@ -588,6 +588,7 @@ def format_table(result: dict[str, Any], config: BenchConfig) -> str:
              f" Number of qps   : {config.qps}\t\tTransport type : IB",
              " Connection type : RC\t\tUsing SRQ      : OFF",
              f" TX depth        : {config.depth}\t\tNICs           : {config.nics}",
+             f" Post List       : {config.post_list}",
              f" Mtu             : {rows[0].get('mtu', config.mtu)}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
              f" Firmware        : {result['fw_version']}" + (f"\t\tDuration       : {config.duration:g} s"
                                                          if config.duration else ""), rule,

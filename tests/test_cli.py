@@ -263,6 +263,19 @@ def test_bench_verifies_every_operation(test, shape):
     assert code == 0 and result["ok"] and result["verified"], process.stdout + process.stderr
 
 
+@pytest.mark.parametrize("shape", [FULL, REUSED], ids=["own-slots", "reused-slots"])
+@pytest.mark.parametrize("test", ["write", "read", "send"])
+def test_bench_post_lists_verify_every_operation(test, shape):
+    """-l posts through QueuePair.post_many: the same bytes, verified the same way."""
+    code, result, process = run("bench", test, *shape, "-l", "4", "--json")
+    assert code == 0 and result["ok"] and result["verified"] and result["post_list"] == 4, process.stdout
+
+
+def test_bench_post_list_longer_than_the_depth_is_refused():
+    code, result, _ = run("bench", "write", "--depth", "8", "--post-list", "9", "--json")
+    assert code == 1 and result["ok"] is False and "-l/--post-list must be in [1, --depth 8]" in result["error"]
+
+
 @pytest.mark.parametrize("shape,fault,why", [
     (FULL, "skip_placement:1", "differ"), (FULL, "misplace:1:64", "differ"),
     (REUSED, "skip_placement:1", "placed 1099 messages"), (REUSED, "misplace:1100:64", "differ"),
