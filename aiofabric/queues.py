@@ -672,13 +672,7 @@ class QueuePair:
         if not self.send_queue.post_one(wqe_type, local.addr + local_offset, local.lkey, size,
                                         remote.addr + remote_offset, remote.rkey, imm, signaled, completion):
             return None
-        self.send_cq.outstanding += 1  # _posted(1), inlined: this runs once per operation
-        if self in _batching.get():
-            self._doorbell_due = True
-        else:
-            self._ring_sq()
-        if self._poller.sleeping:
-            self._poller.work_posted(self.send_cq)
+        self._posted(1)
         return completion
 
     async def _post(self, verb: str, wqe_type: int, local: Local, remote: RemoteRegion | MemoryRegion | None,
