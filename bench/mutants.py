@@ -33,7 +33,7 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids (a test function's id selects all its parameters)
 
 
-PACKETS, RESPONDER, QUEUES = "aiofabric/sim/packets.py", "aiofabric/sim/responder.py", "aiofabric/queues.py"
+PACKETS, RESPONDER, WORKQUEUE = "aiofabric/sim/packets.py", "aiofabric/sim/responder.py", "aiofabric/workqueue.py"
 PLAN, PROTOCOL, DEVICE, LATENCY = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/device.py",
                                    "aiofabric/latency.py")
 SCAPY_ICRC = ("tests/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
@@ -47,6 +47,8 @@ RETIRE = (DATAPATH + "test_unsignaled_work_before_a_failing_request_completes_wi
           DATAPATH + "test_hundreds_in_flight_unsignaled_retired_and_sq_wraps",
           DATAPATH + "test_bad_rkey_fails_with_remote_access_error_and_flushes_the_rest")
 PLANNING = ("tests/test_sched_plan.py",)
+CODEC_MODEL = "tests/test_workqueue.py::test_the_codec_matches_the_model"
+CODEC_FAST = "tests/test_workqueue.py::test_the_fast_paths_write_what_post_writes"
 PEER_REQUESTS = ("tests/test_peer.py::test_bad_requests_name_what_is_wrong_and_keep_their_id",)
 CLOSE = ("tests/test_lifetimes.py::test_a_close_destroys_what_is_attached_in_an_order_the_firmware_accepts",
          "tests/test_lifetimes.py::test_close_inside_the_block_stops_the_nics_own_tasks_before_freeing_their_rings",
@@ -67,22 +69,32 @@ MUTANTS = [
            "racing = self.go_back_due and psn_diff(psn, self.dropped_hi) > 0", "racing = False",
            (SIM + "test_a_reordered_pair_earns_one_nak_and_one_go_back",
             SIM + "test_a_lost_retransmission_is_a_new_gap_with_its_own_nak")),
-    Mutant("wqe: immediate and length swapped in the RDMA header", QUEUES,
-           "SQ_RDMA_HEADER.pack(wqe_type, flags, slots, imm, length,",
-           "SQ_RDMA_HEADER.pack(wqe_type, flags, slots, length, imm,",
-           (DATAPATH + "test_write_lands_exactly_across_message_sizes",)),
-    Mutant("msn: start PSN and next PSN swapped in the MSN entry", QUEUES,
-           "msn_entry(psn, next_psn,", "msn_entry(next_psn, psn,", MSN),
-    Mutant("msn: the WQE's first slot packed into the next-PSN field", "aiofabric/hw/wqe.py",
-           "start_idx << _START_IDX[0] & _START_IDX[1]", "start_idx << _NEXT_PSN[0] & _NEXT_PSN[1]", MSN),
-    Mutant("msn: every message writes the same MSN entry", QUEUES,
-           "            self.msn += 1\n", "            self.msn += 0\n", MSN),
-    Mutant("psn search: start PSN and next PSN swapped in the search entry", QUEUES,
-           "psn_search_values(wqe_type, psn, next_psn,", "psn_search_values(wqe_type, next_psn, psn,", (UNDER_LOSS,)),
-    Mutant("retire: unsignaled work before a failing request gets its error", QUEUES,
-           "if distance == 1 and status:", "if status:", RETIRE),
-    Mutant("retire: a CQE also retires the work request at its consumer index", QUEUES,
-           "if distance == 0 or distance >", "if distance >", RETIRE),
+    Mutant("wqe: immediate and length swapped in the one-SGE WQE", WORKQUEUE,
+           "flags, _ONE_SLOTS, imm, length, remote_va, rkey,", "flags, _ONE_SLOTS, length, imm, remote_va, rkey,",
+           (DATAPATH + "test_write_lands_exactly_across_message_sizes", CODEC_FAST)),
+    Mutant("wqe: immediate and length swapped in the RDMA header of any WQE", WORKQUEUE,
+           "SQ_RDMA_HEADER.pack(wqe_type, flags, size, imm, length,",
+           "SQ_RDMA_HEADER.pack(wqe_type, flags, size, length, imm,", (CODEC_MODEL,)),
+    Mutant("msn: start PSN and next PSN swapped in the MSN entry", WORKQUEUE,
+           "<< _MSN_SHIFT),\n                  psn << _SP | next_psn << _NP",
+           "<< _MSN_SHIFT),\n                  next_psn << _SP | psn << _NP", MSN + (CODEC_FAST,)),
+    Mutant("msn: start PSN and next PSN swapped in the MSN entry of any WQE", WORKQUEUE,
+           "msn_entry(psn, next_psn, start_slot)", "msn_entry(next_psn, psn, start_slot)", (CODEC_MODEL,)),
+    Mutant("msn: every message writes the same MSN entry", WORKQUEUE,
+           "        self.msn = msn + 1\n", "        self.msn = msn + 0\n", MSN),
+    Mutant("psn search: start PSN and next PSN swapped in the search entry", WORKQUEUE,
+           "psn_search_values(wqe_type, psn, next_psn,", "psn_search_values(wqe_type, next_psn, psn,",
+           (UNDER_LOSS, CODEC_MODEL)),
+    Mutant("retire: unsignaled work before a failing request gets its error", WORKQUEUE,
+           "while pending and pending[0][0] < target:", "while pending and pending[0][0] < target - 1:",
+           RETIRE + (CODEC_MODEL,)),
+    Mutant("retire: a failing request's completion succeeds", WORKQUEUE,
+           "while pending and pending[0][0] < target:", "while pending and pending[0][0] <= target:",
+           RETIRE + (CODEC_MODEL,)),
+    Mutant("retire: the 16-bit consumer index is not unwrapped", WORKQUEUE,
+           "distance = (sq_cons_idx - self.retired) & SQ_CONS_IDX_MASK", "distance = sq_cons_idx - self.retired",
+           ("tests/test_workqueue.py::test_retirement_survives_the_16_bit_index_wrap",
+            "tests/test_post_many.py::test_post_many_waits_for_room_and_crosses_the_16_bit_wqe_index")),
     Mutant("plan: a write does not wait for earlier readers (write-after-read)", PLAN,
            "if segment.readers:  # every reader", "if False:  # every reader", PLANNING),
     Mutant("plan: a write does not wait for the earlier writer (write-after-write)", PLAN,
