@@ -50,14 +50,16 @@ class ScapyPeer:
     def send(self, packet) -> None:
         self.send_socket.sendto(raw(packet), (packet[IP].dst, 0))
 
-    def receive(self, timeout=5.0):
+    def receive(self, source, timeout=5.0):
+        """The next RoCE packet from `source` (the test's NIC): another run's emulated NIC may still be sending to
+        this address (a retransmission to a peer that was at 127.0.0.78), and is not the one under test."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             ready, _, _ = select.select([self.receive_socket], [], [], left)
             if not ready:
                 break
             packet = IP(self.receive_socket.recv(65535))
-            if UDP in packet and packet[UDP].dport == 4791:
+            if UDP in packet and packet[UDP].dport == 4791 and packet[IP].src == source:
                 return packet
         raise TimeoutError(f"no RoCE packet reached the scapy peer within {timeout:g} s")
 
@@ -88,7 +90,7 @@ async def test_scapy_requester_writes_into_an_aiofabric_memory_region_and_is_ack
                      / BTH(opcode=opcode("RC", "RDMA_WRITE_ONLY")[0], dqpn=qp.qpn, psn=psn, ackreq=1, padcount=3)
                      / Raw(reth + payload + bytes(3)))
             peer.send(write)
-            ack = await anyio.to_thread.run_sync(peer.receive)
+            ack = await anyio.to_thread.run_sync(peer.receive, nic.ip)
             assert ack[BTH].opcode == opcode("RC", "ACKNOWLEDGE")[0] and ack[BTH].psn == psn
             assert ack[BTH].dqpn == PEER_QPN and AETH in ack and ack[AETH].syndrome & 0x60 == 0
             assert icrc_is_scapys(ack) and ack[IP].flags.DF
@@ -105,7 +107,7 @@ async def test_aiofabric_writes_into_a_scapy_responder():
             source = await nic.register_mr(4096)
             source.view[:100] = random.randbytes(100)
             completion = await qp.post_write(source, RemoteRegion(0xABC000, 0x4242, 4096), 100)
-            request = await anyio.to_thread.run_sync(peer.receive)
+            request = await anyio.to_thread.run_sync(peer.receive, nic.ip)
             assert icrc_is_scapys(request)
             bth = request[BTH]
             assert bth.opcode == opcode("RC", "RDMA_WRITE_ONLY")[0] and bth.dqpn == PEER_QPN and bth.ackreq
