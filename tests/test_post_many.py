@@ -29,9 +29,10 @@ async def pair(sq_depth=64, **qp_options):
         yield qa, qb, source, target
 
 
-async def test_post_many_writes_land_and_complete_where_asked():
-    async with pair() as (qa, qb, source, target):
-        offsets = range(0, 40 * 100, 100)  # 40 writes of 100 bytes, remote placed in reverse order
+@pytest.mark.parametrize("count", [40, 100])  # 100: a run long enough to be written as arrays (VECTOR_RUN)
+async def test_post_many_writes_land_and_complete_where_asked(count):
+    async with pair(sq_depth=256) as (qa, qb, source, target):
+        offsets = range(0, count * 100, 100)  # writes of 100 bytes, remote placed in reverse order
         remotes = [60_000 - o for o in offsets]
         with anyio.fail_after(10):
             done = await qa.post_many("write", source, target, 100, offsets, remote_offsets=remotes, signal=[3, 17])
