@@ -141,7 +141,7 @@ def test_the_codec_matches_the_model(layout, data):
                 continue
             model.add(WRITE, length, remote, SGE.pack(address, 5, length), False, asked, token, sq.taken(3), start)
         elif action == "post_run":
-            count = data.draw(st.sampled_from([data.draw(st.integers(1, 12)), data.draw(st.integers(48, 56))]))
+            count = data.draw(st.sampled_from([data.draw(st.integers(1, 12)), data.draw(st.integers(24, 40))]))
             length = data.draw(st.integers(0, 700))
             if not sq.room(sq.taken(3 if length else 2) * count, count):
                 continue
@@ -233,7 +233,7 @@ class Twin:
 @settings(max_examples=40, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(0, 1), st.sampled_from([WRITE, READ, SEND]), st.integers(0, 5000),
                                 st.lists(st.integers(0, 1 << 30), min_size=1, max_size=60), st.booleans()),
-                      min_size=1, max_size=12))  # runs of 48 and more are written as arrays (VECTOR_RUN)
+                      min_size=1, max_size=12))  # runs of 24 and more are written as arrays (VECTOR_RUN)
 def test_the_fast_paths_write_what_post_writes(layout, steps):
     twin = Twin(GEOMETRIES[layout])
     for one, kind, length, offsets, signaled in steps:
