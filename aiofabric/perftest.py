@@ -337,6 +337,8 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
     stamp = b"" if slots == config.iters or config.test == "read" or slots < config.depth else \
         (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
     data, target = flow.source.view, flow.target_region
+    client, source = flow.client, flow.source
+    one_sided = {"write": client.post_write, "read": client.post_read}.get(config.test)
     while True:
         if deadline is not None and time.perf_counter() >= deadline or stop is not None and stop.is_set():
             limit = posted
@@ -361,21 +363,17 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
                 in_flight.append((started, completion, count))
                 posted += count
                 continue
-            with flow.client.batch():
+            with client.batch():
+                last = count - 1
                 for k in range(count):
                     slot = (posted + k) % slots * size
-                    last = k == count - 1
-                    if config.test == "write":
-                        completion = await flow.client.post_write(flow.source, target, size, local_offset=slot,
-                                                                  remote_offset=slot, signaled=last)
-                    elif config.test == "read":
-                        completion = await flow.client.post_read(flow.source, target, size, local_offset=slot,
-                                                                 remote_offset=slot, signaled=last)
+                    if one_sided is not None:
+                        completion = await one_sided(source, target, size, local_offset=slot, remote_offset=slot,
+                                                     signaled=k == last)
                     else:
                         if flow.remote is None:
                             await flow.server.post_recv(flow.target, size, local_offset=slot)
-                        completion = await flow.client.post_send(flow.source, size, local_offset=slot,
-                                                                 signaled=last)
+                        completion = await client.post_send(source, size, local_offset=slot, signaled=k == last)
             in_flight.append((started, completion, count))
             posted += count
         if not in_flight:

@@ -5,7 +5,6 @@ RCFW commands on its `Device`; its host memory (rings, page tables) is freed onl
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import enum
@@ -13,7 +12,7 @@ import itertools
 import operator
 import random
 import weakref
-from typing import Any, Iterable, Iterator, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 import anyio
 
@@ -143,6 +142,25 @@ class LocalBuffer:
         check_range("addr", self.addr, 0, ADDRESS_MAX)
         check_range("lkey", self.lkey, 0, KEY_MAX)
         check_range("length", self.length, 0, KEY_MAX)
+
+
+class _Batch:
+    """QueuePair.batch()'s block (a class, not a generator: it is entered once per batch of posts)."""
+
+    __slots__ = ("qp", "outer", "token")
+
+    def __init__(self, qp: QueuePair) -> None:
+        self.qp = qp
+
+    def __enter__(self) -> None:
+        self.outer = _batching.get()
+        self.token = _batching.set(self.outer + (self.qp,))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _batching.reset(self.token)
+        qp = self.qp
+        if qp._doorbell_due and qp not in self.outer:
+            qp._ring_sq()
 
 
 class CompletionQueue:
@@ -490,19 +508,12 @@ class QueuePair:
 
 
     # -- data verbs ------------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Post several work requests and ring the SQ doorbell once, when the block ends (the outermost, if nested).
-        Only the posts of the task in the block wait for its end: another task's post to the QP rings at once (and
-        announces everything posted before it), so no task waits on a doorbell held by a block it cannot see."""
-        outer = _batching.get()
-        token = _batching.set(outer + (self,))
-        try:
-            yield
-        finally:
-            _batching.reset(token)
-            if self._doorbell_due and self not in outer:
-                self._ring_sq()
+    def batch(self) -> _Batch:
+        """`with qp.batch():` posts several work requests and rings the SQ doorbell once, when the block ends (the
+        outermost, if nested). Only the posts of the task in the block wait for its end: another task's post to the
+        QP rings at once (and announces everything posted before it), so no task waits on a doorbell held by a block
+        it cannot see. (A task started inside the block inherits it.)"""
+        return _Batch(self)
 
     async def post_write(self, local: Local, remote: RemoteRegion | MemoryRegion, size: int | None = None, *,
                          local_offset: int = 0, remote_offset: int = 0, signaled: bool = True,
