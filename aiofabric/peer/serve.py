@@ -378,7 +378,12 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
         except _GONE as exc:  # the client is gone (broken pipe): stop as at end of input
             if not strict:
                 log.warning("cannot answer request %d: %s; stopping", request.id, exc)
-            finish("cannot answer", f"{who}: cannot answer request {request.id}: {exc}")
+            if endpoint.objects:  # what reading would have found a moment later (which side notices first is luck)
+                finish("disconnected mid-run", f"{who} disconnected mid-run (cannot answer request {request.id}: "
+                                               f"{exc or type(exc).__name__}; {len(endpoint.objects)} object(s) open); "
+                                               "closed them")
+            else:
+                finish("cannot answer", f"{who}: cannot answer request {request.id}: {exc}")
         answered(token)  # or never will be: the session ends without answers
 
     async def watch_idle(idle: float) -> None:
