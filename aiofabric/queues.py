@@ -29,7 +29,7 @@ from .hw.wqe import RQ_WQE_HEADER, SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEA
 from .pci import DmaBuffer
 from .poller import Poller
 from .rings import Ring, page_table
-from .workqueue import RecvQueueCodec, SendQueueCodec, Sge
+from .workqueue import RecvQueueCodec, SendQueueCodec, Sge, span
 
 __all__ = ["ALL_ACCESS", "Access", "CompletionQueue", "LocalBuffer", "MemoryRegion", "QPInfo", "QPState", "QueuePair",
            "RemoteRegion", "check_range"]  # QPState: the firmware's QP states (aiofabric.hw.verbs)
@@ -305,7 +305,7 @@ class QueuePair:
         self.rq = Ring(device.pci, 1 << (max(rq_depth, 1) - 1).bit_length(), self.rq_wqe_size)
         self.send_queue = SendQueueCodec(self.geometry, self.sq.view,
                                          max_unsignaled=max(1, self.sq_slots // wqe_slots // 2))
-        self.recv_queue = RecvQueueCodec(self.rq.view, self.rq.depth, self.rq_wqe_size, max_recv_sge)
+        self.recv_queue = RecvQueueCodec(self.rq.view, self.rq.depth, self.rq_wqe_size)
         self.send_queue.psn = random.getrandbits(24)  # like perftest: a random initial PSN per QP
         self.read_queues: list[DmaBuffer] = [device.pci.alloc_dma(0x1000), device.pci.alloc_dma(0x1000)]
         self.qpn = -1
@@ -580,7 +580,8 @@ class QueuePair:
 
         Returns completions in posting order: one for each index in `signal`, then one for the last work request,
         which completes when all of them have (`completions[-1]`; a failure anywhere in the batch fails it). Waits
-        for room for the whole batch; one larger than the send queue is refused."""
+        for room for the whole batch; one larger than half the send queue is refused (the other half may hold
+        unsignaled work requests that no completion retires yet)."""
         wqe_type = VERBS.get(verb)
         if wqe_type is None:
             raise ValueError(f"post_many: verb must be one of {sorted(VERBS)}, not {verb!r}")
@@ -606,12 +607,11 @@ class QueuePair:
             raise TypeError(f"post_many: local must be a MemoryRegion or a LocalBuffer, not {type(local).__name__}")
         if isinstance(local, MemoryRegion):
             local._check_open()
-        lo, hi = _span(offsets)
+        lo, hi = span(offsets)
         if lo < 0 or hi + size > local.length:
             raise ValueError(f"post_many: {size} bytes at local offsets {lo}..{hi} exceed the {local.length}-byte "
                              f"{'memory region' if isinstance(local, MemoryRegion) else 'buffer'}")
-        check_range("lkey", local.lkey, 0, 0xFFFFFFFF)
-        check_range("local address", local.addr + hi, 0, (1 << 64) - 1)
+        check_range("local address", local.addr + hi, 0, ADDRESS_MAX - size + 1)  # keys: checked where made
         address, rkey = 0, 0
         if wqe_type in (SEND, SEND_IMM):
             if remote is not None:
@@ -619,14 +619,12 @@ class QueuePair:
         elif remote is None:
             raise ValueError(f"post_many: {verb} needs a remote region")
         else:
-            lo, hi = _span(remote_offsets)
+            lo, hi = span(remote_offsets)
             if lo < 0:
                 raise ValueError(f"post_many: remote offset {lo} is negative")
-            _remote(remote, hi, size)
+            _remote(remote, hi, size)  # its length and the 64-bit address
             address, rkey = remote.addr, remote.rkey
-            check_range("rkey", rkey, 0, 0xFFFFFFFF)
-            check_range("remote address", address + hi, 0, (1 << 64) - 1)
-        marks = sorted(set(_integers("signal", list(signal))))
+        marks = sorted(set(_integers("signal", signal)))
         if marks and not 0 <= marks[0] <= marks[-1] < count:
             raise ValueError(f"post_many: signal indexes must be in [0, {count}), not {marks}")
         sq = self.send_queue
@@ -884,11 +882,7 @@ class MemoryRegion:
 
     def sge(self, offset: int = 0, length: int | None = None) -> LocalBuffer:
         """`length` bytes at `offset` of the region as one scatter/gather element (for SGE lists)."""
-        self._check_open()
-        if length is None:
-            length = self.length - offset
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise ValueError(f"{length} bytes at offset {offset} exceed the {self.length}-byte memory region")
+        length, _ = _local(self, offset, length)
         return LocalBuffer(self.addr + offset, self.lkey, length)
 
     def remote(self, offset: int = 0, length: int | None = None) -> RemoteRegion:
@@ -982,13 +976,6 @@ def _integers(name: str, values: Iterable[Any]) -> Sequence[int]:
         except TypeError:
             raise TypeError(f"post_many: {name} must be integers, not {type(value).__name__}") from None
     return result
-
-
-def _span(values: Sequence[int]) -> tuple[int, int]:
-    """(smallest, largest) of a non-empty sequence; a range's without walking it."""
-    if isinstance(values, range):
-        return (values[0], values[-1]) if values.step > 0 else (values[-1], values[0])
-    return min(values), max(values)
 
 
 def check_range(name: str, value: int, low: int, high: int) -> None:

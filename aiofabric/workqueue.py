@@ -336,12 +336,16 @@ class SendQueueCodec:
         return tokens
 
 
+def span(values: Sequence[int]) -> tuple[int, int]:
+    """(smallest, largest) of a non-empty sequence; a range's without walking it."""
+    if isinstance(values, range):
+        return (values[0], values[-1]) if values.step > 0 else (values[-1], values[0])
+    return min(values), max(values)
+
+
 def _words(name: str, offsets: Sequence[int], base: int) -> np.ndarray:
     """`base + offsets` as 64-bit words; struct.error (what packing them would raise) when one does not fit."""
-    if isinstance(offsets, range):
-        low, high = (offsets[0], offsets[-1]) if offsets.step > 0 else (offsets[-1], offsets[0])
-    else:
-        low, high = min(offsets), max(offsets)
+    low, high = span(offsets)
     if base + low < 0 or base + high > _ADDRESS_MAX:
         raise struct.error(f"an address ({name} {low} or {high} from {base:#x}) does not fit 64 bits")
     if isinstance(offsets, range):
@@ -373,10 +377,10 @@ def _copy_wrapping(ring: np.ndarray, at: int, words: np.ndarray) -> None:
 
 
 class RecvQueueCodec:
-    """One RQ of `depth` WQEs of `wqe_size` bytes in `view` (RQ_WQE_HEADER then up to `max_sge` SGEs)."""
+    """One RQ of `depth` WQEs of `wqe_size` bytes in `view` (RQ_WQE_HEADER, then the SGEs the slot has room for)."""
 
-    def __init__(self, view: memoryview, depth: int, wqe_size: int, max_sge: int) -> None:
-        self.view, self.depth, self.wqe_size, self.max_sge = view, depth, wqe_size, max_sge
+    def __init__(self, view: memoryview, depth: int, wqe_size: int) -> None:
+        self.view, self.depth, self.wqe_size = view, depth, wqe_size
         self.pending: collections.deque[tuple[int, Any]] = collections.deque()  # (tag, token)
         self.reset()
 

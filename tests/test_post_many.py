@@ -258,3 +258,31 @@ async def test_a_send_queue_the_search_table_cannot_index_is_refused_at_create()
         with pytest.raises(ValueError, match="sq_depth 30000 needs 131072 send-queue slots.* 16 bits, so at most 65536"):
             await nic.create_qp(cq, sq_depth=30000)
         assert (await nic.create_qp(cq, sq_depth=21845)).sq_slots == 65536
+
+
+async def test_a_batch_waiting_for_room_cancelled_from_outside_posts_nothing():
+    """The third half-ring batch waits for room; cancelled there, it leaves the queue as the first two left it, and
+    those two complete."""
+    async with pair(sq_depth=64) as (qa, qb, source, target):
+        sq = qa.send_queue
+        half = range(0, 64 * (sq.slots // 2 // 3), 64)
+        first = [await qa.post_many("write", source, target, 64, half) for _ in range(2)]
+        posted = sq.posted
+        with anyio.move_on_after(0) as scope:
+            await qa.post_many("write", source, target, 64, half)
+        assert scope.cancelled_caught and sq.posted == posted and qa._space_waiters == 0
+        with anyio.fail_after(10):
+            for done in first:
+                await done[-1]
+        assert sq.outstanding == 0 and qa.send_cq.outstanding == 0
+
+
+async def test_a_batch_posted_to_a_failed_qp_completes_flushed_where_it_would_have_completed():
+    async with pair() as (qa, qb, source, target):
+        with anyio.fail_after(10), pytest.raises(CompletionError, match="REMOTE_ACCESS_ERR"):
+            await qa.write(source, RemoteRegion(target.addr, target.rkey ^ 0x100), 64)
+        done = await qa.post_many("write", source, target, 64, range(0, 640, 64), signal=[2, 5])
+        assert len(done) == 3
+        for completion in done:
+            with pytest.raises(CompletionError, match="FLUSH"):
+                await completion

@@ -258,7 +258,7 @@ def test_the_equivalence_check_sees_a_wrong_search_table_entry(monkeypatch):
 
 def test_receive_queue_posts_tags_and_matches_in_order():
     depth, wqe_size = 4, RQ_WQE_HEADER.size + 2 * SGE.size
-    rq = RecvQueueCodec(memoryview(bytearray(depth * wqe_size)), depth, wqe_size, 2)
+    rq = RecvQueueCodec(memoryview(bytearray(depth * wqe_size)), depth, wqe_size)
     assert rq.complete(0) == (None, False)
     for i in range(depth):
         assert rq.room()

@@ -154,14 +154,14 @@ class SimBar(Bar):
         if self._words is not None:
             self._words[offset // 4] = value & 0xFFFFFFFF
         if offset >= self._kick_from:
-            self._send(offset, value & 0xFFFFFFFF)
+            self._send(KICK.pack(self.index, offset, value & 0xFFFFFFFF))
 
     def write64(self, offset: int, value: int) -> None:
         self._check(offset, 8)
         if self._words is not None:
             self._words[offset // 4], self._words[offset // 4 + 1] = value & 0xFFFFFFFF, value >> 32
         if offset >= self._kick_from:
-            self._send(offset, value)
+            self._send(KICK.pack(self.index, offset, value))
 
     def write64_doorbells(self, offset: int, values: list[int]) -> None:
         """One kick message for all of them: the emulator reads them in order, with one wake-up."""
@@ -169,10 +169,7 @@ class SimBar(Bar):
         if offset < self._kick_from or self._words is not None:
             super().write64_doorbells(offset, values)
             return
-        try:
-            self._kick.sendall(b"".join(KICK.pack(self.index, offset, value) for value in values))
-        except OSError:
-            pass  # the device is gone (see _send)
+        self._send(b"".join(KICK.pack(self.index, offset, value) for value in values))
 
     def close(self) -> None:
         """Drop the register view; later reads see a removed device (all ones), writes vanish."""
@@ -180,9 +177,9 @@ class SimBar(Bar):
             self._words.release()
             self._words = None
 
-    def _send(self, offset: int, value: int) -> None:
+    def _send(self, records: bytes) -> None:
         try:
-            self._kick.sendall(KICK.pack(self.index, offset, value))
+            self._kick.sendall(records)
         except OSError:
             pass  # the device is gone; writes to a dead device vanish, the removal fd tells the driver
 
