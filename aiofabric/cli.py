@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Awaitable, Callable, NoReturn
+from typing import Any, Awaitable, Callable, Mapping, NoReturn
 
 import anyio
 from anyio.abc import TaskStatus
@@ -35,8 +35,11 @@ from .version import __version__
 from .nic import open_nic
 from .signals import Signalled
 from . import plot, preflight
-from .latency import LatConfig, format_latency_table, run_latency
-from .perftest import MTUS, TESTS, BenchConfig, count_text, format_table, open_bench_nics, run_bench, run_loopback
+from .errors import BadOption
+from .latency import LatConfig, format_latency_table, perftest_latency_report, run_latency
+from .perftest import (TESTS, BenchConfig, bandwidth_unit, count_text, format_table, open_bench_nics, perftest_report,
+                       run_bench, run_loopback)
+from .perftest_flags import DEFAULT_JSON_FILE, add_perftest_flags, typed_flags, usage_message
 from .collectives.layout import DTYPE_NAMES, PIECE_BYTES
 from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
 
@@ -44,6 +47,8 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+DEFAULT_ITERS = 1000  # bench's and lat's -n
+SWEEP_SECONDS = 1.0  # -a without -n: each size runs about this long
 # nccl-tests' binaries, without _perf: the collective each runs
 COLLECTIVE_COMMANDS = {"allreduce": "allreduce", "reducescatter": "reduce_scatter", "allgather": "allgather",
                        "broadcast": "broadcast"}
@@ -66,6 +71,7 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.commands: Mapping[str, argparse.ArgumentParser] = {}  # the subcommands' parsers, by name
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(self, message)
@@ -118,6 +124,31 @@ def size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _perftest_common(parser: argparse.ArgumentParser, args: argparse.Namespace, sweeping: bool) -> None:
+    """What bench and lat check alike: -A with the atomic test only, --output's choice, -n's default (with a sweep
+    and no -n: about SWEEP_SECONDS per size), --out_json's file."""
+    if args.atomic_type is not None and args.test != "atomic":
+        parser.error(f"-A/--atomic_type {args.atomic_type}: goes with the atomic test, not {args.test}")
+    allowed = ("bandwidth", "message_rate") if args.command == "bench" else ("latency",)
+    if args.output is not None and args.output not in allowed:
+        parser.error(f"--output {args.output}: {args.command} reports {' or '.join(allowed)}")
+    if args.output is not None and args.json:
+        parser.error("--output prints one number, --json one object: choose one")
+    if args.iters is None:
+        args.iters = DEFAULT_ITERS
+        args.sweep_seconds = SWEEP_SECONDS if sweeping else None
+    if args.out_json and args.json_file is None:
+        args.json_file = DEFAULT_JSON_FILE
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace, config: Any) -> None:
+    """config.check(), its BadOption a usage error under the spelling typed."""
+    try:
+        config.check()
+    except BadOption as exc:
+        parser.error(usage_message(exc, args.typed))
+
+
 def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
     def check(args: argparse.Namespace) -> None:
         if args.all or args.min_size is not None or args.max_size is not None:
@@ -125,6 +156,7 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
                 args.sizes = sweep(args.min_size or SWEEP_MIN, args.max_size or SWEEP_MAX, args.factor)
             except ValueError as exc:
                 parser.error(str(exc))
+        _perftest_common(parser, args, bool(getattr(args, "sizes", None)))
         if args.plot and not getattr(args, "sizes", None):
             parser.error("--plot draws a sweep: add -a or --min-size/--max-size")
         modes = [name for name, on in (("SERVER_HOST", args.server_host is not None), ("--server", args.server),
@@ -145,15 +177,56 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
             if getattr(args, "sizes", None):
                 parser.error("--run-infinitely runs one size: drop the sweep")
             args.duration = args.duration or 5.0
+        if args.output is not None and (getattr(args, "sizes", None) or args.run_infinitely or args.server):
+            parser.error("--output prints one number: it goes with one size, not a sweep, --run-infinitely or "
+                         "--server")
+        _checked(parser, args, bench_config(args))
     return check
+
+
+def _check_lat(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
+    def check(args: argparse.Namespace) -> None:
+        args.sizes = sweep(SWEEP_MIN, SWEEP_MAX) if args.all else None
+        _perftest_common(parser, args, args.all)
+        if args.output is not None and args.all:
+            parser.error("--output prints one number: it goes with one size, not a sweep (-a)")
+        if args.cycles:
+            try:
+                args.cpu_mhz = cpu_mhz()
+            except ValueError as exc:
+                parser.error(f"-C/--report-cycles: {exc}")
+        _checked(parser, args, lat_config(args))
+    return check
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
+                          if hasattr(args, f.name)})
+
+
+def lat_config(args: argparse.Namespace) -> LatConfig:
+    return LatConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LatConfig)
+                        if hasattr(args, f.name)})
+
+
+def cpu_mhz(path: str = "/proc/cpuinfo") -> float:
+    """The CPU clock perftest's -C converts with (its get_cpu_mhz reads /proc/cpuinfo's "cpu MHz" too)."""
+    try:
+        with open(path) as file:
+            for line in file:
+                name, _, value = line.partition(":")
+                if name.strip() in ("cpu MHz", "clock"):
+                    return float(value.strip().rstrip("MHz"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the CPU clock from {path}: {exc}") from None
+    raise ValueError(f"{path} names no CPU clock (cpu MHz)")
 
 
 async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         plot.require()  # before the run, not after it
-    config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
-                            if hasattr(args, f.name)})
-    config.progress = not args.json and sys.stderr.isatty()
+    config = bench_config(args)
+    config.progress = not args.json and args.output is None and sys.stderr.isatty()
     if args.server:
         return await _bench_server(args, config)
     if args.server_host is not None:  # perftest's client: the server side is an `aiofabric bench --server` there
@@ -168,13 +241,16 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         async with connect_peer(host, port, user=user or args.user, **_ssh_options(args)) as peer:
             config.remote = peer
             result = await run_bench(config)
-    if not args.json:
+    if args.output is not None and "error" not in result:
+        unit, scale = bandwidth_unit(config.report_gbits)
+        print(f"{result['bw_MiBps'] * scale:.2f}" if args.output == "bandwidth" else f"{result['msg_rate'] / 1e6:.6f}")
+    elif not args.json:
         print(format_table(result, config))
     if args.json_file:
         with open(args.json_file, "w") as file:
-            json.dump({"ok": "error" not in result, **result}, file, indent=1)
+            json.dump({"ok": "error" not in result, **result, **perftest_report(result, config)}, file, indent=1)
     if args.plot:
-        plot.plot_runs([result], args.plot)
+        plot.plot_runs([result], args.plot, report_gbits=config.report_gbits)
     return result
 
 
@@ -246,11 +322,17 @@ def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
-    config = LatConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LatConfig)
-                          if hasattr(args, f.name)})
+    config = lat_config(args)
+    config.progress = not args.json and args.output is None and sys.stderr.isatty()
     result = await run_latency(config)
-    if not args.json:
+    if args.output is not None and "error" not in result:
+        print(f"{result['t_avg_us'] * (config.cpu_mhz or 1):.2f}")  # perftest's --output latency: t_avg
+    elif not args.json:
         print(format_latency_table(result, config))
+    if args.json_file:
+        with open(args.json_file, "w") as file:
+            json.dump({"ok": "error" not in result, **result, **perftest_latency_report(result, config)}, file,
+                      indent=1)
     return result
 
 
@@ -441,13 +523,14 @@ def _check_connect(parser: argparse.ArgumentParser) -> Callable[[argparse.Namesp
     return check
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     parser = Parser(prog="aiofabric", description="Async userspace driver for BNXT RoCEv2 NICs")
     parser.add_argument("--version", action="version", version=f"aiofabric {__version__}")
     parser.add_argument("--backend", choices=("asyncio", "uvloop", "trio"), default="asyncio",
                         help="event loop to run on (default asyncio)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    parser.commands = sub.choices
 
     info = sub.add_parser("info", help="boot a NIC and print its firmware version, MAC, port, GID, capabilities")
     info.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
@@ -463,69 +546,48 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--json", action="store_true", help="print one JSON object")
     loop.set_defaults(run=cmd_loopback)
 
-    bench = sub.add_parser("bench", help="perftest-style RDMA benchmark between emulated NICs, bytes verified")
+    bench = sub.add_parser("bench", help="perftest-style RDMA benchmark between emulated NICs, bytes verified "
+                                         "(ib_*_bw; perftest's flags work)")
     bench.add_argument("test", choices=TESTS)
     bench.add_argument("server_host", nargs="?", metavar="SERVER_HOST",
                        help="run as perftest's client: the server side is `aiofabric bench --server` on this host")
-    bench.add_argument("--server", action="store_true", help="run as perftest's server: wait for a client over TCP")
-    bench.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
-    bench.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
-    bench.add_argument("--nic", default="sim", help="'sim' (emulated NICs), 'sim:NAME', or a PCI address (with "
-                                                    "--peer or SERVER_HOST: the NIC here; with --server: the NIC "
-                                                    "each client's test runs on)")
-    bench.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: "
+    add_perftest_flags(bench, "bench")
+    group = bench.add_argument_group("aiofabric's options")
+    group.add_argument("--server", action="store_true", help="run as perftest's server: wait for a client over TCP")
+    group.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
+    group.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
+    group.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: "
                                     "the address that reaches the server; --server: the address the client "
                                     "reached)")
-    bench.add_argument("--qps", type=int, default=1, help="queue pairs (default 1)")
-    bench.add_argument("-s", "--size", type=size_argument, default=65536,
-                       help="message size: bytes or with a K/M/G suffix, powers of 1024 (default 64K)")
-    bench.add_argument("-a", "--all", action="store_true", help="sweep sizes 2 B .. 8 MiB in powers of two")
-    bench.add_argument("--min-size", type=size_argument, help="sweep from this size (default 2; implies a sweep)")
-    bench.add_argument("--max-size", type=size_argument, help="sweep up to this size (default 8M; implies a sweep)")
-    bench.add_argument("--factor", type=int, default=2, help="sweep step: each size is the last times this (2)")
-    bench.add_argument("--iters", type=int, default=1000, help="messages per QP (default 1000)")
-    bench.add_argument("-D", "--duration", type=float, metavar="SECONDS",
-                       help="run each size this long instead of --iters (the first 20%%, at most 2 s, is warm-up)")
-    bench.add_argument("--run-infinitely", action="store_true",
-                       help="run until Ctrl-C, a report line every -D seconds (default 5); Ctrl-C prints the table")
-    bench.add_argument("-b", "--bidirectional", action="store_true", help="both NICs of a pair send at once")
-    bench.add_argument("--report-gbits", action="store_true", help="bandwidth in Gb/sec (10^9 bits), as links are "
-                                                                  "quoted")
-    bench.add_argument("--depth", type=int, default=32, help="work requests in flight per QP (default 32)")
-    bench.add_argument("-l", "--post-list", type=int, default=1, metavar="N",
-                       help="post N work requests per call, one doorbell each (QueuePair.post_many; perftest's "
-                            "post list; default 1: one call per work request, a doorbell per depth/2)")
-    bench.add_argument("--nics", type=int, default=2, help="emulated NICs, paired up (default 2)")
-    _add_wire_flags(bench)
-    bench.add_argument("--inject-fault", metavar="KIND[:N[:OFFSET]]",
+    group.add_argument("--min-size", type=size_argument, help="sweep from this size (default 2; implies a sweep)")
+    group.add_argument("--max-size", type=size_argument, help="sweep up to this size (default 8M; implies a sweep)")
+    group.add_argument("--factor", type=int, default=2, help="sweep step: each size is the last times this (2)")
+    group.add_argument("--nics", type=int, default=2, help="emulated NICs, paired up (default 2)")
+    _add_wire_flags(group)
+    group.add_argument("--inject-fault", metavar="KIND[:N[:OFFSET]]",
                        help="make the server NICs misbehave, to see verification fail: skip_placement (ACK the next "
                             "N writes without placing them) or misplace (place them OFFSET bytes off; default 64)")
-    bench.add_argument("--peer", metavar="HOST", help="run the server side on [user@]HOST[:port], started over SSH "
+    group.add_argument("--peer", metavar="HOST", help="run the server side on [user@]HOST[:port], started over SSH "
                                                      "(one NIC here, one there)")
-    bench.add_argument("--remote-nic", help="with --peer: the NIC there (default sim)")
-    bench.add_argument("--remote-ip", help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
-    _add_ssh_flags(bench)
+    group.add_argument("--remote-nic", help="with --peer: the NIC there (default sim)")
+    group.add_argument("--remote-ip", help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
+    _add_ssh_flags(group, short_port=True)
     _add_server_limits(bench)
-    bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--json-file", metavar="FILE", help="also write the JSON object to FILE (perftest's "
-                                                          "--out_json_file)")
-    bench.add_argument("--plot", metavar="PNG", help="plot bandwidth and message rate against size (a sweep; needs "
-                                                    "the plot extra: pip install 'aiofabric[plot]')")
+    group.add_argument("--json", action="store_true", help="print one JSON object")
+    group.add_argument("--plot", metavar="PNG", help="plot bandwidth and message rate against size (a sweep; needs "
+                                                     "the plot extra: pip install 'aiofabric[plot]')")
     bench.set_defaults(run=cmd_bench, check=_check_bench(bench))
 
     lat = sub.add_parser("lat", help="perftest-style latency: a ping-pong between two emulated NICs, or on one PCI NIC "
-                                     "in PHY loopback (ib_*_lat)")
+                                     "in PHY loopback (ib_*_lat; perftest's flags work)")
     lat.add_argument("test", choices=TESTS)
-    lat.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' (both ends emulated NICs on this host) or a PCI "
-                                                  "address (both ends on it, its port in PHY loopback; with --ip)")
-    lat.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x)")
-    lat.add_argument("-s", "--size", type=size_argument, default=2, help="message size (default 2 bytes)")
-    lat.add_argument("--iters", type=int, default=1000, help="measured iterations (default 1000)")
-    lat.add_argument("--warmup", type=int, default=8, help="iterations run first and not measured (default 8)")
-    _add_wire_flags(lat)
-    lat.add_argument("-H", "--histogram", action="store_true", help="print a latency histogram")
-    lat.add_argument("--json", action="store_true", help="print one JSON object")
-    lat.set_defaults(run=cmd_lat)
+    add_perftest_flags(lat, "lat")
+    group = lat.add_argument_group("aiofabric's options")
+    group.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x)")
+    group.add_argument("--warmup", type=int, default=8, help="iterations run first and not measured (default 8)")
+    _add_wire_flags(group)
+    group.add_argument("--json", action="store_true", help="print one JSON object")
+    lat.set_defaults(run=cmd_lat, check=_check_lat(lat))
 
     for command, kind in COLLECTIVE_COMMANDS.items():
         coll = sub.add_parser(command, help=f"nccl-tests' {kind}_perf over a ring of emulated (or PCI) NICs in this "
@@ -557,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="with a launcher: seconds for every rank to join (60)")
         coll.add_argument("--piece", type=size_argument, default=PIECE_BYTES,
                           help="bytes per RDMA message (default 512K): pieces pipeline transfers with reductions")
-        _add_wire_flags(coll, mtu=False)
+        _add_wire_flags(coll)
         coll.add_argument("--hosts", metavar="FILE|h1,h2", help="one rank per host, started over SSH (`python -m "
                                                               "aiofabric` there); the rendezvous is relayed over SSH")
         coll.add_argument("--remote-nic", default="sim", help="with --hosts: each host's NIC (default sim)")
@@ -603,12 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_wire_flags(parser: argparse.ArgumentParser, mtu: bool = True) -> None:
-    """The path MTU, the QPs' ACK timeout and the emulated wire's faults and capture (bench, lat; the collectives
-    take only the wire's)."""
-    if mtu:
-        parser.add_argument("--mtu", type=int, default=4096, choices=MTUS)
-        parser.add_argument("--timeout", type=int, default=14, help="QP ACK timeout exponent (default 14: 67 ms)")
+def _add_wire_flags(parser: Any) -> None:
+    """The emulated wire's faults and capture (bench, lat, the collectives)."""
     for fault in ("loss", "reorder", "dup", "corrupt"):
         parser.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
                             help=f"probability of {fault} per packet on the emulated wire")
@@ -661,10 +719,11 @@ def port_number(text: str) -> int:
     return value
 
 
-def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:
-    """How to reach a host over SSH (connect, bench --peer)."""
-    parser.add_argument("--port", type=port_number, help="SSH port (default 22); for bench --server / SERVER_HOST "
-                                                          "the TCP port (default 18515; --server: 0 picks one)")
+def _add_ssh_flags(parser: Any, short_port: bool = False) -> None:
+    """How to reach a host over SSH (connect, bench --peer); `short_port`: -p too, as perftest spells its port."""
+    parser.add_argument(*(("-p",) if short_port else ()), "--port", type=port_number,
+                        help="SSH port (default 22); for bench --server / SERVER_HOST the TCP port (default 18515; "
+                             "--server: 0 picks one)")
     parser.add_argument("--user", help="SSH user (default: the SSH default)")
     parser.add_argument("--identity", metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
     parser.add_argument("--known-hosts", metavar="FILE|none",
@@ -727,6 +786,8 @@ def execute(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
             return {"error": str(leaf)}, 128 + leaf.signum
         if isinstance(leaf, KeyboardInterrupt):  # SIGINT before the signal receiver was installed
             return {"error": signals.MESSAGES[signal.SIGINT]}, 128 + signal.SIGINT
+        if isinstance(leaf, BadOption):  # a value the NIC cannot hold (its limits are known once it booted)
+            return {"error": f"usage: {usage_message(leaf, getattr(args, 'typed', {}))}"}, EXIT_USAGE
         if not isinstance(leaf, Exception):
             raise
         return {"error": describe(leaf)}, EXIT_FAILURE
@@ -747,7 +808,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         try:
-            args = build_parser().parse_args(argv)
+            parser = build_parser()
+            args, unknown = parser.parse_known_args(argv)
+            if unknown:  # argparse would name them under the top-level usage: say it under the command's
+                parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+            args.typed = typed_flags(parser, argv)
             if getattr(args, "check", None) is not None:
                 args.check(args)
         except UsageError as error:

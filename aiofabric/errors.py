@@ -15,6 +15,15 @@ class FabricError(Exception):
     ValueError as a second base."""
 
 
+class BadOption(ValueError):
+    """A setting out of its range, named by its option (`dest`: the long flag without "--", "_" for "-") and the
+    value given; the command line reports it as a usage error under the spelling the user typed (-q or --qps)."""
+
+    def __init__(self, dest: str, value: object, reason: str) -> None:
+        self.dest, self.value, self.reason = dest, value, reason
+        super().__init__(f"--{dest.replace('_', '-')} {value}: {reason}")
+
+
 class FirmwareError(FabricError):
     """The firmware answered a command with an error status."""
 

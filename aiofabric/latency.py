@@ -14,8 +14,9 @@ latency, with no wire and no partner host.
 
 Reported latency is ONE-WAY for WRITE and SEND: half the round trip the client measures (perftest reports RTT/2),
 and the whole post-to-completion time for READ (perftest's rtt_factor 1). Fields, all in microseconds: t_min, t_max,
-t_typical (the median), t_avg, t_stdev (population), p99 and p99.9 (nearest rank: the smallest sample with at least
-that share of samples at or below it), so t_min <= t_typical <= p99 <= p99.9 <= t_max always holds.
+t_typical (the median), t_avg, t_stdev (population), p99 and p99.9, summarised by perftest's rules
+(aiofabric/samples.py: the two largest samples left out, its percentile index), so t_min <= t_typical <= p99 <= p99.9
+<= t_max always holds.
 
 Every wait is bounded by `LatConfig.wait_seconds` (long enough for the QP's retransmissions to recover a lost
 packet): a message that never arrives ends in a TimeoutError naming the side and the iteration, never a hang.
@@ -29,7 +30,7 @@ import dataclasses
 import hashlib
 import math
 import os
-import statistics
+import sys
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -41,7 +42,9 @@ from . import perftest
 from .nic import NIC, PCI_ADDRESS, open_nic
 from .completions import Completion
 from .peer.protocol import fill_pattern
+from .errors import BadOption
 from .queues import MemoryRegion, QueuePair
+from .samples import FIELDS as LATENCY_FIELDS, summarize
 
 TESTS = perftest.TESTS
 MTUS = perftest.MTUS
@@ -58,7 +61,6 @@ HISTOGRAM_BAR = 50  # characters of the longest ASCII histogram bar
 WIRE_COUNTERS = perftest.WIRE_COUNTERS[:3]  # packets, retransmits, dropped: lat reports no rx_overflow
 HEADER = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]"
           "   99% percentile[usec]   99.9% percentile[usec]")
-LATENCY_FIELDS = ("t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p99_9_us")
 
 
 @dataclasses.dataclass
@@ -80,11 +82,21 @@ class LatConfig:
     inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]" on the server NIC (perftest.FAULT_KINDS)
     nic: str = "sim"  # "sim" or "sim:NAME": two emulated NICs; a PCI address: both ends on it, in PHY loopback
     ip: str | None = None  # NIC 0's IPv4 address
+    sizes: list[int] | None = None  # -a: one row per size (NICs booted once)
+    sweep_seconds: float | None = None  # -a without -n: iterations per size chosen to run about this long
+    unsorted: bool = False  # -U: the samples in the order measured, in the result ("samples") and the table
+    cpu_mhz: float | None = None  # -C: report in CPU cycles at this clock instead of microseconds
+    events: bool = False  # -e: the pollers sleep on the completion interrupt without polling first
+    inline_size: int = 0  # -I: messages up to this size are posted inline
+    outs: int | None = None  # -o: the READ test's outstanding requests per QP
+    gid_index: int | None = None  # -x: must be the NIC's GID index
+    progress: bool = False  # a sweep's progress on stderr
 
     def check(self) -> None:
-        """Refuse a bad value before any NIC boots, naming the flag and what it allows."""
+        """Refuse a bad value before any NIC boots: errors.BadOption naming the option, the value and what it allows.
+        The NIC's own limits are `bench_config().check_caps`'."""
         if self.test not in TESTS:
-            raise ValueError(f"test must be one of {TESTS}, not {self.test!r}")
+            raise BadOption("test", self.test, f"must be one of {', '.join(TESTS)}")
         if not (self.nic == "sim" or self.nic.startswith("sim:") or PCI_ADDRESS.fullmatch(self.nic)):
             raise ValueError(f"bad NIC spec {self.nic!r} for --nic: use 'sim', 'sim:NAME' (two emulated NICs) or a "
                              "PCI address like 0000:41:00.0 (both ends on that NIC, its port in PHY loopback)")
@@ -94,23 +106,26 @@ class LatConfig:
         wire = [f"--{name}" for name in ("loss", "reorder", "dup", "corrupt", "pcap") if getattr(self, name)]
         if wire and not self.nic.startswith("sim"):
             raise ValueError(f"{', '.join(wire)} apply to the emulated wire only, not to the PCI NIC {self.nic}")
-        if not isinstance(self.size, int) or not 1 <= self.size <= MAX_SIZE:
-            raise ValueError(f"--size must be an integer in [1, {MAX_SIZE}] bytes, not {self.size!r}")
+        for size in self.sizes or [self.size]:
+            if not isinstance(size, int) or not 1 <= size <= MAX_SIZE:
+                raise BadOption("size", size, f"must be an integer in [1, {MAX_SIZE}] bytes")
         if not isinstance(self.iters, int) or self.iters < 1:
-            raise ValueError(f"--iters must be an integer of at least 1, not {self.iters!r}")
+            raise BadOption("iters", self.iters, "must be an integer of at least 1")
         if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"--warmup must be an integer of at least 0, not {self.warmup!r}")
+            raise BadOption("warmup", self.warmup, "must be an integer of at least 0")
         if self.mtu not in MTUS:
-            raise ValueError(f"--mtu must be one of {MTUS}, not {self.mtu!r}")
+            raise BadOption("mtu", self.mtu, f"must be one of {', '.join(map(str, MTUS))}")
         if not isinstance(self.timeout, int) or not 0 <= self.timeout <= MAX_ACK_TIMEOUT:
-            raise ValueError(f"--timeout must be in [0, {MAX_ACK_TIMEOUT}] (a 5-bit exponent: 4.096 us * 2^timeout, "
-                             f"0 waits forever), not {self.timeout!r}")
+            raise BadOption("timeout", self.timeout, f"must be in [0, {MAX_ACK_TIMEOUT}] (a 5-bit exponent: "
+                                                     "4.096 us * 2^timeout, 0 waits forever)")
         for name in ("loss", "reorder", "dup", "corrupt"):
             if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"--{name} is a probability in [0, 1), not {getattr(self, name)!r}")
+                raise BadOption(name, getattr(self, name), "is a probability in [0, 1)")
         if self.wait is not None and not self.wait > 0:
-            raise ValueError(f"--wait must be a positive number of seconds, not {self.wait!r}")
-        self.bench_config().fault()  # --inject-fault's syntax
+            raise BadOption("wait", self.wait, "must be a positive number of seconds")
+        # what bench checks alike (-I, -o, --inject-fault's syntax); the NIC spec was checked above: lat runs a PCI NIC
+        # in PHY loopback, where bench needs a partner host
+        dataclasses.replace(self.bench_config(), nic="sim").check()
 
     @property
     def wait_seconds(self) -> float:
@@ -126,7 +141,8 @@ class LatConfig:
         return perftest.BenchConfig(test=self.test, qps=1, size=self.size, iters=self.iters, depth=SQ_DEPTH, nics=2,
                                     mtu=self.mtu, loss=self.loss, reorder=self.reorder, dup=self.dup,
                                     corrupt=self.corrupt, seed=self.seed, pcap=self.pcap, timeout=self.timeout,
-                                    inject_fault=self.inject_fault, nic=self.nic, ip=self.ip)
+                                    inject_fault=self.inject_fault, nic=self.nic, ip=self.ip, events=self.events,
+                                    inline_size=self.inline_size, outs=self.outs, gid_index=self.gid_index)
 
 
 @dataclasses.dataclass
@@ -147,10 +163,13 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: NIC) -> _Pair
     rx_slots = max(2, min(RX_SLOTS, RX_BYTES // size)) if config.test == "send" else 0
     span = {"write": 2 * size, "send": size * (1 + rx_slots), "read": size}[config.test]
     client_cq, server_cq = await client_nic.create_cq(depth=256), await server_nic.create_cq(depth=256)
-    client = await client_nic.create_qp(client_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1))
-    server = await server_nic.create_qp(server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1))
-    await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT)
-    await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT)
+    client = await client_nic.create_qp(client_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
+                                        max_inline_data=config.inline_size)
+    server = await server_nic.create_qp(server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
+                                        max_inline_data=config.inline_size)
+    outs = {} if config.outs is None else {"max_rd_atomic": config.outs}
+    await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
+    await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
     client_mr, server_mr = await client_nic.register_mr(span), await server_nic.register_mr(span)
     # distinct seeded payloads on the two sides, so a pong that carried the ping's bytes would not verify
     fill_pattern(server_mr.view[:size], config.seed * 7919 + 1)
@@ -291,9 +310,11 @@ async def _write_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
              "server": (pair.server, pair.server_mr, pair.client_mr,
                         "the ping (the client's RDMA WRITE into the server's buffer)")}
 
+    inline = size <= config.inline_size  # -I: perftest inlines the messages that fit
+
     def post(side: str, i: int, signaled: bool) -> Awaitable[Completion]:
         qp, mine, theirs, _ = sides[side]
-        return qp.post_write(mine, theirs, size, remote_offset=size, signaled=signaled)
+        return qp.post_write(mine, theirs, size, remote_offset=size, signaled=signaled, inline=inline)
 
     async def arrived(side: str, i: int) -> None:
         qp, mine, _, what = sides[side]
@@ -316,9 +337,11 @@ async def _send_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
         await post_recv("client", i)
         await post_recv("server", i)
 
+    inline = size <= config.inline_size
+
     def post(side: str, i: int, signaled: bool) -> Awaitable[Completion]:
         qp, mr, _, _ = sides[side]
-        return qp.post_send(mr, size, signaled=signaled)
+        return qp.post_send(mr, size, signaled=signaled, inline=inline)
 
     async def arrived(side: str, i: int) -> None:
         _, _, receives, what = sides[side]
@@ -380,12 +403,6 @@ def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: list[Any
     return None
 
 
-def _percentile(ordered: list[float], p: float) -> float:
-    """Nearest rank: the smallest sample with at least p% of the samples at or below it."""
-    rank = math.ceil(round(p / 100 * len(ordered), 9))  # round: 0.999 * 1000 is 999.0000000000001 in floats
-    return ordered[max(0, rank - 1)]
-
-
 def _bucket(us: float) -> float:
     """The low edge of the histogram bucket holding `us`: [0, 1) us, then each octave in HISTOGRAM_SUBBUCKETS."""
     if us < 1:
@@ -417,14 +434,6 @@ def histogram(samples: list[float]) -> list[list[float]]:
     return rows
 
 
-def summarize(samples: list[float]) -> dict[str, float]:
-    """perftest's latency fields (us) of `samples`."""
-    ordered = sorted(samples)
-    return {"t_min_us": ordered[0], "t_max_us": ordered[-1], "t_typical_us": statistics.median(ordered),
-            "t_avg_us": statistics.fmean(ordered), "t_stdev_us": statistics.pstdev(ordered),
-            "p99_us": _percentile(ordered, 99), "p99_9_us": _percentile(ordered, 99.9)}
-
-
 def _verification(config: LatConfig, emulated: bool) -> str:
     """How `verified` was decided; `emulated`: the NICs have debug channels, so their placement counts were checked."""
     checked = ("the last RDMA READ's bytes and the server's unchanged buffer" if config.test == "read" else
@@ -451,17 +460,52 @@ async def run_latency(config: LatConfig) -> dict[str, Any]:
     READ's post-to-completion time. Keys: the LATENCY_FIELDS, iters, size, test, mtu (the path MTU used: the
     requested one unless a port is too small for it, see perftest.fit_mtu), mtu_requested, warmup, verified,
     verification (what `verified` checked), latency (what was measured), seconds, packets, retransmits, dropped
-    (None on a PCI NIC: only an emulator counts them), fw_version; "histogram" with config.histogram; "error" when
-    verification failed. A lost message raises TimeoutError naming the side and the iteration."""
+    (None on a PCI NIC: only an emulator counts them), fw_version; "histogram" with config.histogram, "samples"
+    (in the order measured) with config.unsorted; "error" when verification failed. A sweep (config.sizes) has
+    these per size in "rows". A lost message raises TimeoutError naming the side and the iteration."""
     config.check()
     requested = config.mtu
+    rows = []
     async with _open_nics(config) as (client_nic, server_nic):
         nics = list(dict.fromkeys((client_nic, server_nic)))  # one NIC when both ends share it
+        for nic in nics:
+            config.bench_config().check_caps(nic)
         config = dataclasses.replace(config, mtu=perftest.fit_mtu(requested, nics, "lat"))
-        pair = await _connect(config, client_nic, server_nic)
+        sizes = config.sizes or [config.size]
+        timings: list[tuple[int, float]] = []  # (size, seconds per iteration) of the sweep's runs so far
+        for index, size in enumerate(sizes):
+            sized = dataclasses.replace(config, size=size)
+            if config.sweep_seconds is not None:
+                if not timings:  # a short probe of the first size: how long an iteration takes here
+                    probe = await _run_size(dataclasses.replace(sized, iters=perftest.SWEEP_PROBE), client_nic,
+                                            server_nic)
+                    timings.append((size, probe["seconds"] / (perftest.SWEEP_PROBE + config.warmup)))
+                sized.iters = perftest.sweep_iterations(timings, size, config.sweep_seconds)
+            if config.progress and len(sizes) > 1:
+                print(f"\r  size {size} ({index + 1}/{len(sizes)}): {sized.iters} iterations   ", end="",
+                      file=sys.stderr, flush=True)
+            row = await _run_size(sized, client_nic, server_nic)
+            timings.append((size, row["seconds"] / (sized.iters + sized.warmup)))
+            rows.append({**row, "mtu_requested": requested})
+        if config.progress and len(sizes) > 1:
+            print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
+    if config.sizes is None:
+        return rows[0]
+    failed = [row for row in rows if "error" in row]
+    return {"verified": all(row["verified"] for row in rows), "test": config.test, "sizes": sizes, "rows": rows,
+            "fw_version": rows[0]["fw_version"], "mtu": config.mtu, "mtu_requested": requested,
+            "warmup": config.warmup, "latency": rows[0]["latency"],
+            **({"error": f"size {failed[0]['size']}: {failed[0]['error']}"} if failed else {})}
+
+
+async def _run_size(config: LatConfig, client_nic: NIC, server_nic: NIC) -> dict[str, Any]:
+    """One size's latency loop on a QP pair of its own, destroyed afterwards (a sweep keeps its NICs)."""
+    pair = await _connect(config, client_nic, server_nic)
+    try:
         fault = config.bench_config().fault()
         if fault is not None:
             await perftest.emulator(server_nic, "--inject-fault").fault(*fault)
+        nics = list(dict.fromkeys((client_nic, server_nic)))
         server_digest = hashlib.sha256(pair.server_mr.view[:config.size]).hexdigest()
         before = await perftest.wire_counters(nics)
         started = time.perf_counter()
@@ -470,16 +514,47 @@ async def run_latency(config: LatConfig) -> dict[str, Any]:
         placed = [await perftest.placement_counts(nic) for nic in (client_nic, server_nic)]
         mismatch = _verify(config, pair, server_digest, placed)
         wire = perftest.wire_delta(before, await perftest.wire_counters(nics), WIRE_COUNTERS)
-        fw_version = client_nic.info()["fw_version"]
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            await _release(pair)
     return {
-        **summarize(samples), "iters": len(samples), "size": config.size, "test": config.test, "mtu": config.mtu,
-        "mtu_requested": requested, "warmup": config.warmup, "verified": mismatch is None,
+        **summarize(samples), "iters": len(samples), "iterations": len(samples), "size": config.size,
+        "test": config.test, "mtu": config.mtu, "warmup": config.warmup, "verified": mismatch is None,
         "verification": _verification(config, None not in placed),
         "latency": "one-way (RTT/2)" if config.test != "read" else "READ completion",
-        "seconds": seconds, **wire, "fw_version": fw_version,
+        "seconds": seconds, **wire, "fw_version": client_nic.info()["fw_version"],
         **({"histogram": histogram(samples)} if config.histogram else {}),
+        **({"samples": samples} if config.unsorted else {}),
+        **({"cycles": {key.replace("_us", ""): value * config.cpu_mhz for key, value in summarize(samples).items()},
+            "cpu_mhz": config.cpu_mhz} if config.cpu_mhz else {}),
         **({"error": f"verification failed: {mismatch}"} if mismatch else {}),
     }
+
+
+async def _release(pair: _Pair) -> None:
+    """Destroy the pair's QPs, then their CQs and memory."""
+    cqs = {id(qp.send_cq): qp.send_cq for qp in (pair.client, pair.server)}
+    for qp in (pair.client, pair.server):
+        await qp.destroy()
+    for mr in (pair.client_mr, pair.server_mr):
+        await mr.deregister()
+    for cq in cqs.values():
+        await cq.destroy()
+
+
+def perftest_latency_report(result: dict[str, Any], config: LatConfig) -> dict[str, Any]:
+    """perftest's --out_json keys: "test_info" and "results" (one per size, a list for a sweep), in the unit the
+    table uses (usec, or cycles with -C)."""
+    rows = result.get("rows", [result])
+    scale = config.cpu_mhz or 1.0
+    names = {"t_min": "t_min_us", "t_max": "t_max_us", "t_typical": "t_typical_us", "t_avg": "t_avg_us",
+             "t_stdev": "t_stdev_us", "percentile_99": "p99_us", "percentile_99.9": "p99_9_us"}
+    results = [{"MsgSize": row["size"], "n_iterations": row["iterations"],
+                **{key: round(row[ours] * scale, 2) for key, ours in names.items()}} for row in rows]
+    info = {"test": f"{perftest.TEST_TITLES[config.test]}_Latency_Test", "Number of qps": 1,
+            "Connection type": "RC", "Mtu": result.get("mtu", config.mtu), "Link type": "Ethernet",
+            "Max inline data": config.inline_size, "unit": "cycles" if config.cpu_mhz else "usec"}
+    return {"test_info": info, "results": results if "rows" in result else results[0]}
 
 
 def _row(values: list[str]) -> str:
@@ -506,23 +581,41 @@ def format_histogram(rows: list[list[float]], width: int = HISTOGRAM_BAR) -> str
 
 
 def format_latency_table(result: dict[str, Any], config: LatConfig) -> str:
-    """perftest's banner and latency table (us), the wire counters and, with config.histogram, an ASCII histogram."""
+    """perftest's banner and latency table (usec, or cycles with -C), one row per size, the wire counters and, with
+    config.histogram, an ASCII histogram; with config.unsorted, every sample first in the order measured ("#, usec"
+    lines, as perftest's -U)."""
+    unit = "cycles" if config.cpu_mhz else "usec"
+    scale = config.cpu_mhz or 1.0
+    header = HEADER.replace("usec", unit)
     rule = "-" * len(HEADER)
+    rows = result.get("rows", [result])
     measured = "one-way = RTT/2" if config.test != "read" else "READ post to completion"
-    values = [str(result["size"]), str(result["iters"])] + [f"{result[key]:.2f}" for key in LATENCY_FIELDS]
     nic = "emulated BNXT" if config.nic.startswith("sim") else f"{config.nic}, PHY loopback"
-    lines = [rule, f"                    {perftest.TEST_TITLES[config.test]} Latency Test (aiofabric, {nic})",
-             " Number of qps   : 1\t\tTransport type : IB",
-             " Connection type : RC\t\tUsing SRQ      : OFF",
-             f" Warm-up         : {result['warmup']} iterations\tLatency        : {measured}",
-             f" Mtu             : {result.get('mtu', config.mtu)}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
-             f" Firmware        : {result['fw_version']}", rule, HEADER, _row(values), rule,
-             f" verified: {'yes' if result['verified'] else 'NO'}   "
-             f"packets: {perftest.count_text(result['packets'])}   "
-             f"retransmits: {perftest.count_text(result['retransmits'])}   "
-             f"dropped: {perftest.count_text(result['dropped'])}   "
-             f"seconds: {result['seconds']:.2f}",
-             *([f" {result['error']}"] if "error" in result else []), rule]
-    if config.histogram and "histogram" in result:
-        lines += [format_histogram(result["histogram"]), rule]
+    iterations = f"about {config.sweep_seconds:g} s per size (-n fixes them)" if config.sweep_seconds else \
+        str(config.iters)
+    lines = []
+    if config.unsorted:
+        for row in rows:
+            lines += [f"#, {unit}"] + [f"{i}, {sample * scale:g}" for i, sample in enumerate(row["samples"], 1)]
+    lines += [rule, f"                    {perftest.TEST_TITLES[config.test]} Latency Test (aiofabric, {nic})",
+              " Number of qps   : 1\t\tTransport type : IB",
+              " Connection type : RC\t\tUsing SRQ      : OFF",
+              f" Warm-up         : {result['warmup']} iterations\tLatency        : {measured}",
+              f" Mtu             : {result.get('mtu', config.mtu)}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
+              f" Max inline data : {config.inline_size}[B]\t\tIterations     : {iterations}",
+              f" Firmware        : {result['fw_version']}", rule, header]
+    lines += [_row([str(row["size"]), str(row["iterations"])] + [f"{row[key] * scale:.2f}" for key in LATENCY_FIELDS])
+              for row in rows]
+    lines.append(rule)
+    for row in rows:
+        lines.append(f" {row['size']:<7} verified: {'yes' if row['verified'] else 'NO'}   "
+                     f"packets: {perftest.count_text(row['packets'])}   "
+                     f"retransmits: {perftest.count_text(row['retransmits'])}   "
+                     f"dropped: {perftest.count_text(row['dropped'])}   seconds: {row['seconds']:.2f}")
+        if "error" in row:
+            lines.append(f" {row['error']}")
+    lines.append(rule)
+    if config.histogram:
+        for row in rows:
+            lines += [format_histogram(row.get("histogram", [])), rule]
     return "\n".join(lines)

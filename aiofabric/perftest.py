@@ -34,9 +34,13 @@ from .autogen import bnxt
 from .hw.verbs import ROCE_OVERHEAD, path_mtu_for_port
 from .nic import NIC, PCI_ADDRESS, open_nic
 from .peer.protocol import fill_pattern
+from .errors import BadOption
 from .queues import QueuePair
+from .samples import percentile
 
 TESTS = ("write", "read", "send")
+INLINE_TESTS = ("write", "send")  # tests whose local side a WQE can carry inline
+ORDERED_TESTS = ("read",)  # tests whose requests take the QP's outstanding-READ slots (-o)
 TEST_TITLES = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send"}  # perftest's names in its banners
 MTUS = (256, 512, 1024, 2048, 4096)
 MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
@@ -44,6 +48,8 @@ FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its ow
 REGION_BYTES = 256 << 20  # at most this much buffer per QP when slots are reused (a larger message gets one slot)
 MAX_NICS = 16  # emulated NICs of one run: each is a process with its own sparse DMA arena
 MAX_SIZE = 1 << 30  # one message: source and target live in different NICs' 4 GiB DMA arenas
+SWEEP_PROBE = 64  # iterations per QP of the probe before a timed sweep's first size
+SWEEP_MIN_ITERS = 5  # perftest's least -n
 PEAK_SAMPLE = 0.05  # seconds between the samples of bytes done (the peak is the best tenth of the run)
 WARMUP_SHARE = 0.2  # with -D, this share of the time (at most 2 s) runs before measuring starts
 STAMP = struct.Struct("<Q")  # (flow << 40 | iteration) at the start of a reused slot, so each payload is distinct
@@ -87,53 +93,110 @@ class BenchConfig:
     remote_nic: str | None = None  # the NIC the server side opens there (None: the endpoint's default, "sim")
     remote_ip: str | None = None
     progress: bool = False
+    events: bool = False  # -e: the pollers sleep on the completion interrupt without polling first
+    margin: float | None = None  # -f: the warm-up of a -D run, in seconds (None: WARMUP_SHARE of it, up to 2 s)
+    no_peak: bool = False  # -N: no peak bandwidth (reported as 0, as perftest)
+    outs: int | None = None  # -o: outstanding READ/atomic requests per QP (None: the QP's default)
+    cq_mod: int | None = None  # -Q: one signaled work request every cq_mod (None: depth // 2)
+    rx_depth: int | None = None  # -r: the send test's receive queue depth (None: depth)
+    inline_size: int = 0  # -I: messages up to this size are posted inline
+    gid_index: int | None = None  # -x: must be the NIC's GID index
+    sweep_seconds: float | None = None  # -a without -n: iterations per size chosen to run about this long
 
     def check(self) -> None:
-        """Refuse a bad value before any NIC boots, naming the flag and what it allows.
-
-        Limits of the firmware (QPs, work requests per QP, DMA memory) are left to the driver, which reports them."""
+        """Refuse a bad value before any NIC boots: errors.BadOption naming the option, the value and what it allows
+        (the command line reports it under the spelling typed). The NIC's own limits are `check_caps`'."""
+        def bad(dest: str, reason: str) -> BadOption:
+            return BadOption(dest, getattr(self, dest), reason)
         if self.test not in TESTS:
-            raise ValueError(f"test must be one of {TESTS}")
+            raise bad("test", f"must be one of {', '.join(TESTS)}")
         if not 2 <= self.nics <= MAX_NICS or self.nics % 2:
-            raise ValueError(f"--nics must be an even number in [2, {MAX_NICS}] (NICs are paired; each is an "
-                             f"emulator process), not {self.nics}")
+            raise bad("nics", f"must be an even number in [2, {MAX_NICS}] (NICs are paired; each is an emulator "
+                              "process)")
         for name in ("qps", "iters", "depth"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1")
+                raise bad(name, "must be at least 1")
         if not 1 <= self.post_list <= self.depth:
-            raise ValueError(f"-l/--post-list must be in [1, --depth {self.depth}] (a post list is in flight at "
-                             f"once), not {self.post_list}")
+            raise bad("post_list", f"must be in [1, --tx-depth {self.depth}] (a post list is in flight at once)")
+        if self.cq_mod is not None and not 1 <= self.cq_mod <= self.depth:
+            raise bad("cq_mod", f"must be in [1, --tx-depth {self.depth}] (a completion every N work requests, "
+                                "at most a queue's worth)")
+        if self.cq_mod is not None and self.post_list > 1 and self.cq_mod != self.post_list:
+            raise bad("cq_mod", f"with -l {self.post_list} each post list signals its last work request: drop -Q "
+                                f"or give -Q {self.post_list}")
+        if self.rx_depth is not None and (self.test != "send" or self.rx_depth < self.depth):
+            raise bad("rx_depth", f"sizes the send test's receive queue: at least --tx-depth {self.depth} (each "
+                                  "send in flight has its receive posted)" if self.test == "send" else
+                      "sizes the receive queue of the send test only")
+        if self.inline_size and self.test not in INLINE_TESTS:
+            raise bad("inline_size", f"inline data goes with {' and '.join(INLINE_TESTS)} (the local side of "
+                                     f"a {self.test} is written by the NIC)")
+        if self.inline_size and self.post_list > 1:
+            raise bad("inline_size", "post lists (-l) are not sent inline: drop one of them")
+        if self.outs is not None and (self.outs < 1 or self.test not in ORDERED_TESTS):
+            raise bad("outs", f"counts outstanding {' and '.join(ORDERED_TESTS)} requests: at least 1" if
+                      self.test in ORDERED_TESTS else f"applies to {' and '.join(ORDERED_TESTS)} only")
         if self.size < 1:
-            raise ValueError("--size must be at least 1 byte")
+            raise bad("size", "must be at least 1 byte")
         if self.mtu not in MTUS:
-            raise ValueError(f"--mtu must be one of {MTUS}")
+            raise bad("mtu", f"must be one of {', '.join(map(str, MTUS))}")
         if not 0 <= self.timeout <= MAX_ACK_TIMEOUT:
-            raise ValueError(f"--timeout must be in [0, {MAX_ACK_TIMEOUT}] (a 5-bit exponent: 4.096 us * 2^timeout, "
-                             f"0 waits forever), not {self.timeout}")
+            raise bad("timeout", f"must be in [0, {MAX_ACK_TIMEOUT}] (a 5-bit exponent: 4.096 us * 2^timeout, "
+                                 "0 waits forever)")
         for name in ("loss", "reorder", "dup", "corrupt"):
             if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"--{name} is a probability in [0, 1)")
+                raise bad(name, "is a probability in [0, 1)")
         if self.inject_fault is not None:
             self.fault()
         if self.with_peer and self.nics != 2:
-            raise ValueError("--peer pairs one NIC here with one there: --nics must be 2")
+            raise bad("nics", "--peer pairs one NIC here with one there: must be 2")
         if self.with_peer and self.inject_fault is not None:
-            raise ValueError("--inject-fault needs the emulator's debug channel, which a peer does not offer")
+            raise bad("inject_fault", "needs the emulator's debug channel, which a peer does not offer")
         if self.duration is not None and not 0 < self.duration <= 86400:
-            raise ValueError(f"-D/--duration must be in (0, 86400] seconds, not {self.duration}")
+            raise bad("duration", "must be in (0, 86400] seconds")
+        if self.margin is not None and (self.duration is None or self.margin >= self.duration):
+            raise bad("margin", "is the warm-up of a -D run: give -D longer than it")
         if self.bidirectional and self.with_peer:
-            raise ValueError("-b/--bidirectional needs both NICs here (not with --peer)")
+            raise bad("bidirectional", "needs both NICs here (not with --peer)")
         if not (self.nic == "sim" or self.nic.startswith("sim:") or PCI_ADDRESS.fullmatch(self.nic)):
-            raise ValueError(f"bad NIC spec {self.nic!r} for --nic: use 'sim', 'sim:NAME' or a PCI address like "
-                             f"0000:41:00.0")
+            raise bad("nic", "use 'sim', 'sim:NAME' or a PCI address like 0000:41:00.0")
         if not self.nic.startswith("sim") and not self.with_peer:
-            raise ValueError(f"--nic {self.nic}: a PCI NIC needs its partner on another host: use --peer HOST")
+            raise bad("nic", "a PCI NIC needs its partner on another host: use --peer HOST or SERVER_HOST")
         if self.ip is not None and self.nics > 2 and not self.with_peer:
-            raise ValueError("--ip names NIC 0's address: with --nics > 2 let the emulated NICs pick theirs")
+            raise bad("ip", "names NIC 0's address: with --nics > 2 let the emulated NICs pick theirs")
         for size in self.sizes or [self.size]:
             if not 1 <= size <= MAX_SIZE:
-                raise ValueError(f"--size must be in [1, {MAX_SIZE}] bytes (one emulated NIC's DMA arena holds "
-                                 f"the buffers), not {size}")
+                raise BadOption("size", size, f"must be in [1, {MAX_SIZE}] bytes (one emulated NIC's DMA arena "
+                                              "holds the buffers)")
+
+    def check_caps(self, nic: NIC) -> None:
+        """Refuse what `nic` cannot hold (its firmware's limits), naming the option: the QPs and the CQ a NIC gets,
+        the queue depth, the outstanding READs, the inline size and the GID index."""
+        caps, per_nic = nic.device.caps, self.qps_per_nic * 2  # a NIC holds the client or server QP of each flow
+        limits = (("qps", per_nic, "max_qp", f"{per_nic} QPs on a NIC (--qps over --nics / 2, x2 with -b)"),
+                  ("depth", self.depth, "max_qp_wr", "work requests per queue"),
+                  ("depth", self.cq_depth, "max_cqe", f"a CQ of {self.cq_depth} entries (--qps x --tx-depth x 2 "
+                                                      "per NIC)"),
+                  ("rx_depth", self.rx_depth or 0, "max_qp_wr", "work requests per queue"),
+                  ("outs", self.outs or 0, "max_qp_rd_atom", "outstanding READ/atomic requests per QP"),
+                  ("inline_size", self.inline_size, "max_inline_data", "bytes of inline data"))
+        for dest, need, cap, what in limits:
+            if caps.get(cap) and need > caps[cap]:
+                raise BadOption(dest, getattr(self, dest), f"{what} exceed what {nic.pci.address} allows "
+                                                           f"({cap} {caps[cap]})")
+        if self.gid_index is not None and self.gid_index != nic.device.gid_index:
+            raise BadOption("gid_index", self.gid_index, f"{nic.pci.address}'s GID ::ffff:{nic.ip} is at index "
+                                                         f"{nic.device.gid_index}")
+
+    @property
+    def qps_per_nic(self) -> int:
+        """Flows whose client (or server) side lives on one NIC."""
+        return -(-self.qps // (self.nics // 2)) * (2 if self.bidirectional else 1)
+
+    @property
+    def cq_depth(self) -> int:
+        """Each NIC's CQ: room for every work request of its QPs, both queues, as a power of two."""
+        return 1 << max(8, (self.qps_per_nic * self.depth * 2 - 1).bit_length())
 
     def fault(self) -> tuple[str, int, int] | None:
         """(kind, count, offset) of --inject-fault KIND[:COUNT[:OFFSET]] (DebugClient.fault's), or None."""
@@ -155,8 +218,7 @@ class BenchConfig:
     def slots(self) -> int:
         """Message slots per QP: one per operation when they fit in FULL_CHECK_BYTES per NIC, else `depth` reused
         (fewer when `depth` slots of a large message would not fit REGION_BYTES: in-flight messages then share)."""
-        per_nic = -(-self.qps // (self.nics // 2)) * (2 if self.bidirectional else 1)
-        if self.duration is None and self.iters * self.size * per_nic <= FULL_CHECK_BYTES:
+        if self.duration is None and self.iters * self.size * self.qps_per_nic <= FULL_CHECK_BYTES:
             return self.iters
         return max(1, min(self.depth if self.duration else min(self.iters, self.depth), REGION_BYTES // self.size))
 
@@ -200,28 +262,29 @@ async def open_bench_nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
             name = config.nic.partition(":")[2] or f"bench{os.getpid()}"
             nics.append(await stack.enter_async_context(open_nic(f"sim:{name}-{i}", ip=config.ip if i == 0 else None,
                                                                  **options)))
+        for nic in nics:
+            if config.events:  # perftest's -e: no polling before sleeping on the interrupt
+                nic.poller.spin = 0.0
         yield nics
 
 
 async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> list[_Flow]:
     """The QP pairs and buffers of one size, appended to `flows` as they are made (so a failure frees them too)."""
     span = config.used_bytes
-    cqs = {}
     directions = 2 if config.bidirectional else 1
-    for nic in nics:
-        per_nic = -(-config.qps // (config.nics // 2)) * directions
-        cqs[nic] = await nic.create_cq(depth=1 << max(8, (per_nic * config.depth * 2 - 1).bit_length()))
+    cqs = {nic: await nic.create_cq(depth=config.cq_depth) for nic in nics}
     for i in range(config.qps * directions):
         pair, direction = divmod(i, directions)
         a, b = nics[2 * (pair % (config.nics // 2))], nics[2 * (pair % (config.nics // 2)) + 1]
         if direction:
             a, b = b, a
-        client = await a.create_qp(cqs[a], sq_depth=config.depth, rq_depth=config.depth)
-        server = await b.create_qp(cqs[b], sq_depth=config.depth, rq_depth=config.depth)
+        client = await a.create_qp(cqs[a], sq_depth=config.depth, rq_depth=config.depth,
+                                   max_inline_data=config.inline_size)
+        server = await b.create_qp(cqs[b], sq_depth=config.depth, rq_depth=config.rx_depth or config.depth)
         flow = _Flow(client, server, None, None, i, direction)
         flows.append(flow)
-        await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout)
-        await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout)
+        await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout, **_outs(config))
+        await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, **_outs(config))
         flow.source, flow.target = await a.register_mr(span), await b.register_mr(span)
         fill_pattern((flow.target if config.test == "read" else flow.source).view[:span], config.seed * 7919 + i)
     fault = config.fault()
@@ -229,6 +292,11 @@ async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> 
         for server_nic in nics[1::2]:
             await emulator(server_nic, "--inject-fault").fault(*fault)
     return flows
+
+
+def _outs(config: BenchConfig) -> dict[str, int]:
+    """connect()'s keywords for -o: the QP's outstanding READ/atomic requests."""
+    return {} if config.outs is None else {"max_rd_atomic": config.outs}
 
 
 @contextlib.asynccontextmanager
@@ -294,13 +362,14 @@ def count_text(value: int | None) -> str:
 async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[_Flow]:
     """The server side on the peer's host: one QP and one MR per flow on its NIC, connected both ways."""
     peer = config.remote
-    depth = 1 << max(8, (config.qps * config.depth * 2 - 1).bit_length())
-    cq, remote_cq = await local.create_cq(depth=depth), await peer.create_cq(remote, depth)
+    cq, remote_cq = await local.create_cq(depth=config.cq_depth), await peer.create_cq(remote, config.cq_depth)
     flows = []
     for i in range(config.qps):
-        client = await local.create_qp(cq, sq_depth=config.depth, rq_depth=config.depth)
-        server = await peer.create_qp(remote, remote_cq, sq_depth=config.depth, rq_depth=config.depth)
-        await client.connect(server.info, mtu=config.mtu, timeout=config.timeout)
+        client = await local.create_qp(cq, sq_depth=config.depth, rq_depth=config.depth,
+                                       max_inline_data=config.inline_size)
+        server = await peer.create_qp(remote, remote_cq, sq_depth=config.depth,
+                                      rq_depth=config.rx_depth or config.depth)
+        await client.connect(server.info, mtu=config.mtu, timeout=config.timeout, **_outs(config))
         await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout)
         source, target = await local.register_mr(config.used_bytes), await peer.register_mr(remote, config.used_bytes)
         flow = _Flow(client, server, source, target, i, remote=peer)
@@ -329,10 +398,12 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
     """Keep `depth` work requests in flight on one QP: post in half-depth chunks (or `post_list` at a time, one
     post_many each), signal each chunk's last. Posts `iters` operations, or (deadline) until the deadline, then
     drains."""
-    chunk = config.post_list if config.post_list > 1 else max(1, config.depth // 2)
+    chunk = config.post_list if config.post_list > 1 else config.cq_mod or max(1, config.depth // 2)
+    size = config.size
+    inline = size <= config.inline_size  # -I: perftest inlines the messages that fit
     in_flight: list[tuple[float, Any, int]] = []
     posted = 0
-    size, slots = config.size, config.slots
+    slots = config.slots
     limit = config.iters if deadline is None and stop is None else 1 << 62
     stamp = b"" if slots == config.iters or config.test == "read" or slots < config.depth else \
         (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
@@ -369,11 +440,12 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
                     slot = (posted + k) % slots * size
                     if one_sided is not None:
                         completion = await one_sided(source, target, size, local_offset=slot, remote_offset=slot,
-                                                     signaled=k == last)
+                                                     signaled=k == last, **({"inline": True} if inline else {}))
                     else:
                         if flow.remote is None:
                             await flow.server.post_recv(flow.target, size, local_offset=slot)
-                        completion = await client.post_send(source, size, local_offset=slot, signaled=k == last)
+                        completion = await client.post_send(source, size, local_offset=slot, signaled=k == last,
+                                                            inline=inline)
             in_flight.append((started, completion, count))
             posted += count
         if not in_flight:
@@ -433,11 +505,6 @@ def fit_mtu(requested: int, nics: Iterable[NIC], what: str) -> int:
     print(f"{what}: path MTU {requested} does not fit the port MTU {port_mtu} of {address} (RoCE headers take "
           f"{ROCE_OVERHEAD} bytes): using {fitting}", file=sys.stderr, flush=True)
     return fitting
-
-
-def _percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] if ordered else 0.0
 
 
 async def _report_every(config: BenchConfig, sampler: _Sampler, stop: Any) -> None:
@@ -502,11 +569,26 @@ async def run_bench(config: BenchConfig, nics: list[NIC] | None = None) -> dict[
     sizes = config.sizes or [config.size]
     rows = []
     async with contextlib.nullcontext(nics) if nics is not None else open_bench_nics(config) as nics:
+        for nic in nics:
+            config.check_caps(nic)
         first = nics[0].info()
         mtu = fit_mtu(config.mtu, nics, "bench")
-        for size in sizes:
-            row = await _run_size(dataclasses.replace(config, size=size, mtu=mtu), nics, first["fw_version"])
+        timings: list[tuple[int, float]] = []  # (size, seconds per iteration) of the sweep's runs so far
+        for index, size in enumerate(sizes):
+            sized = dataclasses.replace(config, size=size, mtu=mtu)
+            if config.sweep_seconds is not None and not config.duration:
+                if not timings:  # a short probe of the first size: how long an iteration takes here
+                    probe = await _run_size(dataclasses.replace(sized, iters=SWEEP_PROBE), nics, "")
+                    timings.append((size, probe["seconds"] / SWEEP_PROBE))
+                sized.iters = sweep_iterations(timings, size, config.sweep_seconds)
+            if config.progress:
+                print(f"\r  size {size} ({index + 1}/{len(sizes)}): {sized.iters} iterations per QP   ", end="",
+                      file=sys.stderr, flush=True)
+            row = await _run_size(sized, nics, first["fw_version"])
+            timings.append((size, row["seconds"] / max(row["iterations"], 1)))
             rows.append({**row, "mtu_requested": config.mtu})
+        if config.progress and len(sizes) > 1:
+            print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
     if config.sizes is None:
         return rows[0]
     failed = [row for row in rows if "error" in row]
@@ -515,11 +597,26 @@ async def run_bench(config: BenchConfig, nics: list[NIC] | None = None) -> dict[
             **({"error": f"size {failed[0]['size']}: {failed[0]['error']}"} if failed else {})}
 
 
+def sweep_iterations(timings: list[tuple[int, float]], size: int, seconds: float) -> int:
+    """Iterations per QP for `size` to run about `seconds`, from earlier (size, seconds per iteration): a line
+    through the last two sizes (a fixed cost plus a cost per byte), or, from one, a cost per byte alone (too
+    few iterations rather than too many); at least SWEEP_MIN_ITERS."""
+    (s1, t1) = timings[-1]
+    per_byte, fixed = t1 / s1, 0.0
+    if len(timings) > 1 and timings[-2][0] != s1:
+        (s0, t0) = timings[-2]
+        per_byte = max(0.0, (t1 - t0) / (s1 - s0))
+        fixed = max(0.0, t1 - per_byte * s1)
+    predicted = max(fixed + per_byte * size, 1e-9)
+    return max(SWEEP_MIN_ITERS, int(seconds / predicted))
+
+
 async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> dict[str, Any]:
     async with _flows(config, nics) as flows:
         before = await wire_counters(nics)
         cpu_started, started = time.process_time(), time.perf_counter()
-        warmup = min(2.0, config.duration * WARMUP_SHARE) if config.duration else 0.0
+        warmup = 0.0 if not config.duration else \
+            config.margin if config.margin is not None else min(2.0, config.duration * WARMUP_SHARE)
         deadline = started + warmup + config.duration if config.duration and not config.run_infinitely else None
         stop = config.stop if config.run_infinitely else None
         sampler = _Sampler(config, flows, started, warmup, 0 if config.duration else len(flows) * config.iters)
@@ -544,14 +641,19 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         measured_ops, seconds = ops - sampler.samples[0][1], ended - sampler.samples[0][0]
     seconds = max(seconds, 1e-9)
     bandwidth = measured_ops * config.size / seconds
-    latencies = [x for f in flows for x in f.latencies]
+    peak = 0.0 if config.no_peak else max(sampler.peak(), bandwidth)
+    latencies = sorted(x for f in flows for x in f.latencies)
+    iterations = measured_ops // max(len(flows), 1)  # perftest's #iterations: per QP (and direction), measured
     result = {
         "verified": mismatch is None, "test": config.test, "qps": config.qps, "size": config.size,
-        "iters": config.iters if not config.duration else ops // max(len(flows), 1), "duration": config.duration,
-        "depth": config.depth, "post_list": config.post_list, "mtu": config.mtu, "nics": config.nics, "ops": ops,
-        "bytes": ops * config.size, "seconds": seconds, "msg_rate": measured_ops / seconds, "bw_MiBps": bandwidth / 2**20,
-        "bw_peak_MiBps": max(sampler.peak(), bandwidth) / 2**20, "bw_Gbps": bandwidth * 8 / 1e9,
-        "lat_us": {"p50": _percentile(latencies, 50) * 1e6, "p99": _percentile(latencies, 99) * 1e6},
+        "iterations": iterations, "iters": config.iters if not config.duration else iterations,
+        "duration": config.duration, "warmup_seconds": warmup, "depth": config.depth, "post_list": config.post_list,
+        "cq_mod": config.cq_mod or (config.post_list if config.post_list > 1 else max(1, config.depth // 2)),
+        "inline_size": config.inline_size, "events": config.events, "mtu": config.mtu, "nics": config.nics,
+        "ops": ops, "measured_ops": measured_ops, "bytes": ops * config.size, "seconds": seconds,
+        "msg_rate": measured_ops / seconds, "bw_MiBps": bandwidth / 2**20, "bw_peak_MiBps": peak / 2**20,
+        "bw_Gbps": bandwidth * 8 / 1e9,
+        "lat_us": {"p50": percentile(latencies, 50) * 1e6, "p99": percentile(latencies, 99) * 1e6},
         "driver_cpu_us_per_op": cpu / max(ops, 1) * 1e6, **wire, "fw_version": fw_version,
         "verification": _verification(config, None not in placed.values()),
         **({"remote_host": config.remote.host} if config.remote is not None else {}),
@@ -574,27 +676,52 @@ def _verification(config: BenchConfig, emulated: bool) -> str:
     return every + (" and the NIC's placement counts" if counted and config.slots != config.iters else "")
 
 
+def bandwidth_unit(report_gbits: bool) -> tuple[str, float]:
+    """The BW unit perftest labels its table with, and the factor from MiB/s to it."""
+    return ("Gb/sec", 2**20 * 8 / 1e9) if report_gbits else ("MiB/sec", 1.0)
+
+
+def perftest_report(result: dict[str, Any], config: BenchConfig) -> dict[str, Any]:
+    """perftest's --out_json keys: "test_info" and "results" (one per size, a list for a sweep), BW in the table's
+    unit."""
+    unit, scale = bandwidth_unit(config.report_gbits)
+    rows = result.get("rows", [result])
+    results = [{"MsgSize": row["size"], "n_iterations": row["iterations"], "BW_peak": round(row["bw_peak_MiBps"] *
+                scale, 2), "BW_average": round(row["bw_MiBps"] * scale, 2), "MsgRate": round(row["msg_rate"] / 1e6, 6)}
+               for row in rows]
+    name = f"{TEST_TITLES[config.test]}_{'Bidirectional_' if config.bidirectional else ''}" \
+           f"{'Post_List_' if config.post_list > 1 else ''}BW_Test"
+    info = {"test": name, "Number of qps": config.qps, "Connection type": "RC", "TX depth": config.depth,
+            "CQ Moderation": rows[0].get("cq_mod"), "Mtu": rows[0].get("mtu", config.mtu), "Link type": "Ethernet",
+            "Max inline data": config.inline_size, "BW unit": unit}
+    return {"test_info": info, "results": results if "rows" in result else results[0]}
+
+
 def format_table(result: dict[str, Any], config: BenchConfig) -> str:
-    """perftest's banner and BW table (MB/sec = MiB/s, or Gb/sec), one row per size, then the loaded latency and
-    the wire counters of each row."""
+    """perftest's banner and BW table (MiB/sec, or Gb/sec), one row per size, then the loaded latency and the wire
+    counters of each row. #iterations is per QP (and direction), warm-up excluded, as perftest counts them."""
     verb = TEST_TITLES[config.test]
     rows = result.get("rows", [result])
     rule = "-" * 103
-    unit = "Gb/sec" if config.report_gbits else "MB/sec"
+    unit, scale = bandwidth_unit(config.report_gbits)
+    first = rows[0]
+    iterations = f"about {config.sweep_seconds:g} s per size (-n fixes them)" if config.sweep_seconds and not \
+        config.duration else f"{config.iters}" if not config.duration else "as many as -D allows"
     lines = [rule, f"                    {verb} {'Bidirectional ' if config.bidirectional else ''}BW Test "
                    f"(aiofabric{', peer ' + result['remote_host'] if 'remote_host' in result else ''})",
              f" Number of qps   : {config.qps}\t\tTransport type : IB",
              " Connection type : RC\t\tUsing SRQ      : OFF",
              f" TX depth        : {config.depth}\t\tNICs           : {config.nics}",
-             f" Post List       : {config.post_list}",
+             f" CQ Moderation   : {first.get('cq_mod', config.cq_mod)}\t\tPost List      : {config.post_list}",
+             f" Max inline data : {config.inline_size}[B]\t\tEvents         : {'ON' if config.events else 'OFF'}",
+             f" Iterations      : {iterations}",
              f" Mtu             : {rows[0].get('mtu', config.mtu)}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
              f" Firmware        : {result['fw_version']}" + (f"\t\tDuration       : {config.duration:g} s"
                                                          if config.duration else ""), rule,
              f" #bytes     #iterations    BW peak[{unit}]    BW average[{unit}]   MsgRate[Mpps]   "
              f"loaded lat p50/p99[usec]"]
     for row in rows:
-        scale = (8e6 / 1e9 * 2**20 / 1e6) if config.report_gbits else 1.0  # MiB/s -> Gb/s
-        lines.append(f" {row['size']:<10} {row['ops']:<14} {row['bw_peak_MiBps'] * scale:<18.2f} "
+        lines.append(f" {row['size']:<10} {row['iterations']:<14} {row['bw_peak_MiBps'] * scale:<18.2f} "
                      f"{row['bw_MiBps'] * scale:<21.2f} {row['msg_rate'] / 1e6:<15.6f} "
                      f"{row['lat_us']['p50']:.1f} / {row['lat_us']['p99']:.1f}")
         for direction in row.get("directions", []):

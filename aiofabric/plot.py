@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
+from .perftest import bandwidth_unit
+
 EXTRA_HINT = "plotting needs matplotlib: pip install 'aiofabric[plot]'"
 
 
@@ -43,22 +45,26 @@ def label(run: dict[str, Any]) -> str:
     return f"{run.get('test', first.get('test', '?'))} {first.get('qps', '?')} QP x {first.get('depth', '?')}"
 
 
-def plot_runs(runs: Sequence[dict[str, Any]], path: str, labels: Sequence[str] | None = None) -> None:
-    """Two panels (MiB/s and Mpps against size, log2 x) with one line per run; written to `path` (PNG)."""
+def plot_runs(runs: Sequence[dict[str, Any]], path: str, labels: Sequence[str] | None = None,
+              report_gbits: bool = False) -> None:
+    """Two panels (bandwidth and Mpps against size, log2 x, log10 y) with one line per run; written to `path` (PNG).
+    Bandwidth is in the bench table's unit: MiB/sec, or Gb/sec with `report_gbits`."""
     require()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    unit, scale = bandwidth_unit(report_gbits)
     figure, (bandwidth, rate) = plt.subplots(1, 2, figsize=(11, 4.2))
     for index, run in enumerate(runs):
         rows = run.get("rows", [run])
         sizes = [row["size"] for row in rows]
         name = labels[index] if labels else label(run)
-        bandwidth.plot(sizes, [row["bw_MiBps"] for row in rows], marker="o", label=name)
+        bandwidth.plot(sizes, [row["bw_MiBps"] * scale for row in rows], marker="o", label=name)
         rate.plot(sizes, [row["msg_rate"] / 1e6 for row in rows], marker="o", label=name)
-    for axes, title in ((bandwidth, "BW average [MiB/s]"), (rate, "message rate [Mpps]")):
+    for axes, title in ((bandwidth, f"BW average [{unit}]"), (rate, "message rate [Mpps]")):
         axes.set_xscale("log", base=2)
+        axes.set_yscale("log")  # sizes span 2 B .. 8 MiB: bandwidth spans decades
         axes.set_xlabel("message size [bytes]")
         axes.set_title(title)
         axes.grid(True, which="both", alpha=0.3)

@@ -25,7 +25,7 @@ from .hw.cqe import (CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, QP_ERROR_RE
                      SEND_STATUS_NAMES, cqe_type)
 from .hw.layout import field_type
 from .hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState
-from .hw.wqe import RQ_WQE_HEADER, SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry
+from .hw.wqe import ATOMIC_SIZE, RQ_WQE_HEADER, SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry
 from .pci import DmaBuffer
 from .poller import Poller
 from .rings import Ring, page_table
@@ -40,6 +40,8 @@ RTS = QPState.RTS  # a module global: an Enum member lookup costs ~70 ns on the 
 WRITE, WRITE_IMM, READ = (bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_W_IMMEAD,
                           bnxt.SQ_RDMA_HDR_WQE_TYPE_READ_WQE)
 SEND, SEND_IMM = bnxt.SQ_SEND_HDR_WQE_TYPE_SEND, bnxt.SQ_SEND_HDR_WQE_TYPE_SEND_W_IMMEAD
+COMPARE_SWAP, FETCH_ADD = bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS, bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA
+ATOMIC_MAX = (1 << 8 * ATOMIC_SIZE) - 1  # atomics take and give unsigned 64-bit values
 VERBS = {"write": WRITE, "write_with_imm": WRITE_IMM, "read": READ, "send": SEND}  # post_many's; send with imm=
 PATH_MTUS = {mtu: code for mtu, code in PATH_MTU_CODES.items() if mtu <= 4096}  # RoCE path MTUs: IB's, up to 4096
 _handles = itertools.count(1)
@@ -543,6 +545,29 @@ class QueuePair:
             return completion
         return await self._post("read", READ, local, remote, size, local_offset, remote_offset, 0, signaled, False)
 
+    async def post_fetch_add(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion, add: int, *,
+                             local_offset: int = 0, remote_offset: int = 0, signaled: bool = True) -> Completion:
+        """Post an atomic FETCH_AND_ADD: `add` (unsigned 64-bit; the sum wraps at 2^64) is added to the 8 bytes at
+        `remote`, and their value before the add lands in the 8 bytes of `local` (a region at `local_offset`, or a
+        raw 8-byte SGE), in host byte order. The remote address must be 8-byte aligned: as on hardware, that is the
+        responder's to check, and a misaligned one fails the completion with REMOTE_INVALID_REQUEST_ERR. The remote
+        region and the peer's QP need Access.REMOTE_ATOMIC (else REMOTE_ACCESS_ERR). Like a READ, it holds one of
+        the `max_rd_atomic` outstanding read/atomic slots until answered."""
+        check_range("add", add, 0, ATOMIC_MAX)
+        return await self._post_atomic("fetch_add", FETCH_ADD, local, remote, local_offset, remote_offset, signaled,
+                                       add, 0)
+
+    async def post_compare_swap(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion,
+                                compare: int, swap: int, *, local_offset: int = 0, remote_offset: int = 0,
+                                signaled: bool = True) -> Completion:
+        """Post an atomic COMPARE_AND_SWAP: the 8 bytes at `remote` become `swap` if they equal `compare`; their value
+        before lands in `local` either way (it equals `compare` when the swap happened). As post_fetch_add
+        otherwise."""
+        check_range("compare", compare, 0, ATOMIC_MAX)
+        check_range("swap", swap, 0, ATOMIC_MAX)
+        return await self._post_atomic("compare_swap", COMPARE_SWAP, local, remote, local_offset, remote_offset,
+                                       signaled, swap, compare)
+
     async def post_send(self, local: Local, size: int | None = None, *, local_offset: int = 0, imm: int | None = None,
                         signaled: bool = True, inline: bool = False) -> Completion:
         """Post a SEND (with immediate if `imm` is given) into the peer's next posted receive."""
@@ -658,6 +683,19 @@ class QueuePair:
     async def recv(self, local, size=None, **kw) -> Completion:
         return await (await self.post_recv(local, size, **kw))
 
+    async def fetch_add(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion, add: int, *,
+                        local_offset: int = 0, remote_offset: int = 0) -> int:
+        """post_fetch_add, awaited: the remote value before the add."""
+        await (await self.post_fetch_add(local, remote, add, local_offset=local_offset, remote_offset=remote_offset))
+        return self._fetched(local, local_offset)
+
+    async def compare_swap(self, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion, compare: int,
+                           swap: int, *, local_offset: int = 0, remote_offset: int = 0) -> int:
+        """post_compare_swap, awaited: the remote value before (`compare` if it was swapped)."""
+        await (await self.post_compare_swap(local, remote, compare, swap, local_offset=local_offset,
+                                            remote_offset=remote_offset))
+        return self._fetched(local, local_offset)
+
     def _post_one(self, verb: str, wqe_type: int, local: Any, remote: Any, size: int | None, local_offset: int,
                   remote_offset: int, imm: int, signaled: bool) -> Completion | None:
         """The per-operation hot path: one SGE from a live MemoryRegion, a QP in RTS with room. None when anything
@@ -686,8 +724,9 @@ class QueuePair:
 
     async def _post(self, verb: str, wqe_type: int, local: Local, remote: RemoteRegion | MemoryRegion | None,
                     size: int | None, local_offset: int, remote_offset: int, imm: int, signaled: bool,
-                    inline: bool) -> Completion:
-        """Any send-queue work request, checked: its SGEs (or inline bytes), its remote range, room in the ring."""
+                    inline: bool, swap: int = 0, compare: int = 0) -> Completion:
+        """Any send-queue work request, checked: its SGEs (or inline bytes), its remote range, room in the ring
+        (an atomic's operands: `swap`, `compare`)."""
         size, sges = self._sges(local, local_offset, size, self.max_send_sge)
         if inline:
             if not isinstance(local, MemoryRegion):
@@ -706,9 +745,32 @@ class QueuePair:
         data = None  # read after the wait: the WQE carries the buffer's bytes as they are when it is posted
         if inline and isinstance(local, MemoryRegion):
             data = bytes(local.view[local_offset:local_offset + size])
-        sq.post(wqe_type, sges, size, address, rkey, imm, signaled, completion, data)
+        sq.post(wqe_type, sges, size, address, rkey, imm, signaled, completion, data, swap, compare)
         self._posted(1)
         return completion
+
+    async def _post_atomic(self, verb: str, wqe_type: int, local: MemoryRegion | LocalBuffer,
+                           remote: RemoteRegion | MemoryRegion, local_offset: int, remote_offset: int, signaled: bool,
+                           swap: int, compare: int) -> Completion:
+        """An atomic on the ATOMIC_SIZE bytes at `remote`: one local SGE of exactly that size takes the original
+        value. The remote address's alignment is left to the responder, as hardware leaves it."""
+        if not isinstance(local, (MemoryRegion, LocalBuffer)):
+            raise TypeError(f"{verb}: local must be a MemoryRegion or a LocalBuffer (mr.sge()), not "
+                            f"{type(local).__name__}")
+        size = ATOMIC_SIZE if isinstance(local, MemoryRegion) else local.length - local_offset
+        if size != ATOMIC_SIZE:
+            raise ValueError(f"{verb}: the local buffer takes the {ATOMIC_SIZE}-byte original value, not {size} bytes")
+        return await self._post(verb, wqe_type, local, remote, ATOMIC_SIZE, local_offset, remote_offset, 0, signaled,
+                                False, swap, compare)
+
+    def _fetched(self, local: MemoryRegion | LocalBuffer, offset: int) -> int:
+        """The original value an atomic wrote at `offset` of `local`, in host byte order (little-endian here)."""
+        if isinstance(local, LocalBuffer):  # a raw SGE: read through the region its lkey names (lkey == rkey)
+            region = MemoryRegion.registered_here(self.device.gid, local.lkey)
+            if region is None:
+                raise ClosedError(f"lkey {local.lkey:#x}: no memory region of this NIC holds the result any more")
+            local, offset = region, local.addr + offset - region.addr
+        return int.from_bytes(local.view[offset:offset + ATOMIC_SIZE], "little")
 
     def _sges(self, local: Local, offset: int, size: int | None, limit: int) -> tuple[int, list[Sge]]:
         """(message size, its SGEs) of a region (`size` bytes at `offset`), a raw SGE, or a list of them."""

@@ -26,9 +26,9 @@ import numpy as np
 from .autogen import bnxt
 from .hw.cqe import SQ_CONS_IDX_MASK
 from .hw.verbs import PSN_MASK, psn_count
-from .hw.wqe import (MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS, SGE,
-                     SQ_RDMA_HEADER, SQ_RDMA_HEADER_AND_SGE, SQ_SEND_HEADER, SQ_SLOT, SQ_STATIC_WQE_SLOTS,
-                     SQ_WQE_HEADER_SLOTS, SqGeometry, msn_entry, psn_search_values)
+from .hw.wqe import (ATOMIC_WQE_TYPES, MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER,
+                     RQ_WQE_HEADER_SLOTS, SGE, SQ_ATOMIC_HEADER, SQ_RDMA_HEADER, SQ_RDMA_HEADER_AND_SGE, SQ_SEND_HEADER,
+                     SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry, msn_entry, psn_search_values)
 
 SIGNAL = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP
 INLINE = bnxt.SQ_SEND_FLAGS_INLINE
@@ -117,9 +117,11 @@ class SendQueueCodec:
 
     # -- posting ---------------------------------------------------------------------------------------------------
     def post(self, wqe_type: int, sges: Sequence[Sge], length: int, remote_va: int, rkey: int, imm: int,
-             signaled: bool, token: Any, inline: bytes | memoryview | None = None) -> None:
-        """Any WQE: its header, then `sges` (or `inline` data, `length` bytes of it), wrapping slot by slot. A value
-        the WQE cannot hold raises struct.error and changes nothing."""
+             signaled: bool, token: Any, inline: bytes | memoryview | None = None, swap: int = 0,
+             compare: int = 0) -> None:
+        """Any WQE: its header, then `sges` (or `inline` data, `length` bytes of it), wrapping slot by slot. An atomic
+        carries `swap` (FETCH_ADD: the addend) and `compare`; its SGE takes the original value. A value the WQE
+        cannot hold raises struct.error and changes nothing."""
         signaled = signaled or self.unsignaled_run >= self.max_unsignaled
         flags = (SIGNAL if signaled else 0) | (INLINE if inline is not None else 0)
         if inline is not None:
@@ -129,6 +131,8 @@ class SendQueueCodec:
         size = SQ_WQE_HEADER_SLOTS + (len(body) >> SLOT_SHIFT)
         if wqe_type in RDMA_WQE_TYPES:
             wqe = SQ_RDMA_HEADER.pack(wqe_type, flags, size, imm, length, remote_va, rkey, 0) + body
+        elif wqe_type in ATOMIC_WQE_TYPES:
+            wqe = SQ_ATOMIC_HEADER.pack(wqe_type, flags, size, rkey, remote_va, swap, compare) + body
         else:
             wqe = SQ_SEND_HEADER.pack(wqe_type, flags, size, imm, length, 0, 0, 0, 0) + body
         start = self.producer

@@ -55,9 +55,10 @@ async def test_placed_counts_match_what_was_posted_under_loss_and_dup():
         assert stats["retransmits"] > 0  # the faults did bite
         assert placed(b, qb) == {"write_messages": len(writes) + 1, "write_bytes": sum(writes) + 500,
                                  "send_messages": len(sends), "send_bytes": sum(sends),
-                                 "read_messages": 0, "read_bytes": 0}
+                                 "read_messages": 0, "read_bytes": 0, "atomic_messages": 0, "atomic_bytes": 0}
         assert placed(a, qa) == {"write_messages": 0, "write_bytes": 0, "send_messages": 0, "send_bytes": 0,
-                                 "read_messages": len(reads), "read_bytes": sum(reads)}
+                                 "read_messages": len(reads), "read_bytes": sum(reads), "atomic_messages": 0,
+                                 "atomic_bytes": 0}
 
 
 async def test_placement_faults_through_the_debug_channel():

@@ -78,7 +78,7 @@ def test_bench_under_faults_reports_retransmits():
 def test_bench_table_output():
     code, _, process = run("bench", "write", "--qps", "1", "--size", "64", "--iters", "20", "--depth", "2")
     assert code == 0
-    assert "#bytes" in process.stdout and "BW average[MB/sec]" in process.stdout and "verified: yes" in process.stdout
+    assert "#bytes" in process.stdout and "BW average[MiB/sec]" in process.stdout and "verified: yes" in process.stdout
 
 
 def test_bad_arguments_fail_with_a_reason():
@@ -114,7 +114,7 @@ def test_usage_errors_without_json_keep_argparse_output():
     code, _, process = run("bench", "write", "--mtu", "1000", timeout=30)
     assert code == 2 and process.stdout == ""
     assert process.stderr.startswith("usage: aiofabric bench")
-    assert "aiofabric bench: error: argument --mtu: invalid choice: 1000" in process.stderr
+    assert "aiofabric bench: error: argument -m/--mtu: invalid choice: 1000" in process.stderr
 
 
 def test_describe_names_the_innermost_error_on_one_line():

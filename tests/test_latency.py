@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from aiofabric.latency import (HEADER, LATENCY_FIELDS, LatConfig, format_latency_table, histogram, run_latency,
-                               summarize)
+from aiofabric.latency import HEADER, LATENCY_FIELDS, LatConfig, format_latency_table, histogram, run_latency
+from aiofabric.samples import summarize
 
 ITERS = 40  # small: each run boots two emulator processes on a shared 2-core machine
 
@@ -72,15 +72,6 @@ def test_bad_config_names_the_field(field, value):
 async def test_run_latency_refuses_a_bad_config_before_booting():
     with pytest.raises(ValueError, match="--iters"):
         await run_latency(LatConfig(iters=0))
-
-
-def test_summary_follows_perftest_definitions():
-    samples = [float(x) for x in range(1, 1001)]  # 1 .. 1000 us
-    t = summarize(samples)
-    assert (t["t_min_us"], t["t_max_us"], t["t_typical_us"], t["t_avg_us"]) == (1, 1000, 500.5, 500.5)
-    assert (t["p99_us"], t["p99_9_us"]) == (990, 999)  # nearest rank
-    assert t["t_stdev_us"] == pytest.approx(288.6749, abs=1e-3)  # population stdev, as perftest
-    assert summarize([7.0])["p99_9_us"] == 7.0
 
 
 def test_histogram_buckets_are_contiguous_and_count_every_sample():

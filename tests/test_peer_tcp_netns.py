@@ -51,7 +51,7 @@ def test_bench_server_in_one_namespace_client_in_another(two_hosts, test, ip):
         assert result["remote_host"] == f"{ADDRESSES[0]}:18515"
         out, err = server.communicate(timeout=30)
         assert server.returncode == 0, err[-3000:]
-        assert "#bytes" in out and "BW average[MB/sec]" in out and " 4096 " in out  # the same table on the server
+        assert "#bytes" in out and "BW average[MiB/sec]" in out and " 4096 " in out  # the same table on the server
         assert "verified: yes" in out
     finally:
         if server.poll() is None:

@@ -782,10 +782,11 @@ def test_placed_counts_every_message_once_under_loss_dup_and_reorder():
     assert b.dp.stats["duplicates"] > 0 and a.dp.stats["retransmits"] > 0  # the faults did bite
     assert a.dp.placed_report()[str(a.qpn)] == {
         "write_messages": 0, "write_bytes": 0, "send_messages": 0, "send_bytes": 0,
-        "read_messages": len(reads), "read_bytes": sum(reads)}
+        "read_messages": len(reads), "read_bytes": sum(reads), "atomic_messages": 0, "atomic_bytes": 0}
     assert b.dp.placed_report()[str(b.qpn)] == {
         "write_messages": len(writes) + 2, "write_bytes": sum(writes) + 1500,  # + the WRITE_IMM and the final one
-        "send_messages": len(sends), "send_bytes": sum(sends), "read_messages": 0, "read_bytes": 0}
+        "send_messages": len(sends), "send_bytes": sum(sends), "read_messages": 0, "read_bytes": 0,
+        "atomic_messages": 0, "atomic_bytes": 0}
 
 
 def test_skip_placement_fault_acknowledges_writes_without_placing_them():

@@ -1,12 +1,15 @@
 """Work-queue entries: what the driver writes into send and receive queues, and the SQ's MSN table.
 
 Send queue: 16-byte slots (`SQ_SLOT`, the size of `sq_sge`). A WQE is a 32-byte header (`SQ_WQE_HEADER_SLOTS` slots:
-`sq_rdma_hdr` for WRITE, WRITE_W_IMMEAD and READ, `sq_send_hdr` for SEND and SEND_W_IMMEAD) followed by
-`wqe_size - 2` SGE slots (`sq_sge`) or inline data. In variable-WQE mode (CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_
-ENABLED) WQEs are packed slot by slot, every slot wrapping on its own, and the SQ doorbell names a slot; in static
-mode every WQE takes `SQ_STATIC_WQE_SLOTS` (the size of `sq_send`) and the doorbell names a WQE. Both headers keep
-wqe_type, flags, wqe_size, the immediate and the length at the same offsets (tests/test_hw.py holds them to it), so a
-device reads any WQE's first three slots with `SQ_RDMA_HEADER_AND_SGE` and lets wqe_type say which fields count.
+`sq_rdma_hdr` for WRITE, WRITE_W_IMMEAD and READ, `sq_send_hdr` for SEND and SEND_W_IMMEAD, `sq_atomic_hdr` for
+ATOMIC_CS and ATOMIC_FA) followed by `wqe_size - 2` SGE slots (`sq_sge`) or inline data. In variable-WQE mode
+(CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED) WQEs are packed slot by slot, every slot wrapping on its own, and
+the SQ doorbell names a slot; in static mode every WQE takes `SQ_STATIC_WQE_SLOTS` (the size of `sq_send`) and the
+doorbell names a WQE. The RDMA and SEND headers keep wqe_type, flags, wqe_size, the immediate and the length at the
+same offsets (tests/test_hw.py holds them to it), so a device reads any WQE's first three slots with
+`SQ_RDMA_HEADER_AND_SGE` and lets wqe_type say which fields count. An atomic WQE is its header and one SGE of
+`ATOMIC_SIZE` bytes, where the original remote value lands; its header keeps wqe_type, flags and wqe_size there too,
+then the remote key and address, the swap (or add) value and the compare value (`SQ_ATOMIC_HEADER`).
 
 Search table: right after the ring's last slot, where the chip finds the message it retransmits. Firmware that wants
 the host MSN table (hw.firmware.host_msn_table) takes one `sq_msn_search` per message, indexed by a message count
@@ -30,6 +33,8 @@ SQ_STATIC_WQE_SLOTS = ctypes.sizeof(bnxt.sq_send) // SQ_SLOT
 RQ_WQE_HEADER_SLOTS = ctypes.sizeof(bnxt.rq_wqe_hdr) // SQ_SLOT
 RDMA_WQE_TYPES = frozenset({bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_W_IMMEAD,
                             bnxt.SQ_RDMA_HDR_WQE_TYPE_READ_WQE})  # the WQE types whose header is sq_rdma_hdr
+ATOMIC_WQE_TYPES = frozenset({bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS, bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA})
+ATOMIC_SIZE = bnxt.sq_atomic_hdr.swap_data.size  # bytes an atomic reads and writes, at either end
 
 SGE = Layout.of(bnxt.sq_sge, "va_or_pa", "l_key", "size")
 SQ_RDMA_HEADER = Layout.of(bnxt.sq_rdma_hdr, "wqe_type", "flags", "wqe_size", "imm_data", "length", "remote_va",
@@ -37,6 +42,11 @@ SQ_RDMA_HEADER = Layout.of(bnxt.sq_rdma_hdr, "wqe_type", "flags", "wqe_size", "i
 SQ_SEND_HEADER = Layout.of(bnxt.sq_send_hdr, "wqe_type", "flags", "wqe_size", "inv_key_or_imm_data", "length",
                            "q_key", "dst_qp", "avid", "timestamp")
 SQ_RDMA_HEADER_AND_SGE = SQ_RDMA_HEADER + SGE
+# reserved16's first byte is where every other header keeps wqe_size: rdma-core's bnxt_re writes the atomic WQE's size
+# there too (bnxt_re_build_send_sqe), and a device that steps over WQEs by their size reads it there. FETCH_ADD's
+# addend goes in swap_data (rdma-core's bnxt_re_build_fna_sqe): AtomicETH's Swap/Add field.
+SQ_ATOMIC_HEADER = Layout.of(bnxt.sq_atomic_hdr, "wqe_type", "flags", "reserved16", "remote_key", "remote_va",
+                             "swap_data", "cmp_data")
 RQ_WQE_HEADER = Layout.of(bnxt.rq_wqe_hdr, "wqe_type", "flags", "wqe_size", "wr_id")  # wr_id unpacks as 2 values
 MSN_ENTRY = Layout.of(bnxt.sq_msn_search, "start_idx_next_psn_start_psn")
 PSN_SEARCH_ENTRY = Layout.of(bnxt.sq_psn_search_ext, "opcode_start_psn", "flags_next_psn", "start_slot_idx")

@@ -10,7 +10,7 @@ One `Datapath` per NIC, beside its `Firmware`. The I/O shell (process.py) feeds 
                                off the outbox
     dp.next_deadline()         when to call advance() again: None (nothing pending), or a time (<= now: at once)
 
-    dp.placed_report()         per QP, the messages and bytes placed in memory (debug "placed")
+    dp.placed_report()         per QP, the messages and bytes placed in memory, the atomics executed (debug "placed")
     dp.faults.inject(kind, count, offset)   deliberately wrong WRITE placement (debug "fault")
 
 CQEs land in host memory through `CompletionQueue.post`; interrupts collect in fw.interrupts; QP errors reach the CREQ
@@ -32,11 +32,13 @@ Deviations from rxe/hardware, on purpose:
   second NAK-sequence (rxe sends one; the requester would go back twice for one reordering): see responder.py.
 - A duplicate READ is answered from its own RETH (rkey checked again, memory read again); responder READ resources
   (max_dest_rd_atomic, the IRRQ) are not limited, and the ORRQ/IRRQ memory is not used: the engine keeps that state
-  itself. The SQ's search table (MSN or PSN entries) is read only by a go-back with hardware retransmission on, to
-  find the message it resumes (requester.py); without it the engine retransmits from its own state, as firmware keeps
-  it in the QP context. `max_rd_atomic` 0 is treated as 1.
+  itself. Atomics' saved results do take max_dest_rd_atomic entries (READs take none of them), so a duplicate atomic
+  is answered from its result, never executed again, for as long as the requester may retransmit it (responder.py).
+  The SQ's search table (MSN or PSN entries) is read only by a go-back with hardware retransmission on, to find the
+  message it resumes (requester.py); without it the engine retransmits from its own state, as firmware keeps it in
+  the QP context. `max_rd_atomic` 0 is treated as 1.
 - No P_Key or source-address check on received packets (the socket binding does the addressing).
-- Atomics, SEND with invalidate, SRQs, UD and UC are not emulated (atomic requests get NAK invalid request).
+- SEND with invalidate, SRQs, UD and UC are not emulated.
 """
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ class Datapath:
         # packets_sent, packets_received, retransmits, go_backs, acks, naks, rnr_naks, duplicates, out_of_sequence,
         # timeouts,
         # implied_naks, acks_received, naks_received, rnr_naks_received, stale_acks, dropped (+ dropped_* reasons),
-        # request_errors, qp_errors, cqes, cq_overflows, bad_doorbells, internal_errors
+        # atomic_replays, request_errors, qp_errors, cqes, cq_overflows, bad_doorbells, internal_errors
         self.stats: collections.Counter[str] = collections.Counter()
         self.outbox: list[Outgoing] = []  # one list for good: the QP contexts hold it
         self.contexts: dict[int, QpContext] = {}
@@ -275,8 +277,8 @@ class Datapath:
                     ctx.requester.on_acknowledge(p, now)
                     ctx.wake()
                 elif op == ATOMIC_ACKNOWLEDGE:
-                    stats["dropped"] += 1
-                    stats["dropped_unexpected"] += 1
+                    ctx.requester.on_atomic_acknowledge(p, now)
+                    ctx.wake()
                 else:
                     ctx.requester.on_read_response(p, now)
                     ctx.wake()

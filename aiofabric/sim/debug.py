@@ -36,16 +36,19 @@ class Ping:
 @dataclasses.dataclass(frozen=True)
 class Placed:
     """What one RC QP placed in memory since it was created, each message counted once however often it was
-    retransmitted: WRITE (with or without immediate) and SEND by the responder, READ responses by the requester."""
+    retransmitted: WRITE (with or without immediate) and SEND by the responder, READ responses by the requester, and
+    the atomics the responder executed (8 bytes each: a duplicate is answered, never executed again)."""
     write_messages: int = 0
     write_bytes: int = 0
     send_messages: int = 0
     send_bytes: int = 0
     read_messages: int = 0
     read_bytes: int = 0
+    atomic_messages: int = 0
+    atomic_bytes: int = 0
 
     def of(self, verb: str) -> tuple[int, int]:
-        """(messages, bytes) placed by `verb`: "write", "send" or "read"."""
+        """(messages, bytes) placed by `verb`: "write", "send", "read" or "atomic" (atomics executed)."""
         return getattr(self, f"{verb}_messages"), getattr(self, f"{verb}_bytes")
 
 

@@ -26,9 +26,10 @@ Datapath.stats), `dropped` = every packet dropped on receive (bad ICRC and malfo
 transports' own counters prefixed with "wire_" (wire_sent, wire_lost, wire_corrupted, ...).
 
 Debug "placed" reply: {"qps": {QPN as a string: {write_messages, write_bytes, send_messages, send_bytes,
-read_messages, read_bytes}}} for every live RC QP: what it placed in memory since it was created, each message counted
-once, when its last packet landed (duplicates and retransmissions never count twice). WRITE (with or without
-immediate) and SEND are counted by the responder, READ (the response payload placed locally) by the requester.
+read_messages, read_bytes, atomic_messages, atomic_bytes}}} for every live RC QP: what it placed in memory since it was
+created, each message counted once, when its last packet landed (duplicates and retransmissions never count twice).
+WRITE (with or without immediate), SEND and atomics (executed, 8 bytes each) are counted by the responder, READ (the
+response payload placed locally) by the requester.
 
 Debug "fault" request: deliberate data-path bugs, so that tests can prove a verification fails when it should.
 {"op": "fault", "kind": "skip_placement", "count": N}: the next N incoming WRITE messages that carry data (FIRST..LAST or

@@ -25,15 +25,17 @@ Outgoing = Union[Packet, Segments]
 class PlacedCounts:
     """What one QP placed in memory since it was created, each message counted once, when its last packet landed
     (duplicates and retransmissions never count twice). Responder side: WRITE (with or without immediate) and SEND
-    payloads; requester side: READ response payloads."""
+    payloads, and the atomics it executed (8 bytes each; a duplicate answered from its saved result is not executed
+    again); requester side: READ response payloads."""
 
-    FIELDS = ("write_messages", "write_bytes", "send_messages", "send_bytes", "read_messages", "read_bytes")
+    FIELDS = ("write_messages", "write_bytes", "send_messages", "send_bytes", "read_messages", "read_bytes",
+              "atomic_messages", "atomic_bytes")
     __slots__ = ("qp", *FIELDS)
 
     def __init__(self, qp: QueuePair | None = None) -> None:
         self.qp = qp
         self.write_messages = self.write_bytes = self.send_messages = self.send_bytes = 0
-        self.read_messages = self.read_bytes = 0
+        self.read_messages = self.read_bytes = self.atomic_messages = self.atomic_bytes = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.FIELDS}

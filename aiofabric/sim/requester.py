@@ -2,15 +2,17 @@
 requester CQEs out.
 
 WQEs are fetched from the SQ ring (sendqueue.py) when its doorbell moves the producer and get their PSN range at
-once (one PSN per packet; a READ takes as many as its responses). `pump()` turns them into packets within the
-128-PSN window and the ORRQ limit (`max_rd_atomic` READ requests in flight): a WRITE's or SEND's packets as one
-`packets.Segments` per burst (the transport encodes them without a Packet each), a READ request as a Packet. A READ
+once (one PSN per packet; a READ takes as many as its responses, an atomic one). `pump()` turns them into packets
+within the 128-PSN window and the ORRQ limit (`max_rd_atomic` READ and atomic requests in flight): a WRITE's or SEND's
+packets as one `packets.Segments` per burst (the transport encodes them without a Packet each), a READ request or an
+atomic (COMPARE_SWAP, FETCH_ADD with its AtomicETH) as a Packet. A READ
 is asked for READ_SEGMENT responses at a time, each a READ request of its own (RETH VA and length advanced), sent only
 once its responses fit in the window: like a WRITE's packets, a READ's responses in flight never exceed a window,
 which the receive buffer holds (process.RECEIVE_WINDOW_PER_QP), however long the READ and however loaded the host. The
 completer retires WQEs in order as ACKs arrive (an ACK for PSN n acknowledges every PSN up to n), lands read
-responses in the local SGEs and retransmits go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an
-implied NAK (an ACK past an unfinished READ, a gap in read responses) or a timeout, once per loss: a NAK that names
+responses in the local SGEs, an ATOMIC_ACKNOWLEDGE's original value (8 bytes, little-endian: host order) in the
+atomic's, and retransmits go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an implied NAK (an ACK or
+response past an unfinished READ or atomic, a gap in read responses) or a timeout, once per loss: a NAK that names
 the PSN a go-back already restarted from (a duplicate, or one slower than the timer) starts no second one (stat
 "go_backs" counts them). With hardware retransmission on (INITIALIZE_FW), a go-back finds the message it resumes in
 the search table the driver wrote after the SQ, as the chip does: the message's MSN table entry, or its PSN search
@@ -23,6 +25,7 @@ from __future__ import annotations
 from ..autogen import bnxt
 from ..hw.cqe import CQE_REQ, SQ_CONS_IDX_MASK, RequesterErrorReason
 from ..hw.verbs import PSN_MASK, QPState, psn_diff
+from ..hw.wqe import ATOMIC_SIZE
 from . import packets as pk
 from .dma import ACCESS_ERRORS
 from .packets import ROCE_PORT
@@ -68,7 +71,7 @@ class Requester:
         self.sq = SendQueue(port.qp, port.mem, port.mrs)
         self.started = False
         self.next_psn = self.una = self.sent_hi = 0  # next PSN to assign; oldest unacked; one past the highest sent
-        self.reads = 0  # READ requests sent and not fully answered (ORRQ entries in use)
+        self.reads = 0  # READ and atomic requests sent and not fully answered (ORRQ entries in use)
         self.noack = 0
         self.retry_left = self.rnr_left = 0
         self.started_retry = False
@@ -112,8 +115,8 @@ class Requester:
 
     # -- transmitting ---------------------------------------------------------------------------------------------
     def pump(self, now: float, budget: int) -> int:
-        """Queue up to `budget` packets on the outbox (a WRITE or SEND as Segments, a READ request as a Packet); the
-        number queued."""
+        """Queue up to `budget` packets on the outbox (a WRITE or SEND as Segments, a READ or atomic request as a
+        Packet); the number queued."""
         if self.rnr_until is not None:
             return 0
         wqes, qp, port = self.wqes, self.qp, self.port
@@ -125,7 +128,11 @@ class Requester:
             w = wqes[self.send]
             if w.status is not None:
                 break  # a local error: it completes once every earlier WQE has
-            if w.read:
+            if w.atomic:
+                if not self._queue_atomic(w, una):
+                    break
+                psn, end, count = w.first_psn, (w.first_psn + 1) & PSN_MASK, 1
+            elif w.read:
                 k, stop = self.send_pkt, read_segment_end(self.send_pkt, w.npkts)
                 new = k >= w.requested  # else a go-back asks again for responses asked for before
                 if new and self.reads >= max(1, qp.max_rd_atomic):
@@ -193,6 +200,24 @@ class Requester:
                     self.rto_at = now + interval
                     port.schedule(self.rto_at)
         return sent
+
+    def _queue_atomic(self, w: SendWqe, una: int) -> bool:
+        """Queue atomic `w`'s request (once more, after a go-back), if an ORRQ entry is free for a new one and its PSN
+        is in the window; whether it was."""
+        new = not w.requested
+        if new and self.reads >= max(1, self.qp.max_rd_atomic) or psn_diff(w.first_psn, una) >= WINDOW:
+            return False
+        if new:
+            w.requested = 1
+            self.reads += 1
+        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.port.address
+        self.port.outbox.append(pk.Packet(w.atomic, dest_qp, w.first_psn, True, False, pkey, False, False, w.remote_va,
+                                          w.rkey, 0, 0, 0, 0, b"", src_ip, dst_ip, sport, ROCE_PORT, 0, tos, ttl,
+                                          swap_add=w.swap_add, compare=w.compare))
+        self.noack = 0
+        self.send += 1
+        self.send_pkt = 0
+        return True
 
     def _ack_requests(self, count: int, ends_message: bool) -> int:
         """AckReq bits for `count` data packets about to go: every ACK_EVERY-th packet since the last AckReq (rxe's
@@ -433,7 +458,7 @@ class Requester:
         if not self.acked_through((psn - 1) & PSN_MASK, now) or self.done >= len(self.wqes):
             return
         w = self.wqes[self.done]
-        if not w.read or psn_diff(psn, w.last_psn) > 0:
+        if not w.read or w.atomic or psn_diff(psn, w.last_psn) > 0:
             self.stats["dropped_unexpected"] += 1
             return
         expected = (w.first_psn + w.received) & PSN_MASK
@@ -466,5 +491,39 @@ class Requester:
             if self.send < self.done:
                 self.send, self.send_pkt = self.done, 0
             self._trim()
+        self._progress(now)
+        self.settle()
+
+    def on_atomic_acknowledge(self, p: pk.Packet, now: float) -> None:
+        """An ATOMIC_ACKNOWLEDGE: the original value for the atomic at its PSN, which completes it (and acknowledges
+        every request before it)."""
+        psn = p.psn
+        if psn_diff(psn, self.una) < 0:
+            self.stats["duplicates"] += 1  # a replayed result for an atomic completed already
+            return
+        if psn_diff(psn, self.sent_hi) >= 0:
+            self.stats["dropped_unexpected"] += 1
+            return
+        if not self.acked_through((psn - 1) & PSN_MASK, now) or self.done >= len(self.wqes):
+            return
+        w = self.wqes[self.done]
+        if not w.atomic or psn != w.first_psn:
+            self.stats["dropped_unexpected"] += 1
+            return
+        if p.syndrome & pk.SYNDROME_TYPE_MASK != pk.ACK:
+            self.stats["dropped_malformed"] += 1
+            return
+        try:
+            w.data[0:ATOMIC_SIZE] = p.original.to_bytes(ATOMIC_SIZE, "little")
+        except ACCESS_ERRORS:
+            self.fail(S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, R.REQ_RX_MEMORY_ERROR)
+            return
+        w.received = 1
+        self.reads -= 1  # its ORRQ entry is free
+        self.una = (psn + 1) & PSN_MASK
+        self._retire()
+        if self.send < self.done:
+            self.send, self.send_pkt = self.done, 0
+        self._trim()
         self._progress(now)
         self.settle()

@@ -1,35 +1,45 @@
-"""The responder of one RC QP (sans-IO): request packets in; DMA, RQ consumption, responder CQEs, ACKs, NAKs and
-read responses out.
+"""The responder of one RC QP (sans-IO): request packets in; DMA, RQ consumption, responder CQEs, ACKs, NAKs, read
+responses and atomic acknowledgements out.
 
 PSN check first (rxe_resp.c `check_psn`): the expected PSN is executed; a later PSN earns one NAK-sequence and then
 silence until the gap closes (and, when a reordered packet closed it, until the go-back arrives: `_out_of_sequence`);
-an earlier one is a duplicate, re-acknowledged (SEND/WRITE) or answered again from
-memory (READ), never executed twice. ACKs are coalesced: a packet with AckReq only notes the PSN, and `flush_ack()`
-(called by the data path at the end of every receive batch) sends one ACK for the highest. Invalid requests and
-access violations answer with a NAK and put the QP in ERR, as rxe's class C errors do. All it reaches of the data
-path is its `QpPort` (qpport.py).
+an earlier one is a duplicate, re-acknowledged (SEND/WRITE), answered again from memory (READ) or from the result
+saved for it (atomic), never executed twice. ACKs are coalesced: a packet with AckReq only notes the PSN, and
+`flush_ack()` (called by the data path at the end of every receive batch) sends one ACK for the highest; an atomic is
+answered at once with its ATOMIC_ACKNOWLEDGE. Invalid requests and access violations answer with a NAK and put the QP
+in ERR, as rxe's class C errors do. All it reaches of the data path is its `QpPort` (qpport.py).
+
+Atomics (rxe_resp.c `atomic_reply`): the rkey, the region's and the QP's REMOTE_ATOMIC access and the bounds are
+checked first (NAK remote access error), then the 8-byte alignment of the address (NAK invalid request); the 64-bit
+value in host memory (little-endian) is replaced, wrapping mod 2^64, and the original goes back in the AtomicAckETH.
+The original is also kept, by PSN, among the QP's responder resources: at most max_dest_rd_atomic results, the
+oldest given up first (rxe recycles its resources the same way), which is as many atomics as the requester may have
+unanswered. A duplicate is answered from there.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Union
 
 from ..autogen import bnxt
 from ..hw.cqe import CQE_RES_RC
 from ..hw.ring import producer_from_doorbell
 from ..hw.verbs import PSN_MASK, MRAccess, QPAccess, psn_count, psn_diff
-from ..hw.wqe import RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS, SGE, SQ_SLOT
+from ..hw.wqe import ATOMIC_SIZE, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS, SGE, SQ_SLOT
 from . import packets as pk
 from .dma import ACCESS_ERRORS, EMPTY, Buffer, map_remote, map_sges
 from .packets import MSN_MASK, ROCE_PORT
 from .qpport import QpPort
 
 # plain ints: IntFlag arithmetic is slow on the per-message path
-MR_LOCAL_WRITE, MR_REMOTE_READ, MR_REMOTE_WRITE = (int(MRAccess.LOCAL_WRITE), int(MRAccess.REMOTE_READ),
-                                                   int(MRAccess.REMOTE_WRITE))
-QP_REMOTE_READ, QP_REMOTE_WRITE = int(QPAccess.REMOTE_READ), int(QPAccess.REMOTE_WRITE)
+MR_LOCAL_WRITE, MR_REMOTE_READ, MR_REMOTE_WRITE, MR_REMOTE_ATOMIC = (
+    int(MRAccess.LOCAL_WRITE), int(MRAccess.REMOTE_READ), int(MRAccess.REMOTE_WRITE), int(MRAccess.REMOTE_ATOMIC))
+QP_REMOTE_READ, QP_REMOTE_WRITE, QP_REMOTE_ATOMIC = (int(QPAccess.REMOTE_READ), int(QPAccess.REMOTE_WRITE),
+                                                     int(QPAccess.REMOTE_ATOMIC))
 R = "CREQ_QP_ERROR_NOTIFICATION_RES_ERR_STATE_REASON_RES_"
-RES_RX_INVALID_R_KEY, RES_EXCEEDS_WQE, RES_OPCODE_ERROR, RES_MEMORY_ERROR = (
-    getattr(bnxt, R + name) for name in ("RX_INVALID_R_KEY", "EXCEEDS_WQE", "OPCODE_ERROR", "MEMORY_ERROR"))
+RES_RX_INVALID_R_KEY, RES_EXCEEDS_WQE, RES_OPCODE_ERROR, RES_MEMORY_ERROR, RES_UNALIGN_ATOMIC = (
+    getattr(bnxt, R + name) for name in ("RX_INVALID_R_KEY", "EXCEEDS_WQE", "OPCODE_ERROR", "MEMORY_ERROR",
+                                         "UNALIGN_ATOMIC"))
 CQE_TYPE_RES_RC = bnxt.CQ_BASE_CQE_TYPE_RES_RC  # with the valid bit 0: CompletionQueue.post sets it
 S = bnxt
 OK, FLUSHED = S.CQ_RES_RC_STATUS_OK, S.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
@@ -43,6 +53,8 @@ WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IM
     int(O.RDMA_WRITE_FIRST), int(O.RDMA_WRITE_MIDDLE), int(O.RDMA_WRITE_LAST), int(O.RDMA_WRITE_LAST_WITH_IMMEDIATE),
     int(O.RDMA_WRITE_ONLY), int(O.RDMA_WRITE_ONLY_WITH_IMMEDIATE))
 READ_REQUEST, ACKNOWLEDGE = int(O.RDMA_READ_REQUEST), int(O.ACKNOWLEDGE)
+ATOMIC_ACKNOWLEDGE, COMPARE_SWAP, FETCH_ADD = int(O.ATOMIC_ACKNOWLEDGE), int(O.COMPARE_SWAP), int(O.FETCH_ADD)
+ATOMIC_MASK = (1 << 8 * ATOMIC_SIZE) - 1
 RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
     int(O.RDMA_READ_RESPONSE_FIRST), int(O.RDMA_READ_RESPONSE_MIDDLE), int(O.RDMA_READ_RESPONSE_LAST),
     int(O.RDMA_READ_RESPONSE_ONLY))
@@ -83,12 +95,14 @@ class Responder:
         self.placing = True  # the current WRITE's payload really lands (False only under the skip_placement fault)
         self.wr_id = 0  # of the RQ WQE the current SEND fills
         self.ack_psn: int | None = None  # the coalesced ACK owed at the end of this receive batch
+        self.atomics: collections.OrderedDict[int, int] = collections.OrderedDict()  # PSN -> original, oldest first
 
     def start(self) -> None:
         """The QP reached RTR: expect rq_psn."""
         self.started = True
         self.epsn, self.msn = self.qp.rq_psn & PSN_MASK, 0
         self.nak_sent, self.go_back_due, self.in_msg, self.ack_psn = False, False, 0, None
+        self.atomics.clear()
 
     # -- packets out -----------------------------------------------------------------------------------------------
     def _acknowledge(self, psn: int, syndrome: int) -> None:
@@ -112,6 +126,16 @@ class Responder:
         self.ack_psn = None  # a NAK acknowledges everything before its PSN
         self._acknowledge(psn, syndrome)
         self.stats["naks"] += 1
+
+    def _atomic_acknowledge(self, psn: int, original: int) -> None:
+        """The ATOMIC_ACKNOWLEDGE of the atomic at `psn`: it acknowledges every PSN before it too, so no coalesced
+        ACK is owed any more."""
+        dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.port.address
+        self.port.outbox.append(pk.Packet(ATOMIC_ACKNOWLEDGE, dest_qp, psn, False, False, pkey, False, False, 0, 0, 0,
+                                          pk.ACK_UNLIMITED, self.msn, 0, b"", src_ip, dst_ip, sport, ROCE_PORT, 0, tos,
+                                          ttl, original=original))
+        self.ack_psn = None
+        self.stats["packets_sent"] += 1
 
     def _respond(self, psn: int, source: Buffer, length: int) -> None:
         """READ responses for `length` bytes of `source` from PSN `psn` (AETH on FIRST, LAST and ONLY)."""
@@ -256,9 +280,11 @@ class Responder:
             self._send(p, op)
         elif op == READ_REQUEST:
             self._read(p)
+        elif op == COMPARE_SWAP or op == FETCH_ADD:
+            self._atomic(p, op)
         elif op == pk.Op.CNP:
             self.stats["cnps"] += 1
-        else:  # atomics, SEND with invalidate: not emulated
+        else:  # SEND with invalidate: not emulated
             self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)
 
     def _out_of_sequence(self, psn: int) -> None:
@@ -407,11 +433,74 @@ class Responder:
         self._respond(p.psn, source, p.dma_length)
         self.epsn = (p.psn + psn_count(p.dma_length, self.qp.path_mtu)) & PSN_MASK
 
+    def _atomic_target(self, p: pk.Packet) -> Buffer:
+        """The ATOMIC_SIZE bytes an atomic request names (MemoryProtectionError, DmaFault or PermissionError when the
+        QP, the rkey, the region's rights or its bounds refuse it)."""
+        qp = self.qp
+        if not qp.access & QP_REMOTE_ATOMIC:
+            raise PermissionError
+        return map_remote(self.mem, self.mrs, p.remote_addr, p.rkey, ATOMIC_SIZE, qp.pd, MR_REMOTE_ATOMIC)
+
+    def _atomic(self, p: pk.Packet, op: int) -> None:
+        if self.in_msg:
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
+                        S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
+            return
+        try:
+            target = self._atomic_target(p)
+        except (*ACCESS_ERRORS, PermissionError):
+            self._error(p, pk.NAK_REMOTE_ACCESS, RES_RX_INVALID_R_KEY)
+            return
+        if p.remote_addr % ATOMIC_SIZE:
+            self._error(p, pk.NAK_INVALID_REQUEST, RES_UNALIGN_ATOMIC)
+            return
+        original = self._execute(target, op, p.swap_add, p.compare)
+        self.msn = (self.msn + 1) & MSN_MASK
+        self.epsn = (p.psn + 1) & PSN_MASK
+        self._save_atomic(p.psn, original)
+        placed = self.port.placed
+        placed.atomic_messages += 1
+        placed.atomic_bytes += ATOMIC_SIZE
+        self._atomic_acknowledge(p.psn, original)
+
+    @staticmethod
+    def _execute(target: Buffer, op: int, swap_add: int, compare: int) -> int:
+        """Apply the atomic to the 64-bit little-endian value in `target`; the value before."""
+        original = int.from_bytes(target[0:ATOMIC_SIZE], "little")
+        if op == FETCH_ADD:
+            target[0:ATOMIC_SIZE] = ((original + swap_add) & ATOMIC_MASK).to_bytes(ATOMIC_SIZE, "little")
+        elif original == compare:
+            target[0:ATOMIC_SIZE] = swap_add.to_bytes(ATOMIC_SIZE, "little")
+        return original
+
+    def _save_atomic(self, psn: int, original: int) -> None:
+        """Keep an atomic's result among the responder resources, giving up the oldest beyond max_dest_rd_atomic."""
+        atomics = self.atomics
+        atomics[psn] = original
+        while len(atomics) > max(1, self.qp.max_dest_rd_atomic):
+            atomics.popitem(last=False)
+
+    def _duplicate_atomic(self, p: pk.Packet) -> None:
+        """An atomic executed before: its saved result again, never a second execution. Once the result is given up
+        (more atomics since than the requester may have unanswered, so not a retransmission the requester waits for)
+        the request is dropped silently, as rxe's duplicate_request drops it (a class D error) rather than execute it
+        again."""
+        original = self.atomics.get(p.psn)
+        if original is None:
+            self.stats["dropped"] += 1
+            self.stats["dropped_atomic_unsaved"] += 1
+            return
+        self.stats["atomic_replays"] += 1
+        self._atomic_acknowledge(p.psn, original)
+
     def _duplicate(self, p: pk.Packet) -> None:
-        """A request already executed: acknowledge again, or answer a READ again from memory as it is now."""
+        """A request already executed: acknowledge again, answer a READ again from memory as it is now, an atomic
+        from its saved result."""
         self.stats["duplicates"] += 1
         op = p.opcode
-        if op == READ_REQUEST:
+        if op == COMPARE_SWAP or op == FETCH_ADD:
+            self._duplicate_atomic(p)
+        elif op == READ_REQUEST:
             count = psn_count(p.dma_length, self.qp.path_mtu)
             if psn_diff((p.psn + count) & PSN_MASK, self.epsn) > 0:
                 self.stats["dropped_malformed"] += 1  # claims responses beyond anything requested before

@@ -4,9 +4,10 @@ The WQE format is hw/wqe.py's. Variable-WQE mode (what the driver uses): the rin
 header plus `wqe_size - 2` SGE (or inline data) slots, every slot wrapping on its own, and the doorbell names the
 producer slot. Static mode: every WQE takes SQ_STATIC_WQE_SLOTS slots and the doorbell names the producer WQE. Each
 WQE becomes a `SendWqe` with its local memory already mapped (a memoryview, or a ScatterGather) and its PSN range
-assigned; a WQE the device cannot use carries the completion status it will fail with. After the ring comes the
-search table the driver fills (hw.wqe.SqGeometry): `search_entry` reads a WQE's entry, `parse_at` reads again the
-WQE an entry names, as hardware retransmission does.
+assigned; a WQE the device cannot use carries the completion status it will fail with. An atomic WQE's header is read
+again as SQ_ATOMIC_HEADER; its SGE is where the original value will land (at least ATOMIC_SIZE bytes). After the ring
+comes the search table the driver fills (hw.wqe.SqGeometry): `search_entry` reads a WQE's entry, `parse_at` reads
+again the WQE an entry names, as hardware retransmission does.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from ..autogen import bnxt
 from ..hw.cqe import RequesterErrorReason
 from ..hw.ring import producer_from_doorbell
 from ..hw.verbs import PSN_MASK, MRAccess, psn_count
-from ..hw.wqe import SGE, SQ_RDMA_HEADER_AND_SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS
+from ..hw.wqe import (ATOMIC_SIZE, SGE, SQ_ATOMIC_HEADER, SQ_RDMA_HEADER_AND_SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS,
+                      SQ_WQE_HEADER_SLOTS)
 from . import packets as pk
 from .dma import ACCESS_ERRORS, EMPTY, Buffer, gather, map_sges
 from .memory import BusMemory
@@ -50,6 +52,8 @@ KINDS: dict[int, tuple[pk.Opcodes | None, bool, bool]] = {
     S.SQ_BASE_WQE_TYPE_WRITE_WQE: (_opcodes(WRITE_OPS), False, True),
     S.SQ_BASE_WQE_TYPE_WRITE_W_IMMEAD: (_opcodes(WRITE_IMM_OPS), True, True),
     S.SQ_BASE_WQE_TYPE_READ_WQE: (None, False, True)}
+ATOMICS = {S.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS: int(O.COMPARE_SWAP),  # WQE type -> request opcode
+           S.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA: int(O.FETCH_ADD)}
 SIGNAL, FENCE, SOLICIT, INLINE = (S.SQ_SEND_FLAGS_SIGNAL_COMP, S.SQ_SEND_FLAGS_RD_OR_ATOMIC_FENCE,
                                   S.SQ_SEND_FLAGS_SE, S.SQ_SEND_FLAGS_INLINE)
 
@@ -62,20 +66,24 @@ class SendWqe:
     """One fetched SQ WQE and its progress."""
 
     __slots__ = ("index", "slot", "ops", "read", "signaled", "solicited", "fence", "length", "remote_va", "rkey",
-                 "imm", "data", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason")
+                 "imm", "data", "first_psn", "last_psn", "npkts", "received", "requested", "status", "reason",
+                 "atomic", "swap_add", "compare")
 
     def __init__(self, index: int, ops: pk.Opcodes | None = None, read: bool = False, signaled: bool = False,
                  solicited: bool = False, fence: bool = False, length: int = 0, remote_va: int = 0, rkey: int = 0,
                  imm: int = 0, data: Buffer = EMPTY, first_psn: int = 0, npkts: int = 1,
-                 status: int | None = None, reason: int = 0, slot: int = 0) -> None:
+                 status: int | None = None, reason: int = 0, slot: int = 0, atomic: int = 0, swap_add: int = 0,
+                 compare: int = 0) -> None:
         self.index = index  # free-running WQE count: sq_cons_idx of its CQE is index + 1; its message number
         self.slot = slot  # the ring slot it starts at
+        # read: a READ or an atomic, completed by its responses (not by ACKs) and holding an ORRQ entry
         self.ops, self.read, self.signaled, self.solicited, self.fence = ops, read, signaled, solicited, fence
         self.length, self.remote_va, self.rkey, self.imm, self.data = length, remote_va, rkey, imm, data
         self.first_psn, self.npkts = first_psn, npkts
         self.last_psn = (first_psn + npkts - 1) & PSN_MASK
         self.received, self.requested = 0, 0  # READ: response packets landed; asked for (at least once)
         self.status, self.reason = status, reason  # a local error found at fetch: reported once all before it are
+        self.atomic, self.swap_add, self.compare = atomic, swap_add, compare  # its opcode (0: not one) and AtomicETH
 
 
 class SendQueue:
@@ -184,6 +192,8 @@ class SendQueue:
         found)."""
         kind, flags, size, imm, length, remote_va, rkey, _, va, key, sge_size = fields
         qp = self.qp
+        if kind in ATOMICS:
+            return self._parse_atomic(first_psn, first, index, size, (va, key, sge_size))
         known = KINDS.get(kind)
         if known is None:
             return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR)
@@ -197,20 +207,7 @@ class SendQueue:
                     return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=WQE_FORMAT_ERROR)
                 data: Buffer = memoryview(bytearray(body[:length]))
             else:
-                access = LOCAL_WRITE if read else 0
-                if size == HEADER_SLOTS + 1:  # one SGE, the common case: no list, no ScatterGather
-                    region = self.mrs.get(key)
-                    if region is None:
-                        raise MemoryProtectionError(f"lkey {key:#x} does not exist")
-                    whole = region.view(va, sge_size, access, qp.pd) if sge_size else EMPTY
-                    data = whole if whole is not None else gather(region.views(self.mem, va, sge_size, access, qp.pd))
-                else:
-                    views, shift, mask = self._ring()
-                    sges = []
-                    for i in range(size - HEADER_SLOTS):
-                        slot = (first + HEADER_SLOTS + i) % ring
-                        sges.append(SGE.unpack_from(views[slot >> shift], (slot << SLOT_SHIFT) & mask))
-                    data = map_sges(self.mem, self.mrs, sges, qp.pd, access)
+                data = self._local_memory(first, size, (va, key, sge_size), LOCAL_WRITE if read else 0)
                 if len(data) < length:
                     return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=TX_MEMORY_ERROR)
         except ACCESS_ERRORS:
@@ -218,3 +215,37 @@ class SendQueue:
         return SendWqe(index, ops, read, flags & SIGNAL != 0 or self.force_completion, flags & SOLICIT != 0,
                        flags & FENCE != 0, length, remote_va if rdma else 0, rkey if rdma else 0, imm, data, first_psn,
                        psn_count(length, qp.path_mtu), slot=first)
+
+    def _parse_atomic(self, first_psn: int, first: int, index: int, size: int,
+                      sge: tuple[int, int, int]) -> SendWqe:
+        """An atomic WQE: its own header, one PSN, its local memory's first ATOMIC_SIZE bytes for the result."""
+        ring = self.qp.sq_slots
+        kind, flags, _, rkey, remote_va, swap, compare = SQ_ATOMIC_HEADER.unpack(
+            self._slot(first) + self._slot((first + 1) % ring))
+        try:
+            data = self._local_memory(first, size, sge, LOCAL_WRITE)
+        except ACCESS_ERRORS:
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=TX_MEMORY_ERROR)
+        if len(data) < ATOMIC_SIZE:
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=TX_MEMORY_ERROR)
+        return SendWqe(index, None, True, flags & SIGNAL != 0 or self.force_completion, False, flags & FENCE != 0,
+                       ATOMIC_SIZE, remote_va, rkey, 0, data, first_psn, 1, slot=first,
+                       atomic=ATOMICS[kind], swap_add=swap, compare=compare)
+
+    def _local_memory(self, first: int, size: int, sge: tuple[int, int, int], access: int) -> Buffer:
+        """The memory of the SGEs of the `size`-slot WQE at slot `first` (`sge`: its first one, already read);
+        MemoryProtectionError or DmaFault when one is bad."""
+        qp = self.qp
+        if size == HEADER_SLOTS + 1:  # one SGE, the common case: no list, no ScatterGather
+            va, key, sge_size = sge
+            region = self.mrs.get(key)
+            if region is None:
+                raise MemoryProtectionError(f"lkey {key:#x} does not exist")
+            whole = region.view(va, sge_size, access, qp.pd) if sge_size else EMPTY
+            return whole if whole is not None else gather(region.views(self.mem, va, sge_size, access, qp.pd))
+        views, shift, mask = self._ring()
+        ring, sges = qp.sq_slots, []
+        for i in range(size - HEADER_SLOTS):
+            slot = (first + HEADER_SLOTS + i) % ring
+            sges.append(SGE.unpack_from(views[slot >> shift], (slot << SLOT_SHIFT) & mask))
+        return map_sges(self.mem, self.mrs, sges, qp.pd, access)

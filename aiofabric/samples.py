@@ -1,0 +1,36 @@
+"""Latency samples summarised by perftest's rules (its print_report_lat), for `bench` and `lat` alike.
+
+One percentile definition everywhere: the sample at index ceil(n * p / 100) of the n sorted samples (0-based, clamped
+to the last), which is perftest's `delta[ceil(measure_cnt * 0.99)]`. A latency summary counts n without the TAIL
+largest samples, as perftest does (its LAT_MEASURE_TAIL): t_typical (the median; the mean of the two middle samples
+for an even count), t_avg and t_stdev are of those n, and t_max is the sample at index n, as perftest prints it.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+TAIL = 2  # the largest samples a latency summary leaves out (perftest's LAT_MEASURE_TAIL)
+FIELDS = ("t_min_us", "t_max_us", "t_typical_us", "t_avg_us", "t_stdev_us", "p99_us", "p99_9_us")
+
+
+def percentile(ordered: list[float], p: float, count: int | None = None) -> float:
+    """perftest's p-th percentile of sorted samples: ordered[ceil(count * p / 100)] (count: all of them unless
+    given), clamped to the last; 0 when there are none."""
+    if not ordered:
+        return 0.0
+    count = len(ordered) if count is None else count
+    index = math.ceil(round(count * p / 100, 9))  # round: 1000 * 0.999 is 999.0000000000001 in floats
+    return ordered[min(index, len(ordered) - 1)]
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    """perftest's latency fields of `samples` (in their unit), counting all but the TAIL largest (all of them when
+    there are no more than TAIL + 1): t_min <= t_typical <= p99 <= p99.9 <= t_max always holds."""
+    ordered = sorted(samples)
+    count = len(ordered) - TAIL if len(ordered) > TAIL + 1 else len(ordered)
+    kept = ordered[:count]
+    return {"t_min_us": kept[0], "t_max_us": ordered[min(count, len(ordered) - 1)],
+            "t_typical_us": statistics.median(kept), "t_avg_us": statistics.fmean(kept),
+            "t_stdev_us": statistics.pstdev(kept), "p99_us": percentile(ordered, 99, count),
+            "p99_9_us": percentile(ordered, 99.9, count)}
