@@ -204,8 +204,8 @@ class BenchConfig:
             return None
         kind, *numbers = self.inject_fault.split(":")
         if kind not in FAULT_KINDS or len(numbers) > 2 or not all(n.isdigit() for n in numbers):
-            raise ValueError(f"--inject-fault must be KIND[:COUNT[:OFFSET]] with KIND one of {FAULT_KINDS}, "
-                             f"not {self.inject_fault!r}")
+            raise BadOption("inject_fault", self.inject_fault, f"must be KIND[:COUNT[:OFFSET]] with KIND one of "
+                                                               f"{', '.join(FAULT_KINDS)}")
         count, offset = (int(n) for n in (numbers + ["1", "64"])[:2])
         return kind, count, offset
 

@@ -83,7 +83,7 @@ def test_bench_table_output():
 
 def test_bad_arguments_fail_with_a_reason():
     code, result, _ = run("bench", "write", "--nics", "3", "--json")
-    assert code == 1 and result["ok"] is False and "--nics" in result["error"]
+    assert code == 2 and result["ok"] is False and "--nics 3: must be an even number" in result["error"]
     code, result, _ = run("info", "--nic", "eth0", "--json")
     assert code == 1 and result["ok"] is False and "bad NIC spec" in result["error"]
 
@@ -91,12 +91,12 @@ def test_bad_arguments_fail_with_a_reason():
 @pytest.mark.parametrize("timeout", ["32", "99", "-1"])
 def test_bench_refuses_an_ack_timeout_outside_its_5_bit_field(timeout):
     code, result, _ = run("bench", "write", "--iters", "5", "--timeout", timeout, "--json")
-    assert code == 1 and result["ok"] is False
+    assert code == 2 and result["ok"] is False
     assert "--timeout" in result["error"] and "[0, 31]" in result["error"]
 
 
 @pytest.mark.parametrize("args,message", [
-    (["bench", "write", "--mtu", "1000"], "argument --mtu: invalid choice: 1000"),
+    (["bench", "write", "--mtu", "1000"], "argument -m/--mtu: invalid choice: 1000"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: command"),
     (["bench", "write", "--dep", "4"], "unrecognized arguments: --dep 4"),  # not taken as --depth 4
@@ -273,7 +273,7 @@ def test_bench_post_lists_verify_every_operation(test, shape):
 
 def test_bench_post_list_longer_than_the_depth_is_refused():
     code, result, _ = run("bench", "write", "--depth", "8", "--post-list", "9", "--json")
-    assert code == 1 and result["ok"] is False and "-l/--post-list must be in [1, --depth 8]" in result["error"]
+    assert code == 2 and result["ok"] is False and "--post-list 9: must be in [1, --tx-depth 8]" in result["error"]
 
 
 @pytest.mark.parametrize("shape,fault,why", [
@@ -288,7 +288,7 @@ def test_bench_verification_fails_when_the_nic_misplaces_data(shape, fault, why)
 
 def test_bench_refuses_an_unknown_fault():
     code, result, _ = run("bench", "write", "--inject-fault", "gremlins", "--json")
-    assert code == 1 and "--inject-fault must be KIND" in result["error"]
+    assert code == 2 and "--inject-fault gremlins: must be KIND" in result["error"]
 
 
 # -- bench as perftest users expect it -------------------------------------------------------------------------------
@@ -337,21 +337,21 @@ def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
 
 @pytest.mark.parametrize("args,code,message", [
     (["bench", "write", "-s", "64Q"], 2, "is not a size"),
-    (["bench", "write", "-s", "2G"], 1, "--size must be in [1, 1073741824]"),
-    (["bench", "write", "-D", "0"], 1, "-D/--duration must be in (0, 86400]"),
+    (["bench", "write", "-s", "2G"], 2, "-s 2147483648: must be in [1, 1073741824]"),
+    (["bench", "write", "-D", "0"], 2, "-D 0.0: must be in (0, 86400]"),
     (["bench", "write", "--min-size", "8K", "--max-size", "1K"], 2, "a sweep needs 1 <= --min-size <= --max-size"),
     (["bench", "write", "-a", "--factor", "1"], 2, "--factor must be at least 2"),
     (["bench", "write", "--plot", "x.png"], 2, "--plot draws a sweep"),
-    (["bench", "write", "--nic", "4"], 1, "bad NIC spec '4' for --nic"),
-    (["bench", "write", "--nic", "0000:41:00.0"], 1, "a PCI NIC needs its partner on another host"),
+    (["bench", "write", "--nic", "4"], 2, "'4' is not 'sim', 'sim:NAME', a PCI address"),
+    (["bench", "write", "--nic", "0000:41:00.0"], 2, "--nic 0000:41:00.0: a PCI NIC needs its partner on another"),
     (["plot", "/nonexistent.json", "-o", "x.png"], 1, "No such file"),
     (["bench", "write", "127.0.0.1", "--port", "1"], 1, "no aiofabric bench server at 127.0.0.1:1"),
     (["bench", "write", "--forever"], 2, "--forever goes with --server"),
     (["bench", "write", "somehost", "--server"], 2, "choose one of SERVER_HOST, --server and --peer"),
-    (["lat", "write", "--iters", "0"], 1, "--iters must be an integer of at least 1"),
+    (["lat", "write", "--iters", "0"], 2, "--iters 0: must be an integer of at least 1"),
     (["lat", "read", "-s", "1Q"], 2, "is not a size"),
     (["lat", "send", "--nic", "0000:41:00.0"], 1, "0000:41:00.0: give the NIC's IPv4 address (ip=...)"),
-    (["bench", "write", "--nics", "1000"], 1, "--nics must be an even number in [2, 16]"),
+    (["bench", "write", "--nics", "1000"], 2, "--nics 1000: must be an even number in [2, 16]"),
     (["bench", "write", "--server", "--port", "70000"], 2, "a port is in [0, 65535], not 70000"),
     (["bench", "write", "127.0.0.1", "--remote-ip", "10.0.0.9"], 2, "the server chooses its NIC and address"),
     (["bench", "write", "--server", "--nic", "0000:41:00.0"], 2, "give the NIC's address with --ip"),
