@@ -1,0 +1,211 @@
+"""perftest's command line on `aiofabric bench` / `lat`: aliases, refused flags, meanings (#iterations per QP,
+warm-up excluded), errors under the spelling typed, bounded sweeps, --output and --out_json."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aiofabric import cli, perftest_flags
+from aiofabric.perftest import sweep_iterations
+
+BENCH_ALIASES = [  # (perftest's spelling, ours): each pair must parse to the same configuration
+    (["-n", "77"], ["--iters", "77"]), (["-q", "3"], ["--qps", "3"]), (["--qp", "3"], ["--qps", "3"]),
+    (["-t", "16"], ["--depth", "16"]), (["--tx-depth", "16"], ["--depth", "16"]), (["-m", "1024"], ["--mtu", "1024"]),
+    (["-d", "sim:x"], ["--nic", "sim:x"]), (["--ib-dev", "sim:x"], ["--nic", "sim:x"]),
+    (["-u", "9"], ["--timeout", "9"]), (["--qp-timeout", "9"], ["--timeout", "9"]),
+    (["--report_gbits"], ["--report-gbits"]), (["-l", "4"], ["--post-list", "4"]), (["--post_list", "4"], ["-l", "4"]),
+    (["-I", "64"], ["--inline-size", "64"]), (["--inline_size", "64"], ["--inline-size", "64"]),
+    (["-Q", "8"], ["--cq-mod", "8"]), (["-x", "0"], ["--gid-index", "0"]), (["-D", "2"], ["--duration", "2"]),
+    (["--run_infinitely"], ["--run-infinitely"]), (["-s", "4K"], ["--size", "4096"]), (["-e"], ["--events"]),
+    (["--out_json_file", "f.json"], ["--json-file", "f.json"]), (["-o", "4"], ["--outs", "4"]),
+    (["-b"], ["--bidirectional"]), (["-N"], ["--noPeak"]), (["-f", "0.5", "-D", "2"], ["--margin", "0.5", "-D", "2"]),
+]
+
+
+def parsed(*argv):
+    parser = cli.build_parser()
+    args = parser.parse_args(list(argv))
+    args.typed = perftest_flags.typed_flags(parser, list(argv))
+    args.check(args)
+    return args
+
+
+def config_of(*argv):
+    """What a command line runs: the engine's configuration and the file the report goes to."""
+    args = parsed(*argv)
+    return (cli.bench_config(args) if args.command == "bench" else cli.lat_config(args)), args.json_file
+
+
+@pytest.mark.parametrize("theirs,ours", BENCH_ALIASES, ids=[" ".join(t) for t, _ in BENCH_ALIASES])
+def test_every_bench_alias_parses_to_its_long_form(theirs, ours):
+    test = "read" if "-o" in theirs else "send" if "-r" in theirs else "write"
+    assert config_of("bench", test, *theirs) == config_of("bench", test, *ours)
+    assert config_of("bench", test, *theirs) != config_of("bench", test)  # the flag changed something
+
+
+@pytest.mark.parametrize("theirs,ours", [(["-n", "9"], ["--iters", "9"]), (["-H"], ["--histogram"]),
+                                         (["--report-histogrm"], ["-H"]), (["-u", "3"], ["--timeout", "3"]),
+                                         (["-d", "sim:y"], ["--nic", "sim:y"]), (["-U"], ["--report-unsorted"]),
+                                         (["-I", "8"], ["--inline-size", "8"]), (["-m", "512"], ["--mtu", "512"])])
+def test_every_lat_alias_parses_to_its_long_form(theirs, ours):
+    assert config_of("lat", "write", *theirs) == config_of("lat", "write", *ours) != config_of("lat", "write")
+
+
+def test_flags_perftest_accepts_and_ignores_here_change_nothing():
+    assert config_of("bench", "write", "-F", "-i", "1", "-c", "RC", "--report-both") == config_of("bench", "write")
+
+
+def usage(capsys, *argv):
+    code = cli.main([*argv, "--json"])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert code == 2 and result["ok"] is False and result["error"].startswith("usage: "), result
+    return result["error"]
+
+
+REFUSED = [spelling for flags, _, _ in perftest_flags.REFUSED for spelling in flags]
+
+
+@pytest.mark.parametrize("flag", REFUSED)
+def test_every_refused_perftest_flag_is_named(capsys, flag):
+    error = usage(capsys, "bench", "write", flag)
+    assert error.startswith(f"usage: {flag}: not supported by aiofabric bench: ")
+
+
+def test_perftest_readme_command_lines_run_or_name_what_is_refused(capsys):
+    # from perftest's README: "./ib_write_bw -d ib_dev --use_cuda=<gpu index> -a", "./ib_write_bw --pin_cores=5 -d
+    # mlx5_0": refused naming the first flag aiofabric does not do
+    assert "--use_cuda: not supported" in usage(capsys, "bench", "write", "-d", "sim", "--use_cuda=0", "-a")
+    assert "--pin_cores: not supported" in usage(capsys, "bench", "write", "--pin_cores=5", "-d", "sim")
+    assert "-R: not supported" in usage(capsys, "lat", "write", "-R")
+    assert "-q: not supported by aiofabric lat" in usage(capsys, "lat", "write", "-q", "2")
+    assert "-c/--connection: UD: aiofabric runs RC" in usage(capsys, "bench", "send", "-c", "UD")
+    assert "-i/--ib-port: 2: a BNXT PCI function has one RoCE port" in usage(capsys, "bench", "write", "-i", "2")
+    # an unknown flag: named under bench's usage, not the top-level one
+    assert usage(capsys, "bench", "write", "--frobnicate") == "usage: unrecognized arguments: --frobnicate"
+    code = cli.main(["bench", "write", "--frobnicate"])
+    assert code == 2 and capsys.readouterr().err.startswith("usage: aiofabric bench")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "write", "-q", "0"], "-q 0: must be at least 1"),
+    (["bench", "write", "--qps", "0"], "--qps 0: must be at least 1"),
+    (["bench", "write", "-t", "0"], "-t 0: must be at least 1"),
+    (["bench", "write", "--tx-depth", "8", "-l", "9"], "-l 9: must be in [1, --tx-depth 8]"),
+    (["bench", "write", "-u", "40"], "-u 40: must be in [0, 31]"),
+    (["bench", "write", "-Q", "99"], "-Q 99: must be in [1, --tx-depth 32]"),
+    (["bench", "read", "-I", "8"], "-I 8: inline data goes with write and send"),
+    (["bench", "write", "-o", "2"], "-o 2: applies to read only"),
+    (["bench", "send", "-r", "4"], "-r 4: sizes the send test's receive queue: at least --tx-depth 32"),
+    (["bench", "write", "-f", "1"], "-f 1.0: is the warm-up of a -D run"),
+    (["lat", "write", "-n", "0"], "-n 0: must be an integer of at least 1"),
+    (["bench", "write", "--output", "latency"], "--output latency: bench reports bandwidth or message_rate"),
+    (["bench", "write", "-A", "CMP_AND_SWAP"], "-A/--atomic_type CMP_AND_SWAP: goes with the atomic test"),
+])
+def test_out_of_range_values_exit_2_under_the_spelling_typed(capsys, argv, message):
+    assert message in usage(capsys, *argv)
+
+
+def test_limits_the_nic_sets_are_usage_errors_under_the_spelling_typed(capsys):
+    """What only the booted NIC knows (max_qp 1216, max_inline_data 96 on the emulated NIC) still exits 2."""
+    assert usage(capsys, "bench", "write", "-q", "100000", "-n", "2").startswith("usage: -q 100000: 200000 QPs on a NIC")
+    assert "--inline-size 200: bytes of inline data exceed what" in usage(capsys, "bench", "write", "--inline-size",
+                                                                         "200", "-n", "2")
+    assert "-x 3: " in usage(capsys, "bench", "write", "-x", "3", "-n", "2")
+
+
+def test_device_names_resolve_through_sysfs(tmp_path, monkeypatch):
+    function = tmp_path / "devices" / "0000:41:00.1"
+    function.mkdir(parents=True)
+    for cls, name in (("net", "enp65s0f1np1"), ("infiniband", "bnxt_re1")):
+        (tmp_path / cls / name).mkdir(parents=True)
+        (tmp_path / cls / name / "device").symlink_to(function)
+    monkeypatch.setattr(perftest_flags, "SYSFS_CLASSES", (str(tmp_path / "net"), str(tmp_path / "infiniband")))
+    assert perftest_flags.device("enp65s0f1np1") == perftest_flags.device("bnxt_re1") == "0000:41:00.1"
+    assert perftest_flags.device("0000:41:00.0") == "0000:41:00.0" and perftest_flags.device("sim:a") == "sim:a"
+    (tmp_path / "net" / "lo").mkdir()  # a virtual interface has no PCI function behind it
+    for name in ("lo", "eth9", "../net/enp65s0f1np1"):
+        with pytest.raises(Exception, match="network interface or RDMA device"):
+            perftest_flags.device(name)
+
+
+def bench(*argv, timeout=120):
+    process = subprocess.run([sys.executable, "-m", "aiofabric.cli", *argv], capture_output=True, text=True,
+                             timeout=timeout)
+    return process
+
+
+def json_of(process):
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+def test_iterations_are_per_qp_as_perftest_prints_them():
+    process = bench("bench", "write", "-q", "8", "-n", "10", "-s", "64", "--json")
+    result = json_of(process)
+    assert result["ok"] and result["iterations"] == 10 and result["ops"] == 80, process.stderr
+    process = bench("bench", "write", "-b", "-n", "100", "-s", "64", "--json")
+    result = json_of(process)
+    assert result["ok"] and result["iterations"] == 100 and result["ops"] == 200
+    process = bench("bench", "write", "-q", "4", "-n", "25", "-s", "64")
+    row = process.stdout.split("#iterations")[1].splitlines()[1].split()
+    assert process.returncode == 0 and row[:2] == ["64", "25"], process.stdout
+
+
+def test_the_warm_up_of_a_duration_run_is_not_counted():
+    result = json_of(bench("bench", "write", "-D", "1.5", "-f", "0.5", "-s", "64", "-q", "2", "--json"))
+    assert result["ok"] and result["warmup_seconds"] == 0.5
+    assert result["iterations"] * 2 == result["measured_ops"] < result["ops"]  # what ran in the warm-up is left out
+    assert abs(result["seconds"] - 1.5) < 0.5
+
+
+def test_output_prints_only_the_number_and_out_json_has_perftests_keys(tmp_path):
+    process = subprocess.run([sys.executable, "-m", "aiofabric.cli", "bench", "write", "-n", "50", "-s", "4K",
+                              "--output", "bandwidth", "--report_gbits", "--out_json"], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
+    assert process.returncode == 0 and len(process.stdout.split()) == 1, process.stdout
+    report = json.loads((tmp_path / perftest_flags.DEFAULT_JSON_FILE).read_text())
+    assert report["ok"] and report["test_info"]["test"] == "RDMA_Write_BW_Test"
+    results = report["results"]
+    assert results["MsgSize"] == 4096 and results["n_iterations"] == 50
+    assert float(process.stdout) == pytest.approx(results["BW_average"], abs=0.01)  # the same number, in Gb/sec
+    assert results["BW_average"] == pytest.approx(report["bw_Gbps"], abs=0.01)
+    rate = bench("bench", "write", "-n", "50", "-s", "64", "--output", "message_rate")
+    assert rate.returncode == 0 and 0 < float(rate.stdout) < 100  # Mpps
+
+
+def test_events_inline_cq_mod_and_outs_run_verified():
+    for argv in (["write", "-e", "-I", "64", "-s", "64"], ["send", "-I", "96", "-s", "96", "-r", "64"],
+                 ["write", "-Q", "4", "-t", "16"], ["read", "-o", "4", "-s", "8K"]):
+        process = bench("bench", *argv, "-n", "40", "--json")
+        result = json_of(process)
+        assert result["ok"] and result["verified"], (argv, process.stdout, process.stderr)
+    assert result["cq_mod"] == 16 and json_of(bench("bench", "write", "-Q", "4", "-n", "8", "--json"))["cq_mod"] == 4
+
+
+def test_a_default_sweep_runs_about_a_second_per_size():
+    process = bench("bench", "write", "-a", "--min-size", "1K", "--max-size", "8K", "--json", timeout=180)
+    result = json_of(process)
+    assert result["ok"] and [row["size"] for row in result["rows"]] == [1024, 2048, 4096, 8192], process.stderr
+    for row in result["rows"]:
+        assert 0.25 < row["seconds"] < 4, row  # each size about a second, whatever the emulator's speed
+    assert len({row["iterations"] for row in result["rows"]}) > 1  # chosen per size
+    fixed = json_of(bench("bench", "write", "-a", "--min-size", "1K", "--max-size", "2K", "-n", "7", "--json"))
+    assert [row["iterations"] for row in fixed["rows"]] == [7, 7]  # -n overrides
+
+
+def test_sweep_iterations_follow_the_measured_cost():
+    assert sweep_iterations([(1024, 1e-4)], 2048, 1.0) == 5000  # one point: cost per byte alone
+    assert sweep_iterations([(1024, 1e-4), (2048, 1e-4)], 4096, 1.0) == 10000  # flat: a fixed cost
+    assert sweep_iterations([(1, 1.0)], 1 << 20, 1.0) == 5  # at least perftest's minimum
+
+
+def test_lat_unsorted_cycles_and_sweep():
+    process = bench("lat", "write", "-n", "20", "-U", "-C")
+    lines = process.stdout.splitlines()
+    assert process.returncode == 0 and lines[0] == "#, cycles" and lines[1].startswith("1, "), process.stdout
+    assert "t_min[cycles]" in process.stdout and len([line for line in lines if line[:1].isdigit()]) == 20
+    result = json_of(bench("lat", "send", "-a", "--json", "-n", "10", "--warmup", "2"))
+    assert result["ok"] and len(result["rows"]) == 23 and all(row["iterations"] == 10 for row in result["rows"])
+    process = bench("lat", "read", "-n", "30", "--output", "latency")
+    assert process.returncode == 0 and float(process.stdout) > 0
