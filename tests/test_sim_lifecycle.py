@@ -257,6 +257,24 @@ def test_freed_dma_buffer_view_refuses_use():
         device.alloc_dma(4096)
 
 
+def test_a_burst_of_kicks_larger_than_the_socket_buffer_reaches_the_emulator_whole():
+    """An event loop watching the kick socket (the removal fd) may make it non-blocking: uvloop does. A burst of
+    doorbells that fills the socket's buffer must then wait for the emulator to drain it, not lose the rest."""
+    device = SimPCIDevice(f"burst{os.getpid()}")
+    try:
+        os.set_blocking(device.removal_fd(), False)
+        before = device.debug({"op": "stats"})["stats"]["kicks"]
+        doorbells = device.map_bar(2)
+        for _ in range(5000):  # 16-byte kicks: a few hundred fill the buffer
+            doorbells.write64(0, 0)
+        deadline = time.monotonic() + 10
+        while device.debug({"op": "stats"})["stats"]["kicks"] - before < 5000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert device.debug({"op": "stats"})["stats"]["kicks"] - before == 5000
+    finally:
+        device.close()
+
+
 # -- 6. the package face is lazy --------------------------------------------------------------------------------------
 
 def test_emulator_import_loads_neither_the_driver_nor_anyio():

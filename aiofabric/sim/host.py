@@ -2,8 +2,9 @@
 
 BAR0 and the DMA arena are memfds mapped by both processes. MMIO writes that have side effects on a real NIC (the
 HWRM trigger, the RCFW mailbox and producer, every doorbell, config-space writes) additionally travel to the emulator
-as 16-byte "kick" records on a stream socket, so the device sees them in program order, like posted PCIe writes.
-MSI-X vectors are eventfds the emulator writes. When the emulator dies, the kick socket reads EOF: that is the
+as 16-byte "kick" records on a stream socket, so the device sees them in program order, like posted PCIe writes; a
+write that finds the socket full waits for the emulator to drain it (`send_kicks`), as a posted write stalls the CPU
+when the link's buffers are full. MSI-X vectors are eventfds the emulator writes. When the emulator dies, the kick socket reads EOF: that is the
 removal fd. A second socket carries the debug channel (object counts, fault injection), never used by the driver;
 its first line is the emulator's start-up answer: ready (with the address it bound) or why it could not start.
 
@@ -19,6 +20,7 @@ import ipaddress
 import json
 import mmap
 import os
+import select
 import socket
 import struct
 import subprocess
@@ -38,6 +40,18 @@ KICK = struct.Struct("<BxxxIQ")  # space (0 = BAR0, 2 = BAR2, or one of those be
 CONFIG_SPACE = 0xFF
 DMA_MAP, DMA_UNMAP = 0xFE, 0xFD  # arena offset, length: what the driver allocates and frees, as an IOMMU is told
 PUNCHED = 1 << 63  # in DMA_UNMAP's value: the freed pages were punched out, so any later content is the device's
+
+
+def send_kicks(kick: socket.socket, records: bytes) -> None:
+    """Send kick records whole, in order, waiting while the socket is full: an event loop watching the kick socket
+    (it is the removal fd) may have made it non-blocking (uvloop does), and a record dropped there is a lost
+    doorbell. OSError means the emulator is gone (the removal fd tells the driver)."""
+    view = memoryview(records)
+    while view:
+        try:
+            view = view[kick.send(view):]
+        except BlockingIOError:
+            select.select([], [kick], [])
 FUNCTION_RESET = 0xFC  # a function-level reset
 BAR0_KICK_FROM = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER  # below: the HWRM request window, memory read on the trigger
 NUM_VECTORS = 8
@@ -179,7 +193,7 @@ class SimBar(Bar):
 
     def _send(self, records: bytes) -> None:
         try:
-            self._kick.sendall(records)
+            send_kicks(self._kick, records)
         except OSError:
             pass  # the device is gone; writes to a dead device vanish, the removal fd tells the driver
 
@@ -282,7 +296,7 @@ class SimPCIDevice(PCIDevice):
     def write_config(self, offset: int, value: int, size: int) -> None:
         self._config[offset:offset + size] = value.to_bytes(size, "little")
         if offset == PCI_COMMAND:
-            self._kick.sendall(KICK.pack(CONFIG_SPACE, offset, value))
+            send_kicks(self._kick, KICK.pack(CONFIG_SPACE, offset, value))
 
     def _alloc_dma(self, size: int, contiguous: bool) -> DmaBuffer:
         if self._closed:
@@ -314,7 +328,7 @@ class SimPCIDevice(PCIDevice):
         """A record for the emulator outside the BARs (DMA mapping, reset): in order with the MMIO kicks."""
         if not self._closed:
             with contextlib.suppress(OSError):  # a dead emulator: the removal fd tells the driver
-                self._kick.sendall(KICK.pack(space, offset, value))
+                send_kicks(self._kick, KICK.pack(space, offset, value))
 
     def reset(self) -> bool:
         """A function-level reset: the emulated function drops every object and stops its DMA."""
