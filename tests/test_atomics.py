@@ -37,12 +37,11 @@ def u64(view, offset: int = 0) -> int:
 # -- the WQE -------------------------------------------------------------------------------------------------------
 def test_the_codec_writes_sq_atomic_hdr_and_one_sge_taking_one_psn():
     hdr, rdma = bnxt.sq_atomic_hdr, bnxt.sq_rdma_hdr  # a device finds type, flags and size where other WQEs keep them
-    assert [(f.offset, f.size) for f in (hdr.wqe_type, hdr.flags)] == [(f.offset, f.size) for f in (rdma.wqe_type,
-                                                                                                   rdma.flags)]
-    assert hdr.reserved16.offset == rdma.wqe_size.offset
+    assert (hdr.wqe_type.offset, hdr.flags.offset, hdr.reserved16.offset) == (rdma.wqe_type.offset,
+                                                                              rdma.flags.offset, rdma.wqe_size.offset)
     geometry = SqGeometry(True, 256, True)
-    sq = SendQueueCodec(geometry, memoryview(bytearray(geometry.table_offset + geometry.table_entries * 8)),
-                        max_unsignaled=8)
+    sq = SendQueueCodec(geometry, memoryview(bytearray(geometry.table_offset + geometry.table_entries
+                                                       * MSN_ENTRY.size)), max_unsignaled=8)
     sq.psn = PSN_MASK  # an atomic takes one PSN: the next one wraps to 0
     sq.post(CS, [(0x1000, 7, ATOMIC_SIZE)], ATOMIC_SIZE, 0x2008, 0x55, 0, True, "token", swap=MASK64, compare=3)
     wqe = hdr.from_buffer_copy(sq.view[:32])
@@ -274,11 +273,11 @@ async def nics(count: int, **options):
         yield [(nic, await nic.create_cq(1024)) for nic in opened]
 
 
-async def connect(requester, responder, atomic_access: Access = ATOMIC_ACCESS):
-    """A connected QP pair between two (NIC, CQ)s; the responder's QP has `atomic_access`."""
+async def connect(requester, responder, access: Access = ATOMIC_ACCESS):
+    """A connected QP pair between two (NIC, CQ)s; the responder's QP has `access`."""
     (nic_a, cq_a), (nic_b, cq_b) = requester, responder
     qa, qb = await nic_a.create_qp(cq_a, sq_depth=256), await nic_b.create_qp(cq_b, sq_depth=64)
-    await qb.to_init(atomic_access)
+    await qb.to_init(access)
     await qa.connect(qb.info(), timeout=14)  # ~67 ms: a loaded 2-core machine never times an ACK out
     await qb.connect(qa.info(), timeout=14)
     return qa, qb
@@ -311,7 +310,7 @@ async def test_results_and_memory_follow_a_model():
         value = MASK64 - 5
         counter.view[:8] = value.to_bytes(8, "little")
         with anyio.fail_after(20):
-            for i in range(20):  # a region, or a raw SGE and a remote region as a peer names it
+            for i in range(20):  # locally a region or a raw SGE; remotely the peer's RemoteRegion or its region
                 local = results if i % 2 else results.sge(8 * i, 8)
                 kind, first, second = operation = random_operation(rng, value)
                 if kind == "add":
@@ -421,7 +420,7 @@ async def test_bad_arguments_are_refused_before_anything_is_posted():
             (qa.post_fetch_add, (results.sge(0, 16), counter, 1), {}, ValueError, "not 16 bytes"),
             (qa.post_fetch_add, (results, counter, 1), {"local_offset": 4092}, ValueError, "exceed the 4096-byte"),
             (qa.post_fetch_add, ([results.sge(0, 8)], counter, 1), {}, TypeError, "MemoryRegion or a LocalBuffer"),
-            (qa.post_fetch_add, (results, counter, -1), {}, ValueError, r"add must be an integer in \[0, 2"),
+            (qa.post_fetch_add, (results, counter, -1), {}, ValueError, rf"add must be an integer in \[0, {MASK64}\]"),
             (qa.post_fetch_add, (results, counter, 1 << 64), {}, ValueError, "add must be"),
             (qa.post_fetch_add, (results, counter, 1.0), {}, ValueError, "add must be"),
             (qa.post_compare_swap, (results, counter, 1 << 64, 0), {}, ValueError, "compare must be"),
