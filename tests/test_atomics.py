@@ -164,6 +164,23 @@ def test_an_ack_past_an_unanswered_atomic_is_an_implied_nak():
     assert b.mem.read(counter + 1024, 100) == a.mem.read(results + 64, 100)
 
 
+def test_a_replayed_answer_leaves_the_ack_owed_for_a_later_psn():
+    """A duplicate atomic answered from its saved result in the same receive batch as a new WRITE: the WRITE's ACK
+    still goes out (a replayed answer names an older PSN, and acknowledges nothing after it)."""
+    a, b, wire, driver, (results, lkey), (counter, rkey) = atomic_pair()
+    driver.post(FA, (results, lkey, 8), counter, rkey, swap=1)
+    wire.run()
+    driver.post(WRITE, (results + 64, lkey, 100), counter + 1024, rkey)
+    a.dp.doorbells(wire.now)
+    a.dp.pump(wire.now)
+    write = carry(a.dp.take_outbox())
+    atomic = carry([p for p in wire.log if p.opcode == pk.Op.FETCH_ADD])
+    b.dp.receive(write + atomic, wire.now)
+    assert [(p.opcode, p.psn) for p in pk.expand(b.dp.take_outbox())] == [
+        (pk.Op.ATOMIC_ACKNOWLEDGE, atomic[0].psn), (pk.Op.ACKNOWLEDGE, write[0].psn)]
+    assert executed(b) == 1
+
+
 def test_a_duplicate_whose_result_was_given_up_is_dropped_not_executed():
     """The responder keeps max_dest_rd_atomic (4 here) results. A duplicate of a later atomic is answered from its
     result; a duplicate of an older one, whose result is gone, is dropped without an answer, as rxe drops it, never

@@ -1,24 +1,23 @@
-"""The requester and completer of one RC QP (sans-IO): SQ WQEs in, request packets out, ACKs and read responses in,
-requester CQEs out.
+"""The requester and completer of one RC QP (sans-IO): SQ WQEs in, request packets out, ACKs, read responses and atomic
+acknowledgements in, requester CQEs out.
 
-WQEs are fetched from the SQ ring (sendqueue.py) when its doorbell moves the producer and get their PSN range at
-once (one PSN per packet; a READ takes as many as its responses, an atomic one). `pump()` turns them into packets
-within the 128-PSN window and the ORRQ limit (`max_rd_atomic` READ and atomic requests in flight): a WRITE's or SEND's
-packets as one `packets.Segments` per burst (the transport encodes them without a Packet each), a READ request or an
-atomic (COMPARE_SWAP, FETCH_ADD with its AtomicETH) as a Packet. A READ
-is asked for READ_SEGMENT responses at a time, each a READ request of its own (RETH VA and length advanced), sent only
-once its responses fit in the window: like a WRITE's packets, a READ's responses in flight never exceed a window,
-which the receive buffer holds (process.RECEIVE_WINDOW_PER_QP), however long the READ and however loaded the host. The
-completer retires WQEs in order as ACKs arrive (an ACK for PSN n acknowledges every PSN up to n), lands read
-responses in the local SGEs, an ATOMIC_ACKNOWLEDGE's original value (8 bytes, little-endian: host order) in the
-atomic's, and retransmits go-back-N from the oldest unacknowledged PSN on a NAK-sequence, an implied NAK (an ACK or
-response past an unfinished READ or atomic, a gap in read responses) or a timeout, once per loss: a NAK that names
-the PSN a go-back already restarted from (a duplicate, or one slower than the timer) starts no second one (stat
-"go_backs" counts them). With hardware retransmission on (INITIALIZE_FW), a go-back finds the message it resumes in
-the search table the driver wrote after the SQ, as the chip does: the message's MSN table entry, or its PSN search
-entry (`_resume_from_search_table`). Behaviour follows rxe
-(rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise. All it reaches of the data
-path is its `QpPort` (qpport.py).
+WQEs are fetched from the SQ ring (sendqueue.py) when its doorbell moves the producer and get their PSN range at once
+(one PSN per packet; a READ takes as many as its responses, an atomic one). `pump()` turns them into packets within the
+128-PSN window and the ORRQ limit (`max_rd_atomic` READ and atomic requests in flight): a WRITE's or SEND's packets as
+one `packets.Segments` per burst (the transport encodes them without a Packet each), a READ request or an atomic
+(COMPARE_SWAP, FETCH_ADD with its AtomicETH) as a Packet. A READ is asked for READ_SEGMENT responses at a time, each a
+READ request of its own (RETH VA and length advanced), sent only once its responses fit in the window: like a WRITE's
+packets, a READ's responses in flight never exceed a window, which the receive buffer holds
+(process.RECEIVE_WINDOW_PER_QP), however long the READ and however loaded the host. The completer retires WQEs in order
+as ACKs arrive (an ACK for PSN n acknowledges every PSN up to n), lands read responses in the local SGEs, an
+ATOMIC_ACKNOWLEDGE's original value (8 bytes, little-endian: host order) in the atomic's, and retransmits go-back-N from
+the oldest unacknowledged PSN on a NAK-sequence, an implied NAK (an ACK or response past an unfinished READ or atomic, a
+gap in read responses) or a timeout, once per loss: a NAK that names the PSN a go-back already restarted from (a
+duplicate, or one slower than the timer) starts no second one (stat "go_backs" counts them). With hardware
+retransmission on (INITIALIZE_FW), a go-back finds the message it resumes in the search table the driver wrote after the
+SQ, as the chip does: the message's MSN table entry, or its PSN search entry (`_resume_from_search_table`). Behaviour
+follows rxe (rxe_req.c, rxe_comp.c) except where the module docstring of `datapath` says otherwise. All it reaches of
+the data path is its `QpPort` (qpport.py).
 """
 from __future__ import annotations
 

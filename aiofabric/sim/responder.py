@@ -128,13 +128,11 @@ class Responder:
         self.stats["naks"] += 1
 
     def _atomic_acknowledge(self, psn: int, original: int) -> None:
-        """The ATOMIC_ACKNOWLEDGE of the atomic at `psn`: it acknowledges every PSN before it too, so no coalesced
-        ACK is owed any more."""
+        """The ATOMIC_ACKNOWLEDGE of the atomic at `psn`, carrying its original value."""
         dest_qp, pkey, src_ip, dst_ip, sport, tos, ttl = self.port.address
         self.port.outbox.append(pk.Packet(ATOMIC_ACKNOWLEDGE, dest_qp, psn, False, False, pkey, False, False, 0, 0, 0,
                                           pk.ACK_UNLIMITED, self.msn, 0, b"", src_ip, dst_ip, sport, ROCE_PORT, 0, tos,
                                           ttl, original=original))
-        self.ack_psn = None
         self.stats["packets_sent"] += 1
 
     def _respond(self, psn: int, source: Buffer, length: int) -> None:
@@ -462,6 +460,7 @@ class Responder:
         placed.atomic_messages += 1
         placed.atomic_bytes += ATOMIC_SIZE
         self._atomic_acknowledge(p.psn, original)
+        self.ack_psn = None  # the answer to the newest PSN acknowledges every one before it (not so a replayed one)
 
     @staticmethod
     def _execute(target: Buffer, op: int, swap_add: int, compare: int) -> int:
