@@ -159,20 +159,7 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
         _perftest_common(parser, args, bool(getattr(args, "sizes", None)))
         if args.plot and not getattr(args, "sizes", None):
             parser.error("--plot draws a sweep: add -a or --min-size/--max-size")
-        modes = [name for name, on in (("SERVER_HOST", args.server_host is not None), ("--server", args.server),
-                                       ("--peer", args.peer is not None)) if on]
-        if len(modes) > 1:
-            parser.error(f"choose one of SERVER_HOST, --server and --peer, not {' and '.join(modes)}")
-        if args.forever and not args.server:
-            parser.error("--forever goes with --server")
-        if args.server_host is not None:
-            given = [flag for flag, value in (("--remote-nic", args.remote_nic), ("--remote-ip", args.remote_ip))
-                     if value is not None]
-            if given:
-                parser.error(f"{' and '.join(given)}: the server chooses its NIC and address (its own --nic and "
-                             "--ip); drop them")
-        if args.server and not args.nic.startswith("sim") and args.ip is None:
-            parser.error(f"--server --nic {args.nic}: give the NIC's address with --ip")
+        _check_modes(parser, args)
         if args.run_infinitely:
             if getattr(args, "sizes", None):
                 parser.error("--run-infinitely runs one size: drop the sweep")
@@ -184,8 +171,29 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
     return check
 
 
+def _check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Where the server side runs (bench, lat): here, at SERVER_HOST, as this --server, or on --peer's host."""
+    modes = [name for name, on in (("SERVER_HOST", args.server_host is not None), ("--server", args.server),
+                                   ("--peer", args.peer is not None)) if on]
+    if len(modes) > 1:
+        parser.error(f"choose one of SERVER_HOST, --server and --peer, not {' and '.join(modes)}")
+    if args.forever and not args.server:
+        parser.error("--forever goes with --server")
+    if args.server_host is not None:
+        given = [flag for flag, value in (("--remote-nic", args.remote_nic), ("--remote-ip", args.remote_ip))
+                 if value is not None]
+        if given:
+            parser.error(f"{' and '.join(given)}: the server chooses its NIC and address (its own --nic and --ip); "
+                         "drop them")
+    if args.server and not args.nic.startswith("sim") and args.ip is None:
+        parser.error(f"--server --nic {args.nic}: give the NIC's address with --ip")
+
+
 def _check_lat(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
     def check(args: argparse.Namespace) -> None:
+        _check_modes(parser, args)
+        if args.server_host is not None and not args.nic.startswith("sim") and args.ip is None:
+            parser.error(f"--nic {args.nic}: give the NIC's address with --ip (the server's QP talks to it)")
         args.sizes = sweep(SWEEP_MIN, SWEEP_MAX) if args.all else None
         _perftest_common(parser, args, args.all)
         if args.output is not None and args.all:
@@ -228,19 +236,8 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     config = bench_config(args)
     config.progress = not args.json and args.output is None and sys.stderr.isatty()
     if args.server:
-        return await _bench_server(args, config)
-    if args.server_host is not None:  # perftest's client: the server side is an `aiofabric bench --server` there
-        result = await _bench_client(args, config)
-    elif args.peer is None:
-        result = await run_bench(config)
-    else:  # the server side on the peer's host, started over SSH
-        from .peer.client import parse_host
-        from .peer.ssh import connect_peer
-        config.check()  # before any SSH connection
-        user, host, port = parse_host(args.peer, args.port or SSH_PORT)
-        async with connect_peer(host, port, user=user or args.user, **_ssh_options(args)) as peer:
-            config.remote = peer
-            result = await run_bench(config)
+        return await _serve(args, config, format_table)
+    result = await _run_where_asked(args, config, run_bench, open_bench_nics)
     if args.output is not None and "error" not in result:
         unit, scale = bandwidth_unit(config.report_gbits)
         print(f"{result['bw_MiBps'] * scale:.2f}" if args.output == "bandwidth" else f"{result['msg_rate'] / 1e6:.6f}")
@@ -254,20 +251,43 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def _bench_client(args: argparse.Namespace, config: BenchConfig) -> dict[str, Any]:
+async def _run_where_asked(args: argparse.Namespace, config: Any, run: Callable[..., Awaitable[dict[str, Any]]],
+                           open_local: Callable[[Any], Any]) -> dict[str, Any]:
+    """`run(config)` (run_bench, run_latency) here, as perftest's client of a SERVER_HOST, or with the server side
+    on --peer's host over SSH."""
+    if args.server_host is not None:  # perftest's client: the server side is `aiofabric <command> --server` there
+        return await _client(args, config, run, open_local)
+    if args.peer is None:
+        return await run(config)
+    from .peer.client import parse_host
+    from .peer.ssh import connect_peer
+    config.check()  # before any SSH connection
+    user, host, port = parse_host(args.peer, args.port or SSH_PORT)
+    async with connect_peer(host, port, user=user or args.user, **_ssh_options(args)) as peer:
+        config.remote = peer
+        return await run(config)
+
+
+async def _client(args: argparse.Namespace, config: Any, run: Callable[..., Awaitable[dict[str, Any]]],
+                  open_local: Callable[[Any], Any]) -> dict[str, Any]:
     """perftest's client: open the NIC here, connect to the server from its address (the server's QPs talk only
-    to the address a connection comes from), run the test with the server side there, hand it the result."""
+    to the address a connection comes from), tell it this test's parameters (lat: it refuses others), run the
+    test with the server side there, hand it the result."""
     from .peer import PeerError
     from .peer.tcp import DEFAULT_PORT, connect_tcp, source_address
     config.check()
     port = DEFAULT_PORT if args.port is None else args.port
     if config.ip is None and config.nic.startswith("sim"):  # the address that reaches the server (None: loopback,
         config.ip = await source_address(args.server_host, port)  # where the emulator picks a free 127.0.0.x)
-    async with open_bench_nics(config) as nics, \
+    local = config.bench_config() if isinstance(config, LatConfig) else config
+    async with open_local(dataclasses.replace(local, server_host=args.server_host)) as nics, \
             connect_tcp(args.server_host, port, local_host=nics[0].ip, connect_timeout=args.connect_timeout,
                         command_timeout=args.command_timeout) as peer:
         config.remote = peer
-        result = await run_bench(config, nics)
+        if isinstance(config, LatConfig):
+            await peer.request("lat_params", test=config.test, size=config.size, mtu=config.mtu, iters=config.iters,
+                               warmup=config.warmup)
+        result = await run(config, nics[0] if isinstance(config, LatConfig) else nics)
         try:
             await peer.request("report", result=result)  # the server prints the same table
         except PeerError as exc:  # the run itself is done and measured here
@@ -275,41 +295,45 @@ async def _bench_client(args: argparse.Namespace, config: BenchConfig) -> dict[s
     return result
 
 
-async def _bench_server(args: argparse.Namespace, config: BenchConfig) -> dict[str, Any]:
-    """perftest's server: wait for `aiofabric bench ... SERVER_HOST` clients over TCP (one at a time; --forever: one
-    after another), let each drive the server side through the bench exchange under this server's policy (its
-    NIC, address, capture file and limits), and print each one's table. Without --forever, a client whose
-    session failed makes the server fail too."""
+async def _serve(args: argparse.Namespace, config: Any, format_report: Callable[[dict[str, Any], Any], str]
+                 ) -> dict[str, Any]:
+    """perftest's server: wait for `aiofabric <command> ... SERVER_HOST` clients over TCP (one at a time; --forever:
+    one after another), let each drive the server side through the command's exchange under this server's policy
+    (its NIC, address, capture file and limits; lat: its test, size and MTU, which a client must match), and print
+    each one's table. Without --forever, a client whose session failed makes the server fail too."""
     from .peer.policy import Limits, ServerPolicy
     from .peer.tcp import DEFAULT_PORT, serve_tcp
     limits = Limits(nics=args.max_nics, memory=args.max_memory, in_flight=args.max_requests, line=args.max_line,
                     depth=args.max_depth, idle=args.idle_timeout)
+    lat = isinstance(config, LatConfig)
     policy = ServerPolicy(nic=args.nic, ip=args.ip, pcap=args.pcap, allow_peers=tuple(args.allow_peer or ()),
-                          limits=limits)
+                          limits=limits, tool=args.command,
+                          expect={"test": config.test, "size": config.size, "mtu": config.mtu} if lat else {})
 
     def show(result: dict[str, Any], client: str) -> None:  # `result` is the client's, its text already escaped
         if args.json:
             return
         try:
             first = result.get("rows", [result])[0]
-            fields = {name: first[name] for name in ("test", "qps", "size", "iters", "depth", "mtu", "nics")
-                      if name in first}
-            table = format_table(result, dataclasses.replace(config, **fields))
+            fields = {name: first[name] for name in ("test", "qps", "size", "iters", "depth", "mtu", "nics", "warmup")
+                      if name in first and hasattr(config, name)}
+            table = format_report(result, dataclasses.replace(config, **fields))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise ValueError(f"report: not a bench result ({type(exc).__name__}: {exc})") from None
-        print(f"aiofabric bench server: the report of client {client} (its own measurements):\n{table}", flush=True)
-
-    def listening(port: int) -> None:
-        print(f"aiofabric bench server: waiting for a client on {args.bind} TCP port {port}", file=sys.stderr,
+            raise ValueError(f"report: not a {args.command} result ({type(exc).__name__}: {exc})") from None
+        print(f"aiofabric {args.command} server: the report of client {client} (its own measurements):\n{table}",
               flush=True)
 
+    def listening(port: int) -> None:
+        print(f"aiofabric {args.command} server: waiting for a client on {args.bind} TCP port {port}",
+              file=sys.stderr, flush=True)
+
     summary = await serve_tcp(args.bind, DEFAULT_PORT if args.port is None else args.port, forever=args.forever,
-                              policy=policy,
-                              ready=listening, on_report=show)
+                              policy=policy, ready=listening, on_report=show)
     session_error = summary.pop("error", None)
     result = {"server": True, **summary, "client_error": session_error}
     if session_error and not args.forever:
-        result["error"] = f"the client's session failed: {session_error}"
+        result["error"] = session_error if summary.get("outcome") == "parameters differ" else \
+            f"the client's session failed: {session_error}"
     return result
 
 
@@ -324,7 +348,9 @@ def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
 async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
     config = lat_config(args)
     config.progress = not args.json and args.output is None and sys.stderr.isatty()
-    result = await run_latency(config)
+    if args.server:
+        return await _serve(args, config, format_latency_table)
+    result = await _run_where_asked(args, config, run_latency, open_bench_nics)
     if args.output is not None and "error" not in result:
         print(f"{result['t_avg_us'] * (config.cpu_mhz or 1):.2f}")  # perftest's --output latency: t_avg
     elif not args.json:
@@ -552,13 +578,7 @@ def build_parser() -> Parser:
     bench.add_argument("server_host", nargs="?", metavar="SERVER_HOST",
                        help="run as perftest's client: the server side is `aiofabric bench --server` on this host")
     add_perftest_flags(bench, "bench")
-    group = bench.add_argument_group("aiofabric's options")
-    group.add_argument("--server", action="store_true", help="run as perftest's server: wait for a client over TCP")
-    group.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
-    group.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
-    group.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: "
-                                    "the address that reaches the server; --server: the address the client "
-                                    "reached)")
+    group = _add_two_host_flags(bench)
     group.add_argument("--min-size", type=size_argument, help="sweep from this size (default 2; implies a sweep)")
     group.add_argument("--max-size", type=size_argument, help="sweep up to this size (default 8M; implies a sweep)")
     group.add_argument("--factor", type=int, default=2, help="sweep step: each size is the last times this (2)")
@@ -567,11 +587,7 @@ def build_parser() -> Parser:
     group.add_argument("--inject-fault", metavar="KIND[:N[:OFFSET]]",
                        help="make the server NICs misbehave, to see verification fail: skip_placement (ACK the next "
                             "N writes without placing them) or misplace (place them OFFSET bytes off; default 64)")
-    group.add_argument("--peer", metavar="HOST", help="run the server side on [user@]HOST[:port], started over SSH "
-                                                     "(one NIC here, one there)")
-    group.add_argument("--remote-nic", help="with --peer: the NIC there (default sim)")
-    group.add_argument("--remote-ip", help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
-    _add_ssh_flags(group, short_port=True)
+    _add_peer_flags(group)
     _add_server_limits(bench)
     group.add_argument("--json", action="store_true", help="print one JSON object")
     group.add_argument("--plot", metavar="PNG", help="plot bandwidth and message rate against size (a sweep; needs "
@@ -581,11 +597,15 @@ def build_parser() -> Parser:
     lat = sub.add_parser("lat", help="perftest-style latency: a ping-pong between two emulated NICs, or on one PCI NIC "
                                      "in PHY loopback (ib_*_lat; perftest's flags work)")
     lat.add_argument("test", choices=TESTS)
+    lat.add_argument("server_host", nargs="?", metavar="SERVER_HOST",
+                     help="run as perftest's client: the server side is `aiofabric lat --server` on this host (with "
+                          "the same test, -s and -m)")
     add_perftest_flags(lat, "lat")
-    group = lat.add_argument_group("aiofabric's options")
-    group.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x)")
+    group = _add_two_host_flags(lat)
     group.add_argument("--warmup", type=int, default=8, help="iterations run first and not measured (default 8)")
     _add_wire_flags(group)
+    _add_peer_flags(group)
+    _add_server_limits(lat)
     group.add_argument("--json", action="store_true", help="print one JSON object")
     lat.set_defaults(run=cmd_lat, check=_check_lat(lat))
 
@@ -642,7 +662,8 @@ def build_parser() -> Parser:
     connect.add_argument("--local-ip", help="local NIC's IPv4 address (emulated: a free 127.0.0.x)")
     connect.add_argument("--remote-ip", help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there); 'ssh': "
                                              "the address the SSH connection reached (with --hosts: on every host)")
-    connect.add_argument("--size", type=int, default=1 << 20, help="bytes to write and read back (default 1 MiB)")
+    connect.add_argument("--size", type=size_argument, default=1 << 20,
+                         help="bytes to write and read back, with an optional K/M/G suffix (default 1M)")
     _add_ssh_flags(connect)
     connect.add_argument("--json", action="store_true", help="print one JSON object")
     connect.set_defaults(run=cmd_connect, check=_check_connect(connect))
@@ -663,6 +684,26 @@ def build_parser() -> Parser:
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
     doctor.set_defaults(run=cmd_doctor)
     return parser
+
+
+def _add_two_host_flags(parser: argparse.ArgumentParser) -> Any:
+    """bench's and lat's own options group, starting with perftest's server mode and the local NIC's address."""
+    group = parser.add_argument_group("aiofabric's options")
+    group.add_argument("--server", action="store_true", help="run as perftest's server: wait for a client over TCP")
+    group.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
+    group.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
+    group.add_argument("--ip", help=f"NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: the "
+                                    f"address that reaches the server; --server: the address the client reached)")
+    return group
+
+
+def _add_peer_flags(group: Any) -> None:
+    """The server side on another host over SSH (--peer), and how to reach it."""
+    group.add_argument("--peer", metavar="HOST", help="run the server side on [user@]HOST[:port], started over SSH "
+                                                     "(one NIC here, one there)")
+    group.add_argument("--remote-nic", help="with --peer: the NIC there (default sim)")
+    group.add_argument("--remote-ip", help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
+    _add_ssh_flags(group, short_port=True)
 
 
 def _add_wire_flags(parser: Any) -> None:
@@ -810,6 +851,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             parser = build_parser()
             args, unknown = parser.parse_known_args(argv)
+            if len(unknown) == 1 and not unknown[0].startswith("-") and getattr(args, "server_host", "") is None:
+                args.server_host, unknown = unknown[0], []  # perftest's `-s 4K HOST`: argparse took the positionals
+                # ("write", none) before the options and leaves a later host over
             if unknown:  # argparse would name them under the top-level usage: say it under the command's
                 parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
             args.typed = typed_flags(parser, argv)

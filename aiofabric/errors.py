@@ -124,6 +124,10 @@ class NotAllowed(ProtocolError):
     """A request this client may not send (an op or a field outside its profile): refused, never run."""
 
 
+class ParameterMismatch(FabricError, ValueError):
+    """The two sides of a test were started with different parameters (test, size, MTU): both refuse to run it."""
+
+
 class LimitError(FabricError, RuntimeError):
     """A request that would take a client past one of the bench server's limits: refused, nothing done."""
 

@@ -5,12 +5,12 @@ theirs: one message at a time, `warmup` iterations first (excluded from the numb
 On a PCI NIC both ends run on that NIC with its port in PHY loopback (as `aiofabric loopback`): the NIC's own
 latency, with no wire and no partner host.
 
-- WRITE (ib_write_lat): a ping-pong of RDMA WRITEs. The client writes `size` bytes into the server's target buffer;
-  the server polls the LAST byte of its own target until it holds the iteration's value, then writes back into the
-  client's target, whose last byte the client polls. No receive is involved: the poller is a tight loop reading the
-  byte with `anyio.lowlevel.checkpoint()` between reads (so the NIC's tasks run), bounded by a deadline.
-- SEND (ib_send_lat): the same ping-pong with SENDs into receives posted ahead on both sides.
+- WRITE (ib_write_lat) and SEND (ib_send_lat): a ping-pong, its two halves in aiofabric/peer/pingpong.py.
 - READ (ib_read_lat): one-sided; the client times each RDMA READ from post to completion.
+
+With a peer (`config.remote`: `lat --peer HOST` over SSH, or `lat SERVER_HOST` against `lat --server` over TCP), the
+client's NIC is here and the server's there: the server half of a ping-pong runs in the peer's endpoint (ops pong /
+pong_wait), so a round trip never crosses the control connection, and the bytes there are checked by sha256.
 
 Reported latency is ONE-WAY for WRITE and SEND: half the round trip the client measures (perftest reports RTT/2),
 and the whole post-to-completion time for READ (perftest's rtt_factor 1). Fields, all in microseconds: t_min, t_max,
@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import hashlib
 import math
-import os
 import sys
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -40,7 +39,7 @@ import numpy as np
 
 from . import perftest
 from .nic import NIC, PCI_ADDRESS, open_nic
-from .completions import Completion
+from .peer import pingpong
 from .peer.protocol import fill_pattern
 from .errors import BadOption
 from .queues import MemoryRegion, QueuePair
@@ -52,7 +51,6 @@ MAX_ACK_TIMEOUT = perftest.MAX_ACK_TIMEOUT
 MAX_SIZE = 1 << 28  # 256 MiB: a WRITE side holds two buffers, a SEND side up to three, each page touched
 WARMUP = 8  # iterations run before measuring (perftest warms its latency loops up too)
 SQ_DEPTH = 64
-SIGNAL_EVERY = 16  # signal one send in SIGNAL_EVERY and await it SIGNAL_EVERY iterations later (errors surface)
 RX_SLOTS, RX_BYTES = 16, 64 << 20  # SEND: receives posted ahead, at most RX_BYTES of them (at least 2)
 RETRY_CNT = 7  # the QPs' retry count (perftest's default): a lost packet is resent up to 7 times
 WAIT_BASE_SECONDS, WAIT_SLOWEST_BPS = 5.0, 1 << 20  # an iteration's bound: 5 s + retransmissions + 1 s per MiB
@@ -91,6 +89,9 @@ class LatConfig:
     outs: int | None = None  # -o: the READ test's outstanding requests per QP
     gid_index: int | None = None  # -x: must be the NIC's GID index
     progress: bool = False  # a sweep's progress on stderr
+    remote: Any = None  # a connected aiofabric.peer Peer: the server side runs in its endpoint (lat --peer/SERVER_HOST)
+    remote_nic: str | None = None  # the NIC the server side opens there (None: the endpoint's default or choice)
+    remote_ip: str | None = None
 
     def check(self) -> None:
         """Refuse a bad value before any NIC boots: errors.BadOption naming the option, the value and what it allows.
@@ -148,105 +149,68 @@ class LatConfig:
 @dataclasses.dataclass
 class _Pair:
     """One QP pair and one MR per side. WRITE: [0, size) source, [size, 2*size) target. SEND: [0, size) source,
-    then `rx_slots` receive slots. READ: the client's [0, size) receives the server's [0, size)."""
+    then `rx_slots` receive slots. READ: the client's [0, size) receives the server's [0, size). With `remote` (a
+    Peer), the server side lives in its endpoint: `server` is a RemoteQP, `server_mr` a RemoteMR."""
     client: QueuePair
-    server: QueuePair
+    server: Any
     client_mr: MemoryRegion
-    server_mr: MemoryRegion
+    server_mr: Any
     rx_slots: int = 0
-    client_receives: list[Any] = dataclasses.field(default_factory=list)
-    server_receives: list[Any] = dataclasses.field(default_factory=list)
+    remote: Any = None
+    server_cq: Any = None
+
+    @property
+    def server_region(self) -> Any:
+        """What the client names as the server's memory."""
+        return self.server_mr.region if self.remote is not None else self.server_mr
+
+    async def server_digest(self, offset: int, length: int) -> str:
+        """sha256 of the server's bytes [offset, offset + length)."""
+        if self.remote is not None:
+            return str(await self.remote.sha256(self.server_mr, offset, length))
+        return hashlib.sha256(self.server_mr.view[offset:offset + length]).hexdigest()
 
 
-async def _connect(config: LatConfig, client_nic: NIC, server_nic: NIC) -> _Pair:
+def _shape(config: LatConfig) -> tuple[int, int]:
+    """(receive slots, bytes per side's region) of the test."""
     size = config.size
     rx_slots = max(2, min(RX_SLOTS, RX_BYTES // size)) if config.test == "send" else 0
-    span = {"write": 2 * size, "send": size * (1 + rx_slots), "read": size}[config.test]
-    client_cq, server_cq = await client_nic.create_cq(depth=256), await server_nic.create_cq(depth=256)
+    return rx_slots, {"write": 2 * size, "send": size * (1 + rx_slots), "read": size}[config.test]
+
+
+async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: Any = None) -> _Pair:
+    """The QP pair and regions of one size; with `peer`, the server's on `server_nic` there (a RemoteNIC).
+    Distinct seeded payloads on the two sides, so a pong that carried the ping's bytes would not verify."""
+    size, (rx_slots, span) = config.size, _shape(config)
+    outs = {} if config.outs is None else {"max_rd_atomic": config.outs}
+    client_cq = await client_nic.create_cq(depth=256)
     client = await client_nic.create_qp(client_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                         max_inline_data=config.inline_size)
-    server = await server_nic.create_qp(server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
-                                        max_inline_data=config.inline_size)
-    outs = {} if config.outs is None else {"max_rd_atomic": config.outs}
-    await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
-    await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
-    client_mr, server_mr = await client_nic.register_mr(span), await server_nic.register_mr(span)
-    # distinct seeded payloads on the two sides, so a pong that carried the ping's bytes would not verify
-    fill_pattern(server_mr.view[:size], config.seed * 7919 + 1)
+    client_mr = await client_nic.register_mr(span)
     if config.test != "read":
         fill_pattern(client_mr.view[:size], config.seed * 7919)
-    return _Pair(client, server, client_mr, server_mr, rx_slots)
-
-
-def _value(i: int) -> int:
-    """The last byte of iteration i's message: consecutive iterations differ, and none equals the initial 0 byte."""
-    return i % 255 + 1
-
-
-def _stamp(view: memoryview, size: int, i: int) -> None:
-    """Make iteration i's message its own: the iteration in its first bytes, _value(i) in its last."""
-    head = min(4, size - 1)
-    if head:
-        view[:head] = (i & 0xFFFFFFFF).to_bytes(4, "little")[:head]
-    view[size - 1] = _value(i)
-
-
-async def _bounded(awaitable: Awaitable[Any], seconds: float, what: str) -> Any:
-    """`await awaitable`, or TimeoutError("<what> within N s") once `seconds` have passed."""
-    with anyio.move_on_after(seconds):
-        return await awaitable
-    raise TimeoutError(f"{what} within {seconds:.3g} s")
+    if peer is None:
+        server_cq = await server_nic.create_cq(depth=256)
+        server = await server_nic.create_qp(server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
+                                            max_inline_data=config.inline_size)
+        await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
+        server_mr = await server_nic.register_mr(span)
+        fill_pattern(server_mr.view[:size], config.seed * 7919 + 1)
+        info = server.info()
+    else:
+        server_cq = await peer.create_cq(server_nic, 256)
+        server = await peer.create_qp(server_nic, server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1))
+        await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT)
+        server_mr = await peer.register_mr(server_nic, span)
+        await peer.fill(server_mr, seed=config.seed * 7919 + 1, length=size)
+        info = server.info
+    await client.connect(info, mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
+    return _Pair(client, server, client_mr, server_mr, rx_slots, peer, server_cq)
 
 
 def _iteration(config: LatConfig, i: int) -> str:
     return f"warm-up iteration {i + 1}/{config.warmup}" if i < config.warmup else \
         f"iteration {i - config.warmup + 1}/{config.iters}"
-
-
-async def _poll_last_byte(view: memoryview, index: int, value: int, qp: QueuePair, seconds: float,
-                          what: Callable[[], str]) -> None:
-    """Spin until view[index] == value, as ib_write_lat polls its buffer, yielding to the event loop and giving the
-    CPU away (sched_yield) between reads: a pure spin starves the NIC processes on a machine with few cores (the
-    emulated NICs run on the host's CPUs), and its numbers then swing between sub-ms and a scheduler slice.
-    TimeoutError past `seconds`."""
-    if view[index] == value:
-        return
-    checkpoint, clock, give_away = anyio.lowlevel.checkpoint, time.perf_counter, os.sched_yield
-    deadline = clock() + seconds
-    while view[index] != value:
-        give_away()
-        await checkpoint()
-        if qp.error is not None:  # the QP failed (retries exhausted, ...): the byte will never come
-            raise qp.error
-        if clock() > deadline:
-            raise TimeoutError(f"{what()} within {seconds:.3g} s (the last byte of the target still holds "
-                               f"{view[index]}, expected {value})")
-
-
-class _Sends:
-    """The send side's completions: one send in SIGNAL_EVERY is signaled, and awaited SIGNAL_EVERY iterations later
-    (long done by then), so a failed send raises without putting a completion wait in the timed path."""
-
-    def __init__(self, config: LatConfig, side: str) -> None:
-        self.config, self.side = config, side
-        self.total = config.warmup + config.iters
-        self.previous: tuple[int, Any] | None = None
-
-    def signaled(self, i: int) -> bool:
-        return i % SIGNAL_EVERY == SIGNAL_EVERY - 1 or i == self.total - 1
-
-    async def posted(self, i: int, completion: Any) -> None:
-        if not self.signaled(i):
-            return
-        await self.drain()
-        self.previous = (i, completion)
-
-    async def drain(self) -> None:
-        if self.previous is not None:
-            j, completion = self.previous
-            self.previous = None
-            await _bounded(completion, self.config.wait_seconds,
-                           f"{self.side}: {_iteration(self.config, j)}: the NIC did not complete its send")
 
 
 async def _run_pair(client: Callable[[], Awaitable[None]], server: Callable[[], Awaitable[None]]) -> None:
@@ -267,130 +231,82 @@ async def _run_pair(client: Callable[[], Awaitable[None]], server: Callable[[], 
         raise errors[0]
 
 
-async def _pingpong(config: LatConfig, pair: _Pair, post: Callable[[str, int, bool], Awaitable[Completion]],
-                    arrived: Callable[[str, int], Awaitable[None]]) -> list[float]:
-    """ib_*_lat's ping-pong: the client stamps and posts a ping and waits for the pong; the server waits for the ping
-    and answers. `post(side, i, signaled)` posts side's message i, `arrived(side, i)` waits for the other side's."""
-    size, total, seconds = config.size, config.warmup + config.iters, config.wait_seconds
+def _side(config: LatConfig, pair: _Pair, name: str) -> pingpong.Side:
+    """The client's or (local) server's half of the ping-pong, aiofabric/peer/pingpong.py."""
+    qp, mr, other = (pair.client, pair.client_mr, pair.server_region) if name == "client" else \
+        (pair.server, pair.server_mr, pair.client_mr)
+    theirs = other if config.test == "write" else None
+    return pingpong.Side(name, config.test, qp, mr, config.size, config.warmup, config.iters, config.wait_seconds,
+                         theirs, pair.rx_slots, config.size <= config.inline_size)
+
+
+async def _pingpong(config: LatConfig, pair: _Pair) -> list[float]:
+    """ib_write_lat / ib_send_lat: the client's half here, the server's here too or in the peer's endpoint."""
+    client = _side(config, pair, "client")
+    await client.prepare()
     samples: list[float] = []
 
-    async def client() -> None:
-        view, sends, clock = pair.client_mr.view, _Sends(config, "client"), time.perf_counter
-        for i in range(total):
-            _stamp(view, size, i)
-            started = clock()
-            completion = await _bounded(post("client", i, sends.signaled(i)), seconds,
-                                        f"client: {_iteration(config, i)}: no room to post the ping")
-            await arrived("client", i)
-            rtt = clock() - started
-            if i >= config.warmup:
-                samples.append(rtt / 2 * 1e6)
-            await sends.posted(i, completion)
-        await sends.drain()
+    async def run_client() -> None:
+        samples.extend(await pingpong.client(client))
 
-    async def server() -> None:
-        view, sends = pair.server_mr.view, _Sends(config, "server")
-        for i in range(total):
-            await arrived("server", i)
-            _stamp(view, size, i)
-            completion = await _bounded(post("server", i, sends.signaled(i)), seconds,
-                                        f"server: {_iteration(config, i)}: no room to post the pong")
-            await sends.posted(i, completion)
-        await sends.drain()
+    if pair.remote is None:
+        server = _side(config, pair, "server")
+        await server.prepare()
+        await _run_pair(run_client, lambda: pingpong.server(server))
+        return samples
+    peer = pair.remote
+    region = pair.client_mr.remote().to_dict() if config.test == "write" else None
+    started = await peer.request("pong", qp=pair.server.handle, mr=pair.server_mr.handle, test=config.test,
+                                 size=config.size, iters=config.iters, warmup=config.warmup, wait=config.wait_seconds,
+                                 remote=region, rx_slots=pair.rx_slots, inline=False)
 
-    await _run_pair(client, server)
+    async def server_half() -> None:  # its failure (a ping it never got) surfaces now, not as the client's timeout
+        await peer.request("pong_wait", pong=started["pong"],
+                           timeout=config.wait_seconds * (config.warmup + config.iters + 1))
+
+    await _run_pair(run_client, server_half)
     return samples
-
-
-async def _write_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
-    size, seconds = config.size, config.wait_seconds
-    last = 2 * size - 1  # the last byte of each side's target, [size, 2*size)
-    sides = {"client": (pair.client, pair.client_mr, pair.server_mr,
-                        "the pong (the server's RDMA WRITE into the client's buffer)"),
-             "server": (pair.server, pair.server_mr, pair.client_mr,
-                        "the ping (the client's RDMA WRITE into the server's buffer)")}
-
-    inline = size <= config.inline_size  # -I: perftest inlines the messages that fit
-
-    def post(side: str, i: int, signaled: bool) -> Awaitable[Completion]:
-        qp, mine, theirs, _ = sides[side]
-        return qp.post_write(mine, theirs, size, remote_offset=size, signaled=signaled, inline=inline)
-
-    async def arrived(side: str, i: int) -> None:
-        qp, mine, _, what = sides[side]
-        await _poll_last_byte(mine.view, last, _value(i), qp, seconds,
-                              lambda: f"{side}: {_iteration(config, i)}: {what} did not arrive")
-
-    return await _pingpong(config, pair, post, arrived)
-
-
-async def _send_pingpong(config: LatConfig, pair: _Pair) -> list[float]:
-    size, total, seconds, slots = config.size, config.warmup + config.iters, config.wait_seconds, pair.rx_slots
-    sides = {"client": (pair.client, pair.client_mr, pair.client_receives, "the pong (the server's SEND)"),
-             "server": (pair.server, pair.server_mr, pair.server_receives, "the ping (the client's SEND)")}
-
-    async def post_recv(side: str, i: int) -> None:
-        qp, mr, receives, _ = sides[side]
-        receives.append(await qp.post_recv(mr, size, local_offset=size * (1 + i % slots)))
-
-    for i in range(min(slots, total)):  # receives posted ahead on both sides before the first SEND
-        await post_recv("client", i)
-        await post_recv("server", i)
-
-    inline = size <= config.inline_size
-
-    def post(side: str, i: int, signaled: bool) -> Awaitable[Completion]:
-        qp, mr, _, _ = sides[side]
-        return qp.post_send(mr, size, signaled=signaled, inline=inline)
-
-    async def arrived(side: str, i: int) -> None:
-        _, _, receives, what = sides[side]
-        completion = await _bounded(receives[i], seconds, f"{side}: {_iteration(config, i)}: {what} did not arrive")
-        if completion.byte_len != size:
-            raise ValueError(f"{side}: {_iteration(config, i)}: received {completion.byte_len} bytes, sent {size}")
-        if i + slots < total:
-            await post_recv(side, i + slots)
-
-    return await _pingpong(config, pair, post, arrived)
 
 
 async def _read_loop(config: LatConfig, pair: _Pair) -> list[float]:
     size, total, seconds = config.size, config.warmup + config.iters, config.wait_seconds
     samples: list[float] = []
-    clock = time.perf_counter
+    clock, remote = time.perf_counter, pair.server_region
     for i in range(total):
         if i == total - 1:  # the last READ must bring every byte again: invert what the earlier ones brought
             local = np.frombuffer(pair.client_mr.view, dtype=np.uint8, count=size)
             np.bitwise_not(local, out=local)
         started = clock()
-        completion = await _bounded(pair.client.post_read(pair.client_mr, pair.server_mr, size), seconds,
-                                    f"client: {_iteration(config, i)}: no room to post the RDMA READ")
-        await _bounded(completion, seconds, f"client: {_iteration(config, i)}: the RDMA READ did not complete")
+        completion = await pingpong.bounded(pair.client.post_read(pair.client_mr, remote, size), seconds,
+                                            f"client: {_iteration(config, i)}: no room to post the RDMA READ")
+        await pingpong.bounded(completion, seconds,
+                               f"client: {_iteration(config, i)}: the RDMA READ did not complete")
         if i >= config.warmup:
             samples.append((clock() - started) * 1e6)
     return samples
 
 
-ENGINES = {"write": _write_pingpong, "send": _send_pingpong, "read": _read_loop}
+ENGINES = {"write": _pingpong, "send": _pingpong, "read": _read_loop}
 
 
-def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: list[Any]) -> str | None:
-    """Why the run's bytes are wrong, or None: the last ping's and pong's bytes (both sides), the server's untouched
-    bytes for READ, and the emulator's count of messages each responder placed (each counted once), where `placed`
-    has it (the client's NIC's, the server's: DebugClient.placed, None for a NIC that is not emulated)."""
+async def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: list[Any]) -> str | None:
+    """Why the run's bytes are wrong, or None: the last ping's and pong's bytes (both sides; by sha256 where the
+    server is a peer's), the server's untouched bytes for READ, and the emulator's count of messages each
+    responder placed (each counted once), where `placed` has it (the client's NIC's, the server's:
+    DebugClient.placed, None for a NIC that is not emulated or not here)."""
     size, total = config.size, config.warmup + config.iters
-    client, server = pair.client_mr.view, pair.server_mr.view
+    client = pair.client_mr.view
     if config.test == "read":
-        if hashlib.sha256(server[:size]).hexdigest() != server_digest:
+        if await pair.server_digest(0, size) != server_digest:
             return "the server's buffer changed during the RDMA READs"
-        if client[:size] != server[:size]:
+        if hashlib.sha256(client[:size]).hexdigest() != server_digest:
             return "the last RDMA READ's bytes at the client differ from the server's buffer"
         checks = [("client", pair.client, 0)]
     else:
         landed = size if config.test == "write" else size * (1 + (total - 1) % pair.rx_slots)
-        if server[landed:landed + size] != client[:size]:
+        if await pair.server_digest(landed, size) != hashlib.sha256(client[:size]).hexdigest():
             return "the last ping's bytes at the server differ from what the client sent"
-        if client[landed:landed + size] != server[:size]:
+        if hashlib.sha256(client[landed:landed + size]).hexdigest() != await pair.server_digest(0, size):
             return "the last pong's bytes at the client differ from what the server sent"
         checks = [("server", pair.server, 1), ("client", pair.client, 0)]
     for side, qp, nic in checks:
@@ -434,18 +350,36 @@ def histogram(samples: list[float]) -> list[list[float]]:
     return rows
 
 
-def _verification(config: LatConfig, emulated: bool) -> str:
-    """How `verified` was decided; `emulated`: the NICs have debug channels, so their placement counts were checked."""
+def _verification(config: LatConfig, placed: list[Any]) -> str:
+    """How `verified` was decided; `placed`: the client's and the server's placement counts (None where the NIC is
+    not emulated, or is the peer's: its bytes are compared by sha256 there)."""
     checked = ("the last RDMA READ's bytes and the server's unchanged buffer" if config.test == "read" else
                "the last ping's and pong's bytes")
-    return f"{checked} and the NICs' placement counts" if emulated else f"{checked} ({perftest.NOT_COUNTED})"
+    if config.remote is not None:
+        counted = " and the client NIC's placement counts" if placed[0] is not None else ""
+        return f"{checked} (the server's by sha256 there){counted}"
+    return f"{checked} and the NICs' placement counts" if None not in placed else f"{checked} ({perftest.NOT_COUNTED})"
 
 
 @contextlib.asynccontextmanager
-async def _open_nics(config: LatConfig) -> AsyncIterator[tuple[NIC, NIC]]:
+async def _open_nics(config: LatConfig, client_nic: NIC | None = None) -> AsyncIterator[tuple[NIC, Any]]:
     """The client's NIC and the server's: two emulated NICs, or one PCI NIC for both with its port in PHY loopback
-    (no partner host needed, as `aiofabric loopback`)."""
-    if PCI_ADDRESS.fullmatch(config.nic):
+    (no partner host needed, as `aiofabric loopback`); with a peer, the client's here (`client_nic`, or one opened
+    here) and the server's there (a RemoteNIC, closed there afterwards)."""
+    if config.remote is not None:
+        async with contextlib.AsyncExitStack() as stack:
+            if client_nic is None:
+                client_nic = (await stack.enter_async_context(
+                    perftest.open_bench_nics(dataclasses.replace(config.bench_config(), remote=config.remote))))[0]
+            faults = {k: getattr(config, k) for k in ("loss", "reorder", "dup", "corrupt") if getattr(config, k)}
+            remote = await config.remote.open_nic(config.remote_nic, ip=config.remote_ip,
+                                                  **(dict(faults, seed=config.seed + 1) if faults else {}))
+            try:
+                yield client_nic, remote
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await config.remote.close(remote)
+    elif PCI_ADDRESS.fullmatch(config.nic):
         async with open_nic(config.nic, ip=config.ip) as nic, perftest.phy_loopback(nic):
             yield nic, nic
     else:
@@ -453,21 +387,23 @@ async def _open_nics(config: LatConfig) -> AsyncIterator[tuple[NIC, NIC]]:
             yield client, server
 
 
-async def run_latency(config: LatConfig) -> dict[str, Any]:
-    """Boot the NICs (`LatConfig.nic`), run `config.test`'s latency loop and report perftest's latency fields in us.
+async def run_latency(config: LatConfig, client_nic: NIC | None = None) -> dict[str, Any]:
+    """Boot the NICs (`LatConfig.nic`; with `config.remote`, the server's in the peer's endpoint and the client's
+    here, or `client_nic`), run `config.test`'s latency loop and report perftest's latency fields in us.
 
     WRITE and SEND report one-way latency, half the client's round trip (as perftest: RTT/2); READ reports each
     READ's post-to-completion time. Keys: the LATENCY_FIELDS, iters, size, test, mtu (the path MTU used: the
     requested one unless a port is too small for it, see perftest.fit_mtu), mtu_requested, warmup, verified,
     verification (what `verified` checked), latency (what was measured), seconds, packets, retransmits, dropped
     (None on a PCI NIC: only an emulator counts them), fw_version; "histogram" with config.histogram, "samples"
-    (in the order measured) with config.unsorted; "error" when verification failed. A sweep (config.sizes) has
-    these per size in "rows". A lost message raises TimeoutError naming the side and the iteration."""
+    (in the order measured) with config.unsorted; "remote_host" with a peer; "error" when verification failed. A
+    sweep (config.sizes) has these per size in "rows". A lost message raises TimeoutError naming the side and the
+    iteration."""
     config.check()
     requested = config.mtu
     rows = []
-    async with _open_nics(config) as (client_nic, server_nic):
-        nics = list(dict.fromkeys((client_nic, server_nic)))  # one NIC when both ends share it
+    async with _open_nics(config, client_nic) as (client_nic, server_nic):
+        nics = [nic for nic in dict.fromkeys((client_nic, server_nic)) if isinstance(nic, NIC)]  # the ones here
         for nic in nics:
             config.bench_config().check_caps(nic)
         config = dataclasses.replace(config, mtu=perftest.fit_mtu(requested, nics, "lat"))
@@ -495,34 +431,37 @@ async def run_latency(config: LatConfig) -> dict[str, Any]:
     return {"verified": all(row["verified"] for row in rows), "test": config.test, "sizes": sizes, "rows": rows,
             "fw_version": rows[0]["fw_version"], "mtu": config.mtu, "mtu_requested": requested,
             "warmup": config.warmup, "latency": rows[0]["latency"],
+            **({"remote_host": config.remote.host} if config.remote is not None else {}),
             **({"error": f"size {failed[0]['size']}: {failed[0]['error']}"} if failed else {})}
 
 
-async def _run_size(config: LatConfig, client_nic: NIC, server_nic: NIC) -> dict[str, Any]:
+async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict[str, Any]:
     """One size's latency loop on a QP pair of its own, destroyed afterwards (a sweep keeps its NICs)."""
-    pair = await _connect(config, client_nic, server_nic)
+    pair = await _connect(config, client_nic, server_nic, config.remote)
     try:
         fault = config.bench_config().fault()
         if fault is not None:
             await perftest.emulator(server_nic, "--inject-fault").fault(*fault)
-        nics = list(dict.fromkeys((client_nic, server_nic)))
-        server_digest = hashlib.sha256(pair.server_mr.view[:config.size]).hexdigest()
-        before = await perftest.wire_counters(nics)
+        here = [nic for nic in dict.fromkeys((client_nic, server_nic)) if isinstance(nic, NIC)]
+        server_digest = await pair.server_digest(0, config.size)
+        before = await perftest.wire_counters(here)
         started = time.perf_counter()
         samples = await ENGINES[config.test](config, pair)
         seconds = time.perf_counter() - started
-        placed = [await perftest.placement_counts(nic) for nic in (client_nic, server_nic)]
-        mismatch = _verify(config, pair, server_digest, placed)
-        wire = perftest.wire_delta(before, await perftest.wire_counters(nics), WIRE_COUNTERS)
+        placed = [await perftest.placement_counts(nic) if isinstance(nic, NIC) else None
+                  for nic in (client_nic, server_nic)]
+        mismatch = await _verify(config, pair, server_digest, placed)
+        wire = perftest.wire_delta(before, await perftest.wire_counters(here), WIRE_COUNTERS)
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
             await _release(pair)
     return {
         **summarize(samples), "iters": len(samples), "iterations": len(samples), "size": config.size,
         "test": config.test, "mtu": config.mtu, "warmup": config.warmup, "verified": mismatch is None,
-        "verification": _verification(config, None not in placed),
+        "verification": _verification(config, placed),
         "latency": "one-way (RTT/2)" if config.test != "read" else "READ completion",
         "seconds": seconds, **wire, "fw_version": client_nic.info()["fw_version"],
+        **({"remote_host": config.remote.host} if config.remote is not None else {}),
         **({"histogram": histogram(samples)} if config.histogram else {}),
         **({"samples": samples} if config.unsorted else {}),
         **({"cycles": {key.replace("_us", ""): value * config.cpu_mhz for key, value in summarize(samples).items()},
@@ -532,14 +471,18 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: NIC) -> dict
 
 
 async def _release(pair: _Pair) -> None:
-    """Destroy the pair's QPs, then their CQs and memory."""
-    cqs = {id(qp.send_cq): qp.send_cq for qp in (pair.client, pair.server)}
-    for qp in (pair.client, pair.server):
-        await qp.destroy()
-    for mr in (pair.client_mr, pair.server_mr):
-        await mr.deregister()
-    for cq in cqs.values():
-        await cq.destroy()
+    """Destroy the pair's QPs, then their CQs and memory (the server's in its endpoint, with a peer)."""
+    await pair.client.destroy()
+    await pair.client_mr.deregister()
+    await pair.client.send_cq.destroy()
+    if pair.remote is not None:
+        for handle in (pair.server, pair.server_mr, pair.server_cq):
+            await pair.remote.close(handle)
+        return
+    await pair.server.destroy()
+    await pair.server_mr.deregister()
+    if pair.server.send_cq is not pair.client.send_cq:
+        await pair.server.send_cq.destroy()
 
 
 def perftest_latency_report(result: dict[str, Any], config: LatConfig) -> dict[str, Any]:
@@ -591,6 +534,8 @@ def format_latency_table(result: dict[str, Any], config: LatConfig) -> str:
     rows = result.get("rows", [result])
     measured = "one-way = RTT/2" if config.test != "read" else "READ post to completion"
     nic = "emulated BNXT" if config.nic.startswith("sim") else f"{config.nic}, PHY loopback"
+    if "remote_host" in result:
+        nic = f"{config.nic if not config.nic.startswith('sim') else 'emulated BNXT'}, server {result['remote_host']}"
     iterations = f"about {config.sweep_seconds:g} s per size (-n fixes them)" if config.sweep_seconds else \
         str(config.iters)
     lines = []

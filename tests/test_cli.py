@@ -345,7 +345,7 @@ def test_plot_of_a_sweep_and_of_saved_runs(tmp_path):
     (["bench", "write", "--nic", "4"], 2, "'4' is not 'sim', 'sim:NAME', a PCI address"),
     (["bench", "write", "--nic", "0000:41:00.0"], 2, "--nic 0000:41:00.0: a PCI NIC needs its partner on another"),
     (["plot", "/nonexistent.json", "-o", "x.png"], 1, "No such file"),
-    (["bench", "write", "127.0.0.1", "--port", "1"], 1, "no aiofabric bench server at 127.0.0.1:1"),
+    (["bench", "write", "127.0.0.1", "--port", "1"], 1, "no aiofabric server (bench or lat --server) at 127.0.0.1:1"),
     (["bench", "write", "--forever"], 2, "--forever goes with --server"),
     (["bench", "write", "somehost", "--server"], 2, "choose one of SERVER_HOST, --server and --peer"),
     (["lat", "write", "--iters", "0"], 2, "--iters 0: must be an integer of at least 1"),

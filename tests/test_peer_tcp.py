@@ -219,7 +219,7 @@ async def test_no_server_is_a_peer_error_within_the_timeout():
     with pytest.raises(PeerError) as caught:
         async with connect_tcp("127.0.0.1", port, connect_timeout=3):
             pass
-    assert str(caught.value) == f"no aiofabric bench server at 127.0.0.1:{port} (connection refused)"
+    assert str(caught.value) == f"no aiofabric server (bench or lat --server) at 127.0.0.1:{port} (connection refused)"
     assert caught.value.host == f"127.0.0.1:{port}" and time.monotonic() - started < 3
 
 

@@ -12,7 +12,7 @@ import ipaddress
 import itertools
 from typing import Any, Union
 
-from ..errors import NotAllowed
+from ..errors import NotAllowed, ParameterMismatch
 from .protocol import MAX_DEPTH, MAX_LINE
 
 Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
@@ -51,6 +51,8 @@ class ServerPolicy:
     pcap: str | None = None
     allow_peers: tuple[Network, ...] = ()
     limits: Limits = dataclasses.field(default_factory=Limits)
+    tool: str = "bench"  # the exchange clients may run (protocol.PROFILES): "bench" or "lat"
+    expect: dict[str, Any] = dataclasses.field(default_factory=dict)  # lat: the test, size and MTU clients must run
     _opened: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
 
     def nic_options(self) -> dict[str, Any]:
@@ -59,6 +61,16 @@ class ServerPolicy:
             return {}
         number = next(self._opened)
         return {"pcap": self.pcap if number == 0 else f"{self.pcap}.{number}"}
+
+    def check_params(self, params: dict[str, Any]) -> None:
+        """Refuse (ParameterMismatch, one line naming both sides) a latency client whose test, size or MTU differ
+        from what this server was started with, as perftest's two sides refuse each other."""
+        differ = [name for name, mine in self.expect.items() if params.get(name) != mine]
+        if differ:
+            theirs = ", ".join(f"{name} {params.get(name)}" for name in differ)
+            ours = ", ".join(f"{name} {self.expect[name]}" for name in differ)
+            raise ParameterMismatch(f"the two sides' parameters differ: the client runs {theirs}, the server "
+                                    f"{ours}; start both with the same test, -s and -m")
 
     def check_peer(self, gid: str, client: str) -> None:
         """Refuse (NotAllowed) a QP peer whose GID (32 hex digits) is neither the address `client` connected from

@@ -58,6 +58,15 @@ Operations (`args` fields; "=" marks a default, the rest are required)
                  (posts `count` receives of `size` bytes at offset + i * stride (stride null: size) and answers
                  once they are posted, without awaiting them: the remote half of a SEND benchmark)
     close        handle                                       -> {"closed": handle}
+    lat_params   test, size, mtu, iters, warmup=0             -> {"test", "size", "mtu"}   (the server's)
+                 (a latency client's parameters; a `lat --server` started with another test, size or MTU refuses
+                 them with a ParameterMismatch naming both, and ends the session)
+    pong         qp, mr, test, size, iters, wait, warmup=0, remote=null: REGION, rx_slots=0, inline=false -> {"pong"}
+                 (starts the server half of a latency ping-pong, aiofabric/peer/pingpong.py, on a connected QP:
+                 test "write" (remote: the client's region) or "send" (rx_slots receives posted ahead); answers
+                 once it is ready for the first ping)
+    pong_wait    pong                                         -> {"iterations"}   (awaits that half's end; its
+                 error, e.g. a ping that never came within `wait` seconds, is this answer's)
     report       result: object                               -> {"reported": true}
                  (the client hands the endpoint a finished run's result, e.g. `run_bench`'s dict, so the server
                  side can print the same table; an endpoint with nobody to show it to just logs it)
@@ -173,6 +182,39 @@ def _json_object(value: Any) -> dict[str, Any]:
     return value
 
 
+MAX_PINGS = 10 ** 8  # warm-up + measured iterations of one pong: about three hours at the emulator's speed
+MAX_WAIT = 3600.0  # seconds one ping may take
+MAX_RX_SLOTS = 4096
+
+
+def _bounded_int(low: int, high: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if not low <= _int(value) <= high:
+            raise ValueError(f"an integer in [{low}, {high}], not {value!r}")
+        return value
+    return check
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"true or false, not {value!r}")
+    return value
+
+
+def _wait(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT:
+        raise ValueError(f"a number of seconds in (0, {MAX_WAIT:g}], not {value!r}")
+    return float(value)
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"one of {', '.join(choices)}, not {value!r}")
+        return value
+    return check
+
+
 def _deadline(value: Any) -> float | None:
     if value is None:
         return None
@@ -201,6 +243,13 @@ OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
                    "size": (_natural, REQUIRED), "offset": (_natural, 0), "stride": (_optional(_natural), None)},
     "close": {"handle": (_handle, REQUIRED)},
     "report": {"result": (_json_object, REQUIRED)},
+    "lat_params": {"test": (_str, REQUIRED), "size": (_natural, REQUIRED), "mtu": (_int, REQUIRED),
+                   "iters": (_natural, REQUIRED), "warmup": (_natural, 0)},
+    "pong": {"qp": (_handle, REQUIRED), "mr": (_handle, REQUIRED), "test": (_choice("write", "send"), REQUIRED),
+             "size": (_bounded_int(1, 1 << 30), REQUIRED), "iters": (_bounded_int(1, MAX_PINGS), REQUIRED),
+             "wait": (_wait, REQUIRED), "warmup": (_bounded_int(0, MAX_PINGS), 0), "remote": (_optional(_region), None),
+             "rx_slots": (_bounded_int(0, MAX_RX_SLOTS), 0), "inline": (_bool, False)},
+    "pong_wait": {"pong": (_handle, REQUIRED)},
 }
 
 
@@ -219,6 +268,12 @@ BENCH_OPS_NAMES = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", 
 BENCH = Profile("bench", {**{op: OPS[op] for op in BENCH_OPS_NAMES}, "open_nic": {"options": (_test_options, {})}},
                 "a TCP client of `bench --server` runs only the bench exchange; the server chooses its NIC, "
                 "addresses, transport, capture files and namespaces (its own flags)")
+LAT_OPS_NAMES = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", "fill", "sha256", "connect_qp",
+                 "lat_params", "pong", "pong_wait", "close", "report")  # what `lat SERVER_HOST` sends
+LAT = Profile("lat", {**{op: OPS[op] for op in LAT_OPS_NAMES}, "open_nic": {"options": (_test_options, {})}},
+              "a TCP client of `lat --server` runs only the latency exchange; the server chooses its NIC, "
+              "addresses, transport, capture files and namespaces (its own flags)")
+PROFILES = {"bench": BENCH, "lat": LAT}  # a TCP server's profile, by the command serving
 
 
 def check_args(op: str, args: Any, profile: Profile = ENDPOINT) -> dict[str, Any]:

@@ -30,8 +30,8 @@ import numpy
 from ..version import __version__
 from ..nic import NIC, DmaBudget, open_nic
 from ..queues import CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
-from . import protocol
-from ..errors import LimitError, NotAllowed, ProtocolError
+from . import pingpong, protocol
+from ..errors import LimitError, NotAllowed, ParameterMismatch, ProtocolError
 from .policy import ServerPolicy, unmapped
 from .protocol import Answer, Ready
 
@@ -76,6 +76,28 @@ class _NicSlot:
         self.nic: NIC | None = None
         self.close_requested = anyio.Event()
         self.closed = anyio.Event()
+
+
+class _Pong:
+    """The server half of a latency ping-pong running in the endpoint (op pong), until pong_wait collects it."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.scope = anyio.CancelScope()  # close cancels it
+        self.error: Exception | None = None
+        self.iterations = 0
+
+    async def run(self, side: pingpong.Side) -> None:
+        try:
+            with self.scope:
+                await pingpong.server(side)
+                self.iterations = side.iters
+            if self.scope.cancelled_caught:
+                self.error = ValueError("pong: closed before it ended")
+        except Exception as exc:  # pong_wait answers with it; it never ends the endpoint
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 class Endpoint:
@@ -252,11 +274,38 @@ class Endpoint:
                 self.owner.pop(child, None)
         elif isinstance(obj, (QueuePair, CompletionQueue)):
             await obj.destroy()
+        elif isinstance(obj, _Pong):
+            obj.scope.cancel()
+            await obj.done.wait()
         else:
             await obj.deregister()
         self.objects.pop(handle, None)
         self.owner.pop(handle, None)
         return {"closed": handle}
+
+    async def op_lat_params(self, test: str, size: int, mtu: int, iters: int, warmup: int) -> dict[str, Any]:
+        if self.policy is not None:
+            self.policy.check_params({"test": test, "size": size, "mtu": mtu})
+        return {"test": test, "size": size, "mtu": mtu, **(self.policy.expect if self.policy else {})}
+
+    async def op_pong(self, qp: int, mr: int, test: str, size: int, iters: int, wait: float, warmup: int,
+                      remote: dict[str, Any] | None, rx_slots: int, inline: bool) -> dict[str, Any]:
+        side = pingpong.Side("server", test, self._get(qp, QueuePair, "qp"), self._get(mr, MemoryRegion, "mr"),
+                             size, warmup, iters, wait, None if remote is None else RemoteRegion.from_dict(remote),
+                             rx_slots, inline)
+        await side.prepare()
+        pong = _Pong()
+        self.tasks.start_soon(pong.run, side)
+        return {"pong": self._add(pong, self.owner.get(qp))}
+
+    async def op_pong_wait(self, pong: int) -> dict[str, Any]:
+        running = self._get(pong, _Pong, "pong")
+        await running.done.wait()
+        self.objects.pop(pong, None)
+        self.owner.pop(pong, None)
+        if running.error is not None:
+            raise running.error
+        return {"iterations": running.iterations}
 
     async def op_report(self, result: dict[str, Any]) -> dict[str, Any]:
         self.summary["reports"] = self.summary.get("reports", 0) + 1
@@ -270,6 +319,8 @@ class Endpoint:
         return {"reported": True}
 
     async def close_all(self) -> None:
+        for pong in [obj for obj in self.objects.values() if isinstance(obj, _Pong)]:
+            pong.scope.cancel()  # a server half would otherwise poll for pings until its wait ran out
         for slot in [obj for obj in self.objects.values() if isinstance(obj, _NicSlot)]:
             slot.close_requested.set()
         for slot in [obj for obj in self.objects.values() if isinstance(obj, _NicSlot)]:
@@ -308,7 +359,7 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
     """
     strict = policy is not None
     limits = policy.limits if policy is not None else None
-    profile = protocol.BENCH if strict else protocol.ENDPOINT
+    profile = protocol.PROFILES[policy.tool] if policy is not None else protocol.ENDPOINT
     max_depth = limits.depth if limits is not None else protocol.MAX_DEPTH
     write_lock = anyio.Lock()
     stop = anyio.Event()
@@ -384,6 +435,8 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
                                                "closed them")
             else:
                 finish("cannot answer", f"{who}: cannot answer request {request.id}: {exc}")
+        if answer.error_type == ParameterMismatch.__name__:  # told the client; the two cannot run this test together
+            finish("parameters differ", answer.error_message)
         answered(token)  # or never will be: the session ends without answers
 
     async def watch_idle(idle: float) -> None:

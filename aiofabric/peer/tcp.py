@@ -1,4 +1,4 @@
-"""The endpoint protocol over TCP: perftest's server/client mode (`bench --server` / `bench SERVER_HOST`).
+"""The endpoint protocol over TCP: perftest's server/client mode (`bench|lat --server` / `bench|lat SERVER_HOST`).
 
 `serve_tcp` listens on a port (perftest's 18515 by default) and serves one client at a time with the same request
 loop as `aiofabric serve` (`serve.serve_stream`); `connect_tcp` yields a `Peer` talking to it, the same `Peer` that
@@ -12,7 +12,7 @@ Failures, each one line:
   * a client disconnects mid-run, or sends no request for the idle timeout: the server logs it and closes every
     object that client opened;
   * a second client while one is served: it is turned away at once with an error naming the busy server;
-  * nothing listens at HOST:PORT: `PeerError` "no aiofabric bench server at HOST:PORT (connection refused)"; no
+  * nothing listens at HOST:PORT: `PeerError` "no aiofabric server (bench or lat --server) at HOST:PORT (connection refused)"; no
     answer (a firewall drops the SYN, or something that is not an aiofabric server): `PeerError` within
     `connect_timeout`.
 
@@ -124,8 +124,8 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            raise PeerError(f"port {port} is taken on {host}: another server (aiofabric bench --server?) listens "
-                            "there; stop it or pick another port (--port)", host=where) from None
+            raise PeerError(f"port {port} is taken on {host}: another server (aiofabric bench or lat --server?) "
+                            "listens there; stop it or pick another port (--port)", host=where) from None
         raise PeerError(f"cannot listen on {where}: {exc.strerror or exc}", host=where) from None
     bound = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port)
     where = _where(host, bound)
@@ -240,7 +240,7 @@ async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, local_host: str | 
     `local_host`: the address to connect from: the local NIC's, since the server's QPs talk only to the address a
     connection comes from (if it is not an address of this host, the kernel's choice is used).
     `connect_timeout` bounds the TCP connect and the server's ready message; `command_timeout` each request.
-    Nothing listening: `PeerError` "no aiofabric bench server at HOST:PORT (connection refused)"; no answer within
+    Nothing listening: `PeerError` "no aiofabric server (bench or lat --server) at HOST:PORT (connection refused)"; no answer within
     `connect_timeout`: `PeerError` naming HOST:PORT and the timeout. Leaving the block (or cancelling it) closes the
     connection, and the server closes whatever this client left open. While the block runs, the peer pings a
     server that drops idle clients often enough to stay served.
@@ -262,7 +262,7 @@ async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, local_host: str | 
     except OSError as exc:
         cause = _cause(exc)
         if isinstance(cause, ConnectionRefusedError):
-            raise PeerError(f"no aiofabric bench server at {where} (connection refused)", host=where) from None
+            raise PeerError(f"no aiofabric server (bench or lat --server) at {where} (connection refused)", host=where) from None
         reason = getattr(cause, "strerror", None) or cause
         raise PeerError(f"cannot reach {where}: {reason}", host=where) from None
     carrier = _StreamCarrier(stream, where)

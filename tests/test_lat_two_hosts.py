@@ -1,0 +1,156 @@
+"""`aiofabric lat` across two hosts: perftest's server/client over TCP (`lat --server` / `lat SERVER_HOST`) and the
+server side on a peer over SSH (`lat --peer`), the parameter exchange that refuses a mismatch on both sides, and
+what a hostile client can make a `lat --server` do."""
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from aiofabric.peer import protocol
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ssh_servers import assert_no_leftovers, server  # noqa: E402,F401 (server: a fixture)
+
+CLI = [sys.executable, "-m", "aiofabric"]
+ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+
+
+def free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def last_json(text: str):
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def start_server(*argv):
+    port = free_port()
+    process = subprocess.Popen([*CLI, "lat", *argv, "--server", "--bind", "127.0.0.1", "--port", port],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "waiting for a client" in process.stderr.readline()
+    return process, port
+
+
+def finish(process):
+    try:
+        return process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+@pytest.mark.parametrize("test", ["write", "send", "read"])
+def test_lat_server_and_client_over_tcp(test):
+    server, port = start_server(test, "-s", "100")
+    client = subprocess.run([*CLI, "lat", test, "127.0.0.1", "-p", port, "-s", "100", "-n", "150", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    out, err = finish(server)
+    result = last_json(client.stdout)
+    assert client.returncode == 0 and result["ok"] and result["verified"], client.stderr[-3000:]
+    assert result["iterations"] == 150 and result["remote_host"] == f"127.0.0.1:{port}"
+    assert result["t_min_us"] <= result["t_typical_us"] <= result["t_max_us"]
+    assert result["verification"].endswith("(the server's by sha256 there) and the client NIC's placement counts")
+    assert server.returncode == 0, err[-3000:]
+    assert "Latency Test" in out and "verified: yes" in out and " 100 " in out  # the client's table, there too
+
+
+@pytest.mark.parametrize("server_args,client_args,what", [
+    (["write", "-s", "64"], ["write", "-s", "2"], "the client runs size 2, the server size 64"),
+    (["write"], ["send"], "the client runs test send, the server test write"),
+    (["read", "-m", "1024"], ["read", "-m", "4096"], "the client runs mtu 4096, the server mtu 1024"),
+], ids=["size", "test", "mtu"])
+def test_a_mismatch_is_refused_with_one_line_on_both_sides(server_args, client_args, what):
+    server, port = start_server(*server_args, "--json")
+    client = subprocess.run([*CLI, "lat", *client_args, "127.0.0.1", "-p", port, "-n", "20", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    out, _ = finish(server)
+    mine, theirs = last_json(client.stdout), last_json(out)
+    assert client.returncode == 1 and not mine["ok"] and what in mine["error"] and "\n" not in mine["error"]
+    assert server.returncode == 1 and not theirs["ok"] and what in theirs["error"]
+    assert theirs["error"].startswith("the two sides' parameters differ")
+
+
+def test_the_servers_nic_is_its_own_choice():
+    """The server's own --nic decides its NIC; a client cannot name one (it is refused, not ignored)."""
+    server, port = start_server("write", "--nic", "sim:latsrv")
+    client = subprocess.run([*CLI, "lat", "write", "127.0.0.1", "-p", port, "--remote-nic", "sim:other", "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert client.returncode == 2 and "the server chooses its NIC" in last_json(client.stdout)["error"]
+    server.kill()
+    finish(server)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.anyio
+@pytest.mark.parametrize("test", ["write", "send", "read"])
+async def test_lat_with_the_server_side_on_a_peer_over_ssh(server, test):
+    with anyio.fail_after(120):
+        process = await anyio.run_process([*CLI, "lat", test, "--peer", "127.0.0.1", *server.cli_flags(), "-n", "100",
+                                           "-s", "4K", "--json"], check=False)
+    result = last_json(process.stdout.decode())
+    assert process.returncode == 0 and result["ok"] and result["verified"], process.stderr.decode()[-3000:]
+    assert result["remote_host"] == f"127.0.0.1:{server.port}" and result["iterations"] == 100
+    await assert_no_leftovers(server.port)
+
+
+# -- what a TCP client of `lat --server` may send ----------------------------------------------------------------
+PONG = {"qp": 1, "mr": 2, "test": "write", "size": 64, "iters": 10, "wait": 1.0}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("test", "read"), ("test", "atomic"), ("size", 0), ("size", 1 << 31), ("iters", 0), ("iters", 10 ** 9),
+    ("wait", 0), ("wait", 1e9), ("wait", True), ("warmup", -1), ("rx_slots", 10 ** 6), ("inline", 1),
+    ("remote", {"addr": -1, "rkey": 1}), ("qp", 0), ("mr", "x"),
+])
+def test_every_hostile_pong_field_is_refused_naming_it(field, value):
+    with pytest.raises(ValueError, match=f"pong: field '{field}' must be"):
+        protocol.check_args("pong", {**PONG, field: value}, protocol.LAT)
+
+
+def test_the_lat_profile_is_the_latency_exchange_only():
+    for op in ("post", "post_recvs"):
+        with pytest.raises(protocol.NotAllowed, match="latency exchange"):
+            protocol.check_args(op, {}, protocol.LAT)
+    with pytest.raises(protocol.NotAllowed, match="server's to choose"):
+        protocol.check_args("open_nic", {"options": {"pcap": "/etc/x"}}, protocol.LAT)
+    with pytest.raises(protocol.NotAllowed):
+        protocol.check_args("open_nic", {"spec": "0000:41:00.0"}, protocol.LAT)
+    assert protocol.check_args("pong", PONG, protocol.LAT)["rx_slots"] == 0
+    with pytest.raises(protocol.NotAllowed):  # and a bench server does not run pongs
+        protocol.check_args("pong", PONG, protocol.BENCH)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_pong_left_running_by_a_client_that_vanishes_is_stopped():
+    """A client starts a server half that would poll for pings for an hour, then disconnects: the server stops it
+    and closes everything at once, and answers the next client."""
+    from aiofabric.peer.policy import ServerPolicy
+    from aiofabric.peer.tcp import connect_tcp, serve_tcp
+    policy = ServerPolicy(tool="lat", expect={"test": "write", "size": 64, "mtu": 4096})
+    sessions = []
+    async with anyio.create_task_group() as tasks:
+        port = await tasks.start(lambda task_status: serve_tcp("127.0.0.1", 0, forever=True, policy=policy,
+                                                               on_session=sessions.append, task_status=task_status))
+        async with connect_tcp("127.0.0.1", port) as peer:
+            nic = await peer.open_nic()
+            cq = await peer.create_cq(nic)
+            qp = await peer.create_qp(nic, cq)
+            mr = await peer.register_mr(nic, 4096)
+            started = await peer.request("pong", qp=qp.handle, mr=mr.handle, test="write", size=64, iters=10,
+                                         wait=3600.0, remote={"addr": 0, "rkey": 1})
+            assert started["pong"] > 0
+        with anyio.fail_after(20):  # not the hour the pong would have waited
+            while not sessions:
+                await anyio.sleep(0.05)
+        assert sessions[0]["objects_left"] == 0 and sessions[0]["outcome"] == "disconnected mid-run", sessions
+        async with connect_tcp("127.0.0.1", port) as peer:  # the next client is served
+            assert (await peer.request("lat_params", test="write", size=64, mtu=4096, iters=5))["size"] == 64
+        tasks.cancel_scope.cancel()
