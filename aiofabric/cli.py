@@ -37,7 +37,7 @@ from .signals import Signalled
 from . import plot, preflight
 from .errors import BadOption
 from .latency import LatConfig, format_latency_table, perftest_latency_report, run_latency
-from .perftest import (TESTS, BenchConfig, bandwidth_unit, count_text, format_table, open_bench_nics, perftest_report,
+from .perftest import (ATOMIC_SIZE, TESTS, BenchConfig, bandwidth_unit, count_text, format_table, open_bench_nics, perftest_report,
                        run_bench, run_loopback)
 from .perftest_flags import DEFAULT_JSON_FILE, add_perftest_flags, typed_flags, usage_message
 from .collectives.layout import DTYPE_NAMES, PIECE_BYTES
@@ -129,6 +129,10 @@ def _perftest_common(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     and no -n: about SWEEP_SECONDS per size), --out_json's file."""
     if args.atomic_type is not None and args.test != "atomic":
         parser.error(f"-A/--atomic_type {args.atomic_type}: goes with the atomic test, not {args.test}")
+    if args.test == "atomic":  # perftest's ib_atomic_*: FETCH_AND_ADD of 8-byte words unless told otherwise
+        args.atomic_type = args.atomic_type or "FETCH_AND_ADD"
+        if "size" not in args.typed:
+            args.size = ATOMIC_SIZE
     allowed = ("bandwidth", "message_rate") if args.command == "bench" else ("latency",)
     if args.output is not None and args.output not in allowed:
         parser.error(f"--output {args.output}: {args.command} reports {' or '.join(allowed)}")

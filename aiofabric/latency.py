@@ -42,7 +42,7 @@ from .nic import NIC, PCI_ADDRESS, open_nic
 from .peer import pingpong
 from .peer.protocol import fill_pattern
 from .errors import BadOption
-from .queues import MemoryRegion, QueuePair
+from .queues import ALL_ACCESS, MemoryRegion, QueuePair
 from .samples import FIELDS as LATENCY_FIELDS, summarize
 
 TESTS = perftest.TESTS
@@ -89,6 +89,7 @@ class LatConfig:
     outs: int | None = None  # -o: the READ test's outstanding requests per QP
     gid_index: int | None = None  # -x: must be the NIC's GID index
     progress: bool = False  # a sweep's progress on stderr
+    atomic_type: str = "FETCH_AND_ADD"  # -A: the atomic test's operation (perftest.ATOMIC_TYPES)
     remote: Any = None  # a connected aiofabric.peer Peer: the server side runs in its endpoint (lat --peer/SERVER_HOST)
     remote_nic: str | None = None  # the NIC the server side opens there (None: the endpoint's default or choice)
     remote_ip: str | None = None
@@ -143,7 +144,8 @@ class LatConfig:
                                     mtu=self.mtu, loss=self.loss, reorder=self.reorder, dup=self.dup,
                                     corrupt=self.corrupt, seed=self.seed, pcap=self.pcap, timeout=self.timeout,
                                     inject_fault=self.inject_fault, nic=self.nic, ip=self.ip, events=self.events,
-                                    inline_size=self.inline_size, outs=self.outs, gid_index=self.gid_index)
+                                    inline_size=self.inline_size, outs=self.outs, gid_index=self.gid_index,
+                                    atomic_type=self.atomic_type, sizes=self.sizes)
 
 
 @dataclasses.dataclass
@@ -175,7 +177,7 @@ def _shape(config: LatConfig) -> tuple[int, int]:
     """(receive slots, bytes per side's region) of the test."""
     size = config.size
     rx_slots = max(2, min(RX_SLOTS, RX_BYTES // size)) if config.test == "send" else 0
-    return rx_slots, {"write": 2 * size, "send": size * (1 + rx_slots), "read": size}[config.test]
+    return rx_slots, {"write": 2 * size, "send": size * (1 + rx_slots), "read": size, "atomic": size}[config.test]
 
 
 async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: Any = None) -> _Pair:
@@ -187,22 +189,29 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: An
     client = await client_nic.create_qp(client_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                         max_inline_data=config.inline_size)
     client_mr = await client_nic.register_mr(span)
-    if config.test != "read":
+    if config.test not in ("read", "atomic"):
         fill_pattern(client_mr.view[:size], config.seed * 7919)
+    atomic = config.test == "atomic"  # the server's counter starts at 0; its QP and region allow atomics
     if peer is None:
         server_cq = await server_nic.create_cq(depth=256)
         server = await server_nic.create_qp(server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                             max_inline_data=config.inline_size)
+        if atomic:
+            await server.to_init(perftest.ATOMIC_ACCESS)
         await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
-        server_mr = await server_nic.register_mr(span)
-        fill_pattern(server_mr.view[:size], config.seed * 7919 + 1)
+        server_mr = await server_nic.register_mr(span, perftest.ATOMIC_ACCESS if atomic else ALL_ACCESS)
+        if atomic:
+            server_mr.view[:size] = bytes(size)
+        else:
+            fill_pattern(server_mr.view[:size], config.seed * 7919 + 1)
         info = server.info()
     else:
         server_cq = await peer.create_cq(server_nic, 256)
         server = await peer.create_qp(server_nic, server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1))
-        await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT)
-        server_mr = await peer.register_mr(server_nic, span)
-        await peer.fill(server_mr, seed=config.seed * 7919 + 1, length=size)
+        await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT,
+                              atomic=atomic)
+        server_mr = await peer.register_mr(server_nic, span, atomic=atomic)
+        await peer.fill(server_mr, **({"byte": 0} if atomic else {"seed": config.seed * 7919 + 1}), length=size)
         info = server.info
     await client.connect(info, mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
     return _Pair(client, server, client_mr, server_mr, rx_slots, peer, server_cq)
@@ -268,25 +277,35 @@ async def _pingpong(config: LatConfig, pair: _Pair) -> list[float]:
     return samples
 
 
-async def _read_loop(config: LatConfig, pair: _Pair) -> list[float]:
+async def _one_sided_loop(config: LatConfig, pair: _Pair) -> list[float]:
+    """ib_read_lat / ib_atomic_lat: each READ or atomic timed from post to completion. Atomic i finds the counter
+    at i: FETCH_AND_ADD adds 1, CMP_AND_SWAP swaps i for i + 1."""
     size, total, seconds = config.size, config.warmup + config.iters, config.wait_seconds
     samples: list[float] = []
-    clock, remote = time.perf_counter, pair.server_region
+    clock, remote, client, local = time.perf_counter, pair.server_region, pair.client, pair.client_mr
+    verb = "the RDMA READ" if config.test == "read" else f"the atomic {config.atomic_type}"
+
+    def post(i: int) -> Awaitable[Any]:
+        if config.test == "read":
+            return client.post_read(local, remote, size)
+        if config.atomic_type == "CMP_AND_SWAP":
+            return client.post_compare_swap(local, remote, i, i + 1)
+        return client.post_fetch_add(local, remote, 1)
+
     for i in range(total):
-        if i == total - 1:  # the last READ must bring every byte again: invert what the earlier ones brought
-            local = np.frombuffer(pair.client_mr.view, dtype=np.uint8, count=size)
-            np.bitwise_not(local, out=local)
+        if i == total - 1 and config.test == "read":  # the last READ must bring every byte again: invert what the
+            view = np.frombuffer(local.view, dtype=np.uint8, count=size)  # earlier ones brought
+            np.bitwise_not(view, out=view)
         started = clock()
-        completion = await pingpong.bounded(pair.client.post_read(pair.client_mr, remote, size), seconds,
-                                            f"client: {_iteration(config, i)}: no room to post the RDMA READ")
-        await pingpong.bounded(completion, seconds,
-                               f"client: {_iteration(config, i)}: the RDMA READ did not complete")
+        completion = await pingpong.bounded(post(i), seconds, f"client: {_iteration(config, i)}: no room to post "
+                                                              f"{verb}")
+        await pingpong.bounded(completion, seconds, f"client: {_iteration(config, i)}: {verb} did not complete")
         if i >= config.warmup:
             samples.append((clock() - started) * 1e6)
     return samples
 
 
-ENGINES = {"write": _pingpong, "send": _pingpong, "read": _read_loop}
+ENGINES = {"write": _pingpong, "send": _pingpong, "read": _one_sided_loop, "atomic": _one_sided_loop}
 
 
 async def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: list[Any]) -> str | None:
@@ -296,7 +315,13 @@ async def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: li
     DebugClient.placed, None for a NIC that is not emulated or not here)."""
     size, total = config.size, config.warmup + config.iters
     client = pair.client_mr.view
-    if config.test == "read":
+    if config.test == "atomic":
+        if await pair.server_digest(0, size) != hashlib.sha256(total.to_bytes(size, "little")).hexdigest():
+            return f"the server's counter is not {total} after {total} atomics"
+        if int.from_bytes(client[:size], "little") != total - 1:
+            return f"the last atomic found the counter at {int.from_bytes(client[:size], 'little')}, not {total - 1}"
+        checks = [("server", pair.server, 1)]
+    elif config.test == "read":
         if await pair.server_digest(0, size) != server_digest:
             return "the server's buffer changed during the RDMA READs"
         if hashlib.sha256(client[:size]).hexdigest() != server_digest:
@@ -353,8 +378,9 @@ def histogram(samples: list[float]) -> list[list[float]]:
 def _verification(config: LatConfig, placed: list[Any]) -> str:
     """How `verified` was decided; `placed`: the client's and the server's placement counts (None where the NIC is
     not emulated, or is the peer's: its bytes are compared by sha256 there)."""
-    checked = ("the last RDMA READ's bytes and the server's unchanged buffer" if config.test == "read" else
-               "the last ping's and pong's bytes")
+    checked = {"read": "the last RDMA READ's bytes and the server's unchanged buffer",
+               "atomic": "the server's counter and the last atomic's original value"}.get(
+        config.test, "the last ping's and pong's bytes")
     if config.remote is not None:
         counted = " and the client NIC's placement counts" if placed[0] is not None else ""
         return f"{checked} (the server's by sha256 there){counted}"
@@ -459,7 +485,7 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
         **summarize(samples), "iters": len(samples), "iterations": len(samples), "size": config.size,
         "test": config.test, "mtu": config.mtu, "warmup": config.warmup, "verified": mismatch is None,
         "verification": _verification(config, placed),
-        "latency": "one-way (RTT/2)" if config.test != "read" else "READ completion",
+        "latency": "one-way (RTT/2)" if config.test in pingpong.TESTS else f"{config.test.upper()} completion",
         "seconds": seconds, **wire, "fw_version": client_nic.info()["fw_version"],
         **({"remote_host": config.remote.host} if config.remote is not None else {}),
         **({"histogram": histogram(samples)} if config.histogram else {}),
@@ -532,7 +558,7 @@ def format_latency_table(result: dict[str, Any], config: LatConfig) -> str:
     header = HEADER.replace("usec", unit)
     rule = "-" * len(HEADER)
     rows = result.get("rows", [result])
-    measured = "one-way = RTT/2" if config.test != "read" else "READ post to completion"
+    measured = "one-way = RTT/2" if config.test in pingpong.TESTS else f"{config.test.upper()} post to completion"
     nic = "emulated BNXT" if config.nic.startswith("sim") else f"{config.nic}, PHY loopback"
     if "remote_host" in result:
         nic = f"{config.nic if not config.nic.startswith('sim') else 'emulated BNXT'}, server {result['remote_host']}"

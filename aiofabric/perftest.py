@@ -35,13 +35,16 @@ from .hw.verbs import ROCE_OVERHEAD, path_mtu_for_port
 from .nic import NIC, PCI_ADDRESS, open_nic
 from .peer.protocol import fill_pattern
 from .errors import BadOption
-from .queues import QueuePair
+from .queues import ALL_ACCESS, Access, QueuePair
 from .samples import percentile
 
-TESTS = ("write", "read", "send")
+TESTS = ("write", "read", "send", "atomic")
 INLINE_TESTS = ("write", "send")  # tests whose local side a WQE can carry inline
-ORDERED_TESTS = ("read",)  # tests whose requests take the QP's outstanding-READ slots (-o)
-TEST_TITLES = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send"}  # perftest's names in its banners
+ORDERED_TESTS = ("read", "atomic")  # tests whose requests take the QP's outstanding-READ slots (-o)
+ATOMIC_TYPES = ("FETCH_AND_ADD", "CMP_AND_SWAP")  # perftest's -A
+ATOMIC_SIZE = 8  # an atomic moves one 64-bit word
+ATOMIC_ACCESS = ALL_ACCESS | Access.REMOTE_ATOMIC  # what an atomic's target region and responder QP allow
+TEST_TITLES = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send", "atomic": "Atomic"}  # perftest's names in its banners
 MTUS = (256, 512, 1024, 2048, 4096)
 MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
 FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its own bytes to compare at the end
@@ -102,6 +105,7 @@ class BenchConfig:
     inline_size: int = 0  # -I: messages up to this size are posted inline
     gid_index: int | None = None  # -x: must be the NIC's GID index
     sweep_seconds: float | None = None  # -a without -n: iterations per size chosen to run about this long
+    atomic_type: str = "FETCH_AND_ADD"  # -A: the atomic test's operation (ATOMIC_TYPES)
 
     def check(self) -> None:
         """Refuse a bad value before any NIC boots: errors.BadOption naming the option, the value and what it allows
@@ -138,6 +142,8 @@ class BenchConfig:
                       self.test in ORDERED_TESTS else f"applies to {' and '.join(ORDERED_TESTS)} only")
         if self.size < 1:
             raise bad("size", "must be at least 1 byte")
+        if self.test == "atomic":
+            self.check_atomic()
         if self.mtu not in MTUS:
             raise bad("mtu", f"must be one of {', '.join(map(str, MTUS))}")
         if not 0 <= self.timeout <= MAX_ACK_TIMEOUT:
@@ -168,6 +174,17 @@ class BenchConfig:
             if not 1 <= size <= MAX_SIZE:
                 raise BadOption("size", size, f"must be in [1, {MAX_SIZE}] bytes (one emulated NIC's DMA arena "
                                               "holds the buffers)")
+
+    def check_atomic(self) -> None:
+        """What the atomic test allows: 8-byte messages, one at a time per post, perftest's two operations."""
+        if self.atomic_type not in ATOMIC_TYPES:
+            raise BadOption("atomic_type", self.atomic_type, f"must be one of {', '.join(ATOMIC_TYPES)}")
+        for size in self.sizes or [self.size]:
+            if size != ATOMIC_SIZE:
+                raise BadOption("size", size, f"an atomic moves {ATOMIC_SIZE} bytes (one 64-bit word), as in "
+                                              "perftest's ib_atomic_*: drop -s and -a")
+        if self.post_list > 1:
+            raise BadOption("post_list", self.post_list, "atomics are posted one work request per call")
 
     def check_caps(self, nic: NIC) -> None:
         """Refuse what `nic` cannot hold (its firmware's limits), naming the option: the QPs and the CQ a NIC gets,
@@ -283,10 +300,17 @@ async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> 
         server = await b.create_qp(cqs[b], sq_depth=config.depth, rq_depth=config.rx_depth or config.depth)
         flow = _Flow(client, server, None, None, i, direction)
         flows.append(flow)
+        atomic = config.test == "atomic"
+        if atomic:  # the responder's QP must allow remote atomics (INIT's access bits)
+            await server.to_init(ATOMIC_ACCESS)
         await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout, **_outs(config))
         await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, **_outs(config))
-        flow.source, flow.target = await a.register_mr(span), await b.register_mr(span)
-        fill_pattern((flow.target if config.test == "read" else flow.source).view[:span], config.seed * 7919 + i)
+        flow.source = await a.register_mr(span)
+        flow.target = await b.register_mr(span, ATOMIC_ACCESS if atomic else ALL_ACCESS)
+        if atomic:
+            flow.target.view[:ATOMIC_SIZE] = bytes(ATOMIC_SIZE)  # the counter starts at 0
+        else:
+            fill_pattern((flow.target if config.test == "read" else flow.source).view[:span], config.seed * 7919 + i)
     fault = config.fault()
     if fault is not None:
         for server_nic in nics[1::2]:
@@ -369,11 +393,15 @@ async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[
                                        max_inline_data=config.inline_size)
         server = await peer.create_qp(remote, remote_cq, sq_depth=config.depth,
                                       rq_depth=config.rx_depth or config.depth)
+        atomic = config.test == "atomic"
         await client.connect(server.info, mtu=config.mtu, timeout=config.timeout, **_outs(config))
-        await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout)
-        source, target = await local.register_mr(config.used_bytes), await peer.register_mr(remote, config.used_bytes)
+        await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout, atomic=atomic)
+        source = await local.register_mr(config.used_bytes)
+        target = await peer.register_mr(remote, config.used_bytes, atomic=atomic)
         flow = _Flow(client, server, source, target, i, remote=peer)
-        if config.test == "read":
+        if atomic:
+            await peer.fill(target, byte=0, length=ATOMIC_SIZE)  # the counter starts at 0
+        elif config.test == "read":
             flow.digest = await peer.fill(target, seed=config.seed * 7919 + i, length=config.used_bytes)
         else:
             fill_pattern(source.view[:config.used_bytes], config.seed * 7919 + i)
@@ -405,11 +433,12 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
     posted = 0
     slots = config.slots
     limit = config.iters if deadline is None and stop is None else 1 << 62
-    stamp = b"" if slots == config.iters or config.test == "read" or slots < config.depth else \
+    stamp = b"" if slots == config.iters or config.test in ("read", "atomic") or slots < config.depth else \
         (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
     data, target = flow.source.view, flow.target_region
     client, source = flow.client, flow.source
     one_sided = {"write": client.post_write, "read": client.post_read}.get(config.test)
+    swap = config.atomic_type == "CMP_AND_SWAP"
     while True:
         if deadline is not None and time.perf_counter() >= deadline or stop is not None and stop.is_set():
             limit = posted
@@ -438,7 +467,13 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
                 last = count - 1
                 for k in range(count):
                     slot = (posted + k) % slots * size
-                    if one_sided is not None:
+                    if config.test == "atomic":  # operation n finds the counter at n: FA adds 1, CAS swaps n for n+1
+                        n = posted + k
+                        completion = await (client.post_compare_swap(source, target, n, n + 1, local_offset=slot,
+                                                                     signaled=k == last) if swap else
+                                            client.post_fetch_add(source, target, 1, local_offset=slot,
+                                                                  signaled=k == last))
+                    elif one_sided is not None:
                         completion = await one_sided(source, target, size, local_offset=slot, remote_offset=slot,
                                                      signaled=k == last, **({"inline": True} if inline else {}))
                     else:
@@ -469,7 +504,11 @@ async def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, Any
     is not; a peer offers no debug channel)."""
     used = config.used_bytes
     for flow in flows:
-        if flow.remote is not None:
+        if config.test == "atomic":
+            wrong = await _atomic_results(config, flow)
+            if wrong:
+                return wrong
+        elif flow.remote is not None:
             here = hashlib.sha256(flow.source.view[:used]).hexdigest()
             there = flow.digest or await flow.remote.sha256(flow.target, 0, used)
             if here != there:
@@ -485,6 +524,26 @@ async def _verify(config: BenchConfig, flows: list[_Flow], placed: dict[Any, Any
         if (messages, size) != (flow.done, flow.done * config.size):
             return (f"QP {placer.qpn:#x}: the NIC placed {messages} messages / {size} bytes, "
                     f"{flow.done} / {flow.done * config.size} were posted")
+    return None
+
+
+async def _atomic_results(config: BenchConfig, flow: _Flow) -> str | None:
+    """What is wrong with an atomic run's results, or None: operation n found the counter at n (its original value,
+    in its local slot: the last pass's where slots are reused), and the counter ends at the number done (compared by
+    sha256 where it lives on a peer)."""
+    slots, done = config.slots, flow.done
+    for slot in range(min(slots, done)):
+        n = slot + slots * ((done - 1 - slot) // slots)  # the last operation that used this slot
+        got = int.from_bytes(flow.source.view[slot * ATOMIC_SIZE:(slot + 1) * ATOMIC_SIZE], "little")
+        if got != n:
+            return f"QP {flow.client.qpn:#x}: atomic {n} found the counter at {got}, not {n}"
+    counter = done.to_bytes(ATOMIC_SIZE, "little")
+    if flow.remote is not None:
+        if await flow.remote.sha256(flow.target, 0, ATOMIC_SIZE) != hashlib.sha256(counter).hexdigest():
+            return f"QP {flow.client.qpn:#x}: the counter at {flow.remote.host} is not {done} (sha256)"
+    elif bytes(flow.target.view[:ATOMIC_SIZE]) != counter:
+        return (f"QP {flow.client.qpn:#x}: the counter is {int.from_bytes(flow.target.view[:ATOMIC_SIZE], 'little')}"
+                f" after {done} atomics")
     return None
 
 
@@ -670,10 +729,14 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
 def _verification(config: BenchConfig, emulated: bool) -> str:
     """How `verified` was decided (README: bench verification); `emulated`: every local NIC has a debug channel."""
     every = "every operation's bytes" if config.slots == config.iters else "the last pass's bytes"
+    if config.test == "atomic":
+        every = "the counter and every atomic's original value" if config.slots == config.iters else \
+            "the counter and the last pass's original values"
     counted = config.remote is None or config.test == "read"  # a local NIC places the data
     if counted and not emulated:
         return f"{every} ({NOT_COUNTED})"
-    return every + (" and the NIC's placement counts" if counted and config.slots != config.iters else "")
+    counts_add = config.slots != config.iters or config.test == "atomic"  # what the bytes alone do not show
+    return every + (" and the NIC's placement counts" if counted and counts_add else "")
 
 
 def bandwidth_unit(report_gbits: bool) -> tuple[str, float]:
@@ -689,7 +752,8 @@ def perftest_report(result: dict[str, Any], config: BenchConfig) -> dict[str, An
     results = [{"MsgSize": row["size"], "n_iterations": row["iterations"], "BW_peak": round(row["bw_peak_MiBps"] *
                 scale, 2), "BW_average": round(row["bw_MiBps"] * scale, 2), "MsgRate": round(row["msg_rate"] / 1e6, 6)}
                for row in rows]
-    name = f"{TEST_TITLES[config.test]}_{'Bidirectional_' if config.bidirectional else ''}" \
+    name = f"{TEST_TITLES[config.test]}_{config.atomic_type + '_' if config.test == 'atomic' else ''}" \
+           f"{'Bidirectional_' if config.bidirectional else ''}" \
            f"{'Post_List_' if config.post_list > 1 else ''}BW_Test"
     info = {"test": name, "Number of qps": config.qps, "Connection type": "RC", "TX depth": config.depth,
             "CQ Moderation": rows[0].get("cq_mod"), "Mtu": rows[0].get("mtu", config.mtu), "Link type": "Ethernet",
@@ -713,6 +777,7 @@ def format_table(result: dict[str, Any], config: BenchConfig) -> str:
              " Connection type : RC\t\tUsing SRQ      : OFF",
              f" TX depth        : {config.depth}\t\tNICs           : {config.nics}",
              f" CQ Moderation   : {first.get('cq_mod', config.cq_mod)}\t\tPost List      : {config.post_list}",
+             *([f" Atomic type     : {config.atomic_type}"] if config.test == "atomic" else []),
              f" Max inline data : {config.inline_size}[B]\t\tEvents         : {'ON' if config.events else 'OFF'}",
              f" Iterations      : {iterations}",
              f" Mtu             : {rows[0].get('mtu', config.mtu)}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",

@@ -46,10 +46,11 @@ def finish(process):
             process.wait(10)
 
 
-@pytest.mark.parametrize("test", ["write", "send", "read"])
+@pytest.mark.parametrize("test", ["write", "send", "read", "atomic"])
 def test_lat_server_and_client_over_tcp(test):
-    server, port = start_server(test, "-s", "100")
-    client = subprocess.run([*CLI, "lat", test, "127.0.0.1", "-p", port, "-s", "100", "-n", "150", "--json"],
+    size = "8" if test == "atomic" else "100"
+    server, port = start_server(test, "-s", size)
+    client = subprocess.run([*CLI, "lat", test, "127.0.0.1", "-p", port, "-s", size, "-n", "150", "--json"],
                             capture_output=True, text=True, timeout=120)
     out, err = finish(server)
     result = last_json(client.stdout)
@@ -58,7 +59,7 @@ def test_lat_server_and_client_over_tcp(test):
     assert result["t_min_us"] <= result["t_typical_us"] <= result["t_max_us"]
     assert result["verification"].endswith("(the server's by sha256 there) and the client NIC's placement counts")
     assert server.returncode == 0, err[-3000:]
-    assert "Latency Test" in out and "verified: yes" in out and " 100 " in out  # the client's table, there too
+    assert "Latency Test" in out and "verified: yes" in out and f" {size} " in out  # the client's table, there too
 
 
 @pytest.mark.parametrize("server_args,client_args,what", [
@@ -89,14 +90,29 @@ def test_the_servers_nic_is_its_own_choice():
 
 @ASYNCIO_ONLY
 @pytest.mark.anyio
-@pytest.mark.parametrize("test", ["write", "send", "read"])
+@pytest.mark.parametrize("test", ["write", "send", "read", "atomic"])
 async def test_lat_with_the_server_side_on_a_peer_over_ssh(server, test):
     with anyio.fail_after(120):
         process = await anyio.run_process([*CLI, "lat", test, "--peer", "127.0.0.1", *server.cli_flags(), "-n", "100",
-                                           "-s", "4K", "--json"], check=False)
+                                           *(["-s", "4K"] if test != "atomic" else []), "--json"], check=False)
     result = last_json(process.stdout.decode())
     assert process.returncode == 0 and result["ok"] and result["verified"], process.stderr.decode()[-3000:]
     assert result["remote_host"] == f"127.0.0.1:{server.port}" and result["iterations"] == 100
+    await assert_no_leftovers(server.port)
+
+
+@ASYNCIO_ONLY
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["FETCH_AND_ADD", "CMP_AND_SWAP"])
+async def test_bench_atomic_with_the_counters_on_a_peer(server, kind):
+    """The peer's region and QP allow remote atomics only when asked (register_mr / connect_qp atomic); the
+    counters there are checked by sha256."""
+    with anyio.fail_after(120):
+        process = await anyio.run_process([*CLI, "bench", "atomic", "-A", kind, "--peer", "127.0.0.1",
+                                           *server.cli_flags(), "-q", "2", "-n", "200", "--json"], check=False)
+    result = last_json(process.stdout.decode())
+    assert process.returncode == 0 and result["ok"] and result["verified"], process.stderr.decode()[-3000:]
+    assert result["iterations"] == 200 and result["remote_host"] == f"127.0.0.1:{server.port}"
     await assert_no_leftovers(server.port)
 
 

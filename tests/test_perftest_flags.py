@@ -209,3 +209,56 @@ def test_lat_unsorted_cycles_and_sweep():
     assert result["ok"] and len(result["rows"]) == 23 and all(row["iterations"] == 10 for row in result["rows"])
     process = bench("lat", "read", "-n", "30", "--output", "latency")
     assert process.returncode == 0 and float(process.stdout) > 0
+
+
+# -- atomics: perftest's ib_atomic_bw / ib_atomic_lat -----------------------------------------------------------
+@pytest.mark.parametrize("argv", [["-A", "FETCH_AND_ADD"], ["-A", "CMP_AND_SWAP", "-q", "2"],
+                                  ["--loss", "0.03", "--dup", "0.03", "-q", "2", "-t", "8"],
+                                  ["-A", "CMP_AND_SWAP", "--loss", "0.03", "--dup", "0.03", "-o", "4"]],
+                         ids=["fetch-add", "cmp-swap", "fa-lossy", "cas-lossy"])
+def test_bench_atomic_runs_verified(argv):
+    process = bench("bench", "atomic", "-n", "300", *argv, "--json")
+    result = json_of(process)
+    assert process.returncode == 0 and result["ok"] and result["verified"], process.stdout + process.stderr[-2000:]
+    assert result["size"] == 8 and result["iterations"] == 300 and result["bytes"] == 8 * result["ops"]
+    assert result["verification"] == "the counter and every atomic's original value and the NIC's placement counts"
+    if "--loss" in argv:  # the wire lost and duplicated packets, and still every atomic ran exactly once
+        assert result["retransmits"] > 0 and result["dropped"] > 0
+
+
+def test_lat_atomic_runs_verified_and_the_table_names_the_operation():
+    for kind in ("FETCH_AND_ADD", "CMP_AND_SWAP"):
+        result = json_of(bench("lat", "atomic", "-A", kind, "-n", "60", "--json"))
+        assert result["ok"] and result["verified"] and result["latency"] == "ATOMIC completion", result
+    process = bench("bench", "atomic", "-n", "20")
+    assert "Atomic type     : FETCH_AND_ADD" in process.stdout and "Atomic BW Test" in process.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "atomic", "-s", "64"], "-s 64: an atomic moves 8 bytes"),
+    (["bench", "atomic", "-l", "4"], "-l 4: atomics are posted one work request per call"),
+    (["bench", "atomic", "-a"], "--size 2: an atomic moves 8 bytes"),
+    (["lat", "atomic", "-s", "16"], "-s 16: an atomic moves 8 bytes"),
+    (["bench", "atomic", "-A", "SWAP"], "argument -A/--atomic_type: invalid choice: 'SWAP'"),
+    (["bench", "atomic", "-I", "8"], "-I 8: inline data goes with write and send"),
+])
+def test_atomic_refusals_name_the_flag(capsys, argv, message):
+    assert message in usage(capsys, *argv)
+
+
+def test_the_atomic_check_sees_a_wrong_original_or_counter():
+    """The verifier itself, on results tampered one way at a time (a pure check: no NIC)."""
+    import asyncio
+    from types import SimpleNamespace
+    from aiofabric.perftest import BenchConfig, _atomic_results
+
+    def flow(originals, counter):
+        source = bytearray(b"".join(v.to_bytes(8, "little") for v in originals))
+        return SimpleNamespace(done=len(originals), source=SimpleNamespace(view=memoryview(source)), remote=None,
+                               target=SimpleNamespace(view=memoryview(bytearray(counter.to_bytes(8, "little")))),
+                               client=SimpleNamespace(qpn=7))
+    config = BenchConfig(test="atomic", size=8, iters=4)
+    check = lambda f: asyncio.run(_atomic_results(config, f))  # noqa: E731
+    assert check(flow([0, 1, 2, 3], 4)) is None
+    assert "atomic 2 found the counter at 1" in check(flow([0, 1, 1, 3], 4))
+    assert "the counter is 5 after 4 atomics" in check(flow([0, 1, 2, 3], 5))

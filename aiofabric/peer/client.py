@@ -216,8 +216,10 @@ class Peer:
         result = await self.request("create_qp", nic=_handle(nic), cq=cq, sq_depth=sq_depth, rq_depth=rq_depth)
         return RemoteQP(result["qp"], QPInfo.from_dict(result["info"]))
 
-    async def register_mr(self, nic: RemoteNIC | int, size: int) -> RemoteMR:
-        result = await self.request("register_mr", nic=_handle(nic), size=size)
+    async def register_mr(self, nic: RemoteNIC | int, size: int, *, atomic: bool = False) -> RemoteMR:
+        """A region there (`atomic`: allowing remote atomics too)."""
+        result = await self.request("register_mr", nic=_handle(nic), size=size,
+                                    **({"atomic": True} if atomic else {}))
         return RemoteMR(result["mr"], RemoteRegion.from_dict(result["region"]))
 
     async def fill(self, mr: RemoteMR | int, *, seed: int | None = None, byte: int = 0, offset: int = 0,
@@ -232,9 +234,10 @@ class Peer:
                                    timeout=timeout))["sha256"]
 
     async def connect_qp(self, qp: RemoteQP | int, peer: QPInfo, *, mtu: int = 4096, timeout: int = 14,
-                         retry_cnt: int = 7) -> str:
+                         retry_cnt: int = 7, atomic: bool = False) -> str:
+        """Connect the QP there to `peer` (`atomic`: answering remote atomics too)."""
         return (await self.request("connect_qp", qp=_handle(qp), peer=peer.to_dict(), mtu=mtu, timeout=timeout,
-                                   retry_cnt=retry_cnt))["state"]
+                                   retry_cnt=retry_cnt, **({"atomic": True} if atomic else {})))["state"]
 
     async def post(self, qp: RemoteQP | int, verb: str, mr: RemoteMR | int, size: int | None = None, *,
                    local_offset: int = 0, remote: RemoteRegion | None = None, remote_offset: int = 0,

@@ -47,10 +47,12 @@ Operations (`args` fields; "=" marks a default, the rest are required)
                  over SSH)
     create_cq    nic, depth=256                               -> {"cq"}
     create_qp    nic, cq, sq_depth=128, rq_depth=128          -> {"qp", "info": QP_INFO}
-    register_mr  nic, size                                    -> {"mr", "region": REGION}
+    register_mr  nic, size, atomic=false                      -> {"mr", "region": REGION}
+                 (atomic: the region also allows remote atomics)
     fill         mr, seed=null, byte=0, offset=0, length=null -> {"sha256"}   (seed: pattern(seed, n), else byte)
     sha256       mr, offset=0, length=null                    -> {"sha256"}   (of that range; length null: to the end)
-    connect_qp   qp, peer: QP_INFO, mtu=4096, timeout=14, retry_cnt=7     -> {"state"}
+    connect_qp   qp, peer: QP_INFO, mtu=4096, timeout=14, retry_cnt=7, atomic=false -> {"state"}
+                 (atomic: the QP also answers remote atomics)
     post         qp, verb, mr, size=null, local_offset=0, remote=null: REGION, remote_offset=0, imm=null,
                  deadline=null (seconds)                      -> {"byte_len", "imm"}   (awaits the completion)
                  verb: write, read, send, recv, write_with_imm; write/read need `remote`
@@ -229,12 +231,12 @@ OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
     "create_cq": {"nic": (_handle, REQUIRED), "depth": (_int, 256)},
     "create_qp": {"nic": (_handle, REQUIRED), "cq": (_handle, REQUIRED), "sq_depth": (_int, 128),
                   "rq_depth": (_int, 128)},
-    "register_mr": {"nic": (_handle, REQUIRED), "size": (_int, REQUIRED)},
+    "register_mr": {"nic": (_handle, REQUIRED), "size": (_int, REQUIRED), "atomic": (_bool, False)},
     "fill": {"mr": (_handle, REQUIRED), "seed": (_optional(_int), None), "byte": (_int, 0),
              "offset": (_natural, 0), "length": (_optional(_natural), None)},
     "sha256": {"mr": (_handle, REQUIRED), "offset": (_natural, 0), "length": (_optional(_natural), None)},
     "connect_qp": {"qp": (_handle, REQUIRED), "peer": (_qp_info, REQUIRED), "mtu": (_int, 4096),
-                   "timeout": (_int, 14), "retry_cnt": (_int, 7)},
+                   "timeout": (_int, 14), "retry_cnt": (_int, 7), "atomic": (_bool, False)},
     "post": {"qp": (_handle, REQUIRED), "verb": (_verb, REQUIRED), "mr": (_handle, REQUIRED),
              "size": (_optional(_natural), None), "local_offset": (_natural, 0),
              "remote": (_optional(_region), None), "remote_offset": (_natural, 0), "imm": (_optional(_int), None),

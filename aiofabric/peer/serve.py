@@ -29,7 +29,7 @@ import numpy
 
 from ..version import __version__
 from ..nic import NIC, DmaBudget, open_nic
-from ..queues import CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
+from ..queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from . import pingpong, protocol
 from ..errors import LimitError, NotAllowed, ParameterMismatch, ProtocolError
 from .policy import ServerPolicy, unmapped
@@ -206,8 +206,9 @@ class Endpoint:
         qp = await self._get(nic, NIC, "nic").create_qp(queue, sq_depth=sq_depth, rq_depth=rq_depth)
         return {"qp": self._add(qp, nic), "info": qp.info().to_dict()}
 
-    async def op_register_mr(self, nic: int, size: int) -> dict[str, Any]:
-        mr = await self._get(nic, NIC, "nic").register_mr(size)
+    async def op_register_mr(self, nic: int, size: int, atomic: bool) -> dict[str, Any]:
+        mr = await self._get(nic, NIC, "nic").register_mr(size, ALL_ACCESS | Access.REMOTE_ATOMIC if atomic
+                                                          else ALL_ACCESS)
         return {"mr": self._add(mr, nic), "region": mr.remote().to_dict()}
 
     def _range(self, mr: int, offset: int, length: int | None) -> memoryview:
@@ -231,10 +232,12 @@ class Endpoint:
         return {"sha256": protocol.sha256_hex(self._range(mr, offset, length))}
 
     async def op_connect_qp(self, qp: int, peer: dict[str, Any], mtu: int, timeout: int,
-                            retry_cnt: int) -> dict[str, Any]:
+                            retry_cnt: int, atomic: bool) -> dict[str, Any]:
         queue_pair = self._get(qp, QueuePair, "qp")
         if self.policy is not None:
             self.policy.check_peer(peer["gid"], self.client_ip or "")
+        if atomic:
+            await queue_pair.to_init(ALL_ACCESS | Access.REMOTE_ATOMIC)
         await queue_pair.connect(QPInfo.from_dict(peer), mtu=mtu, timeout=timeout, retry_cnt=retry_cnt)
         return {"state": queue_pair.state.name}
 
