@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from aiofabric.peer import protocol
+
 IDLE = 2.0
 LIMITS = ["--idle-timeout", str(IDLE), "--max-memory", "64M", "--max-requests", "8", "--max-line", "64K",
           "--max-depth", "16", "--max-nics", "1"]
@@ -26,13 +28,14 @@ CLI = [sys.executable, "-m", "aiofabric"]
 
 
 class Server:
-    """`aiofabric bench write --server` as a process in `workdir`: its port, log (stderr) and output (stdout)."""
+    """`aiofabric bench write --server` (or `lat write --server`) as a process in `workdir`: its port, log (stderr)
+    and output (stdout)."""
 
-    def __init__(self, workdir: Path, *extra: str) -> None:
+    def __init__(self, workdir: Path, *extra: str, command: str = "bench") -> None:
         self.workdir = workdir
         self.log, self.out = workdir / "server.log", workdir / "server.out"
         with open(self.log, "w") as log, open(self.out, "w") as out:
-            self.process = subprocess.Popen([*CLI, "bench", "write", "--server", "--bind", "127.0.0.1", "--port", "0",
+            self.process = subprocess.Popen([*CLI, command, "write", "--server", "--bind", "127.0.0.1", "--port", "0",
                                              *LIMITS, *extra], cwd=workdir, stdout=out, stderr=log)
         deadline = time.monotonic() + 30
         while not (found := re.search(r"TCP port (\d+)", self.log.read_text())):
@@ -249,7 +252,9 @@ def test_a_client_that_reads_no_answers_is_dropped(server):
 
 
 KINDS = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", "fill", "sha256", "connect_qp",
-         "post_recvs", "close", "report", "post", "bogus")
+         "post_recvs", "close", "report", "post", "bogus", "pong")
+LAT_KINDS = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", "connect_qp", "lat_params", "pong",
+             "pong_wait", "close", "post", "bogus")
 hostile_int = st.one_of(st.integers(-3, 8), st.sampled_from([1 << 24, 1 << 40, 2**64, -2**63]), st.floats(), st.text(max_size=3),
                         st.none(), st.booleans())
 scalar = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20))
@@ -266,12 +271,24 @@ args_of = {
     "create_cq": st.fixed_dictionaries({"nic": hostile_int}, optional={"depth": hostile_int}),
     "create_qp": st.fixed_dictionaries({"nic": hostile_int, "cq": hostile_int},
                                        optional={"sq_depth": hostile_int, "rq_depth": hostile_int}),
-    "register_mr": st.fixed_dictionaries({"nic": hostile_int, "size": hostile_int}),
+    "register_mr": st.fixed_dictionaries({"nic": hostile_int, "size": hostile_int},
+                                         optional={"atomic": st.one_of(st.booleans(), hostile_int)}),
     "fill": st.fixed_dictionaries({"mr": hostile_int}, optional={"seed": hostile_int, "byte": hostile_int,
                                                                  "offset": hostile_int, "length": hostile_int}),
     "sha256": st.fixed_dictionaries({"mr": hostile_int}, optional={"offset": hostile_int, "length": hostile_int}),
     "connect_qp": st.fixed_dictionaries({"qp": hostile_int, "peer": peer_info},
-                                        optional={"mtu": hostile_int, "timeout": hostile_int}),
+                                        optional={"mtu": hostile_int, "timeout": hostile_int,
+                                                  "atomic": st.one_of(st.booleans(), hostile_int)}),
+    "lat_params": st.fixed_dictionaries({"test": st.sampled_from(["write", "read", "x"]), "size": hostile_int,
+                                         "mtu": hostile_int, "iters": hostile_int}),
+    "pong": st.fixed_dictionaries({"qp": hostile_int, "mr": hostile_int, "test": st.sampled_from(["write", "send",
+                                                                                                  "read"]),
+                                   "size": hostile_int, "iters": hostile_int, "wait": st.one_of(
+                                       st.floats(0, 0.3), hostile_int)},
+                                  optional={"rx_slots": hostile_int, "warmup": hostile_int, "inline": hostile_int,
+                                            "remote": st.fixed_dictionaries({"addr": hostile_int,
+                                                                             "rkey": hostile_int})}),
+    "pong_wait": st.fixed_dictionaries({"pong": hostile_int}),
     "post_recvs": st.fixed_dictionaries({"qp": hostile_int, "mr": hostile_int, "count": st.integers(0, 3),
                                          "size": hostile_int}),
     "close": st.fixed_dictionaries({"handle": hostile_int}),
@@ -322,7 +339,7 @@ def test_random_and_malformed_request_sequences_are_each_answered(server, lines,
         answer = by_id.get(1000 + number)
         if answer is None:
             continue
-        if op in ("post", "bogus"):
+        if op in ("post", "bogus", "pong"):  # pong: the latency exchange, which a bench server does not run
             assert not answer["ok"]
         if op == "open_nic" and ("spec" in args or set(args.get("options", {})) - {"loss", "seed"}):
             assert answer["error"]["type"] == "NotAllowed", answer
@@ -405,3 +422,54 @@ def test_the_servers_own_capture_file_records_its_clients_test(tmp_path):
     assert pcap_server.process.wait(30) == 0
     assert capture.stat().st_size > 20 * 4096  # the read responses the server's NIC sent
     assert capture.read_bytes()[:4] in (b"\xd4\xc3\xb2\xa1", b"\x4d\x3c\xb2\xa1")  # pcap's magic (us, ns)
+
+
+@pytest.fixture(scope="module")
+def lat_server(tmp_path_factory):
+    running = Server(tmp_path_factory.mktemp("lat-server"), "--forever", command="lat")
+    yield running
+    assert running.process.poll() is None, "the server died: " + running.log.read_text()[-3000:]
+    assert running.stop() == 130
+
+
+def _mismatch(op, args):
+    """A well-formed lat_params naming another test, size or MTU than the server's (write, 2, 4096): it ends the
+    session after its answer."""
+    if op != "lat_params":
+        return False
+    try:
+        checked = protocol.check_args(op, args, protocol.LAT)
+    except ValueError:
+        return False
+    return (checked["test"], checked["size"], checked["mtu"]) != ("write", 2, 4096)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(LAT_KINDS).flatmap(lambda op: st.tuples(st.just(op), args_of.get(op, json_value))),
+                max_size=8))
+def test_random_latency_exchanges_are_each_answered_and_the_lat_server_lives(lat_server, lines):
+    client = Client(lat_server.port)
+    try:
+        for number, (op, args) in enumerate(lines, 1):
+            client.send(json.dumps({"id": 1000 + number, "op": op, "args": args}).encode() + b"\n")
+        client.sock.shutdown(socket.SHUT_WR)
+        assert len(lat_server.children()) <= 1 and lat_server.rss_mb() < 400
+        answers = client.answers_until_closed()
+    finally:
+        client.close()
+    ends = next((number for number, line in enumerate(lines, 1) if _mismatch(*line)), len(lines))
+    ids = sorted(answer["id"] for answer in answers)
+    assert ids[:ends] == [1000 + n for n in range(1, ends + 1)] and len(ids) <= len(lines), answers
+    for answer in answers:
+        op, args = lines[answer["id"] - 1001]
+        if op in ("post", "bogus") or _mismatch(op, args):
+            assert not answer["ok"] and (op != "post" or answer["error"]["type"] == "NotAllowed"), answer
+    assert lat_server.process.poll() is None
+
+
+def test_after_hostile_clients_an_honest_lat_client_runs_verified(lat_server):
+    run = subprocess.run([*CLI, "lat", "write", "127.0.0.1", "--port", str(lat_server.port), "-n", "50", "--json"],
+                         capture_output=True, text=True, timeout=90)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert run.returncode == 0 and result["ok"] and result["verified"], run.stderr[-2000:]
