@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import hashlib
 import math
-import sys
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -100,14 +99,16 @@ class LatConfig:
         if self.test not in TESTS:
             raise BadOption("test", self.test, f"must be one of {', '.join(TESTS)}")
         if not (self.nic == "sim" or self.nic.startswith("sim:") or PCI_ADDRESS.fullmatch(self.nic)):
-            raise ValueError(f"bad NIC spec {self.nic!r} for --nic: use 'sim', 'sim:NAME' (two emulated NICs) or a "
-                             "PCI address like 0000:41:00.0 (both ends on that NIC, its port in PHY loopback)")
+            raise BadOption("nic", self.nic, "use 'sim', 'sim:NAME' (two emulated NICs) or a PCI address like "
+                                             "0000:41:00.0 (both ends on that NIC, its port in PHY loopback)")
         if self.inject_fault is not None and not self.nic.startswith("sim"):
-            raise ValueError(f"--inject-fault needs the emulator's debug channel, which the PCI NIC {self.nic} does "
-                             "not have")
-        wire = [f"--{name}" for name in ("loss", "reorder", "dup", "corrupt", "pcap") if getattr(self, name)]
+            raise BadOption("inject_fault", self.inject_fault, f"needs the emulator's debug channel, which the PCI "
+                                                               f"NIC {self.nic} does not have")
+        wire = [name for name in ("loss", "reorder", "dup", "corrupt", "pcap") if getattr(self, name)]
         if wire and not self.nic.startswith("sim"):
-            raise ValueError(f"{', '.join(wire)} apply to the emulated wire only, not to the PCI NIC {self.nic}")
+            verb = "apply" if len(wire) > 1 else "applies"
+            raise BadOption(wire[0], getattr(self, wire[0]), f"{', '.join('--' + name for name in wire)} {verb} to "
+                                                             f"the emulated wire only, not to the PCI NIC {self.nic}")
         for size in self.sizes or [self.size]:
             if not isinstance(size, int) or not 1 <= size <= MAX_SIZE:
                 raise BadOption("size", size, f"must be an integer in [1, {MAX_SIZE}] bytes")
@@ -427,30 +428,14 @@ async def run_latency(config: LatConfig, client_nic: NIC | None = None) -> dict[
     iteration."""
     config.check()
     requested = config.mtu
-    rows = []
     async with _open_nics(config, client_nic) as (client_nic, server_nic):
         nics = [nic for nic in dict.fromkeys((client_nic, server_nic)) if isinstance(nic, NIC)]  # the ones here
         for nic in nics:
             config.bench_config().check_caps(nic)
         config = dataclasses.replace(config, mtu=perftest.fit_mtu(requested, nics, "lat"))
         sizes = config.sizes or [config.size]
-        timings: list[tuple[int, float]] = []  # (size, seconds per iteration) of the sweep's runs so far
-        for index, size in enumerate(sizes):
-            sized = dataclasses.replace(config, size=size)
-            if config.sweep_seconds is not None:
-                if not timings:  # a short probe of the first size: how long an iteration takes here
-                    probe = await _run_size(dataclasses.replace(sized, iters=perftest.SWEEP_PROBE), client_nic,
-                                            server_nic)
-                    timings.append((size, probe["seconds"] / (perftest.SWEEP_PROBE + config.warmup)))
-                sized.iters = perftest.sweep_iterations(timings, size, config.sweep_seconds)
-            if config.progress and len(sizes) > 1:
-                print(f"\r  size {size} ({index + 1}/{len(sizes)}): {sized.iters} iterations   ", end="",
-                      file=sys.stderr, flush=True)
-            row = await _run_size(sized, client_nic, server_nic)
-            timings.append((size, row["seconds"] / (sized.iters + sized.warmup)))
-            rows.append({**row, "mtu_requested": requested})
-        if config.progress and len(sizes) > 1:
-            print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
+        rows = [{**row, "mtu_requested": requested} for row in await perftest.run_sizes(
+            config, sizes, lambda sized: _run_size(sized, client_nic, server_nic))]
     if config.sizes is None:
         return rows[0]
     failed = [row for row in rows if "error" in row]

@@ -26,7 +26,7 @@ import os
 import struct
 import sys
 import time
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import anyio
 
@@ -626,34 +626,48 @@ async def run_bench(config: BenchConfig, nics: list[NIC] | None = None) -> dict[
     `nics` (from `open_bench_nics`) or on NICs it opens and closes."""
     config.check()
     sizes = config.sizes or [config.size]
-    rows = []
     async with contextlib.nullcontext(nics) if nics is not None else open_bench_nics(config) as nics:
         for nic in nics:
             config.check_caps(nic)
         first = nics[0].info()
         mtu = fit_mtu(config.mtu, nics, "bench")
-        timings: list[tuple[int, float]] = []  # (size, seconds per iteration) of the sweep's runs so far
-        for index, size in enumerate(sizes):
-            sized = dataclasses.replace(config, size=size, mtu=mtu)
-            if config.sweep_seconds is not None and not config.duration:
-                if not timings:  # a short probe of the first size: how long an iteration takes here
-                    probe = await _run_size(dataclasses.replace(sized, iters=SWEEP_PROBE), nics, "")
-                    timings.append((size, probe["seconds"] / SWEEP_PROBE))
-                sized.iters = sweep_iterations(timings, size, config.sweep_seconds)
-            if config.progress:
-                print(f"\r  size {size} ({index + 1}/{len(sizes)}): {sized.iters} iterations per QP   ", end="",
-                      file=sys.stderr, flush=True)
-            row = await _run_size(sized, nics, first["fw_version"])
-            timings.append((size, row["seconds"] / max(row["iterations"], 1)))
-            rows.append({**row, "mtu_requested": config.mtu})
-        if config.progress and len(sizes) > 1:
-            print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
+        rows = [{**row, "mtu_requested": config.mtu} for row in await run_sizes(
+            dataclasses.replace(config, mtu=mtu), sizes, lambda sized: _run_size(sized, nics, first["fw_version"]))]
     if config.sizes is None:
         return rows[0]
     failed = [row for row in rows if "error" in row]
     return {"verified": all(row["verified"] for row in rows), "test": config.test, "sizes": sizes, "rows": rows,
             "fw_version": first["fw_version"], "mtu": mtu, "mtu_requested": config.mtu,
             **({"error": f"size {failed[0]['size']}: {failed[0]['error']}"} if failed else {})}
+
+
+async def run_sizes(config: Any, sizes: list[int], run_one: Callable[[Any], Awaitable[dict[str, Any]]]
+                    ) -> list[dict[str, Any]]:
+    """`run_one(config for one size)` for each of `sizes` (bench's or lat's config): its rows. With `config.sweep_seconds` (a sweep without -n or -D), a short probe of the first size and
+    then iterations per size chosen to run about that long (`sweep_iterations`); on a TTY (`config.progress`) each
+    size and its iterations on stderr."""
+    timings: list[tuple[int, float]] = []  # (size, seconds per iteration) of the runs so far
+    rows = []
+
+    def per_iteration(sized: Any, row: dict[str, Any]) -> float:
+        return row["seconds"] / (sized.iters + getattr(sized, "warmup", 0))
+
+    for index, size in enumerate(sizes):
+        sized = dataclasses.replace(config, size=size)
+        if config.sweep_seconds is not None and not getattr(config, "duration", None):
+            if not timings:  # how long an iteration takes here
+                probe = dataclasses.replace(sized, iters=SWEEP_PROBE)
+                timings.append((size, per_iteration(probe, await run_one(probe))))
+            sized.iters = sweep_iterations(timings, size, config.sweep_seconds)
+        if config.progress and len(sizes) > 1:
+            print(f"\r  size {size} ({index + 1}/{len(sizes)}): {sized.iters} iterations   ", end="",
+                  file=sys.stderr, flush=True)
+        row = await run_one(sized)
+        timings.append((size, per_iteration(sized, row)))
+        rows.append(row)
+    if config.progress and len(sizes) > 1:
+        print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
+    return rows
 
 
 def sweep_iterations(timings: list[tuple[int, float]], size: int, seconds: float) -> int:

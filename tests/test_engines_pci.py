@@ -211,17 +211,18 @@ async def test_loopback_runs_on_a_pci_nic_without_the_debug_channel(pci_nics, an
 
 @ONE_BACKEND["asyncio"]
 async def test_inject_fault_on_a_nic_without_a_debug_channel_is_refused_naming_it(pci_nics, anyio_backend):
-    needs = "--inject-fault needs the emulator's debug channel, which"
-    with pytest.raises(ValueError, match=f"{needs} the PCI NIC {ADDR} does not have"):
+    needs = "needs the emulator's debug channel, which"
+    with pytest.raises(ValueError, match=f"^--inject-fault skip_placement:1: {needs} the PCI NIC {ADDR} does not"):
         LatConfig(nic=ADDR, ip="10.0.0.1", inject_fault="skip_placement:1").check()
-    with pytest.raises(ValueError, match=f"^--loss, --pcap apply to the emulated wire only, not to the PCI NIC {ADDR}"):
+    with pytest.raises(ValueError, match=f"^--loss 0.1: --loss, --pcap apply to the emulated wire only, not to the "
+                                         f"PCI NIC {ADDR}"):
         LatConfig(nic=ADDR, ip="10.0.0.1", loss=0.1, pcap="x.pcap").check()
     with pytest.raises(ValueError, match=f"{needs} a peer"):
         BenchConfig(nic=ADDR, ip="10.0.0.1", remote=object(), inject_fault="skip_placement:1").check()
     ips = [pci_nics(ADDR), pci_nics(OTHER)]  # NICs handed to the engine: the refusal comes from the NIC itself
     config = BenchConfig(iters=10, size=4096, inject_fault="skip_placement:1")
     async with nic_module.open_nic(ADDR, ip=ips[0]) as a, nic_module.open_nic(OTHER, ip=ips[1]) as b:
-        with pytest.raises(ValueError, match=f"{needs} {OTHER} does not have"):
+        with pytest.raises(ValueError, match=f"--inject-fault {needs} {OTHER} does not have"):
             await run_bench(config, [a, b])
 
 

@@ -238,7 +238,7 @@ async def test_bench_peer_interrupted_or_killed_mid_run_leaves_nothing_on_either
 async def test_bench_through_a_peer_refuses_what_needs_the_emulators_debug_channel(server):
     code, result, _, _ = await _cli("bench", "write", "--peer", "127.0.0.1", *server.cli_flags(), "--inject-fault",
                                     "skip_placement:1", "--json")
-    assert code == 1 and "--inject-fault needs the emulator's debug channel" in result["error"]
+    assert code == 2 and "--inject-fault skip_placement:1: needs the emulator's debug channel" in result["error"]
 
 
 @ASYNCIO_ONLY  # the loop-specific paths run on uvloop in the tests around

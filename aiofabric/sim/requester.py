@@ -445,18 +445,24 @@ class Requester:
         else:
             self.fail(NAK_STATUS.get(syndrome, S.CQ_REQ_STATUS_REMOTE_OPERATION_ERR), R.REQ_NAK_ARRIVAL)
 
-    def on_read_response(self, p: pk.Packet, now: float) -> None:
-        psn = p.psn
+    def _answered(self, psn: int, now: float) -> SendWqe | None:
+        """The oldest outstanding WQE a response at `psn` (READ data or an atomic's result) may answer, once the
+        response has acknowledged every request before it; None (counted) when the response is stale or unexpected."""
         if psn_diff(psn, self.una) < 0:
-            self.stats["duplicates"] += 1
-            return
+            self.stats["duplicates"] += 1  # e.g. a replayed result for an atomic completed already
+            return None
         if psn_diff(psn, self.sent_hi) >= 0:
             self.stats["dropped_unexpected"] += 1
-            return
-        # a read response acknowledges every request before the READ it answers
+            return None
         if not self.acked_through((psn - 1) & PSN_MASK, now) or self.done >= len(self.wqes):
+            return None
+        return self.wqes[self.done]
+
+    def on_read_response(self, p: pk.Packet, now: float) -> None:
+        psn = p.psn
+        w = self._answered(psn, now)
+        if w is None:
             return
-        w = self.wqes[self.done]
         if not w.read or w.atomic or psn_diff(psn, w.last_psn) > 0:
             self.stats["dropped_unexpected"] += 1
             return
@@ -497,15 +503,9 @@ class Requester:
         """An ATOMIC_ACKNOWLEDGE: the original value for the atomic at its PSN, which completes it (and acknowledges
         every request before it)."""
         psn = p.psn
-        if psn_diff(psn, self.una) < 0:
-            self.stats["duplicates"] += 1  # a replayed result for an atomic completed already
+        w = self._answered(psn, now)
+        if w is None:
             return
-        if psn_diff(psn, self.sent_hi) >= 0:
-            self.stats["dropped_unexpected"] += 1
-            return
-        if not self.acked_through((psn - 1) & PSN_MASK, now) or self.done >= len(self.wqes):
-            return
-        w = self.wqes[self.done]
         if not w.atomic or psn != w.first_psn:
             self.stats["dropped_unexpected"] += 1
             return
