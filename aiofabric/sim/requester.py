@@ -492,12 +492,16 @@ class Requester:
             placed = self.port.placed
             placed.read_messages += 1
             placed.read_bytes += w.length
-            self._retire()
-            if self.send < self.done:
-                self.send, self.send_pkt = self.done, 0
-            self._trim()
+            self._complete_answered()
         self._progress(now)
         self.settle()
+
+    def _complete_answered(self) -> None:
+        """The oldest WQE got its whole answer (READ data, an atomic's result): retire it; sending resumes past it."""
+        self._retire()
+        if self.send < self.done:
+            self.send, self.send_pkt = self.done, 0
+        self._trim()
 
     def on_atomic_acknowledge(self, p: pk.Packet, now: float) -> None:
         """An ATOMIC_ACKNOWLEDGE: the original value for the atomic at its PSN, which completes it (and acknowledges
@@ -520,9 +524,6 @@ class Requester:
         w.received = 1
         self.reads -= 1  # its ORRQ entry is free
         self.una = (psn + 1) & PSN_MASK
-        self._retire()
-        if self.send < self.done:
-            self.send, self.send_pkt = self.done, 0
-        self._trim()
+        self._complete_answered()
         self._progress(now)
         self.settle()
