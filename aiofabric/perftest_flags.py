@@ -26,6 +26,7 @@ _UD_ONLY = "multicast runs on UD QPs; aiofabric runs RC"
 _RDMA_CM = "aiofabric connects QPs through its own parameter exchange, not rdma_cm"
 _ACCELERATOR = "buffers are host memory (registered from the NIC's DMA arena); accelerator memory is not supported"
 _VENDOR = "a feature of other vendors' NICs, not of BNXT"
+_RAW = "an option of perftest's raw_ethernet_* tests; aiofabric runs RoCE (its server mode is --server)"
 # perftest flags bench and lat refuse: (spellings, takes a value, why)
 REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("-g", "--mcg"), False, _UD_ONLY),
@@ -74,9 +75,19 @@ REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
       "--use_rocm", "--use_rocm_dmabuf", "--use_neuron", "--use_neuron_dmabuf", "--use_hl", "--use_mlu",
       "--use_mlu_dmabuf", "--use_opencl", "--opencl_platform_id", "--use_ib_dm_dmabuf", "--gpu_touch"), True,
      _ACCELERATOR),
+    (("-B", "--source_mac", "-E", "--dest_mac", "-J", "--dest_ip", "-j", "--source_ip", "-K", "--dest_port", "-k",
+      "--source_port", "-Y", "--ethertype", "--remote_mac", "--local_mac", "--remote_ip", "--local_ip",
+      "--remote_port", "--local_port", "--flows", "--flows_burst", "--reply_every", "--vlan_pcp"), True, _RAW),
+    (("-Z", "-P", "--client", "-v", "--mac_fwd", "-G", "--use_rss", "--tcp", "--promiscuous", "--sniffer",
+      "--raw_mcast", "--raw_ipv6", "--vlan_en", "--use_ooo"), False, _RAW),
     (("--aes_xts", "--encrypt_on_tx", "--sig_before", "--aes_block_size", "--kek_path", "--credentials_path",
       "--data_enc_keys_number", "--data_enc_key_app_path", "--sig_offload", "--log_dci_streams",
       "--log_active_dci_streams"), True, _VENDOR),
+)
+# perftest's latency flags bench refuses (lat does them)
+BENCH_REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
+    (("-C", "--report-cycles", "-H", "--report-histogrm", "--report-histogram", "-U", "--report-unsorted"), False,
+     "a latency report option: use aiofabric lat"),
 )
 # perftest flags lat refuses (bench does them)
 LAT_REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
@@ -89,7 +100,7 @@ LAT_REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("-N", "--noPeak"), False, "lat reports no peak bandwidth"),
     (("-f", "--margin"), True, "lat runs -n iterations; its warm-up is --warmup"),
     (("--run_infinitely", "--run-infinitely"), False, "lat runs -n iterations"),
-    (("--report_gbits", "--report-gbits"), False, "lat reports no bandwidth"),
+    (("--report_gbits", "--report-gbits", "--report-both"), False, "lat reports no bandwidth"),
     (("-r", "--rx-depth"), True, "lat posts its receives ahead itself (16)"),
 )
 
@@ -226,7 +237,7 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
     if not bench:
         add("-U", "--report-unsorted", dest="unsorted", action="store_true",
             help="print every sample in the order measured (implies -H's list)")
-    add("-V", action="version", version=f"aiofabric {__version__}", help="print the version")
+    add("-V", "--version", action="version", version=f"aiofabric {__version__}", help="print the version")
     add("-x", "--gid-index", dest="gid_index", type=_nonnegative(int), metavar="INDEX",
         help="the GID index to use: the NIC's own (0 on the emulated NIC; see `aiofabric info`)")
     add("--out_json", action="store_true", help=f"also write the report as JSON to --out_json_file (default "
@@ -241,7 +252,8 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
             help="bandwidth in Gb/sec (10^9 bits) instead of MiB/sec")
         add("--run_infinitely", "--run-infinitely", dest="run_infinitely", action="store_true",
             help="run until Ctrl-C, a report line every -D seconds (default 5); Ctrl-C prints the table")
-    refused = _refuse(parser, REFUSED + (() if bench else LAT_REFUSED))
+    add("--mr_per_qp", action="store_true", help="accepted: each QP has its own memory regions anyway")
+    refused = _refuse(parser, REFUSED + (BENCH_REFUSED if bench else LAT_REFUSED))
     parser.epilog = ("perftest options refused, naming why (aiofabric does not do them): " + " ".join(refused))
 
 

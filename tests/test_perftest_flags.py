@@ -264,3 +264,35 @@ def test_the_atomic_check_sees_a_wrong_original_or_counter():
     assert check(flow([0, 1, 2, 3], 4)) is None
     assert "atomic 2 found the counter at 1" in check(flow([0, 1, 1, 3], 4))
     assert "the counter is 5 after 4 atomics" in check(flow([0, 1, 2, 3], 5))
+
+
+# every option perftest's parser knows (perftest_parameters.c: long_options and usage), short and long
+PERFTEST_FLAGS = """
+-p --port -d --ib-dev -i --ib-port -m --mtu -s --size -n --iters -t --tx-depth -u --qp-timeout -S --sl -x --gid-index
+-a --all -F --CPU-freq -c --connection -q --qp -e --events -X --vector -I --inline_size -o --outs -g --mcg
+-z --comm_rdma_cm -R --rdma_cm -T --tos -L --hop_limit -h --help -M --MGID -r --rx-depth -b --bidirectional
+-Q --cq-mod -N --noPeak -V --version -C --report-cycles -H --report-histogrm -U --report-unsorted -A --atomic_type
+-O --dualport -l --post_list -D --duration -f --margin -B --source_mac -E --dest_mac -J --dest_ip -j --source_ip
+-K --dest_port -k --source_port -Y --ethertype -w --limit_bw -y --limit_msgrate -Z --server -P --client -v --mac_fwd
+-G --use_rss -W --report-counters --force-link --remote_mac --local_mac --remote_ip --local_ip --remote_port
+--local_port --run_infinitely --report_gbits --use-srq --no_lock --use-null-mr --report-both --reversed --pkey_index
+--tcp --burst_size --typical_pkt_size --rate_limit --rate_limit_type --rate_units --output --cpu_util --out_json
+--out_json_file --latency_gap --flow_label --retry_count --dont_xchg_versions --payload_file_path --use_cuda
+--use_cuda_bus_id --use_cuda_dmabuf --use_cuda_pcie_mapping --use_data_direct --cuda_mem_type --use_musa
+--use_musa_bus_id --use_musa_dmabuf --use_musa_pcie_mapping --use_rocm --use_rocm_dmabuf --use_neuron
+--use_neuron_dmabuf --use_hl --use_mlu --use_mlu_dmabuf --use_opencl --opencl_platform_id --use_ib_dm_dmabuf
+--gpu_touch --mmap --mmap-offset --ipv6 --ipv6-addr --raw_ipv6 --report-per-port --odp --use_hugepages
+--use_old_post_send --promiscuous --sniffer --raw_mcast --mr_per_qp --dlid --tclass --wait_destroy --flows
+--flows_burst --reply_every --perform_warm_up --vlan_en --vlan_pcp --recv_post_list --aes_xts --encrypt_on_tx
+--sig_before --aes_block_size --kek_path --credentials_path --data_enc_keys_number --data_enc_key_app_path
+--log_dci_streams --log_active_dci_streams --disable_pcie_relaxed --use_ooo --congest_type --cqe_poll
+--data_validation --data_validation_debug --disable_dynamic_polling --tph_mem --cpu_id --ph --pin_cores --numa_node
+--disable_numa --bind_source_ip --connectionless --sig_offload --no_enhanced_reorder
+""".split()
+
+
+@pytest.mark.parametrize("command", ["bench", "lat"])
+def test_every_perftest_flag_is_an_alias_or_refused_by_name(command):
+    """None falls through to argparse's 'unrecognized arguments': each is ours, or refused with a reason."""
+    known = cli.build_parser().commands[command]._option_string_actions
+    assert [flag for flag in PERFTEST_FLAGS if flag not in known] == []
