@@ -296,3 +296,19 @@ def test_every_perftest_flag_is_an_alias_or_refused_by_name(command):
     """None falls through to argparse's 'unrecognized arguments': each is ours, or refused with a reason."""
     known = cli.build_parser().commands[command]._option_string_actions
     assert [flag for flag in PERFTEST_FLAGS if flag not in known] == []
+
+
+def test_connect_sizes_take_suffixes_like_the_rest():
+    assert parsed("connect", "somehost", "--size", "64K").size == 65536
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_events_make_the_pollers_sleep_on_the_interrupt_without_polling_first():
+    from aiofabric.perftest import BenchConfig, open_bench_nics, run_bench
+    config = BenchConfig(test="write", size=64, iters=300, depth=4, events=True)
+    async with open_bench_nics(config) as nics:
+        result = await run_bench(config, nics)
+        stats = nics[0].poller.stats
+    assert result["verified"] and result["events"] and nics[0].poller.spin == 0
+    assert stats["spins_found"] == 0 and stats["wakeups"] > 0, stats  # every completion came by interrupt
