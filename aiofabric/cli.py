@@ -37,8 +37,8 @@ from .signals import Signalled
 from . import plot, preflight
 from .errors import BadOption
 from .latency import LatConfig, format_latency_table, perftest_latency_report, run_latency
-from .perftest import (ATOMIC_SIZE, TESTS, BenchConfig, bandwidth_unit, count_text, format_table, open_bench_nics, perftest_report,
-                       run_bench, run_loopback)
+from .perftest import (ATOMIC_SIZE, TESTS, BenchConfig, bandwidth_unit, count_text, format_table, open_bench_nics,
+                       perftest_report, run_bench, run_loopback)
 from .perftest_flags import DEFAULT_JSON_FILE, add_perftest_flags, typed_flags, usage_message
 from .collectives.layout import DTYPE_NAMES, PIECE_BYTES
 from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
@@ -241,9 +241,9 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     config.progress = not args.json and args.output is None and sys.stderr.isatty()
     if args.server:
         return await _serve(args, config, format_table)
-    result = await _run_where_asked(args, config, run_bench, open_bench_nics)
+    result = await _run_where_asked(args, config, run_bench)
     if args.output is not None and "error" not in result:
-        unit, scale = bandwidth_unit(config.report_gbits)
+        _, scale = bandwidth_unit(config.report_gbits)
         print(f"{result['bw_MiBps'] * scale:.2f}" if args.output == "bandwidth" else f"{result['msg_rate'] / 1e6:.6f}")
     elif not args.json:
         print(format_table(result, config))
@@ -255,12 +255,12 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def _run_where_asked(args: argparse.Namespace, config: Any, run: Callable[..., Awaitable[dict[str, Any]]],
-                           open_local: Callable[[Any], Any]) -> dict[str, Any]:
+async def _run_where_asked(args: argparse.Namespace, config: Any, run: Callable[..., Awaitable[dict[str, Any]]]
+                           ) -> dict[str, Any]:
     """`run(config)` (run_bench, run_latency) here, as perftest's client of a SERVER_HOST, or with the server side
     on --peer's host over SSH."""
     if args.server_host is not None:  # perftest's client: the server side is `aiofabric <command> --server` there
-        return await _client(args, config, run, open_local)
+        return await _client(args, config, run)
     if args.peer is None:
         return await run(config)
     from .peer.client import parse_host
@@ -272,8 +272,8 @@ async def _run_where_asked(args: argparse.Namespace, config: Any, run: Callable[
         return await run(config)
 
 
-async def _client(args: argparse.Namespace, config: Any, run: Callable[..., Awaitable[dict[str, Any]]],
-                  open_local: Callable[[Any], Any]) -> dict[str, Any]:
+async def _client(args: argparse.Namespace, config: Any, run: Callable[..., Awaitable[dict[str, Any]]]
+                  ) -> dict[str, Any]:
     """perftest's client: open the NIC here, connect to the server from its address (the server's QPs talk only
     to the address a connection comes from), tell it this test's parameters (lat: it refuses others), run the
     test with the server side there, hand it the result."""
@@ -284,7 +284,7 @@ async def _client(args: argparse.Namespace, config: Any, run: Callable[..., Awai
     if config.ip is None and config.nic.startswith("sim"):  # the address that reaches the server (None: loopback,
         config.ip = await source_address(args.server_host, port)  # where the emulator picks a free 127.0.0.x)
     local = config.bench_config() if isinstance(config, LatConfig) else config
-    async with open_local(dataclasses.replace(local, server_host=args.server_host)) as nics, \
+    async with open_bench_nics(dataclasses.replace(local, server_host=args.server_host)) as nics, \
             connect_tcp(args.server_host, port, local_host=nics[0].ip, connect_timeout=args.connect_timeout,
                         command_timeout=args.command_timeout) as peer:
         config.remote = peer
@@ -354,7 +354,7 @@ async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
     config.progress = not args.json and args.output is None and sys.stderr.isatty()
     if args.server:
         return await _serve(args, config, format_latency_table)
-    result = await _run_where_asked(args, config, run_latency, open_bench_nics)
+    result = await _run_where_asked(args, config, run_latency)
     if args.output is not None and "error" not in result:
         print(f"{result['t_avg_us'] * (config.cpu_mhz or 1):.2f}")  # perftest's --output latency: t_avg
     elif not args.json:
@@ -696,8 +696,8 @@ def _add_two_host_flags(parser: argparse.ArgumentParser) -> Any:
     group.add_argument("--server", action="store_true", help="run as perftest's server: wait for a client over TCP")
     group.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
     group.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
-    group.add_argument("--ip", help=f"NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: the "
-                                    f"address that reaches the server; --server: the address the client reached)")
+    group.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: the "
+                                    "address that reaches the server; --server: the address the client reached)")
     return group
 
 

@@ -44,7 +44,8 @@ ORDERED_TESTS = ("read", "atomic")  # tests whose requests take the QP's outstan
 ATOMIC_TYPES = ("FETCH_AND_ADD", "CMP_AND_SWAP")  # perftest's -A
 ATOMIC_SIZE = 8  # an atomic moves one 64-bit word
 ATOMIC_ACCESS = ALL_ACCESS | Access.REMOTE_ATOMIC  # what an atomic's target region and responder QP allow
-TEST_TITLES = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send", "atomic": "Atomic"}  # perftest's names in its banners
+# perftest's names in its banners
+TEST_TITLES = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send", "atomic": "Atomic"}
 MTUS = (256, 512, 1024, 2048, 4096)
 MAX_ACK_TIMEOUT = 31  # the QP's local ACK timeout is a 5-bit exponent
 FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its own bytes to compare at the end
@@ -643,9 +644,10 @@ async def run_bench(config: BenchConfig, nics: list[NIC] | None = None) -> dict[
 
 async def run_sizes(config: Any, sizes: list[int], run_one: Callable[[Any], Awaitable[dict[str, Any]]]
                     ) -> list[dict[str, Any]]:
-    """`run_one(config for one size)` for each of `sizes` (bench's or lat's config): its rows. With `config.sweep_seconds` (a sweep without -n or -D), a short probe of the first size and
-    then iterations per size chosen to run about that long (`sweep_iterations`); on a TTY (`config.progress`) each
-    size and its iterations on stderr."""
+    """`run_one(config for one size)` for each of `sizes` (bench's or lat's config): its rows. With
+    `config.sweep_seconds` (a sweep without -n or -D), a short probe of the first size and then iterations per size
+    chosen to run about that long (`sweep_iterations`); on a TTY (`config.progress`) each size and its iterations on
+    stderr."""
     timings: list[tuple[int, float]] = []  # (size, seconds per iteration) of the runs so far
     rows = []
 

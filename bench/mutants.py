@@ -34,8 +34,8 @@ class Mutant:
 
 
 PACKETS, RESPONDER, WORKQUEUE = "aiofabric/sim/packets.py", "aiofabric/sim/responder.py", "aiofabric/workqueue.py"
-PLAN, PROTOCOL, DEVICE, LATENCY = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/device.py",
-                                   "aiofabric/latency.py")
+PLAN, PROTOCOL, DEVICE, SAMPLES = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/device.py",
+                                   "aiofabric/samples.py")
 SCAPY_ICRC = ("tests/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
               "tests/test_packets.py::test_icrc_over_nonzero_ip_ids_matches_scapy",
               "tests/test_packets.py::test_golden_capture_decodes_and_reencodes_bit_exactly")
@@ -54,7 +54,7 @@ CLOSE = ("tests/test_lifetimes.py::test_a_close_destroys_what_is_attached_in_an_
          "tests/test_lifetimes.py::test_close_inside_the_block_stops_the_nics_own_tasks_before_freeing_their_rings",
          "tests/test_lifetimes.py::test_creations_cancelled_at_random_moments_leave_no_orphan_objects",
          "tests/test_lifetimes.py::test_objects_of_a_closed_nic_refuse_use")
-SUMMARY = ("tests/test_latency.py::test_summary_follows_perftest_definitions",)
+SUMMARY = ("tests/test_samples.py",)
 
 MUTANTS = [
     Mutant("icrc: the masked LRH seed is 4 bytes, not 8", PACKETS,
@@ -110,10 +110,10 @@ MUTANTS = [
            "            for scope in self._background:", "            for scope in ():", CLOSE),
     Mutant("close: CQs and MRs are destroyed before the QPs that use them", DEVICE,
            "key=lambda o: o.release_order)", "key=lambda o: -o.release_order)", CLOSE),
-    Mutant("percentile: one rank too high", LATENCY,
-           "return ordered[max(0, rank - 1)]", "return ordered[min(len(ordered) - 1, rank)]", SUMMARY),
-    Mutant("percentile: float error rounds 99.9% of 1000 up to the maximum", LATENCY,
-           "rank = math.ceil(round(p / 100 * len(ordered), 9))", "rank = math.ceil(p / 100 * len(ordered))", SUMMARY),
+    Mutant("percentile: one index too low (nearest rank, not perftest's index)", SAMPLES,
+           "return ordered[min(index, len(ordered) - 1)]", "return ordered[max(0, index - 1)]", SUMMARY),
+    Mutant("percentile: float error takes 99.9% of 41000 one index up", SAMPLES,
+           "index = math.ceil(round(count * p / 100, 9))", "index = math.ceil(count * p / 100)", SUMMARY),
 ]
 
 

@@ -49,16 +49,16 @@ def finish(process):
 @pytest.mark.parametrize("test", ["write", "send", "read", "atomic"])
 def test_lat_server_and_client_over_tcp(test):
     size = "8" if test == "atomic" else "100"
-    server, port = start_server(test, "-s", size)
+    listener, port = start_server(test, "-s", size)
     client = subprocess.run([*CLI, "lat", test, "127.0.0.1", "-p", port, "-s", size, "-n", "150", "--json"],
                             capture_output=True, text=True, timeout=120)
-    out, err = finish(server)
+    out, err = finish(listener)
     result = last_json(client.stdout)
     assert client.returncode == 0 and result["ok"] and result["verified"], client.stderr[-3000:]
     assert result["iterations"] == 150 and result["remote_host"] == f"127.0.0.1:{port}"
     assert result["t_min_us"] <= result["t_typical_us"] <= result["t_max_us"]
     assert result["verification"].endswith("(the server's by sha256 there) and the client NIC's placement counts")
-    assert server.returncode == 0, err[-3000:]
+    assert listener.returncode == 0, err[-3000:]
     assert "Latency Test" in out and "verified: yes" in out and f" {size} " in out  # the client's table, there too
 
 
@@ -68,24 +68,24 @@ def test_lat_server_and_client_over_tcp(test):
     (["read", "-m", "1024"], ["read", "-m", "4096"], "the client runs mtu 4096, the server mtu 1024"),
 ], ids=["size", "test", "mtu"])
 def test_a_mismatch_is_refused_with_one_line_on_both_sides(server_args, client_args, what):
-    server, port = start_server(*server_args, "--json")
+    listener, port = start_server(*server_args, "--json")
     client = subprocess.run([*CLI, "lat", *client_args, "127.0.0.1", "-p", port, "-n", "20", "--json"],
                             capture_output=True, text=True, timeout=120)
-    out, _ = finish(server)
+    out, _ = finish(listener)
     mine, theirs = last_json(client.stdout), last_json(out)
     assert client.returncode == 1 and not mine["ok"] and what in mine["error"] and "\n" not in mine["error"]
-    assert server.returncode == 1 and not theirs["ok"] and what in theirs["error"]
+    assert listener.returncode == 1 and not theirs["ok"] and what in theirs["error"]
     assert theirs["error"].startswith("the two sides' parameters differ")
 
 
 def test_the_servers_nic_is_its_own_choice():
     """The server's own --nic decides its NIC; a client cannot name one (it is refused, not ignored)."""
-    server, port = start_server("write", "--nic", "sim:latsrv")
+    listener, port = start_server("write", "--nic", "sim:latsrv")
     client = subprocess.run([*CLI, "lat", "write", "127.0.0.1", "-p", port, "--remote-nic", "sim:other", "--json"],
                             capture_output=True, text=True, timeout=60)
     assert client.returncode == 2 and "the server chooses its NIC" in last_json(client.stdout)["error"]
-    server.kill()
-    finish(server)
+    listener.kill()
+    finish(listener)
 
 
 @ASYNCIO_ONLY

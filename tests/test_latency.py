@@ -14,7 +14,8 @@ def check_sane(result, config):
     assert t["t_min_us"] <= t["t_typical_us"] <= t["p99_us"] <= t["p99_9_us"] <= t["t_max_us"], t
     assert t["t_min_us"] <= t["t_avg_us"] <= t["t_max_us"], t
     assert t["t_min_us"] > 0 and t["t_stdev_us"] >= 0, t
-    assert result["iters"] == result["iterations"] == config.iters and result["size"] == config.size and result["test"] == config.test
+    assert result["iters"] == result["iterations"] == config.iters
+    assert result["size"] == config.size and result["test"] == config.test
     assert result["verified"] is True and "error" not in result, result
 
 

@@ -38,3 +38,5 @@ def test_percentile_index_is_ceil_n_p():
     ordered = [float(x) for x in range(100)]
     assert percentile(ordered, 50) == 50 and percentile(ordered, 99) == 99 and percentile(ordered, 100) == 99
     assert percentile(ordered, 0) == 0 and percentile([], 99) == 0.0
+    # 41000 * 99.9 / 100 is 40959.00000000001 in floats: the index is still 40959 (a tail after the count is there)
+    assert percentile([float(x) for x in range(41002)], 99.9, count=41000) == 40959

@@ -12,9 +12,9 @@ Failures, each one line:
   * a client disconnects mid-run, or sends no request for the idle timeout: the server logs it and closes every
     object that client opened;
   * a second client while one is served: it is turned away at once with an error naming the busy server;
-  * nothing listens at HOST:PORT: `PeerError` "no aiofabric server (bench or lat --server) at HOST:PORT (connection refused)"; no
-    answer (a firewall drops the SYN, or something that is not an aiofabric server): `PeerError` within
-    `connect_timeout`.
+  * nothing listens at HOST:PORT: `PeerError` "no aiofabric server (bench or lat --server) at HOST:PORT (connection
+    refused)"; no answer (a firewall drops the SYN, or something that is not an aiofabric server): `PeerError`
+    within `connect_timeout`.
 
 Security: there is no authentication (like perftest), so a client runs only the test. The server's
 `ServerPolicy` (aiofabric.peer.policy) decides its NIC, addresses and capture files and bounds each client (NICs,
@@ -240,10 +240,10 @@ async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, local_host: str | 
     `local_host`: the address to connect from: the local NIC's, since the server's QPs talk only to the address a
     connection comes from (if it is not an address of this host, the kernel's choice is used).
     `connect_timeout` bounds the TCP connect and the server's ready message; `command_timeout` each request.
-    Nothing listening: `PeerError` "no aiofabric server (bench or lat --server) at HOST:PORT (connection refused)"; no answer within
-    `connect_timeout`: `PeerError` naming HOST:PORT and the timeout. Leaving the block (or cancelling it) closes the
-    connection, and the server closes whatever this client left open. While the block runs, the peer pings a
-    server that drops idle clients often enough to stay served.
+    Nothing listening: `PeerError` "no aiofabric server (bench or lat --server) at HOST:PORT (connection refused)";
+    no answer within `connect_timeout`: `PeerError` naming HOST:PORT and the timeout. Leaving the block (or
+    cancelling it) closes the connection, and the server closes whatever this client left open. While the block
+    runs, the peer pings a server that drops idle clients often enough to stay served.
     """
     where = _where(host, port)
     started = time.perf_counter()
@@ -262,7 +262,8 @@ async def connect_tcp(host: str, port: int = DEFAULT_PORT, *, local_host: str | 
     except OSError as exc:
         cause = _cause(exc)
         if isinstance(cause, ConnectionRefusedError):
-            raise PeerError(f"no aiofabric server (bench or lat --server) at {where} (connection refused)", host=where) from None
+            raise PeerError(f"no aiofabric server (bench or lat --server) at {where} (connection refused)",
+                            host=where) from None
         reason = getattr(cause, "strerror", None) or cause
         raise PeerError(f"cannot reach {where}: {reason}", host=where) from None
     carrier = _StreamCarrier(stream, where)
