@@ -8,8 +8,8 @@ from . import signals
 
 
 def main() -> int:
-    signals.install()
     try:
+        signals.install()  # inside: a signal may arrive between two of its handlers being installed
         from .cli import main as run
     except signals.Signalled as stopped:
         return signals.report(stopped, sys.argv[1:])
