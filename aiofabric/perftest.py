@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import struct
@@ -438,7 +439,8 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
         (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
     data, target = flow.source.view, flow.target_region
     client, source = flow.client, flow.source
-    one_sided = {"write": client.post_write, "read": client.post_read}.get(config.test)
+    write = functools.partial(client.post_write, inline=True) if inline else client.post_write
+    one_sided = {"write": write, "read": client.post_read}.get(config.test)
     swap = config.atomic_type == "CMP_AND_SWAP"
     while True:
         if deadline is not None and time.perf_counter() >= deadline or stop is not None and stop.is_set():
@@ -476,7 +478,7 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
                                                                   signaled=k == last))
                     elif one_sided is not None:
                         completion = await one_sided(source, target, size, local_offset=slot, remote_offset=slot,
-                                                     signaled=k == last, **({"inline": True} if inline else {}))
+                                                     signaled=k == last)
                     else:
                         if flow.remote is None:
                             await flow.server.post_recv(flow.target, size, local_offset=slot)
