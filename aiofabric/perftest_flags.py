@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 from typing import Any, Callable, Sequence
 
 from .errors import BadOption
@@ -118,12 +119,12 @@ class _Refused(argparse.Action):
 
 
 def _refuse(parser: argparse.ArgumentParser, table: Sequence[tuple[tuple[str, ...], bool, str]]) -> list[str]:
-    spellings = []
+    spellings: list[str] = []
     for flags, takes_value, reason in table:
         for flag in flags:
             parser.add_argument(flag, action=_Refused, reason=reason, nargs="?" if takes_value else 0,
                                 dest=f"refused_{flag.lstrip('-')}", help=argparse.SUPPRESS)
-        spellings.append("/".join(flags))
+        spellings.extend(flags)
     return spellings
 
 
@@ -254,7 +255,9 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
             help="run until Ctrl-C, a report line every -D seconds (default 5); Ctrl-C prints the table")
     add("--mr_per_qp", action="store_true", help="accepted: each QP has its own memory regions anyway")
     refused = _refuse(parser, REFUSED + (BENCH_REFUSED if bench else LAT_REFUSED))
-    parser.epilog = ("perftest options refused, naming why (aiofabric does not do them): " + " ".join(refused))
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog as wrapped here: whole flags per line
+    parser.epilog = textwrap.fill("perftest options refused, naming why (aiofabric does not do them): "
+                                  + " ".join(refused), width=100, break_on_hyphens=False, break_long_words=False)
 
 
 def typed_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
