@@ -191,7 +191,7 @@ class BenchConfig:
     def check_caps(self, nic: NIC) -> None:
         """Refuse what `nic` cannot hold (its firmware's limits), naming the option: the QPs and the CQ a NIC gets,
         the queue depth, the outstanding READs, the inline size and the GID index."""
-        caps, per_nic = nic.device.caps, self.qps_per_nic * 2  # a NIC holds the client or server QP of each flow
+        caps, per_nic = nic.device.caps, self.qps_per_nic  # a NIC holds the client (or the server) QP of its flows
         limits = (("qps", per_nic, "max_qp", f"{per_nic} QPs on a NIC (--qps over --nics / 2, x2 with -b)"),
                   ("depth", self.depth, "max_qp_wr", "work requests per queue"),
                   ("depth", self.cq_depth, "max_cqe", f"a CQ of {self.cq_depth} entries (--qps x --tx-depth x 2 "

@@ -111,7 +111,8 @@ def test_out_of_range_values_exit_2_under_the_spelling_typed(capsys, argv, messa
 
 def test_limits_the_nic_sets_are_usage_errors_under_the_spelling_typed(capsys):
     """What only the booted NIC knows (max_qp 1216, max_inline_data 96 on the emulated NIC) still exits 2."""
-    assert usage(capsys, "bench", "write", "-q", "100000", "-n", "2").startswith("usage: -q 100000: 200000 QPs on a NIC")
+    assert usage(capsys, "bench", "write", "-q", "100000", "-n", "2").startswith("usage: -q 100000: 100000 QPs on a NIC")
+    assert usage(capsys, "bench", "write", "-q", "700", "-b", "-n", "2").startswith("usage: -q 700: 1400 QPs on a NIC")
     assert "--inline-size 200: bytes of inline data exceed what" in usage(capsys, "bench", "write", "--inline-size",
                                                                          "200", "-n", "2")
     assert "-x 3: " in usage(capsys, "bench", "write", "-x", "3", "-n", "2")
@@ -314,3 +315,21 @@ async def test_events_make_the_pollers_sleep_on_the_interrupt_without_polling_fi
     # every completion came by interrupt, and the poller polled a few times per wake-up, not spinning in between
     # (polling first, as without -e, takes ~20 polls per wake-up here)
     assert stats["spins_found"] == 0 and 0 < stats["polls"] < 8 * stats["wakeups"], stats
+
+
+def test_the_nic_limits_count_what_one_nic_holds():
+    """Each NIC of a pair holds one QP per flow (the client's or the server's): 1024 QPs fit max_qp 1216, 1217 do
+    not, and -b doubles the flows. A pure check against the caps the emulated NIC reports."""
+    from types import SimpleNamespace
+    from aiofabric.errors import BadOption
+    from aiofabric.perftest import BenchConfig
+    nic = SimpleNamespace(device=SimpleNamespace(caps={"max_qp": 1216, "max_qp_wr": 65535, "max_cqe": 4194303,
+                                                       "max_qp_rd_atom": 16, "max_inline_data": 96}, gid_index=0),
+                          pci=SimpleNamespace(address="sim:x"), ip="127.0.0.5")
+    BenchConfig(qps=1024).check_caps(nic)
+    BenchConfig(qps=2048, nics=4).check_caps(nic)  # spread over two pairs
+    for config in (BenchConfig(qps=1217), BenchConfig(qps=700, bidirectional=True)):
+        with pytest.raises(BadOption, match="QPs on a NIC"):
+            config.check_caps(nic)
+    with pytest.raises(BadOption, match="-x|gid"):
+        BenchConfig(gid_index=1).check_caps(nic)
