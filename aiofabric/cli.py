@@ -31,7 +31,6 @@ import anyio
 from anyio.abc import TaskStatus
 
 from . import signals
-from .version import __version__
 from .nic import open_nic
 from .signals import Signalled
 from . import plot, preflight
@@ -39,7 +38,8 @@ from .errors import BadOption
 from .latency import LatConfig, format_latency_table, perftest_latency_report, run_latency
 from .perftest import (ATOMIC_SIZE, TESTS, BenchConfig, bandwidth_unit, count_text, format_table, open_bench_nics,
                        perftest_report, run_bench, run_loopback)
-from .perftest_flags import DEFAULT_JSON_FILE, add_perftest_flags, typed_flags, usage_message
+from .perftest_flags import (DEFAULT_JSON_FILE, ShowVersion, VersionAction, add_perftest_flags, typed_flags,
+                             usage_message)
 from .collectives.layout import DTYPE_NAMES, PIECE_BYTES
 from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
 
@@ -160,17 +160,16 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
                 args.sizes = sweep(args.min_size or SWEEP_MIN, args.max_size or SWEEP_MAX, args.factor)
             except ValueError as exc:
                 parser.error(str(exc))
+        _check_modes(parser, args)
         _perftest_common(parser, args, bool(getattr(args, "sizes", None)))
         if args.plot and not getattr(args, "sizes", None):
             parser.error("--plot draws a sweep: add -a or --min-size/--max-size")
-        _check_modes(parser, args)
         if args.run_infinitely:
             if getattr(args, "sizes", None):
                 parser.error("--run-infinitely runs one size: drop the sweep")
             args.duration = args.duration or 5.0
-        if args.output is not None and (getattr(args, "sizes", None) or args.run_infinitely or args.server):
-            parser.error("--output prints one number: it goes with one size, not a sweep, --run-infinitely or "
-                         "--server")
+        if args.output is not None and (getattr(args, "sizes", None) or args.run_infinitely):
+            parser.error("--output prints one number: it goes with one size, not a sweep or --run-infinitely")
         _checked(parser, args, bench_config(args))
     return check
 
@@ -191,6 +190,13 @@ def _check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                          "drop them")
     if args.server and not args.nic.startswith("sim") and args.ip is None:
         parser.error(f"--server --nic {args.nic}: give the NIC's address with --ip")
+    if args.server:  # the client measures and reports; the server prints that report and nothing else
+        given = [flag for flag, on in (("--output", args.output is not None),
+                                       ("--out_json", args.out_json or args.json_file is not None),
+                                       ("--plot", getattr(args, "plot", None) is not None)) if on]
+        if given:
+            parser.error(f"{' and '.join(given)}: the client's options (it measures; the server prints the "
+                         "client's report): give them to the client")
 
 
 def _check_lat(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
@@ -555,7 +561,7 @@ def _check_connect(parser: argparse.ArgumentParser) -> Callable[[argparse.Namesp
 
 def build_parser() -> Parser:
     parser = Parser(prog="aiofabric", description="Async userspace driver for BNXT RoCEv2 NICs")
-    parser.add_argument("--version", action="version", version=f"aiofabric {__version__}")
+    parser.add_argument("--version", action=VersionAction, help="print the version")
     parser.add_argument("--backend", choices=("asyncio", "uvloop", "trio"), default="asyncio",
                         help="event loop to run on (default asyncio)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
@@ -865,6 +871,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.check(args)
         except UsageError as error:
             return usage_error(error, "--json" in argv)
+        except ShowVersion as shown:
+            print(json.dumps({"ok": True, "version": str(shown)}) if "--json" in argv else f"aiofabric {shown}")
+            return EXIT_OK
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                             format="%(name)s: %(message)s", stream=sys.stderr)
         if args.verbose:  # the emulator processes log at the same level (unless the environment already says)

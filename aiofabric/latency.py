@@ -190,7 +190,9 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: An
     client = await client_nic.create_qp(client_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                         max_inline_data=config.inline_size)
     client_mr = await client_nic.register_mr(span)
-    if config.test not in ("read", "atomic"):
+    if config.test == "atomic":  # what no atomic returns, so an original never written back shows
+        client_mr.view[:size] = perftest.NO_ORIGINAL
+    elif config.test != "read":
         fill_pattern(client_mr.view[:size], config.seed * 7919)
     atomic = config.test == "atomic"  # the server's counter starts at 0; its QP and region allow atomics
     if peer is None:
@@ -208,7 +210,8 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: An
         info = server.info()
     else:
         server_cq = await peer.create_cq(server_nic, 256)
-        server = await peer.create_qp(server_nic, server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1))
+        server = await peer.create_qp(server_nic, server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
+                                      max_inline_data=config.inline_size)
         await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT,
                               atomic=atomic)
         server_mr = await peer.register_mr(server_nic, span, atomic=atomic)
@@ -268,7 +271,7 @@ async def _pingpong(config: LatConfig, pair: _Pair) -> list[float]:
     region = pair.client_mr.remote().to_dict() if config.test == "write" else None
     started = await peer.request("pong", qp=pair.server.handle, mr=pair.server_mr.handle, test=config.test,
                                  size=config.size, iters=config.iters, warmup=config.warmup, wait=config.wait_seconds,
-                                 remote=region, rx_slots=pair.rx_slots, inline=False)
+                                 remote=region, rx_slots=pair.rx_slots, inline=config.size <= config.inline_size)
 
     async def server_half() -> None:  # its failure (a ping it never got) surfaces now, not as the client's timeout
         await peer.request("pong_wait", pong=started["pong"],
@@ -522,14 +525,21 @@ def _row(values: list[str]) -> str:
 
 
 def format_histogram(rows: list[list[float]], width: int = HISTOGRAM_BAR) -> str:
-    """An ASCII histogram: one line per bucket, [low, high) in us, the count and a bar scaled to the largest."""
+    """An ASCII histogram: one line per bucket, [low, high) in us, the count and a bar scaled to the largest. A row
+    that is not [a non-negative number, a non-negative integer count] raises ValueError (a server shows a client's
+    report with this: its bars stay within `width` whatever the report says)."""
     if not rows:
         return " (no samples)"
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                                and 0 <= x < math.inf for x in row)
+                and float(row[1]).is_integer()):
+            raise ValueError(f"histogram: a row must be [bucket_low_us >= 0, count >= 0], not {row!r}"[:200])
     peak = max(count for _, count in rows) or 1
     lines = [" latency histogram [usec]          count"]
     for low, count in rows:
         high = _next_bucket(low)
-        bar = "#" * math.ceil(count / peak * width) if count else ""
+        bar = "#" * min(width, math.ceil(count / peak * width)) if count else ""
         lines.append(f" [{low:>10.2f}, {high:>10.2f})  {int(count):>8}  {bar}")
     return "\n".join(lines)
 

@@ -44,6 +44,7 @@ INLINE_TESTS = ("write", "send")  # tests whose local side a WQE can carry inlin
 ORDERED_TESTS = ("read", "atomic")  # tests whose requests take the QP's outstanding-READ slots (-o)
 ATOMIC_TYPES = ("FETCH_AND_ADD", "CMP_AND_SWAP")  # perftest's -A
 ATOMIC_SIZE = 8  # an atomic moves one 64-bit word
+NO_ORIGINAL = b"\xff" * ATOMIC_SIZE  # the local slots before the atomics: a value no run's counter reaches
 ATOMIC_ACCESS = ALL_ACCESS | Access.REMOTE_ATOMIC  # what an atomic's target region and responder QP allow
 # perftest's names in its banners
 TEST_TITLES = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send", "atomic": "Atomic"}
@@ -311,6 +312,7 @@ async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> 
         flow.target = await b.register_mr(span, ATOMIC_ACCESS if atomic else ALL_ACCESS)
         if atomic:
             flow.target.view[:ATOMIC_SIZE] = bytes(ATOMIC_SIZE)  # the counter starts at 0
+            flow.source.view[:span] = NO_ORIGINAL * (span // ATOMIC_SIZE)  # what no atomic returns: unwritten shows
         else:
             fill_pattern((flow.target if config.test == "read" else flow.source).view[:span], config.seed * 7919 + i)
     fault = config.fault()
@@ -403,6 +405,7 @@ async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[
         flow = _Flow(client, server, source, target, i, remote=peer)
         if atomic:
             await peer.fill(target, byte=0, length=ATOMIC_SIZE)  # the counter starts at 0
+            source.view[:config.used_bytes] = NO_ORIGINAL * (config.used_bytes // ATOMIC_SIZE)
         elif config.test == "read":
             flow.digest = await peer.fill(target, seed=config.seed * 7919 + i, length=config.used_bytes)
         else:

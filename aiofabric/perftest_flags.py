@@ -106,6 +106,21 @@ LAT_REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
 )
 
 
+class ShowVersion(Exception):
+    """-V/--version was given: the command line prints the version (as JSON with --json) and exits 0."""
+
+
+class VersionAction(argparse.Action):
+    """argparse's version action, but leaving the printing to the command line, which knows about --json."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        raise ShowVersion(__version__)
+
+
 class _Refused(argparse.Action):
     """A perftest flag aiofabric does not do: a usage error naming it (a value after it, if any, is taken along)."""
 
@@ -238,7 +253,7 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
     if not bench:
         add("-U", "--report-unsorted", dest="unsorted", action="store_true",
             help="print every sample in the order measured (implies -H's list)")
-    add("-V", "--version", action="version", version=f"aiofabric {__version__}", help="print the version")
+    add("-V", "--version", action=VersionAction, help="print the version")
     add("-x", "--gid-index", dest="gid_index", type=_nonnegative(int), metavar="INDEX",
         help="the GID index to use: the NIC's own (0 on the emulated NIC; see `aiofabric info`)")
     add("--out_json", action="store_true", help=f"also write the report as JSON to --out_json_file (default "

@@ -170,3 +170,38 @@ async def test_a_pong_left_running_by_a_client_that_vanishes_is_stopped():
         async with connect_tcp("127.0.0.1", port) as peer:  # the next client is served
             assert (await peer.request("lat_params", test="write", size=64, mtu=4096, iters=5))["size"] == 64
         tasks.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_pong_that_could_never_be_ready_is_refused_at_once_and_strange_names_never_reach_the_log(caplog):
+    """More receive slots than the QP's receive queue holds would wait forever for room: refused, naming both. A
+    test name with escape sequences is not a name."""
+    from aiofabric.peer import PeerError
+    from aiofabric.peer.policy import ServerPolicy
+    from aiofabric.peer.tcp import connect_tcp, serve_tcp
+    policy = ServerPolicy(tool="lat", expect={"test": "send", "size": 64, "mtu": 4096})
+    async with anyio.create_task_group() as tasks:
+        port = await tasks.start(lambda task_status: serve_tcp("127.0.0.1", 0, forever=True, policy=policy,
+                                                               task_status=task_status))
+        async with connect_tcp("127.0.0.1", port) as peer:
+            nic = await peer.open_nic()
+            cq = await peer.create_cq(nic)
+            qp = await peer.create_qp(nic, cq, rq_depth=16)
+            mr = await peer.register_mr(nic, 1 << 20)
+            with anyio.fail_after(10), pytest.raises(PeerError, match="4096 receive slots exceed the QP's receive"):
+                await peer.request("pong", qp=qp.handle, mr=mr.handle, test="send", size=64, iters=10, wait=600.0,
+                                   rx_slots=4096)
+            with pytest.raises((ValueError, PeerError), match="field 'test' must be a name"):  # checked here too
+                await peer.request("lat_params", test="write\x1b[2J", size=64, mtu=4096, iters=5)
+        tasks.cancel_scope.cancel()
+    assert "\x1b" not in caplog.text
+
+
+def test_inline_pongs_across_the_tcp_pair():
+    listener, port = start_server("send", "-s", "64")
+    client = subprocess.run([*CLI, "lat", "send", "127.0.0.1", "-p", port, "-s", "64", "-I", "64", "-n", "100",
+                             "--json"], capture_output=True, text=True, timeout=120)
+    finish(listener)
+    result = last_json(client.stdout)
+    assert client.returncode == 0 and result["ok"] and result["verified"], client.stderr[-2000:]

@@ -37,7 +37,8 @@ def test_requests_round_trip_with_defaults_filled_in():
     line = protocol.encode(Request(7, "create_qp", {"nic": 1, "cq": 2}))
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     request = protocol.decode_request(line.rstrip(b"\n"))
-    assert request == Request(7, "create_qp", {"nic": 1, "cq": 2, "sq_depth": 128, "rq_depth": 128})
+    assert request == Request(7, "create_qp", {"nic": 1, "cq": 2, "sq_depth": 128, "rq_depth": 128,
+                                                   "max_inline_data": 0})
 
 
 @pytest.mark.parametrize("line, message, request_id", [

@@ -333,3 +333,38 @@ def test_the_nic_limits_count_what_one_nic_holds():
             config.check_caps(nic)
     with pytest.raises(BadOption, match="-x|gid"):
         BenchConfig(gid_index=1).check_caps(nic)
+
+
+def test_the_atomic_check_sees_the_first_original_never_written():
+    """The local slots start as what no atomic returns (all ones), so atomic 0's original (0) must be written back."""
+    import asyncio
+    from types import SimpleNamespace
+    from aiofabric.perftest import NO_ORIGINAL, BenchConfig, _atomic_results
+    source = bytearray(NO_ORIGINAL + b"".join(v.to_bytes(8, "little") for v in (1, 2, 3)))
+    flow = SimpleNamespace(done=4, source=SimpleNamespace(view=memoryview(source)), remote=None, client=SimpleNamespace(qpn=7),
+                           target=SimpleNamespace(view=memoryview(bytearray((4).to_bytes(8, "little")))))
+    assert "atomic 0 found the counter at 18446744073709551615" in asyncio.run(
+        _atomic_results(BenchConfig(test="atomic", size=8, iters=4), flow))
+
+
+def test_version_is_json_with_json(capsys):
+    assert cli.main(["lat", "write", "-V", "--json"]) == 0
+    from aiofabric.version import __version__
+    assert json.loads(capsys.readouterr().out) == {"ok": True, "version": __version__}
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.startswith("aiofabric ")
+
+
+@pytest.mark.parametrize("argv,named", [(["--output", "latency"], "--output"), (["--out_json"], "--out_json"),
+                                        (["--out_json_file", "x.json"], "--out_json")])
+def test_what_only_a_client_does_is_refused_on_a_server(capsys, argv, named):
+    for command in ("bench", "lat"):
+        flags = argv if command == "lat" or argv[0] != "--output" else ["--output", "bandwidth"]
+        assert f"{named}: the client's options" in usage(capsys, command, "write", "--server", *flags)
+
+
+def test_a_hostile_report_cannot_stretch_the_servers_histogram():
+    from aiofabric.latency import format_histogram
+    assert max(len(line) for line in format_histogram([[1.0, 3], [2.0, 10 ** 9]]).splitlines()) < 120
+    for rows in ([[1, -1], [2, -2000000]], [[1, 1.5]], [["x", 1]], [[1, float("inf")]], [[1, True]]):
+        with pytest.raises(ValueError, match="histogram: a row must be"):
+            format_histogram(rows)

@@ -212,8 +212,10 @@ class Peer:
     async def create_cq(self, nic: RemoteNIC | int, depth: int = 256) -> int:
         return (await self.request("create_cq", nic=_handle(nic), depth=depth))["cq"]
 
-    async def create_qp(self, nic: RemoteNIC | int, cq: int, *, sq_depth: int = 128, rq_depth: int = 128) -> RemoteQP:
-        result = await self.request("create_qp", nic=_handle(nic), cq=cq, sq_depth=sq_depth, rq_depth=rq_depth)
+    async def create_qp(self, nic: RemoteNIC | int, cq: int, *, sq_depth: int = 128, rq_depth: int = 128,
+                        max_inline_data: int = 0) -> RemoteQP:
+        result = await self.request("create_qp", nic=_handle(nic), cq=cq, sq_depth=sq_depth, rq_depth=rq_depth,
+                                    **({"max_inline_data": max_inline_data} if max_inline_data else {}))
         return RemoteQP(result["qp"], QPInfo.from_dict(result["info"]))
 
     async def register_mr(self, nic: RemoteNIC | int, size: int, *, atomic: bool = False) -> RemoteMR:

@@ -13,7 +13,7 @@ import itertools
 from typing import Any, Union
 
 from ..errors import NotAllowed, ParameterMismatch
-from .protocol import MAX_DEPTH, MAX_LINE
+from .protocol import MAX_DEPTH, MAX_LINE, printable
 
 Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -66,8 +66,8 @@ class ServerPolicy:
         """Refuse (ParameterMismatch, one line naming both sides) a latency client whose test, size or MTU differ
         from what this server was started with, as perftest's two sides refuse each other."""
         differ = [name for name, mine in self.expect.items() if params.get(name) != mine]
-        if differ:
-            theirs = ", ".join(f"{name} {params.get(name)}" for name in differ)
+        if differ:  # the client's values are escaped: the message is printed and logged on the server
+            theirs = printable(", ".join(f"{name} {params.get(name)}" for name in differ))
             ours = ", ".join(f"{name} {self.expect[name]}" for name in differ)
             raise ParameterMismatch(f"the two sides' parameters differ: the client runs {theirs}, the server "
                                     f"{ours}; start both with the same test, -s and -m")

@@ -46,7 +46,7 @@ Operations (`args` fields; "=" marks a default, the rest are required)
                  connection reached, whatever the carrier: the accepted socket's local address over TCP, as "ssh"
                  over SSH)
     create_cq    nic, depth=256                               -> {"cq"}
-    create_qp    nic, cq, sq_depth=128, rq_depth=128          -> {"qp", "info": QP_INFO}
+    create_qp    nic, cq, sq_depth=128, rq_depth=128, max_inline_data=0 -> {"qp", "info": QP_INFO}
     register_mr  nic, size, atomic=false                      -> {"mr", "region": REGION}
                  (atomic: the region also allows remote atomics)
     fill         mr, seed=null, byte=0, offset=0, length=null -> {"sha256"}   (seed: pattern(seed, n), else byte)
@@ -197,6 +197,12 @@ def _bounded_int(low: int, high: int) -> Callable[[Any], int]:
     return check
 
 
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not value.isidentifier() or len(value) > 32:
+        raise ValueError(f"a name (letters, digits, _; at most 32), not {value!r}"[:200])
+    return value
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"true or false, not {value!r}")
@@ -230,7 +236,7 @@ OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
     "open_nic": {"spec": (_str, "sim"), "ip": (_optional(_str), None), "options": (_options, {})},
     "create_cq": {"nic": (_handle, REQUIRED), "depth": (_int, 256)},
     "create_qp": {"nic": (_handle, REQUIRED), "cq": (_handle, REQUIRED), "sq_depth": (_int, 128),
-                  "rq_depth": (_int, 128)},
+                  "rq_depth": (_int, 128), "max_inline_data": (_natural, 0)},
     "register_mr": {"nic": (_handle, REQUIRED), "size": (_int, REQUIRED), "atomic": (_bool, False)},
     "fill": {"mr": (_handle, REQUIRED), "seed": (_optional(_int), None), "byte": (_int, 0),
              "offset": (_natural, 0), "length": (_optional(_natural), None)},
@@ -245,7 +251,7 @@ OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
                    "size": (_natural, REQUIRED), "offset": (_natural, 0), "stride": (_optional(_natural), None)},
     "close": {"handle": (_handle, REQUIRED)},
     "report": {"result": (_json_object, REQUIRED)},
-    "lat_params": {"test": (_str, REQUIRED), "size": (_natural, REQUIRED), "mtu": (_int, REQUIRED),
+    "lat_params": {"test": (_name, REQUIRED), "size": (_natural, REQUIRED), "mtu": (_natural, REQUIRED),
                    "iters": (_natural, REQUIRED), "warmup": (_natural, 0)},
     "pong": {"qp": (_handle, REQUIRED), "mr": (_handle, REQUIRED), "test": (_choice("write", "send"), REQUIRED),
              "size": (_bounded_int(1, 1 << 30), REQUIRED), "iters": (_bounded_int(1, MAX_PINGS), REQUIRED),

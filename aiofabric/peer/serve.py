@@ -201,9 +201,11 @@ class Endpoint:
         cq = await self._get(nic, NIC, "nic").create_cq(depth)
         return {"cq": self._add(cq, nic)}
 
-    async def op_create_qp(self, nic: int, cq: int, sq_depth: int, rq_depth: int) -> dict[str, Any]:
+    async def op_create_qp(self, nic: int, cq: int, sq_depth: int, rq_depth: int,
+                           max_inline_data: int) -> dict[str, Any]:
         queue = self._get(cq, CompletionQueue, "cq")
-        qp = await self._get(nic, NIC, "nic").create_qp(queue, sq_depth=sq_depth, rq_depth=rq_depth)
+        qp = await self._get(nic, NIC, "nic").create_qp(queue, sq_depth=sq_depth, rq_depth=rq_depth,
+                                                        max_inline_data=max_inline_data)
         return {"qp": self._add(qp, nic), "info": qp.info().to_dict()}
 
     async def op_register_mr(self, nic: int, size: int, atomic: bool) -> dict[str, Any]:
@@ -293,10 +295,14 @@ class Endpoint:
 
     async def op_pong(self, qp: int, mr: int, test: str, size: int, iters: int, wait: float, warmup: int,
                       remote: dict[str, Any] | None, rx_slots: int, inline: bool) -> dict[str, Any]:
-        side = pingpong.Side("server", test, self._get(qp, QueuePair, "qp"), self._get(mr, MemoryRegion, "mr"),
-                             size, warmup, iters, wait, None if remote is None else RemoteRegion.from_dict(remote),
-                             rx_slots, inline)
-        await side.prepare()
+        queue_pair = self._get(qp, QueuePair, "qp")
+        if rx_slots > queue_pair.recv_queue.depth:
+            raise ValueError(f"pong: {rx_slots} receive slots exceed the QP's receive queue "
+                             f"({queue_pair.recv_queue.depth})")
+        side = pingpong.Side("server", test, queue_pair, self._get(mr, MemoryRegion, "mr"), size, warmup, iters, wait,
+                             None if remote is None else RemoteRegion.from_dict(remote), rx_slots, inline)
+        with anyio.fail_after(wait):  # posting the receives waits for room only as long as a ping may take
+            await side.prepare()
         pong = _Pong()
         self.tasks.start_soon(pong.run, side)
         return {"pong": self._add(pong, self.owner.get(qp))}
