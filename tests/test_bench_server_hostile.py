@@ -279,7 +279,8 @@ args_of = {
     "connect_qp": st.fixed_dictionaries({"qp": hostile_int, "peer": peer_info},
                                         optional={"mtu": hostile_int, "timeout": hostile_int,
                                                   "atomic": st.one_of(st.booleans(), hostile_int)}),
-    "lat_params": st.fixed_dictionaries({"test": st.sampled_from(["write", "read", "x"]), "size": hostile_int,
+    "lat_params": st.fixed_dictionaries({"test": st.sampled_from(["write", "read", "x", "write\x1b[2J\x1b[31m"]),
+                                         "size": st.one_of(hostile_int, st.just(2)),
                                          "mtu": hostile_int, "iters": hostile_int}),
     "pong": st.fixed_dictionaries({"qp": hostile_int, "mr": hostile_int, "test": st.sampled_from(["write", "send",
                                                                                                   "read"]),
@@ -466,6 +467,7 @@ def test_random_latency_exchanges_are_each_answered_and_the_lat_server_lives(lat
         if op in ("post", "bogus") or _mismatch(op, args):
             assert not answer["ok"] and (op != "post" or answer["error"]["type"] == "NotAllowed"), answer
     assert lat_server.process.poll() is None
+    assert "\x1b" not in lat_server.log.read_text() + lat_server.out.read_text()  # escaped, whatever it printed
 
 
 def test_after_hostile_clients_an_honest_lat_client_runs_verified(lat_server):
