@@ -244,20 +244,34 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         plot.require()  # before the run, not after it
     config = bench_config(args)
+    _, scale = bandwidth_unit(config.report_gbits)
+
+    def number(result: dict[str, Any]) -> str:  # --output bandwidth | message_rate
+        return f"{result['bw_MiBps'] * scale:.2f}" if args.output == "bandwidth" else f"{result['msg_rate'] / 1e6:.6f}"
+
+    result = await _perftest_command(args, config, run_bench, format_table, perftest_report, number)
+    if args.plot:  # (--server refuses --plot)
+        plot.plot_runs([result], args.plot, report_gbits=config.report_gbits)
+    return result
+
+
+async def _perftest_command(args: argparse.Namespace, config: Any, run: Callable[..., Awaitable[dict[str, Any]]],
+                            table: Callable[[dict[str, Any], Any], str],
+                            report: Callable[[dict[str, Any], Any], dict[str, Any]],
+                            number: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """bench's and lat's body: serve (--server), or run where asked, then print --output's one number or the table
+    (none with --json) and write --out_json's file with perftest's keys (`report`) besides ours."""
     config.progress = not args.json and args.output is None and sys.stderr.isatty()
     if args.server:
-        return await _serve(args, config, format_table)
-    result = await _run_where_asked(args, config, run_bench)
+        return await _serve(args, config, table)
+    result = await _run_where_asked(args, config, run)
     if args.output is not None and "error" not in result:
-        _, scale = bandwidth_unit(config.report_gbits)
-        print(f"{result['bw_MiBps'] * scale:.2f}" if args.output == "bandwidth" else f"{result['msg_rate'] / 1e6:.6f}")
+        print(number(result))
     elif not args.json:
-        print(format_table(result, config))
+        print(table(result, config))
     if args.json_file:
         with open(args.json_file, "w") as file:
-            json.dump({"ok": "error" not in result, **result, **perftest_report(result, config)}, file, indent=1)
-    if args.plot:
-        plot.plot_runs([result], args.plot, report_gbits=config.report_gbits)
+            json.dump({"ok": "error" not in result, **result, **report(result, config)}, file, indent=1)
     return result
 
 
@@ -357,19 +371,8 @@ def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
 
 async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
     config = lat_config(args)
-    config.progress = not args.json and args.output is None and sys.stderr.isatty()
-    if args.server:
-        return await _serve(args, config, format_latency_table)
-    result = await _run_where_asked(args, config, run_latency)
-    if args.output is not None and "error" not in result:
-        print(f"{result['t_avg_us'] * (config.cpu_mhz or 1):.2f}")  # perftest's --output latency: t_avg
-    elif not args.json:
-        print(format_latency_table(result, config))
-    if args.json_file:
-        with open(args.json_file, "w") as file:
-            json.dump({"ok": "error" not in result, **result, **perftest_latency_report(result, config)}, file,
-                      indent=1)
-    return result
+    return await _perftest_command(args, config, run_latency, format_latency_table, perftest_latency_report,
+                                   lambda result: f"{result['t_avg_us'] * (config.cpu_mhz or 1):.2f}")  # t_avg
 
 
 async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from .nic import NIC, PCI_ADDRESS, open_nic
 from .peer import pingpong
 from .peer.protocol import fill_pattern
 from .errors import BadOption
-from .queues import ALL_ACCESS, MemoryRegion, QueuePair
+from .queues import ALL_ACCESS, ATOMIC_ACCESS, MemoryRegion, QueuePair
 from .samples import FIELDS as LATENCY_FIELDS, summarize
 
 TESTS = perftest.TESTS
@@ -185,7 +185,6 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: An
     """The QP pair and regions of one size; with `peer`, the server's on `server_nic` there (a RemoteNIC).
     Distinct seeded payloads on the two sides, so a pong that carried the ping's bytes would not verify."""
     size, (rx_slots, span) = config.size, _shape(config)
-    outs = {} if config.outs is None else {"max_rd_atomic": config.outs}
     client_cq = await client_nic.create_cq(depth=256)
     client = await client_nic.create_qp(client_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                         max_inline_data=config.inline_size)
@@ -200,9 +199,10 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: An
         server = await server_nic.create_qp(server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                             max_inline_data=config.inline_size)
         if atomic:
-            await server.to_init(perftest.ATOMIC_ACCESS)
-        await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
-        server_mr = await server_nic.register_mr(span, perftest.ATOMIC_ACCESS if atomic else ALL_ACCESS)
+            await server.to_init(ATOMIC_ACCESS)
+        await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT,
+                             **perftest.outs(config))
+        server_mr = await server_nic.register_mr(span, ATOMIC_ACCESS if atomic else ALL_ACCESS)
         if atomic:
             server_mr.view[:size] = bytes(size)
         else:
@@ -217,13 +217,9 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: An
         server_mr = await peer.register_mr(server_nic, span, atomic=atomic)
         await peer.fill(server_mr, **({"byte": 0} if atomic else {"seed": config.seed * 7919 + 1}), length=size)
         info = server.info
-    await client.connect(info, mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **outs)
+    await client.connect(info, mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT,
+                         **perftest.outs(config))
     return _Pair(client, server, client_mr, server_mr, rx_slots, peer, server_cq)
-
-
-def _iteration(config: LatConfig, i: int) -> str:
-    return f"warm-up iteration {i + 1}/{config.warmup}" if i < config.warmup else \
-        f"iteration {i - config.warmup + 1}/{config.iters}"
 
 
 async def _run_pair(client: Callable[[], Awaitable[None]], server: Callable[[], Awaitable[None]]) -> None:
@@ -301,9 +297,9 @@ async def _one_sided_loop(config: LatConfig, pair: _Pair) -> list[float]:
             view = np.frombuffer(local.view, dtype=np.uint8, count=size)  # earlier ones brought
             np.bitwise_not(view, out=view)
         started = clock()
-        completion = await pingpong.bounded(post(i), seconds, f"client: {_iteration(config, i)}: no room to post "
+        completion = await pingpong.bounded(post(i), seconds, f"client: {pingpong.iteration(i, config.warmup, config.iters)}: no room to post "
                                                               f"{verb}")
-        await pingpong.bounded(completion, seconds, f"client: {_iteration(config, i)}: {verb} did not complete")
+        await pingpong.bounded(completion, seconds, f"client: {pingpong.iteration(i, config.warmup, config.iters)}: {verb} did not complete")
         if i >= config.warmup:
             samples.append((clock() - started) * 1e6)
     return samples
@@ -332,7 +328,7 @@ async def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: li
             return "the last RDMA READ's bytes at the client differ from the server's buffer"
         checks = [("client", pair.client, 0)]
     else:
-        landed = size if config.test == "write" else size * (1 + (total - 1) % pair.rx_slots)
+        landed = pingpong.landed(config.test, size, total, pair.rx_slots)
         if await pair.server_digest(landed, size) != hashlib.sha256(client[:size]).hexdigest():
             return "the last ping's bytes at the server differ from what the client sent"
         if hashlib.sha256(client[landed:landed + size]).hexdigest() != await pair.server_digest(0, size):

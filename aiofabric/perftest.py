@@ -36,7 +36,7 @@ from .hw.verbs import ROCE_OVERHEAD, path_mtu_for_port
 from .nic import NIC, PCI_ADDRESS, open_nic
 from .peer.protocol import fill_pattern
 from .errors import BadOption
-from .queues import ALL_ACCESS, Access, QueuePair
+from .queues import ALL_ACCESS, ATOMIC_ACCESS, QueuePair
 from .samples import percentile
 
 TESTS = ("write", "read", "send", "atomic")
@@ -45,7 +45,6 @@ ORDERED_TESTS = ("read", "atomic")  # tests whose requests take the QP's outstan
 ATOMIC_TYPES = ("FETCH_AND_ADD", "CMP_AND_SWAP")  # perftest's -A
 ATOMIC_SIZE = 8  # an atomic moves one 64-bit word
 NO_ORIGINAL = b"\xff" * ATOMIC_SIZE  # the local slots before the atomics: a value no run's counter reaches
-ATOMIC_ACCESS = ALL_ACCESS | Access.REMOTE_ATOMIC  # what an atomic's target region and responder QP allow
 # perftest's names in its banners
 TEST_TITLES = {"write": "RDMA_Write", "read": "RDMA_Read", "send": "Send", "atomic": "Atomic"}
 MTUS = (256, 512, 1024, 2048, 4096)
@@ -306,8 +305,8 @@ async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> 
         atomic = config.test == "atomic"
         if atomic:  # the responder's QP must allow remote atomics (INIT's access bits)
             await server.to_init(ATOMIC_ACCESS)
-        await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout, **_outs(config))
-        await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, **_outs(config))
+        await client.connect(server.info(), mtu=config.mtu, timeout=config.timeout, **outs(config))
+        await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, **outs(config))
         flow.source = await a.register_mr(span)
         flow.target = await b.register_mr(span, ATOMIC_ACCESS if atomic else ALL_ACCESS)
         if atomic:
@@ -322,8 +321,8 @@ async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> 
     return flows
 
 
-def _outs(config: BenchConfig) -> dict[str, int]:
-    """connect()'s keywords for -o: the QP's outstanding READ/atomic requests."""
+def outs(config: Any) -> dict[str, int]:
+    """connect()'s keywords for -o (bench's or lat's config): the QP's outstanding READ/atomic requests."""
     return {} if config.outs is None else {"max_rd_atomic": config.outs}
 
 
@@ -398,7 +397,7 @@ async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[
         server = await peer.create_qp(remote, remote_cq, sq_depth=config.depth,
                                       rq_depth=config.rx_depth or config.depth)
         atomic = config.test == "atomic"
-        await client.connect(server.info, mtu=config.mtu, timeout=config.timeout, **_outs(config))
+        await client.connect(server.info, mtu=config.mtu, timeout=config.timeout, **outs(config))
         await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout, atomic=atomic)
         source = await local.register_mr(config.used_bytes)
         target = await peer.register_mr(remote, config.used_bytes, atomic=atomic)
@@ -444,7 +443,7 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
     client, source = flow.client, flow.source
     write = functools.partial(client.post_write, inline=True) if inline else client.post_write
     one_sided = {"write": write, "read": client.post_read}.get(config.test)
-    swap = config.atomic_type == "CMP_AND_SWAP"
+    atomic, swap = config.test == "atomic", config.atomic_type == "CMP_AND_SWAP"
     while True:
         if deadline is not None and time.perf_counter() >= deadline or stop is not None and stop.is_set():
             limit = posted
@@ -473,7 +472,7 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
                 last = count - 1
                 for k in range(count):
                     slot = (posted + k) % slots * size
-                    if config.test == "atomic":  # operation n finds the counter at n: FA adds 1, CAS swaps n for n+1
+                    if atomic:  # operation n finds the counter at n: FA adds 1, CAS swaps n for n+1
                         n = posted + k
                         completion = await (client.post_compare_swap(source, target, n, n + 1, local_offset=slot,
                                                                      signaled=k == last) if swap else

@@ -146,8 +146,10 @@ def _refuse(parser: argparse.ArgumentParser, table: Sequence[tuple[tuple[str, ..
 def device(text: str) -> str:
     """-d/--ib-dev/--nic: 'sim', 'sim:NAME', a PCI address, or a network interface / RDMA device name (eth0,
     bnxt_re0) resolved through sysfs to its PCI function."""
-    if text == "sim" or text.startswith("sim:") or PCI_ADDRESS.fullmatch(text.lower()):
-        return text.lower() if PCI_ADDRESS.fullmatch(text.lower()) else text
+    if PCI_ADDRESS.fullmatch(text):
+        return text.lower()
+    if text == "sim" or text.startswith("sim:"):
+        return text
     if "/" not in text and text not in ("", ".", ".."):
         for root in SYSFS_CLASSES:
             function = os.path.basename(os.path.realpath(os.path.join(root, text, "device")))

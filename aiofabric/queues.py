@@ -66,6 +66,7 @@ class Access(enum.IntFlag):
 
 
 ALL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+ATOMIC_ACCESS = ALL_ACCESS | Access.REMOTE_ATOMIC  # a region or responder QP that atomics may also reach
 
 
 RECV_STATES = frozenset((QPState.INIT, QPState.RTR, QPState.RTS))  # where ibverbs accepts receives

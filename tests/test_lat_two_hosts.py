@@ -205,3 +205,39 @@ def test_inline_pongs_across_the_tcp_pair():
     finish(listener)
     result = last_json(client.stdout)
     assert client.returncode == 0 and result["ok"] and result["verified"], client.stderr[-2000:]
+
+
+@pytest.mark.anyio
+async def test_a_pong_closed_by_its_client_answers_its_waiter_and_frees_the_qp():
+    """Closing a running server half (cancelled from outside) answers the pong_wait in flight with why, and the QP
+    under it is usable again (closed, then destroyed, with no pong left holding it)."""
+    from aiofabric.peer import PeerError
+    from aiofabric.peer.policy import ServerPolicy
+    from aiofabric.peer.tcp import connect_tcp, serve_tcp
+    policy = ServerPolicy(tool="lat", expect={"test": "write", "size": 64, "mtu": 4096})
+    async with anyio.create_task_group() as tasks:
+        port = await tasks.start(lambda task_status: serve_tcp("127.0.0.1", 0, forever=True, policy=policy,
+                                                               task_status=task_status))
+        async with connect_tcp("127.0.0.1", port) as peer:
+            nic = await peer.open_nic()
+            cq = await peer.create_cq(nic)
+            qp = await peer.create_qp(nic, cq)
+            mr = await peer.register_mr(nic, 4096)
+            pong = (await peer.request("pong", qp=qp.handle, mr=mr.handle, test="write", size=64, iters=10,
+                                       wait=600.0, remote={"addr": 0, "rkey": 1}))["pong"]
+            errors = []
+
+            async def wait_for_it():
+                try:
+                    await peer.request("pong_wait", pong=pong, timeout=30)
+                except PeerError as exc:
+                    errors.append(str(exc))
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as waiting:
+                    waiting.start_soon(wait_for_it)
+                    await anyio.sleep(0.2)
+                    await peer.close(pong)
+            assert len(errors) == 1 and "closed before it ended" in errors[0], errors
+            await peer.close(qp.handle)  # nothing holds it any more
+            assert await peer.ping() > 0
+        tasks.cancel_scope.cancel()

@@ -101,3 +101,30 @@ def test_table_has_perftest_layout_and_an_ascii_histogram():
     assert sum(int(line.split(")")[1].split()[0]) for line in bars) == 3
     assert max(line.count("#") for line in bars) == 50
     assert "latency histogram" not in format_latency_table(result, dataclasses.replace(config, histogram=False))
+
+
+@pytest.mark.anyio
+async def test_two_runs_at_once_then_one_cancelled_from_outside_leaves_no_emulator():
+    """Two latency runs in one event loop each get their own NICs; a third, cancelled mid-run from outside, closes
+    its NICs on the way out (no emulator process of this driver is left)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import anyio
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ssh_servers import assert_no_leftovers
+
+    results = []
+
+    async def one(test):
+        results.append(await run_latency(LatConfig(test=test, iters=ITERS, size=64)))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(one, "write")
+        tasks.start_soon(one, "send")
+    assert len(results) == 2 and all(result["verified"] for result in results)
+    with anyio.move_on_after(1.5) as scope:  # 200000 iterations take far longer
+        await run_latency(LatConfig(test="write", iters=200_000))
+    assert scope.cancelled_caught
+    await assert_no_leftovers(drivers=[os.getpid()])

@@ -42,6 +42,17 @@ def stamp(view: memoryview, size: int, i: int) -> None:
     view[size - 1] = value(i)
 
 
+def iteration(i: int, warmup: int, iters: int) -> str:
+    """Message i's name in errors: a warm-up one or a measured one, counted from 1."""
+    return f"warm-up iteration {i + 1}/{warmup}" if i < warmup else f"iteration {i - warmup + 1}/{iters}"
+
+
+def landed(test: str, size: int, total: int, rx_slots: int) -> int:
+    """Where a side's last incoming message (of `total`) landed in its region: [size, 2*size) for WRITE, the
+    receive slot it used for SEND."""
+    return size if test == "write" else size * (1 + (total - 1) % rx_slots)
+
+
 async def bounded(awaitable: Awaitable[Any], seconds: float, what: str) -> Any:
     """`await awaitable`, or TimeoutError("<what> within N s") once `seconds` have passed."""
     with anyio.move_on_after(seconds):
@@ -82,8 +93,7 @@ class Side:
         return self.warmup + self.iters
 
     def iteration(self, i: int) -> str:
-        return f"warm-up iteration {i + 1}/{self.warmup}" if i < self.warmup else \
-            f"iteration {i - self.warmup + 1}/{self.iters}"
+        return iteration(i, self.warmup, self.iters)
 
     @property
     def other(self) -> str:
@@ -117,12 +127,6 @@ class Side:
                              f"{self.size}")
         if i + self.rx_slots < self.total:
             await self._post_recv(i + self.rx_slots)
-
-    def landed(self) -> int:
-        """Where the other side's last message landed in this side's region."""
-        if self.test == "write":
-            return self.size
-        return self.size * (1 + (self.total - 1) % self.rx_slots)
 
 
 async def poll_last_byte(view: memoryview, index: int, expected: int, qp: QueuePair, seconds: float,

@@ -29,7 +29,7 @@ import numpy
 
 from ..version import __version__
 from ..nic import NIC, DmaBudget, open_nic
-from ..queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
+from ..queues import ALL_ACCESS, ATOMIC_ACCESS, CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from . import pingpong, protocol
 from ..errors import LimitError, NotAllowed, ParameterMismatch, ProtocolError
 from .policy import ServerPolicy, unmapped
@@ -209,8 +209,7 @@ class Endpoint:
         return {"qp": self._add(qp, nic), "info": qp.info().to_dict()}
 
     async def op_register_mr(self, nic: int, size: int, atomic: bool) -> dict[str, Any]:
-        mr = await self._get(nic, NIC, "nic").register_mr(size, ALL_ACCESS | Access.REMOTE_ATOMIC if atomic
-                                                          else ALL_ACCESS)
+        mr = await self._get(nic, NIC, "nic").register_mr(size, ATOMIC_ACCESS if atomic else ALL_ACCESS)
         return {"mr": self._add(mr, nic), "region": mr.remote().to_dict()}
 
     def _range(self, mr: int, offset: int, length: int | None) -> memoryview:
@@ -239,7 +238,7 @@ class Endpoint:
         if self.policy is not None:
             self.policy.check_peer(peer["gid"], self.client_ip or "")
         if atomic:
-            await queue_pair.to_init(ALL_ACCESS | Access.REMOTE_ATOMIC)
+            await queue_pair.to_init(ATOMIC_ACCESS)
         await queue_pair.connect(QPInfo.from_dict(peer), mtu=mtu, timeout=timeout, retry_cnt=retry_cnt)
         return {"state": queue_pair.state.name}
 
