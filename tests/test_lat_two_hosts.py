@@ -1,6 +1,7 @@
 """`aiofabric lat` across two hosts: perftest's server/client over TCP (`lat --server` / `lat SERVER_HOST`) and the
 server side on a peer over SSH (`lat --peer`), the parameter exchange that refuses a mismatch on both sides, and
 what a hostile client can make a `lat --server` do."""
+import contextlib
 import json
 import socket
 import subprocess
@@ -10,7 +11,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from aiofabric.peer import protocol
+from aiofabric.peer import PeerError, protocol
+from aiofabric.peer.policy import ServerPolicy
+from aiofabric.peer.tcp import connect_tcp, serve_tcp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ssh_servers import assert_no_leftovers, server  # noqa: E402,F401 (server: a fixture)
@@ -143,25 +146,34 @@ def test_the_lat_profile_is_the_latency_exchange_only():
         protocol.check_args("pong", PONG, protocol.BENCH)
 
 
+@contextlib.asynccontextmanager
+async def lat_server(test="write", **serve_options):
+    """A `lat --server` in this process on 127.0.0.1 (test, 64 B, MTU 4096): its port."""
+    policy = ServerPolicy(tool="lat", expect={"test": test, "size": 64, "mtu": 4096})
+    async with anyio.create_task_group() as tasks:
+        yield await tasks.start(lambda task_status: serve_tcp("127.0.0.1", 0, forever=True, policy=policy,
+                                                              task_status=task_status, **serve_options))
+        tasks.cancel_scope.cancel()
+
+
+async def server_objects(peer, rq_depth=128, size=4096):
+    """A NIC, CQ, QP and MR opened by a client there: the QP's and MR's handles."""
+    nic = await peer.open_nic()
+    qp = await peer.create_qp(nic, await peer.create_cq(nic), rq_depth=rq_depth)
+    return qp.handle, (await peer.register_mr(nic, size)).handle
+
+
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_a_pong_left_running_by_a_client_that_vanishes_is_stopped():
     """A client starts a server half that would poll for pings for an hour, then disconnects: the server stops it
     and closes everything at once, and answers the next client."""
-    from aiofabric.peer.policy import ServerPolicy
-    from aiofabric.peer.tcp import connect_tcp, serve_tcp
-    policy = ServerPolicy(tool="lat", expect={"test": "write", "size": 64, "mtu": 4096})
     sessions = []
-    async with anyio.create_task_group() as tasks:
-        port = await tasks.start(lambda task_status: serve_tcp("127.0.0.1", 0, forever=True, policy=policy,
-                                                               on_session=sessions.append, task_status=task_status))
+    async with lat_server(on_session=sessions.append) as port:
         async with connect_tcp("127.0.0.1", port) as peer:
-            nic = await peer.open_nic()
-            cq = await peer.create_cq(nic)
-            qp = await peer.create_qp(nic, cq)
-            mr = await peer.register_mr(nic, 4096)
-            started = await peer.request("pong", qp=qp.handle, mr=mr.handle, test="write", size=64, iters=10,
-                                         wait=3600.0, remote={"addr": 0, "rkey": 1})
+            qp, mr = await server_objects(peer)
+            started = await peer.request("pong", qp=qp, mr=mr, test="write", size=64, iters=10, wait=3600.0,
+                                         remote={"addr": 0, "rkey": 1})
             assert started["pong"] > 0
         with anyio.fail_after(20):  # not the hour the pong would have waited
             while not sessions:
@@ -169,7 +181,6 @@ async def test_a_pong_left_running_by_a_client_that_vanishes_is_stopped():
         assert sessions[0]["objects_left"] == 0 and sessions[0]["outcome"] == "disconnected mid-run", sessions
         async with connect_tcp("127.0.0.1", port) as peer:  # the next client is served
             assert (await peer.request("lat_params", test="write", size=64, mtu=4096, iters=5))["size"] == 64
-        tasks.cancel_scope.cancel()
 
 
 @pytest.mark.anyio
@@ -177,24 +188,12 @@ async def test_a_pong_left_running_by_a_client_that_vanishes_is_stopped():
 async def test_a_pong_that_could_never_be_ready_is_refused_at_once_and_strange_names_never_reach_the_log(caplog):
     """More receive slots than the QP's receive queue holds would wait forever for room: refused, naming both. A
     test name with escape sequences is not a name."""
-    from aiofabric.peer import PeerError
-    from aiofabric.peer.policy import ServerPolicy
-    from aiofabric.peer.tcp import connect_tcp, serve_tcp
-    policy = ServerPolicy(tool="lat", expect={"test": "send", "size": 64, "mtu": 4096})
-    async with anyio.create_task_group() as tasks:
-        port = await tasks.start(lambda task_status: serve_tcp("127.0.0.1", 0, forever=True, policy=policy,
-                                                               task_status=task_status))
-        async with connect_tcp("127.0.0.1", port) as peer:
-            nic = await peer.open_nic()
-            cq = await peer.create_cq(nic)
-            qp = await peer.create_qp(nic, cq, rq_depth=16)
-            mr = await peer.register_mr(nic, 1 << 20)
-            with anyio.fail_after(10), pytest.raises(PeerError, match="4096 receive slots exceed the QP's receive"):
-                await peer.request("pong", qp=qp.handle, mr=mr.handle, test="send", size=64, iters=10, wait=600.0,
-                                   rx_slots=4096)
-            with pytest.raises((ValueError, PeerError), match="field 'test' must be a name"):  # checked here too
-                await peer.request("lat_params", test="write\x1b[2J", size=64, mtu=4096, iters=5)
-        tasks.cancel_scope.cancel()
+    async with lat_server("send") as port, connect_tcp("127.0.0.1", port) as peer:
+        qp, mr = await server_objects(peer, rq_depth=16, size=1 << 20)
+        with anyio.fail_after(10), pytest.raises(PeerError, match="4096 receive slots exceed the QP's receive"):
+            await peer.request("pong", qp=qp, mr=mr, test="send", size=64, iters=10, wait=600.0, rx_slots=4096)
+        with pytest.raises((ValueError, PeerError), match="field 'test' must be a name"):  # checked here too
+            await peer.request("lat_params", test="write\x1b[2J", size=64, mtu=4096, iters=5)
     assert "\x1b" not in caplog.text
 
 
@@ -211,33 +210,22 @@ def test_inline_pongs_across_the_tcp_pair():
 async def test_a_pong_closed_by_its_client_answers_its_waiter_and_frees_the_qp():
     """Closing a running server half (cancelled from outside) answers the pong_wait in flight with why, and the QP
     under it is usable again (closed, then destroyed, with no pong left holding it)."""
-    from aiofabric.peer import PeerError
-    from aiofabric.peer.policy import ServerPolicy
-    from aiofabric.peer.tcp import connect_tcp, serve_tcp
-    policy = ServerPolicy(tool="lat", expect={"test": "write", "size": 64, "mtu": 4096})
-    async with anyio.create_task_group() as tasks:
-        port = await tasks.start(lambda task_status: serve_tcp("127.0.0.1", 0, forever=True, policy=policy,
-                                                               task_status=task_status))
-        async with connect_tcp("127.0.0.1", port) as peer:
-            nic = await peer.open_nic()
-            cq = await peer.create_cq(nic)
-            qp = await peer.create_qp(nic, cq)
-            mr = await peer.register_mr(nic, 4096)
-            pong = (await peer.request("pong", qp=qp.handle, mr=mr.handle, test="write", size=64, iters=10,
-                                       wait=600.0, remote={"addr": 0, "rkey": 1}))["pong"]
-            errors = []
+    async with lat_server() as port, connect_tcp("127.0.0.1", port) as peer:
+        qp, mr = await server_objects(peer)
+        pong = (await peer.request("pong", qp=qp, mr=mr, test="write", size=64, iters=10, wait=600.0,
+                                   remote={"addr": 0, "rkey": 1}))["pong"]
+        errors = []
 
-            async def wait_for_it():
-                try:
-                    await peer.request("pong_wait", pong=pong, timeout=30)
-                except PeerError as exc:
-                    errors.append(str(exc))
-            with anyio.fail_after(20):
-                async with anyio.create_task_group() as waiting:
-                    waiting.start_soon(wait_for_it)
-                    await anyio.sleep(0.2)
-                    await peer.close(pong)
-            assert len(errors) == 1 and "closed before it ended" in errors[0], errors
-            await peer.close(qp.handle)  # nothing holds it any more
-            assert await peer.ping() > 0
-        tasks.cancel_scope.cancel()
+        async def wait_for_it():
+            try:
+                await peer.request("pong_wait", pong=pong, timeout=30)
+            except PeerError as exc:
+                errors.append(str(exc))
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as waiting:
+                waiting.start_soon(wait_for_it)
+                await anyio.sleep(0.2)
+                await peer.close(pong)
+        assert len(errors) == 1 and "closed before it ended" in errors[0], errors
+        await peer.close(qp)  # nothing holds it any more
+        assert await peer.ping() > 0
