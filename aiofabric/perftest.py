@@ -53,7 +53,9 @@ FULL_CHECK_BYTES = 64 << 20  # per NIC: up to this, every operation keeps its ow
 REGION_BYTES = 256 << 20  # at most this much buffer per QP when slots are reused (a larger message gets one slot)
 MAX_NICS = 16  # emulated NICs of one run: each is a process with its own sparse DMA arena
 MAX_SIZE = 1 << 30  # one message: source and target live in different NICs' 4 GiB DMA arenas
-SWEEP_PROBE = 64  # iterations per QP of the probe before a timed sweep's first size
+# a timed sweep's probe of its first size: 16 iterations per QP, then 4x as many until one run takes PROBE_SECONDS
+# (a short run is mostly filling the pipeline, and would make the size's estimate too slow)
+SWEEP_PROBE, SWEEP_PROBE_MAX, PROBE_SECONDS = 16, 4096, 0.1
 SWEEP_MIN_ITERS = 5  # perftest's least -n
 PEAK_SAMPLE = 0.05  # seconds between the samples of bytes done (the peak is the best tenth of the run)
 WARMUP_SHARE = 0.2  # with -D, this share of the time (at most 2 s) runs before measuring starts
@@ -649,8 +651,8 @@ async def run_bench(config: BenchConfig, nics: list[NIC] | None = None) -> dict[
 async def run_sizes(config: Any, sizes: list[int], run_one: Callable[[Any], Awaitable[dict[str, Any]]]
                     ) -> list[dict[str, Any]]:
     """`run_one(config for one size)` for each of `sizes` (bench's or lat's config): its rows. With
-    `config.sweep_seconds` (a sweep without -n or -D), a short probe of the first size and then iterations per size
-    chosen to run about that long (`sweep_iterations`); on a TTY (`config.progress`) each size and its iterations on
+    `config.sweep_seconds` (a sweep without -n or -D), a probe of the first size (growing until it runs
+    PROBE_SECONDS) and then iterations per size chosen to run about that long (`sweep_iterations`); on a TTY (`config.progress`) each size and its iterations on
     stderr."""
     timings: list[tuple[int, float]] = []  # (size, seconds per iteration) of the runs so far
     rows = []
@@ -661,9 +663,13 @@ async def run_sizes(config: Any, sizes: list[int], run_one: Callable[[Any], Awai
     for index, size in enumerate(sizes):
         sized = dataclasses.replace(config, size=size)
         if config.sweep_seconds is not None and not getattr(config, "duration", None):
-            if not timings:  # how long an iteration takes here
-                probe = dataclasses.replace(sized, iters=SWEEP_PROBE)
-                timings.append((size, per_iteration(probe, await run_one(probe))))
+            iters = SWEEP_PROBE
+            while not timings:  # how long an iteration takes here
+                probe = dataclasses.replace(sized, iters=iters)
+                row = await run_one(probe)
+                if row["seconds"] >= PROBE_SECONDS or iters >= SWEEP_PROBE_MAX:
+                    timings.append((size, per_iteration(probe, row)))
+                iters *= 4
             sized.iters = sweep_iterations(timings, size, config.sweep_seconds)
         if config.progress and len(sizes) > 1:
             print(f"\r  size {size} ({index + 1}/{len(sizes)}): {sized.iters} iterations   ", end="",
