@@ -597,6 +597,7 @@ def build_parser() -> Parser:
     group.add_argument("--factor", type=int, default=2, help="sweep step: each size is the last times this (2)")
     group.add_argument("--nics", type=int, default=2, help="emulated NICs, paired up (default 2)")
     _add_wire_flags(group)
+    _add_emulator_flag(group, shared=False)
     group.add_argument("--inject-fault", metavar="KIND[:N[:OFFSET]]",
                        help="make the server NICs misbehave, to see verification fail: skip_placement (ACK the next "
                             "N writes without placing them) or misplace (place them OFFSET bytes off; default 64)")
@@ -617,6 +618,7 @@ def build_parser() -> Parser:
     group = _add_two_host_flags(lat)
     group.add_argument("--warmup", type=int, default=8, help="iterations run first and not measured (default 8)")
     _add_wire_flags(group)
+    _add_emulator_flag(group, shared=True)
     _add_peer_flags(group)
     _add_server_limits(lat)
     group.add_argument("--json", action="store_true", help="print one JSON object")
@@ -726,6 +728,15 @@ def _add_wire_flags(parser: Any) -> None:
                             help=f"probability of {fault} per packet on the emulated wire")
     parser.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
     parser.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC N: FILE.N)")
+
+
+def _add_emulator_flag(group: Any, shared: bool) -> None:
+    """Whether this host's emulated NICs share one emulator process (bench: no, for parallel NICs; lat: yes, so a
+    packet between them costs no process wake-up; see the README)."""
+    group.add_argument("--shared-emulator", action=argparse.BooleanOptionalAction, default=shared,
+                       help="run this host's emulated NICs in one emulator process: a packet between them wakes no "
+                            "other process, but they share its CPU time (default: "
+                            f"{'yes, for latency' if shared else 'no, a process per NIC runs them in parallel'})")
 
 
 def _add_server_limits(parser: argparse.ArgumentParser) -> None:

@@ -76,6 +76,7 @@ class LatConfig:
     warmup: int = WARMUP  # iterations before the measured ones, excluded from the numbers
     wait: float | None = None  # seconds one iteration may take before TimeoutError; None: wait_seconds decides
     pcap: str | None = None  # capture NIC 0's packets in FILE and NIC 1's in FILE.1
+    shared_emulator: bool = True  # both emulated NICs in one emulator process: a hop wakes one process, not two
     inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]" on the server NIC (perftest.FAULT_KINDS)
     nic: str = "sim"  # "sim" or "sim:NAME": two emulated NICs; a PCI address: both ends on it, in PHY loopback
     ip: str | None = None  # NIC 0's IPv4 address
@@ -143,7 +144,8 @@ class LatConfig:
         """The same NICs as `bench` with these options boots (perftest's helpers take a BenchConfig)."""
         return perftest.BenchConfig(test=self.test, qps=1, size=self.size, iters=self.iters, depth=SQ_DEPTH, nics=2,
                                     mtu=self.mtu, loss=self.loss, reorder=self.reorder, dup=self.dup,
-                                    corrupt=self.corrupt, seed=self.seed, pcap=self.pcap, timeout=self.timeout,
+                                    corrupt=self.corrupt, seed=self.seed, pcap=self.pcap,
+                                    shared_emulator=self.shared_emulator, timeout=self.timeout,
                                     inject_fault=self.inject_fault, nic=self.nic, ip=self.ip, events=self.events,
                                     inline_size=self.inline_size, outs=self.outs, gid_index=self.gid_index,
                                     atomic_type=self.atomic_type, sizes=self.sizes)
@@ -462,13 +464,14 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
                   for nic in (client_nic, server_nic)]
         mismatch = await _verify(config, pair, server_digest, placed)
         wire = perftest.wire_delta(before, await perftest.wire_counters(here), WIRE_COUNTERS)
+        processes = await perftest.emulator_processes(here)
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
             await _release(pair)
     return {
         **summarize(samples), "iters": len(samples), "iterations": len(samples), "size": config.size,
         "test": config.test, "mtu": config.mtu, "warmup": config.warmup, "verified": mismatch is None,
-        "verification": _verification(config, placed),
+        "verification": _verification(config, placed), "emulator_processes": processes,
         "latency": "one-way (RTT/2)" if config.test in pingpong.TESTS else f"{config.test.upper()} completion",
         "seconds": seconds, **wire, "fw_version": client_nic.info()["fw_version"],
         **({"remote_host": config.remote.host} if config.remote is not None else {}),

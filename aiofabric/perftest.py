@@ -83,6 +83,7 @@ class BenchConfig:
     corrupt: float = 0.0
     seed: int = 0
     pcap: str | None = None
+    shared_emulator: bool = False  # the local emulated NICs in one emulator process (SimPCIDevice's `process`)
     timeout: int = 14  # QP local ACK timeout: 4.096 us * 2^timeout (perftest's default); 0 waits forever, as in IB
     inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]": an emulator bug on the servers, to see verify fail
     sizes: list[int] | None = None  # a sweep (-a, --min-size/--max-size/--factor): one row per size
@@ -278,6 +279,8 @@ async def open_bench_nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
                 nics.append(await stack.enter_async_context(open_nic(config.nic, ip=config.ip)))
                 continue
             options = _faults(config, seed=i)
+            if config.shared_emulator:
+                options["process"] = "bench"  # one per driver process (and network namespace)
             if config.pcap:
                 options["pcap"] = config.pcap if i == 0 else f"{config.pcap}.{i}"  # NIC N>0: FILE.N
             name = config.nic.partition(":")[2] or f"bench{os.getpid()}"
@@ -367,6 +370,14 @@ async def wire_counters(nics: Iterable[NIC]) -> list[collections.Counter[str]] |
     if None in clients:
         return None
     return [await client.stats() for client in clients]
+
+
+async def emulator_processes(nics: Iterable[NIC]) -> int | None:
+    """How many emulator processes run `nics` (--shared-emulator: one), or None when one of them is not emulated."""
+    clients = [nic.pci.debug_client() for nic in nics]
+    if None in clients:
+        return None
+    return len({(await client.ping()).pid for client in clients})
 
 
 def wire_delta(before: list[collections.Counter[str]] | None, after: list[collections.Counter[str]] | None,
@@ -720,6 +731,7 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         placed = {nic.pci: await placement_counts(nic) for nic in nics}
         mismatch = await _verify(config, flows, placed)
         wire = wire_delta(before, await wire_counters(nics))
+        processes = await emulator_processes(nics)
     ops = sum(flow.done for flow in flows)
     measured_ops, seconds = ops, ended - started
     if config.duration and sampler.samples:  # measure from the end of the warm-up
@@ -735,7 +747,7 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         "duration": config.duration, "warmup_seconds": warmup, "depth": config.depth, "post_list": config.post_list,
         "cq_mod": config.cq_mod or (config.post_list if config.post_list > 1 else max(1, config.depth // 2)),
         "inline_size": config.inline_size, "events": config.events, "mtu": config.mtu, "nics": config.nics,
-        "ops": ops, "measured_ops": measured_ops, "bytes": ops * config.size, "seconds": seconds,
+        "emulator_processes": processes, "ops": ops, "measured_ops": measured_ops, "bytes": ops * config.size, "seconds": seconds,
         "msg_rate": measured_ops / seconds, "bw_MiBps": bandwidth / 2**20, "bw_peak_MiBps": peak / 2**20,
         "bw_Gbps": bandwidth * 8 / 1e9,
         "lat_us": {"p50": percentile(latencies, 50) * 1e6, "p99": percentile(latencies, 99) * 1e6},

@@ -25,6 +25,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ..autogen import bnxt
@@ -58,8 +59,12 @@ NUM_VECTORS = 8
 START_TIMEOUT = 20.0
 FAULTS = ("loss", "dup", "reorder", "corrupt")
 TRANSPORTS = ("udp", "raw")
-# Every option the emulator reads (process.py), plus netns, which places the process.
-OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "netns", "port_mtu", "profile")
+# Every option the emulator reads (process.py), plus netns and process, which place the NIC's process.
+OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "netns", "port_mtu", "profile",
+           "process")
+PLACEMENT = ("netns", "process")  # options the driver side keeps
+ATTACH_FDS = ("bar0_fd", "arena_fd", "kick_fd", "debug_fd")  # an attach message's descriptors, then the MSI-X ones
+CONTROL_MESSAGE = 1 << 16  # the largest attach message
 NETNS_DIR = "/run/netns"  # where `ip netns add` puts its namespaces
 
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
@@ -141,10 +146,81 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"mac={mac!r}: expected six hex bytes like 02:0a:f0:00:00:01") from None
     if "pcap" in options:
         options["pcap"] = os.fspath(options["pcap"])
-    for name in ("pcap", "netns"):
+    for name in ("pcap", "netns", "process"):
         if name in options and not isinstance(options[name], str):
             raise ValueError(f"{name}={options[name]!r}: must be a string")
     return options
+
+
+class EmulatorProcess:
+    """An emulator process (process.py) and its control socket: NICs attach to it, and it exits once the last one
+    has closed and `release()` has closed the control socket.
+
+    `shared(name, netns)` is the one process of that name (and namespace) in this driver process: every SimPCIDevice
+    opened with the option process=name attaches to it while it has NICs. Otherwise each NIC gets its own."""
+
+    _shared: dict[tuple[str, str | None], EmulatorProcess] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, label: str, netns: str | None = None, key: tuple[str, str | None] | None = None) -> None:
+        self.key, self.users = key, 0
+        self.control, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        config = {"control_fd": peer.fileno(), "driver_pid": os.getpid(), "label": label}
+        try:
+            self.popen = subprocess.Popen(
+                [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", "aiofabric.sim.process",
+                 json.dumps(config)], pass_fds=[peer.fileno()], stdin=subprocess.DEVNULL)
+        except BaseException:
+            self.control.close()
+            raise
+        finally:
+            peer.close()
+
+    @classmethod
+    def acquire(cls, label: str, netns: str | None, name: str | None) -> EmulatorProcess:
+        """A process for one more NIC: the shared one called `name` (started if it is not running), or a new one."""
+        if name is None:
+            process = cls(label, netns)
+            process.users = 1
+            return process
+        with cls._lock:
+            key = (name, netns)
+            process = cls._shared.get(key)
+            if process is None or process.popen.poll() is not None:
+                process = cls._shared[key] = cls(name, netns, key)
+            process.users += 1
+            return process
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def attach(self, config: dict[str, Any], fds: list[int]) -> None:
+        """Send a NIC's config and descriptors (config["fds"] names their places in `fds`); OSError if the process
+        is gone."""
+        socket.send_fds(self.control, [json.dumps(config).encode()], fds)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout=timeout)
+
+    def release(self) -> None:
+        """One NIC fewer. After the last one the control socket closes and the process is waited for (killed if it
+        has not exited within 2 s)."""
+        with self._lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            if self.key is not None and self._shared.get(self.key) is self:
+                del self._shared[self.key]
+            self.control.close()
+        try:
+            self.popen.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
 
 
 class SimBar(Bar):
@@ -234,17 +310,16 @@ class SimPCIDevice(PCIDevice):
         self._config = bytearray(256)
         struct.pack_into("<HH", self._config, PCI_VENDOR_ID, BROADCOM_VENDOR_ID,
                          PROFILES[options.get("profile", DEFAULT_PROFILE)].chip_num)
-        config = {"name": name, "bar0_fd": self._bar0_fd, "arena_fd": self._arena_fd, "kick_fd": kick_peer.fileno(),
-                  "debug_fd": debug_peer.fileno(), "irq_fds": self._irqs, "driver_pid": os.getpid(), **options}
+        fds = [self._bar0_fd, self._arena_fd, kick_peer.fileno(), debug_peer.fileno(), *self._irqs]
+        config = {"name": name, "fds": {**{key: i for i, key in enumerate(ATTACH_FDS)},
+                                        "irq_fds": list(range(len(ATTACH_FDS), len(fds)))},
+                  **{key: value for key, value in options.items() if key not in PLACEMENT}}
         self._bars = {0: SimBar(0, self._bar0_mem, BAR0_SIZE, self._kick, BAR0_KICK_FROM),
                       2: SimBar(2, None, BAR2_SIZE, self._kick, 0)}
         try:
-            self.process = subprocess.Popen(
-                [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", "aiofabric.sim.process",
-                 json.dumps(config)],
-                pass_fds=[self._bar0_fd, self._arena_fd, kick_peer.fileno(), debug_peer.fileno(), *self._irqs],
-                stdin=subprocess.DEVNULL)
-        except BaseException:  # no process: close() releases the rest
+            self.process = EmulatorProcess.acquire(name, netns, options.get("process"))
+            self.process.attach(config, fds)
+        except BaseException:  # close() releases the rest (and the process, if there is one)
             self._closed = False
             self.close()
             raise
@@ -374,13 +449,9 @@ class SimPCIDevice(PCIDevice):
         self._debug_file.close()  # a makefile holds the socket's descriptor open past socket.close()
         self._kick.close()  # EOF tells the emulator to exit
         self._debug.close()
-        process: subprocess.Popen[bytes] | None = getattr(self, "process", None)  # unset if it never started
+        process: EmulatorProcess | None = getattr(self, "process", None)  # unset if it never started
         if process is not None:
-            try:
-                process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            process.release()
         for fd in self._irqs:
             os.close(fd)
         for buffer in self._live.values():  # the driver's own views first; callers' slices are handled by _unmap

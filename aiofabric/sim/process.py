@@ -1,14 +1,21 @@
-"""The emulated NIC's process: the I/O shell around the sans-IO firmware and data path.
+"""The emulated NICs' process: the I/O shell around the sans-IO firmware and data path.
 
-Started by `SimPCIDevice` as `python -m aiofabric.sim.process CONFIG_JSON`. It reads MMIO kicks in order, runs
-firmware commands one at a time at the configured latency, writes responses into host memory, runs the RoCE data
-path (datapath.py) between doorbells, the wire and its timers, and fires MSI-X eventfds. It blocks in select() when
-there is nothing to do (it never spins: on a machine with fewer cores than busy processes, polling costs the driver
-and the other NIC more than it saves), and runs as SCHED_BATCH so that its wake-ups do not preempt them either. It
-exits when the driver closes the kick socket, or when the driver process exits (a pidfd in the selector).
+Started by `SimPCIDevice` (host.py `EmulatorProcess`) as `python -m aiofabric.sim.process '{"control_fd": ...,
+"driver_pid": ..., "label": ...}'`. It serves one NIC, or several that the driver opened with the same `process`
+option: each comes as an attach message on the control socket (its config as JSON, its descriptors alongside). For
+each NIC it reads MMIO kicks in order, runs firmware commands one at a time at the configured latency, writes
+responses into host memory, runs the RoCE data path (datapath.py) between doorbells, the wire and its timers, and
+fires MSI-X eventfds. It blocks in select() when there is nothing to do (it never spins: on a machine with fewer
+cores than busy processes, polling costs the driver and the other NICs more than it saves), and runs as SCHED_BATCH
+so that its wake-ups do not preempt them either. A NIC goes when the driver closes its kick socket; the process when
+the control socket has closed and no NIC is left, or when the driver process exits (a pidfd in the selector).
 
-Start-up: before serving, the emulator writes exactly one line on the debug socket: {"ready": true, "ip": ..., "pid":
-...} or {"error": "<why, in one line>"} (then it exits with status 1). SimPCIDevice waits for that line.
+NICs sharing a process share its CPU time, and a packet between two of them costs no process wake-up: the sender's
+sendmmsg makes the receiver's socket readable and the same loop reads it next (bench/RESULTS.md, "one emulator
+process"). On a machine with cores to spare, one process per NIC (the default) runs them in parallel.
+
+Start-up: before serving, each NIC writes exactly one line on its debug socket: {"ready": true, "ip": ..., "pid":
+...} or {"error": "<why, in one line>"} (its descriptors are then closed). SimPCIDevice waits for that line.
 
 Config keys (JSON): name, bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds, driver_pid (from SimPCIDevice); mac;
 fw_latency_us; ip (the NIC's IPv4 address; when null the emulator binds the first free 127.0.0.x from a pid-derived
@@ -45,8 +52,10 @@ dropped_link_down and dropped_oversize.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import gc
 import json
 import logging
 import mmap
@@ -56,6 +65,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any, Callable
 
 from ..autogen import bnxt
 from ..hw.firmware import CMDQ_INIT, HWRM_VECTOR
@@ -63,7 +73,8 @@ from ..pci import PCI_COMMAND_MASTER
 from .datapath import Datapath
 from .function import FirmwareConfig
 from .freed import FreedMemory
-from .host import CONFIG_SPACE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, PUNCHED
+from .host import (ATTACH_FDS, CONFIG_SPACE, CONTROL_MESSAGE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, NUM_VECTORS,
+                   PUNCHED)
 from .hwrm import Firmware
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .pcap import PcapWriter
@@ -136,17 +147,32 @@ def watch_driver(driver_pid: int) -> int | None:
 
 
 class Emulator:
-    def __init__(self, config: dict, debug: socket.socket, driver_fd: int | None = None) -> None:
+    """One emulated NIC: its firmware, data path and wire, and the descriptors the driver shares with it (`config`
+    names them: BAR0 and the DMA arena, mapped here; the kick, debug and MSI-X descriptors, owned from here on)."""
+
+    def __init__(self, config: dict, debug: socket.socket) -> None:
         self.name = config["name"]
-        self.bar0_map = mmap.mmap(config["bar0_fd"], BAR0_SIZE)
-        self.arena_map = mmap.mmap(config["arena_fd"], ARENA_SIZE)
+        self.debug = debug  # the loop's: it answers there whether this NIC starts or not, and closes it
+        self.irq_fds: list[int] = config["irq_fds"]
+        self.kick = socket.socket(fileno=config["kick_fd"])
+        self.pcap: PcapWriter | None = None
+        self.wire: Transport | None = None
+        try:
+            try:
+                self.bar0_map = mmap.mmap(config["bar0_fd"], BAR0_SIZE)
+                self.arena_map = mmap.mmap(config["arena_fd"], ARENA_SIZE)
+            finally:
+                for name in ("bar0_fd", "arena_fd"):
+                    os.close(config[name])  # a map holds its own descriptor
+            self._start(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: dict) -> None:
         self.bar0 = memoryview(self.bar0_map)
         self.mem = BusMemory(self.arena_map)
         self.freed = FreedMemory(self.arena_map)
-        self.kick = socket.socket(fileno=config["kick_fd"])
-        self.debug = debug
-        self.driver_fd = driver_fd
-        self.irq_fds: list[int] = config["irq_fds"]
         mac = bytes.fromhex(config["mac"].replace(":", "")) if config.get("mac") else mac_for(self.name)
         self.fw = Firmware(self.mem, FirmwareConfig(mac=mac, profile=PROFILES[config.get("profile", DEFAULT_PROFILE)]))
         self.fw.port.mtu = config.get("port_mtu", DEFAULT_PORT_MTU)
@@ -162,8 +188,6 @@ class Emulator:
         self.wire_readable = False  # select() said so since service() last looked
         faults = {name: config.get(name, 0.0) for name in ("loss", "dup", "reorder", "corrupt")}
         Faults(**faults)  # a bad probability fails here, before anything is opened
-        self.pcap: PcapWriter | None = None
-        self.wire: Transport | None = None
         if config.get("pcap"):
             try:
                 self.pcap = PcapWriter(config["pcap"])
@@ -179,48 +203,47 @@ class Emulator:
                 self.wire = open_on_free_loopback(kind, LOOPBACK_HOSTS.start + os.getpid() % len(LOOPBACK_HOSTS),
                                                   **wire_options)
         except OSError as exc:
-            self.close()
             raise StartupError(f"cannot open the {kind} transport: {exc.strerror or exc}") from exc
-        except BaseException:
-            self.close()
-            raise
         self.ip = self.wire.ip
         self.window_qps = 0  # the QP count the receive buffer was last sized for
         self.datapath = Datapath(self.fw, self.ip)
         self.loopback = open_transport("loopback", self.ip, pcap=self.pcap, faults=Faults(**faults, seed=seed))
 
-    # -- main loop -------------------------------------------------------------------------------------------------
-    def run(self) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(self.kick, selectors.EVENT_READ, self.on_kick)
-        selector.register(self.debug, selectors.EVENT_READ, self.on_debug)
-        if self.driver_fd is not None:
-            selector.register(self.driver_fd, selectors.EVENT_READ, self.on_driver_exit)
+    # -- the process's loop calls these ------------------------------------------------------------------------------
+    def descriptors(self) -> list[tuple[Any, Callable[[], None]]]:
+        """What the loop watches for this NIC, and what to call when it is readable (the wire only says so: service()
+        reads it)."""
+        watched: list[tuple[Any, Callable[[], None]]] = [(self.kick, self.on_kick), (self.debug, self.on_debug)]
         wire_fd = self.wire.fileno() if self.wire is not None else None
         if wire_fd is not None:
-            selector.register(wire_fd, selectors.EVENT_READ, self.on_wire)  # service() reads it
-        try:
-            while self.running:
-                for key, _ in selector.select(self.timeout()):
-                    key.data()
-                    if not self.running:
-                        break
-                self.run_rcfw()
-                self.size_receive_window()
-                self.service()
-                self.fire_interrupts()
-        finally:
-            self.close()
+            watched.append((wire_fd, self.on_wire))
+        return watched
+
+    def step(self) -> None:
+        """Everything the last events and the timers due asked for: RoCE commands, doorbells, packets, interrupts."""
+        self.run_rcfw()
+        self.size_receive_window()
+        self.service()
+        self.fire_interrupts()
 
     def close(self) -> None:
+        """Release the NIC's transports, maps and descriptors but the debug socket (the emulator process may serve
+        other NICs on). Views of the maps that data-path objects still hold keep their pages until collected."""
         for transport in (self.wire, getattr(self, "loopback", None)):
             if transport is not None:
                 transport.close()
         if self.pcap is not None:
             self.pcap.close()
-
-    def on_driver_exit(self) -> None:
-        self.running = False  # the driver process is gone: no one will ever close the device
+        self.kick.close()
+        for fd in self.irq_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.irq_fds = []
+        if hasattr(self, "bar0"):
+            self.bar0.release()
+        for name in ("bar0_map", "arena_map"):
+            with contextlib.suppress(AttributeError, BufferError):
+                getattr(self, name).close()
 
     # -- data path -------------------------------------------------------------------------------------------------
     @property
@@ -235,12 +258,12 @@ class Emulator:
         all while the loopback holds packets (no descriptor announces them)."""
         if self.loopback.pending:
             return 0.0
-        candidates = [self.datapath.next_deadline()]
-        candidates += [transport.flush_deadline for transport in (self.wire, self.loopback) if transport is not None]
-        deadlines = [d for d in candidates if d is not None]
-        if not deadlines:
-            return None
-        return max(0.0, min(deadlines) - time.monotonic())
+        deadline = self.datapath.next_deadline()
+        for transport in (self.wire, self.loopback):
+            held = transport.flush_deadline if transport is not None else None
+            if held is not None and (deadline is None or held < deadline):
+                deadline = held
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def size_receive_window(self) -> None:
         """Grow the wire's receive buffer with the number of QPs, so that their windows in flight fit in it."""
@@ -258,9 +281,9 @@ class Emulator:
         The wire is read when select() found it readable and then every round while the pass keeps moving packets
         (more arrive meanwhile); a wake-up for doorbells alone costs no empty receive.
         """
-        dp, port = self.datapath, self.port
-        transports = [t for t in (self.wire, self.loopback) if t is not None]
-        wire_idle = not self.wire_readable and self.wire is not None and self.wire.fileno() is not None
+        dp, port, wire, loopback = self.datapath, self.port, self.wire, self.loopback
+        transports = [t for t in (wire, loopback) if t is not None]
+        wire_idle = not self.wire_readable and wire is not None and wire.fileno() is not None
         self.wire_readable = False
         if not self.bus_master:  # no DMA: arrivals are dropped, and nothing is placed, posted or completed
             for transport in transports:
@@ -271,14 +294,15 @@ class Emulator:
         while True:
             now = time.monotonic()
             dp.doorbells(now)
-            moved = 0
+            received = 0
             backlog = False
             for transport in transports:
-                if wire_idle and transport is self.wire:
+                # the wire when select() found it readable or packets are flowing; the PHY loopback when it holds some
+                if wire_idle if transport is wire else not loopback.pending:
                     continue
                 packets = transport.receive(RX_BUDGET)
                 if packets:
-                    moved += len(packets)
+                    received += len(packets)
                     backlog |= len(packets) == RX_BUDGET
                     # before the next receive(), which may reuse the packets' buffers
                     dp.receive(self.fw.port.carried(packets), now)
@@ -289,9 +313,10 @@ class Emulator:
             dp.pump(now, TX_BUDGET)
             outbox = dp.take_outbox()
             if outbox:
-                moved += len(outbox)
                 port.send_all(self.fw.port.carried(outbox))
-            if not moved or now > until:
+            # Another round only while packets arrive or wait to be sent: after a send alone, select() says whether
+            # anything came meanwhile, and the loop moves on to other NICs of this process (the receiver, often).
+            if not received and not dp.ready or now > until:
                 break
             wire_idle = False
         for transport in transports:
@@ -469,6 +494,105 @@ class Emulator:
         raise ValueError(f"unknown debug op {op!r}")
 
 
+class EmulatorLoop:
+    """The emulator process: one loop serving every NIC the driver attached to it. Each attach is one message on the
+    control socket (ATTACH_FDS: a NIC's config as JSON, its descriptors alongside); the NIC answers on its debug
+    socket, ready or why not. A NIC goes when its kick socket closes; the process, once the control socket has
+    closed and no NIC is left, or as soon as the driver process exits (its pidfd)."""
+
+    def __init__(self, control: socket.socket, driver_fd: int | None) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.control: socket.socket | None = control
+        self.emulators: dict[Emulator, list[Any]] = {}  # each NIC and the descriptors watched for it
+        self.driver_gone = False
+        self.selector.register(control, selectors.EVENT_READ, (None, self.on_control))
+        if driver_fd is not None:
+            self.selector.register(driver_fd, selectors.EVENT_READ, (None, self.on_driver_exit))
+
+    def run(self) -> None:
+        try:
+            while not self.driver_gone and (self.control is not None or self.emulators):
+                if self.iteration():  # a NIC left: its maps go once the cycles holding views of them do, now
+                    gc.collect()
+        finally:
+            for emulator in list(self.emulators):
+                self.remove(emulator)
+
+    def iteration(self) -> bool:
+        """Wait for events or the next timer, then step the NICs they concern; whether a NIC left."""
+        timeouts = {emulator: emulator.timeout() for emulator in self.emulators}
+        waits = [t for t in timeouts.values() if t is not None]
+        started = time.monotonic()
+        events = self.selector.select(min(waits) if waits else None)
+        touched = set()
+        for key, _ in events:
+            owner, handler = key.data
+            if owner is None or owner.running:
+                handler()
+                touched.add(owner)
+        elapsed = time.monotonic() - started
+        removed = False
+        for emulator, timeout in timeouts.items():  # a NIC attached just now starts on its first event
+            if emulator.running and (emulator in touched or timeout is not None and timeout <= elapsed):
+                emulator.step()
+            if not emulator.running:
+                self.remove(emulator)
+                removed = True
+        return removed
+
+    def on_driver_exit(self) -> None:
+        self.driver_gone = True  # the driver process is gone: no one will ever close its devices
+
+    def on_control(self) -> None:
+        assert self.control is not None
+        message, fds, flags, _ = socket.recv_fds(self.control, CONTROL_MESSAGE, len(ATTACH_FDS) + NUM_VECTORS)
+        if not message and not fds:  # the driver will attach no more NICs
+            self.selector.unregister(self.control)
+            self.control.close()
+            self.control = None
+            return
+        try:
+            config = json.loads(message)
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                raise ValueError("the attach message was cut short")
+            for name, index in config["fds"].items():
+                config[name] = [fds[i] for i in index] if isinstance(index, list) else fds[index]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:  # not from our driver: drop it and its fds
+            logging.getLogger("aiofabric.sim").warning("bad attach message: %s", exc)
+            for fd in fds:
+                os.close(fd)
+            return
+        self.attach(config)
+
+    def attach(self, config: dict) -> None:
+        debug = socket.socket(fileno=config["debug_fd"])
+        try:
+            emulator = Emulator(config, debug)  # owns the other descriptors, closed if it cannot start
+        except Exception as exc:  # the driver raises this reason; nothing else needs to see a traceback
+            logging.getLogger("aiofabric.sim").debug("start-up of %s failed", config.get("name"), exc_info=True)
+            with contextlib.suppress(OSError):
+                debug.sendall(json.dumps({"error": _one_line(exc)}).encode() + b"\n")
+            debug.close()
+            return
+        try:
+            debug.sendall(json.dumps({"ready": True, "ip": emulator.ip, "pid": os.getpid()}).encode() + b"\n")
+        except OSError:  # the driver gave up waiting
+            emulator.close()
+            debug.close()
+            return
+        watched = []
+        for fileobj, handler in emulator.descriptors():
+            self.selector.register(fileobj, selectors.EVENT_READ, (emulator, handler))
+            watched.append(fileobj)
+        self.emulators[emulator] = watched
+
+    def remove(self, emulator: Emulator) -> None:
+        for fileobj in self.emulators.pop(emulator, []):
+            self.selector.unregister(fileobj)
+        emulator.close()
+        emulator.debug.close()
+
+
 def _batch_scheduling() -> None:
     """SCHED_BATCH: when a packet or a doorbell wakes the emulator, it does not preempt the process on that CPU (the
     driver, or the other end's emulator) but waits for an idle CPU or the end of that slice, as a device with its own
@@ -496,23 +620,18 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("AIOFABRIC_SIM_LOG", "WARNING"), stream=sys.stderr,
                         format="sim %(name)s: %(message)s")
     config = json.loads(sys.argv[1])
-    debug = socket.socket(fileno=config["debug_fd"])
+    control = socket.socket(fileno=config["control_fd"])
     try:
-        emulator = Emulator(config, debug, watch_driver(config["driver_pid"]))
+        loop = EmulatorLoop(control, watch_driver(config["driver_pid"]))
     except DriverGone:
         return
-    except Exception as exc:  # the driver raises this reason; nothing else needs to see a traceback
-        logging.getLogger("aiofabric.sim").debug("start-up failed", exc_info=True)
-        debug.sendall(json.dumps({"error": _one_line(exc)}).encode() + b"\n")
-        sys.exit(1)
-    debug.sendall(json.dumps({"ready": True, "ip": emulator.ip, "pid": os.getpid()}).encode() + b"\n")
     profile = os.environ.get("AIOFABRIC_SIM_PROFILE")  # a path: cProfile the emulator, dump stats there at exit
     if profile:
         import cProfile
-        cProfile.runctx("emulator.run()", globals(), {"emulator": emulator},
-                        profile.replace("%p", str(os.getpid())).replace("%n", emulator.name))
+        cProfile.runctx("loop.run()", globals(), {"loop": loop},
+                        profile.replace("%p", str(os.getpid())).replace("%n", config["label"]))
     else:
-        emulator.run()
+        loop.run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,196 @@
+"""Emulated NICs sharing one emulator process (SimPCIDevice's `process` option, `lat`'s default): they move
+verified bytes between them, each comes and goes on its own, and one that cannot start or a hostile attach message
+leaves the others serving."""
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from aiofabric import DeviceLostError, open_nic
+from aiofabric.pci import PCIError
+from aiofabric.sim.host import EmulatorProcess, SimPCIDevice
+
+pytestmark = pytest.mark.anyio
+
+
+def tag() -> str:
+    return f"{os.getpid()}-{random.getrandbits(24)}"
+
+
+async def connected(a, b):
+    cq_a, cq_b = await a.create_cq(64), await b.create_cq(64)
+    qa = await a.create_qp(cq_a, sq_depth=16, rq_depth=16)
+    qb = await b.create_qp(cq_b, sq_depth=16, rq_depth=16)
+    await qa.connect(qb.info(), timeout=8)
+    await qb.connect(qa.info(), timeout=8)
+    return qa, qb
+
+
+async def write_verified(a, b, qa, size=10000):
+    source, target = await a.register_mr(size), await b.register_mr(size)
+    source.view[:size] = random.Random(size).randbytes(size)
+    with anyio.fail_after(10):
+        await qa.write(source, target, size)
+    assert bytes(target.view[:size]) == bytes(source.view[:size])
+
+
+def mappings(pid: int, needle: str) -> int:
+    return sum(needle in line for line in open(f"/proc/{pid}/maps"))
+
+
+@pytest.mark.loop_agnostic
+async def test_nics_of_one_process_name_share_it_and_move_verified_bytes():
+    name = tag()
+    async with open_nic(f"sim:a{name}", process=name) as a, open_nic(f"sim:b{name}", process=name) as b, \
+            open_nic(f"sim:c{name}") as c:
+        assert a.pci.pid == b.pci.pid != c.pci.pid  # the same name shares; no name: a process of its own
+        assert a.ip != b.ip
+        qa, qb = await connected(a, b)
+        await write_verified(a, b, qa)
+        qb2, qc = await connected(b, c)  # and across processes
+        await write_verified(c, b, qc)
+        stats = (await a.pci.debug_client().stats(), await b.pci.debug_client().stats())
+        assert stats[0]["packets_sent"] > 0 and stats[1]["packets_received"] > 0  # each NIC counts its own
+        assert (await b.pci.debug_client().ping()).name == f"b{name}"
+    assert not os.path.exists(f"/proc/{a.pci.pid}") or _exited(a.pci.pid)
+
+
+def _exited(pid: int, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.02)
+    return False
+
+
+async def test_a_nic_leaves_a_shared_process_alone_and_gives_back_its_memory_and_descriptors():
+    """NICs come and go while another keeps the process alive: each one's maps and descriptors go with it (a
+    leak here would grow a long-lived shared process without bound), and the others keep serving."""
+    name = tag()
+    async with open_nic(f"sim:keep{name}", process=name) as keeper:
+        pid = keeper.pci.pid
+        fds, maps = len(os.listdir(f"/proc/{pid}/fd")), mappings(pid, "aiofabric-")
+        for i in range(6):
+            async with open_nic(f"sim:x{i}{name}", process=name) as guest:
+                assert guest.pci.pid == pid
+                qk, qg = await connected(keeper, guest)
+                await write_verified(guest, keeper, qg, 4096 * (i + 1))
+            deadline = time.monotonic() + 5
+            while (len(os.listdir(f"/proc/{pid}/fd")), mappings(pid, "aiofabric-")) != (fds, maps):
+                assert time.monotonic() < deadline, (os.listdir(f"/proc/{pid}/fd"), fds, maps)
+                await anyio.sleep(0.02)
+        assert (await keeper.hwrm("func_qcfg", fid=0xFFFF)).legacy_l2_db_size_kb > 0
+
+
+def test_a_nic_that_cannot_start_leaves_the_shared_process_serving(tmp_path):
+    name = tag()
+    first = SimPCIDevice(f"ok{name}", process=name)
+    try:
+        with pytest.raises(PCIError, match=r"sim:bad.*emulator failed to start: cannot write pcap"):
+            SimPCIDevice(f"bad{name}", process=name, pcap=str(tmp_path / "missing" / "x.pcap"))
+        with pytest.raises(PCIError, match=rf"emulator failed to start: .*UDP {first.ip}:4791 is taken"):
+            SimPCIDevice(f"taken{name}", process=name, ip=first.ip)
+        second = SimPCIDevice(f"ok2{name}", process=name)
+        try:
+            assert second.pid == first.pid
+            assert first.debug({"op": "ping"})["name"] == f"ok{name}"
+            assert second.debug({"op": "ping"})["name"] == f"ok2{name}"
+        finally:
+            second.close()
+        assert first.debug({"op": "ping"})["pid"] == first.pid
+    finally:
+        first.close()
+    assert _exited(first.pid)
+
+
+def test_hostile_attach_messages_are_dropped_and_the_process_serves_on():
+    """The control socket is the driver's own socketpair; still, a message that is not an attach (bad JSON, missing
+    keys, descriptor indices out of range, descriptors without a message) is dropped with its descriptors."""
+    name = tag()
+    device = SimPCIDevice(f"h{name}", process=name)
+    try:
+        process = device.process
+        pid = device.pid
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        r, w = os.pipe()
+        try:
+            for message in (b"not json", b"{}", json.dumps({"name": "x", "fds": {"kick_fd": 7}}).encode(),
+                            json.dumps({"name": "x", "fds": {"kick_fd": [0, 9]}}).encode(), b"[1, 2]"):
+                socket.send_fds(process.control, [message], [r, w])
+        finally:
+            os.close(r)
+            os.close(w)
+        deadline = time.monotonic() + 5
+        while len(os.listdir(f"/proc/{pid}/fd")) != before:  # every descriptor sent was closed there
+            assert time.monotonic() < deadline, os.listdir(f"/proc/{pid}/fd")
+            time.sleep(0.02)
+        assert device.debug({"op": "ping"})["name"] == f"h{name}"
+        other = SimPCIDevice(f"h2{name}", process=name)  # it still attaches NICs
+        try:
+            assert other.pid == pid
+        finally:
+            other.close()
+    finally:
+        device.close()
+
+
+async def test_killing_the_shared_process_is_seen_by_each_of_its_nics():
+    name = tag()
+    async with open_nic(f"sim:a{name}", process=name) as a, open_nic(f"sim:b{name}", process=name) as b:
+        os.kill(a.pci.pid, signal.SIGKILL)
+        for nic in (a, b):
+            with anyio.fail_after(10), pytest.raises(DeviceLostError, match=r"emulator exited with status -9"):
+                while True:
+                    await nic.hwrm("func_qcfg", fid=0xFFFF)
+                    await anyio.sleep(0.01)
+
+
+def test_a_shared_process_exits_with_its_driver():
+    """A driver killed with two NICs in one emulator process: the process notices (the driver's pidfd) and exits."""
+    code = ("import sys\n"
+            "from aiofabric.sim.host import SimPCIDevice\n"
+            "a = SimPCIDevice('da', process='p'); b = SimPCIDevice('db', process='p')\n"
+            "print(a.pid, b.pid, flush=True)\n"
+            "sys.stdin.read()\n")
+    driver = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        first, second = map(int, driver.stdout.readline().split())
+        assert first == second
+        driver.kill()
+        driver.wait()
+        assert _exited(first)
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+def test_process_names_are_per_namespace_and_a_bad_name_is_refused():
+    with pytest.raises(ValueError, match="process=3: must be a string"):
+        SimPCIDevice(f"n{tag()}", process=3)
+    assert EmulatorProcess._shared == {}  # nothing was left registered by the tests above in this worker
+
+
+@pytest.mark.parametrize("argv,processes", [(["lat", "write", "-n", "50"], 1),
+                                            (["lat", "write", "-n", "50", "--no-shared-emulator"], 2),
+                                            (["bench", "write", "-n", "50", "--shared-emulator", "--nics", "4"], 1),
+                                            (["bench", "write", "-n", "50"], 2)])
+def test_the_commands_say_how_many_emulator_processes_ran_their_nics(argv, processes):
+    """lat shares one by default (a hop wakes one emulator process, not two), bench does not (NICs in parallel);
+    each run verifies its bytes either way and reports the processes its NICs' debug channels named."""
+    run = subprocess.run([sys.executable, "-m", "aiofabric", *argv, "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["verified"] and result["emulator_processes"] == processes
