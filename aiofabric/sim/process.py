@@ -185,6 +185,7 @@ class Emulator:
         self.partial = b""
         self.debug_buffer = b""
         self.running = True
+        self.alone = True  # the only NIC of its process (EmulatorLoop keeps this up to date)
         self.wire_readable = False  # select() said so since service() last looked
         faults = {name: config.get(name, 0.0) for name in ("loss", "dup", "reorder", "corrupt")}
         Faults(**faults)  # a bad probability fails here, before anything is opened
@@ -314,9 +315,9 @@ class Emulator:
             outbox = dp.take_outbox()
             if outbox:
                 port.send_all(self.fw.port.carried(outbox))
-            # Another round only while packets arrive or wait to be sent: after a send alone, select() says whether
-            # anything came meanwhile, and the loop moves on to other NICs of this process (the receiver, often).
-            if not received and not dp.ready or now > until:
+            # Another round while packets move. A NIC sharing its process stops after a send alone: select() says
+            # whether anything came meanwhile, and the loop moves on to the other NICs (the receiver, often).
+            if not (received or dp.ready or outbox and self.alone) or now > until:
                 break
             wire_idle = False
         for transport in transports:
@@ -585,12 +586,18 @@ class EmulatorLoop:
             self.selector.register(fileobj, selectors.EVENT_READ, (emulator, handler))
             watched.append(fileobj)
         self.emulators[emulator] = watched
+        self.tell_alone()
+
+    def tell_alone(self) -> None:
+        for emulator in self.emulators:
+            emulator.alone = len(self.emulators) == 1
 
     def remove(self, emulator: Emulator) -> None:
         for fileobj in self.emulators.pop(emulator, []):
             self.selector.unregister(fileobj)
         emulator.close()
         emulator.debug.close()
+        self.tell_alone()
 
 
 def _batch_scheduling() -> None:
