@@ -254,9 +254,10 @@ class Emulator:
             return self.loopback
         return self.wire
 
-    def timeout(self) -> float | None:
-        """How long select() may block: until the data path's next timer or a held (reordered) packet is due; not at
-        all while the loopback holds packets (no descriptor announces them)."""
+    def deadline(self) -> float | None:
+        """When this NIC needs a step without an event (time.monotonic()): the data path's next timer or a held
+        (reordered) packet; at once while the loopback holds packets (no descriptor announces them); None: not
+        before an event."""
         if self.loopback.pending:
             return 0.0
         deadline = self.datapath.next_deadline()
@@ -264,7 +265,7 @@ class Emulator:
             held = transport.flush_deadline if transport is not None else None
             if held is not None and (deadline is None or held < deadline):
                 deadline = held
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+        return deadline
 
     def size_receive_window(self) -> None:
         """Grow the wire's receive buffer with the number of QPs, so that their windows in flight fit in it."""
@@ -346,15 +347,19 @@ class Emulator:
         if not data:
             self.running = False  # the driver closed the device or died
             return
-        data = self.partial + data
+        if self.partial:
+            data = self.partial + data
         usable = len(data) - len(data) % KICK.size
         self.partial = data[usable:]
-        for space, offset, value in KICK.iter_unpack(data[:usable]):
-            self.stats["kicks"] += 1
+        records = KICK.iter_unpack(data[:usable] if usable < len(data) else data)
+        self.stats["kicks"] += usable // KICK.size
+        for space, offset, value in records:
             self.mmio_write(space, offset, value)
 
     def mmio_write(self, space: int, offset: int, value: int) -> None:
-        if space == CONFIG_SPACE:
+        if space == 2:  # doorbells: the data path's
+            self.fw.doorbell(offset, value)
+        elif space == CONFIG_SPACE:
             self.bus_master = bool(value & PCI_COMMAND_MASTER)
         elif space == DMA_MAP:
             self.freed.mapped(offset, value)
@@ -363,8 +368,6 @@ class Emulator:
                 self.freed.unmapped(offset, value & ~PUNCHED)
         elif space == FUNCTION_RESET:
             self.function_reset()
-        elif space == 2:
-            self.fw.doorbell(offset, value)
         elif offset == HWRM_TRIGGER:
             self.run_hwrm()
         elif offset == RCFW_TRIGGER:
@@ -521,20 +524,19 @@ class EmulatorLoop:
 
     def iteration(self) -> bool:
         """Wait for events or the next timer, then step the NICs they concern; whether a NIC left."""
-        timeouts = {emulator: emulator.timeout() for emulator in self.emulators}
-        waits = [t for t in timeouts.values() if t is not None]
-        started = time.monotonic()
-        events = self.selector.select(min(waits) if waits else None)
+        deadlines = [(emulator, emulator.deadline()) for emulator in self.emulators]
+        soonest = min((d for _, d in deadlines if d is not None), default=None)
+        events = self.selector.select(None if soonest is None else max(0.0, soonest - time.monotonic()))
         touched = set()
         for key, _ in events:
             owner, handler = key.data
             if owner is None or owner.running:
                 handler()
                 touched.add(owner)
-        elapsed = time.monotonic() - started
+        now = time.monotonic() if soonest is not None else 0.0
         removed = False
-        for emulator, timeout in timeouts.items():  # a NIC attached just now starts on its first event
-            if emulator.running and (emulator in touched or timeout is not None and timeout <= elapsed):
+        for emulator, deadline in deadlines:  # a NIC attached just now starts on its first event
+            if emulator.running and (emulator in touched or deadline is not None and deadline <= now):
                 emulator.step()
             if not emulator.running:
                 self.remove(emulator)
