@@ -246,7 +246,8 @@ async def test_on_emulated_nics_the_engines_await_the_client_and_never_the_block
         loopback = await run_loopback("sim", 4096)
     assert not bench["verified"] and bench["packets"] > 0  # the fault went through the client, and was caught
     assert lat["verified"] and lat["packets"] > 0 and loopback["packets"] > 0
-    assert set(asked) == {"fault", "stats", "placed"}
+    assert set(asked) == {"fault", "stats", "placed", "ping"}  # ping: which emulator process runs each NIC
+    assert bench["emulator_processes"] == 2 and lat["emulator_processes"] == 1
 
 
 # -- the debug channel's client ----------------------------------------------------------------------------------------
