@@ -185,11 +185,11 @@ class EmulatorProcess:
             return process
         with cls._lock:
             key = (name, netns)
-            process = cls._shared.get(key)
-            if process is None or process.popen.poll() is not None:
-                process = cls._shared[key] = cls(name, netns, key)
-            process.users += 1
-            return process
+            running = cls._shared.get(key)
+            if running is None or running.popen.poll() is not None:
+                running = cls._shared[key] = cls(name, netns, key)
+            running.users += 1
+            return running
 
     @property
     def pid(self) -> int:
