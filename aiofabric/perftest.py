@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
 import struct
 import sys
@@ -269,18 +270,22 @@ class _Flow:
         return self.target.remote() if self.remote is not None else self.target
 
 
+_runs_started = itertools.count()
+
+
 @contextlib.asynccontextmanager
 async def open_bench_nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
     """The local NICs of a run (`run_bench` opens them itself unless it is given them)."""
     async with contextlib.AsyncExitStack() as stack:
         nics = []
+        shared = f"run{next(_runs_started)}"  # --shared-emulator: this run's NICs, not another's of this process
         for i in range(1 if config.with_peer else config.nics):  # with a peer, the servers live there
             if not config.nic.startswith("sim"):  # a real NIC: no emulator options
                 nics.append(await stack.enter_async_context(open_nic(config.nic, ip=config.ip)))
                 continue
             options = _faults(config, seed=i)
             if config.shared_emulator:
-                options["process"] = "bench"  # one per driver process (and network namespace)
+                options["process"] = shared
             if config.pcap:
                 options["pcap"] = config.pcap if i == 0 else f"{config.pcap}.{i}"  # NIC N>0: FILE.N
             name = config.nic.partition(":")[2] or f"bench{os.getpid()}"
