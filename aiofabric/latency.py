@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import time
@@ -286,6 +287,7 @@ async def _one_sided_loop(config: LatConfig, pair: _Pair) -> list[float]:
     samples: list[float] = []
     clock, remote, client, local = time.perf_counter, pair.server_region, pair.client, pair.client_mr
     verb = "the RDMA READ" if config.test == "read" else f"the atomic {config.atomic_type}"
+    name = functools.partial(pingpong.iteration, warmup=config.warmup, iters=config.iters)
 
     def post(i: int) -> Awaitable[Any]:
         if config.test == "read":
@@ -299,9 +301,8 @@ async def _one_sided_loop(config: LatConfig, pair: _Pair) -> list[float]:
             view = np.frombuffer(local.view, dtype=np.uint8, count=size)  # earlier ones brought
             np.bitwise_not(view, out=view)
         started = clock()
-        completion = await pingpong.bounded(post(i), seconds, f"client: {pingpong.iteration(i, config.warmup, config.iters)}: no room to post "
-                                                              f"{verb}")
-        await pingpong.bounded(completion, seconds, f"client: {pingpong.iteration(i, config.warmup, config.iters)}: {verb} did not complete")
+        completion = await pingpong.bounded(post(i), seconds, lambda: f"client: {name(i)}: no room to post {verb}")
+        await pingpong.bounded(completion, seconds, lambda: f"client: {name(i)}: {verb} did not complete")
         if i >= config.warmup:
             samples.append((clock() - started) * 1e6)
     return samples

@@ -60,6 +60,16 @@ async def test_a_lost_ping_is_a_timeout_naming_side_and_iteration(anyio_backend)
         await run_latency(config)
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+async def test_a_read_that_never_completes_is_a_timeout_naming_the_iteration(anyio_backend):
+    # timeout 0: the QP never retransmits (IB's "wait forever"), so the first lost READ never completes
+    config = LatConfig(test="read", iters=200, loss=0.3, seed=1, timeout=0, wait=0.5)
+    with pytest.raises(TimeoutError, match=r"^client: (warm-up )?iteration \d+/(8|200): the RDMA READ did not "
+                                           r"complete within 0.5 s$"):
+        await run_latency(config)
+
+
 @pytest.mark.parametrize("field, value", [
     ("size", 0), ("size", 1 << 29), ("iters", 0), ("test", "atomic"), ("mtu", 1000), ("timeout", 32),
     ("loss", 1.0), ("warmup", -1), ("wait", 0), ("inject_fault", "melt:1"), ("nic", "eth0")])

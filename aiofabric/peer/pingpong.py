@@ -9,7 +9,7 @@ aiofabric/peer/protocol.py), so a ping's round trip never crosses the control co
 - SEND: the same with SENDs into receives posted ahead (`rx_slots` of them, at [size * (1 + k)) of its region).
 
 Every wait is bounded by `wait` seconds: a message that never arrives ends in a TimeoutError naming the side and
-the iteration, never a hang. One send in SIGNAL_EVERY is signaled and awaited SIGNAL_EVERY iterations later, so a
+the iteration, never a hang (the message is made only then: the timed path formats nothing). One send in SIGNAL_EVERY is signaled and awaited SIGNAL_EVERY iterations later, so a
 failed send raises without putting a completion wait in the timed path.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
@@ -53,11 +53,11 @@ def landed(test: str, size: int, total: int, rx_slots: int) -> int:
     return size if test == "write" else size * (1 + (total - 1) % rx_slots)
 
 
-async def bounded(awaitable: Awaitable[Any], seconds: float, what: str) -> Any:
-    """`await awaitable`, or TimeoutError("<what> within N s") once `seconds` have passed."""
+async def bounded(awaitable: Awaitable[Any], seconds: float, what: Callable[[], str]) -> Any:
+    """`await awaitable`, or TimeoutError("<what()> within N s") once `seconds` have passed."""
     with anyio.move_on_after(seconds):
         return await awaitable
-    raise TimeoutError(f"{what} within {seconds:.3g} s")
+    raise TimeoutError(f"{what()} within {seconds:.3g} s")
 
 
 @dataclasses.dataclass
@@ -117,11 +117,11 @@ class Side:
     async def arrived(self, i: int) -> None:
         """Wait for the other side's message i."""
         if self.test == "write":
-            what = f"the {self.other} (an RDMA WRITE into the {self.name}'s buffer)"
             return await poll_last_byte(self.mr.view, 2 * self.size - 1, value(i), self.qp, self.wait,
-                                        f"{self.name}: {self.iteration(i)}: {what} did not arrive")
+                                        lambda: f"{self.name}: {self.iteration(i)}: the {self.other} (an RDMA WRITE "
+                                                f"into the {self.name}'s buffer) did not arrive")
         completion = await bounded(self.receives[i], self.wait,
-                                   f"{self.name}: {self.iteration(i)}: the {self.other} (a SEND) did not arrive")
+                                   lambda: f"{self.name}: {self.iteration(i)}: the {self.other} (a SEND) did not arrive")
         if completion.byte_len != self.size:
             raise ValueError(f"{self.name}: {self.iteration(i)}: received {completion.byte_len} bytes, sent "
                              f"{self.size}")
@@ -130,7 +130,7 @@ class Side:
 
 
 async def poll_last_byte(view: memoryview, index: int, expected: int, qp: QueuePair, seconds: float,
-                         what: str) -> None:
+                         what: Callable[[], str]) -> None:
     """Spin until view[index] == expected, as ib_write_lat polls its buffer, yielding to the event loop and giving
     the CPU away (sched_yield) between reads: a pure spin starves the NIC processes on a machine with few cores (the
     emulated NICs run on the host's CPUs), and its numbers then swing between sub-ms and a scheduler slice.
@@ -145,7 +145,7 @@ async def poll_last_byte(view: memoryview, index: int, expected: int, qp: QueueP
         if qp.error is not None:  # the QP failed (retries exhausted, ...): the byte will never come
             raise qp.error
         if clock() > deadline:
-            raise TimeoutError(f"{what} within {seconds:.3g} s (the last byte of the target still holds "
+            raise TimeoutError(f"{what()} within {seconds:.3g} s (the last byte of the target still holds "
                                f"{view[index]}, expected {expected})")
 
 
@@ -170,7 +170,7 @@ class _Sends:
             j, completion = self.previous
             self.previous = None
             await bounded(completion, self.side.wait,
-                          f"{self.side.name}: {self.side.iteration(j)}: the NIC did not complete its send")
+                          lambda: f"{self.side.name}: {self.side.iteration(j)}: the NIC did not complete its send")
 
 
 async def client(side: Side) -> list[float]:
@@ -181,7 +181,7 @@ async def client(side: Side) -> list[float]:
         stamp(view, side.size, i)
         started = clock()
         completion = await bounded(side.post(i, sends.signaled(i)), side.wait,
-                                   f"client: {side.iteration(i)}: no room to post the ping")
+                                   lambda: f"client: {side.iteration(i)}: no room to post the ping")
         await side.arrived(i)
         rtt = clock() - started
         if i >= side.warmup:
@@ -198,6 +198,6 @@ async def server(side: Side) -> None:
         await side.arrived(i)
         stamp(view, side.size, i)
         completion = await bounded(side.post(i, sends.signaled(i)), side.wait,
-                                   f"server: {side.iteration(i)}: no room to post the pong")
+                                   lambda: f"server: {side.iteration(i)}: no room to post the pong")
         await sends.posted(i, completion)
     await sends.drain()
