@@ -247,7 +247,9 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     _, scale = bandwidth_unit(config.report_gbits)
 
     def number(result: dict[str, Any]) -> str:  # --output bandwidth | message_rate
-        return f"{result['bw_MiBps'] * scale:.2f}" if args.output == "bandwidth" else f"{result['msg_rate'] / 1e6:.6f}"
+        if args.output == "bandwidth":
+            return f"{result['bw_MiBps'] * scale:.2f}"
+        return f"{result['msg_rate'] / 1e6:.6f}"
 
     result = await _perftest_command(args, config, run_bench, format_table, perftest_report, number)
     if args.plot:  # (--server refuses --plot)
@@ -339,8 +341,8 @@ async def _serve(args: argparse.Namespace, config: Any, format_report: Callable[
             return
         try:
             first = result.get("rows", [result])[0]
-            fields = {name: first[name] for name in ("test", "qps", "size", "iters", "depth", "mtu", "nics", "warmup")
-                      if name in first and hasattr(config, name)}
+            names = ("test", "qps", "size", "iters", "depth", "mtu", "nics", "warmup")
+            fields = {name: first[name] for name in names if name in first and hasattr(config, name)}
             table = format_report(result, dataclasses.replace(config, **fields))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise ValueError(f"report: not a {args.command} result ({type(exc).__name__}: {exc})") from None

@@ -668,8 +668,8 @@ async def run_sizes(config: Any, sizes: list[int], run_one: Callable[[Any], Awai
                     ) -> list[dict[str, Any]]:
     """`run_one(config for one size)` for each of `sizes` (bench's or lat's config): its rows. With
     `config.sweep_seconds` (a sweep without -n or -D), a probe of the first size (growing until it runs
-    PROBE_SECONDS) and then iterations per size chosen to run about that long (`sweep_iterations`); on a TTY (`config.progress`) each size and its iterations on
-    stderr."""
+    PROBE_SECONDS) and then iterations per size chosen to run about that long (`sweep_iterations`); on a TTY
+    (`config.progress`) each size and its iterations on stderr."""
     timings: list[tuple[int, float]] = []  # (size, seconds per iteration) of the runs so far
     rows = []
 
@@ -752,7 +752,8 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         "duration": config.duration, "warmup_seconds": warmup, "depth": config.depth, "post_list": config.post_list,
         "cq_mod": config.cq_mod or (config.post_list if config.post_list > 1 else max(1, config.depth // 2)),
         "inline_size": config.inline_size, "events": config.events, "mtu": config.mtu, "nics": config.nics,
-        "emulator_processes": processes, "ops": ops, "measured_ops": measured_ops, "bytes": ops * config.size, "seconds": seconds,
+        "emulator_processes": processes, "ops": ops, "measured_ops": measured_ops, "bytes": ops * config.size,
+        "seconds": seconds,
         "msg_rate": measured_ops / seconds, "bw_MiBps": bandwidth / 2**20, "bw_peak_MiBps": peak / 2**20,
         "bw_Gbps": bandwidth * 8 / 1e9,
         "lat_us": {"p50": percentile(latencies, 50) * 1e6, "p99": percentile(latencies, 99) * 1e6},

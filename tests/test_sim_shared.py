@@ -59,7 +59,34 @@ async def test_nics_of_one_process_name_share_it_and_move_verified_bytes():
         stats = (await a.pci.debug_client().stats(), await b.pci.debug_client().stats())
         assert stats[0]["packets_sent"] > 0 and stats[1]["packets_received"] > 0  # each NIC counts its own
         assert (await b.pci.debug_client().ping()).name == f"b{name}"
-    assert not os.path.exists(f"/proc/{a.pci.pid}") or _exited(a.pci.pid)
+    assert _exited(a.pci.pid)
+
+
+@pytest.mark.loop_agnostic
+async def test_nics_opened_at_once_with_one_process_name_all_attach_to_one_process():
+    """open_nic starts each emulator from its own worker thread: four at once must not start two processes of one
+    name, nor lose an attach message."""
+    name, nics = tag(), {}
+
+    async def open_one(i, started):
+        async with open_nic(f"sim:c{i}{name}", process=name) as nic:
+            nics[i] = nic
+            started.set()
+            await done.wait()
+
+    done = anyio.Event()
+    async with anyio.create_task_group() as tasks:
+        events = [anyio.Event() for _ in range(4)]
+        for i, started in enumerate(events):
+            tasks.start_soon(open_one, i, started)
+        with anyio.fail_after(30):
+            for started in events:
+                await started.wait()
+        assert len({nic.pci.pid for nic in nics.values()}) == 1
+        qa, qb = await connected(nics[0], nics[3])
+        await write_verified(nics[0], nics[3], qa)
+        done.set()
+    assert _exited(nics[0].pci.pid)
 
 
 def _exited(pid: int, seconds: float = 5.0) -> bool:
@@ -117,7 +144,7 @@ def test_a_nic_that_cannot_start_leaves_the_shared_process_serving(tmp_path):
 
 def test_hostile_attach_messages_are_dropped_and_the_process_serves_on():
     """The control socket is the driver's own socketpair; still, a message that is not an attach (bad JSON, missing
-    keys, descriptor indices out of range, descriptors without a message) is dropped with its descriptors."""
+    keys, descriptor indices out of range or not naming each descriptor once) is dropped with its descriptors."""
     name = tag()
     device = SimPCIDevice(f"h{name}", process=name)
     try:
@@ -127,7 +154,13 @@ def test_hostile_attach_messages_are_dropped_and_the_process_serves_on():
         r, w = os.pipe()
         try:
             for message in (b"not json", b"{}", json.dumps({"name": "x", "fds": {"kick_fd": 7}}).encode(),
-                            json.dumps({"name": "x", "fds": {"kick_fd": [0, 9]}}).encode(), b"[1, 2]"):
+                            json.dumps({"name": "x", "fds": {"kick_fd": [0, 9]}}).encode(), b"[1, 2]",
+                            # indices in range, but not a whole NIC's descriptors, or one named twice
+                            json.dumps({"name": "x", "fds": {"kick_fd": 0, "bar0_fd": 1}}).encode(),
+                            json.dumps({"name": "x", "fds": {"bar0_fd": 0, "arena_fd": 0, "kick_fd": 1,
+                                                             "debug_fd": 1, "irq_fds": []}}).encode(),
+                            json.dumps({"fds": {"bar0_fd": 0, "arena_fd": 1, "kick_fd": 0, "debug_fd": 1,
+                                                "irq_fds": [True]}}).encode()):
                 socket.send_fds(process.control, [message], [r, w])
         finally:
             os.close(r)
@@ -176,7 +209,7 @@ def test_a_shared_process_exits_with_its_driver():
         driver.wait()
 
 
-def test_process_names_are_per_namespace_and_a_bad_name_is_refused():
+def test_a_bad_process_name_is_refused_and_no_shared_process_outlives_its_nics():
     with pytest.raises(ValueError, match="process=3: must be a string"):
         SimPCIDevice(f"n{tag()}", process=3)
     assert EmulatorProcess._shared == {}  # nothing was left registered by the tests above in this worker

@@ -8,9 +8,10 @@ aiofabric/peer/protocol.py), so a ping's round trip never crosses the control co
   its own [size, 2*size) until it holds the iteration's value (`value(i)`). No receive is involved.
 - SEND: the same with SENDs into receives posted ahead (`rx_slots` of them, at [size * (1 + k)) of its region).
 
-Every wait is bounded by `wait` seconds: a message that never arrives ends in a TimeoutError naming the side and
-the iteration, never a hang (the message is made only then: the timed path formats nothing). One send in SIGNAL_EVERY is signaled and awaited SIGNAL_EVERY iterations later, so a
-failed send raises without putting a completion wait in the timed path.
+Every wait is bounded by `wait` seconds: a message that never arrives ends in a TimeoutError naming the side and the
+iteration, never a hang (the message is made only then: the timed path formats nothing). One send in SIGNAL_EVERY is
+signaled and awaited SIGNAL_EVERY iterations later, so a failed send raises without putting a completion wait in the
+timed path.
 """
 from __future__ import annotations
 
@@ -120,8 +121,8 @@ class Side:
             return await poll_last_byte(self.mr.view, 2 * self.size - 1, value(i), self.qp, self.wait,
                                         lambda: f"{self.name}: {self.iteration(i)}: the {self.other} (an RDMA WRITE "
                                                 f"into the {self.name}'s buffer) did not arrive")
-        completion = await bounded(self.receives[i], self.wait,
-                                   lambda: f"{self.name}: {self.iteration(i)}: the {self.other} (a SEND) did not arrive")
+        completion = await bounded(self.receives[i], self.wait, lambda: f"{self.name}: {self.iteration(i)}: the "
+                                                                        f"{self.other} (a SEND) did not arrive")
         if completion.byte_len != self.size:
             raise ValueError(f"{self.name}: {self.iteration(i)}: received {completion.byte_len} bytes, sent "
                              f"{self.size}")

@@ -4,11 +4,12 @@ BAR0 and the DMA arena are memfds mapped by both processes. MMIO writes that hav
 HWRM trigger, the RCFW mailbox and producer, every doorbell, config-space writes) additionally travel to the emulator
 as 16-byte "kick" records on a stream socket, so the device sees them in program order, like posted PCIe writes; a
 write that finds the socket full waits for the emulator to drain it (`send_kicks`), as a posted write stalls the CPU
-when the link's buffers are full. MSI-X vectors are eventfds the emulator writes. When the emulator dies, the kick socket reads EOF: that is the
-removal fd. A second socket carries the debug channel (object counts, fault injection), never used by the driver;
+when the link's buffers are full. MSI-X vectors are eventfds the emulator writes. When the emulator dies, the kick
+socket reads EOF: that is the removal fd. A second socket carries the debug channel (object counts, fault injection), never used by the driver;
 its first line is the emulator's start-up answer: ready (with the address it bound) or why it could not start.
 
-The emulator lives exactly as long as the driver *process* (it watches the driver's pidfd, see process.py) or until
+The emulator process (`EmulatorProcess`: one per NIC, or one for the NICs opened with the same `process` option)
+lives as long as the driver *process* (it watches the driver's pidfd, see process.py) or until its last NIC's
 close(). close() releases everything at once, even while a caller still holds a view of DMA memory: such views are
 left pointing at private zero pages, never at the memfd.
 """
@@ -156,8 +157,8 @@ class EmulatorProcess:
     """An emulator process (process.py) and its control socket: NICs attach to it, and it exits once the last one
     has closed and `release()` has closed the control socket.
 
-    `shared(name, netns)` is the one process of that name (and namespace) in this driver process: every SimPCIDevice
-    opened with the option process=name attaches to it while it has NICs. Otherwise each NIC gets its own."""
+    `acquire` gives each SimPCIDevice opened with the option process=NAME the one process of that name (and
+    namespace) in this driver process while it has NICs; a NIC without it gets a process of its own."""
 
     _shared: dict[tuple[str, str | None], EmulatorProcess] = {}
     _lock = threading.Lock()

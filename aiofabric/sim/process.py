@@ -17,7 +17,7 @@ process"). On a machine with cores to spare, one process per NIC (the default) r
 Start-up: before serving, each NIC writes exactly one line on its debug socket: {"ready": true, "ip": ..., "pid":
 ...} or {"error": "<why, in one line>"} (its descriptors are then closed). SimPCIDevice waits for that line.
 
-Config keys (JSON): name, bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds, driver_pid (from SimPCIDevice); mac;
+A NIC's config keys (JSON): name, and bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds (attach_config); mac;
 fw_latency_us; ip (the NIC's IPv4 address; when null the emulator binds the first free 127.0.0.x from a pid-derived
 start and reports it); transport ("udp" default, or "raw"); loss, dup, reorder, corrupt (wire fault probabilities)
 and seed; pcap (a file that gets every packet sent and received); port_mtu (the port's MTU, port.py: longer packets
@@ -555,12 +555,10 @@ class EmulatorLoop:
             self.control = None
             return
         try:
-            config = json.loads(message)
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                 raise ValueError("the attach message was cut short")
-            for name, index in config["fds"].items():
-                config[name] = [fds[i] for i in index] if isinstance(index, list) else fds[index]
-        except (ValueError, KeyError, IndexError, TypeError) as exc:  # not from our driver: drop it and its fds
+            config = attach_config(message, fds)
+        except (ValueError, TypeError) as exc:  # not from our driver: drop it and its fds
             logging.getLogger("aiofabric.sim").warning("bad attach message: %s", exc)
             for fd in fds:
                 os.close(fd)
@@ -600,6 +598,22 @@ class EmulatorLoop:
         emulator.close()
         emulator.debug.close()
         self.tell_alone()
+
+
+def attach_config(message: bytes, fds: list[int]) -> dict[str, Any]:
+    """An attach message's config with its descriptors in place of their indices (host.py SimPCIDevice sends it);
+    ValueError or TypeError unless it names a NIC and each of ATTACH_FDS and irq_fds, every descriptor received
+    exactly once (a descriptor named twice would be closed twice)."""
+    config = json.loads(message)
+    places = config["fds"] if isinstance(config, dict) and isinstance(config.get("name"), str) else None
+    if not isinstance(places, dict) or set(places) != {*ATTACH_FDS, "irq_fds"} \
+            or not isinstance(places["irq_fds"], list):
+        raise ValueError("it names no NIC and its descriptors")
+    order = [places[key] for key in ATTACH_FDS] + places["irq_fds"]
+    if any(type(i) is not int for i in order) or sorted(order) != list(range(len(fds))):
+        raise ValueError(f"its descriptor indices {order} do not name each of the {len(fds)} received once")
+    config.update({key: fds[places[key]] for key in ATTACH_FDS}, irq_fds=[fds[i] for i in places["irq_fds"]])
+    return config
 
 
 def _batch_scheduling() -> None:
