@@ -11,7 +11,10 @@ Failures, each one line:
     objects and the connection, and (forever=True) accepts the next client;
   * a client disconnects mid-run, or sends no request for the idle timeout: the server logs it and closes every
     object that client opened;
-  * a second client while one is served: it is turned away at once with an error naming the busy server;
+  * a second client while one is served: it is turned away at once with an error naming the busy server (at
+    most TURNED_AWAY_HELD of them get that goodbye at once; a flood beyond it is closed without one);
+  * accept fails for want of a resource (EMFILE, ENFILE, ENOBUFS, ENOMEM: a flood of connections): the server
+    logs it once, waits ACCEPT_BACKOFF and accepts again; the client being served is not disturbed;
   * nothing listens at HOST:PORT: `PeerError` "no aiofabric server (bench or lat --server) at HOST:PORT (connection
     refused)"; no answer (a firewall drops the SYN, or something that is not an aiofabric server): `PeerError`
     within `connect_timeout`.
@@ -45,6 +48,12 @@ from .serve import READ_CHUNK, serve_stream
 
 log = logging.getLogger("aiofabric.serve")
 DEFAULT_PORT = 18515  # perftest's
+# accept(2) errors that say "not now" rather than "never" (trio's and anyio's serve loops leave them to the caller):
+# out of descriptors (per process, system-wide) or kernel memory. The connections wait in the backlog meanwhile.
+ACCEPT_RETRY = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_BACKOFF = 0.1  # seconds between accept attempts while they fail so
+TURNED_AWAY_HELD = 16  # turned-away connections held at once for their goodbye; beyond, closed at once
+LOGGED_TURNED_AWAY = 20  # turned-away clients logged one by one; then counted
 
 
 def _where(host: str, port: int) -> str:
@@ -134,21 +143,34 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
     last: dict[str, Any] = {}
     done = anyio.Event()
 
+    holding = [0]  # turned-away connections in their goodbye
+
     async def turn_away(stream: anyio.abc.SocketStream, client: str) -> None:
         nonlocal refused
         refused += 1
-        log.warning("client %s turned away: busy with %s", client, busy_with[0])
-        message = (f"the server at {where} is busy with a client from {busy_with[0]} (one client at a time); "
-                   "try again when its run is over")
-        with contextlib.suppress(Exception), anyio.move_on_after(2):
-            await stream.send(protocol.encode(protocol.Answer(None, False, None, "Busy", message)))
+        if refused <= LOGGED_TURNED_AWAY:
+            log.warning("client %s turned away: busy with %s%s", client, busy_with[0] if busy_with else "no one",
+                        "; further ones are counted, not logged" * (refused == LOGGED_TURNED_AWAY))
+        if holding[0] >= TURNED_AWAY_HELD:  # a flood: each goodbye holds a descriptor for up to 3 s
+            return
+        holding[0] += 1
+        try:
+            message = (f"the server at {where} is busy with a client from {busy_with[0] if busy_with else '?'} "
+                       "(one client at a time); try again when its run is over")
+            with contextlib.suppress(Exception), anyio.move_on_after(2):
+                await stream.send(protocol.encode(protocol.Answer(None, False, None, "Busy", message)))
+            await _linger(stream)
+        finally:
+            holding[0] -= 1
 
     async def handle(stream: anyio.abc.SocketStream) -> None:
         async with stream:
-            client = _where(*_address(stream, anyio.abc.SocketAttribute.remote_address))
+            try:
+                client = _where(*_address(stream, anyio.abc.SocketAttribute.remote_address))
+            except OSError:  # it went away between accept and now: nothing to serve
+                return
             if busy_with or done.is_set():
                 await turn_away(stream, client)
-                await _linger(stream)
                 return
             busy_with.append(client)
             try:
@@ -185,10 +207,35 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
         if ready is not None:
             ready(bound)
         task_status.started(bound)
-        tasks.start_soon(listener.serve, handle_safely, tasks)
+        for one in listener.listeners:
+            tasks.start_soon(_accept_forever, one, handle_safely, tasks, where)
         await done.wait()
         tasks.cancel_scope.cancel()
     return {**last, "port": bound, "refused": refused}
+
+
+async def _accept_forever(listener: anyio.abc.Listener[anyio.abc.SocketStream],
+                          handler: Callable[[anyio.abc.SocketStream], Any], tasks: anyio.abc.TaskGroup,
+                          where: str) -> None:
+    """anyio's `serve`, except that an accept failing for want of a resource (ACCEPT_RETRY) is waited out: logged
+    once per stretch of failures, retried every ACCEPT_BACKOFF s. Any other accept error ends the server."""
+    failures = 0
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno not in ACCEPT_RETRY:
+                raise
+            if not failures:
+                log.warning("%s: accept failed: %s; retrying every %g s (further failures are counted)", where,
+                            exc.strerror or exc, ACCEPT_BACKOFF)
+            failures += 1
+            await anyio.sleep(ACCEPT_BACKOFF)
+            continue
+        if failures:
+            log.warning("%s: accepting again after %d failed accept(s)", where, failures)
+            failures = 0
+        tasks.start_soon(handler, stream)
 
 
 class TCPPeer(Peer):
