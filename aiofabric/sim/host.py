@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import ipaddress
 import json
+import logging
 import mmap
 import os
 import select
@@ -61,12 +62,15 @@ START_TIMEOUT = 20.0
 FAULTS = ("loss", "dup", "reorder", "corrupt")
 TRANSPORTS = ("udp", "raw")
 # Every option the emulator reads (process.py), plus netns and process, which place the NIC's process.
-OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "netns", "port_mtu", "profile",
-           "process")
+OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "pcap_max_bytes", "netns", "port_mtu",
+           "profile", "process")
 PLACEMENT = ("netns", "process")  # options the driver side keeps
 ATTACH_FDS = ("bar0_fd", "arena_fd", "kick_fd", "debug_fd")  # an attach message's descriptors, then the MSI-X ones
 CONTROL_MESSAGE = 1 << 16  # the largest attach message
 NETNS_DIR = "/run/netns"  # where `ip netns add` puts its namespaces
+
+log = logging.getLogger("aiofabric.sim")
+_told: set[str | None] = set()  # the namespaces our emulators moved to that this process has logged: each is said once
 
 _MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -147,6 +151,9 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"mac={mac!r}: expected six hex bytes like 02:0a:f0:00:00:01") from None
     if "pcap" in options:
         options["pcap"] = os.fspath(options["pcap"])
+    limit = options.get("pcap_max_bytes", 24)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 24:
+        raise ValueError(f"pcap_max_bytes={limit!r}: must be an int >= 24 (the pcap file header)")
     for name in ("pcap", "netns", "process"):
         if name in options and not isinstance(options[name], str):
             raise ValueError(f"{name}={options[name]!r}: must be a string")
@@ -287,6 +294,7 @@ class SimPCIDevice(PCIDevice):
     """
 
     ip: str
+    netns: str | None  # where its wire is: netns=, or this user's private namespace if 4791 was unusable on the host
 
     def __init__(self, name: str = "sim", **options: Any) -> None:
         options = check_options(options)
@@ -314,7 +322,7 @@ class SimPCIDevice(PCIDevice):
         fds = [self._bar0_fd, self._arena_fd, kick_peer.fileno(), debug_peer.fileno(), *self._irqs]
         config = {"name": name, "fds": {**{key: i for i, key in enumerate(ATTACH_FDS)},
                                         "irq_fds": list(range(len(ATTACH_FDS), len(fds)))},
-                  **{key: value for key, value in options.items() if key not in PLACEMENT}}
+                  **{key: value for key, value in options.items() if key not in PLACEMENT}, "netns": netns}
         self._bars = {0: SimBar(0, self._bar0_mem, BAR0_SIZE, self._kick, BAR0_KICK_FROM),
                       2: SimBar(2, None, BAR2_SIZE, self._kick, 0)}
         try:
@@ -329,15 +337,16 @@ class SimPCIDevice(PCIDevice):
             debug_peer.close()
         self._closed = False
         try:
-            self.ip = self._wait_until_started()
+            self.ip, self.netns = self._wait_until_started()
         except BaseException:
             self.close()
             raise
         from .debug import DebugClient  # here, not at the top: the emulator process imports this module, never anyio
         self._debug_client = DebugClient(self._debug, self.address, self.process.poll)
 
-    def _wait_until_started(self) -> str:
-        """The emulator's one start-up line: its address, or PCIError with the reason it gives (or its exit)."""
+    def _wait_until_started(self) -> tuple[str, str | None]:
+        """The emulator's one start-up line: its address and network namespace, or PCIError with the reason it gives
+        (or its exit). If it had to move to this user's private namespace, that is logged once per process."""
         self._debug.settimeout(START_TIMEOUT)
         try:
             line = self._debug_file.readline()
@@ -346,7 +355,11 @@ class SimPCIDevice(PCIDevice):
         else:
             reply = json.loads(line) if line.startswith(b"{") else {}
             if reply.get("ready"):
-                return reply["ip"]
+                moved, netns = reply.get("moved"), reply.get("netns")
+                if moved and netns not in _told:
+                    _told.add(netns)
+                    log.warning("%s", moved)
+                return reply["ip"], reply.get("netns")
             reason = reply.get("error") or self._exit_reason()
         raise PCIError(f"{self.address}: emulator failed to start: {reason}")
 

@@ -65,7 +65,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..autogen import bnxt
 from ..hw.firmware import CMDQ_INIT, HWRM_VECTOR
@@ -81,7 +81,10 @@ from .pcap import PcapWriter
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
 from .profiles import DEFAULT_PROFILE, PROFILES
 from .requester import WINDOW
-from .wire import LOOPBACK_HOSTS, Faults, Transport, open_on_free_loopback, open_transport
+from .wire import (
+    CLONE_NEWNET, LOOPBACK_HOSTS, ROCE_PORT, Faults, NoPrivateNetns, PortTaken, Transport, join_private_netns,
+    open_on_free_loopback, open_transport, port_holder, private_netns_name, setns,
+)
 
 HWRM_TRIGGER = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER
 RCFW_BASE = bnxt.RCFW_COMM_BASE_OFFSET
@@ -146,6 +149,75 @@ def watch_driver(driver_pid: int) -> int | None:
     return pidfd
 
 
+class Moved:
+    """Where this process went when UDP 4791 was unusable on its loopback: every NIC without ip= it serves from then on
+    binds in that namespace too (they stay together; an unprivileged process could not move back anyway)."""
+
+    name: str | None = None  # the namespace, once moved
+    notice: str | None = None  # what happened and why, in one line
+    home: int | None = None  # the network namespace the process started in, and the one it moved to (descriptors)
+    away: int | None = None
+
+
+def open_wire(kind: str, ip: str | None, netns: str | None,
+              options: dict[str, Any]) -> tuple[Transport, str | None, str | None]:
+    """The NIC's transport, the network namespace it binds in (None: the host's) and the notice if this process had
+    to move there. An address the user gave (ip=) is bound where the process started or not at all; without one, the
+    first free 127.0.0.x from a pid-derived start (concurrent NICs do not collide), or, when the port is taken on
+    all of them (a wildcard socket, rdma_rxe), one in this user's private namespace (wire.join_private_netns)."""
+    if ip:
+        with _at_home(ip):
+            try:
+                return open_transport(kind, ip, **options), netns, None
+            except PortTaken as exc:
+                raise StartupError(f"{exc.strerror} by {port_holder(ip) or 'another socket'}; the NIC was given this "
+                                   "address (ip=), so it does not move to another (leave ip= out to let it pick "
+                                   "one)") from exc
+    first = LOOPBACK_HOSTS.start + os.getpid() % len(LOOPBACK_HOSTS)
+    if Moved.name is not None:
+        return open_on_free_loopback(kind, first, **options), Moved.name, Moved.notice
+    try:
+        return open_on_free_loopback(kind, first, **options), netns, None
+    except PortTaken as exc:
+        holder = port_holder(exc.ip) or "another socket"
+        everywhere = f"UDP {ROCE_PORT} is taken on every 127.0.0.x"
+        if netns is not None:  # the user's choice of place: not ours to change
+            raise StartupError(f"{everywhere} in network namespace {netns} (on {exc.ip} by {holder}); netns= was "
+                               "given, so the NIC does not move to another namespace") from exc
+        home = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            where = join_private_netns()
+        except (NoPrivateNetns, OSError) as why:
+            os.close(home)
+            raise StartupError(f"{everywhere} (on {exc.ip} by {holder}), and no private network namespace can be had "
+                               f"instead: {why}. Free the port (rdma_rxe: `modprobe -r rdma_rxe`), run as root, or "
+                               "give netns=NAME") from exc
+        taken = f"UDP {ROCE_PORT} on {exc.ip} is held by {holder}"
+        Moved.name, Moved.home = private_netns_name(), home
+        Moved.away = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        Moved.notice = f"{taken}; the emulated NICs of this user run in {where} instead"
+        logging.getLogger("aiofabric.sim").info("%s", Moved.notice)
+        return open_on_free_loopback(kind, first, **options), Moved.name, Moved.notice
+
+
+@contextlib.contextmanager
+def _at_home(ip: str) -> Iterator[None]:
+    """Bind in the network namespace this process started in, back from the private one if it moved there."""
+    if Moved.home is None or Moved.away is None:
+        yield
+        return
+    try:
+        setns(Moved.home, CLONE_NEWNET)
+    except OSError as exc:  # a user namespace's member has no rights over the host's network namespace
+        raise StartupError(f"ip={ip}: this emulator process runs its NICs in {Moved.name} ({(Moved.notice or '').split(';')[0]})"
+                           f" and cannot bind on the host from there ({exc.strerror}); open this NIC in a process "
+                           "of its own (without process=)") from exc
+    try:
+        yield
+    finally:
+        setns(Moved.away, CLONE_NEWNET)
+
+
 class Emulator:
     """One emulated NIC: its firmware, data path and wire, and the descriptors the driver shares with it (`config`
     names them: BAR0 and the DMA arena, mapped here; the kick, debug and MSI-X descriptors, owned from here on)."""
@@ -191,20 +263,17 @@ class Emulator:
         Faults(**faults)  # a bad probability fails here, before anything is opened
         if config.get("pcap"):
             try:
-                self.pcap = PcapWriter(config["pcap"])
+                self.pcap = PcapWriter(config["pcap"], max_bytes=config.get("pcap_max_bytes"))
             except OSError as exc:
                 raise StartupError(f"cannot write pcap {config['pcap']}: [Errno {exc.errno}] {exc.strerror}") from exc
         kind = config.get("transport", "udp")
         seed = config.get("seed", 0)
         wire_options = {"pcap": self.pcap, "faults": Faults(**faults, seed=seed)}
         try:
-            if config.get("ip"):
-                self.wire = open_transport(kind, config["ip"], **wire_options)
-            else:  # pick a free loopback address ourselves; starting apart keeps concurrent NICs from colliding
-                self.wire = open_on_free_loopback(kind, LOOPBACK_HOSTS.start + os.getpid() % len(LOOPBACK_HOSTS),
-                                                  **wire_options)
-        except OSError as exc:
-            raise StartupError(f"cannot open the {kind} transport: {exc.strerror or exc}") from exc
+            self.wire, self.netns, self.moved = open_wire(kind, config.get("ip"), config.get("netns"), wire_options)
+        except (OSError, StartupError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise StartupError(f"cannot open the {kind} transport: {why}") from exc
         self.ip = self.wire.ip
         self.window_qps = 0  # the QP count the receive buffer was last sized for
         self.datapath = Datapath(self.fw, self.ip)
@@ -467,7 +536,7 @@ class Emulator:
     def debug_request(self, request: dict) -> dict:
         op = request["op"]
         if op == "ping":
-            return {"pid": os.getpid(), "name": self.name}
+            return {"pid": os.getpid(), "name": self.name, "netns": self.netns}
         if op == "objects":
             return {"objects": self.fw.objects()}
         if op == "stats":
@@ -576,7 +645,8 @@ class EmulatorLoop:
             debug.close()
             return
         try:
-            debug.sendall(json.dumps({"ready": True, "ip": emulator.ip, "pid": os.getpid()}).encode() + b"\n")
+            debug.sendall(json.dumps({"ready": True, "ip": emulator.ip, "pid": os.getpid(), "netns": emulator.netns,
+                                      "moved": emulator.moved}).encode() + b"\n")
         except OSError:  # the driver gave up waiting
             emulator.close()
             debug.close()
