@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import itertools
 import operator
-import random
+import secrets
 import weakref
 from typing import Any, Iterable, Sequence, Union
 
@@ -309,7 +309,9 @@ class QueuePair:
         self.send_queue = SendQueueCodec(self.geometry, self.sq.view,
                                          max_unsignaled=max(1, self.sq_slots // wqe_slots // 2))
         self.recv_queue = RecvQueueCodec(self.rq.view, self.rq.depth, self.rq_wqe_size)
-        self.send_queue.psn = random.getrandbits(24)  # like perftest: a random initial PSN per QP
+        # like perftest, a random initial PSN per QP; from `secrets`, since a program may seed `random`, and the PSN
+        # is part of what a forged packet must guess
+        self.send_queue.psn = secrets.randbits(24)
         self.read_queues: list[DmaBuffer] = [device.pci.alloc_dma(0x1000), device.pci.alloc_dma(0x1000)]
         self.qpn = -1
         self.state = QPState.RESET
@@ -466,7 +468,7 @@ class QueuePair:
         self.send_cq.poll()
         self.recv_cq.poll()
         self._fail_outstanding(None)
-        self.send_queue.reset(random.getrandbits(24))
+        self.send_queue.reset(secrets.randbits(24))
         self.recv_queue.reset()
         self.error = None
 

@@ -696,9 +696,12 @@ def test_bad_packets_are_dropped_or_nakked_not_raised():
             pk.Packet(pk.Op.RDMA_WRITE_MIDDLE, b.qpn, 0x1000, payload=b"x" * 1024)]  # MIDDLE without FIRST
     for p in mess:
         p.src_ip, p.dst_ip, p.src_port = src_ip, dst_ip, sport
+    for p in mess[:2]:  # to a from its peer, or the source check drops them before the requester sees them
+        p.src_ip, p.dst_ip = dst_ip, src_ip
     b.dp.receive(mess[2:], 0.0)
     a.dp.receive(mess[:2], 0.0)
     assert a.dp.stats["internal_errors"] == b.dp.stats["internal_errors"] == 0
+    assert a.dp.stats["dropped_bad_source"] == b.dp.stats["dropped_bad_source"] == 0
     assert b.dp.stats["dropped_no_qp"] == 1
     assert [p.syndrome for p in pk.expand(b.dp.take_outbox())] == [pk.NAK_INVALID_REQUEST]
     assert b.fw.rcfw.qps[b.qpn].state == QPState.ERR

@@ -37,7 +37,10 @@ Deviations from rxe/hardware, on purpose:
   The SQ's search table (MSN or PSN entries) is read only by a go-back with hardware retransmission on, to find the
   message it resumes (requester.py); without it the engine retransmits from its own state, as firmware keeps it in
   the QP context. `max_rd_atomic` 0 is treated as 1.
-- No P_Key or source-address check on received packets (the socket binding does the addressing).
+- No P_Key check on received packets. The source address is checked as rxe's check_addr does (rxe_recv.c): a QP
+  takes packets only from the IPv4 address of the GID it was connected to, addressed to this NIC's; others are
+  dropped silently and counted as dropped_bad_source. The UDP source port is not part of the check (RoCEv2 stacks pick
+  it per flow; the UDP transport always sends from 4791).
 - SEND with invalidate, SRQs, UD and UC are not emulated.
 """
 from __future__ import annotations
@@ -74,6 +77,7 @@ class QpContext:
         self.dp, self.qp = dp, qp
         self.mem, self.mrs, self.stats, self.outbox, self.faults = dp.mem, dp.mrs, dp.stats, dp.outbox, dp.faults
         self.address: Address = (0, 0, "", "", 0, 0, 0)
+        self.peer_ip = ""  # the only source address this QP accepts packets from (receive(): check_addr)
         self.refresh()
         placed = dp.placed.get(qp.qpn)
         if placed is None or placed.qp is not qp:  # a context is remade after RESET: the counts last as long as the QP
@@ -89,8 +93,9 @@ class QpContext:
     def refresh(self) -> None:
         """Recompute what every packet of this QP carries (after MODIFY_QP changed the path)."""
         qp = self.qp
-        self.address = (qp.dest_qp_id, qp.pkey, self.dp.ip, socket.inet_ntoa(bytes(qp.dgid[12:16])),
-                        pk.udp_source_port(qp.qpn, qp.dest_qp_id), qp.traffic_class, qp.hop_limit or 64)
+        self.peer_ip = socket.inet_ntoa(bytes(qp.dgid[12:16]))  # RoCEv2 over IPv4: the GID is IPv4-mapped
+        self.address = (qp.dest_qp_id, qp.pkey, self.dp.ip, self.peer_ip, pk.udp_source_port(qp.qpn, qp.dest_qp_id),
+                        qp.traffic_class, qp.hop_limit or 64)
 
     @property
     def alive(self) -> bool:
@@ -136,7 +141,8 @@ class Datapath:
         self.ip = ip
         # packets_sent, packets_received, retransmits, go_backs, acks, naks, rnr_naks, duplicates, out_of_sequence,
         # timeouts,
-        # implied_naks, acks_received, naks_received, rnr_naks_received, stale_acks, dropped (+ dropped_* reasons),
+        # implied_naks, acks_received, naks_received, rnr_naks_received, stale_acks, dropped (+ dropped_* reasons:
+        # no_qp, qp_state, bad_source),
         # atomic_replays, request_errors, qp_errors, cqes, cq_overflows, bad_doorbells, internal_errors
         self.stats: collections.Counter[str] = collections.Counter()
         self.outbox: list[Outgoing] = []  # one list for good: the QP contexts hold it
@@ -247,7 +253,7 @@ class Datapath:
 
     def receive(self, packets: list[pk.Packet], now: float) -> None:
         """Process a batch of received packets, then send the ACKs it earned (one per QP)."""
-        contexts, qps, stats = self.contexts, self.rcfw.qps, self.stats
+        contexts, qps, stats, ip = self.contexts, self.rcfw.qps, self.stats, self.ip
         stats["packets_received"] += len(packets)
         i, count = 0, len(packets)
         while i < count:
@@ -264,15 +270,18 @@ class Datapath:
                         continue
                 op = p.opcode
                 state = ctx.qp.state
-                if not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE:  # a request, for the responder
-                    if state == RTS or state == RTR or state == SQD:
-                        i = ctx.responder.on_requests(packets, i - 1, now)
-                    else:
-                        stats["dropped"] += 1
-                        stats["dropped_qp_state"] += 1
-                elif state != RTS and state != SQD:
+                request = not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE  # for the responder; else the requester
+                # rxe_recv.c check_type_state: requests need a receiving QP (RTR, RTS, SQD), responses a sending one
+                if not (state == RTS or state == SQD or request and state == RTR):
                     stats["dropped"] += 1
                     stats["dropped_qp_state"] += 1
+                # check_addr: a connected QP takes packets only from the peer it was connected to (the DGID of
+                # MODIFY_QP), addressed to us; anything else is dropped without an answer, before its PSN is looked at
+                elif p.src_ip != ctx.peer_ip or p.dst_ip != ip:
+                    stats["dropped"] += 1
+                    stats["dropped_bad_source"] += 1
+                elif request:
+                    i = ctx.responder.on_requests(packets, i - 1, now)
                 elif op == ACKNOWLEDGE:
                     ctx.requester.on_acknowledge(p, now)
                     ctx.wake()

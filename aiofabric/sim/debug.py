@@ -79,7 +79,8 @@ class DebugClient:
 
     async def stats(self) -> collections.Counter[str]:
         """Every counter of the emulator by name (process.py lists them: packets_sent, retransmits, dropped,
-        rx_overflow, ...); a counter it does not report reads 0."""
+        rx_overflow, ...; among the drops' reasons dropped_bad_source, packets to a QP from an address other than its
+        peer's); a counter it does not report reads 0."""
         return collections.Counter((await self.request("stats"))["stats"])
 
     async def placed(self) -> collections.defaultdict[int, Placed]:

@@ -84,6 +84,7 @@ class QpPort(Protocol):
 
     qp: QueuePair
     address: Address  # refreshed when MODIFY_QP changes the path
+    peer_ip: str  # the source address every packet of this QP must carry (the data path drops others)
     placed: PlacedCounts
     mem: BusMemory
     mrs: dict[int, MemoryRegion]  # the function's memory regions by key

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -95,7 +96,7 @@ class Rcfw:
         self.cqs: dict[int, CompletionQueue] = {}
         self.qps: dict[int, QueuePair] = {}
         self.mrs: dict[int, MemoryRegion] = {}
-        self._key_generation = 0
+        self._last_key_byte: dict[int, int] = {}  # MR context index -> the key byte it was last given
         self._commands = {getattr(bnxt, f"CMDQ_BASE_OPCODE_{name.upper()}"): _Command(
             getattr(bnxt, f"cmdq_{name}"), getattr(bnxt, f"creq_{name}_resp"), getattr(self, f"_{name}"))
             for name in self.COMMANDS}
@@ -442,10 +443,17 @@ class Rcfw:
 
     # -- memory regions -------------------------------------------------------------------------
     def _new_key(self, pd: int, kind: int) -> MemoryRegion:
-        """A key is (context index << 8) | generation byte, so a stale key to a reused index does not match."""
+        """A key is (context index << 8) | key byte. The index is the lowest free context (not secret: it depends on
+        what else is allocated); the byte is drawn at random, as rxe's rxe_get_next_key does (rxe_mr.c), so an rkey
+        cannot be predicted from one run to the next, and differs from the last one given at that index, so a stale
+        key to a reused index does not match. `secrets`, not `random`: the latter may be seeded by the host program."""
         index = self._new_id({key >> 8: mr for key, mr in self.mrs.items()}, self.fw.context_capacity(BS.MRAV), "MR")
-        self._key_generation = (self._key_generation + 1) & 0xFF
-        mr = self.mrs[index << 8 | self._key_generation] = MemoryRegion(index << 8 | self._key_generation, pd, kind)
+        last = self._last_key_byte.get(index)
+        byte = secrets.randbits(8)
+        while byte == last:
+            byte = secrets.randbits(8)
+        self._last_key_byte[index] = byte
+        mr = self.mrs[index << 8 | byte] = MemoryRegion(index << 8 | byte, pd, kind)
         return mr
 
     def _allocate_mrw(self, request: Any, command: PendingCommand) -> dict[str, Any]:

@@ -224,8 +224,9 @@ class Responder:
         the index of the first packet left for the caller.
 
         A long message's MIDDLE packets are most of what a busy responder receives, and all that is left to do for
-        one is a copy: that is done here in a tight loop. Anything unusual (another QP or opcode, a PSN gap, AckReq,
-        a size that does not fit) stops it, and that packet goes through on_request like any other.
+        one is a copy: that is done here in a tight loop. Anything unusual (another QP, opcode or source address, a
+        PSN gap, AckReq, a size that does not fit) stops it, and that packet goes through the data path's checks and
+        on_request like any other.
         """
         self.on_request(packets[i], now)
         i += 1
@@ -238,10 +239,12 @@ class Responder:
         else:
             return i
         qpn, mtu, target, offset, epsn = self.qp.qpn, self.qp.path_mtu, self.target, self.offset, self.epsn
+        peer, local = self.port.peer_ip, packets[i - 1].dst_ip  # as the data path checked the first
         count = len(packets)
         while i < count:
             p = packets[i]
-            if p.opcode != middle or p.dest_qp != qpn or p.psn != epsn or p.ack_req or offset + mtu > room:
+            if p.opcode != middle or p.dest_qp != qpn or p.psn != epsn or p.ack_req or offset + mtu > room \
+                    or p.src_ip != peer or p.dst_ip != local:
                 break
             payload = p.payload
             if len(payload) != mtu:
