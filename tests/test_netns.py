@@ -10,6 +10,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 
 import anyio
 import netns_hosts
@@ -17,6 +18,7 @@ import pytest
 from netns_hosts import ip
 
 from aiofabric import open_nic
+from aiofabric.pci import PCIError
 from aiofabric.sim.host import SimPCIDevice
 from aiofabric.sim.packets import ROCE_PORT
 
@@ -27,6 +29,11 @@ VETH_MODULUS = netns_hosts.VETH_MODULUS
 VETH = (f"afa{os.getpid() % VETH_MODULUS}", f"afb{os.getpid() % VETH_MODULUS}")
 STALE_NS = re.compile(r"aiofab-[ab](\d+)")
 STALE_VETH = re.compile(r"af[ab](\d+)")
+
+
+# Holds 0.0.0.0:4791 in its namespace, says its pid, and lets go when stdin closes.
+WILDCARD_HOLDER = ("import os, socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                   "s.bind(('0.0.0.0', 4791)); print(os.getpid(), flush=True); sys.stdin.read()")
 
 
 def sweep_stale_runs() -> list[str]:
@@ -61,9 +68,29 @@ async def test_emulator_without_an_address_picks_one_inside_its_namespace(two_ho
         assert device.ip.startswith("127.0.0.")
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as here:  # not bound out here: it lives in NS[0]
             here.bind((device.ip, ROCE_PORT))
-        assert device.debug({"op": "ping"})["pid"] == device.pid
+        assert device.debug({"op": "ping"}) == {"pid": device.pid, "name": f"ns-auto{os.getpid()}", "netns": NS[0]}
+        assert device.netns == NS[0]
     finally:
         device.close()
+
+
+def test_a_given_namespace_whose_port_is_taken_is_not_left(two_hosts):
+    holder = subprocess.Popen(["ip", "netns", "exec", NS[0], sys.executable, "-c", WILDCARD_HOLDER],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        holder_pid = int(holder.stdout.readline())
+        with open(f"/proc/{holder_pid}/comm") as f:
+            command = f.read().strip()
+        name = f"ns-taken{os.getpid()}"
+        with pytest.raises(PCIError) as raised:
+            SimPCIDevice(name, netns=NS[0])
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=20)
+    assert re.fullmatch(
+        rf"sim:{name}: emulator failed to start: cannot open the udp transport: UDP 4791 is taken on every 127\.0\.0\.x "
+        rf"in network namespace {NS[0]} \(on 127\.0\.0\.\d+ by {command} \(pid {holder_pid}, user root\)\); netns= "
+        r"was given, so the NIC does not move to another namespace", str(raised.value)), str(raised.value)
 
 
 def _dead_pid() -> int:
