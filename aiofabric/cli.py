@@ -333,6 +333,7 @@ async def _serve(args: argparse.Namespace, config: Any, format_report: Callable[
                     depth=args.max_depth, idle=args.idle_timeout)
     lat = isinstance(config, LatConfig)
     policy = ServerPolicy(nic=args.nic, ip=args.ip, pcap=args.pcap, allow_peers=tuple(args.allow_peer or ()),
+                          pcap_max_bytes=args.pcap_max_bytes, pcap_max_files=args.pcap_max_files,
                           limits=limits, tool=args.command,
                           expect={"test": config.test, "size": config.size, "mtu": config.mtu} if lat else {})
 
@@ -743,7 +744,7 @@ def _add_emulator_flag(group: Any, shared: bool) -> None:
 
 def _add_server_limits(parser: argparse.ArgumentParser) -> None:
     """What one client of `bench --server` may hold (aiofabric/peer/policy.py); defaults are Limits'."""
-    from .peer.policy import Limits
+    from .peer.policy import PCAP_MAX_BYTES, PCAP_MAX_FILES, Limits
     group = parser.add_argument_group("server limits (with --server, per client)")
     defaults = Limits()
     group.add_argument("--max-nics", type=positive_int, default=defaults.nics, metavar="N",
@@ -763,6 +764,20 @@ def _add_server_limits(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allow-peer", type=ipaddress.ip_network, action="append", metavar="NETWORK",
                        help="a network the server's QPs may also connect to (default: only the address each "
                             "client connects from); repeatable")
+    captures = parser.add_argument_group("server captures (with --server --pcap FILE, for the whole server)")
+    captures.add_argument("--pcap-max-bytes", type=pcap_bytes, default=PCAP_MAX_BYTES, metavar="BYTES",
+                          help="size limit of each capture file: the packets past it are not recorded (default "
+                               f"{PCAP_MAX_BYTES >> 30}G; a default bench run takes about 70M)")
+    captures.add_argument("--pcap-max-files", type=positive_int, default=PCAP_MAX_FILES, metavar="N",
+                          help="capture files to write, one per client NIC (FILE, FILE.1, ...); later NICs are not "
+                               f"captured (default {PCAP_MAX_FILES}; the captures take at most N x BYTES)")
+
+
+def pcap_bytes(text: str) -> int:
+    value = size_argument(text)
+    if value < 24:
+        raise argparse.ArgumentTypeError(f"must be at least 24 (the pcap file header), not {value}")
+    return value
 
 
 def positive_int(text: str) -> int:

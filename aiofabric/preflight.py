@@ -12,11 +12,12 @@ pages pinned by it), so it needs translation on and the function bound to vfio-p
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
 import resource
-import tempfile
+import stat
 import textwrap
 from typing import Any, Callable, Literal
 
@@ -402,29 +403,99 @@ def check_function(address: str, host: Host, access: Access = "vfio") -> list[Fi
 # The per-device lock
 
 
-def _lock_directory(preferred: str) -> str:
-    """`preferred`, made if needed, or a temp dir's when it cannot be used (/run needs root). Made world-writable and
-    sticky like /tmp, so a lock taken by one user binds every other."""
-    for directory in (preferred, os.path.join(tempfile.gettempdir(), "aiofabric")):
+class _NoLockDirectory(Exception):
+    """No directory we may keep device locks in: why (`detail`) and what fixes it (`fix`)."""
+
+    def __init__(self, detail: str, fix: str) -> None:
+        super().__init__(detail)
+        self.detail, self.fix = detail, fix
+
+
+def _lock_directory(preferred: str) -> tuple[str, int]:
+    """The directory device locks live in, and a descriptor of it that every check went through: `preferred`
+    (/run/aiofabric, which only root can make) when we can make or use it, else, for a user who cannot, their own
+    $XDG_RUNTIME_DIR/aiofabric (0700). Locks need not be shared across users: only root can reach a function
+    through sysfs, and VFIO lets one process at a time open a group. Never a shared name under /tmp, which another
+    user could take first; a directory we did not just make must be ours and writable by nobody else (a user
+    finding root's /run/aiofabric goes to their own)."""
+    euid = os.geteuid()
+    try:
+        return preferred, _open_lock_directory(preferred, 0o755)
+    except _Unusable as exc:
+        if euid == 0 or exc.owner not in (None, 0):  # root's own, or someone else's: not something to go around
+            fix = f"mkdir -m 755 {preferred}" if exc.owner is None else \
+                f"remove it unless it was made so on purpose (rm -r {preferred}); aiofabric makes it again"
+            raise _NoLockDirectory(f"the device-lock directory {preferred} {exc.detail}", fix) from None
+        why = f"{preferred} {exc.detail}"  # a user cannot make /run/aiofabric, or it is root's: use their own
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    fix = "run as root, or in a login session (it sets XDG_RUNTIME_DIR to /run/user/UID, a directory only you can " \
+          "write)"
+    if not os.path.isabs(runtime):
+        raise _NoLockDirectory(f"no directory for device locks: {why}, and XDG_RUNTIME_DIR is not set (a user's "
+                               "locks live in $XDG_RUNTIME_DIR/aiofabric, never under a name in /tmp another user "
+                               "could take first)", fix)
+    directory = os.path.join(runtime, "aiofabric")
+    try:
+        os.close(_open_lock_directory(runtime, None))  # $XDG_RUNTIME_DIR itself must be ours alone too
+        return directory, _open_lock_directory(directory, 0o700)
+    except _Unusable as exc:
+        raise _NoLockDirectory(f"no directory for device locks: {why}, and {exc.path} {exc.detail}", fix) from None
+
+
+class _Unusable(Exception):
+    """What is wrong with directory `path`; `owner`: its uid when it exists (None: it could not be made or opened)."""
+
+    def __init__(self, path: str, detail: str, owner: int | None) -> None:
+        super().__init__(f"{path} {detail}")
+        self.path, self.detail, self.owner = path, detail, owner
+
+
+def _open_lock_directory(path: str, mode: int | None) -> int:
+    """Make `path` with `mode` if it is missing (None: do not) and open it, never through a symlink; raise _Unusable
+    when it cannot be made or opened, is not ours or others can write it."""
+    euid = os.geteuid()
+    made = False
+    if mode is not None:
         try:
-            os.makedirs(directory)
-            os.chmod(directory, 0o1777)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.mkdir(path, mode)
+            made = True
         except FileExistsError:
             pass
-        except OSError:
-            continue
-        if os.access(directory, os.W_OK | os.X_OK):
-            return directory
-    raise PCIError(f"no writable directory for device locks: neither {preferred} nor a temp dir")
+        except OSError as exc:
+            raise _Unusable(path, f"cannot be made ({exc.strerror})", None) from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # O_DIRECTORY may say ENOTDIR of a symlink
+            info = os.lstat(path)
+            raise _Unusable(path, "is a symlink" if stat.S_ISLNK(info.st_mode) else "is not a directory",
+                            info.st_uid) from None
+        raise _Unusable(path, f"cannot be opened ({exc.strerror})", None) from None
+    info = os.fstat(fd)
+    if made and info.st_uid == euid:
+        os.fchmod(fd, mode or 0o700)  # whatever the umask
+        return fd
+    problem = f"is owned by uid {info.st_uid}, not by us (uid {euid})" if info.st_uid != euid else \
+        f"is writable by others (mode {info.st_mode & 0o7777:o})" if info.st_mode & 0o022 else ""
+    if problem:
+        os.close(fd)
+        raise _Unusable(path, problem, info.st_uid)
+    return fd
 
 
 def _take(address: str, directory: str) -> tuple[int, str, int | None]:
-    """Try to lock `address`: (fd, path, None) when taken, (-1, path, the pid its holder wrote, if any) when not."""
-    path = os.path.join(_lock_directory(directory), f"{address}.lock")
+    """Try to lock `address`: (fd, path, None) when taken, (-1, path, the pid its holder wrote, if any) when not.
+    Raises _NoLockDirectory when no directory may hold locks."""
+    parent, parent_fd = _lock_directory(directory)
+    path = os.path.join(parent, f"{address}.lock")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        fd = os.open(f"{address}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644,
+                     dir_fd=parent_fd)
     except OSError as e:
         raise PCIError(f"cannot open the lock file of {address} ({path}): {e.strerror}") from e
+    finally:
+        os.close(parent_fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -451,7 +522,10 @@ class DeviceLock:
     its holder dies, so the file a killed process leaves behind blocks nobody. The seam's backends take one."""
 
     def __init__(self, address: str, directory: str = LOCK_DIR) -> None:
-        self._fd, self.path, holder = _take(address, directory)
+        try:
+            self._fd, self.path, holder = _take(address, directory)
+        except _NoLockDirectory as exc:
+            raise refusal(Finding("lock", False, exc.detail, exc.fix, address=address)) from None
         if self._fd < 0:
             raise refusal(_busy(address, self.path, holder))
 
@@ -464,7 +538,10 @@ class DeviceLock:
 
 def check_lock(address: str, host: Host) -> Finding:
     """Whether the function is free, without keeping it."""
-    fd, path, holder = _take(address, host.locks)
+    try:
+        fd, path, holder = _take(address, host.locks)
+    except _NoLockDirectory as exc:
+        return Finding("lock", False, exc.detail, exc.fix, address=address)
     if fd < 0:
         return _busy(address, path, holder)
     os.close(fd)

@@ -91,8 +91,8 @@ def test_a_server_qp_connects_only_to_the_client_or_an_allowed_network():
 
 def test_the_server_names_its_capture_files_and_pci_nics_take_no_options():
     policy = ServerPolicy(pcap="/tmp/cap.pcap")
-    assert [policy.nic_options() for _ in range(3)] == [{"pcap": "/tmp/cap.pcap"}, {"pcap": "/tmp/cap.pcap.1"},
-                                                        {"pcap": "/tmp/cap.pcap.2"}]
+    assert [policy.nic_options() for _ in range(3)] == [{"pcap": name, "pcap_max_bytes": 1 << 30} for name in
+                                                        ("/tmp/cap.pcap", "/tmp/cap.pcap.1", "/tmp/cap.pcap.2")]
     assert ServerPolicy(nic="0000:41:00.0", ip="10.0.0.1", pcap="/tmp/x").nic_options() == {}
     with pytest.raises(ValueError, match="limit nics must be at least 1"):
         Limits(nics=0)

@@ -10,10 +10,18 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import itertools
+import logging
 from typing import Any, Union
 
 from ..errors import NotAllowed, ParameterMismatch
 from .protocol import MAX_DEPTH, MAX_LINE, printable
+
+log = logging.getLogger(__name__)
+# A --forever server's captures: at most PCAP_MAX_FILES files (FILE, FILE.1, ...) of at most PCAP_MAX_BYTES each, so
+# clients cannot fill the server's disk (16 GiB at worst). A default bench run (1000 x 65536 bytes) captures about
+# 70 MB, so a file holds a default run many times over; 16 files are a session's first clients.
+PCAP_MAX_BYTES = 1 << 30
+PCAP_MAX_FILES = 16
 
 Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -43,24 +51,38 @@ class Limits:
 @dataclasses.dataclass
 class ServerPolicy:
     """The server's own choices for its clients' NICs. `nic`: the NIC spec every client's `open_nic` opens; `ip`:
-    its address (None: the address the client's connection reached; over loopback, a free 127.0.0.x); `pcap`: a capture file (the first NIC
-    writes FILE, later ones FILE.1, FILE.2, ...); `allow_peers`: networks a server QP may connect to besides the
+    its address (None: the address the client's connection reached; over loopback, a free 127.0.0.x); `pcap`: a
+    capture file (the first NIC writes FILE, later ones FILE.1, FILE.2, ..., up to `pcap_max_files` files of at most
+    `pcap_max_bytes` bytes each; NICs past the last file are not captured); `allow_peers`: networks a server QP may connect to besides the
     client's own address (for NICs whose RoCE address is not the one the TCP connection comes from)."""
     nic: str = "sim"
     ip: str | None = None
     pcap: str | None = None
+    pcap_max_bytes: int = PCAP_MAX_BYTES
+    pcap_max_files: int = PCAP_MAX_FILES
     allow_peers: tuple[Network, ...] = ()
     limits: Limits = dataclasses.field(default_factory=Limits)
     tool: str = "bench"  # the exchange clients may run (protocol.PROFILES): "bench" or "lat"
     expect: dict[str, Any] = dataclasses.field(default_factory=dict)  # lat: the test, size and MTU clients must run
     _opened: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.pcap_max_files < 1:
+            raise ValueError(f"pcap_max_files must be at least 1, not {self.pcap_max_files}")
+        if self.pcap_max_bytes < 24:  # the pcap file header
+            raise ValueError(f"pcap_max_bytes must be at least 24 (the pcap file header), not {self.pcap_max_bytes}")
+
     def nic_options(self) -> dict[str, Any]:
         """The emulator options of the next NIC a client opens (a PCI NIC takes none)."""
         if not self.nic.startswith("sim") or self.pcap is None:
             return {}
         number = next(self._opened)
-        return {"pcap": self.pcap if number == 0 else f"{self.pcap}.{number}"}
+        if number >= self.pcap_max_files:
+            if number == self.pcap_max_files:
+                log.warning("%s: %d capture files written (the server's --pcap-max-files); the NICs of later "
+                            "clients are not captured", self.pcap, self.pcap_max_files)
+            return {}
+        return {"pcap": self.pcap if number == 0 else f"{self.pcap}.{number}", "pcap_max_bytes": self.pcap_max_bytes}
 
     def check_params(self, params: dict[str, Any]) -> None:
         """Refuse (ParameterMismatch, one line naming both sides) a latency client whose test, size or MTU differ

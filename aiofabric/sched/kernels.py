@@ -2,11 +2,16 @@
 so two compute queues run in parallel threads), and the 0-d/1-d argument rule every kernel call obeys."""
 from __future__ import annotations
 
+import atexit
 import ctypes
+import errno
 import hashlib
+import logging
 import os
 import re
+import secrets
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,22 +23,66 @@ from ..errors import CompilerNotFoundError, KernelBuildError
 
 DEFAULT_FLAGS = ("-O2", "-shared", "-fPIC")
 C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
-    """Where built kernels live: $AIOFABRIC_CACHE, else ~/.cache/aiofabric/kernels, else a temporary directory."""
-    for candidate in (os.environ.get("AIOFABRIC_CACHE"), Path.home() / ".cache" / "aiofabric" / "kernels"):
-        if candidate:
-            path = Path(candidate)
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                if os.access(path, os.W_OK):
-                    return path
-            except OSError:
-                pass
-    path = Path(tempfile.gettempdir()) / f"aiofabric-kernels-{os.getuid()}"
-    path.mkdir(exist_ok=True)
-    return path
+    """Where built kernels live: $AIOFABRIC_CACHE, else ~/.cache/aiofabric/kernels, else /tmp/aiofabric-kernels-UID,
+    else a fresh private temporary directory (this process's only). A directory is used only if it is private:
+    not a symlink, owned by us, writable by nobody else (a kernel found there runs as us). $AIOFABRIC_CACHE that is
+    not is an error naming it; a default that is not is skipped, with the reason logged."""
+    configured = os.environ.get("AIOFABRIC_CACHE")
+    if configured:
+        problem = _make_private(Path(configured))
+        if problem:
+            raise KernelBuildError(f"C kernel cache $AIOFABRIC_CACHE={configured} {problem}: refusing to build or "
+                                   "load kernels there (point it at a directory only you can write)")
+        return Path(configured)
+    defaults: list[Path] = [Path(tempfile.gettempdir()) / f"aiofabric-kernels-{os.geteuid()}"]
+    try:
+        home = Path.home()
+    except RuntimeError:  # no $HOME and no passwd entry
+        home = None
+    if home is not None and home.is_dir():  # a home is never made (HOME=/nonexistent: a service user's)
+        defaults.insert(0, home / ".cache" / "aiofabric" / "kernels")
+    for path in defaults:
+        problem = _make_private(path)
+        if not problem:
+            return path
+        log.info("C kernel cache %s skipped: it %s", path, problem)
+    global _private_fallback
+    if _private_fallback is None:  # made 0700 by mkdtemp, under a name nobody could take first
+        _private_fallback = Path(tempfile.mkdtemp(prefix="aiofabric-kernels-"))
+        atexit.register(shutil.rmtree, _private_fallback, ignore_errors=True)
+    return _private_fallback
+
+
+_private_fallback: Path | None = None
+
+
+def _make_private(path: Path) -> str:
+    """Make `path` (mode 0700) if missing; "" when it is a private directory, else what is wrong with it ("is
+    owned by uid 1001, not by us (uid 1000)")."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(path)  # lstat: a symlink is refused, never followed to someone else's directory
+    except OSError as exc:
+        return f"cannot be made ({exc.strerror or exc})"
+    return _not_private(info, "directory")
+
+
+def _not_private(info: os.stat_result, kind: str) -> str:
+    """"" when `info` is a `kind` ("directory" or "file") owned by our effective uid and writable by nobody else."""
+    is_kind = stat.S_ISDIR if kind == "directory" else stat.S_ISREG  # "file": a regular one
+    if not is_kind(info.st_mode):
+        return "is a symlink" if stat.S_ISLNK(info.st_mode) else f"is not a {'regular file' if kind == 'file' else kind}"
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}, not by us (uid {os.geteuid()})"
+    writers = [who for bit, who in ((0o020, "group"), (0o002, "others")) if info.st_mode & bit]
+    if writers:
+        return f"is writable by {' and '.join(writers)} (mode {stat.S_IMODE(info.st_mode):o})"
+    return ""
 
 
 class CKernel:
@@ -65,27 +114,92 @@ class CKernel:
             raise CompilerNotFoundError(f"C kernel {name!r}: no C compiler {cc!r} on PATH (install gcc or clang, or "
                                         "set CC); numpy kernels work without one")
         digest = hashlib.sha256("\0".join((path, *self.flags, source)).encode()).hexdigest()[:24]
-        library = cache_dir() / f"{name}-{digest}.so"
-        cached = library.exists()
-        if not cached:
-            with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-                c_file, so_file = Path(scratch) / f"{name}.c", Path(scratch) / f"{name}.so"
-                c_file.write_text(source)
-                process = subprocess.run([path, *self.flags, "-o", str(so_file), str(c_file)],
-                                         capture_output=True, text=True)
-                if process.returncode != 0:
-                    raise KernelBuildError(f"C kernel {name!r}: {cc} {' '.join(self.flags)} failed:\n"
-                                           f"{process.stderr.strip()}")
-                os.replace(so_file, library)  # atomic: concurrent builders never see half a file
-        self.build = {"compiler": path, "flags": list(self.flags), "library": str(library), "cached": cached}
+        cache = cache_dir()
+        library = cache / f"{name}-{digest}.so"
+        # The directory is opened once and everything below goes through that descriptor, so the files checked,
+        # written and loaded are in the directory checked, even if its path is made to point elsewhere meanwhile.
+        directory = _open_private_directory(cache)
         try:
-            self.function = getattr(ctypes.CDLL(str(library)), name)
+            problem = _check_library(library.name, directory)
+            cached = not problem
+            if problem:  # missing, or not one we may load (planted, writable by others): build it (again)
+                if problem != MISSING:
+                    log.warning("C kernel %r: %s %s: not loading it, building it again", name, library, problem)
+                self._compile(path, cc, library.name, directory)
+                problem = _check_library(library.name, directory)
+                if problem:
+                    raise KernelBuildError(f"C kernel {name!r}: {library} {problem} after building it; refusing to "
+                                           "load it")
+            self.build = {"compiler": path, "flags": list(self.flags), "library": str(library), "cached": cached}
+            # Only we (and root) can change the file now: its directory is ours alone and pinned by the descriptor.
+            # (dlopen reuses a loaded library of the same path; the digest in the name stands for its content.)
+            handle = ctypes.CDLL(f"/proc/self/fd/{directory}/{library.name}")
+        finally:
+            os.close(directory)
+        try:
+            self.function = getattr(handle, name)
         except AttributeError:
             raise KernelBuildError(f"C kernel {name!r}: the source defines no function {name!r}") from None
         self.function.restype = None
 
+    def _compile(self, compiler: str, cc: str, filename: str, directory: int) -> None:
+        """Build in a fresh private temporary directory, then copy into the cache under a temporary name and rename
+        it into place (atomic: a concurrent builder or loader never sees half a file)."""
+        with tempfile.TemporaryDirectory(prefix="aiofabric-build-") as scratch:
+            c_file, so_file = Path(scratch) / f"{self.name}.c", Path(scratch) / f"{self.name}.so"
+            c_file.write_text(self.source)
+            process = subprocess.run([compiler, *self.flags, "-o", str(so_file), str(c_file)],
+                                     capture_output=True, text=True)
+            if process.returncode != 0:
+                raise KernelBuildError(f"C kernel {self.name!r}: {cc} {' '.join(self.flags)} failed:\n"
+                                       f"{process.stderr.strip()}")
+            partial = f".{filename}.{os.getpid()}.{secrets.token_hex(4)}"
+            # 0755 whatever the umask: a group-writable library would not be loaded
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755,
+                         dir_fd=directory)
+            try:
+                os.fchmod(fd, 0o755)
+                with open(fd, "wb", closefd=False) as out:
+                    out.write(so_file.read_bytes())
+            finally:
+                os.close(fd)
+            os.replace(partial, filename, src_dir_fd=directory, dst_dir_fd=directory)
+
     def __repr__(self) -> str:
         return f"CKernel({self.name!r})"
+
+
+MISSING = "is missing"
+
+
+def _open_private_directory(path: Path) -> int:
+    """A descriptor of the cache directory `path`, checked private again through it (it was when cache_dir chose
+    it; this pins the directory the checks hold for)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise KernelBuildError(f"C kernel cache {path} cannot be opened ({exc.strerror}): refusing to use it") from exc
+    problem = _not_private(os.fstat(fd), "directory")
+    if problem:
+        os.close(fd)
+        raise KernelBuildError(f"C kernel cache {path} {problem}: refusing to build or load kernels there")
+    return fd
+
+
+def _check_library(filename: str, directory: int) -> str:
+    """"" when `filename` in `directory` is a regular file (not a symlink) owned by us that nobody else can write;
+    MISSING when there is none; else what is wrong with it."""
+    try:
+        fd = os.open(filename, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,  # NONBLOCK: a FIFO too
+                     dir_fd=directory)
+    except FileNotFoundError:
+        return MISSING
+    except OSError as exc:
+        return "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+    try:
+        return _not_private(os.fstat(fd), "file")
+    finally:
+        os.close(fd)
 
 
 def c_scalar(value: Any, call: str, index: int) -> Any:
