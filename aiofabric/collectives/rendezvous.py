@@ -10,6 +10,13 @@ levels per round, a rank in range claimed once, the job's size and round count, 
 within `CLAIM_TIMEOUT` dropped, at most `MAX_UNCLAIMED` such connections at once (a rank turned away retries), and
 a deadline for the whole job, after which every rank still waiting is told which ranks never came; a rank that
 leaves before the last round is named to the others. Bind it to the job's network only.
+
+What a rank learns there, of every rank: both QPs' numbers, GIDs (the NIC's IPv4 address), MACs and initial PSNs,
+and both buffers' addresses, rkeys and lengths (launch.py `Endpoint.card`). Each QP is connected to the GID its
+neighbour's card names, and the NIC takes that QP's packets from that address only (rxe's check_addr; the emulated
+NIC counts the others as dropped_bad_source), so the cards let nobody write into a rank's buffers from another
+address. They are no defence against a client that claims a free rank: it is a rank, and its neighbours connect to
+the card it publishes.
 """
 from __future__ import annotations
 
@@ -245,7 +252,8 @@ async def _send(stream: anyio.abc.ByteStream, message: dict[str, Any]) -> None:
 
 class RendezvousClient:
     """One rank's connection to the rendezvous at host:port, made on its first round (rank 0 may start last);
-    `allgather(data)` is one round. A connection the server turns away before the first answer (too many strangers connected, or not listening yet) is retried until `timeout`."""
+    `allgather(data)` is one round. A connection the server turns away before the first answer (too many strangers
+    connected, or not listening yet) is retried until `timeout`."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout: float) -> None:
         self.host, self.port, self.rank, self.size, self.timeout = host, port, rank, size, timeout
