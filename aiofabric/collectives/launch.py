@@ -5,6 +5,7 @@ one coroutine per rank of this process and, when a rank fails, stops the others 
 from __future__ import annotations
 
 import contextlib
+import socket
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
@@ -12,8 +13,8 @@ import anyio
 from ..nic import NIC, open_nic
 from ..queues import MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from ..sched import receive_pool
-from ..taskgroups import run_in
-from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer
+from ..taskgroups import own_task_group, run_in
+from .rendezvous import FAREWELL, RendezvousClient, RendezvousError, RendezvousServer
 from .world import World
 from .communicator import MAX_PIECES, PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
 
@@ -44,8 +45,15 @@ async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: i
         opened: list[NIC] = []
         for rank in range(size):
             spec = nics[rank] if nics is not None else "sim"
-            opened.append(await stack.enter_async_context(open_nic(spec, **nic_options)))
+            opened.append(await stack.enter_async_context(open_nic(spec, **rank_capture(nic_options, rank))))
         yield await connect_ring(opened, buffer_bytes=buffer_bytes, piece_bytes=piece_bytes, timeout=timeout)
+
+
+def rank_capture(nic_options: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank N > 0 captures to FILE.N, as bench's NIC N does: a capture is never shared (nor overwritten)."""
+    if rank == 0 or not nic_options.get("pcap"):
+        return nic_options
+    return {**nic_options, "pcap": f"{nic_options['pcap']}.{rank}"}
 
 
 class Endpoint:
@@ -113,22 +121,48 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
     its QPs and buffer keys there, connects to its neighbours, and waits for all to be connected. A rank that does
     not come within `rendezvous_timeout` fails every rank with an error naming it. The connection to the rendezvous
     stays open while the block runs: a rank whose process ends without leaving its block is reported to the others,
-    whose collectives then fail naming it at once. Rank 0 (serving) leaves its block once every rank left theirs."""
+    whose collectives then fail naming it at once. A rank that fails (in `join` or in its block, an exception or a
+    cancellation) tells the others why, and they fail at once naming it and its reason; the block's exception then
+    leaves `join` as itself, never wrapped in an ExceptionGroup (as `open_nic`'s). Rank 0 (serving) leaves its
+    block once every rank left theirs."""
     size, rank = world.size, world.rank
     async with contextlib.AsyncExitStack() as stack:
-        group = await stack.enter_async_context(anyio.create_task_group())
+        group = await stack.enter_async_context(own_task_group())
+        server: RendezvousServer | None = None
+        stopped = anyio.Event()
         if rank == 0 and world.serve:
             try:
                 listener = await anyio.create_tcp_listener(local_host=world.addr, local_port=world.port)
+            except socket.gaierror as error:
+                raise RendezvousError(f"rank 0 cannot serve the rendezvous at {world.addr}:{world.port}: the host "
+                                      f"{world.addr!r} (MASTER_ADDR) cannot be resolved: {error.strerror or error}") \
+                    from None
             except OSError as error:
                 raise RendezvousError(f"rank 0 cannot serve the rendezvous at {world.addr}:{world.port}: "
                                       f"{error.strerror or error}; set AIOFABRIC_RENDEZVOUS_PORT to a free port "
                                       "(the same for every rank)") from None
-            group.start_soon(RendezvousServer(size, rendezvous_timeout).serve, listener)
+            server = RendezvousServer(size, rendezvous_timeout)
+
+            async def serve(server: RendezvousServer) -> None:
+                try:
+                    await server.serve(listener)
+                finally:
+                    stopped.set()
+            group.start_soon(serve, server)
         client = RendezvousClient(world.addr, world.port, rank, size, rendezvous_timeout)
+
+        async def failed(error: BaseException) -> None:
+            """Tell the others why this rank fails (unless the rendezvous itself failed it, and knows); a serving
+            rank 0 whose job failed before it started lets its server tell the ranks why (it stops once they were
+            told, or at its deadline)."""
+            if client.stream is not None or not isinstance(error, RendezvousError):
+                await client.fail(_reason(error))
+            if server is not None and server.failure is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(rendezvous_timeout + FAREWELL + 1):
+                    await stopped.wait()
         stack.push_async_callback(client.goodbye)  # after the NIC's close: the last thing this rank does
         try:
-            opened = await stack.enter_async_context(open_nic(nic, ip=ip, **nic_options))
+            opened = await stack.enter_async_context(open_nic(nic, ip=ip, **rank_capture(nic_options, rank)))
             endpoint = await Endpoint.create(opened, size, buffer_bytes) if size > 1 else None
             cards = await client.allgather(endpoint.card() if endpoint is not None else {})
             if endpoint is None:
@@ -140,16 +174,38 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
                 except (KeyError, TypeError, ValueError, OverflowError) as error:
                     raise RendezvousError(f"rank {rank}: a neighbour's card is malformed: {error!r}") from None
             await client.allgather({"connected": True})  # nobody sends before its neighbour's QP is ready
-        except BaseException:
-            await client.aclose()  # no goodbye: the others are told this rank failed
+        except BaseException as error:
+            await failed(error)  # no goodbye: the others are told this rank failed, and why
             raise
 
+        watched = anyio.Event()
+
         async def watch() -> None:
-            comm.peer_failed(await client.watch())
+            try:
+                comm.peer_failed(await client.watch())
+            finally:
+                watched.set()
         watcher = anyio.CancelScope()
         stack.callback(watcher.cancel)
         group.start_soon(run_in, watcher, watch)
-        yield comm
+        try:
+            yield comm
+        except GeneratorExit:
+            raise
+        except BaseException as error:
+            watcher.cancel()  # the connection is fail()'s now: it reads the server's close
+            with anyio.CancelScope(shield=True):
+                await watched.wait()
+            await failed(error)  # before the NIC's close: the others learn of it at once
+            raise
+
+
+def _reason(error: BaseException) -> str:
+    """What a failing rank tells the others: the exception's type and message on one line."""
+    message = " ".join(str(error).split())
+    if isinstance(error, anyio.get_cancelled_exc_class()):
+        return "cancelled"
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 async def run_ranks(work: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:

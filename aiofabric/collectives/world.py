@@ -38,7 +38,7 @@ class World:
 
 def from_environment(environ: Mapping[str, str]) -> World | None:
     """The World the first launcher whose variables are set describes, or None when none is. A variable that is
-    set but not an integer is a ValueError naming it."""
+    set but not an integer, or out of its range, is a ValueError naming it."""
     for launcher, rank_name, size_name in LAUNCHERS:
         if rank_name in environ and size_name in environ:
             values = {}
@@ -48,9 +48,23 @@ def from_environment(environ: Mapping[str, str]) -> World | None:
                     values[name] = int(text)
                 except ValueError:
                     raise ValueError(f"{name}={text!r} ({launcher}) is not an integer") from None
-            port = values["MASTER_PORT"] + (environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-            if "AIOFABRIC_RENDEZVOUS_PORT" in environ:
-                port = values["AIOFABRIC_RENDEZVOUS_PORT"]
-            return World(values[rank_name], values[size_name], environ.get("MASTER_ADDR", DEFAULT_ADDR), port,
-                         launcher, environ.get("AIOFABRIC_RENDEZVOUS", "") != "external")
+            size, rank = values[size_name], values[rank_name]
+            if size < 1:
+                raise ValueError(f"{size_name}={size} ({launcher}): a job has at least 1 rank")
+            if not 0 <= rank < size:
+                raise ValueError(f"{rank_name}={rank} ({launcher}): rank {rank} of a job of {size} ranks "
+                                 f"({size_name}) must be in [0, {size - 1}]")
+            port_name = "AIOFABRIC_RENDEZVOUS_PORT" if "AIOFABRIC_RENDEZVOUS_PORT" in environ else "MASTER_PORT"
+            port = values[port_name]
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{port_name}={port}: a port is in [1, 65535]")
+            if port_name == "MASTER_PORT" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                port += 1  # the agent's store has MASTER_PORT
+                if port > 65535:
+                    raise ValueError(f"MASTER_PORT={port - 1} (torchrun's agent store): the rendezvous takes the "
+                                     "next port, and there is none; set AIOFABRIC_RENDEZVOUS_PORT")
+            addr = environ.get("MASTER_ADDR", DEFAULT_ADDR)
+            if not addr.strip():
+                raise ValueError("MASTER_ADDR is empty: set it to rank 0's host")
+            return World(rank, size, addr, port, launcher, environ.get("AIOFABRIC_RENDEZVOUS", "") != "external")
     return None
