@@ -280,6 +280,23 @@ def test_a_forever_server_bounds_its_captures_end_to_end(tmp_path):
     assert f"{capture}: 1 capture files written (the server's --pcap-max-files)" in log
 
 
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_each_local_rank_captures_to_its_own_file(tmp_path):
+    """As bench's NIC N: rank N > 0 writes FILE.N (one file for all would be refused: it exists)."""
+    import numpy as np
+
+    from aiofabric import collectives
+    capture = tmp_path / "ring.pcap"
+    async with collectives.local(3, buffer_bytes=1 << 16, pcap=str(capture)) as comms:
+        xs = [np.full(100, rank, np.int32) for rank in range(3)]
+        await collectives.run_ranks([lambda c=c, x=x: c.allreduce(x) for c, x in zip(comms, xs)])
+    assert all(np.array_equal(x, np.full(100, 3, np.int32)) for x in xs)
+    names = ["ring.pcap", "ring.pcap.1", "ring.pcap.2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    assert all((tmp_path / name).stat().st_size > 24 for name in names)  # packets, not only the header
+
+
 # -- the device-lock directory -----------------------------------------------------------------------------------------
 def refused_lock(message: str) -> str:
     return "^" + re.escape(f"pre-flight lock: {message}") + "$"
