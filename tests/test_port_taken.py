@@ -24,7 +24,9 @@ import pytest
 import aiofabric
 from aiofabric.pci import PCIError
 from aiofabric.sim.host import SimPCIDevice
+from aiofabric.sim import wire
 from aiofabric.sim.packets import ROCE_PORT
+from aiofabric.sim.wire import NoPrivateNetns
 
 HOLDER_USER = "nobody"
 # Another user's socket on every address's 4791: it says its pid, then counts what reaches it until stdin closes.
@@ -44,7 +46,8 @@ HOLDER = textwrap.dedent("""
     print(received, flush=True)
 """)
 # What a user does while the holder holds 0.0.0.0:4791: the CLI's loopback, a two-NIC verified WRITE through the API,
-# and a NIC given ip= whose port the holder has. Prints what the test checks, as JSON.
+# and a NIC given ip= whose port the holder has, alone and in a process that moved. Prints what the test checks, as
+# JSON.
 CLIENT = textwrap.dedent("""
     import json, logging, random, subprocess, sys
     import anyio
@@ -76,6 +79,14 @@ CLIENT = textwrap.dedent("""
         result["fixed"] = None
     except PCIError as exc:
         result["fixed"] = str(exc)
+    shared = SimPCIDevice("pt-s1", process="pt")  # moves its process; then one given ip= joins that process
+    try:
+        SimPCIDevice("pt-s2", ip="127.0.0.9", process="pt").close()
+        result["shared_fixed"] = None
+    except PCIError as exc:
+        result["shared_fixed"] = str(exc)
+    finally:
+        shared.close()
     print(json.dumps(result))
 """)
 # As root inside the namespaces: start the holder as HOLDER_USER, run CLIENT with the Python argv[4:] names (as root
@@ -143,6 +154,7 @@ def test_a_wildcard_holder_moves_roots_nics_to_a_private_namespace(tmp_path):
     holder = f"python3 (pid {result['holder_pid']}, user {HOLDER_USER})"
     check_moved(result, "aiofabric-0", holder)
     assert result["fixed"] == fixed_address_refused("pt-fixed", "127.0.0.9", holder)
+    assert result["shared_fixed"] == fixed_address_refused("pt-s2", "127.0.0.9", holder)  # bound at home, not moved
 
 
 @contextlib.contextmanager
@@ -183,6 +195,11 @@ def test_an_unprivileged_users_nics_move_to_a_user_namespace(tmp_path):
         check_moved(result, f"aiofabric-{uid} (a user namespace held by pid {match[1]}: `nsenter -t {match[1]} -U -n`)",
                     holder)
         assert result["fixed"] == fixed_address_refused("pt-fixed", "127.0.0.9", holder)
+        assert re.fullmatch(  # a process in a user namespace cannot go back: that NIC needs a process of its own
+            rf"sim:pt-s2: emulator failed to start: cannot open the udp transport: ip=127\.0\.0\.9: this emulator "
+            rf"process runs its NICs in aiofabric-{uid} \(UDP 4791 on 127\.0\.0\.\d+ is held by {re.escape(holder)}\) "
+            r"and cannot bind on the host from there \(setns: Operation not permitted\); open this NIC in a process "
+            r"of its own \(without process=\)", result["shared_fixed"]), result["shared_fixed"]
 
 
 def test_a_given_address_whose_port_is_taken_fails_naming_the_holder():
@@ -199,3 +216,24 @@ def test_a_given_address_whose_port_is_taken_fails_naming_the_holder():
             SimPCIDevice(f"taken{os.getpid()}", ip=f"127.0.0.{host}")
     me = f"{command} (pid {os.getpid()}, user {pwd.getpwuid(os.geteuid()).pw_name})"
     assert str(raised.value) == fixed_address_refused(f"taken{os.getpid()}", f"127.0.0.{host}", me)
+
+
+def test_a_rendezvous_directory_others_could_have_made_or_can_enter_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    directory, me = tmp_path / "aiofabric", pwd.getpwuid(os.geteuid()).pw_name
+    directory.mkdir()
+    os.chmod(directory, 0o755)  # another user could enter it
+    with pytest.raises(NoPrivateNetns) as raised:
+        wire._user_netns_dir()
+    assert str(raised.value) == f"{directory} is not a directory of user {me} closed to others (owner {me}, mode 755); " \
+                                "remove it"
+    os.chmod(directory, 0o700)
+    assert wire._user_netns_dir() == str(directory)
+    if os.geteuid() == 0:  # made by another user first
+        os.chown(directory, pwd.getpwnam(HOLDER_USER).pw_uid, -1)
+        with pytest.raises(NoPrivateNetns, match=rf"\(owner {HOLDER_USER}, mode 700\); remove it$"):
+            wire._user_netns_dir()
+    directory.rename(tmp_path / "elsewhere")
+    directory.symlink_to(tmp_path / "elsewhere")  # a link is not the directory itself
+    with pytest.raises(NoPrivateNetns, match=r"mode 777\); remove it$"):
+        wire._user_netns_dir()

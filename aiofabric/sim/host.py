@@ -286,11 +286,12 @@ class SimPCIDevice(PCIDevice):
     """An emulated BNXT NIC in its own OS process.
 
     `options` go to the emulator; see OPTIONS and the README: `ip` (without one the emulator binds a free 127.0.0.x
-    itself, race-free across processes; `self.ip` says which), `mac`, `fw_latency_us`, `transport`, the wire faults
-    `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, `port_mtu` (port.py), `profile` (the chip and firmware it
-    plays, profiles.py), and `netns`, which starts the process
-    inside that network namespace, so its wire is the namespace's interfaces. Bad options raise ValueError before
-    anything starts; an emulator that cannot start raises PCIError with its reason.
+    itself, race-free across processes; `self.ip` says which, and `self.netns` if UDP 4791 was taken on every one of
+    the host's and it moved to this user's private network namespace), `mac`, `fw_latency_us`, `transport`, the wire
+    faults `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, `port_mtu` (port.py), `profile` (the chip and
+    firmware it plays, profiles.py), and `netns`, which starts the process inside that network namespace, so its wire
+    is the namespace's interfaces. Bad options raise ValueError before anything starts; an emulator that cannot start
+    raises PCIError with its reason.
     """
 
     ip: str

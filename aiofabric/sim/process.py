@@ -15,15 +15,19 @@ sendmmsg makes the receiver's socket readable and the same loop reads it next (b
 process"). On a machine with cores to spare, one process per NIC (the default) runs them in parallel.
 
 Start-up: before serving, each NIC writes exactly one line on its debug socket: {"ready": true, "ip": ..., "pid":
-...} or {"error": "<why, in one line>"} (its descriptors are then closed). SimPCIDevice waits for that line.
+..., "netns": ..., "moved": ...} or {"error": "<why, in one line>"} (its descriptors are then closed). SimPCIDevice
+waits for that line. "netns" names the network namespace the NIC binds in (null: the one the driver is in), "moved"
+says why, if the process moved to this user's private namespace because UDP 4791 was taken on every 127.0.0.x
+(open_wire).
 
 A NIC's config keys (JSON): name, and bar0_fd, arena_fd, kick_fd, debug_fd, irq_fds (attach_config); mac;
 fw_latency_us; ip (the NIC's IPv4 address; when null the emulator binds the first free 127.0.0.x from a pid-derived
-start and reports it); transport ("udp" default, or "raw"); loss, dup, reorder, corrupt (wire fault probabilities)
-and seed; pcap (a file that gets every packet sent and received); port_mtu (the port's MTU, port.py: longer packets
-are dropped). While port_phy_cfg selects LPBK_LOCAL, packets go through an in-process loopback transport instead of
-the wire; while the link is down (debug "event" link_down, until link_up) the port carries nothing. The log level
-comes from AIOFABRIC_SIM_LOG (WARNING).
+start and reports it); netns (the namespace `ip netns exec` started the process in: it never moves from there);
+transport ("udp" default, or "raw"); loss, dup, reorder, corrupt (wire fault probabilities) and seed; pcap (a file
+that gets every packet sent and received); port_mtu (the port's MTU, port.py: longer packets are dropped). While
+port_phy_cfg selects LPBK_LOCAL, packets go through an in-process loopback transport instead of the wire; while the
+link is down (debug "event" link_down, until link_up) the port carries nothing. The log level comes from
+AIOFABRIC_SIM_LOG (WARNING).
 
 Debug "stats" reply: the shell's counters (hwrm, rcfw, kicks, interrupts, ...), the firmware's, the data path's
 (packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts, ...; see
@@ -209,9 +213,10 @@ def _at_home(ip: str) -> Iterator[None]:
     try:
         setns(Moved.home, CLONE_NEWNET)
     except OSError as exc:  # a user namespace's member has no rights over the host's network namespace
-        raise StartupError(f"ip={ip}: this emulator process runs its NICs in {Moved.name} ({(Moved.notice or '').split(';')[0]})"
-                           f" and cannot bind on the host from there ({exc.strerror}); open this NIC in a process "
-                           "of its own (without process=)") from exc
+        why = (Moved.notice or "").split(";")[0]
+        raise StartupError(f"ip={ip}: this emulator process runs its NICs in {Moved.name} ({why}) and cannot bind on "
+                           f"the host from there ({exc.strerror}); open this NIC in a process of its own (without "
+                           "process=)") from exc
     try:
         yield
     finally:
