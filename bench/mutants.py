@@ -55,6 +55,20 @@ CLOSE = ("tests/test_lifetimes.py::test_a_close_destroys_what_is_attached_in_an_
          "tests/test_lifetimes.py::test_creations_cancelled_at_random_moments_leave_no_orphan_objects",
          "tests/test_lifetimes.py::test_objects_of_a_closed_nic_refuse_use")
 SUMMARY = ("tests/test_samples.py",)
+B = "tests/test_boundaries.py::"
+POOL, CALLS, RUN = "aiofabric/sched/pool.py", "aiofabric/sched/calls.py", "aiofabric/sched/run.py"
+COMM, LAYOUT = "aiofabric/collectives/communicator.py", "aiofabric/collectives/layout.py"
+FREED, VFIO, PCI = "aiofabric/sim/freed.py", "aiofabric/vfio.py", "aiofabric/pci.py"
+FLAGS, POLICY = "aiofabric/perftest_flags.py", "aiofabric/peer/policy.py"
+POOL_DEPTH = (B + "test_a_receive_pool_is_as_deep_as_asked_after_a_reset_and_never_as_deep_as_its_queue",)
+IMM = (B + "test_an_expected_immediate_of_0_is_checked_and_0xffffffff_is_the_largest",)
+SCALAR = (B + "test_an_rdma_size_rebinds_to_exactly_its_compiled_size_and_a_call_may_end_at_its_regions_end",)
+TOUCHING = (B + "test_memory_next_to_a_constant_or_another_input_is_not_an_overlap",)
+PIECES = (B + "test_a_runs_messages_on_a_link_fit_the_receive_pool_whatever_the_count",)
+BLAME = (B + "test_a_run_that_times_out_names_the_rank_it_waits_for",)
+FREED_SPLIT = (B + "test_freed_ranges_split_where_memory_is_allocated_again",)
+IOVA = (B + "test_an_iova_block_may_end_on_a_ranges_last_byte_and_a_freed_block_is_handed_out_once",)
+BUDGET = (B + "test_a_dma_budget_counts_odd_sizes_in_whole_pages_and_takes_exactly_its_limit",)
 
 MUTANTS = [
     Mutant("icrc: the masked LRH seed is 4 bytes, not 8", PACKETS,
@@ -114,6 +128,69 @@ MUTANTS = [
            "return ordered[min(index, len(ordered) - 1)]", "return ordered[max(0, index - 1)]", SUMMARY),
     Mutant("percentile: float error takes 99.9% of 41000 one index up", SAMPLES,
            "index = math.ceil(round(count * p / 100, 9))", "index = math.ceil(count * p / 100)", SUMMARY),
+    # the boundaries, zero, recovery, reuse after a free, odd sizes and error texts (tests/test_boundaries.py)
+    Mutant("pool: a take after a QP reset posts one receive, not the pool's depth", POOL,
+           "        await self.fill()\n        self.posted.append", "        self.posted.append", POOL_DEPTH),
+    Mutant("pool: a pool keeps one receive more than its depth", POOL,
+           "while len(self.posted) < self.depth:", "while len(self.posted) <= self.depth:", POOL_DEPTH),
+    Mutant("pool: a depth equal to the receive queue's (no room left for a run's own) is accepted", POOL,
+           "not 1 <= depth < qp.rq.depth", "not 1 <= depth <= qp.rq.depth", POOL_DEPTH),
+    Mutant("imm: an expected immediate of 0 is never checked", RUN,
+           "if want is not None and done.imm != want:", "if want and done.imm != want:", IMM),
+    Mutant("imm: wait_imm refuses an immediate of 0", CALLS,
+           "not 0 <= imm <= 0xFFFFFFFF", "not 0 < imm <= 0xFFFFFFFF", IMM),
+    Mutant("imm: wait_imm refuses 0xffffffff", CALLS,
+           "not 0 <= imm <= 0xFFFFFFFF", "not 0 <= imm < 0xFFFFFFFF", IMM),
+    Mutant("scalar: an RDMA size rebound to exactly its compiled value is refused", RUN,
+           "not 0 <= value <= limit", "not 0 <= value < limit", SCALAR),
+    Mutant("rdma range: a call ending exactly at its region's end is refused", CALLS,
+           "offset + size > length:", "offset + size >= length:", SCALAR),
+    Mutant("binding: memory right after a constant argument counts as overlapping it", RUN,
+           "(self._constant_starts < stop) & (self._constant_stops > start)",
+           "(self._constant_starts <= stop) & (self._constant_stops >= start)", TOUCHING),
+    Mutant("binding: two inputs side by side count as overlapping", RUN,
+           "e[0] < extent[1] and extent[0] < e[1]", "e[0] <= extent[1] and extent[0] <= e[1]", TOUCHING),
+    Mutant("collective: a buffer of exactly the communicator's capacity is refused", COMM,
+           "if buffer_bytes > self.capacity:", "if buffer_bytes >= self.capacity:",
+           (B + "test_a_collective_of_exactly_the_buffers_capacity_runs",)),
+    Mutant("collective: pieces per chunk rounded down (one more message than the pool holds)", COMM,
+           "-(-largest // MAX_PIECES)", "largest // MAX_PIECES", PIECES),
+    Mutant("collective: a broadcast's pieces rounded down", COMM,
+           "-(-total // (MAX_PIECES * 2 * (size - 1)))", "total // (MAX_PIECES * 2 * (size - 1))", PIECES),
+    Mutant("collective: a timeout on a receive queue blames no rank", COMM,
+           'queue.removesuffix(" recv") ==', "queue ==", BLAME),
+    Mutant("collective: a timeout blames the rank as a failed link", COMM,
+           "timed_out = not isinstance(error, CallError)", "timed_out = isinstance(error, CallError)", BLAME),
+    Mutant("collective: the last sequence number (0xffff) a message carries is refused", LAYOUT,
+           "if not 1 <= seq <= MAX_SEQ:", "if not 1 <= seq < MAX_SEQ:",
+           (B + "test_the_last_sequence_number_a_message_can_carry_is_0xffff",)),
+    Mutant("freed: allocating the middle of a freed range forgets its left remnant", FREED,
+           "                kept.append((start, offset))\n", "                pass\n", FREED_SPLIT),
+    Mutant("freed: allocating the middle of a freed range forgets its right remnant", FREED,
+           "                kept.append((end, stop))\n", "                pass\n", FREED_SPLIT),
+    Mutant("iova: a block ending on a valid range's last byte is refused", VFIO,
+           "if start + block - 1 <= last:", "if start + block - 1 < last:", IOVA),
+    Mutant("iova: a freed block is handed out twice", VFIO,
+           "return self._free[block].pop()", "return self._free[block][-1]", IOVA),
+    Mutant("iova: the block of a failed mapping is never given back", VFIO,
+           "            self.space.free(iova, size)\n            hint", "            hint",
+           (B + "test_the_iova_of_a_failed_mapping_serves_the_next",)),
+    Mutant("dma: the byte past a buffer has a bus address", PCI,
+           "if not 0 <= offset < self.size:", "if not 0 <= offset <= self.size:",
+           (B + "test_a_dma_buffers_last_byte_has_a_bus_address_and_the_byte_past_it_none",)),
+    Mutant("dma budget: an allocation reaching exactly the limit is refused", PCI,
+           "if self.in_use + length > self.limit:", "if self.in_use + length >= self.limit:", BUDGET),
+    Mutant("dma budget: odd sizes are counted as asked, not in the whole pages they hold", PCI,
+           "length = -(-max(size, 1) // PAGE_SIZE) * PAGE_SIZE", "length = max(size, 1)", BUDGET),
+    Mutant("flags: a short flag with its value joined (-q0) is named by its long form", FLAGS,
+           "token if token in actions else token[:2]", "token",
+           (B + "test_a_flag_with_its_value_joined_is_named_as_typed",)),
+    Mutant("policy: an idle timeout of 0 is accepted", POLICY, "if not self.idle > 0:", "if not self.idle >= 0:",
+           (B + "test_server_limits_take_their_smallest_values_and_refuse_zero",)),
+    Mutant("close: host memory is freed before the device is quiesced", DEVICE,
+           "            await self._quiesce()\n            await self._free_memory()\n",
+           "            await self._free_memory()\n            await self._quiesce()\n",
+           ("tests/test_orderings.py::test_a_close_frees_nothing_the_device_writes_up_to_its_quiesce",)),
 ]
 
 
