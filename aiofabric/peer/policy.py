@@ -53,8 +53,9 @@ class ServerPolicy:
     """The server's own choices for its clients' NICs. `nic`: the NIC spec every client's `open_nic` opens; `ip`:
     its address (None: the address the client's connection reached; over loopback, a free 127.0.0.x); `pcap`: a
     capture file (the first NIC writes FILE, later ones FILE.1, FILE.2, ..., up to `pcap_max_files` files of at most
-    `pcap_max_bytes` bytes each; NICs past the last file are not captured); `allow_peers`: networks a server QP may connect to besides the
-    client's own address (for NICs whose RoCE address is not the one the TCP connection comes from)."""
+    `pcap_max_bytes` bytes each; NICs past the last file are not captured); `allow_peers`: networks a server QP may
+    connect to besides the client's own address (for NICs whose RoCE address is not the one the TCP connection comes
+    from)."""
     nic: str = "sim"
     ip: str | None = None
     pcap: str | None = None

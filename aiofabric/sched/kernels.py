@@ -3,6 +3,7 @@ so two compute queues run in parallel threads), and the 0-d/1-d argument rule ev
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -76,7 +77,8 @@ def _not_private(info: os.stat_result, kind: str) -> str:
     """"" when `info` is a `kind` ("directory" or "file") owned by our effective uid and writable by nobody else."""
     is_kind = stat.S_ISDIR if kind == "directory" else stat.S_ISREG  # "file": a regular one
     if not is_kind(info.st_mode):
-        return "is a symlink" if stat.S_ISLNK(info.st_mode) else f"is not a {'regular file' if kind == 'file' else kind}"
+        return "is a symlink" if stat.S_ISLNK(info.st_mode) else \
+            f"is not a {'regular file' if kind == 'file' else kind}"
     if info.st_uid != os.geteuid():
         return f"is owned by uid {info.st_uid}, not by us (uid {os.geteuid()})"
     writers = [who for bit, who in ((0o020, "group"), (0o002, "others")) if info.st_mode & bit]
@@ -158,12 +160,17 @@ class CKernel:
             fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755,
                          dir_fd=directory)
             try:
-                os.fchmod(fd, 0o755)
-                with open(fd, "wb", closefd=False) as out:
-                    out.write(so_file.read_bytes())
-            finally:
-                os.close(fd)
-            os.replace(partial, filename, src_dir_fd=directory, dst_dir_fd=directory)
+                try:
+                    os.fchmod(fd, 0o755)
+                    with open(fd, "wb", closefd=False) as out:
+                        out.write(so_file.read_bytes())
+                finally:
+                    os.close(fd)
+                os.replace(partial, filename, src_dir_fd=directory, dst_dir_fd=directory)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(partial, dir_fd=directory)
+                raise
 
     def __repr__(self) -> str:
         return f"CKernel({self.name!r})"
