@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import logging
 import math
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -45,6 +46,7 @@ from .errors import BadOption
 from .queues import ALL_ACCESS, ATOMIC_ACCESS, MemoryRegion, QueuePair
 from .samples import FIELDS as LATENCY_FIELDS, summarize
 
+log = logging.getLogger("aiofabric.latency")
 TESTS = perftest.TESTS
 MTUS = perftest.MTUS
 MAX_ACK_TIMEOUT = perftest.MAX_ACK_TIMEOUT
@@ -405,7 +407,12 @@ async def _open_nics(config: LatConfig, client_nic: NIC | None = None) -> AsyncI
                                                   **(dict(faults, seed=config.seed + 1) if faults else {}))
             try:
                 yield client_nic, remote
-            finally:
+            except BaseException:  # the end of the connection frees it: a stalled NIC there costs no more
+                with anyio.CancelScope(shield=True), anyio.move_on_after(perftest.REMOTE_CLOSE_AFTER_FAILURE):
+                    with contextlib.suppress(Exception):
+                        await config.remote.close(remote)
+                raise
+            else:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                     await config.remote.close(remote)
     elif PCI_ADDRESS.fullmatch(config.nic):
@@ -449,13 +456,16 @@ async def run_latency(config: LatConfig, client_nic: NIC | None = None) -> dict[
 
 
 async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict[str, Any]:
-    """One size's latency loop on a QP pair of its own, destroyed afterwards (a sweep keeps its NICs)."""
-    pair = await _connect(config, client_nic, server_nic, config.remote)
+    """One size's latency loop on a QP pair of its own, destroyed afterwards (a sweep keeps its NICs). After a
+    failure, what stopped is found first (`perftest.after_failure`: it heads the error) and the clean-up is bounded
+    and quiet: its own errors are logged, the run's first error is raised."""
+    here = [nic for nic in dict.fromkeys((client_nic, server_nic)) if isinstance(nic, NIC)]
+    pair: _Pair | None = None
     try:
+        pair = await _connect(config, client_nic, server_nic, config.remote)
         fault = config.bench_config().fault()
         if fault is not None:
             await perftest.emulator(server_nic, "--inject-fault").fault(*fault)
-        here = [nic for nic in dict.fromkeys((client_nic, server_nic)) if isinstance(nic, NIC)]
         server_digest = await pair.server_digest(0, config.size)
         before = await perftest.wire_counters(here)
         started = time.perf_counter()
@@ -466,7 +476,16 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
         mismatch = await _verify(config, pair, server_digest, placed)
         wire = perftest.wire_delta(before, await perftest.wire_counters(here), WIRE_COUNTERS)
         processes = await perftest.emulator_processes(here)
-    finally:
+    except BaseException as exc:
+        headline = await perftest.after_failure(exc, here, config.remote,
+                                                server_nic if config.remote is not None else None)
+        if pair is not None:
+            await perftest.release_after_failure(functools.partial(_release, pair, quiet=True),
+                                                 "releasing the QP pair")
+        if headline is not None:
+            raise headline from exc
+        raise
+    else:
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
             await _release(pair)
     return {
@@ -484,19 +503,33 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
     }
 
 
-async def _release(pair: _Pair) -> None:
-    """Destroy the pair's QPs, then their CQs and memory (the server's in its endpoint, with a peer)."""
-    await pair.client.destroy()
-    await pair.client_mr.deregister()
-    await pair.client.send_cq.destroy()
-    if pair.remote is not None:
-        for handle in (pair.server, pair.server_mr, pair.server_cq):
-            await pair.remote.close(handle)
+async def _release(pair: _Pair, quiet: bool = False) -> None:
+    """Destroy the pair's QPs, then their CQs and memory (the server's in its endpoint, with a peer). `quiet` (after
+    a failure): an object that cannot be released is logged and the rest still are; the peer's get
+    perftest.REMOTE_CLOSE_AFTER_FAILURE s (the end of its connection frees them anyway)."""
+    steps: list[Callable[[], Awaitable[Any]]] = [pair.client.destroy, pair.client_mr.deregister,
+                                                 pair.client.send_cq.destroy]
+    if pair.remote is None:
+        steps += [pair.server.destroy, pair.server_mr.deregister]
+        if pair.server.send_cq is not pair.client.send_cq:
+            steps.append(pair.server.send_cq.destroy)
+    for step in steps:
+        try:
+            await step()
+        except Exception as exc:
+            if not quiet:
+                raise
+            log.info("after the failure: %s: %s", type(exc).__name__, exc)
+    if pair.remote is None or quiet and getattr(pair.remote, "failure", None) is not None:
         return
-    await pair.server.destroy()
-    await pair.server_mr.deregister()
-    if pair.server.send_cq is not pair.client.send_cq:
-        await pair.server.send_cq.destroy()
+    with anyio.move_on_after(perftest.REMOTE_CLOSE_AFTER_FAILURE if quiet else math.inf):
+        for handle in (pair.server, pair.server_mr, pair.server_cq):
+            try:
+                await pair.remote.close(handle)
+            except Exception as exc:
+                if not quiet:
+                    raise
+                log.info("after the failure: %s: %s", type(exc).__name__, exc)
 
 
 def perftest_latency_report(result: dict[str, Any], config: LatConfig) -> dict[str, Any]:

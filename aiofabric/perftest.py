@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import logging
 import os
 import struct
 import sys
@@ -32,14 +33,19 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import anyio
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
 from .autogen import bnxt
+from .close_budget import CLOSE_TIMEOUT, PROBE_SECONDS as FIRMWARE_PROBE_SECONDS, settle
 from .hw.verbs import ROCE_OVERHEAD, path_mtu_for_port
 from .nic import NIC, PCI_ADDRESS, open_nic
 from .peer.protocol import fill_pattern
-from .errors import BadOption
+from .errors import BadOption, FabricError
 from .queues import ALL_ACCESS, ATOMIC_ACCESS, QueuePair
 from .samples import percentile
 
+log = logging.getLogger("aiofabric.perftest")
 TESTS = ("write", "read", "send", "atomic")
 INLINE_TESTS = ("write", "send")  # tests whose local side a WQE can carry inline
 ORDERED_TESTS = ("read", "atomic")  # tests whose requests take the QP's outstanding-READ slots (-o)
@@ -66,6 +72,20 @@ LOOPBACK_BASE_SECONDS, LOOPBACK_SLOWEST_BPS = 10.0, 1 << 20  # loopback's time l
 WIRE_COUNTERS = (("packets", "packets_sent"), ("retransmits", "retransmits"), ("dropped", "dropped"),
                  ("rx_overflow", "rx_overflow"))  # the JSON's name, the emulator's counter
 NOT_COUNTED = "the NIC's placement counts were not available: it is not an emulated NIC"
+# a QP with work outstanding that completes nothing for this long has stalled (the run fails naming it): 5 s, plus
+# every retransmission of a lost packet (4.096 us * 2^timeout, RETRY_CNT + 1 times, both ways), plus 1 s per MiB
+# a completion waits for (a signaled chunk of messages)
+STALL_BASE_SECONDS, STALL_SLOWEST_BPS, RETRY_CNT = 5.0, 1 << 20, 7
+REMOTE_CLOSE_AFTER_FAILURE = 2.0  # seconds for a peer's objects after a failure: its connection's end frees them too
+
+
+class NoProgressError(FabricError, TimeoutError):
+    """A QP had work outstanding and completed none of it for the run's no-progress timeout."""
+
+
+class NICStoppedError(FabricError):
+    """A NIC of the run stopped (its device gone, or its firmware silent): the message names it, then the failure
+    the run saw."""
 
 
 @dataclasses.dataclass
@@ -112,6 +132,7 @@ class BenchConfig:
     gid_index: int | None = None  # -x: must be the NIC's GID index
     sweep_seconds: float | None = None  # -a without -n: iterations per size chosen to run about this long
     atomic_type: str = "FETCH_AND_ADD"  # -A: the atomic test's operation (ATOMIC_TYPES)
+    stall_timeout: float | None = None  # seconds a QP may complete nothing with work outstanding (None: computed)
 
     def check(self) -> None:
         """Refuse a bad value before any NIC boots: errors.BadOption naming the option, the value and what it allows
@@ -164,6 +185,8 @@ class BenchConfig:
             raise bad("nics", "--peer pairs one NIC here with one there: must be 2")
         if self.with_peer and self.inject_fault is not None:
             raise bad("inject_fault", "needs the emulator's debug channel, which a peer does not offer")
+        if self.stall_timeout is not None and not self.stall_timeout > 0:
+            raise bad("stall_timeout", "must be a positive number of seconds")
         if self.duration is not None and not 0 < self.duration <= 86400:
             raise bad("duration", "must be in (0, 86400] seconds")
         if self.margin is not None and (self.duration is None or self.margin >= self.duration):
@@ -210,6 +233,16 @@ class BenchConfig:
         if self.gid_index is not None and self.gid_index != nic.device.gid_index:
             raise BadOption("gid_index", self.gid_index, f"{nic.pci.address}'s GID ::ffff:{nic.ip} is at index "
                                                          f"{nic.device.gid_index}")
+
+    @property
+    def no_progress_seconds(self) -> float:
+        """How long a QP with work outstanding may complete nothing before the run fails (`stall_timeout`, or
+        STALL_BASE_SECONDS + every retransmission of a lost packet both ways + 1 s per MiB of a signaled chunk)."""
+        if self.stall_timeout is not None:
+            return self.stall_timeout
+        ack = 4.096e-6 * 2 ** self.timeout if self.timeout else 0.0
+        chunk = self.post_list if self.post_list > 1 else self.cq_mod or max(1, self.depth // 2)
+        return STALL_BASE_SECONDS + 2 * (RETRY_CNT + 1) * ack + chunk * self.size / STALL_SLOWEST_BPS
 
     @property
     def qps_per_nic(self) -> int:
@@ -263,6 +296,13 @@ class _Flow:
     digest: str = ""  # sha256 of the remote bytes a READ run moves (the remote filled them)
     latencies: list[float] = dataclasses.field(default_factory=list)
     done: int = 0
+    posted: int = 0
+    progressed: float = 0.0  # perf_counter() of the last completion (or of the first post)
+
+    def where(self) -> str:
+        """The QP and the NICs it runs between, for errors."""
+        there = f"the server at {self.remote.host}" if self.remote is not None else self.server.device.pci.address
+        return f"QP {self.client.qpn:#x} ({self.client.device.pci.address} to {there})"
 
     @property
     def target_region(self) -> Any:
@@ -275,9 +315,12 @@ _runs_started = itertools.count()
 
 @contextlib.asynccontextmanager
 async def open_bench_nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
-    """The local NICs of a run (`run_bench` opens them itself unless it is given them)."""
+    """The local NICs of a run (`run_bench` opens them itself unless it is given them). After a failure (or a
+    cancellation) they are closed at once, together: one that stopped answering with no budget (`settle`), the
+    others each within its own, so the whole close takes one budget, not one per NIC."""
+    nics: list[NIC] = []
     async with contextlib.AsyncExitStack() as stack:
-        nics = []
+        stack.push_async_exit(functools.partial(_close_after_failure, nics))
         shared = f"run{next(_runs_started)}"  # --shared-emulator: this run's NICs, not another's of this process
         for i in range(1 if config.with_peer else config.nics):  # with a peer, the servers live there
             if not config.nic.startswith("sim"):  # a real NIC: no emulator options
@@ -295,6 +338,72 @@ async def open_bench_nics(config: BenchConfig) -> AsyncIterator[list[NIC]]:
             if config.events:  # perftest's -e: no polling before sleeping on the interrupt
                 nic.poller.spin = 0.0
         yield nics
+
+
+async def _close_after_failure(nics: list[NIC], kind: Any, error: Any, traceback: Any) -> bool:
+    """An exit callback of open_bench_nics' stack, run before the NICs' own exits (which then find them closed)."""
+    if error is None:
+        return False
+    await settle(nics)
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT + 5):
+        async with anyio.create_task_group() as tasks:
+            for nic in nics:
+                tasks.start_soon(nic.close)
+    return False
+
+
+def first_error(error: BaseException) -> BaseException:
+    """The first leaf of nested exception groups that is not a cancellation (anyio groups a task's error once per
+    task group it crosses): the failure that came first, not the ones it caused."""
+    cancelled = anyio.get_cancelled_exc_class()
+    while isinstance(error, BaseExceptionGroup):
+        real = [e for e in error.exceptions if not isinstance(e, cancelled)]
+        error = (real or list(error.exceptions))[0]
+    return error
+
+
+def _text(error: BaseException) -> str:
+    message = " ".join(str(error).split())
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+async def after_failure(error: BaseException, nics: Iterable[NIC], peer: Any = None, remote_nic: Any = None
+                        ) -> BaseException | None:
+    """What stopped, once a run failed with `error` (shielded, a second or so): the local NICs that stopped
+    answering (`settle` closes them at once, so the clean-up spends nothing on them) and, with a peer, the peer's
+    NIC as its endpoint reports it (op nic_status). A `NICStoppedError` naming them, `error` after them; None when
+    every NIC answers or the run was cancelled (the cancellation stays the outcome)."""
+    stopped = [f"{address} stopped: {why}" for address, why in (await settle(nics)).items()]
+    cancelled = isinstance(first_error(error), anyio.get_cancelled_exc_class())
+    if peer is not None and remote_nic is not None and not cancelled and getattr(peer, "failure", None) is None:
+        with anyio.CancelScope(shield=True):
+            status = await remote_nic_status(peer, remote_nic)
+        if status is not None and status.get("stopped"):
+            stopped.append(f"the server's NIC {status.get('nic', '?')} at {peer.host} stopped: {status['stopped']}")
+    if cancelled or not stopped:
+        return None
+    return NICStoppedError(f"{'; '.join(stopped)}; what the run saw: {_text(first_error(error))}")
+
+
+async def remote_nic_status(peer: Any, remote_nic: Any) -> dict[str, Any] | None:
+    """The peer's word on its NIC (op nic_status: {"nic", "stopped": why or null}), or None if it cannot say (an
+    endpoint without the op, or no answer in time: the peer itself is then failed)."""
+    from .peer import PeerError
+    try:
+        return await peer.request("nic_status", nic=remote_nic.handle, probe=FIRMWARE_PROBE_SECONDS,
+                                  timeout=FIRMWARE_PROBE_SECONDS + 4)
+    except PeerError:
+        return None
+
+
+async def release_after_failure(release: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run a failed run's clean-up `release` within the close budget, shielded; its own error is logged, never
+    raised: the run's first error stays the one reported."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+        try:
+            await release()
+        except Exception as exc:
+            log.info("after the failure, %s: %s", what, _text(exc))
 
 
 async def _connect(config: BenchConfig, nics: list[NIC], flows: list[_Flow]) -> list[_Flow]:
@@ -338,21 +447,34 @@ def outs(config: Any) -> dict[str, int]:
 
 @contextlib.asynccontextmanager
 async def _flows(config: BenchConfig, nics: list[NIC]) -> AsyncIterator[list[_Flow]]:
-    """The run's QP pairs; with a peer, the server side is opened on its host and closed there afterwards."""
-    if config.remote is None:
-        flows: list[_Flow] = []
-        try:
-            yield await _connect(config, nics, flows)
-        finally:  # a sweep runs every size on the same NICs: give each size's QPs, CQs and memory back
-            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-                await _release(flows)
-        return
-    remote = await config.remote.open_nic(config.remote_nic, ip=config.remote_ip, **_faults(config, seed=1))
+    """The run's QP pairs; with a peer, the server side is opened on its host and closed there afterwards. After a
+    failure, what stopped is found first (`after_failure`: it heads the error) and the clean-up is bounded and
+    quiet: its own errors are logged, the run's first error is raised."""
+    flows: list[_Flow] = []
+    remote = None
     try:
-        yield await _connect_remote(config, nics[0], remote)
-    finally:
+        if config.remote is None:
+            yield await _connect(config, nics, flows)
+        else:
+            remote = await config.remote.open_nic(config.remote_nic, ip=config.remote_ip, **_faults(config, seed=1))
+            yield await _connect_remote(config, nics[0], remote)
+    except BaseException as exc:
+        headline = await after_failure(exc, nics, config.remote, remote)
+        if config.remote is None:
+            await release_after_failure(functools.partial(_release, flows, quiet=True), "releasing the QPs")
+        elif remote is not None and getattr(config.remote, "failure", None) is None:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(REMOTE_CLOSE_AFTER_FAILURE):
+                with contextlib.suppress(Exception):
+                    await config.remote.close(remote)
+        if headline is not None:
+            raise headline from exc
+        raise
+    else:  # a sweep runs every size on the same NICs: give each size's QPs, CQs and memory back
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-            await config.remote.close(remote)
+            if config.remote is None:
+                await _release(flows)
+            else:
+                await config.remote.close(remote)
 
 
 def _faults(config: BenchConfig, seed: int) -> dict[str, Any]:
@@ -431,17 +553,22 @@ async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[
     return flows
 
 
-async def _release(flows: list[_Flow]) -> None:
-    """Destroy the flows' QPs, then their CQs and memory (a NIC close would, but a sweep keeps its NICs)."""
+async def _release(flows: list[_Flow], quiet: bool = False) -> None:
+    """Destroy the flows' QPs, then their CQs and memory (a NIC close would, but a sweep keeps its NICs). `quiet`
+    (after a failure): an object that cannot be released is logged and the rest still are."""
     cqs = {id(qp.send_cq): qp.send_cq for flow in flows for qp in (flow.client, flow.server)}
+    steps: list[Callable[[], Awaitable[None]]] = []
     for flow in flows:
-        for obj in (flow.client, flow.server):
-            await obj.destroy()
-        for mr in (flow.source, flow.target):
-            if mr is not None:
-                await mr.deregister()
-    for cq in cqs.values():
-        await cq.destroy()
+        steps += [flow.client.destroy, flow.server.destroy]
+        steps += [mr.deregister for mr in (flow.source, flow.target) if mr is not None]
+    steps += [cq.destroy for cq in cqs.values()]
+    for step in steps:
+        try:
+            await step()
+        except Exception as exc:
+            if not quiet:
+                raise
+            log.info("after the failure: %s", _text(exc))
 
 
 async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop: Any = None) -> None:
@@ -462,6 +589,7 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
     write = functools.partial(client.post_write, inline=True) if inline else client.post_write
     one_sided = {"write": write, "read": client.post_read}.get(config.test)
     atomic, swap = config.test == "atomic", config.atomic_type == "CMP_AND_SWAP"
+    flow.progressed = time.perf_counter()
     while True:
         if deadline is not None and time.perf_counter() >= deadline or stop is not None and stop.is_set():
             limit = posted
@@ -485,6 +613,7 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
                         config.test, flow.source, None if config.test == "send" else target, size, offsets))[-1]
                 in_flight.append((started, completion, count))
                 posted += count
+                flow.posted = posted
                 continue
             with client.batch():
                 last = count - 1
@@ -506,12 +635,32 @@ async def _drive(config: BenchConfig, flow: _Flow, deadline: float | None, stop:
                                                             inline=inline)
             in_flight.append((started, completion, count))
             posted += count
+            flow.posted = posted
         if not in_flight:
             break
         started, completion, count = in_flight.pop(0)
         await completion
-        flow.latencies.extend([time.perf_counter() - started] * count)
+        now = flow.progressed = time.perf_counter()
+        flow.latencies.extend([now - started] * count)
         flow.done += count
+
+
+async def _watch_progress(flows: list[_Flow], seconds: float, stalled: list[BaseException],
+                          drivers: anyio.CancelScope) -> None:
+    """Fail the run (`stalled`, then cancel the drivers) once a QP with work outstanding has completed nothing for
+    `seconds`: a NIC, its partner or the wire between them stopped. Looks a few times per `seconds`; the hot path
+    only stamps its completions."""
+    while True:
+        await anyio.sleep(min(1.0, seconds / 4))
+        now = time.perf_counter()
+        for flow in flows:
+            quiet = now - flow.progressed
+            if flow.posted > flow.done and quiet > seconds:
+                stalled.append(NoProgressError(
+                    f"{flow.where()} completed nothing for {quiet:.1f} s with {flow.posted - flow.done} work "
+                    f"request(s) outstanding (the limit: {seconds:g} s)"))
+                drivers.cancel()
+                return
 
 
 def _runs(first: int, count: int, slots: int) -> list[tuple[int, int]]:
@@ -721,14 +870,18 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         deadline = started + warmup + config.duration if config.duration and not config.run_infinitely else None
         stop = config.stop if config.run_infinitely else None
         sampler = _Sampler(config, flows, started, warmup, 0 if config.duration else len(flows) * config.iters)
+        stalled: list[BaseException] = []
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(sampler.run)
             async with anyio.create_task_group() as drivers:
+                tasks.start_soon(_watch_progress, flows, config.no_progress_seconds, stalled, drivers.cancel_scope)
                 for flow in flows:
                     drivers.start_soon(_drive, config, flow, deadline, stop)
                 if config.run_infinitely:
                     drivers.start_soon(_report_every, config, sampler, stop)
             tasks.cancel_scope.cancel()
+        if stalled:
+            raise stalled[0]
         ended = time.perf_counter()
         cpu = time.process_time() - cpu_started
         if config.progress:

@@ -60,6 +60,10 @@ Operations (`args` fields; "=" marks a default, the rest are required)
                  (posts `count` receives of `size` bytes at offset + i * stride (stride null: size) and answers
                  once they are posted, without awaiting them: the remote half of a SEND benchmark)
     close        handle                                       -> {"closed": handle}
+    nic_status   nic, probe=1.0 (seconds, at most MAX_PROBE)  -> {"nic": its name, "stopped": why or null}
+                 (whether that NIC stopped: its device gone, its session failed, or its firmware left a harmless
+                 query unanswered for `probe` s; a client whose run failed asks, so its error names the NIC that
+                 stopped rather than its own QP that saw it)
     lat_params   test, size, mtu, iters, warmup=0             -> {"test", "size", "mtu"}   (the server's)
                  (a latency client's parameters; a `lat --server` started with another test, size or MTU refuses
                  them with a ParameterMismatch naming both, and ends the session)
@@ -187,6 +191,7 @@ def _json_object(value: Any) -> dict[str, Any]:
 MAX_PINGS = 10 ** 8  # warm-up + measured iterations of one pong: about three hours at the emulator's speed
 MAX_WAIT = 3600.0  # seconds one ping may take
 MAX_RX_SLOTS = 4096
+MAX_PROBE = 10.0  # seconds a nic_status probe may wait for the firmware
 
 
 def _bounded_int(low: int, high: int) -> Callable[[Any], int]:
@@ -212,6 +217,12 @@ def _bool(value: Any) -> bool:
 def _wait(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT:
         raise ValueError(f"a number of seconds in (0, {MAX_WAIT:g}], not {value!r}")
+    return float(value)
+
+
+def _probe(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_PROBE:
+        raise ValueError(f"a number of seconds in (0, {MAX_PROBE:g}], not {value!r}")
     return float(value)
 
 
@@ -258,6 +269,7 @@ OPS: dict[str, dict[str, tuple[Callable[[Any], Any], Any]]] = {
              "wait": (_wait, REQUIRED), "warmup": (_bounded_int(0, MAX_PINGS), 0), "remote": (_optional(_region), None),
              "rx_slots": (_bounded_int(0, MAX_RX_SLOTS), 0), "inline": (_bool, False)},
     "pong_wait": {"pong": (_handle, REQUIRED)},
+    "nic_status": {"nic": (_handle, REQUIRED), "probe": (_probe, 1.0)},
 }
 
 
@@ -272,12 +284,12 @@ class Profile:
 
 ENDPOINT = Profile("endpoint", OPS)
 BENCH_OPS_NAMES = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", "fill", "sha256", "connect_qp",
-                   "post_recvs", "close", "report")  # what `bench SERVER_HOST` sends, nothing else
+                   "post_recvs", "close", "report", "nic_status")  # what `bench SERVER_HOST` sends, nothing else
 BENCH = Profile("bench", {**{op: OPS[op] for op in BENCH_OPS_NAMES}, "open_nic": {"options": (_test_options, {})}},
                 "a TCP client of `bench --server` runs only the bench exchange; the server chooses its NIC, "
                 "addresses, transport, capture files and namespaces (its own flags)")
 LAT_OPS_NAMES = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", "fill", "sha256", "connect_qp",
-                 "lat_params", "pong", "pong_wait", "close", "report")  # what `lat SERVER_HOST` sends
+                 "lat_params", "pong", "pong_wait", "close", "report", "nic_status")  # what `lat SERVER_HOST` sends
 LAT = Profile("lat", {**{op: OPS[op] for op in LAT_OPS_NAMES}, "open_nic": {"options": (_test_options, {})}},
               "a TCP client of `lat --server` runs only the latency exchange; the server chooses its NIC, "
               "addresses, transport, capture files and namespaces (its own flags)")

@@ -72,8 +72,10 @@ class _Fd:
 class _NicSlot:
     """An open NIC lives in its own task (open_nic's block must be left by the task that entered it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec: str = "") -> None:
+        self.spec = spec
         self.nic: NIC | None = None
+        self.error: str | None = None  # why it failed after it opened (its block ended with an error)
         self.close_requested = anyio.Event()
         self.closed = anyio.Event()
 
@@ -162,7 +164,7 @@ class Endpoint:
             if ip is None:
                 raise ValueError("open_nic: ip 'connection': this endpoint does not know the address its client "
                                  "reached (it runs neither over TCP nor over SSH)")
-        slot = _NicSlot()
+        slot = _NicSlot(spec)
         self._opening += 1  # counted from here: several opens at once cannot pass the limit together
         try:
             await self.tasks.start(self._run_nic, slot, spec, ip, options)
@@ -193,6 +195,7 @@ class Endpoint:
         except Exception as exc:
             if not started:
                 raise  # the open_nic request answers with it
+            slot.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
             log.warning("NIC %s failed: %s", spec, exc)
         finally:
             slot.closed.set()
@@ -286,6 +289,18 @@ class Endpoint:
         self.objects.pop(handle, None)
         self.owner.pop(handle, None)
         return {"closed": handle}
+
+    async def op_nic_status(self, nic: int, probe: float) -> dict[str, Any]:
+        from ..close_budget import silence
+        slot = self.objects.get(nic)
+        if not isinstance(slot, _NicSlot):
+            raise ValueError(f"nic: no NIC with handle {nic}")
+        if slot.nic is None:
+            return {"nic": slot.spec, "stopped": slot.error or "it is not open"}
+        name = slot.nic.pci.address
+        if slot.error is not None or slot.closed.is_set():
+            return {"nic": name, "stopped": slot.error or "its session ended"}
+        return {"nic": name, "stopped": await silence(slot.nic, probe)}
 
     async def op_lat_params(self, test: str, size: int, mtu: int, iters: int, warmup: int) -> dict[str, Any]:
         if self.policy is not None:

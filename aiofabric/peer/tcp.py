@@ -208,13 +208,14 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
             ready(bound)
         task_status.started(bound)
         for one in listener.listeners:
+            assert isinstance(one, anyio.abc.SocketListener)  # create_tcp_listener's are
             tasks.start_soon(_accept_forever, one, handle_safely, tasks, where)
         await done.wait()
         tasks.cancel_scope.cancel()
     return {**last, "port": bound, "refused": refused}
 
 
-async def _accept_forever(listener: anyio.abc.Listener[anyio.abc.SocketStream],
+async def _accept_forever(listener: anyio.abc.SocketListener,
                           handler: Callable[[anyio.abc.SocketStream], Any], tasks: anyio.abc.TaskGroup,
                           where: str) -> None:
     """anyio's `serve`, except that an accept failing for want of a resource (ACCEPT_RETRY) is waited out: logged
