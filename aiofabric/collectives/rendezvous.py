@@ -13,6 +13,15 @@ after which every rank still waiting is told which ranks never came and how many
 a rank that leaves before the last round is named to the others, and a rank that fails says why
 (`{"rank", "size", "failed"}`, cut at `MAX_REASON` characters), which every other rank is told at once. Bind it to
 the job's network only.
+
+What a rank learns there, of every rank: both QPs' numbers, GIDs (the NIC's IPv4 address), MACs and initial PSNs,
+and both buffers' addresses, rkeys and lengths (launch.py `Endpoint.card`). Each QP is connected to the GID its
+neighbour's card names, and the NIC takes that QP's packets from that address only (rxe's check_addr; the emulated
+NIC counts the others as dropped_bad_source), so the cards let nobody write into a rank's buffers from another
+address. On one host's loopback that is weaker: any local user may send from a neighbour's 127.0.0.x (from a port
+other than its 4791), so a rank of a job on one host could still write into another rank's buffers. Nor are the
+cards a defence against a client that claims a free rank: it is a rank, and its neighbours connect to the card it
+publishes.
 """
 from __future__ import annotations
 
