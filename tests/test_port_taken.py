@@ -109,9 +109,13 @@ SCENARIO = textwrap.dedent("""
 
 
 def require_namespaces() -> None:
-    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("runuser"):
-        pytest.skip("the scenario needs root, unshare and runuser (its own network and mount namespaces, a second "
-                    "user)")
+    if os.geteuid() != 0 or not all(map(shutil.which, ("unshare", "runuser", "useradd", "pgrep"))):
+        pytest.skip("the scenario needs root, unshare, runuser, useradd and pgrep (its own network and mount "
+                    "namespaces, other users)")
+    try:
+        pwd.getpwnam(HOLDER_USER)
+    except KeyError:
+        pytest.skip(f"no user {HOLDER_USER} to hold the port")
 
 
 def run_scenario(tmp_path, runner: list[str]) -> dict:
