@@ -266,7 +266,7 @@ def test_a_forever_server_bounds_its_captures_end_to_end(tmp_path):
     capture = tmp_path / "server.pcap"
     server = Server(tmp_path, "--forever", "--pcap", str(capture), "--pcap-max-files", "1", "--pcap-max-bytes", "4K")
     try:
-        for _ in range(2):
+        for _ in range(2):  # the second client's NIC is past the file limit
             run = subprocess.run([*CLI, "bench", "read", "127.0.0.1", "--port", str(server.port), "--iters", "20",
                                   "--size", "4K", "--json"], capture_output=True, text=True, timeout=90)
             assert run.returncode == 0, run.stderr[-3000:]
