@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any, Awaitable, Callable, Mapping, NoReturn
@@ -36,12 +37,14 @@ from .signals import Signalled
 from . import plot, preflight
 from .errors import BadOption
 from .latency import LatConfig, format_latency_table, perftest_latency_report, run_latency
-from .perftest import (ATOMIC_SIZE, TESTS, BenchConfig, bandwidth_unit, count_text, format_table, open_bench_nics,
-                       perftest_report, run_bench, run_loopback)
-from .perftest_flags import (DEFAULT_JSON_FILE, ShowVersion, VersionAction, add_perftest_flags, typed_flags,
-                             usage_message)
+from .perftest import (ATOMIC_SIZE, MAX_NICS, MAX_SIZE, TESTS, BenchConfig, bandwidth_unit, count_text, format_table,
+                       open_bench_nics, perftest_report, run_bench, run_loopback)
+from .perftest_flags import (DEFAULT_JSON_FILE, ShowVersion, VersionAction, add_perftest_flags, integer, ipv4,
+                             ipv4_or_ssh, port_number, positive_float, positive_int, probability, readable_file,
+                             seconds, sized, typed_flags, usage_message)
+from .perftest_flags import size as size_argument  # "4096", "64K", "1M" (powers of 1024)
 from .collectives.layout import DTYPE_NAMES, PIECE_BYTES
-from .units import SWEEP_MAX, SWEEP_MIN, parse_size, sweep
+from .units import SWEEP_MAX, SWEEP_MIN, sweep
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -54,6 +57,9 @@ COLLECTIVE_COMMANDS = {"allreduce": "allreduce", "reducescatter": "reduce_scatte
                        "broadcast": "broadcast"}
 
 SSH_PORT = 22
+MAX_REPORT_ROWS = 64  # rows of a client's report a server prints: a sweep of every power of two up to 1 GiB has 31
+RANKS_WHY = (": each rank of --ranks is an emulator process (or a PCI function) of this host, as bench's --nics; more "
+             "ranks run one per process (torchrun, mpirun, srun) or per host (--hosts)")
 
 
 class UsageError(Exception):
@@ -114,14 +120,6 @@ async def cmd_loopback(args: argparse.Namespace) -> dict[str, Any]:
               f"{result['qpn'][1]:#x}: {'verified' if result['verified'] else 'MISMATCH'} "
               f"({result['seconds'] * 1e6:.0f} us, {count_text(result['packets'])} packets)")
     return result
-
-
-def size_argument(text: str) -> int:
-    """argparse type for sizes: "4096", "64K", "1M" (powers of 1024)."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _perftest_common(parser: argparse.ArgumentParser, args: argparse.Namespace, sweeping: bool) -> None:
@@ -337,8 +335,16 @@ async def _serve(args: argparse.Namespace, config: Any, format_report: Callable[
                           limits=limits, tool=args.command,
                           expect={"test": config.test, "size": config.size, "mtu": config.mtu} if lat else {})
 
+    shown: list[str] = []  # the client whose report was printed last: one table per session (clients come in turn)
+
     def show(result: dict[str, Any], client: str) -> None:  # `result` is the client's, its text already escaped
+        if shown and shown[-1] == client:
+            raise ValueError("report: a client reports its run once (its table was printed)")
+        rows = result.get("rows")
+        if isinstance(rows, list) and len(rows) > MAX_REPORT_ROWS:
+            raise ValueError(f"report: {len(rows)} rows; a sweep has at most {MAX_REPORT_ROWS}")
         if args.json:
+            shown[:] = [client]
             return
         try:
             first = result.get("rows", [result])[0]
@@ -347,6 +353,7 @@ async def _serve(args: argparse.Namespace, config: Any, format_report: Callable[
             table = format_report(result, dataclasses.replace(config, **fields))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise ValueError(f"report: not a {args.command} result ({type(exc).__name__}: {exc})") from None
+        shown[:] = [client]
         print(f"aiofabric {args.command} server: the report of client {client} (its own measurements):\n{table}",
               flush=True)
 
@@ -381,23 +388,7 @@ async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
 async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
     from .collectives import join, local
     from .collectives.perf import PerfConfig, run_perf
-    from .collectives.world import from_environment
-    if args.hosts and args.ranks is not None:
-        raise ValueError("--ranks and --hosts both say where the ranks run: give one (--hosts: one rank per host)")
-    world = from_environment(os.environ) if args.ranks is None and not args.hosts else None
-    ranks = world.size if world is not None else len(_hosts(args.hosts, args.port or SSH_PORT)) if args.hosts \
-        else args.ranks or 2
-    if ranks < 1:
-        raise ValueError(f"--ranks must be at least 1, not {ranks}")
-    if not 0 <= args.root < ranks:
-        raise ValueError(f"--root must be a rank in [0, {ranks - 1}], not {args.root}")
-    for flag in ("iters", "warmup_iters"):
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag} must not be negative")
-    for flag in ("timeout", "rendezvous_timeout"):
-        if not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
-    sizes = [args.size] if args.size is not None else sweep(args.minbytes, args.maxbytes, args.stepfactor)
+    world, sizes, ranks = args.world, args.sizes, args.rank_count  # _check_collective's
     if args.hosts:
         return await _collective_over_ssh(args, sizes)
     nics = args.nics.split(",") if args.nics else None
@@ -422,6 +413,65 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+DEFAULT_RANKS = 2
+MAX_LOCAL_RANKS = MAX_NICS  # each rank of --ranks is an emulator process with its own DMA arena on this host
+
+
+def _check_collective(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
+    """Where the ranks run and how many there are (--ranks, --hosts, or a launcher's variables), and what depends
+    on it (-r, --nics), checked before anything starts; the sweep's sizes. Sets args.world, rank_count, sizes,
+    host_list."""
+    def check(args: argparse.Namespace) -> None:
+        from .collectives.world import from_environment
+        args.world, args.host_list = None, None
+        if args.hosts is not None and args.ranks is not None:
+            parser.error("--ranks and --hosts both say where the ranks run: give one (--hosts: one rank per host)")
+        if args.hosts is not None:
+            args.host_list = _parsed_hosts(parser, args.hosts, args.port)
+            if not args.host_list:
+                parser.error(f"--hosts {args.hosts}: names no host")
+            args.rank_count = len(args.host_list)
+        elif args.ranks is None:
+            try:
+                args.world = from_environment(os.environ)
+            except ValueError as exc:
+                parser.error(str(exc))
+            if args.world is not None:
+                _check_resolvable(parser, args.world.addr, args.world.port)
+            args.rank_count = args.world.size if args.world is not None else DEFAULT_RANKS
+        else:
+            args.rank_count = args.ranks
+        if args.nics and len(args.nics.split(",")) != args.rank_count:
+            parser.error(f"--nics names {len(args.nics.split(','))} NICs for {args.rank_count} ranks: one per rank")
+        if not 0 <= args.root < args.rank_count:
+            parser.error(f"-r/--root {args.root}: must be a rank in [0, {args.rank_count - 1}] ({args.rank_count} "
+                         "ranks)")
+        if args.size is None and args.minbytes > args.maxbytes:
+            parser.error(f"-b/--minbytes {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}: a sweep goes up")
+        args.sizes = [args.size] if args.size is not None else sweep(args.minbytes, args.maxbytes, args.stepfactor)
+    return check
+
+
+def _check_resolvable(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+    """MASTER_ADDR names a host: one the resolver does not know is a usage error now, not a rendezvous that
+    never answers (a busy resolver, EAI_AGAIN, is left to the rendezvous's retries)."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno != socket.EAI_AGAIN:
+            parser.error(f"MASTER_ADDR={host}: cannot be resolved ({exc.strerror or exc})")
+    except UnicodeError as exc:  # a label too long for IDNA
+        parser.error(f"MASTER_ADDR={host!r}: not a host name ({exc})")
+
+
+def _parsed_hosts(parser: argparse.ArgumentParser, text: str, port: int | None) -> list[tuple[str | None, str, int]]:
+    """--hosts' [user@]host[:port] entries (SSH's port by default), a usage error naming a bad one."""
+    try:
+        return _hosts(text, SSH_PORT if port is None else port)
+    except (ValueError, OSError) as exc:
+        parser.error(f"--hosts {text}: {exc}")
+
+
 def format_collective(result: dict[str, Any]) -> str:
     from .collectives.perf import format_table
     return format_table(result)
@@ -441,9 +491,7 @@ async def _collective_over_ssh(args: argparse.Namespace, sizes: list[int]) -> di
     from .collectives.communicator import CollectiveError
     from .collectives.rendezvous import RendezvousServer
     from .peer.ssh import run_remote
-    hosts = _hosts(args.hosts, args.port or SSH_PORT)
-    if len(hosts) < 1:
-        raise ValueError("--hosts names no host")
+    hosts = args.host_list  # _check_collective's
     ssh = _ssh_options(args)
     ssh.pop("command_timeout")
     flags = [word for dest, flag in RANK_FLAGS if getattr(args, dest) is not None
@@ -525,17 +573,12 @@ def _hosts(text: str, port: int) -> list[tuple[str | None, str, int]]:
 
 
 async def cmd_connect(args: argparse.Namespace) -> dict[str, Any]:
-    from .peer.client import parse_host
     from .peer.connect import open_all, ring, two_hosts
     from .peer.ssh import connect_peer
-    if args.size < 1:
-        raise ValueError(f"--size must be at least 1 byte, not {args.size}")
     ssh = _ssh_options(args)
     started = time.perf_counter()
     if args.hosts:
-        hosts = _hosts(args.hosts, args.port)
-        if len(hosts) < 2:
-            raise ValueError(f"--hosts needs at least 2 hosts for a ring, not {len(hosts)}")
+        hosts = args.host_list  # _check_connect's
         openers = [functools.partial(connect_peer, host, port, user=user or args.user, **ssh)
                    for user, host, port in hosts]
         async with open_all(openers) as peers:
@@ -546,7 +589,7 @@ async def cmd_connect(args: argparse.Namespace) -> dict[str, Any]:
                   f"bytes around it: {'verified' if result['verified'] else 'MISMATCH'} (handshake "
                   f"{result['handshake_ms']:.0f} ms, transfer {result['transfer_ms']:.1f} ms)")
         return result
-    user, host, port = parse_host(args.host, args.port or SSH_PORT)
+    user, host, port = args.target  # _check_connect's
     async with connect_peer(host, port, user=user or args.user, **ssh) as peer:
         result = await two_hosts(peer, nic=args.nic, remote_nic=args.remote_nic, local_ip=args.local_ip,
                                  remote_ip=args.remote_ip, size=args.size, started=started)
@@ -560,8 +603,18 @@ async def cmd_connect(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_connect(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
     def check(args: argparse.Namespace) -> None:
+        from .peer.client import parse_host
         if (args.host is None) == (args.hosts is None):
             parser.error("give one HOST or --hosts FILE|h1,h2 (not both)")
+        if args.hosts is not None:
+            args.host_list = _parsed_hosts(parser, args.hosts, args.port)
+            if len(args.host_list) < 2:
+                parser.error(f"--hosts {args.hosts}: a ring needs at least 2 hosts, not {len(args.host_list)}")
+            return
+        try:
+            args.target = parse_host(args.host, SSH_PORT if args.port is None else args.port)
+        except ValueError as exc:
+            parser.error(f"HOST: {exc}")
     return check
 
 
@@ -576,14 +629,14 @@ def build_parser() -> Parser:
 
     info = sub.add_parser("info", help="boot a NIC and print its firmware version, MAC, port, GID, capabilities")
     info.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
-    info.add_argument("--ip", help="the NIC's IPv4 address; its GID is ::ffff:IP (emulated: a free 127.0.0.x)")
+    info.add_argument("--ip", type=ipv4, help="the NIC's IPv4 address; its GID is ::ffff:IP (emulated: a free 127.0.0.x)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(run=cmd_info)
 
     loop = sub.add_parser("loopback", help="RDMA WRITE between two QPs of one NIC through its PHY loopback")
     loop.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
-    loop.add_argument("--ip", help="the NIC's IPv4 address (emulated: a free 127.0.0.x)")
-    loop.add_argument("-s", "--size", type=size_argument, default=4096,
+    loop.add_argument("--ip", type=ipv4, help="the NIC's IPv4 address (emulated: a free 127.0.0.x)")
+    loop.add_argument("-s", "--size", type=sized(1, MAX_SIZE), default=4096,
                       help="bytes to write, with an optional K/M/G suffix (default 4096)")
     loop.add_argument("--json", action="store_true", help="print one JSON object")
     loop.set_defaults(run=cmd_loopback)
@@ -630,41 +683,41 @@ def build_parser() -> Parser:
     for command, kind in COLLECTIVE_COMMANDS.items():
         coll = sub.add_parser(command, help=f"nccl-tests' {kind}_perf over a ring of emulated (or PCI) NICs in this "
                                             "process: a size sweep, every element checked")
-        coll.add_argument("--ranks", type=int, help="ranks in this process, one NIC each (default 2; under torchrun, "
+        coll.add_argument("--ranks", type=integer(1, MAX_LOCAL_RANKS, RANKS_WHY), help="ranks in this process, one NIC each (default 2; under torchrun, "
                                                    "mpirun or srun: this process is one rank of their job, "
                                                    "rendezvous at MASTER_ADDR:MASTER_PORT)")
         coll.add_argument("--nic", default="sim", help="with a launcher: this rank's NIC (default sim)")
-        coll.add_argument("--ip", help="with a launcher: this rank's NIC's IPv4 address (emulated: a free 127.0.0.x)")
+        coll.add_argument("--ip", type=ipv4, help="with a launcher: this rank's NIC's IPv4 address (emulated: a free 127.0.0.x)")
         coll.add_argument("--nics", metavar="A,B,...", help="PCI NICs, one per rank (default: emulated NICs)")
-        coll.add_argument("-b", "--minbytes", type=size_argument, default=32 << 10,
+        coll.add_argument("-b", "--minbytes", type=sized(1), default=32 << 10,
                           help="smallest size (default 32K); K/M/G suffixes are powers of 1024")
-        coll.add_argument("-e", "--maxbytes", type=size_argument, default=32 << 20,
+        coll.add_argument("-e", "--maxbytes", type=sized(1), default=32 << 20,
                           help="largest size (default 32M)")
-        coll.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step (2)")
+        coll.add_argument("-f", "--stepfactor", type=integer(2), default=2, help="multiply the size by this each step (2)")
         coll.add_argument("--size", type=size_argument, help="one size instead of a sweep")
-        coll.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
-        coll.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first (default 5)")
+        coll.add_argument("-n", "--iters", type=integer(0), default=20, help="timed iterations per size (default 20)")
+        coll.add_argument("-w", "--warmup_iters", type=integer(0), default=5, help="untimed iterations first (default 5)")
         coll.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES),
                           help="element type (default float)")
         coll.add_argument("-o", "--op", default="sum", choices=("sum", "prod", "min", "max"),
                           help="reduction (default sum)")
-        coll.add_argument("-r", "--root", type=int, default=0, help="broadcast's root rank (default 0)")
+        coll.add_argument("-r", "--root", type=integer(0), default=0, help="broadcast's root rank (default 0)")
         coll.add_argument("-c", "--check", dest="verify", type=int, default=1, choices=(0, 1),
                           help="check every element of one run per size (default 1)")
-        coll.add_argument("--timeout", type=float, default=60.0, help="seconds one collective may take before every "
+        coll.add_argument("--timeout", type=seconds, default=60.0, help="seconds one collective may take before every "
                                                                      "rank fails naming what it waited for (60)")
-        coll.add_argument("--rendezvous-timeout", type=float, default=60.0,
+        coll.add_argument("--rendezvous-timeout", type=seconds, default=60.0,
                           help="with a launcher: seconds for every rank to join (60)")
-        coll.add_argument("--piece", type=size_argument, default=PIECE_BYTES,
+        coll.add_argument("--piece", type=sized(1, MAX_SIZE), default=PIECE_BYTES,
                           help="bytes per RDMA message (default 512K): pieces pipeline transfers with reductions")
         _add_wire_flags(coll)
         coll.add_argument("--hosts", metavar="FILE|h1,h2", help="one rank per host, started over SSH (`python -m "
                                                               "aiofabric` there); the rendezvous is relayed over SSH")
         coll.add_argument("--remote-nic", default="sim", help="with --hosts: each host's NIC (default sim)")
-        coll.add_argument("--remote-ip", help="with --hosts: each host's NIC address ('ssh': the address SSH reached)")
+        coll.add_argument("--remote-ip", type=ipv4_or_ssh, help="with --hosts: each host's NIC address ('ssh': the address SSH reached)")
         _add_ssh_flags(coll)
         coll.add_argument("--json", action="store_true", help="print one JSON object")
-        coll.set_defaults(run=cmd_collective, kind=kind)
+        coll.set_defaults(run=cmd_collective, kind=kind, check=_check_collective(coll))
 
     serve = sub.add_parser("serve", help="the remote endpoint connect_peer starts over SSH: JSON-lines requests on "
                                          "stdin, answers on stdout (protocol: aiofabric/peer/protocol.py)")
@@ -677,10 +730,10 @@ def build_parser() -> Parser:
                                                                "[user@]host[:port] per line, or a comma list)")
     connect.add_argument("--nic", default="sim", help="local NIC: 'sim', 'sim:NAME' or a PCI address (default sim)")
     connect.add_argument("--remote-nic", default="sim", help="the remote host's NIC (default sim)")
-    connect.add_argument("--local-ip", help="local NIC's IPv4 address (emulated: a free 127.0.0.x)")
-    connect.add_argument("--remote-ip", help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there); 'ssh': "
+    connect.add_argument("--local-ip", type=ipv4, help="local NIC's IPv4 address (emulated: a free 127.0.0.x)")
+    connect.add_argument("--remote-ip", type=ipv4_or_ssh, help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there); 'ssh': "
                                              "the address the SSH connection reached (with --hosts: on every host)")
-    connect.add_argument("--size", type=size_argument, default=1 << 20,
+    connect.add_argument("--size", type=sized(1), default=1 << 20,
                          help="bytes to write and read back, with an optional K/M/G suffix (default 1M)")
     _add_ssh_flags(connect)
     connect.add_argument("--json", action="store_true", help="print one JSON object")
@@ -710,7 +763,7 @@ def _add_two_host_flags(parser: argparse.ArgumentParser) -> Any:
     group.add_argument("--server", action="store_true", help="run as perftest's server: wait for a client over TCP")
     group.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
     group.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
-    group.add_argument("--ip", help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: the "
+    group.add_argument("--ip", type=ipv4, help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: the "
                                     "address that reaches the server; --server: the address the client reached)")
     return group
 
@@ -720,14 +773,14 @@ def _add_peer_flags(group: Any) -> None:
     group.add_argument("--peer", metavar="HOST", help="run the server side on [user@]HOST[:port], started over SSH "
                                                      "(one NIC here, one there)")
     group.add_argument("--remote-nic", help="with --peer: the NIC there (default sim)")
-    group.add_argument("--remote-ip", help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
+    group.add_argument("--remote-ip", type=ipv4_or_ssh, help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
     _add_ssh_flags(group, short_port=True)
 
 
 def _add_wire_flags(parser: Any) -> None:
     """The emulated wire's faults and capture (bench, lat, the collectives)."""
     for fault in ("loss", "reorder", "dup", "corrupt"):
-        parser.add_argument(f"--{fault}", type=float, default=0.0, metavar="P",
+        parser.add_argument(f"--{fault}", type=probability, default=0.0, metavar="P",
                             help=f"probability of {fault} per packet on the emulated wire")
     parser.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
     parser.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC N: FILE.N)")
@@ -749,12 +802,12 @@ def _add_server_limits(parser: argparse.ArgumentParser) -> None:
     defaults = Limits()
     group.add_argument("--max-nics", type=positive_int, default=defaults.nics, metavar="N",
                        help=f"NICs a client may open at once (default {defaults.nics}, as perftest)")
-    group.add_argument("--max-memory", type=size_argument, default=defaults.memory, metavar="BYTES",
+    group.add_argument("--max-memory", type=sized(1), default=defaults.memory, metavar="BYTES",
                        help="DMA memory a client's NICs may hold: registered memory, rings and the NIC's own "
                             f"(default {defaults.memory >> 20}M)")
     group.add_argument("--max-requests", type=positive_int, default=defaults.in_flight, metavar="N",
                        help=f"requests of a client in flight at once (default {defaults.in_flight})")
-    group.add_argument("--max-line", type=size_argument, default=defaults.line, metavar="BYTES",
+    group.add_argument("--max-line", type=sized(1), default=defaults.line, metavar="BYTES",
                        help=f"bytes per request line (default {defaults.line >> 10}K)")
     group.add_argument("--max-depth", type=positive_int, default=defaults.depth, metavar="N",
                        help=f"JSON nesting of a request (default {defaults.depth})")
@@ -780,42 +833,21 @@ def pcap_bytes(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
-    return value
-
-
-def port_number(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], not {value}")
-    return value
-
-
 def _add_ssh_flags(parser: Any, short_port: bool = False) -> None:
     """How to reach a host over SSH (connect, bench --peer); `short_port`: -p too, as perftest spells its port."""
     parser.add_argument(*(("-p",) if short_port else ()), "--port", type=port_number,
                         help="SSH port (default 22); for bench --server / SERVER_HOST the TCP port (default 18515; "
                              "--server: 0 picks one)")
     parser.add_argument("--user", help="SSH user (default: the SSH default)")
-    parser.add_argument("--identity", metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
+    parser.add_argument("--identity", type=readable_file, metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
     parser.add_argument("--known-hosts", metavar="FILE|none",
                         help="known_hosts file (default ~/.ssh/known_hosts); 'none' skips the check (insecure)")
     parser.add_argument("--push", action="store_true",
                         help="copy this aiofabric over SFTP to a private temp dir on the host and run it from there")
     parser.add_argument("--python", default="python3", help="the remote interpreter (default python3)")
-    parser.add_argument("--connect-timeout", type=float, default=20.0, metavar="S",
+    parser.add_argument("--connect-timeout", type=seconds, default=20.0, metavar="S",
                         help="seconds for SSH connect + endpoint start (default 20)")
-    parser.add_argument("--command-timeout", type=float, default=60.0, metavar="S",
+    parser.add_argument("--command-timeout", type=seconds, default=60.0, metavar="S",
                         help="seconds per remote request (default 60)")
 
 

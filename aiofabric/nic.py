@@ -75,7 +75,7 @@ class NIC:
     async def register_mr(self, memory: DmaBuffer | int, access: Access = ALL_ACCESS) -> MemoryRegion:
         """Register `memory` (a DMA buffer, or a size in bytes to allocate) for local and remote access."""
         self.device.check_open()
-        if isinstance(memory, int):
+        if not isinstance(memory, DmaBuffer):  # a size: an int, not a bool, a float or a string of digits
             check_range("size", memory, 1, self.caps.get("max_mr_size") or 1 << 40)
             return await MemoryRegion.register(self.device, self.pci.alloc_dma(memory), access, owns_buffer=True)
         return await MemoryRegion.register(self.device, memory, access)

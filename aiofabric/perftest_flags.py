@@ -7,6 +7,8 @@ typed, so an out-of-range value (errors.BadOption) is reported under it: "-q 100
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import math
 import os
 import textwrap
 from typing import Any, Callable, Sequence
@@ -176,21 +178,115 @@ def ib_port(text: str) -> int:
     return 1
 
 
-def size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# argparse types shared by every command (cli.py's too): each refuses, naming the value and the range, whatever its
+# flag cannot hold, so a usage error exits 2 before anything runs ("argument --ranks: must be in [1, 16], not 0")
 
 
-def _nonnegative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
+def _range_text(low: int, high: float) -> str:
+    return f"at least {low}" if high == math.inf else f"in [{low}, {int(high)}]"
+
+
+def integer(low: int, high: float = math.inf, why: str = "") -> Callable[[str], int]:
+    """An integer in [low, high] ("0x10" and "1_000" are not: perftest's flags are decimal); `why` ends a refusal."""
+    def convert(text: str) -> int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {_range_text(low, high)}, not {value}{why}")
         return value
-    convert.__name__ = kind.__name__
+    convert.__name__ = "integer"
     return convert
+
+
+positive_int = integer(1)
+
+
+def sized(low: int = 0, high: float = math.inf, why: str = "") -> Callable[[str], int]:
+    """Bytes ("4096", "64K", "1M": powers of 1024) in [low, high]."""
+    def convert(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be a size {'of ' * (high == math.inf)}{_range_text(low, high)}, "
+                                             f"not {value}{why}")
+        return value
+    convert.__name__ = "size"
+    return convert
+
+
+size = sized()
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (a timeout: nan or inf would never end, or end at once)."""
+    value = _number(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, not {text}")
+    return value
+
+
+positive_float = seconds
+
+
+def seconds_or_zero(text: str) -> float:
+    """A finite number of seconds, zero included (a margin)."""
+    value = _number(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds of at least 0, not {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A per-packet probability in [0, 1) (1 would drop, or damage, every packet: nothing would get through)."""
+    value = _number(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), not {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port; 0 lets the OS choose (a server's)."""
+    value = integer(0)(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], not {value}")
+    return value
+
+
+def ipv4(text: str) -> str:
+    """A NIC's IPv4 address (its GID is ::ffff:a.b.c.d): unicast."""
+    try:
+        address = ipaddress.IPv4Address(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 address (a.b.c.d)") from None
+    if address.is_unspecified or address.is_multicast:
+        raise argparse.ArgumentTypeError(f"{text}: a NIC needs a unicast address")
+    return str(address)
+
+
+def ipv4_or_ssh(text: str) -> str:
+    """A remote NIC's IPv4 address, or 'ssh': the address the SSH connection reached."""
+    return "ssh" if text == "ssh" else ipv4(text)
+
+
+def readable_file(text: str) -> str:
+    """A file that exists and can be read (an SSH identity: refused here rather than as an SSH failure later)."""
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read it: {exc.strerror or exc}") from None
+    return text
 
 
 def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
@@ -218,7 +314,7 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
     add("-e", "--events", action="store_true", help="sleep on the completion interrupt as soon as the CQs are empty "
                                                     "(default: poll a short while first)")
     if bench:
-        add("-f", "--margin", type=_nonnegative(float), metavar="SECONDS",
+        add("-f", "--margin", type=seconds_or_zero, metavar="SECONDS",
             help="with -D: the warm-up before measuring (default 20%% of -D, at most 2 s)")
     add("-F", "--CPU-freq", dest="cpu_freq", action="store_true",
         help="accepted, as perftest (aiofabric prints no cpufreq warning)")
@@ -226,7 +322,7 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
         add("-H", "--report-histogram", "--report-histogrm", "--histogram", dest="histogram", action="store_true",
             help="print a latency histogram")
     add("-i", "--ib-port", type=ib_port, default=1, help="the RoCE port: 1 (a BNXT function has one)")
-    add("-I", "--inline_size", "--inline-size", dest="inline_size", type=_nonnegative(int), default=0,
+    add("-I", "--inline_size", "--inline-size", dest="inline_size", type=integer(0), default=0,
         metavar="BYTES", help="send messages up to this size inline, inside the WQE (at most the NIC's "
                               "max_inline_data, 96 on the emulated NIC; default 0)")
     if bench:
@@ -256,7 +352,7 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
         add("-U", "--report-unsorted", dest="unsorted", action="store_true",
             help="print every sample in the order measured (implies -H's list)")
     add("-V", "--version", action=VersionAction, help="print the version")
-    add("-x", "--gid-index", dest="gid_index", type=_nonnegative(int), metavar="INDEX",
+    add("-x", "--gid-index", dest="gid_index", type=integer(0), metavar="INDEX",
         help="the GID index to use: the NIC's own (0 on the emulated NIC; see `aiofabric info`)")
     add("--out_json", action="store_true", help=f"also write the report as JSON to --out_json_file (default "
                                                 f"{DEFAULT_JSON_FILE}), with perftest's keys besides ours")

@@ -705,8 +705,12 @@ class QueuePair:
         is otherwise: `_post` then checks and explains it."""
         if type(local) is not MemoryRegion or local.closed or self.state is not RTS:
             return None
+        if type(local_offset) is not int or type(remote_offset) is not int:  # a float or a bool: refused by _post
+            return None
         if size is None:
             size = local.length - local_offset
+        elif type(size) is not int:
+            return None
         if not 0 < size <= local.length - local_offset or local_offset < 0:
             return None
         kind = type(remote)
@@ -1008,18 +1012,20 @@ async def _unless_lost(command: Any) -> bool:
 
 def _local(local: MemoryRegion | LocalBuffer, offset: int, size: int | None) -> tuple[int, tuple[int, int, int] | None]:
     """The SGE for `size` bytes at `offset` of `local` (None for a zero-length transfer)."""
+    check_range("local_offset", offset, 0, ADDRESS_MAX)
     if size is None:
         size = local.length - offset
+    check_range("size", size, 0, KEY_MAX)  # an SGE's length field
     if isinstance(local, MemoryRegion):
         local._check_open()
         if offset < 0 or size < 0 or offset + size > local.length:
             raise ValueError(f"{size} bytes at offset {offset} exceed the {local.length}-byte memory region")
-    check_range("size", size, 0, KEY_MAX)  # an SGE's length field
     check_range("local address", local.addr + offset, 0, ADDRESS_MAX - size + 1)
     return size, ((local.addr + offset, local.lkey, size) if size else None)
 
 
 def _remote(remote: RemoteRegion | MemoryRegion, offset: int, size: int) -> tuple[int, int]:
+    check_range("remote_offset", offset, 0, ADDRESS_MAX)
     if isinstance(remote, MemoryRegion):
         remote._check_open()
     if remote.length is not None and (offset < 0 or offset + size > remote.length):
@@ -1044,5 +1050,6 @@ def _integers(name: str, values: Iterable[Any]) -> Sequence[int]:
 
 
 def check_range(name: str, value: int, low: int, high: int) -> None:
-    if not isinstance(value, int) or not low <= value <= high:
+    """A ValueError naming `name` unless `value` is an int in [low, high]; a bool is not one (True is no size)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], not {value!r}")

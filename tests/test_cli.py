@@ -51,7 +51,7 @@ def test_loopback_human_output_names_live_qpns():
     assert code == 0 and re.search(r"between QPs 0x[0-9a-f]+ -> 0x[0-9a-f]+: verified", process.stdout), process.stdout
 
 
-@pytest.mark.parametrize("size,code,message", [("0", 1, "--size must be in [1, "), ("-5", 2, "is not a size")])
+@pytest.mark.parametrize("size,code,message", [("0", 2, "-s/--size: must be a size in [1, "), ("-5", 2, "is not a size")])
 def test_loopback_refuses_a_size_below_one_byte(size, code, message):
     got, result, _ = run("loopback", f"--size={size}", "--json")
     assert got == code and result["ok"] is False and message in result["error"]

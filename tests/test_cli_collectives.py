@@ -57,9 +57,9 @@ def test_usage_and_value_errors_are_reported_with_their_exit_codes():
     code, result, _ = run("allreduce", "-d", "complex", "--json")
     assert code == 2 and result["ok"] is False and "invalid choice: 'complex'" in result["error"]
     code, result, _ = run("broadcast", "--ranks", "3", "-r", "3", "--json")
-    assert code == 1 and "--root must be a rank in [0, 2], not 3" in result["error"]
+    assert code == 2 and "-r/--root 3: must be a rank in [0, 2] (3 ranks)" in result["error"]
     code, result, _ = run("allreduce", "--ranks", "2", "-b", "64K", "-e", "1K", "--json")
-    assert code == 1 and "a sweep needs 1 <= --min-size <= --max-size" in result["error"]
+    assert code == 2 and "-b/--minbytes 65536 is larger than -e/--maxbytes 1024" in result["error"]
 
 
 def test_two_runs_at_once_both_pass():
@@ -102,4 +102,4 @@ def test_hosts_set_the_number_of_ranks_and_an_unreachable_host_is_named():
                           "--connect-timeout", "3", "--json")
     assert code == 1 and "--root" not in result["error"] and "127.0.0.1" in result["error"], result
     code, result, _ = run("allreduce", "--hosts", "a,b", "--ranks", "2", "--json")
-    assert code == 1 and "--ranks and --hosts both say where the ranks run" in result["error"]
+    assert code == 2 and "--ranks and --hosts both say where the ranks run" in result["error"]

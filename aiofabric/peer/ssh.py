@@ -210,6 +210,12 @@ async def _connect(host: str, port: int, user: str | None, identity: str | os.Pa
     if user is not None:
         options["username"] = user
     if identity is not None:
+        try:  # asyncssh reads it only after connecting, and a missing one read as "cannot reach the SSH server"
+            with open(identity, "rb"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"identity {os.fspath(identity)!r}: cannot read the private key file: "
+                             f"{exc.strerror or exc}") from None
         options["client_keys"] = [os.fspath(identity)]
         options["agent_path"] = None
     try:

@@ -134,8 +134,8 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"ip={options['ip']!r}: a NIC needs a unicast address")
         options["ip"] = str(ip)
     latency = options.get("fw_latency_us", 0)
-    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0:
-        raise ValueError(f"fw_latency_us={latency!r}: must be a number >= 0")
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= 1e7:  # nan, inf
+        raise ValueError(f"fw_latency_us={latency!r}: must be a number >= 0, at most 1e7 (10 s a command)")
     if options.get("profile", DEFAULT_PROFILE) not in PROFILES:
         raise ValueError(f"profile={options['profile']!r}: choose one of {', '.join(PROFILES)}")
     seed = options.get("seed", 0)
