@@ -361,13 +361,22 @@ async def firmware_phase(a: aiofabric.NIC, b: aiofabric.NIC, rng: random.Random,
 
 # -- the wire ------------------------------------------------------------------------------------------------------
 class Wire:
-    """A plain UDP socket on 127.0.0.1 sending to one NIC's 4791 (DF set, so the kernel writes IP ID 0: the ICRC of
-    the packets we build is right on arrival)."""
+    """A plain UDP socket on a free 127.0.0.x's 4791, as an emulator sends (the UDP transport drops loopback senders
+    on other ports), sending to one NIC's 4791 (DF set, so the kernel writes IP ID 0: the ICRC of the packets we build
+    is right on arrival)."""
 
-    def __init__(self, nic_ip: str, source_ip: str = "127.0.0.1") -> None:
+    def __init__(self, nic_ip: str) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.IPPROTO_IP, 10, 2)  # IP_MTU_DISCOVER = IP_PMTUDISC_DO
-        self.sock.bind((source_ip, 0))
+        for host in range(254, 1, -1):  # bounded: a free address is found long before
+            try:
+                self.sock.bind((f"127.0.0.{host}", pk.ROCE_PORT))
+                break
+            except OSError:
+                continue
+        else:
+            self.sock.close()
+            raise OSError("no 127.0.0.x with UDP 4791 free to send from")
         self.src_ip, self.src_port = self.sock.getsockname()
         self.dst_ip = nic_ip
 

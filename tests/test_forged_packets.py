@@ -2,8 +2,8 @@
 check_addr), and only in a state that receives (check_type_state); what a forger must guess (the MR key byte, the
 initial PSN) is drawn unpredictably.
 
-The forger is a plain UDP socket on another loopback address (or, where a test says so, on the peer's address with
-another port) sending a correctly built RoCEv2 packet: right QPN, rkey, address and even the right PSN, read from the
+The forger is a plain UDP socket on another loopback address's 4791 (or, where a test says so, on the peer's
+address with another port, which the UDP transport drops for its port before the QP sees it) sending a correctly built RoCEv2 packet: right QPN, rkey, address and even the right PSN, read from the
 QP objects. A source check that lets it through is caught by the MR's bytes and by the real WRITE that follows it
 (which a forgery at its PSN would turn into a silently dropped duplicate)."""
 import contextlib
@@ -47,11 +47,15 @@ def forger_address(*taken: str) -> str:
 
 def send_forged(dest_ip: str, source_ip: str, dest_qp: int, psn: int, addr: int, rkey: int,
                 payload: bytes = FORGED) -> None:
-    """One RDMA WRITE_ONLY from (source_ip, an ephemeral port), its ICRC right for the header it travels in (DF set:
-    the kernel then writes IP ID 0, which the UDP transport assumes)."""
+    """One RDMA WRITE_ONLY from (source_ip, 4791) as an emulator sends, or from an ephemeral port where 4791 of that
+    address is an emulator's; its ICRC right for the header it travels in (DF set: the kernel then writes IP ID 0,
+    which the UDP transport assumes)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-        sock.bind((source_ip, 0))
+        try:
+            sock.bind((source_ip, pk.ROCE_PORT))
+        except OSError:
+            sock.bind((source_ip, 0))
         packet = pk.Packet(pk.Op.RDMA_WRITE_ONLY, dest_qp, psn, ack_req=True, remote_addr=addr, rkey=rkey,
                            dma_length=len(payload), payload=payload, src_ip=source_ip, dst_ip=dest_ip,
                            src_port=sock.getsockname()[1])
@@ -118,9 +122,10 @@ async def test_a_forged_write_to_a_qp_not_yet_receiving_is_dropped_even_from_the
             if step is not None:
                 await step()
             send_forged(b.ip, a.ip, qb.qpn, 0, target.addr, target.rkey)
-            stats = await stat_reaches(b, ("dropped_qp_state", "dropped_bad_source"), count, target.view)
+            stats = await stat_reaches(b, ("dropped_qp_state", "dropped_bad_source", "dropped_source_port"), count,
+                                       target.view)
             assert not any(target.view)
-            assert stats.get("dropped_qp_state", 0) == count and stats.get("dropped_bad_source", 0) == 0
+            assert stats["dropped_source_port"] == count  # a's 4791 is a's emulator's: the forger's is another port
         await qb.connect(qa.info())
         await qa.connect(qb.info())
         with anyio.fail_after(10):
@@ -145,9 +150,10 @@ async def test_after_a_reconnect_to_another_peer_the_new_one_lands_and_the_old_o
         with anyio.fail_after(10):
             await qc.write(from_c, target, 1000, remote_offset=1000)  # the new peer: no false drop
         assert bytes(target.view[1000:2000]) == bytes(from_c.view[:1000])
-        # the old peer's address (another port: the forger's own socket) with everything else right
+        # the old peer's address with everything else right: its 4791 is free once a's QP is gone, yet a's NIC is
+        # still there, so the forger takes another port; both checks refuse it
         send_forged(b.ip, a.ip, qb.qpn, qc.psn, target.addr + 2048, target.rkey)
-        await stat_reaches(b, ("dropped_bad_source",), 1, target.view[2048:])
+        await stat_reaches(b, ("dropped_bad_source", "dropped_source_port"), 1, target.view[2048:])
         assert not any(target.view[2048:])
         with anyio.fail_after(10):
             await qc.write(from_c, target, 1000, local_offset=1000, remote_offset=2048)
@@ -265,3 +271,14 @@ def test_a_forged_acknowledgement_completes_nothing():
     assert a.poll() == [] and a.dp.stats["dropped_bad_source"] == 1
     a.dp.receive([dataclasses.replace(ack, src_ip=b.ip)], 0.0)  # the same from the peer: it counts
     assert [c[1] for c in a.poll()] == [harness.REQ_OK]
+
+
+def test_a_packet_from_the_peer_to_a_qp_that_does_not_receive_is_dropped_for_its_state():
+    """rxe's check_type_state, before the address: the right peer's packet to a QP back in RESET or INIT."""
+    a, b, wire = harness.pair(mtu=1024)
+    (packet,), dst, data = _write_packets(a, b, 100)
+    for state in (QPState.RESET, QPState.INIT):
+        b.modify(state)
+        b.dp.receive([packet], 0.0)
+        assert not any(b.mem.read(dst, 100)) and pk.expand(b.dp.take_outbox()) == []
+    assert (b.dp.stats["dropped_qp_state"], b.dp.stats["dropped_bad_source"]) == (2, 0)

@@ -212,7 +212,7 @@ def test_corruption_makes_the_receiver_drop_on_the_icrc(pair: tuple[UdpTransport
 def test_malformed_datagrams_are_counted_not_raised(pair: tuple[UdpTransport, UdpTransport]):
     _, b = pair
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
-        stranger.bind(("127.0.0.104", 0))
+        stranger.bind(("127.0.0.104", ROCE_PORT))  # as an emulator sends: from another port it is refused first
         stranger.sendto(b"\0" * 5, (B, ROCE_PORT))  # shorter than a BTH
         stranger.sendto(b"\0" * 64, (B, ROCE_PORT))  # long enough, but the ICRC cannot match
     pump(b, lambda _: b.counters["dropped_malformed"] + b.counters["dropped_icrc"] >= 2)
@@ -223,13 +223,30 @@ def test_udp_receive_assumes_ip_id_0_like_an_unconnected_df_socket_sends(pair: t
     _, b = pair
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as foreign:
         foreign.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-        foreign.bind(("127.0.0.104", 0))
-        port = foreign.getsockname()[1]
+        foreign.bind(("127.0.0.104", ROCE_PORT))
         good = write(1, B)
-        good.src_ip, good.src_port = "127.0.0.104", port
+        good.src_ip, good.src_port = "127.0.0.104", ROCE_PORT
         foreign.sendto(encode_ipv4(good)[28:], (B, ROCE_PORT))
         (packet,) = pump(b, received(1))
-        assert (packet.src_ip, packet.src_port, packet.psn) == ("127.0.0.104", port, 1)
+        assert (packet.src_ip, packet.src_port, packet.psn) == ("127.0.0.104", ROCE_PORT, 1)
+
+
+def test_a_loopback_sender_not_on_4791_is_dropped_for_its_port(pair: tuple[UdpTransport, UdpTransport]):
+    """Any local user can send from a peer's 127.0.0.x on another port; only the emulator holding it sends from
+    4791. The same packet from 4791 is taken, so the port alone decides."""
+    _, b = pair
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as emulator:
+        for sock in (other, emulator):
+            sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        other.bind(("127.0.0.104", 0))
+        emulator.bind(("127.0.0.104", ROCE_PORT))
+        for sock, psn in ((other, 1), (emulator, 2)):
+            packet = write(psn, B)
+            packet.src_ip, packet.src_port = "127.0.0.104", sock.getsockname()[1]
+            sock.sendto(encode_ipv4(packet)[28:], (B, ROCE_PORT))
+        assert [p.psn for p in pump(b, received(1))] == [2]
+    assert (b.counters["dropped_source_port"], b.counters["dropped_malformed"], b.counters["received"]) == (1, 0, 1)
 
 
 def test_pcap_capture_of_both_directions_decodes(tmp_path: Path, pair: tuple[UdpTransport, UdpTransport]):
@@ -322,11 +339,15 @@ def test_raw_transport_sends_real_per_qp_source_ports():
 @needs_raw
 def test_raw_and_udp_transports_interoperate():
     with RawTransport("127.0.0.110") as raw, UdpTransport("127.0.0.111") as udp:
-        raw.send(write(1, "127.0.0.111"))
+        per_qp = write(1, "127.0.0.111")
+        raw.send(per_qp)  # a per-QP source port on loopback: the UDP transport takes only 4791 there
+        per_qp.src_port = ROCE_PORT
+        raw.send(per_qp)
         udp.send(write(2, "127.0.0.110"))
         assert [p.psn for p in pump(udp, received(1))] == [1]
         assert [p.psn for p in pump(raw, received(1))] == [2]
         assert raw.counters["dropped_icrc"] == udp.counters["dropped_icrc"] == 0
+        assert udp.counters["dropped_source_port"] == 1
 
 
 @needs_raw

@@ -31,8 +31,9 @@ AIOFABRIC_SIM_LOG (WARNING).
 
 Debug "stats" reply: the shell's counters (hwrm, rcfw, kicks, interrupts, ...), the firmware's, the data path's
 (packets_sent, packets_received, retransmits, acks, naks, rnr_naks, duplicates, out_of_sequence, timeouts, ...; see
-Datapath.stats), `dropped` = every packet dropped on receive (bad ICRC and malformed datagrams included),
-`dropped_icrc`, `rx_overflow` = datagrams the kernel dropped because the port's receive buffer was full (not part of
+Datapath.stats, among them `dropped_bad_source` and `dropped_qp_state`: a packet not from the QP's peer, or for a QP
+that does not receive), `dropped` = every packet dropped on receive (bad ICRC, malformed datagrams and loopback
+senders not on 4791 included), `dropped_icrc`, `dropped_source_port` (see wire.UdpTransport), `rx_overflow` = datagrams the kernel dropped because the port's receive buffer was full (not part of
 `dropped`: the protocol never saw them; the buffer grows with the QP count, see RECEIVE_WINDOW_PER_QP), and the
 transports' own counters prefixed with "wire_" (wire_sent, wire_lost, wire_corrupted, ...).
 
@@ -406,8 +407,10 @@ class Emulator:
                                              "duplicates", "timeouts", "rnr_naks", "out_of_sequence")}
         counters = [t.counters for t in (self.wire, self.loopback) if t is not None]
         icrc = sum(c["dropped_icrc"] for c in counters)
-        stats.update(dp, dropped=dp["dropped"] + icrc + sum(c["dropped_malformed"] for c in counters),
-                     dropped_icrc=icrc, rx_overflow=sum(t.rx_overflow for t in (self.wire, self.loopback) if t))
+        source_port = sum(c["dropped_source_port"] for c in counters)
+        stats.update(dp, dropped=dp["dropped"] + icrc + source_port + sum(c["dropped_malformed"] for c in counters),
+                     dropped_icrc=icrc, dropped_source_port=source_port,
+                     rx_overflow=sum(t.rx_overflow for t in (self.wire, self.loopback) if t))
         for c in counters:
             for name, value in c.items():
                 stats[f"wire_{name}"] = stats.get(f"wire_{name}", 0) + value

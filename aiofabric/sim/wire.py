@@ -109,7 +109,8 @@ class Transport:
     """A NIC port owning one IPv4 address. Subclasses move datagrams; this class encodes, injects faults and taps.
 
     counters: "sent" (datagrams put on the wire, duplicates included), "received" (packets decoded), "dropped_icrc",
-    "dropped_malformed", "send_errors" and "receive_errors" (socket errors: those packets are lost), and one per
+    "dropped_malformed", "dropped_source_port" (UdpTransport: a loopback sender not on 4791), "send_errors" and
+    "receive_errors" (socket errors: those packets are lost), and one per
     fault injected: "lost", "duplicated", "reordered", "corrupted".
     """
 
@@ -215,6 +216,8 @@ class Transport:
                 packets.append(self._decode(datagram))
             except IcrcMismatch:
                 self.counters["dropped_icrc"] += 1
+            except ForeignSource:
+                self.counters["dropped_source_port"] += 1
             except BadPacket as exc:
                 self.counters["dropped_malformed"] += 1
                 self.counters[f"dropped_{exc.reason}"] += 1  # by the decode check that refused it (DROP_REASONS)
@@ -337,6 +340,10 @@ def _socket_drops(sock: socket.socket) -> int:
     return int.from_bytes(counters[4 * SK_MEMINFO_DROPS:4 * SK_MEMINFO_DROPS + 4], sys.byteorder)
 
 
+class ForeignSource(ValueError):
+    """A datagram from this host's loopback that no emulator on the UDP transport sent (see UdpTransport)."""
+
+
 class UdpTransport(Transport):
     """RoCEv2 over an ordinary UDP socket bound to (ip, 4791): no privileges needed.
 
@@ -345,6 +352,12 @@ class UdpTransport(Transport):
     so the ICRC computed for ID 0 is valid on the wire (and in a capture). On receive a plain socket cannot see the IP
     ID, so the ICRC is checked assuming 0: packets from stacks that send other IDs (or from a connect()ed socket) are
     dropped as ICRC failures; use RawTransport to talk to those.
+
+    For the same reason a datagram from a loopback address (127.0.0.0/8) whose source port is not 4791 is dropped
+    (counted as "dropped_source_port"): every emulator on this transport sends from its bound (ip, 4791), which no
+    other socket, so no other user, can bind while it holds it, whereas any local user can send from the peer's
+    127.0.0.x on another port and pass the QP's source-address check. The raw transport, whose per-QP source ports
+    are real, talks to a UDP-transport NIC only across a network (or from 4791).
     """
 
     def __init__(self, ip: str, faults: Faults | None = None, pcap: PcapWriter | None = None,
@@ -454,6 +467,8 @@ class UdpTransport(Transport):
 
     def _decode(self, datagram: tuple[Any, bytes, int]) -> Packet:
         data, source, src_port = datagram
+        if src_port != ROCE_PORT and source[0] == 127:
+            raise ForeignSource(f"{socket.inet_ntoa(source)}:{src_port}")
         src_ip = self._peers.get(source)
         if src_ip is None:
             if len(self._peers) >= 1024:  # peers come and go over a long life; their names need not stay
