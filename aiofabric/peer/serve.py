@@ -429,6 +429,7 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
     def answered(token: int) -> None:
         unanswered.pop(token, None)
         if not unanswered:
+            last_request[0] = anyio.current_time()  # the idle clock restarts once the client has its last answer
             drained[0].set()
 
     async def run(endpoint: Endpoint, request: protocol.Request, token: int) -> None:
@@ -463,8 +464,13 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
         answered(token)  # or never will be: the session ends without answers
 
     async def watch_idle(idle: float) -> None:
-        """Drop a client that sends no complete request for `idle` s (bytes that never end a line do not count)."""
+        """Drop a client that sends no complete request for `idle` s (bytes that never end a line do not count) while
+        none of its requests is running: one the server is still working on (an open_nic on a loaded host) is not the
+        client's idleness, and each request's own waits are bounded."""
         while not stop.is_set():
+            if unanswered:
+                await drained[0].wait()
+                continue
             left = last_request[0] + idle - anyio.current_time()
             if left <= 0:
                 finish("idle", f"{who} sent no request for {idle:g} s; dropped it")
