@@ -433,6 +433,14 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
             drained[0].set()
 
     async def run(endpoint: Endpoint, request: protocol.Request, token: int) -> None:
+        # in flight until its answer is written: a client that reads no answers then meets --max-requests, and the
+        # server stops reading it, instead of holding a task and an answer for every line it sends
+        try:
+            await respond(endpoint, request, token)
+        finally:
+            in_flight[0] -= 1
+
+    async def respond(endpoint: Endpoint, request: protocol.Request, token: int) -> None:
         try:
             answer = Answer(request.id, True, await endpoint.handle(request))
         except Exception as exc:  # every failure is an answer, never a crash
@@ -440,8 +448,6 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
             if isinstance(exc, (NotAllowed, LimitError)):
                 refused(request.id, exc)
             answer = protocol.error_answer(request.id, exc)
-        finally:
-            in_flight[0] -= 1
         if not answer.ok:
             summary["errors"] += 1
         try:
@@ -494,7 +500,7 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
                     batch, overlong = exc.lines, exc
                 if not await handle_lines(requests, endpoint, batch):
                     return
-                if overlong is None:
+                if overlong is None or stop.is_set():
                     break
                 await answer_error(None, overlong)
                 if strict:
@@ -509,8 +515,11 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
         finish("end of input")
 
     async def handle_lines(requests: anyio.abc.TaskGroup, endpoint: Endpoint, batch: list[bytes]) -> bool:
-        """Start a task per request in `batch`, answering the bad ones; False once the client is to be dropped."""
+        """Start a task per request in `batch`, answering the bad ones; False once the client is to be dropped (or
+        the session is over: an answer that cannot be written ends it, and the rest of a batch is not read)."""
         for line in batch:
+            if stop.is_set():
+                return False
             last_request[0] = anyio.current_time()
             try:
                 request = protocol.decode_request(line, profile, max_depth)
