@@ -12,15 +12,14 @@ pages pinned by it), so it needs translation on and the function bound to vfio-p
 from __future__ import annotations
 
 import dataclasses
-import errno
 import fcntl
 import logging
 import os
 import resource
-import stat
 import textwrap
 from typing import Any, Callable, Literal
 
+from . import private
 from .pci import _ADDRESS_RE as ADDRESS  # the seam's: a function's domain:bus:device.function, lower case
 from .pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_COMMAND_INTX_DISABLE, PCI_COMMAND_MASTER, PCIError
 
@@ -418,70 +417,23 @@ def _lock_directory(preferred: str) -> tuple[str, int]:
     through sysfs, and VFIO lets one process at a time open a group. Never a shared name under /tmp, which another
     user could take first; a directory we did not just make must be ours and writable by nobody else (a user
     finding root's /run/aiofabric goes to their own)."""
-    euid = os.geteuid()
     try:
-        return preferred, _open_lock_directory(preferred, 0o755)
-    except _Unusable as exc:
-        if euid == 0 or exc.owner not in (None, 0):  # root's own, or someone else's: not something to go around
+        return preferred, private.open_directory(preferred, 0o755)
+    except private.NotPrivate as exc:
+        if os.geteuid() == 0 or exc.owner not in (None, 0):  # root's own, or someone else's: not to go around
             fix = f"mkdir -m 755 {preferred}" if exc.owner is None else \
                 f"remove it unless it was made so on purpose (rm -r {preferred}); aiofabric makes it again"
             raise _NoLockDirectory(f"the device-lock directory {preferred} {exc.detail}", fix) from None
         why = f"{preferred} {exc.detail}"  # a user cannot make /run/aiofabric, or it is root's: use their own
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    fix = "run as root, or in a login session (it sets XDG_RUNTIME_DIR to /run/user/UID, a directory only you can " \
-          "write)"
-    if not os.path.isabs(runtime):
-        raise _NoLockDirectory(f"no directory for device locks: {why}, and XDG_RUNTIME_DIR is not set (a user's "
-                               "locks live in $XDG_RUNTIME_DIR/aiofabric, never under a name in /tmp another user "
-                               "could take first)", fix)
-    directory = os.path.join(runtime, "aiofabric")
+    fix = f"run as root, or {private.RUNTIME_FIX}"
     try:
-        os.close(_open_lock_directory(runtime, None))  # $XDG_RUNTIME_DIR itself must be ours alone too
-        return directory, _open_lock_directory(directory, 0o700)
-    except _Unusable as exc:
+        return private.user_directory()
+    except private.NotPrivate as exc:
+        if exc.path == f"${private.RUNTIME_ENV}":
+            raise _NoLockDirectory(f"no directory for device locks: {why}, and {private.RUNTIME_ENV} is not set (a "
+                                   f"user's locks live in ${private.RUNTIME_ENV}/aiofabric, never under a name in "
+                                   "/tmp another user could take first)", fix) from None
         raise _NoLockDirectory(f"no directory for device locks: {why}, and {exc.path} {exc.detail}", fix) from None
-
-
-class _Unusable(Exception):
-    """What is wrong with directory `path`; `owner`: its uid when it exists (None: it could not be made or opened)."""
-
-    def __init__(self, path: str, detail: str, owner: int | None) -> None:
-        super().__init__(f"{path} {detail}")
-        self.path, self.detail, self.owner = path, detail, owner
-
-
-def _open_lock_directory(path: str, mode: int | None) -> int:
-    """Make `path` with `mode` if it is missing (None: do not) and open it, never through a symlink; raise _Unusable
-    when it cannot be made or opened, is not ours or others can write it."""
-    euid = os.geteuid()
-    made = False
-    if mode is not None:
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            os.mkdir(path, mode)
-            made = True
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise _Unusable(path, f"cannot be made ({exc.strerror})", None) from None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # O_DIRECTORY may say ENOTDIR of a symlink
-            info = os.lstat(path)
-            raise _Unusable(path, "is a symlink" if stat.S_ISLNK(info.st_mode) else "is not a directory",
-                            info.st_uid) from None
-        raise _Unusable(path, f"cannot be opened ({exc.strerror})", None) from None
-    info = os.fstat(fd)
-    if made and info.st_uid == euid:
-        os.fchmod(fd, mode or 0o700)  # whatever the umask
-        return fd
-    problem = f"is owned by uid {info.st_uid}, not by us (uid {euid})" if info.st_uid != euid else \
-        f"is writable by others (mode {info.st_mode & 0o7777:o})" if info.st_mode & 0o022 else ""
-    if problem:
-        os.close(fd)
-        raise _Unusable(path, problem, info.st_uid)
-    return fd
 
 
 def _take(address: str, directory: str) -> tuple[int, str, int | None]:

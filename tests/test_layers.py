@@ -15,10 +15,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aiofabric"
 TESTS = Path(__file__).resolve().parent
-# taskgroups: how our context managers run their own tasks; lazy: how packages load their names; json_depth: what
-# the servers that parse strangers' JSON share
+# taskgroups: how our context managers run their own tasks; lazy: how packages load their names; json_depth and
+# escape: what the servers that take strangers' JSON and text share; private: the directories and files only we may
+# write; close_budget: how long a NIC's close may take and whether its firmware still answers (servers ask it)
 PUBLIC_API = {"aiofabric", "aiofabric.nic", "aiofabric.queues", "aiofabric.completions", "aiofabric.errors",
-              "aiofabric.taskgroups", "aiofabric.version", "aiofabric.lazy", "aiofabric.json_depth"}
+              "aiofabric.taskgroups", "aiofabric.version", "aiofabric.lazy", "aiofabric.json_depth",
+              "aiofabric.escape", "aiofabric.private", "aiofabric.close_budget"}
 IO_FRAMEWORKS = ("anyio", "trio", "asyncio", "socket", "asyncssh", "aiofabric.device", "aiofabric.nic")
 # Structs that are not the host interface, by file (relative to the repository)
 NON_HARDWARE_STRUCTS = {
@@ -97,7 +99,7 @@ def test_asyncssh_only_in_peer_ssh():
 
 
 @pytest.mark.parametrize("pure", ["sched/plan.py", "peer/protocol.py", "units.py", "rings.py", "collectives/layout.py",
-                                  "workqueue.py"])
+                                  "workqueue.py", "escape.py"])
 def test_pure_modules_import_no_io_framework(pure):
     assert offenders([PACKAGE / pure], lambda path, name: not name.startswith(IO_FRAMEWORKS)) == []
 

@@ -324,7 +324,7 @@ def test_a_lock_directory_others_can_write_or_a_symlink_is_refused(tmp_path, how
     else:
         locks.mkdir()
         locks.chmod(0o1777)  # what the fallback used to make
-        problem = "is writable by others (mode 1777)"
+        problem = "is writable by group and others (mode 1777)"
     with pytest.raises(PCIError, match=refused_lock(f"the device-lock directory {locks} {problem}; fix: remove it "
                                                     f"unless it was made so on purpose (rm -r {locks}); aiofabric "
                                                     "makes it again")):

@@ -96,8 +96,14 @@ SCENARIO = textwrap.dedent("""
     holder = subprocess.Popen(["runuser", "-u", sys.argv[1], "--", "/usr/bin/python3", "-c", sys.argv[2]],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     holder_pid = int(holder.stdout.readline())
+    runtime = "/run/user-runtime"  # the client's own, as a login session's /run/user/UID: 0700, theirs
+    os.mkdir(runtime, 0o700)
+    if sys.argv[4] == "runuser":
+        import pwd
+        user = pwd.getpwnam(sys.argv[6])
+        os.chown(runtime, user.pw_uid, user.pw_gid)
     client = subprocess.run([*sys.argv[4:], "-c", sys.argv[3]], capture_output=True, text=True, timeout=90,
-                            env={**os.environ, "XDG_RUNTIME_DIR": "/run/tmp"})
+                            env={**os.environ, "XDG_RUNTIME_DIR": runtime})
     holder.stdin.close()
     received = int(holder.stdout.readline())
     holder.wait(timeout=20)
@@ -223,21 +229,32 @@ def test_a_given_address_whose_port_is_taken_fails_naming_the_holder():
 
 
 def test_a_rendezvous_directory_others_could_have_made_or_can_enter_is_refused(tmp_path, monkeypatch):
+    def refused(detail: str, path=None) -> str:
+        return f"no directory for this user's namespace holder: {path or directory} {detail}; run in a login " \
+               "session (it sets XDG_RUNTIME_DIR to /run/user/UID, a directory only you can write), or remove " \
+               "what is wrong"
+
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    directory, me = tmp_path / "aiofabric", pwd.getpwuid(os.geteuid()).pw_name
+    directory, uid = tmp_path / "aiofabric", os.geteuid()
     directory.mkdir()
     os.chmod(directory, 0o755)  # another user could enter it
     with pytest.raises(NoPrivateNetns) as raised:
         wire._user_netns_dir()
-    assert str(raised.value) == f"{directory} is not a directory of user {me} closed to others (owner {me}, mode 755); " \
-                                "remove it"
+    assert str(raised.value) == refused("is open to group and others (mode 755)")
     os.chmod(directory, 0o700)
     assert wire._user_netns_dir() == str(directory)
-    if os.geteuid() == 0:  # made by another user first
-        os.chown(directory, pwd.getpwnam(HOLDER_USER).pw_uid, -1)
-        with pytest.raises(NoPrivateNetns, match=rf"\(owner {HOLDER_USER}, mode 700\); remove it$"):
+    if uid == 0:  # made by another user first
+        holder = pwd.getpwnam(HOLDER_USER).pw_uid
+        os.chown(directory, holder, -1)
+        with pytest.raises(NoPrivateNetns) as raised:
             wire._user_netns_dir()
+        assert str(raised.value) == refused(f"is owned by uid {holder}, not by us (uid 0)")
     directory.rename(tmp_path / "elsewhere")
     directory.symlink_to(tmp_path / "elsewhere")  # a link is not the directory itself
-    with pytest.raises(NoPrivateNetns, match=r"mode 777\); remove it$"):
+    with pytest.raises(NoPrivateNetns) as raised:
         wire._user_netns_dir()
+    assert str(raised.value) == refused("is a symlink")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")  # never a name under /tmp instead
+    with pytest.raises(NoPrivateNetns) as raised:
+        wire._user_netns_dir()
+    assert str(raised.value) == refused("is not set", "$XDG_RUNTIME_DIR")

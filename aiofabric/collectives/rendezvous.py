@@ -38,7 +38,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ..errors import FabricError
 from ..json_depth import json_depth
-from ..peer.protocol import printable
+from ..escape import printable
 
 log = logging.getLogger("aiofabric.collectives")
 MAX_LINE = 64 << 10  # one rank's round: a few QPInfos and keys

@@ -90,6 +90,7 @@ import re
 from typing import Any, Callable
 
 from ..json_depth import json_depth
+from ..escape import printable as printable  # re-exported: the servers show strangers' text through it
 from ..errors import NotAllowed as NotAllowed, NotProtocolError as NotProtocolError  # the protocol's errors,
 from ..errors import ProtocolError as ProtocolError, Refused as Refused  # defined with the others
 
@@ -554,14 +555,6 @@ def printable_tree(value: Any) -> Any:
     if isinstance(value, list):
         return [printable_tree(item) for item in value]
     return value
-
-
-def printable(text: str, limit: int = 200) -> str:
-    """`text` safe for a terminal or a log line: control, format and separator characters (escape sequences,
-    newlines, bidirectional overrides) written as escapes, cut at `limit` characters."""
-    cut = text[:limit]
-    safe = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
-    return safe + ("..." if len(text) > limit else "")
 
 
 def sha256_hex(data: bytes | memoryview) -> str:

@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import private
 from ..errors import CompilerNotFoundError, KernelBuildError
 
 DEFAULT_FLAGS = ("-O2", "-shared", "-fPIC")
@@ -65,25 +65,9 @@ def _make_private(path: Path) -> str:
     """Make `path` (mode 0700) if missing; "" when it is a private directory, else what is wrong with it ("is
     owned by uid 1001, not by us (uid 1000)")."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir(mode=0o700, exist_ok=True)
-        info = os.lstat(path)  # lstat: a symlink is refused, never followed to someone else's directory
-    except OSError as exc:
-        return f"cannot be made ({exc.strerror or exc})"
-    return _not_private(info, "directory")
-
-
-def _not_private(info: os.stat_result, kind: str) -> str:
-    """"" when `info` is a `kind` ("directory" or "file") owned by our effective uid and writable by nobody else."""
-    is_kind = stat.S_ISDIR if kind == "directory" else stat.S_ISREG  # "file": a regular one
-    if not is_kind(info.st_mode):
-        return "is a symlink" if stat.S_ISLNK(info.st_mode) else \
-            f"is not a {'regular file' if kind == 'file' else kind}"
-    if info.st_uid != os.geteuid():
-        return f"is owned by uid {info.st_uid}, not by us (uid {os.geteuid()})"
-    writers = [who for bit, who in ((0o020, "group"), (0o002, "others")) if info.st_mode & bit]
-    if writers:
-        return f"is writable by {' and '.join(writers)} (mode {stat.S_IMODE(info.st_mode):o})"
+        os.close(private.open_directory(str(path)))
+    except private.NotPrivate as exc:
+        return exc.detail
     return ""
 
 
@@ -186,7 +170,7 @@ def _open_private_directory(path: Path) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise KernelBuildError(f"C kernel cache {path} cannot be opened ({exc.strerror}): refusing to use it") from exc
-    problem = _not_private(os.fstat(fd), "directory")
+    problem = private.problem(os.fstat(fd))
     if problem:
         os.close(fd)
         raise KernelBuildError(f"C kernel cache {path} {problem}: refusing to build or load kernels there")
@@ -204,7 +188,7 @@ def _check_library(filename: str, directory: int) -> str:
     except OSError as exc:
         return "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
     try:
-        return _not_private(os.fstat(fd), "file")
+        return private.problem(os.fstat(fd), "file")
     finally:
         os.close(fd)
 

@@ -38,6 +38,7 @@ import time
 from types import TracebackType
 from typing import Any
 
+from .. import private
 from . import mmsg
 from .packets import (
     ROCE_PORT, BadPacket, IcrcMismatch, Packet, Segments, decode, decode_ipv4, encode, encode_into,
@@ -800,16 +801,15 @@ def _join_root_netns(name: str) -> None:
 
 
 def _user_netns_dir() -> str:
-    """This user's private directory for the holder's pid file and lock: refused unless it is ours and nobody else's
-    (another user could otherwise create it first and point us at a namespace of theirs)."""
-    uid, runtime = os.geteuid(), os.environ.get("XDG_RUNTIME_DIR")
-    path = os.path.join(runtime, "aiofabric") if runtime else f"/tmp/aiofabric-{uid}"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
-        raise NoPrivateNetns(f"{path} is not a directory of user {_user_name(uid)} closed to others (owner "
-                             f"{_user_name(info.st_uid)}, mode {stat.S_IMODE(info.st_mode):o}); remove it")
+    """This user's private directory for the holder's pid file and lock ($XDG_RUNTIME_DIR/aiofabric): refused unless
+    it is ours and closed to others (another user could otherwise create it first and point us at a namespace of
+    theirs), and never a name under /tmp."""
+    try:
+        path, fd = private.user_directory()
+    except private.NotPrivate as exc:
+        raise NoPrivateNetns(f"no directory for this user's namespace holder: {exc.path} {exc.detail}; "
+                             f"run {private.RUNTIME_FIX}, or remove what is wrong") from None
+    os.close(fd)
     return path
 
 
