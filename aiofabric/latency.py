@@ -513,13 +513,7 @@ async def _release(pair: _Pair, quiet: bool = False) -> None:
         steps += [pair.server.destroy, pair.server_mr.deregister]
         if pair.server.send_cq is not pair.client.send_cq:
             steps.append(pair.server.send_cq.destroy)
-    for step in steps:
-        try:
-            await step()
-        except Exception as exc:
-            if not quiet:
-                raise
-            log.info("after the failure: %s: %s", type(exc).__name__, exc)
+    await perftest.release_steps(steps, quiet)
     if pair.remote is None or quiet and getattr(pair.remote, "failure", None) is not None:
         return
     with anyio.move_on_after(perftest.REMOTE_CLOSE_AFTER_FAILURE if quiet else math.inf):

@@ -562,6 +562,12 @@ async def _release(flows: list[_Flow], quiet: bool = False) -> None:
         steps += [flow.client.destroy, flow.server.destroy]
         steps += [mr.deregister for mr in (flow.source, flow.target) if mr is not None]
     steps += [cq.destroy for cq in cqs.values()]
+    await release_steps(steps, quiet)
+
+
+async def release_steps(steps: list[Callable[[], Awaitable[Any]]], quiet: bool) -> None:
+    """Run each release step in order; `quiet` (after a failure): one that fails is logged and the rest still run,
+    so the first error stays the one reported."""
     for step in steps:
         try:
             await step()
