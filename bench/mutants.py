@@ -60,6 +60,9 @@ POOL, CALLS, RUN = "aiofabric/sched/pool.py", "aiofabric/sched/calls.py", "aiofa
 COMM, LAYOUT = "aiofabric/collectives/communicator.py", "aiofabric/collectives/layout.py"
 FREED, VFIO, PCI = "aiofabric/sim/freed.py", "aiofabric/vfio.py", "aiofabric/pci.py"
 FLAGS, POLICY = "aiofabric/perftest_flags.py", "aiofabric/peer/policy.py"
+DATAPATH_SIM, WIRE, RCFW, PCAP = ("aiofabric/sim/datapath.py", "aiofabric/sim/wire.py", "aiofabric/sim/rcfw.py",
+                                  "aiofabric/sim/pcap.py")
+PRIVATE, SERVE, FORGED = "aiofabric/private.py", "aiofabric/peer/serve.py", "tests/test_forged_packets.py::"
 POOL_DEPTH = (B + "test_a_receive_pool_is_as_deep_as_asked_after_a_reset_and_never_as_deep_as_its_queue",)
 IMM = (B + "test_an_expected_immediate_of_0_is_checked_and_0xffffffff_is_the_largest",)
 SCALAR = (B + "test_an_rdma_size_rebinds_to_exactly_its_compiled_size_and_a_call_may_end_at_its_regions_end",)
@@ -191,6 +194,28 @@ MUTANTS = [
            "            await self._quiesce()\n            await self._free_memory()\n",
            "            await self._free_memory()\n            await self._quiesce()\n",
            ("tests/test_orderings.py::test_a_close_frees_nothing_the_device_writes_up_to_its_quiesce",)),
+    # trust boundaries: what another local user or a forged packet meets
+    Mutant("wire: a QP takes a packet from any source address", DATAPATH_SIM,
+           "elif p.src_ip != ctx.peer_ip or p.dst_ip != ip:", "elif p.dst_ip != ip:",
+           (FORGED + "test_a_packet_not_between_the_qp_and_its_peer_is_dropped",
+            FORGED + "test_a_forged_acknowledgement_completes_nothing")),
+    Mutant("wire: the UDP transport takes a loopback sender on any port", WIRE,
+           "if src_port != ROCE_PORT and source[0] == 127:", "if src_port != ROCE_PORT and source[0] == 126:",
+           ("tests/test_wire.py::test_a_loopback_sender_not_on_4791_is_dropped_for_its_port",)),
+    Mutant("keys: every NIC's first key byte is the same", RCFW, "        byte = secrets.randbits(8)\n        while",
+           "        byte = 7\n        while", (FORGED + "test_two_firmware_instances_draw_different_key_bytes",)),
+    Mutant("private: a directory of another user is trusted", PRIVATE, "if info.st_uid != os.geteuid():",
+           "if info.st_uid != os.geteuid() and info.st_uid != 65534:",
+           ("tests/test_local_files.py::test_a_cache_directory_owned_by_another_user_is_refused",
+            "tests/test_local_files.py::test_a_lock_directory_owned_by_another_user_is_refused")),
+    Mutant("private: a group-writable directory is trusted", PRIVATE, "((0o020, \"group\"), (0o002, \"others\"))",
+           "((0o000, \"group\"), (0o002, \"others\"))",
+           ("tests/test_local_files.py::test_a_cache_directory_others_can_write_is_refused",)),
+    Mutant("pcap: a capture follows a symlink and overwrites", PCAP, "os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW",
+           "os.O_WRONLY | os.O_CREAT | os.O_TRUNC",
+           ("tests/test_local_files.py::test_a_symlink_at_the_capture_path_is_refused_and_its_target_unchanged",)),
+    Mutant("server: a request still running counts as its client's idleness", SERVE, "            if unanswered:\n",
+           "            if False:\n", ("tests/test_server_idle.py",)),
 ]
 
 
