@@ -117,6 +117,8 @@ class Endpoint:
         self.budget = (DmaBudget(policy.limits.memory, "server's limit per client (--max-memory)")
                        if policy is not None else None)
         self._opening = 0  # open_nic requests under way
+        self._starting_pong = False  # a pong request under way (its receives being posted)
+        self._reporting = 0  # report requests under way
         self.objects: dict[int, Any] = {}  # handle -> _NicSlot | CompletionQueue | QueuePair | MemoryRegion
         self.owner: dict[int, int] = {}  # handle -> handle of its NIC
         self._next_handle = 1
@@ -309,17 +311,25 @@ class Endpoint:
 
     async def op_pong(self, qp: int, mr: int, test: str, size: int, iters: int, wait: float, warmup: int,
                       remote: dict[str, Any] | None, rx_slots: int, inline: bool) -> dict[str, Any]:
+        # one server half per client at a time: each is a background task polling a QP until its wait runs out
+        if self.policy is not None and (self._starting_pong or any(isinstance(obj, _Pong)
+                                                                   for obj in self.objects.values())):
+            raise NotAllowed("pong: a ping-pong is already running for this client: pong_wait for it first")
         queue_pair = self._get(qp, QueuePair, "qp")
         if rx_slots > queue_pair.recv_queue.depth:
             raise ValueError(f"pong: {rx_slots} receive slots exceed the QP's receive queue "
                              f"({queue_pair.recv_queue.depth})")
         side = pingpong.Side("server", test, queue_pair, self._get(mr, MemoryRegion, "mr"), size, warmup, iters, wait,
                              None if remote is None else RemoteRegion.from_dict(remote), rx_slots, inline)
-        with anyio.fail_after(wait):  # posting the receives waits for room only as long as a ping may take
-            await side.prepare()
-        pong = _Pong()
-        self.tasks.start_soon(pong.run, side)
-        return {"pong": self._add(pong, self.owner.get(qp))}
+        self._starting_pong = True  # from here: two pongs at once cannot both pass the check above
+        try:
+            with anyio.fail_after(wait):  # posting the receives waits for room only as long as a ping may take
+                await side.prepare()
+            pong = _Pong()
+            self.tasks.start_soon(pong.run, side)
+            return {"pong": self._add(pong, self.owner.get(qp))}
+        finally:
+            self._starting_pong = False
 
     async def op_pong_wait(self, pong: int) -> dict[str, Any]:
         running = self._get(pong, _Pong, "pong")
@@ -331,14 +341,21 @@ class Endpoint:
         return {"iterations": running.iterations}
 
     async def op_report(self, result: dict[str, Any]) -> dict[str, Any]:
+        # each is printed on the server; a report the server refused (on_report raised) is not counted
+        if self.policy is not None and self.summary.get("reports", 0) + self._reporting >= 1:
+            raise NotAllowed("report: a client reports its run once")
+        self._reporting += 1
+        try:
+            result = protocol.printable_tree(result)  # whoever shows it shows text, never the client's escape codes
+            if self.on_report is None:
+                log.info("the client reported: %s", result)
+            else:
+                outcome = self.on_report(result, self.summary.get("client", ""))
+                if inspect.isawaitable(outcome):
+                    await outcome
+        finally:
+            self._reporting -= 1
         self.summary["reports"] = self.summary.get("reports", 0) + 1
-        result = protocol.printable_tree(result)  # whoever shows it shows text, never the client's escape codes
-        if self.on_report is None:
-            log.info("the client reported: %s", result)
-        else:
-            outcome = self.on_report(result, self.summary.get("client", ""))
-            if inspect.isawaitable(outcome):
-                await outcome
         return {"reported": True}
 
     async def close_all(self) -> None:
@@ -355,6 +372,13 @@ class Endpoint:
 Receive = Callable[[], Awaitable[bytes]]  # the next bytes from the client; b"" at end of input
 Send = Callable[[bytes], Awaitable[None]]
 _GONE = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)  # the client's side of the carrier is gone
+
+
+def _reason(exc: BaseException) -> str:
+    """One line on why a write failed: anyio's BrokenResourceError says nothing itself; its cause (the socket's
+    error) does."""
+    cause = exc.__cause__ if not str(exc) and isinstance(exc.__cause__, Exception) else exc
+    return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
 
 
 async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy: ServerPolicy | None = None,
@@ -392,6 +416,8 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
     drained = [anyio.Event()]  # set while nothing is unanswered
     drained[0].set()
     last_request = [anyio.current_time()]
+    written = [anyio.Event()]  # set while no answer is being written
+    written[0].set()
     summary: dict[str, Any] = {"client": client, "outcome": "end of input", "error": None, "requests": 0,
                                "errors": 0, "refused": 0, "reports": 0, "objects_closed": 0, "objects_left": 0}
     who = f"client {client}" if client else "the client"
@@ -406,8 +432,13 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
             if limits is None:
                 await send(line)
                 return
-            with anyio.move_on_after(limits.idle) as waited:  # a client that reads nothing cannot hold us
-                await send(line)
+            written[0] = anyio.Event()  # the idle clock stops: the server is not reading meanwhile
+            try:
+                with anyio.move_on_after(limits.idle) as waited:  # a client that reads nothing cannot hold us
+                    await send(line)
+            finally:
+                last_request[0] = anyio.current_time()
+                written[0].set()
             if waited.cancelled_caught:
                 finish("not reading", f"{who} read no answer for {limits.idle:g} s; dropped it")
 
@@ -424,7 +455,7 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
         try:
             await send_line(protocol.encode(protocol.error_answer(request_id, exc)))
         except _GONE as gone:
-            finish("cannot answer", f"{who}: cannot answer: {gone}")
+            finish("cannot answer", f"{who}: cannot answer: {_reason(gone)}")
 
     def answered(token: int) -> None:
         unanswered.pop(token, None)
@@ -458,24 +489,29 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
             await send_line(line)
         except _GONE as exc:  # the client is gone (broken pipe): stop as at end of input
             if not strict:
-                log.warning("cannot answer request %d: %s; stopping", request.id, exc)
+                log.warning("cannot answer request %d: %s; stopping", request.id, _reason(exc))
             if endpoint.objects:  # what reading would have found a moment later (which side notices first is luck)
                 finish("disconnected mid-run", f"{who} disconnected mid-run (cannot answer request {request.id}: "
-                                               f"{exc or type(exc).__name__}; {len(endpoint.objects)} object(s) open); "
+                                               f"{_reason(exc)}; {len(endpoint.objects)} object(s) open); "
                                                "closed them")
             else:
-                finish("cannot answer", f"{who}: cannot answer request {request.id}: {exc}")
+                finish("cannot answer", f"{who}: cannot answer request {request.id}: {_reason(exc)}")
         if answer.error_type == ParameterMismatch.__name__:  # told the client; the two cannot run this test together
             finish("parameters differ", answer.error_message)
         answered(token)  # or never will be: the session ends without answers
 
     async def watch_idle(idle: float) -> None:
         """Drop a client that sends no complete request for `idle` s (bytes that never end a line do not count) while
-        none of its requests is running: one the server is still working on (an open_nic on a loaded host) is not the
-        client's idleness, and each request's own waits are bounded."""
+        none of its requests is running and no answer is being written: one the server is still working on (an
+        open_nic on a loaded host) is not the client's idleness, and each request's own waits are bounded; nor is a
+        write the client does not take (the server reads nothing meanwhile): send_line's own clock drops that client
+        ("read no answer"), so one clock, not the first of two, names what happened."""
         while not stop.is_set():
             if unanswered:
                 await drained[0].wait()
+                continue
+            if not written[0].is_set():
+                await written[0].wait()
                 continue
             left = last_request[0] + idle - anyio.current_time()
             if left <= 0:
@@ -553,8 +589,8 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
                 try:
                     await send_line(protocol.encode(ready))
                 except _GONE as exc:
-                    log.warning("cannot write to the client: %s", exc)
-                    finish("cannot answer", f"{who}: cannot write to it: {exc}")
+                    log.warning("cannot write to the client: %s", _reason(exc))
+                    finish("cannot answer", f"{who}: cannot write to it: {_reason(exc)}")
                     return summary
                 requests.start_soon(read_until_end, requests, endpoint)
                 if limits is not None:

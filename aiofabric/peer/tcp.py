@@ -52,6 +52,7 @@ DEFAULT_PORT = 18515  # perftest's
 # out of descriptors (per process, system-wide) or kernel memory. The connections wait in the backlog meanwhile.
 ACCEPT_RETRY = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_BACKOFF = 0.1  # seconds between accept attempts while they fail so
+SEND_BUFFER = 64 << 10  # SO_SNDBUF of a served connection (the kernel doubles it): answers written ahead of the client
 TURNED_AWAY_HELD = 16  # turned-away connections held at once for their goodbye; beyond, closed at once
 LOGGED_TURNED_AWAY = 20  # turned-away clients logged one by one; then counted
 
@@ -96,6 +97,24 @@ class _StreamCarrier:
         """End the connection now, from synchronous code: the server sees end of input and frees everything."""
         with contextlib.suppress(Exception):
             self.stream.extra(anyio.abc.SocketAttribute.raw_socket).shutdown(socket.SHUT_RDWR)
+
+
+def _read_on_demand(stream: anyio.abc.SocketStream) -> None:
+    """Make an accepted connection read only while the server asks for bytes, and write ahead little.
+
+    anyio's asyncio backend pauses a connected stream's transport (connect_tcp) but not an accepted one: that one
+    reads whatever the client sends into an unbounded queue in memory until a `receive` first has to wait, which a
+    client sending faster than the server parses never lets happen. The server's memory then grows without bound and
+    the client's sends never block (the kernel's buffers stay empty), so a client that reads no answers is never
+    caught. Paused, the transport reads at most a chunk per `receive`, and the kernel's buffers push back instead
+    (trio's streams read only when asked anyway). A small send buffer makes an unread client's answers fill it
+    soon, so `send` blocks and the server's idle clock runs, instead of after megabytes of answers."""
+    transport = getattr(stream, "_transport", None)  # anyio's asyncio SocketStream; no public handle on it
+    if transport is not None and callable(getattr(transport, "pause_reading", None)) and transport.is_reading():
+        transport.pause_reading()
+    with contextlib.suppress(Exception):
+        stream.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                                                       SEND_BUFFER)
 
 
 async def _linger(stream: anyio.abc.SocketStream) -> None:
@@ -182,7 +201,8 @@ async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever:
                                              client_ip=client_ip, on_report=on_report, connection_ip=local_ip)
             finally:
                 busy_with.clear()
-            await _linger(stream)
+            if summary["outcome"] != "not reading":  # that client takes no last answer: closed at once (a reset)
+                await _linger(stream)
             log.info("client %s gone (%s): %d request(s), %d refused, %d object(s) closed", client,
                      summary["outcome"], summary["requests"], summary["refused"], summary["objects_closed"])
             last.clear()
@@ -233,6 +253,7 @@ async def _accept_forever(listener: anyio.abc.SocketListener,
             failures += 1
             await anyio.sleep(ACCEPT_BACKOFF)
             continue
+        _read_on_demand(stream)
         if failures:
             log.warning("%s: accepting again after %d failed accept(s)", where, failures)
             failures = 0
