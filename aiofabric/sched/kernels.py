@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
-    """Where built kernels live: $AIOFABRIC_CACHE, else ~/.cache/aiofabric/kernels, else /tmp/aiofabric-kernels-UID,
-    else a fresh private temporary directory (this process's only). A directory is used only if it is private:
+    """Where built kernels live: $AIOFABRIC_CACHE, else ~/.cache/aiofabric/kernels, else a fresh private temporary
+    directory (this process's only; never a fixed name in the shared temp dir, which another user could make first). A directory is used only if it is private:
     not a symlink, owned by us, writable by nobody else (a kernel found there runs as us). $AIOFABRIC_CACHE that is
     not is an error naming it; a default that is not is skipped, with the reason logged."""
     configured = os.environ.get("AIOFABRIC_CACHE")
@@ -39,7 +39,7 @@ def cache_dir() -> Path:
             raise KernelBuildError(f"C kernel cache $AIOFABRIC_CACHE={configured} {problem}: refusing to build or "
                                    "load kernels there (point it at a directory only you can write)")
         return Path(configured)
-    defaults: list[Path] = [Path(tempfile.gettempdir()) / f"aiofabric-kernels-{os.geteuid()}"]
+    defaults: list[Path] = []
     try:
         home = Path.home()
     except RuntimeError:  # no $HOME and no passwd entry
