@@ -39,8 +39,8 @@ Deviations from rxe/hardware, on purpose:
   the QP context. `max_rd_atomic` 0 is treated as 1.
 - No P_Key check on received packets. The source address is checked as rxe's check_addr does (rxe_recv.c): a QP
   takes packets only from the IPv4 address of the GID it was connected to, addressed to this NIC's; others are
-  dropped silently and counted as dropped_bad_source. The UDP source port is not part of the check (RoCEv2 stacks pick
-  it per flow; the UDP transport always sends from 4791).
+  dropped silently and counted as dropped_bad_source. The UDP source port is not part of this check (RoCEv2 stacks
+  pick it per flow); the UDP transport drops a loopback sender not on 4791 before a packet gets here (wire.py).
 - SEND with invalidate, SRQs, UD and UC are not emulated.
 """
 from __future__ import annotations
