@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lazy import lazy_attributes
+from .util.lazy import lazy_attributes
 from .version import __version__
 
 _HOMES = {
-    ".nic": ("NIC", "open_nic", "DmaBudget"),
-    ".queues": ("Access", "CompletionQueue", "MemoryRegion", "QPInfo", "QPState", "QueuePair", "RemoteRegion",
+    ".verbs.nic": ("NIC", "open_nic", "DmaBudget"),
+    ".verbs.queues": ("Access", "CompletionQueue", "MemoryRegion", "QPInfo", "QPState", "QueuePair", "RemoteRegion",
                 "LocalBuffer"),
-    ".completions": ("Completion",),
+    ".verbs.completions": ("Completion",),
     ".errors": ("FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "ClosedError", "PCIError",
                 "CompletionError", "QPStateError", "OperationTimeoutError", "PeerError"),
     ".peer.ssh": ("connect_peer",),
@@ -28,9 +28,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
-    from .completions import Completion
     from .errors import (ClosedError, CompletionError, DeviceLostError, FabricError, FirmwareError,
                          FirmwareTimeoutError, OperationTimeoutError, PCIError, PeerError, QPStateError)
-    from .nic import NIC, DmaBudget, open_nic
     from .peer.ssh import connect_peer
-    from .queues import Access, CompletionQueue, LocalBuffer, MemoryRegion, QPInfo, QPState, QueuePair, RemoteRegion
+    from .verbs.completions import Completion
+    from .verbs.nic import NIC, DmaBudget, open_nic
+    from .verbs.queues import (Access, CompletionQueue, LocalBuffer, MemoryRegion, QPInfo, QPState, QueuePair,
+                               RemoteRegion)

@@ -1,6 +1,6 @@
 """`python -m aiofabric ...`: the command line (what `connect_peer` runs on the remote host)."""
 import sys
 
-from .entry import main
+from .tools.entry import main
 
 sys.exit(main())

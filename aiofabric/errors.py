@@ -1,12 +1,7 @@
 """Exceptions the driver raises. Each names what failed and, where the device said why, the decoded reason."""
 from __future__ import annotations
 
-import sys
-
 from .hw.firmware import HWRM_ERROR_NAMES, RCFW_STATUS_NAMES
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 
 class FabricError(Exception):
@@ -169,12 +164,3 @@ class CompilerNotFoundError(FabricError):
 
 class KernelBuildError(FabricError):
     """The C compiler refused a kernel's source; the message carries its diagnostics."""
-
-
-def sole_error(group: BaseExceptionGroup, cancelled: type[BaseException]) -> BaseException | None:
-    """The one exception `group` holds that is not a `cancelled` one (or its one cancellation); None if it holds
-    several. Context managers that run a task group use it to re-raise the block's own error as itself: the task
-    group is theirs, not the caller's. Only the group's own children are looked at, so an exception group the block
-    raised itself comes out as that group, untouched."""
-    children = [error for error in group.exceptions if not isinstance(error, cancelled)] or list(group.exceptions)
-    return children[0] if len(children) == 1 else None

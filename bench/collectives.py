@@ -23,10 +23,10 @@ import numpy as np
 
 from aiofabric import DmaBudget, collectives
 from aiofabric.collectives import layout
-from aiofabric.perftest import BenchConfig, run_bench
 from aiofabric.sched import pool
 from aiofabric.sched.reduce import reduction
-from aiofabric.units import parse_size
+from aiofabric.tools.perftest import BenchConfig, run_bench
+from aiofabric.tools.units import parse_size
 
 RANKS = 4
 

@@ -33,7 +33,7 @@ import anyio
 
 import aiofabric
 from aiofabric.autogen import bnxt
-from aiofabric.rcfw_channel import CMDQ_SLOT
+from aiofabric.driver.rcfw_channel import CMDQ_SLOT
 from aiofabric.errors import FirmwareError
 from aiofabric.sim import packets as pk
 from aiofabric.sim.hwrm import Firmware

@@ -33,9 +33,9 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids (a test function's id selects all its parameters)
 
 
-PACKETS, RESPONDER, WORKQUEUE = "aiofabric/sim/packets.py", "aiofabric/sim/responder.py", "aiofabric/workqueue.py"
-PLAN, PROTOCOL, DEVICE, SAMPLES = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/device.py",
-                                   "aiofabric/samples.py")
+PACKETS, RESPONDER, WORKQUEUE = "aiofabric/sim/packets.py", "aiofabric/sim/responder.py", "aiofabric/verbs/workqueue.py"
+PLAN, PROTOCOL, DEVICE, SAMPLES = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/driver/device.py",
+                                   "aiofabric/tools/samples.py")
 SCAPY_ICRC = ("tests/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
               "tests/test_packets.py::test_icrc_over_nonzero_ip_ids_matches_scapy",
               "tests/test_packets.py::test_golden_capture_decodes_and_reencodes_bit_exactly")
@@ -58,11 +58,11 @@ SUMMARY = ("tests/test_samples.py",)
 B = "tests/test_boundaries.py::"
 POOL, CALLS, RUN = "aiofabric/sched/pool.py", "aiofabric/sched/calls.py", "aiofabric/sched/run.py"
 COMM, LAYOUT = "aiofabric/collectives/communicator.py", "aiofabric/collectives/layout.py"
-FREED, VFIO, PCI = "aiofabric/sim/freed.py", "aiofabric/vfio.py", "aiofabric/pci.py"
-FLAGS, POLICY = "aiofabric/perftest_flags.py", "aiofabric/peer/policy.py"
+FREED, VFIO, PCI = "aiofabric/sim/freed.py", "aiofabric/pci/vfio.py", "aiofabric/pci/seam.py"
+FLAGS, POLICY = "aiofabric/tools/perftest_flags.py", "aiofabric/peer/policy.py"
 DATAPATH_SIM, WIRE, RCFW, PCAP = ("aiofabric/sim/datapath.py", "aiofabric/sim/wire.py", "aiofabric/sim/rcfw.py",
                                   "aiofabric/sim/pcap.py")
-PRIVATE, SERVE, FORGED = "aiofabric/private.py", "aiofabric/peer/serve.py", "tests/test_forged_packets.py::"
+PRIVATE, SERVE, FORGED = "aiofabric/util/private.py", "aiofabric/peer/serve.py", "tests/test_forged_packets.py::"
 POOL_DEPTH = (B + "test_a_receive_pool_is_as_deep_as_asked_after_a_reset_and_never_as_deep_as_its_queue",)
 IMM = (B + "test_an_expected_immediate_of_0_is_checked_and_0xffffffff_is_the_largest",)
 SCALAR = (B + "test_an_rdma_size_rebinds_to_exactly_its_compiled_size_and_a_call_may_end_at_its_regions_end",)

@@ -12,17 +12,17 @@ import random
 
 import anyio
 import pytest
-
 import test_sim_datapath as harness
+
 from aiofabric import open_nic
 from aiofabric.autogen import bnxt
-from aiofabric.completions import CompletionError
 from aiofabric.hw.verbs import PSN_MASK, MRAccess, QPAccess, QPState
 from aiofabric.hw.wqe import ATOMIC_SIZE, MSN_ENTRY, SqGeometry, msn_fields
-from aiofabric.queues import ALL_ACCESS, Access
 from aiofabric.sim import packets as pk
 from aiofabric.sim.responder import Responder
-from aiofabric.workqueue import SIGNAL, SendQueueCodec
+from aiofabric.verbs.completions import CompletionError
+from aiofabric.verbs.queues import ALL_ACCESS, Access
+from aiofabric.verbs.workqueue import SIGNAL, SendQueueCodec
 
 CS, FA = bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS, bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA
 WRITE = bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import aiofabric
-from aiofabric import cli, perftest_flags
+from aiofabric.tools import cli, perftest_flags
 
 ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                "SLURM_PROCID", "SLURM_NTASKS", "AIOFABRIC_RENDEZVOUS_PORT", "TORCHELASTIC_USE_AGENT_STORE")

@@ -5,7 +5,8 @@ import json
 import mmap
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aiofabric import open_nic
 from aiofabric.pci import DmaBudget

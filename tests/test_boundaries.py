@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from aiofabric import DmaBudget, QPState, collectives, open_nic, sched
-from aiofabric import cli
 from aiofabric.collectives import launch, layout
 from aiofabric.collectives.communicator import MAX_PIECES
-from aiofabric.dma_pool import SLAB_SIZE, DmaPool
 from aiofabric.errors import ImmediateMismatchError
 from aiofabric.pci import PAGE_SIZE, PCIError
+from aiofabric.pci.dma_pool import SLAB_SIZE, DmaPool
+from aiofabric.pci.vfio import IommuWindows, IovaSpace
 from aiofabric.peer.policy import Limits
 from aiofabric.sched.pool import pool_of
 from aiofabric.sim.freed import FreedMemory
-from aiofabric.vfio import IommuWindows, IovaSpace
+from aiofabric.tools import cli
 
 
 async def connected(a, b, depth=64):

@@ -10,11 +10,13 @@ import random
 import anyio
 import pytest
 
-from aiofabric import PCIError, device, open_nic, workqueue
-from aiofabric.completions import CompletionError
+from aiofabric import PCIError, open_nic
+from aiofabric.driver import device
 from aiofabric.hw.firmware import CONFIGURED_CONTEXT_TYPES, THOR2_CHIPS
 from aiofabric.sim.function import CONTEXT_TYPES
 from aiofabric.sim.profiles import PROFILES
+from aiofabric.verbs import workqueue
+from aiofabric.verbs.completions import CompletionError
 
 pytestmark = pytest.mark.anyio
 BOOTING = [name for name, profile in PROFILES.items() if profile.backing_store_v2]

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from aiofabric.cli import describe
+from aiofabric.tools.cli import describe
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup, ExceptionGroup
 
 
-CLI = [sys.executable, "-m", "aiofabric.cli"]
+CLI = [sys.executable, "-m", "aiofabric.tools.cli"]
 
 
 def last_json(stdout):
@@ -444,7 +444,7 @@ def test_ctrl_c_to_the_whole_process_group_closes_cleanly(tmp_path):
 
 
 def test_plot_without_matplotlib_names_the_extra_before_running():
-    hide = "import sys; sys.modules['matplotlib'] = None; from aiofabric.cli import main; sys.exit(main(sys.argv[1:]))"
+    hide = "import sys; sys.modules['matplotlib'] = None; from aiofabric.tools.cli import main; sys.exit(main(sys.argv[1:]))"
     process = subprocess.run([sys.executable, "-c", hide, "bench", "write", "--min-size", "2", "--max-size", "4",
                               "--plot", "never.png", "--json"], capture_output=True, text=True, timeout=60)
     result = json.loads(process.stdout.strip().splitlines()[-1])

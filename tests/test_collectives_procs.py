@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from aiofabric.collectives import rendezvous
 from aiofabric.collectives.rendezvous import MAX_LINE, RendezvousClient, RendezvousError, RendezvousServer
 from aiofabric.collectives.world import World, from_environment
-from aiofabric.json_depth import json_depth
+from aiofabric.util.json_depth import json_depth
 
 CLI = [sys.executable, "-m", "aiofabric"]
 

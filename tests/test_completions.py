@@ -2,7 +2,7 @@
 import anyio
 import pytest
 
-from aiofabric.completions import Completion, finished
+from aiofabric.verbs.completions import Completion, finished
 
 pytestmark = pytest.mark.anyio
 

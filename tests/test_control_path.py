@@ -7,9 +7,10 @@ import time
 import anyio
 import pytest
 
-from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutError, QPState, open_nic, rcfw_channel
-from aiofabric.interrupts import CREQ_VECTOR
+from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutError, QPState, open_nic
 from aiofabric.autogen import bnxt
+from aiofabric.driver import rcfw_channel
+from aiofabric.driver.interrupts import CREQ_VECTOR
 
 pytestmark = pytest.mark.anyio
 

@@ -10,12 +10,13 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from aiofabric import Access, DeviceLostError, QPInfo, QPState, hwrm_channel, open_nic, rcfw_channel
+from aiofabric import Access, DeviceLostError, QPInfo, QPState, open_nic
 from aiofabric.autogen import bnxt
-from aiofabric.completions import CompletionError
+from aiofabric.driver import hwrm_channel, rcfw_channel
 from aiofabric.hw.wqe import MSN_ENTRY, SQ_SLOT
-from aiofabric.poller import QUIET_SAFETY_POLL
-from aiofabric.queues import LocalBuffer, RemoteRegion
+from aiofabric.verbs.completions import CompletionError
+from aiofabric.verbs.poller import QUIET_SAFETY_POLL
+from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
 
 pytestmark = pytest.mark.anyio
 
@@ -322,7 +323,7 @@ async def test_faults_still_deliver_every_byte_exactly_once():
 
 @pytest.mark.loop_agnostic
 async def test_phy_loopback_write():
-    from aiofabric.perftest import run_loopback
+    from aiofabric.tools.perftest import run_loopback
     result = await run_loopback("sim", 5000)
     assert result["verified"] and result["packets"] >= 1
 

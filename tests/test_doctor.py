@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from aiofabric import preflight
 from aiofabric.autogen import bnxt
-from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER, PCIError, SysfsPCIDevice
-from aiofabric.preflight import (CAP_IPC_LOCK, CAP_SYS_ADMIN, PCI_COMMAND_INTX_DISABLE, SUPPORTED_CHIPS, DeviceLock,
-                                 Host, Target, check_memlock, claim, doctor)
+from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER, PCIError, preflight
+from aiofabric.pci.preflight import (CAP_IPC_LOCK, CAP_SYS_ADMIN, PCI_COMMAND_INTX_DISABLE, SUPPORTED_CHIPS, DeviceLock,
+                                     Host, Target, check_memlock, claim, doctor)
+from aiofabric.pci.sysfs import SysfsPCIDevice
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pci_sysfs import ADDR, make_tree  # noqa: E402
@@ -277,7 +277,7 @@ def test_a_second_open_fails_naming_the_holder_and_close_releases_it(tmp_path):
 
 HOLD = """
 import sys
-from aiofabric.preflight import DeviceLock
+from aiofabric.pci.preflight import DeviceLock
 lock = DeviceLock(sys.argv[1], sys.argv[2])
 print("held", flush=True)
 sys.stdin.read()
@@ -341,7 +341,7 @@ def test_a_bus_with_a_supported_function_diagnoses_it(host):
     assert doctor(None, host, "sysfs").error.startswith(f"{ADDR} cannot be driven through sysfs: compaction: ")
 
 
-CLI = [sys.executable, "-m", "aiofabric.cli", "doctor"]
+CLI = [sys.executable, "-m", "aiofabric.tools.cli", "doctor"]
 NO_BNXT = not any(f.vendor == preflight.BROADCOM_VENDOR_ID and f.device in SUPPORTED_CHIPS
                   for f in preflight.bus_functions(Host()))
 

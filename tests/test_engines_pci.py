@@ -20,17 +20,17 @@ from pathlib import Path
 import anyio
 import pytest
 
-from aiofabric import nic as nic_module
-from aiofabric import pci as seam
 from aiofabric.autogen import bnxt
 from aiofabric.errors import FirmwareTimeoutError, PCIError
-from aiofabric.latency import LatConfig, format_latency_table, run_latency
-from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER, PCI_COMMAND_MEMORY, PCIDevice, SysfsPCIDevice
+from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER, PCI_COMMAND_MEMORY, PCIDevice, sysfs
+from aiofabric.pci.emulated import SimPCIDevice
+from aiofabric.pci.emulated_debug import DebugClient, Placed
+from aiofabric.pci.sysfs import SysfsPCIDevice
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
-from aiofabric.perftest import NOT_COUNTED, BenchConfig, format_table, open_bench_nics, run_bench, run_loopback
-from aiofabric.sim.debug import DebugClient, Placed
-from aiofabric.sim.host import SimPCIDevice
+from aiofabric.tools.latency import LatConfig, format_latency_table, run_latency
+from aiofabric.tools.perftest import NOT_COUNTED, BenchConfig, format_table, open_bench_nics, run_bench, run_loopback
+from aiofabric.verbs import nic as nic_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pci_sysfs import ADDR, make_tree  # noqa: E402
@@ -64,7 +64,7 @@ def fake_tree(tmp_path, monkeypatch):
     device = make_tree(tmp_path / "devices")
     monkeypatch.setattr(nic_module, "SysfsPCIDevice", functools.partial(SysfsPCIDevice, sysfs_root=str(device.parent)))
     # a fake device has no bus: its bus addresses are the virtual ones (pagemap gives physical ones only to root)
-    monkeypatch.setattr(seam, "_phys_addr", lambda pagemap_fd, virt: virt)
+    monkeypatch.setattr(sysfs, "phys_addr", lambda pagemap_fd, virt: virt)
     return device
 
 

@@ -5,18 +5,18 @@ import time
 
 import anyio
 import pytest
+from test_datapath import count_wakeups, pair
+from test_sim_firmware import Driver
 
 from aiofabric import open_nic
-from aiofabric import firmware_events
 from aiofabric.autogen import bnxt
+from aiofabric.driver import firmware_events
 from aiofabric.errors import CompletionError, DeviceLostError
 from aiofabric.hw.async_event import (ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, EventId, ResetReason,
                                       forwarding, reset_reason)
-from aiofabric.perftest import BenchConfig, run_bench
 from aiofabric.sim.packets import Op, Packet
 from aiofabric.sim.port import Port, frame_size
-from test_datapath import count_wakeups, pair
-from test_sim_firmware import Driver
+from aiofabric.tools.perftest import BenchConfig, run_bench
 
 NQ = bnxt.RING_ALLOC_REQ_RING_TYPE_NQ
 pytestmark = pytest.mark.anyio

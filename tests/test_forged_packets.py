@@ -16,8 +16,8 @@ import time
 import anyio
 import numpy as np
 import pytest
-
 import test_sim_datapath as harness
+
 from aiofabric import QPState, collectives, open_nic
 from aiofabric.sim import packets as pk
 from aiofabric.sim.wire import IP_MTU_DISCOVER, IP_PMTUDISC_DO

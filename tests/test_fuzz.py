@@ -10,7 +10,9 @@ import random
 
 import anyio
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_sim_firmware import Driver
 
 import aiofabric
 from aiofabric.autogen import bnxt
@@ -21,7 +23,6 @@ from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE
 from aiofabric.sim.objects import NotificationQueue
 from aiofabric.sim.rcfw import Rcfw
-from test_sim_firmware import Driver
 
 _spec = importlib.util.spec_from_file_location("fuzz", pathlib.Path(__file__).parent.parent / "bench" / "fuzz.py")
 fuzz = importlib.util.module_from_spec(_spec)

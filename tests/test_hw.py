@@ -7,7 +7,8 @@ import re
 import struct
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
 from aiofabric.hw import async_event, cqe, doorbell, firmware, ring, verbs, wqe

@@ -21,8 +21,8 @@ from scapy.all import IP, UDP, Raw, raw, rdpcap  # noqa: E402
 from scapy.contrib.roce import AETH, BTH, opcode  # noqa: E402
 
 from aiofabric import QPInfo, open_nic  # noqa: E402
-from aiofabric.device import ipv4_gid  # noqa: E402
-from aiofabric.queues import RemoteRegion  # noqa: E402
+from aiofabric.driver.device import ipv4_gid  # noqa: E402
+from aiofabric.verbs.queues import RemoteRegion  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="raw sockets need root / CAP_NET_RAW")
@@ -127,7 +127,7 @@ async def test_aiofabric_writes_into_a_scapy_responder():
 
 
 async def test_every_packet_of_a_run_parses_with_scapy_and_carries_its_icrc(tmp_path):
-    from aiofabric.perftest import BenchConfig, run_bench
+    from aiofabric.tools.perftest import BenchConfig, run_bench
     capture = tmp_path / "run.pcap"
     result = await run_bench(BenchConfig("write", qps=2, size=3000, iters=20, depth=4, mtu=1024,
                                          pcap=str(capture)))

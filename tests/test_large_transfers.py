@@ -14,13 +14,13 @@ import sys
 
 import anyio
 import pytest
+from test_sim_datapath import MASK, READ, REQ_OK, WRITE, fill, pair
 
 from aiofabric import open_nic
 from aiofabric.hw.verbs import QPState
-from aiofabric.perftest import BenchConfig, run_bench
 from aiofabric.sim import packets as pk
 from aiofabric.sim.requester import READ_SEGMENT, WINDOW
-from test_sim_datapath import MASK, READ, REQ_OK, WRITE, fill, pair
+from aiofabric.tools.perftest import BenchConfig, run_bench
 
 RESPONSES = (pk.Op.RDMA_READ_RESPONSE_FIRST, pk.Op.RDMA_READ_RESPONSE_MIDDLE, pk.Op.RDMA_READ_RESPONSE_LAST,
              pk.Op.RDMA_READ_RESPONSE_ONLY)

@@ -1,10 +1,10 @@
-"""aiofabric.latency: perftest-style ping-pong latency (ib_write_lat / ib_send_lat / ib_read_lat) on emulated NICs."""
+"""aiofabric.tools.latency: perftest-style ping-pong latency (ib_write_lat / ib_send_lat / ib_read_lat) on emulated NICs."""
 import dataclasses
 
 import pytest
 
-from aiofabric.latency import HEADER, LATENCY_FIELDS, LatConfig, format_latency_table, histogram, run_latency
-from aiofabric.samples import summarize
+from aiofabric.tools.latency import HEADER, LATENCY_FIELDS, LatConfig, format_latency_table, histogram, run_latency
+from aiofabric.tools.samples import summarize
 
 ITERS = 40  # small: each run boots two emulator processes on a shared 2-core machine
 

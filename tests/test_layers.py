@@ -1,11 +1,15 @@
 """The layering rules, held by an AST walk so they cannot rot silently.
 
-Imports flow downward: the emulated NIC (sim/) never reaches into the driver; the driver reaches into sim/ only in
-nic.py's spec factory; peer/ and sched/ use the public driver API (nic, queues, completions, errors), never the
-seam, device internals or sim/, and not each other; asyncssh lives only in peer/ssh.py; the pure modules import no
-I/O framework. The host interface is described once, in hw/, which imports only the bindings and the standard
-library: no `struct.Struct` for a hardware format is built anywhere else (the formats that are not the host
-interface are listed with their files), and the emulator's modules import each other without cycles.
+The package is a stack of floors (FLOORS, lowest first): a module imports only from its own box or from a box on a
+lower floor, and the boxes (a package folder, or a top-level module) import each other without cycles. peer/ and
+sched/ share a floor and never import each other. Above the driver, peer/, sched/ and collectives/ use the verbs
+API (aiofabric.verbs, the package) and the small shared pieces, never the seam or the driver's internals. The
+emulated NIC (sim/) never imports the driver's layers, anyio or an event loop; only the emulated PCI backend
+(pci/emulated*.py) imports sim/. asyncssh lives only in peer/ssh.py; the pure modules import no I/O framework. The
+host interface is described once, in hw/, which imports only the bindings and the standard library: no
+`struct.Struct` for a hardware format is built anywhere else (the formats that are not the host interface are listed
+with their files). No module imports upward even inside a function or under TYPE_CHECKING, and no package's modules
+import each other in a circle.
 """
 import ast
 import sys
@@ -15,21 +19,27 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aiofabric"
 TESTS = Path(__file__).resolve().parent
-# taskgroups: how our context managers run their own tasks; lazy: how packages load their names; json_depth and
-# escape: what the servers that take strangers' JSON and text share; private: the directories and files only we may
-# write; close_budget: how long a NIC's close may take and whether its firmware still answers (servers ask it)
-PUBLIC_API = {"aiofabric", "aiofabric.nic", "aiofabric.queues", "aiofabric.completions", "aiofabric.errors",
-              "aiofabric.taskgroups", "aiofabric.version", "aiofabric.lazy", "aiofabric.json_depth",
-              "aiofabric.escape", "aiofabric.private", "aiofabric.close_budget"}
-IO_FRAMEWORKS = ("anyio", "trio", "asyncio", "socket", "asyncssh", "aiofabric.device", "aiofabric.nic")
+# The floors, lowest first; the boxes on one floor may not import each other. Top-level modules are boxes of their
+# own ("version", "errors", "__init__" for the package's own namespace, "__main__").
+FLOORS = [("util", "autogen", "version"), ("hw",), ("errors",), ("sim",), ("pci",), ("driver",), ("verbs",),
+          ("peer", "sched"), ("collectives", "__init__"), ("tools",), ("__main__",)]
+FLOOR = {box: level for level, boxes in enumerate(FLOORS) for box in boxes}
+# What peer/, sched/ and collectives/ may use of the floors below theirs
+ABOVE_THE_DRIVER = ("aiofabric.verbs", "aiofabric.errors", "aiofabric.util", "aiofabric.version")
+IO_FRAMEWORKS = ("anyio", "trio", "asyncio", "socket", "asyncssh", "aiofabric.driver", "aiofabric.verbs")
 # Structs that are not the host interface, by file (relative to the repository)
 NON_HARDWARE_STRUCTS = {
     "aiofabric/sim/packets.py": "the RoCEv2 wire: IPv4/UDP pseudo-header, BTH and its extension headers, ICRC",
     "aiofabric/sim/pcap.py": "pcap file and record headers",
     "aiofabric/sim/mmsg.py": "sockaddr_in for sendmmsg/recvmmsg",
-    "aiofabric/sim/host.py": "KICK: the MMIO-write record the driver process sends the emulator process",
-    "aiofabric/perftest.py": "STAMP: the benchmark's payload stamp",
+    "aiofabric/sim/kick.py": "KICK: the MMIO-write record the driver process sends the emulator process",
+    "aiofabric/tools/perftest.py": "STAMP: the benchmark's payload stamp",
 }
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def imports(path: Path) -> list[tuple[str, int]]:
@@ -46,9 +56,10 @@ def imports(path: Path) -> list[tuple[str, int]]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            found.append((name, node.lineno))
-            if node.module is None:  # `from . import x`: x may be a module
-                found += [(f"{name}.{alias.name}", node.lineno) for alias in node.names]
+            submodules = [f"{name}.{alias.name}" for alias in node.names if is_module(f"{name}.{alias.name}")]
+            # `from . import x`: x is a module (the package's own namespace is not what is used) or a name of it
+            found += [(module, node.lineno) for module in submodules] if node.module is None and len(submodules) == len(
+                node.names) else [(name, node.lineno)]
     return found
 
 
@@ -61,36 +72,44 @@ def offenders(paths: list[Path], allowed) -> list[str]:
             for path in paths for name, line in imports(path) if not allowed(path, name)]
 
 
-def test_the_emulator_never_imports_the_driver():
-    """Nor anyio, but in debug.py: the debug channel's client, which runs in the driver's process only."""
-    driver = ("aiofabric.device", "aiofabric.queues", "aiofabric.nic", "aiofabric.poller", "aiofabric.perftest",
-              "aiofabric.cli", "aiofabric.peer", "aiofabric.sched", "aiofabric.completions", "aiofabric.latency")
-    assert offenders(modules("sim"), lambda path, name: not name.startswith(driver)
-                     and (name != "anyio" or path.name == "debug.py")) == []
+def box(module: str) -> str:
+    """The box a module (an absolute name) belongs to: its package folder below aiofabric, or its own name."""
+    parts = module.split(".")
+    return "__init__" if parts == ["aiofabric"] else parts[1]
 
 
-def test_the_driver_reaches_into_sim_only_through_the_spec_factory():
-    outside = [path for path in modules() if "sim" not in path.relative_to(PACKAGE).parts[:1]]
+def downward(path: Path, name: str) -> bool:
+    """Whether the module at `path` may import `name`: from its own box or a lower floor."""
+    if not name.startswith("aiofabric"):
+        return True
+    here = box(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"))
+    return here == box(name) or FLOOR[box(name)] < FLOOR[here]
+
+
+def test_imports_go_down_the_floors_only():
+    every = {box(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"))
+             for path in modules()}
+    assert every == set(FLOOR)  # a new folder or top-level module gets a floor
+    assert offenders(modules(), downward) == []
+
+
+def test_only_the_emulated_pci_backend_imports_the_emulator():
+    outside = [path for path in modules() if path.relative_to(PACKAGE).parts[0] != "sim"]
     assert offenders(outside, lambda path, name: not name.startswith("aiofabric.sim")
-                     or path.name == "nic.py" and name == "aiofabric.sim.host") == []
+                     or path.relative_to(PACKAGE).as_posix().startswith("pci/emulated")) == []
 
 
-@pytest.mark.parametrize("folder,other", [("peer", "aiofabric.sched"), ("sched", "aiofabric.peer")])
-def test_peer_and_sched_use_only_the_public_driver_api_and_not_each_other(folder, other):
+def test_the_emulator_runs_no_event_loop():
+    assert offenders(modules("sim"), lambda path, name: not name.startswith(("anyio", "trio", "asyncio"))) == []
+
+
+@pytest.mark.parametrize("folder", ["peer", "sched", "collectives"])
+def test_above_the_driver_only_the_verbs_api(folder):
     def allowed(path, name):
-        return not name.startswith("aiofabric") or name.startswith(f"aiofabric.{folder}") or name in PUBLIC_API
+        return (not name.startswith("aiofabric") or name.startswith(f"aiofabric.{folder}") or name == "aiofabric"
+                or name.startswith(ABOVE_THE_DRIVER) and not name.startswith("aiofabric.verbs.")
+                or folder == "collectives" and name.startswith("aiofabric.sched"))
     assert offenders(modules(folder), allowed) == []
-    assert offenders(modules(folder), lambda path, name: not name.startswith(other)) == []
-
-
-def test_collectives_use_the_public_driver_api_and_the_scheduler_only():
-    """And nothing below them imports them: the scheduler knows no collective."""
-    def allowed(path, name):
-        return not name.startswith("aiofabric") or name in PUBLIC_API or name.startswith(
-            ("aiofabric.collectives", "aiofabric.sched"))
-    assert offenders(modules("collectives"), allowed) == []
-    below = [path for path in modules() if path.parent.name != "collectives" and path.name != "cli.py"]
-    assert offenders(below, lambda path, name: not name.startswith("aiofabric.collectives")) == []
 
 
 def test_asyncssh_only_in_peer_ssh():
@@ -98,8 +117,8 @@ def test_asyncssh_only_in_peer_ssh():
                      or path.relative_to(PACKAGE).as_posix() == "peer/ssh.py") == []
 
 
-@pytest.mark.parametrize("pure", ["sched/plan.py", "peer/protocol.py", "units.py", "rings.py", "collectives/layout.py",
-                                  "workqueue.py", "escape.py"])
+@pytest.mark.parametrize("pure", ["sched/plan.py", "peer/protocol.py", "tools/units.py", "driver/rings.py",
+                                  "collectives/layout.py", "verbs/workqueue.py", "util/escape.py"])
 def test_pure_modules_import_no_io_framework(pure):
     assert offenders([PACKAGE / pure], lambda path, name: not name.startswith(IO_FRAMEWORKS)) == []
 
@@ -162,17 +181,18 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def sim_import_graph() -> dict[str, set[str]]:
-    """The emulator's modules and the emulator modules each imports (type-checking and function-level included)."""
+def import_graph(folder: str = "") -> dict[str, set[str]]:
+    """Each module (below `folder`) and the package's modules it imports (type-checking and function-level ones
+    included); `from . import x` counts as importing the package and x."""
     graph = {}
-    for path in modules("sim"):
+    for path in modules(folder):
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        graph[module] = {name for name, _ in imports(path) if name.startswith("aiofabric.sim.")}
+        graph[module] = {name for name, _ in imports(path) if name.startswith("aiofabric")} - {module}
     return graph
 
 
-def test_the_emulator_has_no_import_cycles():
-    graph = sim_import_graph()
+def test_no_import_cycles():
+    graph = import_graph()
     assert "aiofabric.sim.datapath" in graph["aiofabric.sim.process"]  # the walk sees the package's imports
     assert import_cycles(graph) == []
 
@@ -181,12 +201,11 @@ def test_the_rules_can_fail(tmp_path):
     """The walks see what they must: deliberate violations in scratch files are reported."""
     scratch = PACKAGE / "sim" / "_layer_probe.py"
     try:
-        scratch.write_text("import struct\nCQE = struct.Struct('<QH')\n\ndef f():\n    from ..queues import QueuePair\n"
+        scratch.write_text("import struct\nCQE = struct.Struct('<QH')\n\ndef f():\n    from ..verbs import QueuePair\n"
                            "    from .requester import Requester\n")
-        assert any("_layer_probe.py:5 imports aiofabric.queues" in line
-                   for line in offenders([scratch], lambda path, name: not name.startswith("aiofabric.queues")))
+        assert offenders([scratch], downward) == ["aiofabric/sim/_layer_probe.py:5 imports aiofabric.verbs"]
         assert hardware_structs([scratch]) == ["aiofabric/sim/_layer_probe.py:2 builds a struct.Struct"]
-        graph = sim_import_graph()
+        graph = import_graph("sim")
         graph["aiofabric.sim.requester"].add("aiofabric.sim._layer_probe")  # as if the requester imported it back
         assert import_cycles(graph) == [["aiofabric.sim._layer_probe", "aiofabric.sim.requester",
                                          "aiofabric.sim._layer_probe"]]

@@ -491,9 +491,9 @@ async def test_a_close_destroys_what_is_attached_in_an_order_the_firmware_accept
             cq = await nic.create_cq(16)
             await nic.create_qp(cq)
             await nic.register_mr(4096)
-        with caplog.at_level("INFO", logger="aiofabric.device"):
+        with caplog.at_level("INFO", logger="aiofabric.driver.device"):
             await nic.close()
-    assert [r.getMessage() for r in caplog.records if r.name == "aiofabric.device"] == []
+    assert [r.getMessage() for r in caplog.records if r.name == "aiofabric.driver.device"] == []
 
 
 async def test_close_inside_the_block_stops_the_nics_own_tasks_before_freeing_their_rings():

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from aiofabric import sched
-from aiofabric.peer.policy import ServerPolicy
 from aiofabric.pci import PCIError
-from aiofabric.preflight import DeviceLock
+from aiofabric.pci.emulated import SimPCIDevice
+from aiofabric.pci.preflight import DeviceLock
+from aiofabric.peer.policy import ServerPolicy
 from aiofabric.sched import kernels
-from aiofabric.sim.host import SimPCIDevice
 from aiofabric.sim.pcap import PcapWriter
 
 NOBODY = 65534  # another user: nothing of ours is owned by it

@@ -2,7 +2,7 @@
 import anyio
 import pytest
 
-from aiofabric import perftest
+from aiofabric.tools import perftest
 
 pytestmark = [pytest.mark.anyio, pytest.mark.loop_agnostic]
 

@@ -19,7 +19,7 @@ from netns_hosts import ip
 
 from aiofabric import open_nic
 from aiofabric.pci import PCIError
-from aiofabric.sim.host import SimPCIDevice
+from aiofabric.pci.emulated import SimPCIDevice
 from aiofabric.sim.packets import ROCE_PORT
 
 pytestmark = pytest.mark.anyio

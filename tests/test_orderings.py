@@ -5,7 +5,7 @@ import anyio
 import pytest
 
 from aiofabric import open_nic
-from aiofabric.device import Device
+from aiofabric.driver.device import Device
 
 pytestmark = pytest.mark.anyio
 

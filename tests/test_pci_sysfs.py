@@ -9,9 +9,10 @@ import subprocess
 
 import pytest
 
-from aiofabric import pci as seam
 from aiofabric.errors import FabricError
-from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER, DmaBuffer, PCIError, SysfsPCIDevice, _phys_addr
+from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER, DmaBuffer, PCIError, barrier
+from aiofabric.pci.linux import phys_addr
+from aiofabric.pci.sysfs import SysfsPCIDevice
 
 ADDR = "0000:41:00.0"
 BAR_SIZE = 64 * 1024
@@ -130,11 +131,11 @@ def test_phys_addr_from_fake_pagemap(tmp_path):
     path.write_bytes(b"".join(e.to_bytes(8, "little") for e in entries))
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert _phys_addr(fd, 0x123) == 0x1234 * PAGE_SIZE + 0x123
+        assert phys_addr(fd, 0x123) == 0x1234 * PAGE_SIZE + 0x123
         with pytest.raises(PCIError, match="not present"):
-            _phys_addr(fd, PAGE_SIZE)
+            phys_addr(fd, PAGE_SIZE)
         with pytest.raises(PCIError, match="run as root"):
-            _phys_addr(fd, 2 * PAGE_SIZE)
+            phys_addr(fd, 2 * PAGE_SIZE)
     finally:
         os.close(fd)
 
@@ -274,12 +275,12 @@ def test_freeing_a_buffer_whose_view_is_exported_still_frees_it():
 def test_memory_barrier_costs_nothing_on_x86():
     if platform.machine() not in ("x86_64", "amd64", "i386", "i686"):
         pytest.skip("x86 only")
-    assert seam.memory_barrier is seam._no_barrier
+    assert barrier.memory_barrier is barrier._no_barrier
 
 
-@pytest.mark.skipif(platform.machine() not in seam.BARRIER_CODE, reason="no barrier code for this CPU")
+@pytest.mark.skipif(platform.machine() not in barrier.BARRIER_CODE, reason="no barrier code for this CPU")
 def test_machine_code_barrier_runs():
-    fence = seam.machine_code_barrier(platform.machine())
+    fence = barrier.machine_code_barrier(platform.machine())
     for _ in range(3):
         assert fence() is None
 
@@ -296,4 +297,4 @@ def test_barrier_code_is_what_it_says(machine, triple, source):
                              capture_output=True, text=True, check=True).stdout
     encoded = bytes(int(b, 16) for line in listing.splitlines() if "encoding: [" in line
                     for b in line.split("encoding: [")[1].rstrip("]").split(","))
-    assert seam.BARRIER_CODE[machine] == encoded
+    assert barrier.BARRIER_CODE[machine] == encoded

@@ -17,6 +17,7 @@ import pytest
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -419,6 +420,7 @@ async def test_remote_endpoint_that_exits_before_it_is_ready(server):
 
 async def test_remote_endpoint_killed_mid_request_fails_what_was_in_flight(server):
     from aiofabric import connect_peer
+
     # the block's own task group wraps the failed post: connect_peer hands that group back as it is
     with pytest.raises(BaseExceptionGroup) as caught:
         async with connect_peer("127.0.0.1", server.port, **server.options()) as peer:

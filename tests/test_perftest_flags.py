@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from aiofabric import cli, perftest_flags
-from aiofabric.perftest import sweep_iterations
+from aiofabric.tools import cli, perftest_flags
+from aiofabric.tools.perftest import sweep_iterations
 
 BENCH_ALIASES = [  # (perftest's spelling, ours): each pair must parse to the same configuration
     (["-n", "77"], ["--iters", "77"]), (["-q", "3"], ["--qps", "3"]), (["--qp", "3"], ["--qps", "3"]),
@@ -134,7 +134,7 @@ def test_device_names_resolve_through_sysfs(tmp_path, monkeypatch):
 
 
 def bench(*argv, timeout=120):
-    process = subprocess.run([sys.executable, "-m", "aiofabric.cli", *argv], capture_output=True, text=True,
+    process = subprocess.run([sys.executable, "-m", "aiofabric.tools.cli", *argv], capture_output=True, text=True,
                              timeout=timeout)
     return process
 
@@ -163,7 +163,7 @@ def test_the_warm_up_of_a_duration_run_is_not_counted():
 
 
 def test_output_prints_only_the_number_and_out_json_has_perftests_keys(tmp_path):
-    process = subprocess.run([sys.executable, "-m", "aiofabric.cli", "bench", "write", "-n", "50", "-s", "4K",
+    process = subprocess.run([sys.executable, "-m", "aiofabric.tools.cli", "bench", "write", "-n", "50", "-s", "4K",
                               "--output", "bandwidth", "--report_gbits", "--out_json"], capture_output=True,
                              text=True, timeout=120, cwd=tmp_path)
     assert process.returncode == 0 and len(process.stdout.split()) == 1, process.stdout
@@ -256,7 +256,8 @@ def test_the_atomic_check_sees_a_wrong_original_or_counter():
     """The verifier itself, on results tampered one way at a time (a pure check: no NIC)."""
     import asyncio
     from types import SimpleNamespace
-    from aiofabric.perftest import BenchConfig, _atomic_results
+
+    from aiofabric.tools.perftest import BenchConfig, _atomic_results
 
     def flow(originals, counter):
         source = bytearray(b"".join(v.to_bytes(8, "little") for v in originals))
@@ -309,7 +310,7 @@ def test_connect_sizes_take_suffixes_like_the_rest():
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_events_make_the_pollers_sleep_on_the_interrupt_without_polling_first():
-    from aiofabric.perftest import BenchConfig, open_bench_nics, run_bench
+    from aiofabric.tools.perftest import BenchConfig, open_bench_nics, run_bench
     config = BenchConfig(test="write", size=64, iters=300, depth=4, events=True)
     async with open_bench_nics(config) as nics:
         result = await run_bench(config, nics)
@@ -324,8 +325,9 @@ def test_the_nic_limits_count_what_one_nic_holds():
     """Each NIC of a pair holds one QP per flow (the client's or the server's): 1024 QPs fit max_qp 1216, 1217 do
     not, and -b doubles the flows. A pure check against the caps the emulated NIC reports."""
     from types import SimpleNamespace
+
     from aiofabric.errors import BadOption
-    from aiofabric.perftest import BenchConfig
+    from aiofabric.tools.perftest import BenchConfig
     nic = SimpleNamespace(device=SimpleNamespace(caps={"max_qp": 1216, "max_qp_wr": 65535, "max_cqe": 4194303,
                                                        "max_qp_rd_atom": 16, "max_inline_data": 96}, gid_index=0),
                           pci=SimpleNamespace(address="sim:x"), ip="127.0.0.5")
@@ -342,7 +344,8 @@ def test_the_atomic_check_sees_the_first_original_never_written():
     """The local slots start as what no atomic returns (all ones), so atomic 0's original (0) must be written back."""
     import asyncio
     from types import SimpleNamespace
-    from aiofabric.perftest import NO_ORIGINAL, BenchConfig, _atomic_results
+
+    from aiofabric.tools.perftest import NO_ORIGINAL, BenchConfig, _atomic_results
     source = bytearray(NO_ORIGINAL + b"".join(v.to_bytes(8, "little") for v in (1, 2, 3)))
     flow = SimpleNamespace(done=4, source=SimpleNamespace(view=memoryview(source)), remote=None, client=SimpleNamespace(qpn=7),
                            target=SimpleNamespace(view=memoryview(bytearray((4).to_bytes(8, "little")))))
@@ -366,7 +369,7 @@ def test_what_only_a_client_does_is_refused_on_a_server(capsys, argv, named):
 
 
 def test_a_hostile_report_cannot_stretch_the_servers_histogram():
-    from aiofabric.latency import format_histogram
+    from aiofabric.tools.latency import format_histogram
     assert max(len(line) for line in format_histogram([[1.0, 3], [2.0, 10 ** 9]]).splitlines()) < 120
     for rows in ([[1, -1], [2, -2000000]], [[1, 1.5]], [["x", 1]], [[1, float("inf")]], [[1, True]]):
         with pytest.raises(ValueError, match="histogram: a row must be"):

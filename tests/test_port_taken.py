@@ -23,7 +23,7 @@ import pytest
 
 import aiofabric
 from aiofabric.pci import PCIError
-from aiofabric.sim.host import SimPCIDevice
+from aiofabric.pci.emulated import SimPCIDevice
 from aiofabric.sim import wire
 from aiofabric.sim.packets import ROCE_PORT
 from aiofabric.sim.wire import NoPrivateNetns
@@ -52,8 +52,8 @@ CLIENT = textwrap.dedent("""
     import json, logging, random, subprocess, sys
     import anyio
     from aiofabric import open_nic
-    from aiofabric.pci import PCIError
-    from aiofabric.sim.host import SimPCIDevice
+    from aiofabric.pci.seam import PCIError
+    from aiofabric.pci.emulated import SimPCIDevice
 
     logging.basicConfig(format="%(name)s: %(message)s")  # the driver's notice, on stderr
     result = {}

@@ -8,8 +8,8 @@ import anyio
 import pytest
 
 from aiofabric import ClosedError, QPStateError, open_nic
-from aiofabric.completions import CompletionError
-from aiofabric.queues import LocalBuffer, RemoteRegion
+from aiofabric.verbs.completions import CompletionError
+from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
 
 pytestmark = pytest.mark.anyio
 

@@ -11,10 +11,10 @@ import anyio
 import pytest
 
 from aiofabric import open_nic
-from aiofabric.device import Device
+from aiofabric.driver.device import Device
 from aiofabric.errors import CompletionError
 from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER
-from aiofabric.queues import QPInfo, RemoteRegion
+from aiofabric.verbs.queues import QPInfo, RemoteRegion
 
 pytestmark = pytest.mark.anyio
 
@@ -113,7 +113,7 @@ async def test_a_sigkilled_driver_leaves_a_device_that_places_nothing_more():
         import json, sys
         import anyio
         from aiofabric import open_nic
-        from aiofabric.queues import QPInfo
+        from aiofabric.verbs.queues import QPInfo
         async def hold():
             async with open_nic() as nic:
                 cq = await nic.create_cq(64)

@@ -1,11 +1,12 @@
 """Ring arithmetic and page tables (pure logic; the seam is a bytearray-backed fake). The doorbell and entry formats
 are hw/'s, checked against the bindings in tests/test_hw.py."""
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
+from aiofabric.driver.rings import Ring, page_table
 from aiofabric.hw.firmware import PTE_FLAGS, PTE_SIZE, unpack_ptes
 from aiofabric.pci import PAGE_SIZE, DmaBuffer, PCIDevice
-from aiofabric.rings import Ring, page_table
 from aiofabric.sim.memory import PageAllocator
 
 

@@ -1,9 +1,10 @@
-"""aiofabric.samples: latency summaries and percentiles by perftest's rules, the one definition bench and lat use."""
+"""aiofabric.tools.samples: latency summaries and percentiles by perftest's rules, the one definition bench and lat use."""
 import math
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from aiofabric.samples import TAIL, percentile, summarize
+from aiofabric.tools.samples import TAIL, percentile, summarize
 
 
 def perftest_report(samples):

@@ -2,7 +2,8 @@
 import itertools
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiofabric.sched.plan import PlannedCall, Span, Wait, plan
 

@@ -11,7 +11,8 @@ import zlib
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiofabric import sched
 from aiofabric.sched import reduce as R

@@ -16,7 +16,8 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiofabric import QPState, RemoteRegion, open_nic, sched
 from aiofabric.sched.calls import HOST

@@ -8,7 +8,8 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
 from aiofabric.hw import doorbell

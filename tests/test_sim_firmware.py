@@ -3,16 +3,17 @@ driver would drive them (requests built with the bindings, page tables in a byte
 import ctypes
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
 from aiofabric.hw import doorbell
 from aiofabric.hw.cqe import (CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY, NQ_ENTRY, RequesterErrorReason, creq_type,
                               notification_fields)
 from aiofabric.hw.firmware import (CMDQ_FIRST_PRODUCER, CMDQ_INIT, CMDQ_SLOT, CONFIGURED_CONTEXT_TYPES,
-                                   HWRM_RESPONSE_HEADER, HWRM_SHORT_REQUEST, RING_ENTRY_SIZES,
-                                   SHORT_REQUEST_SIGNATURE, TRACE_CONTEXT_TYPES, BackingStoreType, host_msn_table,
-                                   hw_retx_supported, pack_ptes, short_commands_required)
+                                   HWRM_RESPONSE_HEADER, HWRM_SHORT_REQUEST, RING_ENTRY_SIZES, SHORT_REQUEST_SIGNATURE,
+                                   TRACE_CONTEXT_TYPES, BackingStoreType, host_msn_table, hw_retx_supported, pack_ptes,
+                                   short_commands_required)
 from aiofabric.hw.layout import field_type
 from aiofabric.hw.ring import phase, position, slot
 from aiofabric.hw.verbs import QPAccess, QPState

@@ -16,7 +16,8 @@ import pytest
 
 import aiofabric
 from aiofabric.pci import PCIError
-from aiofabric.sim.host import OPTIONS, SimPCIDevice
+from aiofabric.pci.emulated import SimPCIDevice
+from aiofabric.sim.options import OPTIONS
 from aiofabric.sim.packets import ROCE_PORT
 from aiofabric.sim.wire import open_on_free_loopback
 
@@ -69,7 +70,7 @@ def test_emulator_exits_when_the_driver_dies_while_a_child_holds_its_socket():
     driver's pidfd does."""
     script = textwrap.dedent("""
         import os, sys, time
-        from aiofabric.sim.host import SimPCIDevice
+        from aiofabric.pci.emulated import SimPCIDevice
         device = SimPCIDevice(f"forked{os.getpid()}")
         child = os.fork()
         if child == 0:
@@ -100,7 +101,7 @@ def test_emulator_exits_when_the_driver_dies_while_a_child_holds_its_socket():
 def test_concurrent_emulators_in_several_processes_get_distinct_addresses():
     script = textwrap.dedent("""
         import json, sys, threading
-        from aiofabric.sim.host import SimPCIDevice
+        from aiofabric.pci.emulated import SimPCIDevice
         sys.stdin.readline()  # all processes start together
         devices, errors = [], []
         def start(i):
@@ -281,12 +282,12 @@ def test_emulator_import_loads_neither_the_driver_nor_anyio():
     check = textwrap.dedent("""
         import sys
         import aiofabric.sim.process
-        loaded = [m for m in ("anyio", "trio", "aiofabric.device", "aiofabric.nic", "aiofabric.queues")
+        loaded = [m for m in ("anyio", "trio", "aiofabric.driver.device", "aiofabric.verbs.nic", "aiofabric.verbs.queues")
                   if m in sys.modules]
         assert not loaded, loaded
         import aiofabric
         assert aiofabric.CompletionError.__module__ == "aiofabric.errors"  # every exception lives there
-        assert aiofabric.RemoteRegion.__module__ == "aiofabric.queues"
+        assert aiofabric.RemoteRegion.__module__ == "aiofabric.verbs.queues"
         assert issubclass(aiofabric.ClosedError, aiofabric.FabricError)
         assert issubclass(aiofabric.PCIError, aiofabric.FabricError)
         assert {"CompletionError", "RemoteRegion", "ClosedError", "open_nic", "LocalBuffer"} <= set(dir(aiofabric))

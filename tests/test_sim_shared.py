@@ -15,7 +15,7 @@ import pytest
 
 from aiofabric import DeviceLostError, open_nic
 from aiofabric.pci import PCIError
-from aiofabric.sim.host import EmulatorProcess, SimPCIDevice
+from aiofabric.pci.emulated import EmulatorProcess, SimPCIDevice
 
 pytestmark = pytest.mark.anyio
 
@@ -193,7 +193,7 @@ async def test_killing_the_shared_process_is_seen_by_each_of_its_nics():
 def test_a_shared_process_exits_with_its_driver():
     """A driver killed with two NICs in one emulator process: the process notices (the driver's pidfd) and exits."""
     code = ("import sys\n"
-            "from aiofabric.sim.host import SimPCIDevice\n"
+            "from aiofabric.pci.emulated import SimPCIDevice\n"
             "a = SimPCIDevice('da', process='p'); b = SimPCIDevice('db', process='p')\n"
             "print(a.pid, b.pid, flush=True)\n"
             "sys.stdin.read()\n")
@@ -232,7 +232,7 @@ def test_the_commands_say_how_many_emulator_processes_ran_their_nics(argv, proce
 @pytest.mark.loop_agnostic
 async def test_each_run_shares_a_process_of_its_own():
     """Two runs with --shared-emulator in one driver process: each run's NICs share a process, not the other's."""
-    from aiofabric.perftest import BenchConfig, open_bench_nics
+    from aiofabric.tools.perftest import BenchConfig, open_bench_nics
     config = BenchConfig(shared_emulator=True)
     async with open_bench_nics(config) as first, open_bench_nics(config) as second:
         assert first[0].pci.pid == first[1].pci.pid

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from aiofabric.close_budget import CLOSE_TIMEOUT
+from aiofabric.driver.close_budget import CLOSE_TIMEOUT
 
 CLI = [sys.executable, "-m", "aiofabric"]
 BOUND = 20.0  # seconds from the stop to the exit: the no-progress limit (about 7 s) + a probe + the clean-up, with

@@ -1,5 +1,5 @@
 """The VFIO seam (`VfioPCIDevice`) without hardware: the kernel's VFIO interface faked by an emulated NIC
-(aiofabric/sim/vfio.py: its BARs and config space as regions, its DMA arena as the IOMMU's address space, device
+(aiofabric/pci/emulated_vfio.py: its BARs and config space as regions, its DMA arena as the IOMMU's address space, device
 accesses outside every mapped window logged as IOMMU faults) over a fake sysfs tree; the DMA pool and its IOVAs; the
 ioctl encodings; and the ABI's structs and numbers against the kernel's own linux/vfio.h.
 """
@@ -18,16 +18,17 @@ from pathlib import Path
 import anyio
 import pytest
 
-from aiofabric import nic as nic_module
-from aiofabric import vfio as vfio_module
-from aiofabric import vfio_abi as abi
-from aiofabric.dma_pool import SLAB_SIZE, DmaPool
 from aiofabric.errors import PCIError
-from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER, SysfsPCIDevice
-from aiofabric.preflight import Host
+from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER
+from aiofabric.pci import vfio as vfio_module
+from aiofabric.pci import vfio_abi as abi
+from aiofabric.pci.dma_pool import SLAB_SIZE, DmaPool
+from aiofabric.pci.emulated_vfio import EmulatedVfio, IommuFault
+from aiofabric.pci.preflight import Host
+from aiofabric.pci.sysfs import SysfsPCIDevice
+from aiofabric.pci.vfio import IovaSpace, LinuxVfio, MappedBar, RegionBar, VfioPCIDevice
 from aiofabric.sim.memory import BUS_BASE
-from aiofabric.sim.vfio import EmulatedVfio, IommuFault
-from aiofabric.vfio import IovaSpace, LinuxVfio, MappedBar, RegionBar, VfioPCIDevice
+from aiofabric.verbs import nic as nic_module
 
 ADDR, PEER = "0000:41:00.0", "0000:41:00.1"
 GROUP = "7"
@@ -217,7 +218,7 @@ def test_a_second_open_of_the_function_is_refused_until_the_first_closes(device,
 
 def test_no_iommu_mode_warns_and_maps_nothing(machine, emulated, caplog):
     fake = emulated(noiommu=True)
-    with caplog.at_level(logging.WARNING, "aiofabric.vfio"):
+    with caplog.at_level(logging.WARNING, "aiofabric.pci.vfio"):
         pci = VfioPCIDevice(ADDR, host=machine, api=fake)
     try:
         assert f"VFIO without an IOMMU ({fake.dev_dir}/noiommu-{GROUP}): no isolation" in caplog.text

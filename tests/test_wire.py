@@ -13,15 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from aiofabric.sim.packets import (
-    ACK_UNLIMITED, ROCE_PORT, Op, Packet, Segments, decode, decode_ipv4, encode_ipv4, udp_source_port,
-)
 from aiofabric.sim import mmsg
+from aiofabric.sim.packets import (ACK_UNLIMITED, ROCE_PORT, Op, Packet, Segments, decode, decode_ipv4, encode_ipv4,
+                                   udp_source_port)
 from aiofabric.sim.pcap import PcapWriter
-from aiofabric.sim.wire import (
-    BATCH, IP_MTU_DISCOVER, IP_PMTUDISC_DO, SO_RCVBUFFORCE, Faults, LoopbackTransport, RawTransport, Transport,
-    UdpTransport, open_transport,
-)
+from aiofabric.sim.wire import (BATCH, IP_MTU_DISCOVER, IP_PMTUDISC_DO, SO_RCVBUFFORCE, Faults, LoopbackTransport,
+                                RawTransport, Transport, UdpTransport, open_transport)
 
 scapy_all = pytest.importorskip("scapy.all")
 roce = pytest.importorskip("scapy.contrib.roce")

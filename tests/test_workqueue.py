@@ -1,4 +1,4 @@
-"""The send and receive queue codecs (aiofabric/workqueue.py), pure: plain memory, no emulator, no event loop.
+"""The send and receive queue codecs (aiofabric/verbs/workqueue.py), pure: plain memory, no emulator, no event loop.
 
 A model replays every post and completion; after each step every WQE still in flight is decoded from the ring and
 its search-table entry checked, so a post that overwrites live WQEs, a wrong PSN or a wrong retirement fails. The
@@ -8,16 +8,17 @@ import dataclasses
 import struct
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from aiofabric import workqueue
 from aiofabric.autogen import bnxt
 from aiofabric.hw import ring
 from aiofabric.hw.cqe import SQ_CONS_IDX_MASK
 from aiofabric.hw.verbs import PSN_MASK, psn_count
 from aiofabric.hw.wqe import (RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SLOT, SQ_WQE_HEADER_SLOTS,
                               SqGeometry)
-from aiofabric.workqueue import RecvQueueCodec, SendQueueCodec
+from aiofabric.verbs import workqueue
+from aiofabric.verbs.workqueue import RecvQueueCodec, SendQueueCodec
 
 WRITE, READ, SEND = (bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, bnxt.SQ_RDMA_HDR_WQE_TYPE_READ_WQE,
                      bnxt.SQ_SEND_HDR_WQE_TYPE_SEND)

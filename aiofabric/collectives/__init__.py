@@ -11,7 +11,7 @@ reads `layout` without the scheduler.
 """
 from __future__ import annotations
 
-from ..lazy import lazy_attributes
+from ..util.lazy import lazy_attributes
 
 _HOMES = {".communicator": ("CollectiveError", "Communicator"), ".layout": ("BUS_FACTORS", "KINDS", "bus_bandwidth"),
           ".launch": ("connect_ring", "join", "local", "run_ranks"), ".world": ("World", "from_environment"),

@@ -16,14 +16,13 @@ from typing import Any, Callable
 import anyio
 import numpy as np
 
-from .. import sched
-from ..errors import CallError, FabricError
-from ..nic import NIC
-from ..queues import MemoryRegion, QueuePair, RemoteRegion
-from ..sched.calls import host_span
-from ..sched.reduce import DTYPES, OPS
 from . import layout
 from .layout import PIECE_BYTES
+from .. import sched
+from ..errors import CallError, FabricError
+from ..sched.calls import host_span
+from ..sched.reduce import DTYPES, OPS
+from ..verbs import NIC, MemoryRegion, QueuePair, RemoteRegion
 
 PUBLIC_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 MAX_BATCHES = 32  # compiled collectives kept per communicator (least recently used dropped)

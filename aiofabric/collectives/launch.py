@@ -10,13 +10,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
 
-from ..nic import NIC, open_nic
-from ..queues import MemoryRegion, QPInfo, QueuePair, RemoteRegion
-from ..sched import receive_pool
-from ..taskgroups import own_task_group, run_in
+from .communicator import MAX_PIECES, PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
 from .rendezvous import FAREWELL, RendezvousClient, RendezvousError, RendezvousServer
 from .world import World
-from .communicator import MAX_PIECES, PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
+from ..sched import receive_pool
+from ..util.taskgroups import own_task_group, run_in
+from ..verbs import NIC, MemoryRegion, QPInfo, QueuePair, RemoteRegion, open_nic
 
 T = TypeVar("T")
 DEFAULT_BUFFER = 16 << 20

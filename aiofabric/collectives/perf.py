@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..sched.reduce import UFUNCS
 from . import layout
 from .communicator import Communicator
 from .launch import run_ranks
+from ..sched.reduce import UFUNCS
 
 PLACEMENTS = ("out-of-place", "in-place")
 

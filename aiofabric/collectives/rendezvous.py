@@ -37,8 +37,8 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ..errors import FabricError
-from ..json_depth import json_depth
-from ..escape import printable
+from ..util.escape import printable
+from ..util.json_depth import json_depth
 
 log = logging.getLogger("aiofabric.collectives")
 MAX_LINE = 64 << 10  # one rank's round: a few QPInfos and keys

@@ -1,7 +1,7 @@
 """The BNXT host interface, described once: what the driver writes and the device reads, and back.
 
 Everything here is a hardware fact read off the generated bindings (`aiofabric.autogen.bnxt`, from Linux's headers):
-the driver (aiofabric/queues.py, rings.py, poller.py and its firmware channels) encodes with it, the emulated NIC
+the driver (aiofabric/verbs/queues.py, rings.py, poller.py and its firmware channels) encodes with it, the emulated NIC
 (aiofabric/sim/) decodes with it, and the tests build their WQEs and read their CQEs with it, so a mistake cannot be shared by two
 hand-written copies. It imports only the bindings and the standard library; choices (ring depths, timeouts) stay
 with their users.

@@ -20,9 +20,9 @@ import ctypes
 import enum
 from typing import Iterable, Sequence
 
-from ..autogen import bnxt
 from .layout import Layout
 from .ring import RingEntry
+from ..autogen import bnxt
 
 ASYNC_EVENT = Layout.of(bnxt.hwrm_async_event_cmpl, "type", "event_id", "event_data2", "event_data1")
 ASYNC_EVENT_ENTRY = RingEntry(ctypes.sizeof(bnxt.hwrm_async_event_cmpl), bnxt.hwrm_async_event_cmpl.opaque_v.offset,

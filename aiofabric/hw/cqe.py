@@ -19,10 +19,10 @@ from __future__ import annotations
 import ctypes
 import enum
 
-from ..autogen import bnxt
 from .layout import Layout
 from .names import constant_names
 from .ring import RingEntry
+from ..autogen import bnxt
 
 CQ_ENTRY = RingEntry(ctypes.sizeof(bnxt.cq_base), bnxt.cq_base.cqe_type_toggle.offset, bnxt.CQ_BASE_TOGGLE)
 NQ_ENTRY = RingEntry(ctypes.sizeof(bnxt.nq_base), bnxt.nq_cn.v.offset, bnxt.NQ_CN_V)

@@ -28,9 +28,9 @@ import enum
 import struct
 from typing import Sequence
 
-from ..autogen import bnxt
 from .layout import Layout
 from .names import constant_names, constants
+from ..autogen import bnxt
 
 HWRM_REQUEST_HEADER = Layout.of(bnxt.hwrm_cmd_hdr, "req_type", "cmpl_ring", "seq_id", "target_id", "resp_addr")
 HWRM_RESPONSE_HEADER = Layout.of(bnxt.hwrm_resp_hdr, "error_code", "req_type", "seq_id", "resp_len")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 
-from ..autogen import bnxt
 from .names import constants
+from ..autogen import bnxt
 
 
 class QPState(enum.IntEnum):

@@ -24,8 +24,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
-from ..autogen import bnxt
 from .layout import Layout
+from ..autogen import bnxt
 
 SQ_SLOT = ctypes.sizeof(bnxt.sq_sge)
 SQ_WQE_HEADER_SLOTS = ctypes.sizeof(bnxt.sq_rdma_hdr) // SQ_SLOT

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import PeerError
-from ..lazy import lazy_attributes
+from ..util.lazy import lazy_attributes
 
 _HOMES = {".client": ("Peer", "RemoteNIC", "RemoteQP", "RemoteMR"), ".ssh": ("connect_peer", "SSHPeer"),
           ".tcp": ("connect_tcp", "serve_tcp", "TCPPeer")}

@@ -16,10 +16,10 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import anyio
 
-from ..queues import QPInfo, RemoteRegion
 from . import PeerError, protocol
-from ..errors import ProtocolError
 from .protocol import Answer, ClientState, Ready
+from ..errors import ProtocolError
+from ..verbs import QPInfo, RemoteRegion
 
 HOST_SPEC = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s\[\]]+)(?::(?P<port>\d+))?")
 

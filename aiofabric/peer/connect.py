@@ -12,9 +12,9 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import anyio
 
-from ..nic import open_nic
 from . import protocol
 from .client import Peer, RemoteMR, RemoteQP
+from ..verbs import open_nic
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup

@@ -23,8 +23,7 @@ from typing import Any, Awaitable, Callable
 import anyio
 import anyio.lowlevel
 
-from ..completions import Completion
-from ..queues import MemoryRegion, QueuePair, RemoteRegion
+from ..verbs import Completion, MemoryRegion, QueuePair, RemoteRegion
 
 SIGNAL_EVERY = 16
 TESTS = ("write", "send")  # the tests with a server half (READ is one-sided)

@@ -13,8 +13,8 @@ import itertools
 import logging
 from typing import Any, Union
 
-from ..errors import NotAllowed, ParameterMismatch
 from .protocol import MAX_DEPTH, MAX_LINE, printable
+from ..errors import NotAllowed, ParameterMismatch
 
 log = logging.getLogger(__name__)
 # A --forever server's captures: at most PCAP_MAX_FILES files (FILE, FILE.1, ...) of at most PCAP_MAX_BYTES each, so

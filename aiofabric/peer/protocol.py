@@ -89,10 +89,12 @@ import random
 import re
 from typing import Any, Callable
 
-from ..json_depth import json_depth
-from ..escape import printable as printable  # re-exported: the servers show strangers' text through it
-from ..errors import NotAllowed as NotAllowed, NotProtocolError as NotProtocolError  # the protocol's errors,
-from ..errors import ProtocolError as ProtocolError, Refused as Refused  # defined with the others
+from ..errors import NotAllowed as NotAllowed  # the protocol's errors,
+from ..errors import NotProtocolError as NotProtocolError
+from ..errors import ProtocolError as ProtocolError  # defined with the others
+from ..errors import Refused as Refused
+from ..util.escape import printable as printable  # re-exported: the servers show strangers' text through it
+from ..util.json_depth import json_depth
 
 PROTOCOL_VERSION = 1
 MAX_LINE = 1 << 20

@@ -27,13 +27,13 @@ import anyio
 import anyio.abc
 import numpy
 
-from ..version import __version__
-from ..nic import NIC, DmaBudget, open_nic
-from ..queues import ALL_ACCESS, ATOMIC_ACCESS, CompletionQueue, MemoryRegion, QPInfo, QueuePair, RemoteRegion
 from . import pingpong, protocol
-from ..errors import LimitError, NotAllowed, ParameterMismatch, ProtocolError
 from .policy import ServerPolicy, unmapped
 from .protocol import Answer, Ready
+from ..errors import LimitError, NotAllowed, ParameterMismatch, ProtocolError
+from ..verbs import (ALL_ACCESS, ATOMIC_ACCESS, NIC, CompletionQueue, DmaBudget, MemoryRegion, QPInfo, QueuePair,
+                     RemoteRegion, open_nic)
+from ..version import __version__
 
 log = logging.getLogger("aiofabric.serve")
 READ_CHUNK = 1 << 16
@@ -293,7 +293,7 @@ class Endpoint:
         return {"closed": handle}
 
     async def op_nic_status(self, nic: int, probe: float) -> dict[str, Any]:
-        from ..close_budget import silence
+        from ..verbs import silence
         slot = self.objects.get(nic)
         if not isinstance(slot, _NicSlot):
             raise ValueError(f"nic: no NIC with handle {nic}")

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping, Sequenc
 import anyio
 
 from . import PeerError
-from ..nic import CLOSE_TIMEOUT
-from ..taskgroups import own_task_group, run_in
 from .client import Peer
+from ..util.taskgroups import own_task_group, run_in
+from ..verbs import CLOSE_TIMEOUT
 
 if TYPE_CHECKING:
     import asyncssh

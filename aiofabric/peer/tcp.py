@@ -40,11 +40,10 @@ import anyio
 import anyio.abc
 
 from . import PeerError, protocol
-from ..taskgroups import own_task_group, run_in
 from .client import Peer
 from .policy import ServerPolicy
 from .serve import READ_CHUNK, serve_stream
-
+from ..util.taskgroups import own_task_group, run_in
 
 log = logging.getLogger("aiofabric.serve")
 DEFAULT_PORT = 18515  # perftest's

@@ -8,13 +8,13 @@ Modules: `plan` (pure planner), `calls` (queues and calls), `kernels` (C and num
 `timeline` (awaitable counters), `pool` (receive pools), `run` (compiled batches and their workers), `trace`
 (Chrome trace JSON), `reduce` (reduction kernels).
 """
-from .calls import (Call, ComputeQueue, CopyQueue, Scalar, copy, kernel, qp_name, read, recv, send, wait_imm,
-                    write, write_with_imm)
-from .kernels import CKernel, CompilerNotFoundError, KernelBuildError, flatten
-from ..errors import BatchTimeoutError, ImmediateMismatchError
-from .pool import ReceivePool, receive_pool
 from . import reduce  # sched.reduce.reduce(...), sched.reduce.reduction(...)
+from .calls import (Call, ComputeQueue, CopyQueue, Scalar, copy, kernel, qp_name, read, recv, send, wait_imm, write,
+                    write_with_imm)
+from .kernels import CKernel, CompilerNotFoundError, KernelBuildError, flatten
+from .pool import ReceivePool, receive_pool
 from .run import Batch, BindingError, CallError, compile
+from ..errors import BatchTimeoutError, ImmediateMismatchError
 
 __all__ = ["Batch", "BatchTimeoutError", "BindingError", "CKernel", "Call", "CallError", "CompilerNotFoundError",
            "ComputeQueue", "CopyQueue", "ImmediateMismatchError", "KernelBuildError", "ReceivePool", "Scalar",

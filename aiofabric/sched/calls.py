@@ -19,9 +19,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..queues import MemoryRegion, QueuePair, RemoteRegion
 from .kernels import CKernel, c_scalar, check_flat
 from .plan import PlannedCall, Span
+from ..verbs import MemoryRegion, QueuePair, RemoteRegion
 
 HOST = "host"
 SEND, RECEIVE = "send", "recv"  # a QP's two queues

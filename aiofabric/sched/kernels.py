@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import private
 from ..errors import CompilerNotFoundError, KernelBuildError
+from ..util import private
 
 DEFAULT_FLAGS = ("-O2", "-shared", "-fPIC")
 C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -14,8 +14,7 @@ from __future__ import annotations
 import collections
 import weakref
 
-from ..completions import Completion
-from ..queues import LocalBuffer, QPState, QueuePair
+from ..verbs import Completion, LocalBuffer, QPState, QueuePair
 
 NO_SGE = LocalBuffer(0, 0, 0)  # a receive without memory: WRITE_WITH_IMM consumes it (its data went elsewhere)
 _pools: weakref.WeakKeyDictionary[QueuePair, ReceivePool] = weakref.WeakKeyDictionary()

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CompilerNotFoundError
 from .calls import Call, ComputeQueue, kernel
 from .kernels import CKernel, check_flat
+from ..errors import CompilerNotFoundError
 
 OPS = ("sum", "prod", "min", "max")
 DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))

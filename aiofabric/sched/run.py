@@ -21,14 +21,14 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ..errors import BatchTimeoutError, BindingError, CallError, ImmediateMismatchError
-from ..queues import MemoryRegion, QPState, QueuePair, RemoteRegion
 from .calls import RECEIVE, Call, QPQueue, Scalar, host_address, qp_name, queue_name
 from .kernels import c_scalar
 from .plan import Plan, Submission, plan
 from .pool import NO_SGE, pool_of
 from .timeline import Counter, Timeline
 from .trace import CallTrace, write_chrome_trace
+from ..errors import BatchTimeoutError, BindingError, CallError, ImmediateMismatchError
+from ..verbs import MemoryRegion, QPState, QueuePair, RemoteRegion
 
 log = logging.getLogger("aiofabric.sched")
 

@@ -51,15 +51,15 @@ import itertools
 import socket
 from typing import Any, Callable
 
-from ..autogen import bnxt
-from ..hw.cqe import CQE_TYPE_OFFSET, cqe_type
-from ..hw.verbs import QPState
 from . import packets as pk
 from .hwrm import Firmware
 from .objects import CompletionQueue, QueuePair
 from .qpport import Address, Outgoing, PlacedCounts, PlacementFaults
 from .requester import Requester
 from .responder import Responder
+from ..autogen import bnxt
+from ..hw.cqe import CQE_TYPE_OFFSET, cqe_type
+from ..hw.verbs import QPState
 
 QUANTUM = 32  # packets one QP may send before the next ready QP gets its turn
 RTS, RTR, SQD, ERR, RESET = QPState.RTS, QPState.RTR, QPState.SQD, QPState.ERR, QPState.RESET

@@ -13,11 +13,11 @@ import collections
 from dataclasses import dataclass
 from typing import Any
 
-from ..autogen import bnxt
-from ..hw.firmware import BackingStoreType as BS
 from .memory import PAGE, BusMemory, DmaFault
 from .objects import BackingStoreArea, CommandError, L2Filter, PageTableError, Ring, StatContext, Vnic
 from .profiles import DEFAULT_PROFILE, PROFILES, FirmwareProfile
+from ..autogen import bnxt
+from ..hw.firmware import BackingStoreType as BS
 
 TYPE_VALID = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID
 CTX_INIT = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_ENABLE_CTX_KIND_INIT

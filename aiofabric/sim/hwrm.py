@@ -15,6 +15,12 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, ContextType, FirmwareConfig, FunctionState
+from .memory import BusMemory, DmaFault
+from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, Ring, StatContext, Vnic,
+                      lowest_free_id, map_memory)
+from .port import Port, check_mtu
+from .rcfw import Rcfw
 from ..autogen import bnxt
 from ..hw.async_event import (NEW_MTU_MASK, EventId, ResetReason, async_event, forwarded, link_event_data,
                               reset_event_data)
@@ -22,12 +28,6 @@ from ..hw.doorbell import INDEX_MASK
 from ..hw.firmware import (HWRM_REQUEST_HEADER, HWRM_SHORT_REQUEST, PAGE_SIZE_CODES, RING_ENTRY_SIZES,
                            SHORT_REQUEST_SIGNATURE)
 from ..hw.firmware import BackingStoreType as BS
-from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, ContextType, FirmwareConfig, FunctionState
-from .memory import BusMemory, DmaFault
-from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, Ring, StatContext, Vnic,
-                      lowest_free_id, map_memory)
-from .port import Port, check_mtu
-from .rcfw import Rcfw
 
 INVALID_PARAMS, RESOURCE_ALLOC_ERROR = bnxt.HWRM_ERR_CODE_INVALID_PARAMS, bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR
 INTERFACE_VERSION = tuple(int(part) for part in bnxt.HWRM_INTERFACE_VERSION.split("."))  # 1.10.3.151

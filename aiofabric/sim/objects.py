@@ -12,13 +12,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, Container, Literal
 
+from .memory import PAGE, BusMemory, DmaFault
 from ..autogen import bnxt
 from ..hw.cqe import CQ_ENTRY, NQ_ENTRY, cq_notification
 from ..hw.firmware import PTE_FLAGS, PTE_SIZE, unpack_ptes
 from ..hw.ring import consumer_from_doorbell
 from ..hw.verbs import QPState
 from ..hw.wqe import SqGeometry
-from .memory import PAGE, BusMemory, DmaFault
 
 PTES_PER_PAGE = PAGE // PTE_SIZE
 MAX_PBL_PAGES = PTES_PER_PAGE ** 2  # what a level-2 table of 4 KiB pages can describe

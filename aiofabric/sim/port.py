@@ -9,9 +9,9 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .packets import ICRC_SIZE, IPV4_HEADER_SIZE, UDP_HEADER_SIZE, Op, Packet, Segments, header_size
 from ..autogen import bnxt
 from ..hw.verbs import PATH_MTU_BYTES
-from .packets import ICRC_SIZE, IPV4_HEADER_SIZE, UDP_HEADER_SIZE, Op, Packet, Segments, header_size
 
 DEFAULT_MTU = 9000  # a jumbo-frame fabric: every path MTU fits (4096 needs 4192, Linux's iboe_get_mtu)
 MIN_MTU, MAX_MTU = 576, 9500  # the datagram every IPv4 host takes; bnxt_en's BNXT_MAX_MTU

@@ -72,24 +72,23 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-from ..autogen import bnxt
-from ..hw.firmware import CMDQ_INIT, HWRM_VECTOR
-from ..pci import PCI_COMMAND_MASTER
 from .datapath import Datapath
-from .function import FirmwareConfig
 from .freed import FreedMemory
-from .host import (ATTACH_FDS, CONFIG_SPACE, CONTROL_MESSAGE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, NUM_VECTORS,
-                   PUNCHED)
+from .function import FirmwareConfig
 from .hwrm import Firmware
+from .kick import (ATTACH_FDS, CONFIG_SPACE, CONTROL_MESSAGE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, NUM_VECTORS,
+                   PUNCHED)
 from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
+from .options import FAULTS
 from .pcap import PcapWriter
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
 from .profiles import DEFAULT_PROFILE, PROFILES
 from .requester import WINDOW
-from .wire import (
-    CLONE_NEWNET, LOOPBACK_HOSTS, ROCE_PORT, Faults, NoPrivateNetns, PortTaken, Transport, join_private_netns,
-    open_on_free_loopback, open_transport, port_holder, private_netns_name, setns,
-)
+from .wire import (CLONE_NEWNET, LOOPBACK_HOSTS, ROCE_PORT, Faults, NoPrivateNetns, PortTaken, Transport,
+                   join_private_netns, open_on_free_loopback, open_transport, port_holder, private_netns_name, setns)
+from ..autogen import bnxt
+from ..hw.firmware import CMDQ_INIT, HWRM_VECTOR
+from ..hw.pci import PCI_COMMAND_MASTER
 
 HWRM_TRIGGER = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER
 RCFW_BASE = bnxt.RCFW_COMM_BASE_OFFSET
@@ -265,7 +264,7 @@ class Emulator:
         self.running = True
         self.alone = True  # the only NIC of its process (EmulatorLoop keeps this up to date)
         self.wire_readable = False  # select() said so since service() last looked
-        faults = {name: config.get(name, 0.0) for name in ("loss", "dup", "reorder", "corrupt")}
+        faults = {name: config.get(name, 0.0) for name in FAULTS}
         Faults(**faults)  # a bad probability fails here, before anything is opened
         if config.get("pcap"):
             try:

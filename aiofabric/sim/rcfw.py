@@ -16,18 +16,19 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..autogen import bnxt
-from ..hw import doorbell
-from ..hw.cqe import CQ_ENTRY, SQ_CONS_IDX_MASK
-from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT, PAGE_SIZE_CODES, add_gid_values
-from ..hw.firmware import BackingStoreType as BS
-from ..hw.layout import field_type
-from ..hw.verbs import PATH_MTU_BYTES, QUERY_QP_PATH_MTU_CODES, QPState, legal_transition
-from ..hw.wqe import RQ_WQE_HEADER_SLOTS, SQ_SLOT, SqGeometry
 from .function import FunctionState
 from .memory import BAR2_SIZE, PAGE, DmaFault
 from .objects import (CommandError, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList, PageTableError,
                       QueuePair, lowest_free_id, map_memory)
+from ..autogen import bnxt
+from ..hw import doorbell
+from ..hw.cqe import CQ_ENTRY, SQ_CONS_IDX_MASK
+from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT, PAGE_SIZE_CODES
+from ..hw.firmware import BackingStoreType as BS
+from ..hw.firmware import add_gid_values
+from ..hw.layout import field_type
+from ..hw.verbs import PATH_MTU_BYTES, QUERY_QP_PATH_MTU_CODES, QPState, legal_transition
+from ..hw.wqe import RQ_WQE_HEADER_SLOTS, SQ_SLOT, SqGeometry
 
 QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
 SUCCESS, FAIL, RESOURCES, INVALID_CMD, NOT_IMPLEMENTED, INVALID_PARAMETER = (

@@ -21,15 +21,15 @@ the data path is its `QpPort` (qpport.py).
 """
 from __future__ import annotations
 
-from ..autogen import bnxt
-from ..hw.cqe import CQE_REQ, SQ_CONS_IDX_MASK, RequesterErrorReason
-from ..hw.verbs import PSN_MASK, QPState, psn_diff
-from ..hw.wqe import ATOMIC_SIZE
 from . import packets as pk
 from .dma import ACCESS_ERRORS
 from .packets import ROCE_PORT
 from .qpport import QpPort
 from .sendqueue import SendQueue, SendWqe
+from ..autogen import bnxt
+from ..hw.cqe import CQE_REQ, SQ_CONS_IDX_MASK, RequesterErrorReason
+from ..hw.verbs import PSN_MASK, QPState, psn_diff
+from ..hw.wqe import ATOMIC_SIZE
 
 WINDOW = 128  # RXE_MAX_UNACKED_PSNS
 READ_SEGMENT = 32  # response packets one READ request asks for at most (a quarter of the window)

@@ -21,15 +21,15 @@ from __future__ import annotations
 import collections
 from typing import Any, Union
 
+from . import packets as pk
+from .dma import ACCESS_ERRORS, EMPTY, Buffer, map_remote, map_sges
+from .packets import MSN_MASK, ROCE_PORT
+from .qpport import QpPort
 from ..autogen import bnxt
 from ..hw.cqe import CQE_RES_RC
 from ..hw.ring import producer_from_doorbell
 from ..hw.verbs import PSN_MASK, MRAccess, QPAccess, psn_count, psn_diff
 from ..hw.wqe import ATOMIC_SIZE, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS, SGE, SQ_SLOT
-from . import packets as pk
-from .dma import ACCESS_ERRORS, EMPTY, Buffer, map_remote, map_sges
-from .packets import MSN_MASK, ROCE_PORT
-from .qpport import QpPort
 
 # plain ints: IntFlag arithmetic is slow on the per-message path
 MR_LOCAL_WRITE, MR_REMOTE_READ, MR_REMOTE_WRITE, MR_REMOTE_ATOMIC = (

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from . import packets as pk
+from .dma import ACCESS_ERRORS, EMPTY, Buffer, gather, map_sges
+from .memory import BusMemory
+from .objects import MemoryProtectionError, MemoryRegion, QueuePair
 from ..autogen import bnxt
 from ..hw.cqe import RequesterErrorReason
 from ..hw.ring import producer_from_doorbell
 from ..hw.verbs import PSN_MASK, MRAccess, psn_count
 from ..hw.wqe import (ATOMIC_SIZE, SGE, SQ_ATOMIC_HEADER, SQ_RDMA_HEADER_AND_SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS,
                       SQ_WQE_HEADER_SLOTS)
-from . import packets as pk
-from .dma import ACCESS_ERRORS, EMPTY, Buffer, gather, map_sges
-from .memory import BusMemory
-from .objects import MemoryProtectionError, MemoryRegion, QueuePair
 
 MAX_SGES = 30
 SLOT_SHIFT = SQ_SLOT.bit_length() - 1

@@ -38,13 +38,12 @@ import time
 from types import TracebackType
 from typing import Any
 
-from .. import private
 from . import mmsg
-from .packets import (
-    ROCE_PORT, BadPacket, IcrcMismatch, Packet, Segments, decode, decode_ipv4, encode, encode_into,
-    encode_ipv4_header, encode_segments_into, expand,
-)
+from .options import FAULTS
+from .packets import (ROCE_PORT, BadPacket, IcrcMismatch, Packet, Segments, decode, decode_ipv4, encode, encode_into,
+                      encode_ipv4_header, encode_segments_into, expand)
 from .pcap import PcapWriter
+from ..util import private
 
 log = logging.getLogger("aiofabric.sim")
 
@@ -87,7 +86,7 @@ class Faults:
     reorder_hold: float = 0.001  # how long a held packet waits for a successor before it goes out alone
 
     def __post_init__(self) -> None:
-        for name in ("loss", "dup", "reorder", "corrupt"):
+        for name in FAULTS:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"fault probability {name}={getattr(self, name)} is not between 0 and 1")
 

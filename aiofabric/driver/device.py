@@ -1,0 +1,555 @@
+"""A BNXT function's control path: bring-up, liveness, asynchronous events and teardown. It is composed of the two
+firmware channels (`HwrmChannel`, `RcfwChannel`), the removal watch (`Liveness`) and a close's time budget
+(`CloseBudget`); verbs objects attach to it through `DeviceObject`.
+
+Bring-up follows the seed's BNXTDev, corrected where Linux (bnxt_en/bnxt_re) differs: the driver registers with an OS
+type, walks backing-store types by `next_valid_type` and configures the ones bnxt_en sizes (no trace buffers),
+initialises context memory at `ctx_init_offset * 4` only when the firmware asks (ENABLE_CTX_KIND_INIT) and sizes every
+ring explicitly. Each chip and firmware feature is used only where Linux finds it: Thor and Thor2 chips only (VER_GET
+chip_num), variable-size WQEs on Thor2 only, short HWRM commands when VER_GET requires them, backing store v2 when
+FUNC_QCAPS offers it (v1 is refused), hardware retransmission when QUERY_FUNC's dev_cap_flags offer it, and the MSN
+or PSN search table its dev_cap_ext_flags_2 name (hw/firmware.py).
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import dataclasses
+import functools
+import logging
+import socket
+import weakref
+from typing import Any, Callable, Protocol
+
+import anyio
+import anyio.abc
+
+from .close_budget import CLOSE_TIMEOUT, CloseBudget
+from .firmware_events import EVENT_RING_DEPTH, EVENT_VECTOR, EventRing, Link, event_kind, reset_text
+from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
+from .interrupts import CREQ_VECTOR, HWRM_VECTOR, NQ_VECTOR, wake
+from .liveness import Liveness
+from .rcfw_channel import CREQ_DEPTH, RCFW_TIMEOUT, RcfwChannel
+from .rings import Ring, page_table
+from ..autogen import bnxt
+from ..errors import ClosedError, DeviceLostError, FabricError, FirmwareError, PCIError
+from ..hw.async_event import ASYNC_EVENT_ENTRY, EventId, forwarding
+from ..hw.cqe import CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, NQ_ENTRY, creq_type
+from ..hw.firmware import (CONFIGURED_CONTEXT_TYPES, LINK_SPEED_MBPS, RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS,
+                           BackingStoreType, add_gid_fields, host_msn_table, hw_retx_supported, short_commands_required)
+from ..pci import PAGE_SIZE, PCIDevice
+from ..version import __version__
+
+log = logging.getLogger("aiofabric.driver.device")
+
+NQ_DEPTH = 4096
+QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
+FUNC_EVENT = bnxt.CREQ_BASE_TYPE_FUNC_EVENT
+QP_ERROR = bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION
+CQ_ERROR = bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION
+EXTRA_QPS, EXTRA_MRS = 1024, 4096  # RoCE objects the backing store is sized for, beyond the firmware's L2 needs
+
+
+def ipv4_gid(ip: str) -> bytes:
+    """The RoCEv2 GID of an IPv4 address: ::ffff:a.b.c.d."""
+    return bytes(10) + b"\xff\xff" + socket.inet_aton(ip)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceEvent:
+    """An asynchronous event the firmware reported: on the CREQ ("qp_error", "cq_error", "function") or on the event
+    ring (firmware_events.event_kind: "link", "mtu", "reset", "fatal", ...)."""
+    kind: str
+    xid: int  # QP number / CQ id; the event code for function and firmware events
+    detail: dict[str, int]
+
+
+class DeviceObject(Protocol):
+    """A verbs object (CQ, QP, MR) attached to a device (`Device.attach`): told when the device is lost, released
+    when it closes (lower `release_order` first: QPs before the CQs they use)."""
+    release_order: int
+
+    def device_lost(self, error: DeviceLostError) -> None: ...  # fail work in flight; new work raises at once
+
+    async def release(self) -> None: ...  # destroy or deregister, as the user would
+
+    def forget(self) -> None: ...  # the device is quiesced without having let go of it: free its host memory
+
+
+class Device:
+    """One BNXT function driven from userspace. Use `aiofabric.open_nic`, which boots and closes it."""
+
+    link = Link(up=False, speed_mbps=0)  # PORT_PHY_QCFG's, from boot on; link events keep it current
+    port_mtu = 0  # the port's MTU (FUNC_QCFG admin_mtu), from boot on; 0: not known
+
+    def __init__(self, pci: PCIDevice, ip: str, *, hwrm_timeout: float = HWRM_TIMEOUT,
+                 rcfw_timeout: float = RCFW_TIMEOUT) -> None:
+        self.pci, self.ip, self.gid = pci, ip, ipv4_gid(ip)
+        self.bar0, self.doorbells = pci.map_bar(0), pci.map_bar(2)
+        self._interrupts = [pci.interrupt_fd(v) if v < pci.num_vectors else None for v in range(3)]
+        self.liveness = Liveness(pci)
+        self.liveness.on_lost(self._on_lost)
+        self.budget = CloseBudget()
+        self.hwrm_channel = HwrmChannel(pci, self.bar0, self.interrupt_fd(HWRM_VECTOR), self.liveness, self.budget,
+                                        hwrm_timeout)
+        self._rcfw_channel: RcfwChannel | None = None  # from boot on: its rings need HWRM commands first
+        self._rcfw_timeout = rcfw_timeout
+        self._qp_handlers: dict[int, Callable[[DeviceEvent], None]] = {}
+        self._cq_handlers: dict[int, Callable[[DeviceEvent], None]] = {}
+        self.function_handlers: list[Callable[[DeviceEvent], None]] = []
+        self.events: collections.deque[DeviceEvent] = collections.deque(maxlen=256)
+        self._teardown: list[tuple[str, Callable[[], Any]]] = []  # firmware objects, freed in reverse order
+        self._memory: list[Callable[[], None]] = []  # host memory the device may write: freed once it is quiesced
+        self.objects: dict[int, DeviceObject] = {}  # attached verbs objects by id()
+        self._closing = False  # close() started: the public API refuses, teardown still runs commands
+        self._close_lock = anyio.Lock()
+        self._closed = False  # close() ran to the end
+        self._background: list[anyio.CancelScope] = []  # the NIC's own tasks: close() stops them first
+        self.fw_version = self.hwrm_version = self.mac = ""
+        self.port_id = self.db_offset = self.nq_id = 0
+        self.gid_index = -1
+        self.caps: dict[str, int] = {}
+        self.chip_num = 0  # VER_GET's
+        self.variable_wqes = self.hw_retransmit = self.host_msn_table = False  # what boot finds the device offers
+
+    # -- what verbs objects and the poller use ------------------------------------------------------------------------
+    def interrupt_fd(self, vector: int) -> int | None:
+        """The eventfd of MSI-X `vector` (HWRM_VECTOR, CREQ_VECTOR, NQ_VECTOR); None on a platform without them."""
+        return self._interrupts[vector]
+
+    @property
+    def rcfw_channel(self) -> RcfwChannel:
+        if self._rcfw_channel is None:
+            raise ClosedError(f"{self.pci.address}: the RCFW channel is not open (the device has not booted)")
+        return self._rcfw_channel
+
+    @property
+    def rcfw_timeout(self) -> float:
+        return self._rcfw_timeout
+
+    @rcfw_timeout.setter
+    def rcfw_timeout(self, seconds: float) -> None:
+        self._rcfw_timeout = seconds
+        if self._rcfw_channel is not None:
+            self._rcfw_channel.timeout = seconds
+
+    async def hwrm(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        """Run HWRM command `name` (e.g. "func_qcaps") with the given input fields; return its output structure.
+
+        `command_timeout` (seconds) overrides the channel's default; it is not called `timeout` because firmware
+        structures have fields of that name. Once posted, a command is waited for even if the caller is cancelled
+        (bounded by the timeout), so a cancelled allocation never leaves an object the driver does not know of."""
+        self.check_open()
+        return await self.hwrm_channel.command(name, command_timeout=command_timeout, **fields)
+
+    async def rcfw(self, name: str, *, command_timeout: float | None = None, **fields: Any) -> ctypes.Structure:
+        """Run RoCE firmware command `name` (e.g. "create_qp"); return the side-buffer result or the CREQ reply.
+
+        Like `hwrm`, a posted command is waited for even if the caller is cancelled (bounded by the timeout)."""
+        self.check_open()
+        return await self.rcfw_channel.command(name, command_timeout=command_timeout, **fields)
+
+    async def rcfw_release(self, name: str, **fields: Any) -> ctypes.Structure:
+        """An RCFW command that frees a firmware object (destroy_qp, deregister_mr, ...): unlike `rcfw`, it runs
+        while the device closes too (bounded by the close's budget)."""
+        return await self.rcfw_channel.command(name, **fields)
+
+    def attach(self, obj: DeviceObject) -> None:
+        self.objects[id(obj)] = obj
+
+    def detach(self, obj: DeviceObject) -> None:
+        self.objects.pop(id(obj), None)
+
+    def route_events(self, kind: str, xid: int, handler: Callable[[DeviceEvent], None] | None) -> None:
+        """Send QP ("qp_error") or CQ ("cq_error") error notifications for object `xid` to `handler` (None: stop)."""
+        table = self._qp_handlers if kind == "qp_error" else self._cq_handlers
+        if handler is None:
+            table.pop(xid, None)
+        else:
+            table[xid] = handler
+
+    async def in_background(self, service: Callable[..., Any], *,
+                            task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run one of the NIC's own tasks (CREQ reader, removal watch, poller) under a scope close() cancels: once the
+        NIC closes they must not touch the rings it frees, even when close() runs inside the NIC's block."""
+        with anyio.CancelScope() as scope:
+            self._background.append(scope)
+            if self._closing:
+                scope.cancel()
+            task_status.started()
+            await service()
+
+    # -- events --------------------------------------------------------------------------------------------------------
+    def _on_event(self, entry: bytes) -> None:
+        """A CREQ entry that is not a command's reply: an error notification for a QP or CQ, or a function event."""
+        kind, event = creq_type(entry[CREQ_TYPE_OFFSET]), entry[CREQ_EVENT_OFFSET]
+        if kind == QP_EVENT and event in (QP_ERROR, CQ_ERROR):
+            layout = bnxt.creq_qp_error_notification if event == QP_ERROR else bnxt.creq_cq_error_notification
+            notice = layout.from_buffer_copy(entry)
+            detail = {name: getattr(notice, name) for name, *_ in layout._fields_
+                      if not name.startswith(("reserved", "type", "v", "event"))}
+            routed = DeviceEvent("qp_error" if event == QP_ERROR else "cq_error", notice.xid, detail)
+            handlers = self._qp_handlers if event == QP_ERROR else self._cq_handlers
+            self._deliver(routed, handlers.get(notice.xid))
+        elif kind == FUNC_EVENT:
+            self._announce(DeviceEvent("function", event, {}))
+        else:
+            log.warning("%s: unexpected CREQ entry type %#x dropped", self.pci.address, kind)
+
+    async def _on_firmware_event(self, event_id: int, data1: int, data2: int) -> None:
+        """An event from the event ring (firmware_events.py). Link and MTU changes are read again from the firmware,
+        as bnxt_en does; a reset notice or a fatal firmware error loses the device at once: the firmware resets it
+        and everything must be set up again."""
+        kind = event_kind(event_id, data1)
+        detail = {"data1": data1, "data2": data2}
+        if kind in ("reset", "fatal"):
+            self.liveness.declare(DeviceLostError(
+                f"{self.pci.address}: firmware event RESET_NOTIFY ({reset_text(data1)}): the firmware resets the "
+                "device, which must be opened again"))
+        try:
+            if kind == "link":
+                await self._query_link()
+                detail.update(up=self.link.up, speed_mbps=self.link.speed_mbps)
+            elif kind == "mtu":
+                await self._query_port_mtu()
+                detail.update(port_mtu=self.port_mtu)
+        except FabricError as exc:  # the event still counts; what it changed stays unknown
+            log.warning("%s: %s event %#x: the port could not be queried: %s", self.pci.address, kind, event_id, exc)
+        self._announce(DeviceEvent(kind, event_id, detail))
+
+    def _announce(self, event: DeviceEvent) -> None:
+        """A function-wide event: to `events` and to every function handler."""
+        for handler in [None, *self.function_handlers]:
+            self._deliver(event, handler)
+
+    def _deliver(self, event: DeviceEvent, handler: Callable[[DeviceEvent], None] | None) -> None:
+        if handler is None:
+            self.events.append(event)
+            log.info("%s: %s", self.pci.address, event)
+            return
+        try:
+            handler(event)
+        except Exception:
+            log.exception("%s: handler for %s failed", self.pci.address, event)
+
+    # -- liveness ----------------------------------------------------------------------------------------------------
+    @property
+    def lost(self) -> DeviceLostError | None:
+        return self.liveness.lost
+
+    @property
+    def alive(self) -> bool:
+        return self.liveness.alive
+
+    def check_alive(self) -> None:
+        """Raise DeviceLostError at once if the device is gone."""
+        self.liveness.check()
+
+    def check_open(self) -> None:
+        """Raise at once if the NIC is lost (DeviceLostError) or closed (ClosedError): the public API's guard."""
+        self.liveness.check()
+        if self._closing:
+            raise ClosedError(f"{self.pci.address} is closed")
+
+    def _on_lost(self, error: DeviceLostError) -> None:
+        if self._rcfw_channel is not None:
+            self._rcfw_channel.fail_all(error)
+        for obj in list(self.objects.values()):  # work in flight fails now; new work raises at once
+            obj.device_lost(error)
+        for fd in self._interrupts:  # wake every interrupt waiter so it notices
+            wake(fd)
+
+
+    # -- bring-up ------------------------------------------------------------------------------------------------------
+    async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
+        self.pci.reset()  # first: whatever a previous holder (a crashed driver) left running stops here
+        _open_devices.add(self)
+        self.pci.enable_bus_master()
+        task_group.start_soon(self.in_background, self.liveness.watch)
+        major, minor, update = (int(x) for x in bnxt.HWRM_INTERFACE_VERSION.split(".")[:3])
+        ver = await self.hwrm("ver_get", hwrm_intf_maj=major, hwrm_intf_min=minor, hwrm_intf_upd=update)
+        self.fw_version = f"{ver.hwrm_fw_maj_8b}.{ver.hwrm_fw_min_8b}.{ver.hwrm_fw_bld_8b}.{ver.hwrm_fw_rsvd_8b}"
+        self.hwrm_version = f"{ver.hwrm_intf_maj_8b}.{ver.hwrm_intf_min_8b}.{ver.hwrm_intf_upd_8b}"
+        self.chip_num = ver.chip_num
+        if self.chip_num not in THOR_CHIPS | THOR2_CHIPS:
+            raise PCIError(f"{self.pci.address}: chip {self.chip_num:#06x} is not supported: only Thor (P5) and Thor2 "
+                           "(P7) chips are (VER_GET chip_num)")
+        self.variable_wqes = self.chip_num in THOR2_CHIPS  # Linux bnxt_re_set_drv_mode
+        if ver.max_req_win_len:
+            self.hwrm_channel.max_request = min(ver.max_req_win_len, 0x100)
+        if short_commands_required(ver.dev_caps_cfg):
+            self.hwrm_channel.use_short_commands(max(ver.max_ext_req_len, bnxt.HWRM_MAX_REQ_LEN))
+        if ver.def_req_timeout:
+            self.hwrm_channel.timeout = max(self.hwrm_channel.timeout, ver.def_req_timeout / 1000)
+        await self.hwrm("func_reset", command_timeout=4 * self.hwrm_channel.timeout)
+        caps = await self.hwrm("func_qcaps", fid=0xFFFF)
+        if not caps.flags & bnxt.FUNC_QCAPS_RESP_FLAGS_ROCE_V2_SUPPORTED:
+            raise FirmwareError("HWRM func_qcaps", 0, "NO_ROCE", f"{self.pci.address} does not support RoCE v2")
+        self.mac, self.port_id = bytes(caps.mac_address).hex(":"), caps.port_id
+        self.caps = {"max_rsscos_ctx": caps.max_rsscos_ctx, "max_cmpl_rings": caps.max_cmpl_rings,
+                     "max_tx_rings": caps.max_tx_rings, "max_rx_rings": caps.max_rx_rings,
+                     "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext}
+        await self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
+                        | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD,
+                        async_event_fwd=forwarding(EventId), os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
+                        **dict(zip(("ver_maj_8b", "ver_min_8b", "ver_upd_8b"),
+                                   (int(x) for x in __version__.split(".")))))
+        self._on_close("HWRM func_drv_unrgtr", lambda: self.hwrm_channel.command("func_drv_unrgtr"))
+        qcfg = await self.hwrm("func_qcfg", fid=0xFFFF)
+        self.db_offset = -(-qcfg.legacy_l2_db_size_kb * 1024 // PAGE_SIZE) * PAGE_SIZE
+        await self._configure_backing_store()
+        await self._open_rcfw(task_group)
+        await self._open_l2()
+        await self._open_events(task_group)
+        gid_field, mac_field = add_gid_fields(self.gid, bytes.fromhex(self.mac.replace(":", "")))
+        gid = await self.rcfw("add_gid", gid=gid_field, src_mac=mac_field)
+        self.gid_index = gid.xid
+        self._on_close("RCFW delete_gid", lambda: self.rcfw_channel.command("delete_gid", gid_index=self.gid_index))
+        log.info("%s: booted fw %s mac %s gid %s", self.pci.address, self.fw_version, self.mac, self.ip)
+
+    def _on_close(self, what: str, action: Callable[[], Any]) -> None:
+        """A firmware object to free at close (a command), in reverse order of creation."""
+        self._teardown.append((what, action))
+
+    def _on_quiesced(self, free: Callable[[], None]) -> None:
+        """Host memory the device may write (rings, context and statistics memory), freed at close only once the
+        device is quiesced: told to let go, then stopped by bus mastering off and a function reset."""
+        self._memory.append(free)
+
+    async def _configure_backing_store(self) -> None:
+        """Backing store v2 (bnxt.c bnxt_backing_store_cfg_v2): one CFG_V2 per instance of each valid type bnxt_en
+        sizes (CONFIGURED_CONTEXT_TYPES: not the firmware's trace buffers). Firmware without it wants v1
+        (FUNC_BACKING_STORE_QCAPS/CFG, bnxt_backing_store_cfg), whose layouts the bindings lack: refused."""
+        if not self.caps["flags_ext"] & bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED:
+            raise PCIError(f"{self.pci.address}: backing store v1 (pre-Thor2 firmware) is not supported (FUNC_QCAPS "
+                           "flags_ext has no BS_V2_SUPPORTED)")
+        plan, kind, seen = [], 0, set()
+        while kind != BackingStoreType.INVALID and kind not in seen:
+            seen.add(kind)
+            caps = await self.hwrm("func_backing_store_qcaps_v2", type=kind)
+            valid = caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID and caps.entry_size
+            if valid and kind in CONFIGURED_CONTEXT_TYPES:
+                plan.append((kind, caps))
+            kind = caps.next_valid_type
+        counts: dict[int, int] = {}
+        steps = [(kind, caps, instance) for kind, caps in plan
+                 for instance in ([i for i in range(32) if caps.instance_bit_map >> i & 1] or [0])]
+        for number, (kind, caps, instance) in enumerate(steps):
+            splits = [getattr(caps, f"split_entry_{j}") for j in range(min(caps.subtype_valid_cnt, 4))]
+            entries = counts.setdefault(kind, _backing_entries(kind, caps, splits, counts))
+            memory = self.pci.alloc_dma(max(entries * caps.entry_size, 1))
+            if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_ENABLE_CTX_KIND_INIT and caps.ctx_init_value:
+                start = caps.ctx_init_offset * 4  # units of 4 bytes (bnxt_init_ctx_initializer)
+                memory.view[start:entries * caps.entry_size:caps.entry_size] = \
+                    bytes([caps.ctx_init_value]) * len(range(start, entries * caps.entry_size, caps.entry_size))
+            table = page_table(self.pci, memory.bus_addrs, queue=False)
+            last = number == len(steps) - 1
+            await self.hwrm("func_backing_store_cfg_v2", type=kind, instance=instance, entry_size=caps.entry_size,
+                            num_entries=entries, page_dir=table.base, page_size_pbl_level=table.level,
+                            subtype_valid_cnt=len(splits),
+                            flags=bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_FLAGS_BS_CFG_ALL_DONE if last else 0,
+                            **{f"split_entry_{j}": v for j, v in enumerate(splits)})
+            self._on_quiesced(functools.partial(_free_all, table, memory))
+
+    async def _open_rcfw(self, task_group: anyio.abc.TaskGroup) -> None:
+        creq = Ring(self.pci, CREQ_DEPTH, CREQ_ENTRY.size)
+        creq_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, creq, CREQ_VECTOR)
+        channel = self._rcfw_channel = RcfwChannel(
+            self.pci, self.bar0, self.doorbells, self.db_offset, self.interrupt_fd(CREQ_VECTOR), creq, creq_id,
+            self.liveness, self.budget, self._on_event, self._rcfw_timeout)
+        self._on_quiesced(channel.cmdq.free)
+        self.bar0.write_block(bnxt.RCFW_COMM_BASE_OFFSET, channel.init_block())
+        channel.reading = True  # before the reader runs: no command may find the CREQ unserved and read it too
+        await task_group.start(self.in_background, channel.serve)
+
+        function = await self.rcfw("query_func")
+        self.hw_retransmit = hw_retx_supported(function.dev_cap_flags)
+        self.host_msn_table = host_msn_table(function.dev_cap_ext_flags_2)
+        self.caps.update(max_qp=function.max_qp, max_cq=function.max_cq, max_mr=function.max_mr,
+                         max_qp_wr=function.max_qp_wr, max_sge=function.max_sge, max_cqe=function.max_cqe,
+                         max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data)
+        self._stats = self.pci.alloc_dma(PAGE_SIZE)
+        self._on_quiesced(self._stats.free)
+        stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr, stats_dma_length=176,
+                               update_period_ms=1000, stat_ctx_flags=bnxt.STAT_CTX_ALLOC_REQ_STAT_CTX_FLAGS_ROCE)
+        self._stat_ctx_id = stat.stat_ctx_id
+        self._on_close("HWRM stat_ctx_free", lambda: self.hwrm_channel.command("stat_ctx_free", stat_ctx_id=self._stat_ctx_id))
+        flags = bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED if self.hw_retransmit else 0
+        await self.rcfw("initialize_fw", stat_ctx_id=self._stat_ctx_id, log2_dbr_pg_size=0, flags=flags)
+        self._on_close("RCFW deinitialize_fw", lambda: self.rcfw_channel.command("deinitialize_fw"))
+        self.nq = Ring(self.pci, NQ_DEPTH, NQ_ENTRY.size)
+        self.nq_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, self.nq, NQ_VECTOR)
+
+    async def _alloc_ring(self, ring_type: int, ring: Ring, logical_id: int = 0, **fields: Any) -> int:
+        self._on_quiesced(ring.free)  # even if the firmware refuses it: it is ours to free, after the close
+        reply = await self.hwrm("ring_alloc", ring_type=ring_type, page_tbl_addr=ring.base, page_size=12,
+                                page_tbl_depth=ring.level, length=ring.depth, logical_id=logical_id,
+                                int_mode=bnxt.RING_ALLOC_REQ_INT_MODE_MSIX, **fields)
+        ring_id = reply.ring_id
+        self._on_close(f"HWRM ring_free {ring_id}",
+                       lambda: self.hwrm_channel.command("ring_free", ring_type=ring_type, ring_id=ring_id))
+        return ring_id
+
+    async def _open_l2(self) -> None:
+        """The L2 receive path (completion ring, RX ring, VNIC, MAC filter) that RoCE ingress needs."""
+        nq_enable = bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID
+        completion = Ring(self.pci, 64, RING_ENTRY_SIZES[bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL], queue=False)
+        cmpl_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, completion, enables=nq_enable,
+                                         nq_ring_id=self.nq_id)
+        receive = Ring(self.pci, 64, RING_ENTRY_SIZES[bnxt.RING_ALLOC_REQ_RING_TYPE_RX])
+        rx_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_RX, receive, rx_buf_size=2048,
+                                       enables=nq_enable | bnxt.RING_ALLOC_REQ_ENABLES_RX_BUF_SIZE_VALID,
+                                       nq_ring_id=self.nq_id)
+        vnic = (await self.hwrm("vnic_alloc")).vnic_id
+        self._on_close("HWRM vnic_free", lambda: self.hwrm_channel.command("vnic_free", vnic_id=vnic))
+        await self.hwrm("vnic_cfg", vnic_id=vnic, mru=9018, default_rx_ring_id=rx_id, default_cmpl_ring_id=cmpl_id,
+                        enables=bnxt.VNIC_CFG_REQ_ENABLES_MRU | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_RX_RING_ID
+                        | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_CMPL_RING_ID)
+        mac = tuple(bytes.fromhex(self.mac.replace(":", "")))
+        l2_filter = await self.hwrm(
+            "cfa_l2_filter_alloc", flags=bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_PATH_RX, l2_addr=mac,
+            l2_addr_mask=(0xFF,) * 6, dst_id=vnic,
+            enables=bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR_MASK
+            | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID)
+        filter_id = l2_filter.l2_filter_id
+        self._on_close("HWRM cfa_l2_filter_free", lambda: self.hwrm_channel.command("cfa_l2_filter_free", l2_filter_id=filter_id))
+
+    async def _open_events(self, task_group: anyio.abc.TaskGroup) -> None:
+        """The event ring and its reader (firmware_events.py), then the link and the MTU as they are now."""
+        ring = Ring(self.pci, EVENT_RING_DEPTH, ASYNC_EVENT_ENTRY.size)
+        ring_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, ring, EVENT_VECTOR)
+        fd = self.pci.interrupt_fd(EVENT_VECTOR) if EVENT_VECTOR < self.pci.num_vectors else None
+        self.liveness.on_lost(lambda _: wake(fd))  # the reader sleeps without a timeout: it must hear of a loss
+        reader = EventRing(ring, ring_id, self.doorbells, self.db_offset, fd, self.liveness)
+        await task_group.start(self.in_background, functools.partial(reader.serve, self._on_firmware_event))
+        await self._query_link()
+        await self._query_port_mtu()
+
+    async def _query_link(self) -> None:
+        """The link, from PORT_PHY_QCFG (bnxt_en's bnxt_update_link)."""
+        phy = await self.hwrm_channel.command("port_phy_qcfg", port_id=self.port_id)
+        up = phy.link == bnxt.PORT_PHY_QCFG_RESP_LINK_LINK
+        self.link = Link(up, LINK_SPEED_MBPS.get(phy.link_speed, 0) if up else 0)
+
+    async def _query_port_mtu(self) -> None:
+        """The port's MTU: FUNC_QCFG's admin_mtu, as DPDK's bnxt_hwrm_func_qcfg reads it (bnxt_en takes
+        max_mtu_configured as the ceiling of its netdev's MTU: the fallback)."""
+        qcfg = await self.hwrm_channel.command("func_qcfg", fid=0xFFFF)
+        self.port_mtu = qcfg.admin_mtu or qcfg.max_mtu_configured
+
+    async def set_loopback(self, mode: int) -> None:
+        """PHY loopback: bnxt PORT_PHY_CFG_REQ_LPBK_NONE / _LOCAL / _REMOTE / _EXTERNAL."""
+        await self.hwrm("port_phy_cfg", port_id=self.port_id, enables=bnxt.PORT_PHY_CFG_REQ_ENABLES_LPBK, lpbk=mode)
+
+    # -- close -----------------------------------------------------------------------------------------------------
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Free every firmware object in reverse order of creation, quiesce the device (FUNC_RESET, bus mastering
+        off, a function-level reset), and only then free the host memory it could write: rings, context and
+        statistics memory, and the memory of objects the firmware did not let go of. Memory is freed even when the
+        firmware is gone.
+
+        From the first call on, the public API raises ClosedError. It works without the NIC's background tasks (a
+        cancelled block has lost them): each command then reads its own reply, and notices a device that died.
+        The firmware gets at most `timeout` seconds in all: once spent, the remaining commands are not sent (the
+        function reset that ends the close frees what they would have)."""
+        if not self._closing:
+            self._closing = True
+            for scope in self._background:  # the poller and the CREQ reader stop here; commands read their own replies
+                scope.cancel()
+        if self._closed:
+            return
+        self.budget.start(timeout)  # each call's own budget: a cancelled close resumes
+        async with self._close_lock:  # a second close waits for the first, and takes over if that one is cancelled
+            if self._closed:  # the first finished meanwhile
+                return
+            await self._release_objects()
+            await self._teardown_all()
+            await self._quiesce()
+            await self._free_memory()
+            self._closed = True
+            _open_devices.discard(self)
+
+    async def _release_objects(self) -> None:
+        """Destroy the attached verbs objects, QPs first (they hold CQs), then the rest, newest first. One the
+        firmware did not let go of stays attached: its memory is freed after the quiesce."""
+        for obj in sorted(reversed(list(self.objects.values())), key=lambda o: o.release_order):
+            try:
+                await obj.release()
+            except Exception as exc:  # still close the rest
+                log.warning("%s: close: %s", self.pci.address, exc)
+
+    async def _quiesce(self) -> None:
+        """Stop the device from touching host memory before any is freed, as Linux's bnxt_en does before it frees
+        its rings: FUNC_RESET through the firmware (within the close's budget), then bus mastering off and a
+        function-level reset, which stop its DMA whatever the firmware did (the FUNC_RESET is skipped when the
+        firmware left the last HWRM command unanswered)."""
+        if self.alive and self.hwrm_channel.answering and not self.budget.spent():
+            try:
+                await self.hwrm_channel.command("func_reset")
+            except FabricError as exc:  # a firmware that does not answer is stopped below all the same
+                log.info("%s: close: HWRM func_reset: %s", self.pci.address, exc)
+        quiesce_function(self.pci)
+
+    async def _free_memory(self) -> None:
+        for obj in list(self.objects.values()):  # what the firmware kept: the device is stopped, it is ours again
+            obj.forget()
+        self.objects.clear()
+        while self._memory:
+            self._memory.pop()()
+        await self.hwrm_channel.close()
+
+    async def _teardown_all(self) -> None:
+        failures = []
+        while self._teardown:
+            what, action = self._teardown[-1]  # popped once done: a cancel in the middle leaves it for the resume
+            try:
+                result = action()  # with the device lost, its commands raise at once and memory is still freed
+                if result is not None:
+                    await result
+            except DeviceLostError:
+                pass  # the device is gone, and its objects with it
+            except Exception as exc:  # keep freeing the rest; report at the end
+                failures.append(f"{what}: {exc}")
+            self._teardown.pop()
+        if failures:
+            log.warning("%s: close: %s", self.pci.address, "; ".join(failures))
+
+
+_open_devices: weakref.WeakSet[Device] = weakref.WeakSet()  # booted, not yet closed: the crash path stops them
+
+
+def quiesce_function(pci: PCIDevice) -> None:
+    """Bus mastering off and a function-level reset, best effort (a device already gone takes neither)."""
+    for step in (pci.disable_bus_master, pci.reset):
+        try:
+            step()
+        except (PCIError, OSError) as exc:
+            log.info("%s: %s: %s", pci.address, step.__name__, exc)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """A process that exits with NICs still open (an exception that escaped, sys.exit from a thread) must not leave
+    them writing into memory it no longer owns: stop their DMA. A process killed outright runs nothing; the next open
+    resets the function first, and the kernel's vfio-pci resets it when its file closes."""
+    for device in list(_open_devices):
+        quiesce_function(device.pci)
+
+
+def _backing_entries(kind: int, caps: ctypes.Structure, splits: list[int], counts: dict[int, int]) -> int:
+    """Entries for one backing-store type, as bnxt_en sizes them for a RoCE-capable function."""
+    base = sum(splits)
+    extras: dict[int, int] = {BackingStoreType.QP: EXTRA_QPS, BackingStoreType.SRQ: EXTRA_QPS // 2,
+                              BackingStoreType.CQ: 2 * EXTRA_QPS, BackingStoreType.MRAV: EXTRA_MRS}
+    extra = extras.get(kind, 0)
+    entries = counts.get(BackingStoreType.QP, base + EXTRA_QPS) if kind == BackingStoreType.TIM else base + extra
+    multiple = max(caps.entry_multiple, 1)
+    entries = -(-entries // multiple) * multiple
+    return max(caps.min_num_entries, min(entries, caps.max_num_entries or entries))
+
+
+def _free_all(*items: Any) -> None:
+    for item in items:
+        item.free()
+

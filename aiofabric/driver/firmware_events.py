@@ -1,0 +1,102 @@
+"""Firmware events: the async event ring and its reader, what each event means, and the port's link.
+
+Linux's bnxt_en (bnxt.c) registers the events it handles with FUNC_DRV_RGTR (bnxt_hwrm_func_drv_rgtr: the
+async_event_fwd bitmap of bnxt_async_events_arr) and names the ring they arrive on with FUNC_CFG's async_event_cr
+(bnxt_hwrm_set_async_event_cr): on P5 chips its first NQ, whose poll hands every entry that is not a CQ notification
+to bnxt_hwrm_handler and bnxt_async_event_process. Link changes make it re-read PORT_PHY_QCFG (bnxt_link_sp,
+bnxt_update_link); RESET_NOTIFY stops the device (bnxt_fw_reset, and bnxt_re's stop marks its command queue detached
+and reports IB_EVENT_DEVICE_FATAL): everything must be re-initialised, which here is a lost device.
+
+Here the events get an NQ of their own (`EventRing`) on MSI-X vector EVENT_VECTOR, read by one of the NIC's
+background tasks that sleeps on that interrupt without a timeout (README: an idle NIC wakes nothing). The bindings
+carry no FUNC_CFG (autogen/generate.py's HWRM_COMMANDS), so the ring cannot be named to the firmware: the HSI then
+sends events to the function's default completion ring, which the emulator takes to be an NQ the function uses for
+nothing else (sim/hwrm.py). A real NIC needs FUNC_CFG's async_event_cr.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Awaitable, Callable
+
+from .interrupts import wait_for_interrupt
+from .liveness import Liveness
+from .rings import Ring
+from ..autogen import bnxt
+from ..hw import doorbell
+from ..hw.async_event import ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, EventId, ResetReason, reset_reason
+from ..pci import Bar
+
+log = logging.getLogger("aiofabric.driver.device")
+
+EVENT_VECTOR = 3  # RING_ALLOC's logical_id for the event ring (interrupts.py has the others)
+EVENT_RING_DEPTH = 64
+LINK_EVENTS = frozenset({EventId.LINK_STATUS_CHANGE, EventId.LINK_SPEED_CHANGE, EventId.PORT_PHY_CFG_CHANGE})
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The port's link as PORT_PHY_QCFG reports it."""
+    up: bool
+    speed_mbps: int  # 0 while down
+
+
+def event_kind(event_id: int, data1: int) -> str:
+    """A DeviceEvent's kind for a firmware event: "link" (its state or speed changed: re-read it), "mtu", "reset" (a
+    reset notice), "fatal" (RESET_NOTIFY for a fatal firmware exception), or the event's name in lower case."""
+    if event_id in LINK_EVENTS:
+        return "link"
+    if event_id == EventId.LINK_MTU_CHANGE:
+        return "mtu"
+    if event_id == EventId.RESET_NOTIFY:
+        return "fatal" if reset_reason(data1) == ResetReason.FW_EXCEPTION_FATAL else "reset"
+    try:
+        return EventId(event_id).name.lower()
+    except ValueError:
+        return f"event_{event_id:#x}"
+
+
+def reset_text(data1: int) -> str:
+    """RESET_NOTIFY's reason, by name."""
+    reason = reset_reason(data1)
+    try:
+        return ResetReason(reason).name
+    except ValueError:
+        return f"reason {reason:#x}"
+
+
+class EventRing:
+    """The NQ the firmware writes hwrm_async_event_cmpl entries to, and its reader (`serve`)."""
+
+    def __init__(self, ring: Ring, ring_id: int, doorbells: Bar, db_offset: int, fd: int | None,
+                 liveness: Liveness) -> None:
+        self.ring, self.ring_id, self.doorbells, self.db_offset, self.fd = ring, ring_id, doorbells, db_offset, fd
+        self.liveness = liveness
+        self.armed = False
+
+    def take(self) -> list[tuple[int, int, int]]:
+        """The events written since the last call, as (event_id, data1, data2); the ring is armed again after any
+        (an NQ that fired is disarmed)."""
+        ring, view, events = self.ring, self.ring.view, []
+        while ASYNC_EVENT_ENTRY.is_new(view, ring.offset(ring.consumer), ring.consumer, ring.depth):
+            kind, event_id, data2, data1 = ASYNC_EVENT.unpack_from(view, ring.offset(ring.consumer))
+            if kind & bnxt.ASYNC_EVENT_CMPL_TYPE_MASK == ASYNC_EVENT_TYPE:
+                events.append((event_id, data1, data2))
+            else:
+                log.warning("event ring %d: entry of type %#x is no async event: dropped", self.ring_id, kind)
+            ring.consumer += 1
+        if events or not self.armed:
+            self.doorbells.write64_doorbell(self.db_offset, doorbell.encode(
+                self.ring_id, bnxt.DBC_DBC_TYPE_NQ_ARM, ring.slot(ring.consumer), ring.epoch(ring.consumer)))
+            self.armed = True
+        return events
+
+    async def serve(self, handle: Callable[[int, int, int], Awaitable[None]]) -> None:
+        """Hand every event to `handle`, in order, until the device is lost; between events, sleep on the ring's
+        interrupt with no timeout: arming after the last entry read closes the race (the NQ fires at once when
+        entries wait)."""
+        while self.liveness.alive:
+            for event in self.take():
+                await handle(*event)
+            if self.liveness.alive:
+                await wait_for_interrupt(self.fd, None)

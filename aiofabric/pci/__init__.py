@@ -1,0 +1,14 @@
+"""The PCI seam and its three backends: the interface (`seam`), a real NIC through VFIO (`vfio`, the default) or plain
+sysfs (`sysfs`), and the emulated NIC (`emulated`, which talks to the emulator process of `aiofabric.sim`); with what
+they share: Linux memory (`linux`), the doorbell barrier, the DMA pool and the checks before a device is taken
+(`preflight`). The driver imports the seam's names from here and a backend only where it opens one."""
+from .barrier import memory_barrier
+from .linux import PAGE_SIZE
+from .seam import ADDRESS, Bar, DmaBudget, DmaBuffer, PCIDevice, check_bar_index
+from ..errors import PCIError
+from ..hw.pci import (BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_COMMAND_INTX_DISABLE, PCI_COMMAND_MASTER, PCI_COMMAND_MEMORY,
+                      PCI_DEVICE_ID, PCI_VENDOR_ID)
+
+__all__ = ["BROADCOM_VENDOR_ID", "PCI_COMMAND", "PCI_COMMAND_INTX_DISABLE", "PCI_COMMAND_MASTER", "PCI_COMMAND_MEMORY",
+           "PCI_DEVICE_ID", "PCI_VENDOR_ID", "ADDRESS", "PAGE_SIZE", "Bar", "DmaBudget", "DmaBuffer", "PCIDevice",
+           "PCIError", "check_bar_index", "memory_barrier"]
