@@ -1,12 +1,15 @@
 """Every `anyio` test runs on asyncio, uvloop and trio, except those marked `loop_agnostic`: they run once, on the
 backend their name picks, so that together they still use all three. Under pytest-xdist, the tests of
-tests/test_wire.py and tests/test_interop.py run alone: they bind fixed 127.0.0.x addresses, which another worker's
-emulated NIC (it binds the first free one) may hold."""
+tests/emulator/test_wire.py and tests/emulator/test_interop.py run alone: they bind fixed 127.0.0.x addresses, which
+another worker's emulated NIC (it binds the first free one) may hold. The helpers in tests/support fail with pytest's
+detailed assertion messages, as the tests do."""
 import fcntl
 import os
 import zlib
 
 import pytest
+
+pytest.register_assert_rewrite("tests.support")  # before any test module imports them
 
 ALONE = ("test_wire.py", "test_interop.py")  # their tests bind fixed addresses
 BACKENDS = [pytest.param(("asyncio", {}), id="asyncio"),

@@ -156,7 +156,7 @@ def hardware_structs(paths: list[Path]) -> list[str]:
 def test_no_struct_for_a_hardware_format_outside_hw():
     """Every host-interface layout is hw/'s, built from the bindings: the driver, the emulator and the tests import
     it. The exceptions are formats that are not the host interface (NON_HARDWARE_STRUCTS)."""
-    assert hardware_structs(modules() + sorted(TESTS.glob("*.py"))) == []
+    assert hardware_structs(modules() + sorted(TESTS.rglob("*.py"))) == []
     assert all(struct_constructions(PACKAGE.parent / path) for path in NON_HARDWARE_STRUCTS)  # none stale
 
 

@@ -12,35 +12,18 @@ import pytest
 
 from aiofabric import Access, DeviceLostError, QPInfo, QPState, open_nic
 from aiofabric.autogen import bnxt
-from aiofabric.driver import hwrm_channel, rcfw_channel
 from aiofabric.hw.wqe import MSN_ENTRY, SQ_SLOT
 from aiofabric.verbs.completions import CompletionError
 from aiofabric.verbs.poller import QUIET_SAFETY_POLL
 from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
+from tests.support.nics import connected_pair, count_wakeups
 
 pytestmark = pytest.mark.anyio
 
 
-@contextlib.asynccontextmanager
-async def pair(mtu=1024, sq_depth=64, **options):
-    """Two emulated NICs with one connected RC QP each. A wire with faults gets a short ACK timeout (exponent 8, about
-    1 ms: a lost tail is resent quickly); a clean one perftest's 14 (67 ms), because eight 1 ms timeouts in a row are
-    only an emulator process waiting for a CPU on a loaded machine, which then fails a write with RETRY_CNT_EXCEEDED
-    (seen in CI beside a CPU hog)."""
-    tag = f"{os.getpid()}-{random.getrandbits(20)}"
-    timeout = 8 if any(options.get(fault) for fault in ("loss", "dup", "reorder", "corrupt")) else 14
-    async with open_nic(f"sim:a{tag}", **options) as a, open_nic(f"sim:b{tag}", **options) as b:
-        cq_a, cq_b = await a.create_cq(256), await b.create_cq(256)
-        qa = await a.create_qp(cq_a, sq_depth=sq_depth, rq_depth=64)
-        qb = await b.create_qp(cq_b, sq_depth=sq_depth, rq_depth=64)
-        await qa.connect(qb.info(), mtu=mtu, timeout=timeout)
-        await qb.connect(qa.info(), mtu=mtu, timeout=timeout)
-        yield a, b, qa, qb
-
-
 @pytest.mark.loop_agnostic
 async def test_write_lands_exactly_across_message_sizes():
-    async with pair(mtu=1024) as (a, b, qa, qb):
+    async with connected_pair(mtu=1024) as (a, b, qa, qb):
         source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
         source.view[:] = random.Random(1).randbytes(1 << 16)
         for size in (1, 61, 1024, 1025, 10000, 65536):
@@ -53,7 +36,7 @@ async def test_write_lands_exactly_across_message_sizes():
 
 @pytest.mark.loop_agnostic
 async def test_zero_length_write_completes_as_one_message_that_places_nothing():
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         source, target = await a.register_mr(4096), await b.register_mr(4096)
         source.view[:] = b"\x5a" * 4096
         with anyio.fail_after(5):
@@ -67,7 +50,7 @@ async def test_zero_length_write_completes_as_one_message_that_places_nothing():
 @pytest.mark.loop_agnostic
 async def test_unsignaled_work_before_a_failing_request_completes_without_its_error():
     """One error CQE retires the unsignaled work requests before it too: they succeeded, only the last one failed."""
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         source, target = await a.register_mr(4096), await b.register_mr(4096)
         source.view[:] = random.Random(5).randbytes(4096)
         good = [await qa.post_write(source, target, 64, local_offset=64 * i, remote_offset=64 * i, signaled=False)
@@ -87,7 +70,7 @@ async def test_msn_table_entries_name_each_messages_psns_and_wqe_as_the_wire_doe
     PSN, next PSN and first SQ slot of each message. Its PSNs chain from the QP's initial PSN to the PSN the
     emulated requester sends next, each message taking one PSN per MTU-sized packet (one for zero bytes)."""
     mtu = 1024
-    async with pair(mtu=mtu) as (a, b, qa, qb):
+    async with connected_pair(mtu=mtu) as (a, b, qa, qb):
         source, target = await a.register_mr(8 * mtu), await b.register_mr(8 * mtu)
         sizes = [0, 1, mtu, mtu + 1, 3 * mtu + 5]
         first_psn, first_slot = qa.info().psn, qa.send_queue.producer
@@ -114,7 +97,7 @@ async def test_msn_table_entries_name_each_messages_psns_and_wqe_as_the_wire_doe
 
 @pytest.mark.loop_agnostic
 async def test_read_send_recv_and_write_with_imm():
-    async with pair(mtu=512) as (a, b, qa, qb):
+    async with connected_pair(mtu=512) as (a, b, qa, qb):
         local, remote = await a.register_mr(8192), await b.register_mr(8192)
         remote.view[:] = random.Random(2).randbytes(8192)
         with anyio.fail_after(10):
@@ -139,7 +122,7 @@ async def test_read_send_recv_and_write_with_imm():
 
 @pytest.mark.loop_agnostic
 async def test_hundreds_in_flight_unsignaled_retired_and_sq_wraps():
-    async with pair(sq_depth=32) as (a, b, qa, qb):
+    async with connected_pair(sq_depth=32) as (a, b, qa, qb):
         source, target = await a.register_mr(256 * 64), await b.register_mr(256 * 64)
         source.view[:] = random.Random(3).randbytes(256 * 64)
         completions = []
@@ -158,7 +141,7 @@ async def test_hundreds_in_flight_unsignaled_retired_and_sq_wraps():
 
 @pytest.mark.loop_agnostic
 async def test_bad_rkey_fails_with_remote_access_error_and_flushes_the_rest():
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         source, target = await a.register_mr(4096), await b.register_mr(4096)
         good = await qa.post_write(source, target, 16)
         bad = await qa.post_write(source, RemoteRegion(target.addr, target.rkey ^ 0x100), 16)
@@ -178,11 +161,11 @@ async def test_bad_rkey_fails_with_remote_access_error_and_flushes_the_rest():
 
 @pytest.mark.loop_agnostic
 async def test_bad_lkey_and_read_into_read_only_memory():
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         target = await b.register_mr(4096)
         with anyio.fail_after(10), pytest.raises(CompletionError, match="LOCAL_PROTECTION_ERR"):
             await qa.write(LocalBuffer(0x10_0000_0000, 0xDEAD00, 64), target, 64)
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         readonly = await a.register_mr(4096, Access.REMOTE_READ)
         remote = await b.register_mr(4096)
         with anyio.fail_after(10), pytest.raises(CompletionError, match="LOCAL_PROTECTION_ERR"):
@@ -191,7 +174,7 @@ async def test_bad_lkey_and_read_into_read_only_memory():
 
 @pytest.mark.loop_agnostic
 async def test_modify_to_error_flushes_posted_receives():
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         inbox = await b.register_mr(4096)
         receives = [await qb.post_recv(inbox, 64) for _ in range(5)]
         await qb.modify(QPState.ERR)
@@ -204,7 +187,7 @@ async def test_modify_to_error_flushes_posted_receives():
 @pytest.mark.loop_agnostic
 async def test_qp_info_wider_than_the_wire_is_refused_and_reaches_no_qp():
     """BTH carries 24 bits of QP number and PSN: QP 1 << 24 | 2 must not become QP 2."""
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         cq = await a.create_cq(16)
         qc = await a.create_qp(cq)
         good = qb.info()
@@ -227,30 +210,8 @@ async def test_qp_info_wider_than_the_wire_is_refused_and_reaches_no_qp():
         assert b.pci.debug({"op": "placed"})["qps"][str(qb.qpn)]["write_messages"] == 0
 
 
-def count_wakeups(monkeypatch, *nics):
-    """What an idle NIC's driver would wake up for: the poller's sleeps ending, the device's own interrupt waits
-    (CREQ reader, HWRM) starting, and doorbells or register writes reaching the emulator (each wakes it)."""
-    device_waits = []
-    for channel in (hwrm_channel, rcfw_channel):
-        original = channel.wait_for_interrupt
-
-        async def counting(fd, timeout, _original=original):
-            device_waits.append(timeout)
-            return await _original(fd, timeout)
-        monkeypatch.setattr(channel, "wait_for_interrupt", counting)
-    writes = []
-    for nic in nics:
-        for bar, method in ((nic.device.doorbells, "write64"), (nic.device.bar0, "write32"),
-                            (nic.device.bar0, "write64")):
-            def written(*args, _write=getattr(bar, method)):
-                writes.append(args)
-                return _write(*args)
-            monkeypatch.setattr(bar, method, written)
-    return lambda: (sum(nic.poller.stats["wakeups"] for nic in nics), len(device_waits), len(writes))
-
-
 async def test_an_idle_nic_wakes_nobody_yet_hears_the_next_completion(monkeypatch):
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         source, target = await a.register_mr(4096), await b.register_mr(4096)
         with anyio.fail_after(5):
             await qa.write(source, target, 64)
@@ -271,7 +232,7 @@ async def test_an_idle_nic_wakes_nobody_yet_hears_the_next_completion(monkeypatc
 
 @pytest.mark.parametrize("poller", ["sleeping", "awake"])
 async def test_quiet_work_backs_off_its_safety_poll_but_new_work_is_insured_at_once(poller):
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         cq = await a.create_cq(16)
         waiting = await a.create_qp(cq)
         inbox, source, target = await a.register_mr(4096), await a.register_mr(4096), await b.register_mr(4096)
@@ -302,7 +263,7 @@ async def test_quiet_work_backs_off_its_safety_poll_but_new_work_is_insured_at_o
 
 @pytest.mark.loop_agnostic
 async def test_faults_still_deliver_every_byte_exactly_once():
-    async with pair(loss=0.05, dup=0.05, reorder=0.05, corrupt=0.02, seed=11) as (a, b, qa, qb):
+    async with connected_pair(loss=0.05, dup=0.05, reorder=0.05, corrupt=0.02, seed=11) as (a, b, qa, qb):
         source, target = await a.register_mr(64 * 1024), await b.register_mr(64 * 1024)
         source.view[:] = random.Random(4).randbytes(64 * 1024)
         inbox = await b.register_mr(64 * 1024)

@@ -1,5 +1,5 @@
 """Pre-flight checks and `aiofabric doctor` (README: Real NIC): each check passing and failing with its fix on a fake
-machine (tests/test_pci_sysfs.py's fake sysfs tree under a fake root), the per-device lock, the open's refusals, and
+machine (tests/support/sysfs.py's fake sysfs tree under a fake root), the per-device lock, the open's refusals, and
 the command on this machine, which has no BNXT function."""
 import json
 import os
@@ -15,11 +15,8 @@ from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER, PCIError, preflight
 from aiofabric.pci.preflight import (CAP_IPC_LOCK, CAP_SYS_ADMIN, PCI_COMMAND_INTX_DISABLE, SUPPORTED_CHIPS, DeviceLock,
                                      Host, Target, check_memlock, claim, doctor)
 from aiofabric.pci.sysfs import SysfsPCIDevice
+from tests.support.sysfs import ADDR, PEER, make_tree
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_pci_sysfs import ADDR, make_tree  # noqa: E402
-
-PEER = "0000:41:00.1"
 ALL_CAPS = (1 << 41) - 1
 
 

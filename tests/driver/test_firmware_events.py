@@ -5,8 +5,6 @@ import time
 
 import anyio
 import pytest
-from test_datapath import count_wakeups, pair
-from test_sim_firmware import Driver
 
 from aiofabric import open_nic
 from aiofabric.autogen import bnxt
@@ -17,8 +15,9 @@ from aiofabric.hw.async_event import (ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVEN
 from aiofabric.sim.packets import Op, Packet
 from aiofabric.sim.port import Port, frame_size
 from aiofabric.tools.perftest import BenchConfig, run_bench
+from tests.support.firmware import NQ, Driver
+from tests.support.nics import connected_pair, count_wakeups
 
-NQ = bnxt.RING_ALLOC_REQ_RING_TYPE_NQ
 pytestmark = pytest.mark.anyio
 
 
@@ -184,7 +183,7 @@ async def test_reset_notice_and_fatal_error_fail_everything_at_once_naming_the_e
 
 
 async def test_an_idle_nic_with_the_event_reader_wakes_nobody(monkeypatch):
-    async with pair() as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         source, target = await a.register_mr(4096), await b.register_mr(4096)
         with anyio.fail_after(5):
             await qa.write(source, target, 64)
@@ -219,7 +218,7 @@ async def test_bench_on_a_1500_byte_port_uses_path_mtu_1024_and_says_so(capsys):
 @pytest.mark.loop_agnostic
 async def test_path_mtu_4096_on_a_1500_byte_port_is_lost_until_retries_run_out():
     """What the bench's clamp avoids: the port drops every full packet, as a 1500-byte fabric would."""
-    async with pair(mtu=4096, port_mtu=1500) as (a, b, qa, qb):
+    async with connected_pair(mtu=4096, port_mtu=1500) as (a, b, qa, qb):
         source, target = await a.register_mr(8192), await b.register_mr(8192)
         with anyio.fail_after(10), pytest.raises(CompletionError, match="TRANSPORT_RETRY_CNT_ERR"):
             await qa.write(source, target, 8192)

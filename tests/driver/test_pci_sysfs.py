@@ -1,4 +1,4 @@
-"""SysfsPCIDevice against a fake sysfs tree; DMA against the real pagemap (root only)."""
+"""SysfsPCIDevice against a fake sysfs tree (tests/support/sysfs.py); DMA against the real pagemap (root only)."""
 from __future__ import annotations
 
 import os
@@ -13,22 +13,10 @@ from aiofabric.errors import FabricError
 from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER, DmaBuffer, PCIError, barrier
 from aiofabric.pci.linux import phys_addr
 from aiofabric.pci.sysfs import SysfsPCIDevice
+from tests.support.sysfs import ADDR, BAR_SIZE, make_tree
 
-ADDR = "0000:41:00.0"
-BAR_SIZE = 64 * 1024
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="pagemap only gives physical addresses to root")
-
-
-def make_tree(root, vendor: str = "0x14e4\n"):
-    dev = root / ADDR
-    dev.mkdir(parents=True)
-    (dev / "vendor").write_text(vendor)
-    (dev / "device").write_text("0x1750\n")
-    (dev / "config").write_bytes(bytes(256))
-    for n in (0, 2):
-        (dev / f"resource{n}").write_bytes(bytes(BAR_SIZE))
-    return dev
 
 
 @pytest.fixture

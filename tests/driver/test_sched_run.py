@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from aiofabric import QPState, RemoteRegion, open_nic, sched
 from aiofabric.sched.calls import HOST
+from tests.support import CHECKOUT
 
 BACKENDS = [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})]
 SPIN = r"""
@@ -678,7 +679,7 @@ async def test_qps_of_two_nics_with_one_number_get_their_own_names_and_trace_tra
 
 # -- the example ------------------------------------------------------------------------------------------------------
 def test_example_batch_runs_as_is():
-    path = Path(__file__).resolve().parents[1] / "examples" / "batch.py"
+    path = CHECKOUT / "examples" / "batch.py"
     process = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "PYTHONPATH": str(path.parents[1])})
     assert process.returncode == 0, process.stderr

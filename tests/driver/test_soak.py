@@ -7,14 +7,14 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import anyio
 import pytest
 
 from aiofabric import CompletionError, open_nic
+from tests.support import CHECKOUT
 
-SOAK = [sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "soak.py")]
+SOAK = [sys.executable, str(CHECKOUT / "bench" / "soak.py")]
 
 
 def soak(*args, timeout):

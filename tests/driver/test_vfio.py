@@ -29,8 +29,8 @@ from aiofabric.pci.sysfs import SysfsPCIDevice
 from aiofabric.pci.vfio import IovaSpace, LinuxVfio, MappedBar, RegionBar, VfioPCIDevice
 from aiofabric.sim.memory import BUS_BASE
 from aiofabric.verbs import nic as nic_module
+from tests.support.sysfs import ADDR, PEER
 
-ADDR, PEER = "0000:41:00.0", "0000:41:00.1"
 GROUP = "7"
 MSIX = abi.VFIO_PCI_MSIX_IRQ_INDEX
 ONE_BACKEND = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])

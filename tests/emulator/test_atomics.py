@@ -3,7 +3,7 @@ results against a model, exactly-once execution when packets are lost and duplic
 a responder that executes a duplicate again), and what is refused where: bad arguments by the driver before anything
 is posted, a misaligned address or missing REMOTE_ATOMIC access by the responder.
 
-The protocol tests run the emulator's data path in-process (tests/test_sim_datapath.py's hosts and wire, with the
+The protocol tests run the emulator's data path in-process (tests/support/emulator.py's hosts and wire, with the
 driver's SendQueueCodec writing the WQEs), so a test can lose one chosen packet or tamper with the responder; the
 others go through `open_nic` and the emulator processes."""
 import contextlib
@@ -12,7 +12,6 @@ import random
 
 import anyio
 import pytest
-import test_sim_datapath as harness
 
 from aiofabric import open_nic
 from aiofabric.autogen import bnxt
@@ -23,6 +22,7 @@ from aiofabric.sim.responder import Responder
 from aiofabric.verbs.completions import CompletionError
 from aiofabric.verbs.queues import ALL_ACCESS, Access
 from aiofabric.verbs.workqueue import SIGNAL, SendQueueCodec
+from tests.support import emulator
 
 CS, FA = bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS, bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA
 WRITE = bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE
@@ -57,7 +57,7 @@ def test_the_codec_writes_sq_atomic_hdr_and_one_sge_taking_one_psn():
 class Driver:
     """The driver's send-queue codec writing into an in-process host's SQ, as QueuePair drives it."""
 
-    def __init__(self, host: harness.Host) -> None:
+    def __init__(self, host: emulator.Host) -> None:
         geometry = host.geometry
         self.host = host
         self.sq = SendQueueCodec(geometry, host.mem.view(host.sq, geometry.table_offset + geometry.table_entries
@@ -73,11 +73,11 @@ class Driver:
 def atomic_pair(**options):
     """In-process hosts a and b (tests/test_sim_datapath.py) whose QPs take atomics, a's driver, a's 64 KiB region
     for results (address, key) and b's 4 KiB counter region (address, key)."""
-    a, b, wire = harness.pair(sq_slots=1024, **options)
+    a, b, wire = emulator.pair(sq_slots=1024, **options)
     for host in (a, b):
-        host.modify(QPState.RTS, harness.MASK["ACCESS"], access=harness.ALL_QP_ACCESS | QPAccess.REMOTE_ATOMIC)
+        host.modify(QPState.RTS, emulator.MASK["ACCESS"], access=emulator.ALL_QP_ACCESS | QPAccess.REMOTE_ATOMIC)
     return (a, b, wire, Driver(a), a.register(1 << 16),
-            b.register(4096, harness.ALL_MR_ACCESS | MRAccess.REMOTE_ATOMIC))
+            b.register(4096, emulator.ALL_MR_ACCESS | MRAccess.REMOTE_ATOMIC))
 
 
 def carry(items: list) -> list[pk.Packet]:
@@ -85,11 +85,11 @@ def carry(items: list) -> list[pk.Packet]:
     return [pk.decode(pk.encode(p), p.src_ip, p.dst_ip, p.src_port) for p in pk.expand(items)]
 
 
-def executed(host: harness.Host) -> int:
+def executed(host: emulator.Host) -> int:
     return host.dp.placed_report()[str(host.qpn)]["atomic_messages"]
 
 
-def statuses(host: harness.Host) -> list[int]:
+def statuses(host: emulator.Host) -> list[int]:
     return [cqe[1] for cqe in host.poll()]
 
 
@@ -100,7 +100,7 @@ def test_atomics_on_the_wire_and_their_results():
     driver.post(CS, (results + 8, lkey, 8), counter + 8, rkey, swap=7, compare=2)  # a hit: 2 -> 7
     driver.post(CS, (results + 16, lkey, 8), counter + 8, rkey, swap=9, compare=2)  # a miss: stays 7
     wire.run()
-    assert statuses(a) == [harness.REQ_OK] * 3 and statuses(b) == []
+    assert statuses(a) == [emulator.REQ_OK] * 3 and statuses(b) == []
     assert [u64(a.mem.read(results + 8 * i, 8)) for i in range(3)] == [MASK64 - 2, 2, 7]
     assert u64(b.mem.read(counter, 16), 8) == 7 and u64(b.mem.read(counter, 8)) == 0
     requests = [p for p in wire.log if p.src_ip == a.ip]
@@ -126,7 +126,7 @@ def test_atomics_in_flight_are_limited_by_max_rd_atomic():
     a.dp.pump(0.0)
     assert [p.opcode for p in pk.expand(a.dp.take_outbox())] == [pk.Op.FETCH_ADD] * 4
     wire.run()
-    assert statuses(a) == [harness.REQ_OK] * 8 and u64(b.mem.read(counter, 8)) == 8
+    assert statuses(a) == [emulator.REQ_OK] * 8 and u64(b.mem.read(counter, 8)) == 8
 
 
 def test_a_lost_atomic_acknowledge_is_answered_from_the_saved_result():
@@ -140,7 +140,7 @@ def test_a_lost_atomic_acknowledge_is_answered_from_the_saved_result():
     b.dp.receive(carry(a.dp.take_outbox()), 0.0)
     assert [p.opcode for p in pk.expand(b.dp.take_outbox())] == [pk.Op.ATOMIC_ACKNOWLEDGE]  # lost
     wire.run()
-    assert statuses(a) == [harness.REQ_OK]
+    assert statuses(a) == [emulator.REQ_OK]
     assert (u64(a.mem.read(results, 8)), u64(b.mem.read(counter, 8))) == (40, 42)
     assert (a.dp.stats["timeouts"], b.dp.stats["atomic_replays"], executed(b)) == (1, 1, 1)
 
@@ -159,7 +159,7 @@ def test_an_ack_past_an_unanswered_atomic_is_an_implied_nak():
     a.dp.receive(answers[1:], 0.0)  # the atomic's answer is lost
     assert a.dp.stats["implied_naks"] == 1
     wire.run()
-    assert statuses(a) == [harness.REQ_OK] * 2 and a.dp.stats["timeouts"] == 0
+    assert statuses(a) == [emulator.REQ_OK] * 2 and a.dp.stats["timeouts"] == 0
     assert (u64(a.mem.read(results, 8)), u64(b.mem.read(counter, 8)), executed(b)) == (0, 3, 1)
     assert b.mem.read(counter + 1024, 100) == a.mem.read(results + 64, 100)
 
@@ -189,7 +189,7 @@ def test_a_duplicate_whose_result_was_given_up_is_dropped_not_executed():
     for i in range(6):
         driver.post(FA, (results + 8 * i, lkey, 8), counter, rkey, swap=1 << i)
     wire.run()
-    assert statuses(a) == [harness.REQ_OK] * 6
+    assert statuses(a) == [emulator.REQ_OK] * 6
     requests = [p for p in wire.log if p.opcode == pk.Op.FETCH_ADD]
     b.dp.receive(carry([requests[0]]), wire.now)
     assert b.dp.take_outbox() == [] and b.dp.stats["dropped_atomic_unsaved"] == 1
@@ -212,7 +212,7 @@ def fetch_adds_over_a_faulty_wire(count: int = 60, seed: int = 9) -> tuple[list[
     wire.run(max_time=600)
     originals = [u64(a.mem.read(results + 8 * i, 8)) for i in range(count)]
     problems = model_problems(start, addends, originals, u64(b.mem.read(counter, 8)))
-    if statuses(a) != [harness.REQ_OK] * count:
+    if statuses(a) != [emulator.REQ_OK] * count:
         problems.append("not every atomic completed")
     if executed(b) != count:
         problems.append(f"the responder executed {executed(b)} atomics for {count} posted")
@@ -270,7 +270,7 @@ def test_what_the_responder_refuses_is_nakked_and_fails_the_atomic(case, syndrom
         counter, rkey = b.register(4096)
         remote = counter
     if case == "QP without REMOTE_ATOMIC":
-        b.modify(QPState.RTS, harness.MASK["ACCESS"], access=harness.ALL_QP_ACCESS)
+        b.modify(QPState.RTS, emulator.MASK["ACCESS"], access=emulator.ALL_QP_ACCESS)
     driver.post(FA, (results, lkey, 8), remote, rkey, swap=1)
     wire.run()
     assert statuses(a) == [status]

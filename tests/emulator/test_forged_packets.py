@@ -11,16 +11,15 @@ import dataclasses
 import os
 import random
 import socket
-import time
 
 import anyio
 import numpy as np
 import pytest
-import test_sim_datapath as harness
 
 from aiofabric import QPState, collectives, open_nic
 from aiofabric.sim import packets as pk
 from aiofabric.sim.wire import IP_MTU_DISCOVER, IP_PMTUDISC_DO
+from tests.support import emulator
 
 pytestmark = pytest.mark.anyio
 FORGED = b"\xee" * 64
@@ -203,7 +202,7 @@ async def test_memory_keys_and_initial_psns_differ_between_nics_even_with_random
 
 
 def test_a_reused_key_index_gets_another_key_byte_and_the_stale_key_is_refused():
-    a, b, wire = harness.pair()
+    a, b, wire = emulator.pair()
     src, lkey = a.register(4096)
     dst, key = b.register(4096)
     for _ in range(20):
@@ -211,13 +210,13 @@ def test_a_reused_key_index_gets_another_key_byte_and_the_stale_key_is_refused()
         stale = key
         dst, key = b.register(4096)
         assert key >> 8 == stale >> 8 and key != stale  # the lowest free index again, never the same byte twice
-    a.post(harness.WRITE, [(src, lkey, 64)], remote=dst, rkey=stale)
+    a.post(emulator.WRITE, [(src, lkey, 64)], remote=dst, rkey=stale)
     wire.run()
     assert [p.syndrome for p in wire.log if p.src_ip == b.ip] == [pk.NAK_REMOTE_ACCESS]
 
 
 def test_two_firmware_instances_draw_different_key_bytes():
-    first, second = harness.Host("127.0.0.2"), harness.Host("127.0.0.3")
+    first, second = emulator.Host("127.0.0.2"), emulator.Host("127.0.0.3")
     keys = [[host.register(4096)[1] for _ in range(4)] for host in (first, second)]
     assert [key >> 8 for key in keys[0]] == [key >> 8 for key in keys[1]] == [1, 2, 3, 4]
     assert [key & 0xFF for key in keys[0]] != [key & 0xFF for key in keys[1]]
@@ -228,8 +227,8 @@ def _write_packets(a, b, size: int):
     """The packets of one WRITE of `size` bytes from a to b, as b would receive them; and the data written."""
     src, lkey = a.register(8192)
     dst, rkey = b.register(8192)
-    data = harness.fill(a, src, 8192, 4)
-    a.post(harness.WRITE, [(src, lkey, size)], remote=dst, rkey=rkey)
+    data = emulator.fill(a, src, 8192, 4)
+    a.post(emulator.WRITE, [(src, lkey, size)], remote=dst, rkey=rkey)
     a.dp.doorbells(0.0)
     a.dp.pump(0.0)
     packets = [pk.decode(pk.encode(p), p.src_ip, p.dst_ip, p.src_port) for p in pk.expand(a.dp.take_outbox())]
@@ -238,7 +237,7 @@ def _write_packets(a, b, size: int):
 
 def test_a_forged_middle_packet_in_the_real_peers_batch_is_dropped_not_copied():
     """The responder copies a long message's MIDDLE packets in a tight loop: a forged one among them stops it."""
-    a, b, wire = harness.pair(mtu=1024)
+    a, b, wire = emulator.pair(mtu=1024)
     packets, dst, data = _write_packets(a, b, 3000)
     assert [p.opcode for p in packets] == [pk.Op.RDMA_WRITE_FIRST, pk.Op.RDMA_WRITE_MIDDLE, pk.Op.RDMA_WRITE_LAST]
     forged = dataclasses.replace(packets[1], src_ip="127.0.0.9", payload=b"\xee" * 1024)
@@ -246,13 +245,13 @@ def test_a_forged_middle_packet_in_the_real_peers_batch_is_dropped_not_copied():
     assert b.mem.read(dst, 3000) == data
     assert (b.dp.stats["dropped_bad_source"], b.dp.stats["duplicates"]) == (1, 0)
     wire.run()
-    assert [c[1] for c in a.poll()] == [harness.REQ_OK]
+    assert [c[1] for c in a.poll()] == [emulator.REQ_OK]
 
 
 @pytest.mark.parametrize("field, value", [("src_ip", "127.0.0.9"), ("dst_ip", "127.0.0.9")])
 def test_a_packet_not_between_the_qp_and_its_peer_is_dropped(field, value):
     """rxe's check_addr compares both: the source with the QP's destination, the destination with its source."""
-    a, b, wire = harness.pair(mtu=1024)
+    a, b, wire = emulator.pair(mtu=1024)
     (packet,), dst, data = _write_packets(a, b, 100)
     b.dp.receive([dataclasses.replace(packet, **{field: value})], 0.0)
     assert not any(b.mem.read(dst, 100)) and b.dp.stats["dropped_bad_source"] == 1
@@ -263,19 +262,19 @@ def test_a_packet_not_between_the_qp_and_its_peer_is_dropped(field, value):
 
 def test_a_forged_acknowledgement_completes_nothing():
     """The requester's side too: an ACK from elsewhere for a WRITE the responder never got retires no work."""
-    a, b, wire = harness.pair(mtu=1024)
+    a, b, wire = emulator.pair(mtu=1024)
     (packet,), _, _ = _write_packets(a, b, 100)
     ack = pk.Packet(pk.Op.ACKNOWLEDGE, a.qpn, packet.psn, syndrome=pk.ACK_UNLIMITED, msn=1, src_ip="127.0.0.9",
                     dst_ip=a.ip, src_port=packet.src_port)
     a.dp.receive([ack], 0.0)
     assert a.poll() == [] and a.dp.stats["dropped_bad_source"] == 1
     a.dp.receive([dataclasses.replace(ack, src_ip=b.ip)], 0.0)  # the same from the peer: it counts
-    assert [c[1] for c in a.poll()] == [harness.REQ_OK]
+    assert [c[1] for c in a.poll()] == [emulator.REQ_OK]
 
 
 def test_a_packet_from_the_peer_to_a_qp_that_does_not_receive_is_dropped_for_its_state():
     """rxe's check_type_state, before the address: the right peer's packet to a QP back in RESET or INIT."""
-    a, b, wire = harness.pair(mtu=1024)
+    a, b, wire = emulator.pair(mtu=1024)
     (packet,), dst, data = _write_packets(a, b, 100)
     for state in (QPState.RESET, QPState.INIT):
         b.modify(state)

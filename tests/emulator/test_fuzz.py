@@ -1,18 +1,17 @@
 """Fuzzing the emulated NIC, the fast subset: hostile input never crashes it, leaks or miscounts.
 
-Sans-IO first (the codec, HWRM and RCFW firmware driven as in test_sim_firmware, with hypothesis), then a live NIC
-through the seam and its wire with bench/fuzz.py's generators at small counts (the long run is `python bench/fuzz.py`).
+Sans-IO first (the codec, HWRM and RCFW firmware driven by tests/support/firmware.py's Driver, with hypothesis), then
+a live NIC through the seam and its wire with bench/fuzz.py's generators at small counts (the long run is
+`python bench/fuzz.py`).
 """
 import ctypes
 import importlib.util
-import pathlib
 import random
 
 import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sim_firmware import Driver
 
 import aiofabric
 from aiofabric.autogen import bnxt
@@ -23,8 +22,10 @@ from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE
 from aiofabric.sim.objects import NotificationQueue
 from aiofabric.sim.rcfw import Rcfw
+from tests.support import CHECKOUT
+from tests.support.firmware import Driver
 
-_spec = importlib.util.spec_from_file_location("fuzz", pathlib.Path(__file__).parent.parent / "bench" / "fuzz.py")
+_spec = importlib.util.spec_from_file_location("fuzz", CHECKOUT / "bench" / "fuzz.py")
 fuzz = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 

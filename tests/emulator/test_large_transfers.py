@@ -3,7 +3,8 @@
 The requester asks for a long READ a segment of READ_SEGMENT responses at a time, each segment a READ request of its
 own, never more than the window (128 PSNs) ahead of what has arrived: its receive buffer, sized for a window, cannot
 overflow however large the READ or however loaded the machine. Sans-IO tests check the requests on the wire (the
-in-memory wire of test_sim_datapath); end-to-end tests move 128 MiB, and (slow) 1 GiB, between emulator processes.
+in-memory wire of tests/support/emulator.py); end-to-end tests move 128 MiB, and (slow) 1 GiB, between emulator
+processes.
 """
 import contextlib
 import hashlib
@@ -14,13 +15,13 @@ import sys
 
 import anyio
 import pytest
-from test_sim_datapath import MASK, READ, REQ_OK, WRITE, fill, pair
 
 from aiofabric import open_nic
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim import packets as pk
 from aiofabric.sim.requester import READ_SEGMENT, WINDOW
 from aiofabric.tools.perftest import BenchConfig, run_bench
+from tests.support.emulator import MASK, READ, REQ_OK, WRITE, fill, pair
 
 RESPONSES = (pk.Op.RDMA_READ_RESPONSE_FIRST, pk.Op.RDMA_READ_RESPONSE_MIDDLE, pk.Op.RDMA_READ_RESPONSE_LAST,
              pk.Op.RDMA_READ_RESPONSE_ONLY)

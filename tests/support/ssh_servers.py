@@ -1,7 +1,8 @@
-"""The SSH servers the peer tests run against, behind one fixture, `server`: tests/sshd.py's asyncssh server (in this
-process; the default) or, with `@BOTH_SERVERS`, also OpenSSH's sshd (tests/openssh.py; skipped with the reason
-where it cannot run). And how a test finds what a run left behind: the processes of a server's sessions (each
-carries SSH_CONNECTION naming the server's port, as sshd sets it) and the emulators of a driver process."""
+"""The SSH servers the peer tests run against, as the fixture `server` (tests/system/conftest.py) hands them out:
+sshd.py's asyncssh server (in this process; the default) or, with `@BOTH_SERVERS`, also OpenSSH's sshd (openssh.py;
+skipped with the reason where it cannot run). And how a test finds what a run left behind: the processes of a
+server's sessions (each carries SSH_CONNECTION naming the server's port, as sshd sets it) and the emulators of a
+driver process."""
 from __future__ import annotations
 
 import os
@@ -13,9 +14,7 @@ from typing import Callable, Iterable
 import anyio
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import openssh  # noqa: E402
-import sshd  # noqa: E402
+from tests.support import sshd
 
 BOTH_SERVERS = pytest.mark.parametrize("server", ["asyncssh", "openssh"], indirect=True)
 
@@ -42,34 +41,6 @@ class Server:
     def commands_started(self) -> int:
         """Commands the server ran since it started (SFTP sessions not counted)."""
         return self._commands_started()
-
-
-@pytest.fixture
-async def server(request, tmp_path):
-    keys = sshd.make_keys(str(tmp_path))
-    if getattr(request, "param", "asyncssh") == "openssh":
-        daemon = openssh.OpenSSHServer(tmp_path, keys["host"], keys["client"] + ".pub")
-        try:
-            port = daemon.start()
-        except openssh.Unavailable as exc:
-            pytest.skip(str(exc))
-        try:
-            yield Server("openssh", tmp_path, keys, port, daemon.commands_started)
-        finally:
-            daemon.stop()
-        return
-    home = tmp_path / "home"  # the remote commands' working directory: aiofabric is not importable from it
-    home.mkdir()
-    acceptor = await sshd.start_server("127.0.0.1", 0, keys["host"], keys["client"] + ".pub", str(home))
-    before = len(sshd.STARTED)
-    try:
-        yield Server("asyncssh", tmp_path, keys, acceptor.sockets[0].getsockname()[1],
-                     lambda: len(sshd.STARTED) - before)
-    finally:
-        acceptor.close()
-        with anyio.move_on_after(5):  # let the handlers reap their commands before the loop closes
-            while sshd.CHILDREN:
-                await anyio.sleep(0.05)
 
 
 def _read(path: str) -> bytes:

@@ -12,11 +12,9 @@ import anyio
 import pytest
 
 import aiofabric
+from tests.support import CHECKOUT
+from tests.support.ssh_servers import BOTH_SERVERS, assert_no_leftovers
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ssh_servers import BOTH_SERVERS, assert_no_leftovers, server  # noqa: E402,F401 (server: a fixture)
-
-CHECKOUT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.anyio
 
 

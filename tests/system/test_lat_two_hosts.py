@@ -6,7 +6,6 @@ import json
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import anyio
 import pytest
@@ -14,9 +13,7 @@ import pytest
 from aiofabric.peer import PeerError, protocol
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
-
-sys.path.insert(0, str(Path(__file__).parent))
-from ssh_servers import assert_no_leftovers, server  # noqa: E402,F401 (server: a fixture)
+from tests.support.ssh_servers import assert_no_leftovers
 
 CLI = [sys.executable, "-m", "aiofabric"]
 ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])

@@ -24,12 +24,12 @@ from aiofabric.pci.preflight import DeviceLock
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.sched import kernels
 from aiofabric.sim.pcap import PcapWriter
+from tests.support.sysfs import ADDR
 
 NOBODY = 65534  # another user: nothing of ours is owned by it
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="making a file another user's (chown) or running as one needs root")
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
-ADDR = "0000:41:00.0"
 
 
 # -- the C-kernel cache ------------------------------------------------------------------------------------------------

@@ -13,19 +13,19 @@ import subprocess
 import sys
 
 import anyio
-import netns_hosts
 import pytest
-from netns_hosts import ip
 
 from aiofabric import open_nic
 from aiofabric.pci import PCIError
 from aiofabric.pci.emulated import SimPCIDevice
 from aiofabric.sim.packets import ROCE_PORT
+from tests.support import netns
+from tests.support.netns import ip
 
 pytestmark = pytest.mark.anyio
 NS = (f"aiofab-a{os.getpid()}", f"aiofab-b{os.getpid()}")
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
-VETH_MODULUS = netns_hosts.VETH_MODULUS
+VETH_MODULUS = netns.VETH_MODULUS
 VETH = (f"afa{os.getpid() % VETH_MODULUS}", f"afb{os.getpid() % VETH_MODULUS}")
 STALE_NS = re.compile(r"aiofab-[ab](\d+)")
 STALE_VETH = re.compile(r"af[ab](\d+)")
@@ -37,12 +37,12 @@ WILDCARD_HOLDER = ("import os, socket, sys; s = socket.socket(socket.AF_INET, so
 
 
 def sweep_stale_runs() -> list[str]:
-    return netns_hosts.sweep_stale_runs(STALE_NS, STALE_VETH)
+    return netns.sweep_stale_runs(STALE_NS, STALE_VETH)
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    with netns_hosts.two_hosts(NS, VETH, ADDRESSES, (STALE_NS, STALE_VETH)):
+    with netns.two_hosts(NS, VETH, ADDRESSES, (STALE_NS, STALE_VETH)):
         yield
 
 

@@ -1,5 +1,6 @@
 """Remote peers: the pure protocol, the `serve` endpoint, and real SSH (an asyncssh server on 127.0.0.1 that runs
-each command with /bin/sh in a subprocess, tests/sshd.py; where marked, OpenSSH's sshd too, tests/openssh.py): the
+each command with /bin/sh in a subprocess, tests/support/sshd.py; where marked, OpenSSH's sshd too,
+tests/support/openssh.py): the
 `connect` flow and each failure, with a clear error within its timeout and no process left on either side."""
 import glob
 import json
@@ -23,10 +24,9 @@ from hypothesis import strategies as st
 
 from aiofabric.peer import PeerError, protocol
 from aiofabric.peer.protocol import Answer, ClientState, LineBuffer, ProtocolError, Ready, Request
+from tests.support import CHECKOUT, sshd
+from tests.support.ssh_servers import BOTH_SERVERS, assert_no_leftovers
 
-sys.path.insert(0, str(Path(__file__).parent))
-import sshd  # noqa: E402
-from ssh_servers import BOTH_SERVERS, assert_no_leftovers, leftovers, server  # noqa: E402,F401 (server: a fixture)
 
 pytestmark = pytest.mark.anyio
 CLI = [sys.executable, "-m", "aiofabric"]
@@ -403,7 +403,7 @@ async def test_push_to_another_platform_says_what_to_install_there(server, monke
 
 @ASYNCIO_ONLY
 async def test_remote_with_aiofabric_but_not_its_dependencies_says_what_to_install(server):
-    python = _python_with(server.directory, str(Path(__file__).resolve().parent.parent))  # the checkout, no more
+    python = _python_with(server.directory, str(CHECKOUT))  # the checkout, no more
     error = await _expect_peer_error(server, 20, f"127.0.0.1:{server.port}: the remote endpoint exited before it "
                                                  f"was ready: the remote python ({python}) has no module named anyio: "
                                                  f"install it there ({python} -m pip install anyio) or use push=True",

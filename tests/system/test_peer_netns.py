@@ -1,4 +1,4 @@
-"""Remote peers across network namespaces: each namespace is a host, the SSH server (tests/sshd.py, a separate
+"""Remote peers across network namespaces: each namespace is a host, the SSH server (tests/support/sshd.py, a separate
 process) runs inside the remote ones, `aiofabric connect` runs inside namespace A, and RoCEv2 crosses veth links.
 
 Layout: namespace A holds a bridge; each remote namespace (B, C, D) is joined to it by a veth pair. Addresses
@@ -11,14 +11,10 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-import netns_hosts
 import pytest
-from netns_hosts import ip
-
-sys.path.insert(0, str(Path(__file__).parent))
-import sshd  # noqa: E402
+from tests.support import netns, sshd
+from tests.support.netns import ip
 
 PID = os.getpid()
 TAG = PID % 100000
@@ -26,11 +22,10 @@ NS = {name: f"aiopeer-{name.lower()}{PID}" for name in "ABCD"}
 ADDRESS = {"A": "10.78.0.1", "B": "10.78.0.2", "C": "10.78.0.3", "D": "10.78.0.4"}
 STALE_NS = re.compile(r"aiopeer-[abcd](\d+)")
 STALE_VETH = re.compile(r"ap[bcd][xy](\d+)")
-SSHD = Path(__file__).parent / "sshd.py"
 
 
 def sweep_stale_runs() -> None:
-    netns_hosts.sweep_stale_runs(STALE_NS, STALE_VETH)
+    netns.sweep_stale_runs(STALE_NS, STALE_VETH)
 
 
 def _teardown() -> None:
@@ -74,7 +69,7 @@ def hosts(tmp_path_factory):
         ports = {}
         for host in "BCD":
             server = subprocess.Popen(
-                ["ip", "netns", "exec", NS[host], sys.executable, str(SSHD), "--host", ADDRESS[host], "--port", "0",
+                ["ip", "netns", "exec", NS[host], sys.executable, sshd.__file__, "--host", ADDRESS[host], "--port", "0",
                  "--host-key", keys["host"], "--authorized-key", keys["client"] + ".pub", "--cwd", str(home)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             servers.append(server)

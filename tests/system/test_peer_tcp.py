@@ -4,9 +4,7 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 import time
-from pathlib import Path
 
 import anyio
 import pytest
@@ -14,9 +12,7 @@ import pytest
 from aiofabric.peer import PeerError
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
 from aiofabric.tools.perftest import BenchConfig, format_table, open_bench_nics, run_bench
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_peer import assert_no_leftovers  # noqa: E402
+from tests.support.ssh_servers import assert_no_leftovers
 
 pytestmark = pytest.mark.anyio
 SHAPE = {"qps": 2, "iters": 200, "size": 4096}

@@ -10,8 +10,8 @@ import re
 import subprocess
 import sys
 
-import netns_hosts
 import pytest
+from tests.support import netns
 
 PID = os.getpid()
 TAG = PID % 100000
@@ -24,7 +24,7 @@ STALE_VETH = re.compile(r"at[ab](\d+)")
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    with netns_hosts.two_hosts(NS, VETH, ADDRESSES, (STALE_NS, STALE_VETH)):
+    with netns.two_hosts(NS, VETH, ADDRESSES, (STALE_NS, STALE_VETH)):
         yield
 
 

@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 CLI = [sys.executable, "-m", "aiofabric"]
 NOFILE = 32  # a served bench client needs up to 27 of the server's descriptors (21 mid-run): a flood gets the rest
 FLOOD = 300  # connections: several times what the server could hold

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import anyio
 import pytest
 
 import aiofabric

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from aiofabric.tools.cli import describe
+from tests.support import CHECKOUT
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup, ExceptionGroup
@@ -236,7 +237,7 @@ def test_concurrent_runs_each_get_their_own_nics():
                                           ("post_many.py", ["--writes", "1000", "--batch", "16"]),
                                           ("allreduce.py", ["--ranks", "3", "--size", "5000", "--steps", "3"])])
 def test_examples_run_as_is(example, args):
-    path = Path(__file__).resolve().parents[1] / "examples" / example
+    path = CHECKOUT / "examples" / example
     process = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr
     assert "passed" in process.stdout or "verified" in process.stdout

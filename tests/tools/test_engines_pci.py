@@ -3,7 +3,7 @@ emulator's debug channel, which only an emulated NIC has (`PCIDevice.debug_clien
 client never blocks the event loop, even when the emulator stops answering.
 
 Two kinds of PCI NIC:
-- the real sysfs seam (`SysfsPCIDevice`, spec "sysfs:ADDRESS") over tests/test_pci_sysfs.py's fake sysfs tree: its
+- the real sysfs seam (`SysfsPCIDevice`, spec "sysfs:ADDRESS") over tests/support/sysfs.py's fake sysfs tree: its
   BAR and config files record what the driver wrote; no firmware answers, so each engine stops at the first
   firmware command, having reached the device;
 - an emulator behind a seam that presents it as sysfs presents a PCI NIC (no debug channel, no interrupts, no
@@ -13,7 +13,6 @@ import functools
 import os
 import signal
 import struct
-import sys
 import threading
 from pathlib import Path
 
@@ -31,9 +30,7 @@ from aiofabric.peer.tcp import connect_tcp, serve_tcp
 from aiofabric.tools.latency import LatConfig, format_latency_table, run_latency
 from aiofabric.tools.perftest import NOT_COUNTED, BenchConfig, format_table, open_bench_nics, run_bench, run_loopback
 from aiofabric.verbs import nic as nic_module
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_pci_sysfs import ADDR, make_tree  # noqa: E402
+from tests.support.sysfs import ADDR, make_tree
 
 pytestmark = pytest.mark.anyio
 OTHER = "0000:42:00.0"  # the bench server's PCI NIC

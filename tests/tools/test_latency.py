@@ -5,6 +5,7 @@ import pytest
 
 from aiofabric.tools.latency import HEADER, LATENCY_FIELDS, LatConfig, format_latency_table, histogram, run_latency
 from aiofabric.tools.samples import summarize
+from tests.support.ssh_servers import assert_no_leftovers
 
 ITERS = 40  # small: each run boots two emulator processes on a shared 2-core machine
 
@@ -118,12 +119,8 @@ async def test_two_runs_at_once_then_one_cancelled_from_outside_leaves_no_emulat
     """Two latency runs in one event loop each get their own NICs; a third, cancelled mid-run from outside, closes
     its NICs on the way out (no emulator process of this driver is left)."""
     import os
-    import sys
-    from pathlib import Path
 
     import anyio
-    sys.path.insert(0, str(Path(__file__).parent))
-    from ssh_servers import assert_no_leftovers
 
     results = []
 

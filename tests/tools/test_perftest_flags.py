@@ -3,7 +3,6 @@ warm-up excluded), errors under the spelling typed, bounded sweeps, --output and
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

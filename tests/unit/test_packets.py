@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import struct
 import zlib
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -15,12 +14,13 @@ from aiofabric.sim.packets import (ACK_UNLIMITED, HAS_AETH, HAS_ATOMIC_ACK_ETH, 
                                    ROCE_PORT, BadPacket, Op, Packet, Segments, decode, decode_ipv4, encode, encode_into,
                                    encode_ipv4, encode_ipv4_header, encode_segments_into, expand, header_size, icrc,
                                    udp_source_port)
+from tests.support import CHECKOUT
 
 scapy_all = pytest.importorskip("scapy.all")
 roce = pytest.importorskip("scapy.contrib.roce")
 
-DATA = Path(__file__).parent / "data"
-SHARED_REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference"
+DATA = CHECKOUT / "tests" / "data"
+SHARED_REFERENCE = CHECKOUT.parent / "shared/reference"
 
 u8, u16, u32, u64 = (st.integers(0, 2**bits - 1) for bits in (8, 16, 32, 64))
 u24 = st.integers(0, 2**24 - 1)
