@@ -15,7 +15,8 @@
 
 Commands that tear down the NIC's own bring-up state are not sent (see HWRM_EXCLUDED, RCFW_EXCLUDED); destroying
 and freeing commands only name objects the fuzzing created, or ids no object has.
-Prints one JSON summary line (counts per category, crashes, leaks, elapsed). tests/test_fuzz.py runs a small subset.
+Prints one JSON summary line (counts per category, crashes, leaks, elapsed). tests/emulator/test_fuzz.py runs a small
+subset.
 """
 from __future__ import annotations
 

@@ -36,33 +36,36 @@ class Mutant:
 PACKETS, RESPONDER, WORKQUEUE = "aiofabric/sim/packets.py", "aiofabric/sim/responder.py", "aiofabric/verbs/workqueue.py"
 PLAN, PROTOCOL, DEVICE, SAMPLES = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/driver/device.py",
                                    "aiofabric/tools/samples.py")
-SCAPY_ICRC = ("tests/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
-              "tests/test_packets.py::test_icrc_over_nonzero_ip_ids_matches_scapy",
-              "tests/test_packets.py::test_golden_capture_decodes_and_reencodes_bit_exactly")
-SIM = "tests/test_sim_datapath.py::"
-DATAPATH = "tests/test_datapath.py::"
-UNDER_LOSS = "tests/test_chip_gating.py::test_writes_under_loss_are_retransmitted_intact"  # every firmware profile
+SCAPY_ICRC = ("tests/unit/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
+              "tests/unit/test_packets.py::test_icrc_over_nonzero_ip_ids_matches_scapy",
+              "tests/unit/test_packets.py::test_golden_capture_decodes_and_reencodes_bit_exactly")
+SIM = "tests/emulator/test_sim_datapath.py::"
+DATAPATH = "tests/driver/test_datapath.py::"
+# every firmware profile
+UNDER_LOSS = "tests/driver/test_chip_gating.py::test_writes_under_loss_are_retransmitted_intact"
 MSN = (DATAPATH + "test_msn_table_entries_name_each_messages_psns_and_wqe_as_the_wire_does", UNDER_LOSS)
 RETIRE = (DATAPATH + "test_unsignaled_work_before_a_failing_request_completes_without_its_error",
           DATAPATH + "test_hundreds_in_flight_unsignaled_retired_and_sq_wraps",
           DATAPATH + "test_bad_rkey_fails_with_remote_access_error_and_flushes_the_rest")
-PLANNING = ("tests/test_sched_plan.py",)
-CODEC_MODEL = "tests/test_workqueue.py::test_the_codec_matches_the_model"
-CODEC_FAST = "tests/test_workqueue.py::test_the_fast_paths_write_what_post_writes"
-PEER_REQUESTS = ("tests/test_peer.py::test_bad_requests_name_what_is_wrong_and_keep_their_id",)
-CLOSE = ("tests/test_lifetimes.py::test_a_close_destroys_what_is_attached_in_an_order_the_firmware_accepts",
-         "tests/test_lifetimes.py::test_close_inside_the_block_stops_the_nics_own_tasks_before_freeing_their_rings",
-         "tests/test_lifetimes.py::test_creations_cancelled_at_random_moments_leave_no_orphan_objects",
-         "tests/test_lifetimes.py::test_objects_of_a_closed_nic_refuse_use")
-SUMMARY = ("tests/test_samples.py",)
-B = "tests/test_boundaries.py::"
+PLANNING = ("tests/unit/test_sched_plan.py",)
+CODEC_MODEL = "tests/unit/test_workqueue.py::test_the_codec_matches_the_model"
+CODEC_FAST = "tests/unit/test_workqueue.py::test_the_fast_paths_write_what_post_writes"
+PEER_REQUESTS = ("tests/system/test_peer.py::test_bad_requests_name_what_is_wrong_and_keep_their_id",)
+LIFETIMES = "tests/driver/test_lifetimes.py::"
+CLOSE = (LIFETIMES + "test_a_close_destroys_what_is_attached_in_an_order_the_firmware_accepts",
+         LIFETIMES + "test_close_inside_the_block_stops_the_nics_own_tasks_before_freeing_their_rings",
+         LIFETIMES + "test_creations_cancelled_at_random_moments_leave_no_orphan_objects",
+         LIFETIMES + "test_objects_of_a_closed_nic_refuse_use")
+SUMMARY = ("tests/unit/test_samples.py",)
+B = "tests/driver/test_boundaries.py::"
 POOL, CALLS, RUN = "aiofabric/sched/pool.py", "aiofabric/sched/calls.py", "aiofabric/sched/run.py"
 COMM, LAYOUT = "aiofabric/collectives/communicator.py", "aiofabric/collectives/layout.py"
 FREED, VFIO, PCI = "aiofabric/sim/freed.py", "aiofabric/pci/vfio.py", "aiofabric/pci/seam.py"
 FLAGS, POLICY = "aiofabric/tools/perftest_flags.py", "aiofabric/peer/policy.py"
 DATAPATH_SIM, WIRE, RCFW, PCAP = ("aiofabric/sim/datapath.py", "aiofabric/sim/wire.py", "aiofabric/sim/rcfw.py",
                                   "aiofabric/sim/pcap.py")
-PRIVATE, SERVE, FORGED = "aiofabric/util/private.py", "aiofabric/peer/serve.py", "tests/test_forged_packets.py::"
+PRIVATE, SERVE = "aiofabric/util/private.py", "aiofabric/peer/serve.py"
+FORGED, LOCAL_FILES = "tests/emulator/test_forged_packets.py::", "tests/system/test_local_files.py::"
 POOL_DEPTH = (B + "test_a_receive_pool_is_as_deep_as_asked_after_a_reset_and_never_as_deep_as_its_queue",)
 IMM = (B + "test_an_expected_immediate_of_0_is_checked_and_0xffffffff_is_the_largest",)
 SCALAR = (B + "test_an_rdma_size_rebinds_to_exactly_its_compiled_size_and_a_call_may_end_at_its_regions_end",)
@@ -77,11 +80,11 @@ MUTANTS = [
     Mutant("icrc: the masked LRH seed is 4 bytes, not 8", PACKETS,
            '_ICRC_SEED = zlib.crc32(b"\\xff" * 8)', '_ICRC_SEED = zlib.crc32(b"\\xff" * 4)', SCAPY_ICRC),
     Mutant("icrc: the plain rule leaves BTH byte 4 (FECN/BECN) unmasked", PACKETS,
-           "    masked[ihl + UDP_HEADER_SIZE + 4] = 0xFF\n", "", ("tests/test_packets.py",)),
+           "    masked[ihl + UDP_HEADER_SIZE + 4] = 0xFF\n", "", ("tests/unit/test_packets.py",)),
     Mutant("nak: the packets behind one refused with an RNR NAK earn a sequence NAK", RESPONDER,
            "if self.nak_sent or racing:", "if racing:",
            (SIM + "test_lost_packet_is_recovered_by_nak_sequence",
-            "tests/test_soak.py::test_a_send_before_its_receive")),
+            "tests/driver/test_soak.py::test_a_send_before_its_receive")),
     Mutant("nak: a packet reordered behind a NAKed one earns a second NAK", RESPONDER,
            "racing = self.go_back_due and psn_diff(psn, self.dropped_hi) > 0", "racing = False",
            (SIM + "test_a_reordered_pair_earns_one_nak_and_one_go_back",
@@ -110,8 +113,8 @@ MUTANTS = [
            RETIRE + (CODEC_MODEL,)),
     Mutant("retire: the 16-bit consumer index is not unwrapped", WORKQUEUE,
            "distance = (sq_cons_idx - self.retired) & SQ_CONS_IDX_MASK", "distance = sq_cons_idx - self.retired",
-           ("tests/test_workqueue.py::test_retirement_survives_the_16_bit_index_wrap",
-            "tests/test_post_many.py::test_post_many_waits_for_room_and_crosses_the_16_bit_wqe_index")),
+           ("tests/unit/test_workqueue.py::test_retirement_survives_the_16_bit_index_wrap",
+            "tests/driver/test_post_many.py::test_post_many_waits_for_room_and_crosses_the_16_bit_wqe_index")),
     Mutant("plan: a write does not wait for earlier readers (write-after-read)", PLAN,
            "if segment.readers:  # every reader", "if False:  # every reader", PLANNING),
     Mutant("plan: a write does not wait for the earlier writer (write-after-write)", PLAN,
@@ -131,7 +134,7 @@ MUTANTS = [
            "return ordered[min(index, len(ordered) - 1)]", "return ordered[max(0, index - 1)]", SUMMARY),
     Mutant("percentile: float error takes 99.9% of 41000 one index up", SAMPLES,
            "index = math.ceil(round(count * p / 100, 9))", "index = math.ceil(count * p / 100)", SUMMARY),
-    # the boundaries, zero, recovery, reuse after a free, odd sizes and error texts (tests/test_boundaries.py)
+    # the boundaries, zero, recovery, reuse after a free, odd sizes and error texts (tests/driver/test_boundaries.py)
     Mutant("pool: a take after a QP reset posts one receive, not the pool's depth", POOL,
            "        await self.fill()\n        self.posted.append", "        self.posted.append", POOL_DEPTH),
     Mutant("pool: a pool keeps one receive more than its depth", POOL,
@@ -193,7 +196,7 @@ MUTANTS = [
     Mutant("close: host memory is freed before the device is quiesced", DEVICE,
            "            await self._quiesce()\n            await self._free_memory()\n",
            "            await self._free_memory()\n            await self._quiesce()\n",
-           ("tests/test_orderings.py::test_a_close_frees_nothing_the_device_writes_up_to_its_quiesce",)),
+           ("tests/driver/test_orderings.py::test_a_close_frees_nothing_the_device_writes_up_to_its_quiesce",)),
     # trust boundaries: what another local user or a forged packet meets
     Mutant("wire: a QP takes a packet from any source address", DATAPATH_SIM,
            "elif p.src_ip != ctx.peer_ip or p.dst_ip != ip:", "elif p.dst_ip != ip:",
@@ -201,21 +204,21 @@ MUTANTS = [
             FORGED + "test_a_forged_acknowledgement_completes_nothing")),
     Mutant("wire: the UDP transport takes a loopback sender on any port", WIRE,
            "if src_port != ROCE_PORT and source[0] == 127:", "if src_port != ROCE_PORT and source[0] == 126:",
-           ("tests/test_wire.py::test_a_loopback_sender_not_on_4791_is_dropped_for_its_port",)),
+           ("tests/emulator/test_wire.py::test_a_loopback_sender_not_on_4791_is_dropped_for_its_port",)),
     Mutant("keys: every NIC's first key byte is the same", RCFW, "        byte = secrets.randbits(8)\n        while",
            "        byte = 7\n        while", (FORGED + "test_two_firmware_instances_draw_different_key_bytes",)),
     Mutant("private: a directory of another user is trusted", PRIVATE, "if info.st_uid != os.geteuid():",
            "if info.st_uid != os.geteuid() and info.st_uid != 65534:",
-           ("tests/test_local_files.py::test_a_cache_directory_owned_by_another_user_is_refused",
-            "tests/test_local_files.py::test_a_lock_directory_owned_by_another_user_is_refused")),
+           (LOCAL_FILES + "test_a_cache_directory_owned_by_another_user_is_refused",
+            LOCAL_FILES + "test_a_lock_directory_owned_by_another_user_is_refused")),
     Mutant("private: a group-writable directory is trusted", PRIVATE, "((0o020, \"group\"), (0o002, \"others\"))",
            "((0o000, \"group\"), (0o002, \"others\"))",
-           ("tests/test_local_files.py::test_a_cache_directory_others_can_write_is_refused",)),
+           (LOCAL_FILES + "test_a_cache_directory_others_can_write_is_refused",)),
     Mutant("pcap: a capture follows a symlink and overwrites", PCAP, "os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW",
            "os.O_WRONLY | os.O_CREAT | os.O_TRUNC",
-           ("tests/test_local_files.py::test_a_symlink_at_the_capture_path_is_refused_and_its_target_unchanged",)),
+           (LOCAL_FILES + "test_a_symlink_at_the_capture_path_is_refused_and_its_target_unchanged",)),
     Mutant("server: a request still running counts as its client's idleness", SERVE, "            if unanswered:\n",
-           "            if False:\n", ("tests/test_server_idle.py",)),
+           "            if False:\n", ("tests/unit/test_server_idle.py",)),
 ]
 
 

@@ -1,6 +1,7 @@
 """Remote peers: handshake time, and RDMA WRITE bandwidth to an SSH-started peer vs. between two local NICs.
 
-Starts the tests' asyncssh server (tests/sshd.py) on 127.0.0.1 with fresh keys, so it needs nothing installed.
+Starts the tests' asyncssh server (tests/support/sshd.py, a process of its own) on 127.0.0.1 with fresh keys, so it
+needs nothing installed.
     python bench/peer.py [--rounds 5] [--size 65536] [--depth 16] [--total-mib 128] [--json]
 """
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -15,11 +17,10 @@ from pathlib import Path
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import sshd  # noqa: E402
+from aiofabric import connect_peer, open_nic
+from aiofabric.peer.connect import two_hosts
 
-from aiofabric import connect_peer, open_nic  # noqa: E402
-from aiofabric.peer.connect import two_hosts  # noqa: E402
+SSHD = Path(__file__).resolve().parents[1] / "tests" / "support" / "sshd.py"
 
 
 async def pipelined_write(qp, source, remote, size: int, depth: int, total: int) -> float:
@@ -39,12 +40,18 @@ async def pipelined_write(qp, source, remote, size: int, depth: int, total: int)
 
 async def main(args: argparse.Namespace) -> dict:
     directory = tempfile.mkdtemp()
-    keys = sshd.make_keys(directory)
-    server = await sshd.start_server("127.0.0.1", 0, keys["host"], keys["client"] + ".pub", directory)
-    port = server.sockets[0].getsockname()[1]
-    known_hosts = Path(directory) / "known_hosts"
-    known_hosts.write_text(sshd.known_hosts_line("127.0.0.1", port, keys["host"]))
-    options = {"identity": keys["client"], "known_hosts": str(known_hosts), "python": sys.executable}
+    server = subprocess.Popen([sys.executable, str(SSHD), "--host", "127.0.0.1", "--keys", directory, "--cwd",
+                               directory], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        return await measure(args, int(server.stdout.readline().split()[1]), directory)  # "listening PORT"
+    finally:
+        server.stdin.close()  # it stops when its stdin closes
+        server.wait(30)
+
+
+async def measure(args: argparse.Namespace, port: int, directory: str) -> dict:
+    options = {"identity": f"{directory}/client_key", "known_hosts": f"{directory}/known_hosts",
+               "python": sys.executable}
     ssh_ready, handshakes, peer_bw, local_bw = [], [], [], []
     buffer = 16 << 20
     for _ in range(args.rounds):
@@ -70,7 +77,6 @@ async def main(args: argparse.Namespace) -> dict:
             source, target = await a.register_mr(buffer), await b.register_mr(buffer)
             local_bw.append(await pipelined_write(qa, source, target.remote(), args.size, args.depth,
                                                   args.total_mib << 20))
-    server.close()
     median = statistics.median
     return {"rounds": args.rounds, "ssh_connect_and_endpoint_start_ms": round(median(ssh_ready), 1),
             "handshake_ms": round(median(handshakes), 1), "peer_write_MiBps": round(median(peer_bw), 1),

@@ -22,5 +22,5 @@ with their users.
                interrupt vector
     names      the bindings' constants by prefix (for status tables)
 
-tests/test_hw.py checks every layout against the bindings, field by field, and shows a moved field is caught.
+tests/unit/test_hw.py checks every layout against the bindings, field by field, and shows a moved field is caught.
 """

@@ -4,7 +4,7 @@ The bindings (`aiofabric.autogen.bnxt`, generated from Linux's headers) say wher
 structure lives, but a ctypes instance per CQE or WQE is far too slow for the data path. `Layout.of(binding, names)`
 packs the named fields: their offsets, sizes and integer widths come from the binding, everything between them is
 padding, and the result is an ordinary `struct.Struct` (little-endian, as the hardware is): `pack`, `unpack_from`,
-`pack_into` at C speed. `fields` keeps where each packed field came from, so tests/test_hw.py checks every layout
+`pack_into` at C speed. `fields` keeps where each packed field came from, so tests/unit/test_hw.py checks every layout
 against the bindings again (a hand edit of a format is caught there).
 """
 from __future__ import annotations

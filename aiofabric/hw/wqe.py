@@ -6,7 +6,7 @@ ATOMIC_CS and ATOMIC_FA) followed by `wqe_size - 2` SGE slots (`sq_sge`) or inli
 (CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED) WQEs are packed slot by slot, every slot wrapping on its own, and
 the SQ doorbell names a slot; in static mode every WQE takes `SQ_STATIC_WQE_SLOTS` (the size of `sq_send`) and the
 doorbell names a WQE. The RDMA and SEND headers keep wqe_type, flags, wqe_size, the immediate and the length at the
-same offsets (tests/test_hw.py holds them to it), so a device reads any WQE's first three slots with
+same offsets (tests/unit/test_hw.py holds them to it), so a device reads any WQE's first three slots with
 `SQ_RDMA_HEADER_AND_SGE` and lets wqe_type say which fields count. An atomic WQE is its header and one SGE of
 `ATOMIC_SIZE` bytes, where the original remote value lands; its header keeps wqe_type, flags and wqe_size there too,
 then the remote key and address, the swap (or add) value and the compare value (`SQ_ATOMIC_HEADER`).

@@ -15,8 +15,8 @@ from .linux import PAGE_SIZE, virt_addr
 # uncached MMIO (sysfs `resource<N>` maps are uncached) included, so nothing is needed there (Linux's writel() is a
 # plain mov on x86 too). Weakly ordered CPUs need a real fence. Python has none and ctypes cannot inline one, so the
 # fence is a two-instruction function in an executable page: the instruction rdma-core's udma_to_device_barrier()
-# uses, then return. Encodings checked with llvm-mc (tests/test_pci_sysfs.py re-checks them where llvm-mc exists).
-# A ctypes call costs ~0.1 us; it is paid only on those CPUs.
+# uses, then return. Encodings checked with llvm-mc (tests/driver/test_pci_sysfs.py re-checks them where llvm-mc
+# exists). A ctypes call costs ~0.1 us; it is paid only on those CPUs.
 
 _STRONGLY_ORDERED = frozenset({"x86_64", "amd64", "i386", "i686"})
 BARRIER_CODE: dict[str, bytes] = {

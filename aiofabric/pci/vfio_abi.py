@@ -1,7 +1,7 @@
 """The VFIO user ABI the seam uses, as Linux's include/uapi/linux/vfio.h defines it: ioctl numbers, flags, the
 vfio-pci region and interrupt indexes, and the argument structures as ctypes Structures.
 
-Names are the header's, so tests/test_vfio.py can compile a C program against the installed header and compare
+Names are the header's, so tests/driver/test_vfio.py can compile a C program against the installed header and compare
 every constant, size and field offset here with the kernel's.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ slot a WQE ends at is kept by WQE number, so a CQE releases the ring up to any W
 matched in order.
 
 Neither touches a doorbell, a CQ or a clock: `QueuePair` (queues.py) is the I/O around them, and the tests drive
-them with plain memory (tests/test_workqueue.py).
+them with plain memory (tests/unit/test_workqueue.py).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ SLOT_SHIFT = SQ_SLOT.bit_length() - 1
 RECV_TAG_MASK = bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
 Sge = tuple[int, int, int]  # (address, lkey, length): one scatter/gather element
 
-# The one-SGE paths inline msn_entry (a call per WQE is ~10% of a post; tests/test_workqueue.py holds them to it)
+# The one-SGE paths inline msn_entry (a call per WQE is ~10% of a post; tests/unit/test_workqueue.py holds them to it)
 _PACK_ONE = SQ_RDMA_HEADER_AND_SGE.pack_into
 _PACK_MSN = MSN_ENTRY.pack_into
 _ONE_BYTES = SQ_RDMA_HEADER_AND_SGE.size

@@ -3,6 +3,7 @@ an IOVA block ending exactly at its region's end, the last sequence number a mes
 an allocator after a free, odd sizes, and the exact text of each refusal. Each test kills a mutant of
 bench/mutants.py that the suite let live before (it names them)."""
 import errno
+import functools
 import mmap
 import re
 
@@ -21,16 +22,12 @@ from aiofabric.peer.policy import Limits
 from aiofabric.sched.pool import pool_of
 from aiofabric.sim.freed import FreedMemory
 from aiofabric.tools import cli
+from tests.support.nics import connect, connected_qps
 
 
-async def connected(a, b, depth=64):
-    """A QP pair on a clean wire, with perftest's ACK timeout (67 ms): eight 1 ms ones can run out while an emulator
-    waits for a CPU on a loaded machine."""
-    cq_a, cq_b = await a.create_cq(256), await b.create_cq(256)
-    qa, qb = await a.create_qp(cq_a, sq_depth=depth), await b.create_qp(cq_b, sq_depth=depth)
-    await qa.connect(qb.info())
-    await qb.connect(qa.info())
-    return qa, qb
+# A QP pair on a clean wire, with perftest's ACK timeout (67 ms, the driver's default): eight 1 ms ones can run out
+# while an emulator waits for a CPU on a loaded machine.
+connected = functools.partial(connected_qps, qp={"sq_depth": 64})
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------------------
@@ -113,8 +110,7 @@ async def test_a_receive_pool_is_as_deep_as_asked_after_a_reset_and_never_as_dee
             await waiter.run(timeout=0.3)  # nobody sends: the QP goes to ERR, its pooled receives are flushed
         for qp in (qa, qb):
             await qp.modify(QPState.RESET)
-        await qa.connect(qb.info())
-        await qb.connect(qa.info())
+        await connect(qa, qb)
         sender = sched.compile([sched.write_with_imm(qa, source, landing, 7, 64)])
         with anyio.fail_after(20):
             async with anyio.create_task_group() as group:

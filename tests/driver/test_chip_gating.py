@@ -4,7 +4,6 @@ flags_ext; bnxt_re: QUERY_FUNC dev_cap_flags and dev_cap_ext_flags_2) and refuse
 support; the emulator's go-backs retransmit from the search table the driver writes, so a wrong entry fails a
 transfer under loss."""
 import contextlib
-import os
 import random
 
 import anyio
@@ -17,6 +16,7 @@ from aiofabric.sim.function import CONTEXT_TYPES
 from aiofabric.sim.profiles import PROFILES
 from aiofabric.verbs import workqueue
 from aiofabric.verbs.completions import CompletionError
+from tests.support.nics import connected_qps, tag
 
 pytestmark = pytest.mark.anyio
 BOOTING = [name for name, profile in PROFILES.items() if profile.backing_store_v2]
@@ -26,14 +26,10 @@ BOOTING = [name for name, profile in PROFILES.items() if profile.backing_store_v
 async def pair(profile, sq_depth=64, loss=0.0, timeout=8):
     """Two emulated NICs of `profile`, one connected RC QP each (ACK timeout exponent `timeout`); `a` loses `loss`
     of what it sends (seeded)."""
-    tag = f"{os.getpid()}-{random.getrandbits(20)}"
-    async with open_nic(f"sim:a{tag}", profile=profile, loss=loss, seed=11) as a, \
-            open_nic(f"sim:b{tag}", profile=profile) as b:
-        cq_a, cq_b = await a.create_cq(256), await b.create_cq(256)
-        qa = await a.create_qp(cq_a, sq_depth=sq_depth, rq_depth=64)
-        qb = await b.create_qp(cq_b, sq_depth=sq_depth, rq_depth=64)
-        await qa.connect(qb.info(), mtu=1024, timeout=timeout)
-        await qb.connect(qa.info(), mtu=1024, timeout=timeout)
+    name = tag()
+    async with open_nic(f"sim:a{name}", profile=profile, loss=loss, seed=11) as a, \
+            open_nic(f"sim:b{name}", profile=profile) as b:
+        qa, qb = await connected_qps(a, b, qp={"sq_depth": sq_depth, "rq_depth": 64}, mtu=1024, timeout=timeout)
         yield a, b, qa, qb
 
 

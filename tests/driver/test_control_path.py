@@ -11,12 +11,9 @@ from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutErr
 from aiofabric.autogen import bnxt
 from aiofabric.driver import rcfw_channel
 from aiofabric.driver.interrupts import CREQ_VECTOR
+from tests.support.nics import connect, object_counts
 
 pytestmark = pytest.mark.anyio
-
-
-def counts(nic):
-    return nic.pci.debug({"op": "objects"})["objects"]
 
 
 @pytest.mark.loop_agnostic
@@ -27,7 +24,7 @@ async def test_boot_reports_identity_and_frees_everything_on_close():
         assert info["gid"] == ipaddress.IPv6Address(f"::ffff:{ip}").exploded
         assert len(info["mac"]) == 17 and info["fw_version"].count(".") == 3
         assert info["gid_index"] >= 0 and info["caps"]["max_qp"] > 0
-        booted = counts(nic)
+        booted = object_counts(nic)
         assert booted["gids"] == 1 and booted["rings"] >= 4 and booted["vnics"] == 1 and booted["l2_filters"] == 1
         assert booted["backing_store"] > 0
         stats = nic.pci.debug({"op": "stats"})["stats"]
@@ -35,9 +32,9 @@ async def test_boot_reports_identity_and_frees_everything_on_close():
         cq = await nic.create_cq(depth=256)
         await nic.create_qp(cq)
         await nic.register_mr(3 * 4096)
-        assert {k: counts(nic)[k] for k in ("cqs", "qps", "mrs")} == {"cqs": 1, "qps": 1, "mrs": 1}
+        assert {k: object_counts(nic)[k] for k in ("cqs", "qps", "mrs")} == {"cqs": 1, "qps": 1, "mrs": 1}
         await nic.close()
-        left = {k: v for k, v in counts(nic).items() if isinstance(v, int) and v}
+        left = {k: v for k, v in object_counts(nic).items() if isinstance(v, int) and v}
         assert left == {}, f"firmware objects leaked: {left}"
         assert nic.pci.dma_bytes_in_use == 0  # and every ring, page table and buffer went back
 
@@ -81,7 +78,7 @@ async def test_rcfw_many_in_flight_matched_by_cookie():
             for _ in range(40):
                 tasks.start_soon(make)
         assert len({cq.id for cq in cqs}) == 40
-        assert counts(nic)["cqs"] == 40
+        assert object_counts(nic)["cqs"] == 40
         stats = nic.pci.debug({"op": "stats"})["stats"]
         assert stats["rcfw"] >= 40
 
@@ -98,7 +95,7 @@ async def test_rcfw_errors_name_command_and_status():
         nic.pci.debug({"op": "inject", "command": "create_cq", "status": bnxt.CREQ_QP_EVENT_STATUS_RESOURCES})
         with pytest.raises(FirmwareError, match="RCFW create_cq failed: RESOURCES"):
             await nic.create_cq(depth=64)
-        assert counts(nic)["cqs"] == 1
+        assert object_counts(nic)["cqs"] == 1
 
 
 async def test_rcfw_timeout_is_reported_and_later_commands_work():
@@ -140,8 +137,7 @@ async def test_qp_lifecycle_and_query():
         cq = await nic.create_cq(depth=256)
         a, b = await nic.create_qp(cq, sq_depth=64), await nic.create_qp(cq, sq_depth=64)
         assert a.sq_slots % 256 == 0 and a.msn_entries == a.sq_slots // 2
-        await a.connect(b.info(), mtu=4096)
-        await b.connect(a.info(), mtu=4096)
+        await connect(a, b, mtu=4096)
         state = await a.query()
         assert state.en_sqd_async_notify_state & 0xF == QPState.RTS
         assert state.dest_qp_id == b.qpn and bytes(state.dgid) == nic.gid
@@ -150,7 +146,7 @@ async def test_qp_lifecycle_and_query():
         await a.destroy()
         await b.destroy()
         await cq.destroy()
-        assert counts(nic)["qps"] == 0 and counts(nic)["cqs"] == 0
+        assert object_counts(nic)["qps"] == 0 and object_counts(nic)["cqs"] == 0
 
 
 @pytest.mark.loop_agnostic
@@ -161,10 +157,10 @@ async def test_memory_regions_with_every_page_table_level():
         large = await nic.register_mr(4 << 20, Access.LOCAL_WRITE | Access.REMOTE_READ)
         assert (small.table.level, medium.table.level, large.table.level) == (0, 1, 2)
         assert len({small.lkey, medium.lkey, large.lkey}) == 3 and medium.rkey == medium.lkey
-        assert counts(nic)["mrs"] == 3
+        assert object_counts(nic)["mrs"] == 3
         for mr in (small, medium, large):
             await mr.deregister()
-        assert counts(nic)["mrs"] == 0
+        assert object_counts(nic)["mrs"] == 0
 
 
 @pytest.mark.loop_agnostic
@@ -225,7 +221,7 @@ async def test_several_nics_in_one_process():
         async with anyio.create_task_group() as tasks:
             for nic in (a, b, c):
                 tasks.start_soon(nic.create_cq, 64)
-        assert [counts(n)["cqs"] for n in (a, b, c)] == [1, 1, 1]
+        assert [object_counts(n)["cqs"] for n in (a, b, c)] == [1, 1, 1]
 
 
 @pytest.mark.loop_agnostic

@@ -16,7 +16,7 @@ from aiofabric.hw.wqe import MSN_ENTRY, SQ_SLOT
 from aiofabric.verbs.completions import CompletionError
 from aiofabric.verbs.poller import QUIET_SAFETY_POLL
 from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
-from tests.support.nics import connected_pair, count_wakeups
+from tests.support.nics import connect, connected_pair, count_wakeups
 
 pytestmark = pytest.mark.anyio
 
@@ -304,8 +304,7 @@ async def test_256_qps_across_4_nics_from_one_loop():
             for q in range(qps_per_pair):
                 qa = await nics[a].create_qp(cqs[a], sq_depth=8, rq_depth=8)
                 qb = await nics[b].create_qp(cqs[b], sq_depth=8, rq_depth=8)
-                await qa.connect(qb.info())
-                await qb.connect(qa.info())
+                await connect(qa, qb)
                 flows.append((qa, source, target, q * size))
 
         async def run(qa, source, target, offset):

@@ -303,7 +303,8 @@ def test_another_process_holding_the_lock_is_named_and_its_death_frees_it(tmp_pa
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="root's lock directory: a user's goes to $XDG_RUNTIME_DIR")
 def test_root_whose_lock_directory_cannot_be_made_is_refused_not_sent_to_a_temp_dir():
-    """A shared name under /tmp could be made first by another user (tests/test_local_files.py: a user's locks)."""
+    """A shared name under /tmp could be made first by another user (tests/system/test_local_files.py: a user's
+    locks)."""
     with pytest.raises(PCIError, match="^" + re.escape(
             "pre-flight lock: the device-lock directory /proc/aiofabric-cannot-be-made cannot be made (No such file "
             "or directory); fix: mkdir -m 755 /proc/aiofabric-cannot-be-made") + "$"):

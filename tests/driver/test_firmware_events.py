@@ -16,7 +16,7 @@ from aiofabric.sim.packets import Op, Packet
 from aiofabric.sim.port import Port, frame_size
 from aiofabric.tools.perftest import BenchConfig, run_bench
 from tests.support.firmware import NQ, Driver
-from tests.support.nics import connected_pair, count_wakeups
+from tests.support.nics import connected_pair, connected_qps, count_wakeups
 
 pytestmark = pytest.mark.anyio
 
@@ -111,9 +111,7 @@ def test_a_port_carries_nothing_while_down_and_no_frame_longer_than_its_mtu():
 # -- the driver ---------------------------------------------------------------------------------------------------
 async def test_link_down_and_up_arrive_as_events_and_the_port_drops_packets_meanwhile():
     async with open_nic("sim:link-a") as a, open_nic("sim:link-b") as b:
-        qa, qb = await a.create_qp(await a.create_cq(64)), await b.create_qp(await b.create_cq(64))
-        await qa.connect(qb.info(), timeout=14)  # 67 ms per retry: retries outlast the link's 0.2 s down
-        await qb.connect(qa.info(), timeout=14)
+        qa, qb = await connected_qps(a, b, 64, timeout=14)  # 67 ms per retry: retries outlast the link's 0.2 s down
         assert a.device.link == firmware_events.Link(up=True, speed_mbps=400000)
         assert (a.info()["link"], a.info()["link_speed_mbps"], a.info()["port_mtu"]) == ("up", 400000, 9000)
         heard = []

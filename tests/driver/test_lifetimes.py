@@ -16,12 +16,9 @@ if sys.version_info < (3, 11):
 
 from aiofabric import ClosedError, CompletionError, DeviceLostError, FirmwareError, QPInfo, QPState, open_nic
 from aiofabric.errors import FirmwareTimeoutError
+from tests.support.nics import connect, connected_qps, object_counts
 
 pytestmark = pytest.mark.anyio
-
-
-def counts(nic):
-    return nic.pci.debug({"op": "objects"})["objects"]
 
 
 def unreachable(qp):
@@ -72,7 +69,7 @@ async def test_use_after_destroy_is_refused_and_never_touches_freed_memory():
         await cq.destroy()
         with pytest.raises(ClosedError, match="destroyed"):
             await nic.create_qp(cq)
-        assert {k: counts(nic)[k] for k in ("qps", "cqs", "mrs")} == {"qps": 0, "cqs": 0, "mrs": 1}
+        assert {k: object_counts(nic)[k] for k in ("qps", "cqs", "mrs")} == {"qps": 0, "cqs": 0, "mrs": 1}
 
 
 @pytest.mark.loop_agnostic
@@ -100,10 +97,7 @@ async def test_a_poster_waiting_for_space_learns_of_destroy():
 
 async def test_device_lost_fails_new_work_at_once():
     async with open_nic() as a, open_nic() as b:
-        cq_a, cq_b = await a.create_cq(depth=256), await b.create_cq(depth=256)
-        qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
-        await qa.connect(qb.info())
-        await qb.connect(qa.info())
+        qa, qb = await connected_qps(a, b, 256)
         source, target = await a.register_mr(4096), await b.register_mr(4096)
         await qa.write(source, target, 64)
         os.kill(a.pci.pid, 9)
@@ -142,10 +136,7 @@ async def test_block_cancelled_from_outside_closes_promptly_and_frees_everything
     with anyio.CancelScope() as outside:
         async with open_nic() as a, open_nic() as b:
             nics += [a, b]
-            cq_a, cq_b = await a.create_cq(depth=256), await b.create_cq(depth=256)
-            qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
-            await qa.connect(qb.info())
-            await qb.connect(qa.info())
+            qa, qb = await connected_qps(a, b, 256)
             source = await a.register_mr(4096)
             sent = await qa.post_send(source, 100)  # no receive posted: RNR NAKs, retried forever
             with anyio.fail_after(10):
@@ -306,12 +297,12 @@ async def test_creations_cancelled_at_random_moments_leave_no_orphan_objects():
                     await rng.choice(kinds)()
                     tasks.cancel_scope.cancel()
         live = list(nic.objects.values())
-        firmware = counts(nic)
+        firmware = object_counts(nic)
         assert firmware["qps"] == sum(type(o).__name__ == "QueuePair" for o in live)
         assert firmware["cqs"] == sum(type(o).__name__ == "CompletionQueue" for o in live)
         assert firmware["mrs"] == sum(type(o).__name__ == "MemoryRegion" for o in live)
         await nic.close()
-        assert {k: v for k, v in counts(nic).items() if isinstance(v, int) and v} == {}
+        assert {k: v for k, v in object_counts(nic).items() if isinstance(v, int) and v} == {}
         assert nic.pci.dma_bytes_in_use == 0
 
 
@@ -325,8 +316,7 @@ async def test_errors_leave_the_block_as_themselves():
         async with open_nic() as nic:
             cq = await nic.create_cq(depth=64)
             qp, peer = await nic.create_qp(cq), await nic.create_qp(cq)
-            await qp.connect(peer.info())
-            await peer.connect(qp.info())
+            await connect(qp, peer)
             mr = await nic.register_mr(4096)
             bad = mr.remote()
             await qp.write(mr, type(bad)(bad.addr, bad.rkey ^ 0x55, bad.length), 8)
@@ -415,7 +405,7 @@ async def test_bad_arguments_name_the_argument_and_its_range(call, match):
         cq = await nic.create_cq(depth=64)
         with pytest.raises(ValueError, match=match):
             await call(nic, cq)
-        assert counts(nic)["qps"] == 0 and counts(nic)["mrs"] == 0
+        assert object_counts(nic)["qps"] == 0 and object_counts(nic)["mrs"] == 0
 
 
 @pytest.mark.loop_agnostic
@@ -453,10 +443,7 @@ async def test_firmware_refusal_of_destroy_keeps_the_object_usable():
 @pytest.mark.loop_agnostic
 async def test_a_failed_qp_pair_is_usable_again_after_reset():
     async with open_nic() as a, open_nic() as b:
-        cq_a, cq_b = await a.create_cq(depth=256), await b.create_cq(depth=256)
-        qa, qb = await a.create_qp(cq_a, sq_depth=8), await b.create_qp(cq_b, sq_depth=8)
-        await qa.connect(qb.info())
-        await qb.connect(qa.info())
+        qa, qb = await connected_qps(a, b, 256, {"sq_depth": 8})
         source, target = await a.register_mr(8192), await b.register_mr(8192)
         for _ in range(5):  # move the rings' indices away from 0 first
             await qa.write(source, target, 64)
@@ -467,8 +454,7 @@ async def test_a_failed_qp_pair_is_usable_again_after_reset():
         for qp in (qa, qb):
             await qp.modify(QPState.RESET)
             assert qp.error is None and qp.send_queue.producer == 0
-        await qa.connect(qb.info())  # new PSNs on both sides
-        await qb.connect(qa.info())
+        await connect(qa, qb)  # new PSNs on both sides
         source.view[:8192] = bytes(range(256)) * 32
         for i in range(20):  # more than the SQ holds: indices wrap on the fresh rings
             await qa.write(source, target, 400, local_offset=i * 400, remote_offset=i * 400)

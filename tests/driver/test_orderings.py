@@ -4,14 +4,10 @@ instead of only after close() has returned, when any order looks right."""
 import anyio
 import pytest
 
-from aiofabric import open_nic
 from aiofabric.driver.device import Device
+from tests.support.nics import closing_with_a_sender, stats
 
 pytestmark = pytest.mark.anyio
-
-
-def stats(nic) -> dict:
-    return nic.pci.debug({"op": "stats"})["stats"]
 
 
 @pytest.mark.loop_agnostic
@@ -36,14 +32,7 @@ async def test_a_close_frees_nothing_the_device_writes_up_to_its_quiesce(monkeyp
         await real_quiesce(self)
 
     monkeypatch.setattr(Device, "_quiesce", quiesce_while_the_peer_sends)
-    async with open_nic() as closing, open_nic() as peer:
-        cq, peer_cq = await closing.create_cq(512), await peer.create_cq(512)
-        qp, peer_qp = await closing.create_qp(cq, rq_depth=256), await peer.create_qp(peer_cq, sq_depth=256)
-        await qp.connect(peer_qp.info())
-        await peer_qp.connect(qp.info())
-        target, source = await closing.register_mr(1 << 20), await peer.register_mr(4096)
-        for i in range(256):
-            await qp.post_recv(target, 64, local_offset=i * 64)
+    async with closing_with_a_sender() as (closing, peer_qp, source):
         closing.pci.debug({"op": "hang", "channel": "rcfw", "count": 1000})  # no destroy is ever carried out
         await closing.close(timeout=0.5)
         after = stats(closing)

@@ -1,7 +1,6 @@
 """Many work requests per call, SGE lists and inline data, end to end on emulated NICs: what lands, what completes,
-and what is refused (the codec itself is tested without an emulator in tests/test_workqueue.py)."""
+and what is refused (the codec itself is tested without an emulator in tests/unit/test_workqueue.py)."""
 import contextlib
-import os
 import random
 
 import anyio
@@ -10,6 +9,7 @@ import pytest
 from aiofabric import ClosedError, QPStateError, open_nic
 from aiofabric.verbs.completions import CompletionError
 from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
+from tests.support.nics import connected_qps, tag
 
 pytestmark = pytest.mark.anyio
 
@@ -17,13 +17,10 @@ pytestmark = pytest.mark.anyio
 @contextlib.asynccontextmanager
 async def pair(sq_depth=64, **qp_options):
     """Two emulated NICs with one connected RC QP each, and a 64 KiB MR on each."""
-    tag = f"{os.getpid()}-{random.getrandbits(20)}"
-    async with open_nic(f"sim:a{tag}") as a, open_nic(f"sim:b{tag}") as b:
-        cq_a, cq_b = await a.create_cq(1024), await b.create_cq(1024)
-        qa = await a.create_qp(cq_a, sq_depth=sq_depth, rq_depth=256, **qp_options)
-        qb = await b.create_qp(cq_b, sq_depth=sq_depth, rq_depth=256, **qp_options)
-        await qa.connect(qb.info(), timeout=14)  # ~67 ms: a loaded 2-core machine never times an ACK out
-        await qb.connect(qa.info(), timeout=14)
+    name = tag()
+    async with open_nic(f"sim:a{name}") as a, open_nic(f"sim:b{name}") as b:
+        qa, qb = await connected_qps(a, b, 1024, {"sq_depth": sq_depth, "rq_depth": 256, **qp_options},
+                                     timeout=14)  # ~67 ms: a loaded 2-core machine never times an ACK out
         source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
         source.view[:] = random.Random(7).randbytes(1 << 16)
         yield qa, qb, source, target
@@ -124,8 +121,7 @@ async def test_post_many_refuses_what_it_cannot_post():
 
 
 async def test_post_many_before_connect_is_refused_naming_the_state():
-    tag = f"{os.getpid()}-{random.getrandbits(20)}"
-    async with open_nic(f"sim:c{tag}") as nic:
+    async with open_nic(f"sim:c{tag()}") as nic:
         qp = await nic.create_qp(await nic.create_cq(64))
         mr = await nic.register_mr(4096)
         with pytest.raises(QPStateError, match="INIT"):
@@ -175,8 +171,7 @@ async def test_inline_data_is_copied_when_posted():
 
 
 async def test_inline_and_sges_beyond_the_device_are_refused_at_create():
-    tag = f"{os.getpid()}-{random.getrandbits(20)}"
-    async with open_nic(f"sim:d{tag}") as nic:
+    async with open_nic(f"sim:d{tag()}") as nic:
         cq = await nic.create_cq(64)
         assert nic.caps["max_inline_data"] == 96 and nic.caps["max_sge"] == 6
         with pytest.raises(ValueError, match=r"max_inline_data must be an integer in \[0, 96\]"):
@@ -252,8 +247,7 @@ async def test_a_receive_never_scatters_into_sges_an_earlier_receive_left_in_its
 
 
 async def test_a_send_queue_the_search_table_cannot_index_is_refused_at_create():
-    tag = f"{os.getpid()}-{random.getrandbits(20)}"
-    async with open_nic(f"sim:e{tag}") as nic:
+    async with open_nic(f"sim:e{tag()}") as nic:
         cq = await nic.create_cq(64)
         with pytest.raises(ValueError, match="sq_depth 30000 needs 131072 send-queue slots.* 16 bits, so at most 65536"):
             await nic.create_qp(cq, sq_depth=30000)

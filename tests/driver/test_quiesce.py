@@ -15,12 +15,9 @@ from aiofabric.driver.device import Device
 from aiofabric.errors import CompletionError
 from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER
 from aiofabric.verbs.queues import QPInfo, RemoteRegion
+from tests.support.nics import closing_with_a_sender, stats
 
 pytestmark = pytest.mark.anyio
-
-
-def stats(nic) -> dict:
-    return nic.pci.debug({"op": "stats"})["stats"]
 
 
 @pytest.mark.parametrize("quiesced", [True, False], ids=["quiesced", "without-quiesce"])
@@ -32,14 +29,7 @@ async def test_a_hung_close_frees_nothing_the_device_still_writes(quiesced, monk
         async def no_quiesce(self):
             pass
         monkeypatch.setattr(Device, "_quiesce", no_quiesce)
-    async with open_nic() as closing, open_nic() as peer:
-        cq, peer_cq = await closing.create_cq(512), await peer.create_cq(512)
-        qp, peer_qp = await closing.create_qp(cq, rq_depth=256), await peer.create_qp(peer_cq, sq_depth=256)
-        await qp.connect(peer_qp.info())
-        await peer_qp.connect(qp.info())
-        target, source = await closing.register_mr(1 << 20), await peer.register_mr(4096)
-        for i in range(256):
-            await qp.post_recv(target, 64, local_offset=i * 64)
+    async with closing_with_a_sender() as (closing, peer_qp, source):
         for _ in range(8):  # the path works
             await peer_qp.send(source, 64)
         closing.pci.debug({"op": "hang", "channel": "rcfw", "count": 1000})  # no destroy is ever carried out

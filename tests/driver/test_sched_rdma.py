@@ -1,5 +1,6 @@
 """The scheduler with RDMA across ranks: what a ring of NICs (a collective) needs the planner and the workers to get
 right. Each test here failed before its fix."""
+import functools
 import re
 
 import anyio
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from aiofabric import QPState, RemoteRegion, open_nic, sched
+from tests.support.nics import connect, connected_qps
 
 COPY = r"""
 #include <stdint.h>
@@ -14,12 +16,7 @@ void cpy(int64_t *out, const int64_t *in, int64_t n) { for (int64_t i = 0; i < n
 """
 
 
-async def connected(a, b, depth=64):
-    cq_a, cq_b = await a.create_cq(256), await b.create_cq(256)
-    qa, qb = await a.create_qp(cq_a, sq_depth=depth), await b.create_qp(cq_b, sq_depth=depth)
-    await qa.connect(qb.info(), timeout=8)
-    await qb.connect(qa.info(), timeout=8)
-    return qa, qb
+connected = functools.partial(connected_qps, qp={"sq_depth": 64}, timeout=8)
 
 
 def waits_of(batch) -> dict[str, str]:
@@ -131,8 +128,7 @@ async def test_a_receive_waiting_for_room_does_not_hold_back_the_sends_doorbell(
         cq_a, cq_b = await a.create_cq(64), await b.create_cq(64)
         qa = await a.create_qp(cq_a, sq_depth=16, rq_depth=2)
         qb = await b.create_qp(cq_b, sq_depth=16, rq_depth=2)
-        await qa.connect(qb.info(), timeout=14)
-        await qb.connect(qa.info(), timeout=14)
+        await connect(qa, qb, timeout=14)
         source, landing, target = await a.register_mr(4096), await a.register_mr(4096), await b.register_mr(4096)
         slow = sched.kernel(lambda out: out.fill(1), [np.zeros(8)], queue=sched.ComputeQueue("slow"), name="slow")
         write = sched.write(qa, source, target, 64, name="write").after(slow)
@@ -257,8 +253,7 @@ async def test_a_receive_pool_serves_again_after_the_qp_is_reset_and_reconnected
         assert qb.state is QPState.ERR
         for qp in (qa, qb):
             await qp.modify(QPState.RESET)
-        await qa.connect(qb.info(), timeout=8)
-        await qb.connect(qa.info(), timeout=8)
+        await connect(qa, qb, timeout=8)
         sender = sched.compile([sched.write_with_imm(qa, source, landing, 7, 64)])
         with anyio.fail_after(10):
             async with anyio.create_task_group() as group:

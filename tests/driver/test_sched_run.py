@@ -1,4 +1,5 @@
 """The scheduler's executors (aiofabric/sched/run.py): compiled batches run on asyncio, uvloop and trio."""
+import functools
 import gc
 import json
 import os
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from aiofabric import QPState, RemoteRegion, open_nic, sched
 from aiofabric.sched.calls import HOST
 from tests.support import CHECKOUT
+from tests.support.nics import connect, connected_qps
 
 BACKENDS = [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})]
 SPIN = r"""
@@ -382,12 +384,7 @@ async def test_c_kernels_on_two_queues_run_at_the_same_time():
 
 
 # -- NIC queues across two emulated NICs ------------------------------------------------------------------------------
-async def connected(a, b):
-    cq_a, cq_b = await a.create_cq(256), await b.create_cq(256)
-    qa, qb = await a.create_qp(cq_a, sq_depth=64), await b.create_qp(cq_b, sq_depth=64)
-    await qa.connect(qb.info(), timeout=8)
-    await qb.connect(qa.info(), timeout=8)
-    return qa, qb
+connected = functools.partial(connected_qps, qp={"sq_depth": 64}, timeout=8)
 
 
 @pytest.mark.anyio
@@ -458,8 +455,7 @@ async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_
         # or, as the error says, the failed pair reset and reconnected in place
         for qp in (qa, qb):
             await qp.modify(QPState.RESET)
-        await qa.connect(qb.info(), timeout=8)
-        await qb.connect(qa.info(), timeout=8)
+        await connect(qa, qb, timeout=8)
         target.view[:8192] = bytes(8192)
         with anyio.fail_after(20):
             await batch.run({"qp": qa, "remote": target.remote()})
@@ -642,8 +638,7 @@ async def test_a_run_that_ends_with_a_receive_posted_flushes_it_says_so_and_neve
                 await batch.run()
         for qp in (qa, qb):
             await qp.modify(QPState.RESET)
-        await qa.connect(qb.info(), timeout=8)
-        await qb.connect(qa.info(), timeout=8)
+        await connect(qa, qb, timeout=8)
         with anyio.fail_after(20):
             await batch.run()
         assert bytes(sink.view) == bytes(source.view) and np.frombuffer(sink.view, np.float64)[0] == 7

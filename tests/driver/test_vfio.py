@@ -29,6 +29,7 @@ from aiofabric.pci.sysfs import SysfsPCIDevice
 from aiofabric.pci.vfio import IovaSpace, LinuxVfio, MappedBar, RegionBar, VfioPCIDevice
 from aiofabric.sim.memory import BUS_BASE
 from aiofabric.verbs import nic as nic_module
+from tests.support.nics import connected_qps
 from tests.support.sysfs import ADDR, PEER
 
 GROUP = "7"
@@ -102,10 +103,7 @@ async def test_the_driver_runs_over_vfio_and_its_device_reaches_only_mapped_wind
         async with nic_module.open_nic(ADDR, ip=fake.ip) as a, nic_module.open_nic("sim") as b:
             assert isinstance(a.pci, VfioPCIDevice) and a.pci.num_vectors == 8
             assert fake.irqs[MSIX] == [a.pci.interrupt_fd(v) for v in range(8)]
-            cq_a, cq_b = await a.create_cq(depth=64), await b.create_cq(depth=64)
-            qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
-            await qa.connect(qb.info(), mtu=4096)
-            await qb.connect(qa.info(), mtu=4096)
+            qa, qb = await connected_qps(a, b, 64, mtu=4096)
             mine, theirs = await a.register_mr(64 << 10), await b.register_mr(64 << 10)
             mine.view[:] = os.urandom(64 << 10)
             await qa.write(mine, theirs.remote(), 64 << 10)  # the device reads the window
@@ -133,10 +131,7 @@ async def test_a_device_write_outside_every_window_is_an_iommu_fault(through_vfi
     fake = through_vfio
     with anyio.fail_after(30):
         async with nic_module.open_nic(ADDR, ip=fake.ip) as a, nic_module.open_nic("sim") as b:
-            cq_a, cq_b = await a.create_cq(depth=64), await b.create_cq(depth=64)
-            qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
-            await qa.connect(qb.info(), mtu=4096)
-            await qb.connect(qa.info(), mtu=4096)
+            qa, qb = await connected_qps(a, b, 64, mtu=4096)
             target, source = await a.register_mr(2 * SLAB_SIZE), await b.register_mr(4096)
             window = fake.windows[target.buffer.bus_addr]  # larger than a slab: a window of its own
             assert window.size == 2 * SLAB_SIZE and fake.unmap_dma(0, window.iova, window.size) == window.size

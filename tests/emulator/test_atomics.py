@@ -7,7 +7,6 @@ The protocol tests run the emulator's data path in-process (tests/support/emulat
 driver's SendQueueCodec writing the WQEs), so a test can lose one chosen packet or tamper with the responder; the
 others go through `open_nic` and the emulator processes."""
 import contextlib
-import os
 import random
 
 import anyio
@@ -23,6 +22,7 @@ from aiofabric.verbs.completions import CompletionError
 from aiofabric.verbs.queues import ALL_ACCESS, Access
 from aiofabric.verbs.workqueue import SIGNAL, SendQueueCodec
 from tests.support import emulator
+from tests.support.nics import connect, tag
 
 CS, FA = bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS, bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA
 WRITE = bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE
@@ -71,8 +71,8 @@ class Driver:
 
 
 def atomic_pair(**options):
-    """In-process hosts a and b (tests/test_sim_datapath.py) whose QPs take atomics, a's driver, a's 64 KiB region
-    for results (address, key) and b's 4 KiB counter region (address, key)."""
+    """In-process hosts a and b (tests/support/emulator.py) whose QPs take atomics, a's driver, a's 64 KiB region for
+    results (address, key) and b's 4 KiB counter region (address, key)."""
     a, b, wire = emulator.pair(sq_slots=1024, **options)
     for host in (a, b):
         host.modify(QPState.RTS, emulator.MASK["ACCESS"], access=emulator.ALL_QP_ACCESS | QPAccess.REMOTE_ATOMIC)
@@ -283,20 +283,19 @@ def test_what_the_responder_refuses_is_nakked_and_fails_the_atomic(case, syndrom
 @contextlib.asynccontextmanager
 async def nics(count: int, **options):
     """`count` emulated NICs, each with a CQ."""
-    tag = f"{os.getpid()}-{random.getrandbits(20)}"
+    suffix = tag()
     async with contextlib.AsyncExitStack() as stack:
-        opened = [await stack.enter_async_context(open_nic(f"sim:{name}{tag}", **options))
+        opened = [await stack.enter_async_context(open_nic(f"sim:{name}{suffix}", **options))
                   for name in "abcdef"[:count]]
         yield [(nic, await nic.create_cq(1024)) for nic in opened]
 
 
-async def connect(requester, responder, access: Access = ATOMIC_ACCESS):
+async def connected(requester, responder, access: Access = ATOMIC_ACCESS):
     """A connected QP pair between two (NIC, CQ)s; the responder's QP has `access`."""
     (nic_a, cq_a), (nic_b, cq_b) = requester, responder
     qa, qb = await nic_a.create_qp(cq_a, sq_depth=256), await nic_b.create_qp(cq_b, sq_depth=64)
     await qb.to_init(access)
-    await qa.connect(qb.info(), timeout=14)  # ~67 ms: a loaded 2-core machine never times an ACK out
-    await qb.connect(qa.info(), timeout=14)
+    await connect(qa, qb, timeout=14)  # ~67 ms: a loaded 2-core machine never times an ACK out
     return qa, qb
 
 
@@ -322,7 +321,7 @@ async def test_results_and_memory_follow_a_model():
     QP they execute in order, so every original and the final value are the model's."""
     rng = random.Random(4)
     async with nics(2) as (a, b):
-        qa, _ = await connect(a, b)
+        qa, _ = await connected(a, b)
         results, counter = await a[0].register_mr(1 << 16), await b[0].register_mr(4096, ATOMIC_ACCESS)
         value = MASK64 - 5
         counter.view[:8] = value.to_bytes(8, "little")
@@ -362,7 +361,7 @@ async def test_fetch_adds_from_several_qps_and_nics_onto_one_counter_sum_exactly
         flows = []  # (QP, its results region, where its results start)
         for requester in requesters:
             results = await requester[0].register_mr(4096)
-            flows += [((await connect(requester, target))[0], results, 2048 * i) for i in range(2)]
+            flows += [((await connected(requester, target))[0], results, 2048 * i) for i in range(2)]
         addends = random.Random(5).sample(range(1, 1 << 30), 60 * len(flows))
         shares = [addends[i::len(flows)] for i in range(len(flows))]
 
@@ -388,7 +387,7 @@ async def test_every_atomic_is_executed_once_across_a_lossy_duplicating_wire():
     """The emulated wire loses and duplicates packets both ways: every FETCH_ADD still applies exactly once (the
     responder's own count of executed atomics says so too) and the originals chain through every addend."""
     async with nics(2, loss=0.05, dup=0.1, seed=12) as (a, b):
-        qa, qb = await connect(a, b)
+        qa, qb = await connected(a, b)
         results, counter = await a[0].register_mr(4096), await b[0].register_mr(4096, ATOMIC_ACCESS)
         addends = random.Random(6).sample(range(1, 1 << 40), 200)
         with anyio.fail_after(30):
@@ -417,7 +416,7 @@ async def test_the_responder_refuses_a_misaligned_address_and_missing_atomic_acc
                  (ATOMIC_ACCESS, plain, 0, "REMOTE_ACCESS_ERR"),
                  (ALL_ACCESS, counter, 0, "REMOTE_ACCESS_ERR")]
         for access, region, offset, reason in cases:
-            qa, _ = await connect(a, b, access)
+            qa, _ = await connected(a, b, access)
             with anyio.fail_after(10), pytest.raises(CompletionError) as failed:
                 await qa.fetch_add(results, region, 1, remote_offset=offset)
             assert (failed.value.reason, failed.value.status) == (reason, getattr(bnxt, "CQ_REQ_STATUS_" + reason))
@@ -430,7 +429,7 @@ async def test_the_responder_refuses_a_misaligned_address_and_missing_atomic_acc
 @pytest.mark.loop_agnostic
 async def test_bad_arguments_are_refused_before_anything_is_posted():
     async with nics(2) as (a, b):
-        qa, _ = await connect(a, b)
+        qa, _ = await connected(a, b)
         results, counter = await a[0].register_mr(4096), await b[0].register_mr(4096, ATOMIC_ACCESS)
         cases = [
             (qa.post_fetch_add, (results.sge(0, 4), counter, 1), {}, ValueError, "8-byte original value, not 4"),

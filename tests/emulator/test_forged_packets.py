@@ -8,7 +8,6 @@ QP objects. A source check that lets it through is caught by the MR's bytes and 
 (which a forgery at its PSN would turn into a silently dropped duplicate)."""
 import contextlib
 import dataclasses
-import os
 import random
 import socket
 
@@ -20,22 +19,17 @@ from aiofabric import QPState, collectives, open_nic
 from aiofabric.sim import packets as pk
 from aiofabric.sim.wire import IP_MTU_DISCOVER, IP_PMTUDISC_DO
 from tests.support import emulator
+from tests.support.nics import connect, connected_qps, tag
 
 pytestmark = pytest.mark.anyio
 FORGED = b"\xee" * 64
-
-
-def tag() -> str:
-    return f"{os.getpid()}-{random.getrandbits(20)}"
 
 
 @contextlib.asynccontextmanager
 async def pair():
     """Two emulated NICs with one RC QP each, connected with the driver's defaults."""
     async with open_nic(f"sim:fa{tag()}") as a, open_nic(f"sim:fb{tag()}") as b:
-        qa, qb = await a.create_qp(await a.create_cq(64)), await b.create_qp(await b.create_cq(64))
-        await qa.connect(qb.info())
-        await qb.connect(qa.info())
+        qa, qb = await connected_qps(a, b, 64)
         yield a, b, qa, qb
 
 
@@ -125,8 +119,7 @@ async def test_a_forged_write_to_a_qp_not_yet_receiving_is_dropped_even_from_the
                                        target.view)
             assert not any(target.view)
             assert stats["dropped_source_port"] == count  # a's 4791 is a's emulator's: the forger's is another port
-        await qb.connect(qa.info())
-        await qa.connect(qb.info())
+        await connect(qb, qa)
         with anyio.fail_after(10):
             await qa.write(source, target, 4096)
         assert bytes(target.view) == bytes(source.view)
@@ -144,8 +137,7 @@ async def test_after_a_reconnect_to_another_peer_the_new_one_lands_and_the_old_o
             await qa.write(from_a, target, 64)
         assert bytes(target.view[:64]) == b"\xaa" * 64
         await qb.modify(QPState.RESET)
-        await qb.connect(qc.info())
-        await qc.connect(qb.info())
+        await connect(qb, qc)
         with anyio.fail_after(10):
             await qc.write(from_c, target, 1000, remote_offset=1000)  # the new peer: no false drop
         assert bytes(target.view[1000:2000]) == bytes(from_c.view[:1000])

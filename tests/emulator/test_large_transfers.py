@@ -22,6 +22,7 @@ from aiofabric.sim import packets as pk
 from aiofabric.sim.requester import READ_SEGMENT, WINDOW
 from aiofabric.tools.perftest import BenchConfig, run_bench
 from tests.support.emulator import MASK, READ, REQ_OK, WRITE, fill, pair
+from tests.support.nics import connected_qps
 
 RESPONSES = (pk.Op.RDMA_READ_RESPONSE_FIRST, pk.Op.RDMA_READ_RESPONSE_MIDDLE, pk.Op.RDMA_READ_RESPONSE_LAST,
              pk.Op.RDMA_READ_RESPONSE_ONLY)
@@ -175,10 +176,7 @@ async def connected(size: int):
     """Two emulated NICs, one RC QP each (MTU 4096; a 1 s ACK timeout, so a loaded machine causes no spurious
     go-back), and a `size`-byte MR on each: (requester NIC, responder NIC, requester QP, local MR, remote MR)."""
     async with open_nic() as a, open_nic() as b:
-        cq_a, cq_b = await a.create_cq(64), await b.create_cq(64)
-        qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
-        await qa.connect(qb.info(), mtu=4096, timeout=18)
-        await qb.connect(qa.info(), mtu=4096, timeout=18)
+        qa, _ = await connected_qps(a, b, 64, mtu=4096, timeout=18)
         yield a, b, qa, await a.register_mr(size), await b.register_mr(size)
 
 
@@ -222,9 +220,7 @@ async def test_a_long_read_on_the_wire_is_valid_rc_to_scapy(anyio_backend, tmp_p
     size, segment = 1 << 20, READ_SEGMENT * 4096
     capture = tmp_path / "read.pcap"
     async with open_nic(pcap=str(capture)) as a, open_nic() as b:
-        qa, qb = await a.create_qp(await a.create_cq(64)), await b.create_qp(await b.create_cq(64))
-        await qa.connect(qb.info(), mtu=4096)
-        await qb.connect(qa.info(), mtu=4096)
+        qa, qb = await connected_qps(a, b, 64, mtu=4096)
         local, remote = await a.register_mr(size), await b.register_mr(size)
         fill_view(remote.view, 7)
         with anyio.fail_after(30):

@@ -1,6 +1,7 @@
 """Emulated NICs sharing one emulator process (SimPCIDevice's `process` option, `lat`'s default): they move
 verified bytes between them, each comes and goes on its own, and one that cannot start or a hostile attach message
 leaves the others serving."""
+import functools
 import json
 import os
 import random
@@ -16,21 +17,10 @@ import pytest
 from aiofabric import DeviceLostError, open_nic
 from aiofabric.pci import PCIError
 from aiofabric.pci.emulated import EmulatorProcess, SimPCIDevice
+from tests.support.nics import connected_qps, tag
 
 pytestmark = pytest.mark.anyio
-
-
-def tag() -> str:
-    return f"{os.getpid()}-{random.getrandbits(24)}"
-
-
-async def connected(a, b):
-    cq_a, cq_b = await a.create_cq(64), await b.create_cq(64)
-    qa = await a.create_qp(cq_a, sq_depth=16, rq_depth=16)
-    qb = await b.create_qp(cq_b, sq_depth=16, rq_depth=16)
-    await qa.connect(qb.info(), timeout=8)
-    await qb.connect(qa.info(), timeout=8)
-    return qa, qb
+connected = functools.partial(connected_qps, cq_depth=64, qp={"sq_depth": 16, "rq_depth": 16}, timeout=8)
 
 
 async def write_verified(a, b, qa, size=10000):

@@ -1,5 +1,5 @@
-"""OpenSSH's sshd for the peer tests, next to the asyncssh server of tests/sshd.py: the one users run, which (unlike
-tests/sshd.py) does not signal a command when its channel closes; the command only sees its stdin and stdout close.
+"""OpenSSH's sshd for the peer tests, next to the asyncssh server of sshd.py: the one users run, which (unlike
+sshd.py) does not signal a command when its channel closes; the command only sees its stdin and stdout close.
 
 `OpenSSHServer(directory, host_key, authorized_key).start()` runs `sshd -D -f CONFIG -p PORT` on 127.0.0.1 on a free
 port, with its config, log and pid file in `directory`: the system's sshd configuration is neither read nor changed.
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from tests.support.processes import free_port
 
 SSHD_DIRS = "/usr/sbin:/usr/local/sbin:/usr/bin:/usr/local/bin"
 PRIVSEP_DIR = "/run/sshd"  # Debian's sshd, as root, insists on it; its service unit makes it at start
@@ -20,12 +21,6 @@ PRIVSEP_DIR = "/run/sshd"  # Debian's sshd, as root, insists on it; its service 
 
 class Unavailable(Exception):
     """sshd cannot run here; the message says why."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class OpenSSHServer:
@@ -64,7 +59,7 @@ class OpenSSHServer:
                 raise Unavailable(f"sshd needs {PRIVSEP_DIR}: {exc}") from None
         config = self._config(sftp_server)
         for _ in range(3):  # another process may take the free port before sshd binds it
-            self.port = _free_port()
+            self.port = free_port()
             offset = self.log.stat().st_size if self.log.exists() else 0
             self.process = subprocess.Popen([sshd, "-D", "-f", str(config), "-p", str(self.port), "-E", str(self.log)],
                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

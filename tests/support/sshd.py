@@ -1,13 +1,16 @@
-"""A real SSH server for the peer tests (asyncssh): public-key auth, SFTP (asyncssh's, on the real filesystem), and each session's command really runs as
-`/bin/sh -c COMMAND` in a subprocess (with SSH_CONNECTION set), as OpenSSH's sshd runs it, with stdin/stdout/stderr bridged to the channel.
+"""A real SSH server for the peer tests and bench/peer.py (asyncssh): public-key auth, SFTP (asyncssh's, on the real
+filesystem), and each session's command really runs as `/bin/sh -c COMMAND` in a subprocess (with SSH_CONNECTION
+set), as OpenSSH's sshd runs it, with stdin/stdout/stderr bridged to the channel.
 
 When the channel closes while the command still runs (the client dropped the connection), the command's whole
 process group gets SIGTERM, then SIGKILL, as sshd does with a pty. Without a pty OpenSSH's sshd does not: the command
-only sees its stdin and stdout close (tests/openssh.py runs the tests that depend on it against OpenSSH too).
+only sees its stdin and stdout close (openssh.py runs the tests that depend on it against OpenSSH too).
 
-In-process: `await start_server(...)` (tests/test_peer.py). As a process (inside a network namespace:
-tests/test_peer_netns.py): `python tests/sshd.py --host IP --port 0 --host-key F --authorized-key F --cwd DIR`
-prints `listening PORT` and serves until its stdin closes.
+In-process: `await start_server(...)` (the `server` fixture of tests/system/conftest.py). As a process (inside a
+network namespace: tests/system/test_peer_netns.py; bench/peer.py):
+`python tests/support/sshd.py --host IP --port 0 --host-key F --authorized-key F --cwd DIR` prints `listening PORT`
+and serves until its stdin closes; with `--keys DIR` instead of the two key files it makes a host and a client key
+in DIR (make_keys), authorizes the client's and writes DIR/known_hosts, which trusts it, before it says so.
 """
 from __future__ import annotations
 
@@ -113,8 +116,15 @@ async def start_server(host: str, port: int, host_key: str, authorized_key: str,
 
 
 async def _main(args: argparse.Namespace) -> None:
+    if args.keys:
+        keys = make_keys(args.keys)
+        args.host_key, args.authorized_key = keys["host"], keys["client"] + ".pub"
     server = await start_server(args.host, args.port, args.host_key, args.authorized_key, args.cwd)
-    print(f"listening {server.sockets[0].getsockname()[1]}", flush=True)
+    port = server.sockets[0].getsockname()[1]
+    if args.keys:
+        with open(os.path.join(args.keys, "known_hosts"), "w") as known_hosts:
+            known_hosts.write(known_hosts_line(args.host, port, args.host_key))
+    print(f"listening {port}", flush=True)
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, done.set)
@@ -130,7 +140,14 @@ async def _main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    for flag in ("--host", "--host-key", "--authorized-key", "--cwd"):
+    for flag in ("--host", "--cwd"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--port", type=int, default=0)
-    asyncio.run(_main(parser.parse_args()))
+    keys = parser.add_mutually_exclusive_group(required=True)
+    keys.add_argument("--keys", help="a directory to make the keys and known_hosts in")
+    keys.add_argument("--host-key")
+    parser.add_argument("--authorized-key")
+    arguments = parser.parse_args()
+    if arguments.host_key and not arguments.authorized_key:
+        parser.error("--host-key needs --authorized-key")
+    asyncio.run(_main(arguments))

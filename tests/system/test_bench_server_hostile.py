@@ -7,13 +7,11 @@ exactly once (a drop answers what was in flight), stays within its limits, and t
 """
 import ipaddress
 import json
-import os
 import re
 import select
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,57 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiofabric.peer import protocol, serve
-
-IDLE = 2.0
-LIMITS = ["--idle-timeout", str(IDLE), "--max-memory", "64M", "--max-requests", "8", "--max-line", "64K",
-          "--max-depth", "16", "--max-nics", "1"]
-CLI = [sys.executable, "-m", "aiofabric"]
-
-
-class Server:
-    """`aiofabric bench write --server` (or `lat write --server`) as a process in `workdir`: its port, log (stderr)
-    and output (stdout)."""
-
-    def __init__(self, workdir: Path, *extra: str, command: str = "bench") -> None:
-        self.workdir = workdir
-        self.log, self.out = workdir / "server.log", workdir / "server.out"
-        with open(self.log, "w") as log, open(self.out, "w") as out:
-            self.process = subprocess.Popen([*CLI, command, "write", "--server", "--bind", "127.0.0.1", "--port", "0",
-                                             *LIMITS, *extra], cwd=workdir, stdout=out, stderr=log)
-        deadline = time.monotonic() + 30
-        while not (found := re.search(r"TCP port (\d+)", self.log.read_text())):
-            assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.05)
-        self.port = int(found[1])
-
-    def children(self) -> list[int]:
-        """The emulated NICs' processes (the server's children)."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            try:
-                if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
-                        == self.process.pid:
-                    pids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-        return pids
-
-    def rss_mb(self) -> float:
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) / 1024
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(30)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
+from tests.support.processes import CLI, IDLE, LIMITS, ServerProcess
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    running = Server(tmp_path_factory.mktemp("bench-server"), "--forever")
+    running = ServerProcess(tmp_path_factory.mktemp("bench-server"), *LIMITS, "--forever")
     yield running
     assert running.process.poll() is None, "the server died: " + running.log.read_text()[-3000:]
     assert running.stop() == 130
@@ -436,7 +389,7 @@ def test_ctrl_c_of_a_client_mid_run_ends_it_within_seconds_and_frees_the_server_
 
 
 def test_a_single_shot_server_whose_client_fails_fails_too(tmp_path):
-    single = Server(tmp_path, "--json")
+    single = ServerProcess(tmp_path, *LIMITS, "--json")
     client = Client(single.port)
     try:
         client.send(b'{"x": ' + b"[" * 30_000 + b"]" * 30_000 + b"}\n")
@@ -450,7 +403,7 @@ def test_a_single_shot_server_whose_client_fails_fails_too(tmp_path):
 
 def test_the_servers_own_capture_file_records_its_clients_test(tmp_path):
     capture = tmp_path / "server.pcap"
-    pcap_server = Server(tmp_path, "--pcap", str(capture))
+    pcap_server = ServerProcess(tmp_path, *LIMITS, "--pcap", str(capture))
     run = subprocess.run([*CLI, "bench", "read", "127.0.0.1", "--port", str(pcap_server.port), "--iters", "20",
                           "--size", "4K", "--json"], capture_output=True, text=True, timeout=90)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -461,7 +414,7 @@ def test_the_servers_own_capture_file_records_its_clients_test(tmp_path):
 
 @pytest.fixture(scope="module")
 def lat_server(tmp_path_factory):
-    running = Server(tmp_path_factory.mktemp("lat-server"), "--forever", command="lat")
+    running = ServerProcess(tmp_path_factory.mktemp("lat-server"), *LIMITS, "--forever", command="lat")
     yield running
     assert running.process.poll() is None, "the server died: " + running.log.read_text()[-3000:]
     assert running.stop() == 130

@@ -1,13 +1,11 @@
 """One rank per process, started the way torchrun, mpirun and srun start them (their variables), meeting at rank 0's
 TCP rendezvous; ranks that never come or die mid-run; the rendezvous against clients that misbehave."""
-import contextlib
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import anyio
@@ -16,17 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiofabric.collectives import rendezvous
-from aiofabric.collectives.rendezvous import MAX_LINE, RendezvousClient, RendezvousError, RendezvousServer
+from aiofabric.collectives.rendezvous import MAX_LINE, RendezvousClient, RendezvousError
 from aiofabric.collectives.world import World, from_environment
 from aiofabric.util.json_depth import json_depth
-
-CLI = [sys.executable, "-m", "aiofabric"]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.support.processes import CLI, free_port
+from tests.support.rendezvous import meet, serving
 
 
 def launch(size, variables, *args, ranks=None, port=None):
@@ -121,16 +113,6 @@ def test_a_port_in_use_says_how_to_choose_another():
     assert "AIOFABRIC_RENDEZVOUS_PORT" in result["error"]
 
 
-@contextlib.asynccontextmanager
-async def serving(size, timeout=10):
-    """A rendezvous for `size` ranks on a free port: (server, port); it ends with the block (or before)."""
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    server = RendezvousServer(size, timeout)
-    async with anyio.create_task_group() as group:
-        group.start_soon(server.serve, listener)
-        yield server, listener.extra(anyio.abc.SocketAttribute.local_port)
-
-
 async def raw(port, payload, read=True):
     async with await anyio.connect_tcp("127.0.0.1", port) as stream:
         await stream.send(payload)
@@ -207,17 +189,8 @@ async def test_idle_and_stray_connections_do_not_pin_the_rendezvous(monkeypatch)
         streams = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(10)]  # idle
         await anyio.sleep(0.3)
         assert server.connections <= 4
-        cards = [None, None]
-
-        async def rank(r):
-            client = RendezvousClient("127.0.0.1", port, r, 2, 15)
-            cards[r] = await client.allgather({"me": r})
-            await client.allgather({})
-            await client.aclose()
         with anyio.fail_after(15):
-            async with anyio.create_task_group() as job:
-                for r in range(2):
-                    job.start_soon(rank, r)
+            cards = await meet(port, 2, 15)
         assert cards == [[{"me": 0}, {"me": 1}]] * 2
         for stream in streams:
             await stream.aclose()
@@ -287,15 +260,5 @@ async def test_any_request_a_stranger_sends_is_answered_or_refused_and_the_job_s
                     await anyio.sleep(0.01)
             assert re.search(r"rank [01]", server.failure)
             return
-        clients = [RendezvousClient("127.0.0.1", port, r, 2, 5) for r in range(2)]
-
-        async def rank(r):
-            try:
-                await clients[r].allgather({"me": r})
-                await clients[r].allgather({})
-            finally:
-                await clients[r].aclose()
         with anyio.fail_after(20):
-            async with anyio.create_task_group() as job:
-                for r in range(2):
-                    job.start_soon(rank, r)
+            await meet(port, 2, 5)

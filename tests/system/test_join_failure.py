@@ -3,7 +3,6 @@ collective's timeout, blaming a neighbour), and the failing rank's exception lea
 rendezvous cannot be held hostage by connections that never claim a rank, and a job that cannot start names why."""
 import contextlib
 import re
-import socket
 import sys
 
 import anyio
@@ -12,19 +11,15 @@ import pytest
 
 from aiofabric.collectives import join, rendezvous
 from aiofabric.collectives.communicator import CollectiveError
-from aiofabric.collectives.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
+from aiofabric.collectives.rendezvous import RendezvousClient, RendezvousError
 from aiofabric.collectives.world import World
+from tests.support.processes import free_port
+from tests.support.rendezvous import meet, serving
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 TIMEOUT = 60.0  # the collectives' and the rendezvous's: the others must fail far sooner than this
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def run_job(size, body, **options):
@@ -126,16 +121,6 @@ async def test_a_block_that_succeeds_everywhere_still_says_goodbye():
     assert await run_job(2, body) == {0: None, 1: None}
 
 
-@contextlib.asynccontextmanager
-async def serving(size, timeout):
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    server = RendezvousServer(size, timeout)
-    async with anyio.create_task_group() as group:
-        group.start_soon(server.serve, listener)
-        yield server, listener.extra(anyio.abc.SocketAttribute.local_port)
-        group.cancel_scope.cancel()
-
-
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_strangers_holding_every_unclaimed_slot_do_not_keep_the_ranks_out(monkeypatch):
@@ -154,22 +139,13 @@ async def test_strangers_holding_every_unclaimed_slot_do_not_keep_the_ranks_out(
                     await stream.receive()  # until the server drops it: then at once another
                 await stream.aclose()
 
-        cards = [None, None]
-
-        async def rank(r):
-            client = RendezvousClient("127.0.0.1", port, r, 2, 15)
-            cards[r] = await client.allgather({"me": r})
-            await client.allgather({})
-            await client.aclose()
         async with anyio.create_task_group() as strangers:
             for _ in range(8):
                 strangers.start_soon(stranger)
             with anyio.fail_after(10):
                 while server.connections < 8:
                     await anyio.sleep(0.01)
-                async with anyio.create_task_group() as job:
-                    for r in range(2):
-                        job.start_soon(rank, r)
+                cards = await meet(port, 2, 15)
             stop.set()
             strangers.cancel_scope.cancel()
         for stream in held:

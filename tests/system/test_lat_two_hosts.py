@@ -3,9 +3,7 @@ server side on a peer over SSH (`lat --peer`), the parameter exchange that refus
 what a hostile client can make a `lat --server` do."""
 import contextlib
 import json
-import socket
 import subprocess
-import sys
 
 import anyio
 import pytest
@@ -13,16 +11,10 @@ import pytest
 from aiofabric.peer import PeerError, protocol
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
+from tests.support.processes import CLI, free_port
 from tests.support.ssh_servers import assert_no_leftovers
 
-CLI = [sys.executable, "-m", "aiofabric"]
 ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
-
-
-def free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
 
 
 def last_json(text: str):
@@ -30,7 +22,7 @@ def last_json(text: str):
 
 
 def start_server(*argv):
-    port = free_port()
+    port = str(free_port())
     process = subprocess.Popen([*CLI, "lat", *argv, "--server", "--bind", "127.0.0.1", "--port", port],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert "waiting for a client" in process.stderr.readline()

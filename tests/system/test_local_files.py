@@ -24,6 +24,7 @@ from aiofabric.pci.preflight import DeviceLock
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.sched import kernels
 from aiofabric.sim.pcap import PcapWriter
+from tests.support.processes import CLI, LIMITS, ServerProcess
 from tests.support.sysfs import ADDR
 
 NOBODY = 65534  # another user: nothing of ours is owned by it
@@ -262,9 +263,9 @@ def test_the_server_writes_at_most_its_file_limit_of_captures(caplog):
 
 
 def test_a_forever_server_bounds_its_captures_end_to_end(tmp_path):
-    from test_bench_server_hostile import CLI, Server
     capture = tmp_path / "server.pcap"
-    server = Server(tmp_path, "--forever", "--pcap", str(capture), "--pcap-max-files", "1", "--pcap-max-bytes", "4K")
+    server = ServerProcess(tmp_path, *LIMITS, "--forever", "--pcap", str(capture), "--pcap-max-files", "1",
+                           "--pcap-max-bytes", "4K")
     try:
         for _ in range(2):  # the second client's NIC is past the file limit
             run = subprocess.run([*CLI, "bench", "read", "127.0.0.1", "--port", str(server.port), "--iters", "20",

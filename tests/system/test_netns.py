@@ -21,6 +21,7 @@ from aiofabric.pci.emulated import SimPCIDevice
 from aiofabric.sim.packets import ROCE_PORT
 from tests.support import netns
 from tests.support.netns import ip
+from tests.support.nics import connected_qps
 
 pytestmark = pytest.mark.anyio
 NS = (f"aiofab-a{os.getpid()}", f"aiofab-b{os.getpid()}")
@@ -49,10 +50,7 @@ def two_hosts():
 async def test_rdma_between_two_namespaces(two_hosts):
     async with open_nic("sim:host-a", ip=ADDRESSES[0], netns=NS[0]) as a, \
             open_nic("sim:host-b", ip=ADDRESSES[1], netns=NS[1]) as b:
-        cq_a, cq_b = await a.create_cq(64), await b.create_cq(64)
-        qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
-        await qa.connect(qb.info(), mtu=4096)
-        await qb.connect(qa.info(), mtu=4096)
+        qa, qb = await connected_qps(a, b, 64, mtu=4096)
         source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
         source.view[:] = random.randbytes(1 << 16)
         with anyio.fail_after(20):

@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from aiofabric.peer import PeerError, protocol
 from aiofabric.peer.protocol import Answer, ClientState, LineBuffer, ProtocolError, Ready, Request
 from tests.support import CHECKOUT, sshd
+from tests.support.processes import CLI
 from tests.support.ssh_servers import BOTH_SERVERS, assert_no_leftovers
 
 
 pytestmark = pytest.mark.anyio
-CLI = [sys.executable, "-m", "aiofabric"]
 
 
 # -- the protocol, pure -----------------------------------------------------------------------------------------------

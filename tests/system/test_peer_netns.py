@@ -3,7 +3,8 @@ process) runs inside the remote ones, `aiofabric connect` runs inside namespace 
 
 Layout: namespace A holds a bridge; each remote namespace (B, C, D) is joined to it by a veth pair. Addresses
 (10.78.0.0/24) exist only inside these namespaces and go with them. Names carry the creating pid; a run that was
-killed is swept by the next one (as in tests/test_netns.py). Skipped with the reason where `ip netns` is unavailable.
+killed is swept by the next one (as in tests/system/test_netns.py). Skipped with the reason where `ip netns` is
+unavailable.
 """
 import json
 import os

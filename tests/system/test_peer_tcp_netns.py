@@ -1,8 +1,8 @@
 """bench's server/client mode across two network namespaces: `aiofabric bench --server` runs in namespace A, the
 client (`aiofabric bench TEST A_ADDRESS`) in namespace B; both the TCP connection and RoCEv2 cross the veth pair between them.
 
-Names carry the creating pid and stale ones are swept (as in tests/test_netns.py); addresses (10.79.0.0/24) live only
-inside the namespaces. Skipped with the reason where `ip netns` is unavailable (needs root and iproute2).
+Names carry the creating pid and stale ones are swept (as in tests/system/test_netns.py); addresses (10.79.0.0/24)
+live only inside the namespaces. Skipped with the reason where `ip netns` is unavailable (needs root and iproute2).
 """
 import json
 import os

@@ -5,56 +5,20 @@ serves a client, and lives: the client being served finishes its run, and the ne
 Loopback only; the flood is a bounded number of connections, held for a moment and closed.
 """
 import json
-import os
-import re
 import resource
 import signal
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-CLI = [sys.executable, "-m", "aiofabric"]
+from tests.support.processes import CLI, ServerProcess
+
 NOFILE = 32  # a served bench client needs up to 27 of the server's descriptors (21 mid-run): a flood gets the rest
 FLOOD = 300  # connections: several times what the server could hold
 
 
 def _few_descriptors() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
-
-
-class LimitedServer:
-    def __init__(self, workdir: Path, command: str) -> None:
-        self.log = workdir / "server.log"
-        with open(self.log, "w") as log:
-            self.process = subprocess.Popen([*CLI, command, "write", "--server", "--bind", "127.0.0.1", "--port", "0",
-                                             "--forever"], stdout=subprocess.DEVNULL, stderr=log,
-                                            preexec_fn=_few_descriptors)
-        deadline = time.monotonic() + 30
-        while not (found := re.search(r"TCP port (\d+)", self.log.read_text())):
-            assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.05)
-        self.port = int(found[1])
-
-    def children(self) -> list[int]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            try:
-                if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) \
-                        == self.process.pid:
-                    pids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-        return pids
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(30)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
 
 
 def _flood(port: int) -> int:
@@ -76,7 +40,7 @@ def _flood(port: int) -> int:
 
 
 def test_a_flood_of_connections_neither_kills_the_server_nor_cuts_off_its_client(tmp_path):
-    server = LimitedServer(tmp_path, "bench")
+    server = ServerProcess(tmp_path, "--forever", preexec_fn=_few_descriptors)
     try:
         # --run-infinitely prints a line a second: once one is out, the client's setup on the server is over (the
         # descriptors it needs are open) and its run is under way

@@ -12,15 +12,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from aiofabric.driver.close_budget import CLOSE_TIMEOUT
+from tests.support.processes import CLI
 
-CLI = [sys.executable, "-m", "aiofabric"]
 BOUND = 20.0  # seconds from the stop to the exit: the no-progress limit (about 7 s) + a probe + the clean-up, with
 # room for a loaded machine; before, a stopped sender ran forever and a stopped receiver took 33-48 s
 

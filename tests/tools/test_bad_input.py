@@ -13,6 +13,7 @@ import pytest
 
 import aiofabric
 from aiofabric.tools import cli, perftest_flags
+from tests.support.nics import connected_qps
 
 ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                "SLURM_PROCID", "SLURM_NTASKS", "AIOFABRIC_RENDEZVOUS_PORT", "TORCHELASTIC_USE_AGENT_STORE")
@@ -197,9 +198,7 @@ async def test_sizes_and_offsets_are_integers_not_floats_strings_or_bools():
                                                  rf"{re.escape(repr(size))}$"):
                 await a.register_mr(size)
         assert (await a.register_mr(1)).length >= 1  # the boundary (a page, allocated)
-        qa, qb = await a.create_qp(await a.create_cq(16)), await b.create_qp(await b.create_cq(16))
-        await qa.connect(qb.info())
-        await qb.connect(qa.info())
+        qa, qb = await connected_qps(a, b, 16)
         source, target = await a.register_mr(4096), await b.register_mr(4096)
         posted = qa.send_queue.posted
         for keywords, name, value in ((dict(local_offset=1.5), "local_offset", 1.5),

@@ -2,15 +2,13 @@
 checked; the check itself shown able to fail."""
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from aiofabric import collectives
 from aiofabric.collectives.perf import PerfConfig, format_table, run_perf
-
-CLI = [sys.executable, "-m", "aiofabric"]
+from tests.support.processes import CLI
 
 
 def run(*args, timeout=180):

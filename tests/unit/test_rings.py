@@ -1,5 +1,5 @@
 """Ring arithmetic and page tables (pure logic; the seam is a bytearray-backed fake). The doorbell and entry formats
-are hw/'s, checked against the bindings in tests/test_hw.py."""
+are hw/'s, checked against the bindings in tests/unit/test_hw.py."""
 from hypothesis import given
 from hypothesis import strategies as st
 
