@@ -63,7 +63,10 @@ CLIENT = textwrap.dedent("""
 
     async def write() -> None:
         async with open_nic("sim:pt-a") as a, open_nic("sim:pt-b") as b:
-            qa, qb = await connected_qps(a, b, 64)
+            cq_a, cq_b = await a.create_cq(64), await b.create_cq(64)
+            qa, qb = await a.create_qp(cq_a), await b.create_qp(cq_b)
+            await qa.connect(qb.info())
+            await qb.connect(qa.info())
             source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
             source.view[:] = random.randbytes(1 << 16)
             with anyio.fail_after(20):
