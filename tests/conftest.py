@@ -9,12 +9,10 @@ import zlib
 
 import pytest
 
-pytest.register_assert_rewrite("tests.support")  # before any test module imports them
+pytest.register_assert_rewrite("tests.support")  # before anything imports them
+from tests.support.backends import BACKENDS  # noqa: E402
 
 ALONE = ("test_wire.py", "test_interop.py")  # their tests bind fixed addresses
-BACKENDS = [pytest.param(("asyncio", {}), id="asyncio"),
-            pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-            pytest.param(("trio", {}), id="trio")]
 
 
 @pytest.fixture(params=BACKENDS)

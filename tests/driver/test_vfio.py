@@ -29,12 +29,13 @@ from aiofabric.pci.sysfs import SysfsPCIDevice
 from aiofabric.pci.vfio import IovaSpace, LinuxVfio, MappedBar, RegionBar, VfioPCIDevice
 from aiofabric.sim.memory import BUS_BASE
 from aiofabric.verbs import nic as nic_module
+from tests.support.backends import on
 from tests.support.nics import connected_qps
 from tests.support.sysfs import ADDR, PEER
 
 GROUP = "7"
 MSIX = abi.VFIO_PCI_MSIX_IRQ_INDEX
-ONE_BACKEND = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+ONE_BACKEND = on("asyncio")
 VFIO_H = "/usr/include/linux/vfio.h"
 
 

@@ -21,6 +21,7 @@ from aiofabric.hw.verbs import QPState
 from aiofabric.sim import packets as pk
 from aiofabric.sim.requester import READ_SEGMENT, WINDOW
 from aiofabric.tools.perftest import BenchConfig, run_bench
+from tests.support.backends import on
 from tests.support.emulator import MASK, READ, REQ_OK, WRITE, fill, pair
 from tests.support.nics import connected_qps
 
@@ -210,7 +211,7 @@ async def test_a_128_mib_read_completes_without_overflow():
         assert a.pci.debug({"op": "placed"})["qps"][str(qa.qpn)]["read_bytes"] == size
 
 
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+@on("asyncio")
 @pytest.mark.anyio
 async def test_a_long_read_on_the_wire_is_valid_rc_to_scapy(anyio_backend, tmp_path):
     """Captured at the requester and parsed by an independent stack: every ICRC holds, the READ requests' RETHs walk
@@ -246,7 +247,7 @@ async def test_a_long_read_on_the_wire_is_valid_rc_to_scapy(anyio_backend, tmp_p
         assert int.from_bytes(answer[-1][Raw].load[1:4], "big") == i + 1  # the AETH's MSN: one message per request
 
 
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+@on("asyncio")
 @pytest.mark.anyio
 async def test_a_read_and_a_write_beside_other_traffic_and_a_cpu_hog(anyio_backend):
     size = 128 << 20
@@ -274,7 +275,7 @@ def resident_shared_memory() -> int:
         return next(int(line.split()[1]) << 10 for line in status if line.startswith("RssShmem:"))
 
 
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+@on("asyncio")
 @pytest.mark.anyio
 async def test_a_1_gib_region_fits_beside_the_rings_and_its_memory_is_returned(anyio_backend):
     async with open_nic() as nic:
@@ -295,7 +296,7 @@ def test_bench_takes_a_1_gib_message():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("test", ["read", "write"])
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+@on("asyncio")
 @pytest.mark.anyio
 async def test_a_1_gib_bench_message_is_verified(test, anyio_backend):
     result = await run_bench(BenchConfig(test=test, size=1 << 30, iters=1, timeout=18))

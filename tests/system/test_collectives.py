@@ -16,6 +16,7 @@ from aiofabric.collectives import launch, layout
 from aiofabric.collectives.communicator import CollectiveError
 from aiofabric.collectives.perf import ring_reference
 from aiofabric.sched.reduce import DTYPES, OPS
+from tests.support.backends import on
 
 PIECE = 1024  # small messages, so every size above a few hundred elements is cut into several pieces
 
@@ -177,7 +178,7 @@ async def test_a_rank_whose_nic_dies_fails_every_rank_naming_it():
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["trio"])  # trio's idle worker threads exit after 10 s
+@on("trio")  # trio's idle worker threads exit after 10 s
 async def test_a_communicator_held_idle_longer_than_a_worker_thread_lives_still_works():
     """Held 13 s, with reductions of 1 MiB, which run in worker threads."""
     async with collectives.local(2, buffer_bytes=4 << 20) as comms:

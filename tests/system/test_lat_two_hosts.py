@@ -11,10 +11,11 @@ import pytest
 from aiofabric.peer import PeerError, protocol
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
+from tests.support.backends import on
 from tests.support.processes import CLI, free_port
 from tests.support.ssh_servers import assert_no_leftovers
 
-ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+ASYNCIO_ONLY = on("asyncio")
 
 
 def last_json(text: str):

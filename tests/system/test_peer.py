@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from aiofabric.peer import PeerError, protocol
 from aiofabric.peer.protocol import Answer, ClientState, LineBuffer, ProtocolError, Ready, Request
 from tests.support import CHECKOUT, sshd
+from tests.support.backends import on, only
 from tests.support.processes import CLI
 from tests.support.ssh_servers import BOTH_SERVERS, assert_no_leftovers
 
@@ -149,11 +150,10 @@ async def test_serve_answers_bad_requests_out_of_order_and_exits_0_at_end_of_inp
 
 # -- real SSH -----------------------------------------------------------------------------------------------------
 
-ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+ASYNCIO_ONLY = on("asyncio")
 
 
-@pytest.fixture(params=[pytest.param(("asyncio", {}), id="asyncio"),
-                        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")])
+@pytest.fixture(params=only("asyncio", "uvloop"))
 def anyio_backend(request):
     return request.param  # asyncssh is asyncio-only (trio: see test_connect_peer_on_trio_says_it_needs_asyncio)
 
@@ -521,7 +521,7 @@ async def test_shell_metacharacters_are_never_executed(server):
 
 # -- trio ---------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("trio", {}), id="trio")])
+@on("trio")
 async def test_connect_peer_on_trio_says_it_needs_asyncio(anyio_backend):
     from aiofabric import connect_peer
     with pytest.raises(PeerError, match="needs asyncio or uvloop .*asyncio-only.*not trio"):

@@ -12,13 +12,14 @@ import pytest
 from aiofabric.peer import PeerError
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
 from aiofabric.tools.perftest import BenchConfig, format_table, open_bench_nics, run_bench
+from tests.support.backends import only
 from tests.support.ssh_servers import assert_no_leftovers
 
 pytestmark = pytest.mark.anyio
 SHAPE = {"qps": 2, "iters": 200, "size": 4096}
 
 
-@pytest.fixture(params=[pytest.param(("asyncio", {}), id="asyncio"), pytest.param(("trio", {}), id="trio")])
+@pytest.fixture(params=only("asyncio", "trio"))
 def anyio_backend(request):
     return request.param
 

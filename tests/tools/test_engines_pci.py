@@ -30,14 +30,13 @@ from aiofabric.peer.tcp import connect_tcp, serve_tcp
 from aiofabric.tools.latency import LatConfig, format_latency_table, run_latency
 from aiofabric.tools.perftest import NOT_COUNTED, BenchConfig, format_table, open_bench_nics, run_bench, run_loopback
 from aiofabric.verbs import nic as nic_module
+from tests.support.backends import on
 from tests.support.sysfs import ADDR, make_tree
 
 pytestmark = pytest.mark.anyio
 OTHER = "0000:42:00.0"  # the bench server's PCI NIC
 SYSFS = f"sysfs:{ADDR}"  # ADDR through the raw sysfs seam
-ONE_BACKEND = {name: pytest.mark.parametrize("anyio_backend", [pytest.param((backend, options), id=name)])
-               for name, backend, options in [("asyncio", "asyncio", {}), ("uvloop", "asyncio", {"use_uvloop": True}),
-                                              ("trio", "trio", {})]}
+ONE_BACKEND = {name: on(name) for name in ("asyncio", "uvloop", "trio")}
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import pytest
 
 from aiofabric.tools.latency import HEADER, LATENCY_FIELDS, LatConfig, format_latency_table, histogram, run_latency
 from aiofabric.tools.samples import summarize
+from tests.support.backends import on
 from tests.support.ssh_servers import assert_no_leftovers
 
 ITERS = 40  # small: each run boots two emulator processes on a shared 2-core machine
@@ -44,7 +45,7 @@ async def test_each_verb_runs_and_reports_sane_numbers(test):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+@on("asyncio")
 async def test_write_pingpong_survives_five_percent_loss(anyio_backend):
     config = LatConfig(test="write", iters=60, loss=0.05, seed=3)
     result = await run_latency(config)
@@ -53,7 +54,7 @@ async def test_write_pingpong_survives_five_percent_loss(anyio_backend):
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("trio", {}), id="trio")])
+@on("trio")
 async def test_a_lost_ping_is_a_timeout_naming_side_and_iteration(anyio_backend):
     # the server's NIC ACKs the first WRITE without placing it: the ping never lands, nobody may hang
     config = LatConfig(test="write", iters=5, inject_fault="skip_placement:1", wait=1.0)
@@ -62,7 +63,7 @@ async def test_a_lost_ping_is_a_timeout_naming_side_and_iteration(anyio_backend)
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+@on("asyncio")
 async def test_a_read_that_never_completes_is_a_timeout_naming_the_iteration(anyio_backend):
     # timeout 0: the QP never retransmits (IB's "wait forever"), so the first lost READ never completes
     config = LatConfig(test="read", iters=200, loss=0.3, seed=1, timeout=0, wait=0.5)
