@@ -491,7 +491,7 @@ async def _collective_over_ssh(args: argparse.Namespace, sizes: list[int]) -> di
     served here and forwarded to each host's 127.0.0.1 over its SSH connection. Rank 0's result is the table."""
     from ..collectives.communicator import CollectiveError
     from ..collectives.rendezvous import RendezvousServer
-    from ..peer.ssh import run_remote
+    from ..peer.remote_run import run_remote
     hosts = args.host_list  # _check_collective's
     ssh = _ssh_options(args)
     ssh.pop("command_timeout")
