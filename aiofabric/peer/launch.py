@@ -121,7 +121,7 @@ def push_files(remote: dict[str, Any], needed: Distributions, argv: list[str],
                where: str) -> list[tuple[Path, PurePath]]:
     """What a push copies, as (root, file relative to it): this package's .py files and the files of each
     distribution the remote python lacks. Pure-Python distributions come from this side's installation; compiled
-    ones only to the same Python ABI and platform, else a PeerError says what to install there."""
+    ones (numpy, isal) only to the same Python ABI and platform, else a PeerError says what to install there."""
     missing = [needed[_normalized(name)] for name in remote["missing"]]
     here = [sysconfig.get_config_var("SOABI"), sysconfig.get_platform()]
     blocked = [requirement for distribution, requirement in missing

@@ -87,9 +87,9 @@ async def serve_stream(receive: Receive, send: Send, *, client: str = "", policy
     object it opened and return a summary of the session.
 
     `receive()` returns the next bytes (b"" at end of input); `send(data)` writes. `client` names the other side in
-    logs ("" for stdin). `on_report(result, client)` gets the `result` of each `report` request, every string in it escaped
-    (`protocol.printable`); it may be a coroutine function.
-    `connection_ip`: the address the client's connection reached, for open_nic's ip "connection".
+    logs ("" for stdin). `on_report(result, client)` gets the `result` of each `report` request, every string in it
+    escaped (`protocol.printable`); it may be a coroutine function. `connection_ip`: the address the client's
+    connection reached, for open_nic's ip "connection".
 
     `policy` (an unauthenticated TCP client, connected from `client_ip`): only the bench exchange
     (`operations.BENCH`), NICs as the policy says, within its limits: a request past `in_flight` or a refused one

@@ -257,10 +257,9 @@ async def _remove(connection: asyncssh.SSHClientConnection, remote_dir: str) -> 
 
 async def push(connection: asyncssh.SSHClientConnection, python: str | Sequence[str] = "python3",
                where: str = "") -> str:
-    """Copy this aiofabric package (its .py files), and the distributions it needs that the remote `python` lacks,
-    into a new private (0700) temp dir on the remote host over SFTP; the dir, to put on PYTHONPATH. Pure-Python
-    distributions are copied from this side's installation; compiled ones (numpy, isal) only to the same Python ABI
-    and platform, else a PeerError says what to install there. The caller removes the dir (`connect_peer` does)."""
+    """Copy this aiofabric package and the distributions it needs that the remote `python` lacks (`push_files`)
+    into a new private (0700) temp dir on the remote host over SFTP; the dir, to put on PYTHONPATH. The caller
+    removes the dir (`connect_peer` does)."""
     argv = python_argv(python)
     needed = endpoint_distributions()
     result = await connection.run(probe_command(argv, needed), check=False)

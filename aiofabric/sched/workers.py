@@ -46,11 +46,11 @@ class RunState:
     fail: Callable[[Submission | None, BaseException], None]
 
 
-async def host_worker(run: RunState, qi: int, submissions: list[Submission], timeline: Timeline, ticket: int) -> None:
+async def host_worker(state: RunState, qi: int, submissions: list[Submission], timeline: Timeline, ticket: int) -> None:
     """Run a compute or copy queue's calls one at a time, each after its waits; kernels and small copies inline
     (letting the loop in every YIELD_EVERY), threaded kernels and large copies in a worker thread."""
-    signals, records, fail = run.signals, run.records, run.fail
-    signal, prepared, calls = signals[qi], run.prepared, run.calls
+    signals, records, fail = state.signals, state.records, state.fail
+    signal, prepared, calls = signals[qi], state.prepared, state.calls
     clock, checkpoint, to_thread = time.perf_counter_ns, anyio.lowlevel.checkpoint, anyio.to_thread.run_sync
     submission = None
     try:
@@ -89,16 +89,16 @@ async def host_worker(run: RunState, qi: int, submissions: list[Submission], tim
         fail(submission, error)
 
 
-async def qp_worker(run: RunState, qi: int, submissions: list[Submission], timeline: Timeline, ticket: int,
+async def qp_worker(state: RunState, qi: int, submissions: list[Submission], timeline: Timeline, ticket: int,
                     qp: QueuePair) -> None:
     """Post in order (waits, fences), retire completions in order (end times, signals) in a second task."""
-    signals, records, fail = run.signals, run.records, run.fail
-    calls, prepared, post = run.calls, run.prepared, run.post
+    signals, records, fail = state.signals, state.records, state.fail
+    calls, prepared, post = state.calls, state.prepared, state.post
     signal, clock = signals[qi], time.perf_counter_ns
     completions: list[Any] = [None] * len(submissions)
     starts = [0] * len(submissions)
     posted, retired = Counter(), Counter()
-    expected = run.expected_imm
+    expected = state.expected_imm
 
     async def retire() -> None:
         submission = None
