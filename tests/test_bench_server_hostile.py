@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiofabric.peer import protocol, serve
+from aiofabric.peer import operations, serve
 
 IDLE = 2.0
 LIMITS = ["--idle-timeout", str(IDLE), "--max-memory", "64M", "--max-requests", "8", "--max-line", "64K",
@@ -473,7 +473,7 @@ def _mismatch(op, args):
     if op != "lat_params":
         return False
     try:
-        checked = protocol.check_args(op, args, protocol.LAT)
+        checked = operations.check_args(op, args, operations.LAT)
     except ValueError:
         return False
     return (checked["test"], checked["size"], checked["mtu"]) != ("write", 2, 4096)
