@@ -2,16 +2,15 @@
 reading all ones. Once it is gone, `lost` holds the error and everyone who asked to be told (`on_lost`) is."""
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import anyio
 
+from . import log
 from .interrupts import readable
 from ..errors import DeviceLostError
 from ..pci import PCI_VENDOR_ID, PCIDevice
 
-log = logging.getLogger("aiofabric.driver.device")
 REMOVAL_POLL = 1.0  # without a removal fd: how often the watch reads config space
 
 
