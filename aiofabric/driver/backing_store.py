@@ -1,6 +1,8 @@
 """The backing store: host memory the firmware keeps its contexts in (QPs, CQs, MRs and its own), one area per context
-type, handed to it at boot (Linux bnxt.c bnxt_backing_store_cfg_v2). Only version 2 is spoken: firmware without it
-wants v1 (FUNC_BACKING_STORE_QCAPS/CFG, bnxt_backing_store_cfg), whose layouts the bindings lack."""
+type, handed to it at boot as Linux's bnxt_en does (bnxt.c bnxt_backing_store_cfg_v2): the types walked by
+`next_valid_type`, only those bnxt_en sizes configured (no trace buffers), their memory initialised only when the
+firmware asks (ENABLE_CTX_KIND_INIT). Only version 2 is spoken: firmware without it wants v1
+(FUNC_BACKING_STORE_QCAPS/CFG, bnxt_backing_store_cfg), whose layouts the bindings lack."""
 from __future__ import annotations
 
 import ctypes
@@ -18,9 +20,8 @@ Hwrm = Callable[..., Awaitable[ctypes.Structure]]  # Device.hwrm: a command by n
 
 async def configure(pci: PCIDevice, hwrm: Hwrm, flags_ext: int, on_quiesced: Callable[[Callable[[], None]], None]
                     ) -> None:
-    """One FUNC_BACKING_STORE_CFG_V2 per instance of each valid type bnxt_en sizes (CONFIGURED_CONTEXT_TYPES: not
-    the firmware's trace buffers), walking the types by `next_valid_type`. `flags_ext` is FUNC_QCAPS's; the memory
-    is freed through `on_quiesced`, once the device can no longer write it."""
+    """One FUNC_BACKING_STORE_CFG_V2 per instance of each valid type in CONFIGURED_CONTEXT_TYPES. `flags_ext` is
+    FUNC_QCAPS's; the memory is freed through `on_quiesced`, once the device can no longer write it."""
     if not flags_ext & bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED:
         raise PCIError(f"{pci.address}: backing store v1 (pre-Thor2 firmware) is not supported (FUNC_QCAPS "
                        "flags_ext has no BS_V2_SUPPORTED)")

@@ -43,7 +43,7 @@ class Liveness:
                     await anyio.wait_readable(fd)
                 else:
                     await anyio.sleep(REMOVAL_POLL)
-                    if self.pci.read_config(PCI_VENDOR_ID, 2) != 0xFFFF:
+                    if not self._reads_all_ones():
                         continue
                 await self._declare_removed()
         finally:
@@ -54,10 +54,14 @@ class Liveness:
         whether the device is gone, so the wait ends now rather than at its timeout. Raises the loss if `raising`."""
         if self.lost is None and not self.watching:
             fd = self.pci.removal_fd()
-            if readable(fd) if fd is not None else self.pci.read_config(PCI_VENDOR_ID, 2) == 0xFFFF:
+            if readable(fd) if fd is not None else self._reads_all_ones():
                 await self._declare_removed()
         if raising:
             self.check()
+
+    def _reads_all_ones(self) -> bool:
+        """Whether config space reads all ones, as a device no longer on the bus does."""
+        return self.pci.read_config(PCI_VENDOR_ID, 2) == 0xFFFF
 
     async def _declare_removed(self) -> None:
         with anyio.CancelScope(shield=True):  # the reason (an exit status) is read once, in a worker thread

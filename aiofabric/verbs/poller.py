@@ -9,7 +9,6 @@ nobody) until the next post wakes it. Work posted while completions keep coming 
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Protocol
 
@@ -20,8 +19,6 @@ from ..autogen import bnxt
 from ..driver.device import Device
 from ..driver.interrupts import NQ_VECTOR, wait_for_interrupt, wake
 from ..hw.cqe import NQ_CQ_NOTIFICATION, NQ_ENTRY, notification_fields
-
-log = logging.getLogger("aiofabric.verbs.poller")
 
 SPIN_SECONDS = 80e-6
 SAFETY_POLL = 0.1  # the first safety poll after an interrupt or a completion ...
