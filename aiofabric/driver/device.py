@@ -80,7 +80,8 @@ class Device:
         self._rcfw_channel: RcfwChannel | None = None  # from boot on: its rings need HWRM commands first
         self._rcfw_timeout = rcfw_timeout
         self.router = EventRouter(pci.address)
-        self.events, self.function_handlers = self.router.events, self.router.function_handlers  # the NIC's users'
+        self.events = self.router.events  # what no handler took, and the handlers of function events: the NIC's
+        self.function_handlers = self.router.function_handlers  # users read and add to them here
         self.teardown = Teardown(pci.address)
         self.objects: dict[int, DeviceObject] = {}  # attached verbs objects by id()
         self._closing = False  # close() started: the public API refuses, teardown still runs commands
