@@ -21,7 +21,7 @@ from aiofabric.hw.wqe import ATOMIC_SIZE, MSN_ENTRY, SqGeometry, msn_fields
 from aiofabric.sim import packets as pk
 from aiofabric.sim.responder import Responder
 from aiofabric.verbs.completions import CompletionError
-from aiofabric.verbs.queues import ALL_ACCESS, Access
+from aiofabric.verbs.types import ALL_ACCESS, Access
 from aiofabric.verbs.workqueue import SIGNAL, SendQueueCodec
 
 CS, FA = bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS, bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA

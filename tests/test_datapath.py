@@ -16,7 +16,7 @@ from aiofabric.driver import hwrm_channel, rcfw_channel
 from aiofabric.hw.wqe import MSN_ENTRY, SQ_SLOT
 from aiofabric.verbs.completions import CompletionError
 from aiofabric.verbs.poller import QUIET_SAFETY_POLL
-from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
+from aiofabric.verbs.types import LocalBuffer, RemoteRegion
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ import pytest
 
 from aiofabric import ClosedError, QPStateError, open_nic
 from aiofabric.verbs.completions import CompletionError
-from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
+from aiofabric.verbs.types import LocalBuffer, RemoteRegion
 
 pytestmark = pytest.mark.anyio
 
