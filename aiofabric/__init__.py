@@ -12,8 +12,10 @@ from .version import __version__
 
 _HOMES = {
     ".verbs.nic": ("NIC", "open_nic", "DmaBudget"),
-    ".verbs.queues": ("Access", "CompletionQueue", "MemoryRegion", "QPInfo", "QPState", "QueuePair", "RemoteRegion",
-                "LocalBuffer"),
+    ".verbs.types": ("Access", "QPInfo", "QPState", "RemoteRegion", "LocalBuffer"),
+    ".verbs.cq": ("CompletionQueue",),
+    ".verbs.mr": ("MemoryRegion",),
+    ".verbs.post": ("QueuePair",),
     ".verbs.completions": ("Completion",),
     ".errors": ("FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "ClosedError", "PCIError",
                 "CompletionError", "QPStateError", "OperationTimeoutError", "PeerError"),
@@ -32,6 +34,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
                          FirmwareTimeoutError, OperationTimeoutError, PCIError, PeerError, QPStateError)
     from .peer.ssh import connect_peer
     from .verbs.completions import Completion
+    from .verbs.cq import CompletionQueue
+    from .verbs.mr import MemoryRegion
     from .verbs.nic import NIC, DmaBudget, open_nic
-    from .verbs.queues import (Access, CompletionQueue, LocalBuffer, MemoryRegion, QPInfo, QPState, QueuePair,
-                               RemoteRegion)
+    from .verbs.post import QueuePair
+    from .verbs.types import Access, LocalBuffer, QPInfo, QPState, RemoteRegion

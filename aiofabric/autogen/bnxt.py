@@ -2275,6 +2275,182 @@ FUNC_BACKING_STORE_QCAPS_V2_RESP_TYPE_TTX_PACING_TQM_RING = 0x25
 FUNC_BACKING_STORE_QCAPS_V2_RESP_TYPE_TX_CK = 0x13
 FUNC_BACKING_STORE_QCAPS_V2_RESP_TYPE_VNIC = 0x3
 FUNC_BACKING_STORE_QCAPS_V2_RESP_TYPE_XID_PARTITION = 0x1d
+FUNC_CFG_REQ_DB_PAGE_SIZE_128KB = 0x5
+FUNC_CFG_REQ_DB_PAGE_SIZE_16KB = 0x2
+FUNC_CFG_REQ_DB_PAGE_SIZE_1MB = 0x8
+FUNC_CFG_REQ_DB_PAGE_SIZE_256KB = 0x6
+FUNC_CFG_REQ_DB_PAGE_SIZE_2MB = 0x9
+FUNC_CFG_REQ_DB_PAGE_SIZE_32KB = 0x3
+FUNC_CFG_REQ_DB_PAGE_SIZE_4KB = 0x0
+FUNC_CFG_REQ_DB_PAGE_SIZE_4MB = 0xa
+FUNC_CFG_REQ_DB_PAGE_SIZE_512KB = 0x7
+FUNC_CFG_REQ_DB_PAGE_SIZE_64KB = 0x4
+FUNC_CFG_REQ_DB_PAGE_SIZE_8KB = 0x1
+FUNC_CFG_REQ_DB_PAGE_SIZE_LAST = 0xa
+FUNC_CFG_REQ_ENABLES2_DB_PAGE_SIZE = 0x2
+FUNC_CFG_REQ_ENABLES2_KDNET = 0x1
+FUNC_CFG_REQ_ENABLES2_PCIE_COMPLIANCE = 0x1000
+FUNC_CFG_REQ_ENABLES2_PHYSICAL_SLOT_NUMBER = 0x800
+FUNC_CFG_REQ_ENABLES2_QUIC_RX_KEY_CTXS = 0x8
+FUNC_CFG_REQ_ENABLES2_QUIC_TX_KEY_CTXS = 0x4
+FUNC_CFG_REQ_ENABLES2_ROCE_MAX_AV_PER_VF = 0x10
+FUNC_CFG_REQ_ENABLES2_ROCE_MAX_CQ_PER_VF = 0x20
+FUNC_CFG_REQ_ENABLES2_ROCE_MAX_GID_PER_VF = 0x200
+FUNC_CFG_REQ_ENABLES2_ROCE_MAX_MRW_PER_VF = 0x40
+FUNC_CFG_REQ_ENABLES2_ROCE_MAX_QP_PER_VF = 0x80
+FUNC_CFG_REQ_ENABLES2_ROCE_MAX_SRQ_PER_VF = 0x100
+FUNC_CFG_REQ_ENABLES2_XID_PARTITION_CFG = 0x400
+FUNC_CFG_REQ_ENABLES_ADMIN_LINK_STATE = 0x400000
+FUNC_CFG_REQ_ENABLES_ADMIN_MTU = 0x1
+FUNC_CFG_REQ_ENABLES_ALLOWED_VLAN_PRIS = 0x10000
+FUNC_CFG_REQ_ENABLES_ASYNC_EVENT_CR = 0x4000
+FUNC_CFG_REQ_ENABLES_CACHE_LINESIZE = 0x100000
+FUNC_CFG_REQ_ENABLES_DFLT_IP_ADDR = 0x800
+FUNC_CFG_REQ_ENABLES_DFLT_MAC_ADDR = 0x200
+FUNC_CFG_REQ_ENABLES_DFLT_VLAN = 0x400
+FUNC_CFG_REQ_ENABLES_EVB_MODE = 0x20000
+FUNC_CFG_REQ_ENABLES_HOST_MTU = 0x20000000
+FUNC_CFG_REQ_ENABLES_HOT_RESET_IF_SUPPORT = 0x800000
+FUNC_CFG_REQ_ENABLES_KTLS_RX_KEY_CTXS = 0x80000000
+FUNC_CFG_REQ_ENABLES_KTLS_TX_KEY_CTXS = 0x40000000
+FUNC_CFG_REQ_ENABLES_MAX_BW = 0x2000
+FUNC_CFG_REQ_ENABLES_MIN_BW = 0x1000
+FUNC_CFG_REQ_ENABLES_MPC_CHNLS = 0x2000000
+FUNC_CFG_REQ_ENABLES_MRU = 0x2
+FUNC_CFG_REQ_ENABLES_NUM_CMPL_RINGS = 0x8
+FUNC_CFG_REQ_ENABLES_NUM_HW_RING_GRPS = 0x80000
+FUNC_CFG_REQ_ENABLES_NUM_L2_CTXS = 0x40
+FUNC_CFG_REQ_ENABLES_NUM_MCAST_FILTERS = 0x40000
+FUNC_CFG_REQ_ENABLES_NUM_MSIX = 0x200000
+FUNC_CFG_REQ_ENABLES_NUM_RSSCOS_CTXS = 0x4
+FUNC_CFG_REQ_ENABLES_NUM_RX_RINGS = 0x20
+FUNC_CFG_REQ_ENABLES_NUM_STAT_CTXS = 0x100
+FUNC_CFG_REQ_ENABLES_NUM_TX_RINGS = 0x10
+FUNC_CFG_REQ_ENABLES_NUM_VNICS = 0x80
+FUNC_CFG_REQ_ENABLES_PARTITION_MAX_BW = 0x8000000
+FUNC_CFG_REQ_ENABLES_PARTITION_MIN_BW = 0x4000000
+FUNC_CFG_REQ_ENABLES_SCHQ_ID = 0x1000000
+FUNC_CFG_REQ_ENABLES_TPID = 0x10000000
+FUNC_CFG_REQ_ENABLES_VLAN_ANTISPOOF_MODE = 0x8000
+FUNC_CFG_REQ_EVB_MODE_LAST = 0x2
+FUNC_CFG_REQ_EVB_MODE_NO_EVB = 0x0
+FUNC_CFG_REQ_EVB_MODE_VEB = 0x1
+FUNC_CFG_REQ_EVB_MODE_VEPA = 0x2
+FUNC_CFG_REQ_FLAGS2_KTLS_KEY_CTX_ASSETS_TEST = 0x1
+FUNC_CFG_REQ_FLAGS2_QUIC_KEY_CTX_ASSETS_TEST = 0x2
+FUNC_CFG_REQ_FLAGS_BD_METADATA_DISABLE = 0x40000000
+FUNC_CFG_REQ_FLAGS_BD_METADATA_ENABLE = 0x20000000
+FUNC_CFG_REQ_FLAGS_CMPL_ASSETS_TEST = 0x8000
+FUNC_CFG_REQ_FLAGS_DYNAMIC_TX_RING_ALLOC = 0x400000
+FUNC_CFG_REQ_FLAGS_HOT_RESET_IF_EN_DIS = 0x4000000
+FUNC_CFG_REQ_FLAGS_L2_CTX_ASSETS_TEST = 0x100000
+FUNC_CFG_REQ_FLAGS_NO_AUTOCLEAR_STATISTIC = 0x1000
+FUNC_CFG_REQ_FLAGS_NQ_ASSETS_TEST = 0x800000
+FUNC_CFG_REQ_FLAGS_PPP_PUSH_MODE_DISABLE = 0x10000000
+FUNC_CFG_REQ_FLAGS_PPP_PUSH_MODE_ENABLE = 0x8000000
+FUNC_CFG_REQ_FLAGS_PREBOOT_LEGACY_L2_RINGS = 0x2000000
+FUNC_CFG_REQ_FLAGS_RING_GRP_ASSETS_TEST = 0x20000
+FUNC_CFG_REQ_FLAGS_RSSCOS_CTX_ASSETS_TEST = 0x10000
+FUNC_CFG_REQ_FLAGS_RSVD_MASK = 0x1fc
+FUNC_CFG_REQ_FLAGS_RSVD_SFT = 0x2
+FUNC_CFG_REQ_FLAGS_RX_ASSETS_TEST = 0x4000
+FUNC_CFG_REQ_FLAGS_SRC_MAC_ADDR_CHECK_DISABLE = 0x1
+FUNC_CFG_REQ_FLAGS_SRC_MAC_ADDR_CHECK_ENABLE = 0x2
+FUNC_CFG_REQ_FLAGS_STAT_CTX_ASSETS_TEST = 0x40000
+FUNC_CFG_REQ_FLAGS_STD_TX_RING_MODE_DISABLE = 0x400
+FUNC_CFG_REQ_FLAGS_STD_TX_RING_MODE_ENABLE = 0x200
+FUNC_CFG_REQ_FLAGS_TRUSTED_VF_DISABLE = 0x1000000
+FUNC_CFG_REQ_FLAGS_TRUSTED_VF_ENABLE = 0x200000
+FUNC_CFG_REQ_FLAGS_TX_ASSETS_TEST = 0x2000
+FUNC_CFG_REQ_FLAGS_VIRT_MAC_PERSIST = 0x800
+FUNC_CFG_REQ_FLAGS_VNIC_ASSETS_TEST = 0x80000
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_MASK = 0xfffffff
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_SFT = 0x0
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_BASE = 0x80000000
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_GIGA = 0xc0000000
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_INVALID = 0xe0000000
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_KILO = 0x40000000
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_LAST = 0xe0000000
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_MASK = 0xe0000000
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_MEGA = 0x0
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_PERCENT1_100 = 0x20000000
+FUNC_CFG_REQ_MAX_BW_BW_VALUE_UNIT_SFT = 0x1d
+FUNC_CFG_REQ_MAX_BW_SCALE = 0x10000000
+FUNC_CFG_REQ_MAX_BW_SCALE_BITS = 0x0
+FUNC_CFG_REQ_MAX_BW_SCALE_BYTES = 0x10000000
+FUNC_CFG_REQ_MAX_BW_SCALE_LAST = 0x10000000
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_MASK = 0xfffffff
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_SFT = 0x0
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_BASE = 0x80000000
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_GIGA = 0xc0000000
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_INVALID = 0xe0000000
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_KILO = 0x40000000
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_LAST = 0xe0000000
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_MASK = 0xe0000000
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_MEGA = 0x0
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_PERCENT1_100 = 0x20000000
+FUNC_CFG_REQ_MIN_BW_BW_VALUE_UNIT_SFT = 0x1d
+FUNC_CFG_REQ_MIN_BW_SCALE = 0x10000000
+FUNC_CFG_REQ_MIN_BW_SCALE_BITS = 0x0
+FUNC_CFG_REQ_MIN_BW_SCALE_BYTES = 0x10000000
+FUNC_CFG_REQ_MIN_BW_SCALE_LAST = 0x10000000
+FUNC_CFG_REQ_MPC_CHNLS_PRIMATE_DISABLE = 0x200
+FUNC_CFG_REQ_MPC_CHNLS_PRIMATE_ENABLE = 0x100
+FUNC_CFG_REQ_MPC_CHNLS_RCE_DISABLE = 0x8
+FUNC_CFG_REQ_MPC_CHNLS_RCE_ENABLE = 0x4
+FUNC_CFG_REQ_MPC_CHNLS_RE_CFA_DISABLE = 0x80
+FUNC_CFG_REQ_MPC_CHNLS_RE_CFA_ENABLE = 0x40
+FUNC_CFG_REQ_MPC_CHNLS_TCE_DISABLE = 0x2
+FUNC_CFG_REQ_MPC_CHNLS_TCE_ENABLE = 0x1
+FUNC_CFG_REQ_MPC_CHNLS_TE_CFA_DISABLE = 0x20
+FUNC_CFG_REQ_MPC_CHNLS_TE_CFA_ENABLE = 0x10
+FUNC_CFG_REQ_OPTIONS_CACHE_LINESIZE_LAST = 0x1
+FUNC_CFG_REQ_OPTIONS_CACHE_LINESIZE_MASK = 0x3
+FUNC_CFG_REQ_OPTIONS_CACHE_LINESIZE_SFT = 0x0
+FUNC_CFG_REQ_OPTIONS_CACHE_LINESIZE_SIZE_128 = 0x1
+FUNC_CFG_REQ_OPTIONS_CACHE_LINESIZE_SIZE_64 = 0x0
+FUNC_CFG_REQ_OPTIONS_LINK_ADMIN_STATE_AUTO = 0x8
+FUNC_CFG_REQ_OPTIONS_LINK_ADMIN_STATE_FORCED_DOWN = 0x0
+FUNC_CFG_REQ_OPTIONS_LINK_ADMIN_STATE_FORCED_UP = 0x4
+FUNC_CFG_REQ_OPTIONS_LINK_ADMIN_STATE_LAST = 0x8
+FUNC_CFG_REQ_OPTIONS_LINK_ADMIN_STATE_MASK = 0xc
+FUNC_CFG_REQ_OPTIONS_LINK_ADMIN_STATE_SFT = 0x2
+FUNC_CFG_REQ_OPTIONS_RSVD_MASK = 0xf0
+FUNC_CFG_REQ_OPTIONS_RSVD_SFT = 0x4
+FUNC_CFG_REQ_PARTITION_MAX_BW_BW_VALUE_MASK = 0xfffffff
+FUNC_CFG_REQ_PARTITION_MAX_BW_BW_VALUE_SFT = 0x0
+FUNC_CFG_REQ_PARTITION_MAX_BW_BW_VALUE_UNIT_LAST = 0x20000000
+FUNC_CFG_REQ_PARTITION_MAX_BW_BW_VALUE_UNIT_MASK = 0xe0000000
+FUNC_CFG_REQ_PARTITION_MAX_BW_BW_VALUE_UNIT_PERCENT1_100 = 0x20000000
+FUNC_CFG_REQ_PARTITION_MAX_BW_BW_VALUE_UNIT_SFT = 0x1d
+FUNC_CFG_REQ_PARTITION_MAX_BW_SCALE = 0x10000000
+FUNC_CFG_REQ_PARTITION_MAX_BW_SCALE_BITS = 0x0
+FUNC_CFG_REQ_PARTITION_MAX_BW_SCALE_BYTES = 0x10000000
+FUNC_CFG_REQ_PARTITION_MAX_BW_SCALE_LAST = 0x10000000
+FUNC_CFG_REQ_PARTITION_MIN_BW_BW_VALUE_MASK = 0xfffffff
+FUNC_CFG_REQ_PARTITION_MIN_BW_BW_VALUE_SFT = 0x0
+FUNC_CFG_REQ_PARTITION_MIN_BW_BW_VALUE_UNIT_LAST = 0x20000000
+FUNC_CFG_REQ_PARTITION_MIN_BW_BW_VALUE_UNIT_MASK = 0xe0000000
+FUNC_CFG_REQ_PARTITION_MIN_BW_BW_VALUE_UNIT_PERCENT1_100 = 0x20000000
+FUNC_CFG_REQ_PARTITION_MIN_BW_BW_VALUE_UNIT_SFT = 0x1d
+FUNC_CFG_REQ_PARTITION_MIN_BW_SCALE = 0x10000000
+FUNC_CFG_REQ_PARTITION_MIN_BW_SCALE_BITS = 0x0
+FUNC_CFG_REQ_PARTITION_MIN_BW_SCALE_BYTES = 0x10000000
+FUNC_CFG_REQ_PARTITION_MIN_BW_SCALE_LAST = 0x10000000
+FUNC_CFG_REQ_PORT_KDNET_MODE_DISABLED = 0x0
+FUNC_CFG_REQ_PORT_KDNET_MODE_ENABLED = 0x1
+FUNC_CFG_REQ_PORT_KDNET_MODE_LAST = 0x1
+FUNC_CFG_REQ_VLAN_ANTISPOOF_MODE_INSERT_IF_VLANDNE = 0x2
+FUNC_CFG_REQ_VLAN_ANTISPOOF_MODE_INSERT_OR_OVERRIDE_VLAN = 0x3
+FUNC_CFG_REQ_VLAN_ANTISPOOF_MODE_LAST = 0x3
+FUNC_CFG_REQ_VLAN_ANTISPOOF_MODE_NOCHECK = 0x0
+FUNC_CFG_REQ_VLAN_ANTISPOOF_MODE_VALIDATE_VLAN = 0x1
+FUNC_CFG_REQ_XID_PARTITION_CFG_RX_CK = 0x2
+FUNC_CFG_REQ_XID_PARTITION_CFG_TX_CK = 0x1
+FUNC_DRV_IF_CHANGE_REQ_FLAGS_UP = 0x1
+FUNC_DRV_IF_CHANGE_RESP_FLAGS_CAPS_CHANGE = 0x4
+FUNC_DRV_IF_CHANGE_RESP_FLAGS_HOT_FW_RESET_DONE = 0x2
+FUNC_DRV_IF_CHANGE_RESP_FLAGS_RESC_CHANGE = 0x1
 FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD = 0x10
 FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE = 0x1
 FUNC_DRV_RGTR_REQ_ENABLES_TIMESTAMP = 0x4
@@ -2588,6 +2764,11 @@ FUNC_RESET_REQ_FUNC_RESET_LEVEL_RESETALL = 0x0
 FUNC_RESET_REQ_FUNC_RESET_LEVEL_RESETCHILDREN = 0x2
 FUNC_RESET_REQ_FUNC_RESET_LEVEL_RESETME = 0x1
 FUNC_RESET_REQ_FUNC_RESET_LEVEL_RESETVF = 0x3
+FUNC_RESOURCE_QCAPS_RESP_FLAGS_MIN_GUARANTEED = 0x1
+FUNC_RESOURCE_QCAPS_RESP_VF_RESERVATION_STRATEGY_LAST = 0x2
+FUNC_RESOURCE_QCAPS_RESP_VF_RESERVATION_STRATEGY_MAXIMAL = 0x0
+FUNC_RESOURCE_QCAPS_RESP_VF_RESERVATION_STRATEGY_MINIMAL = 0x1
+FUNC_RESOURCE_QCAPS_RESP_VF_RESERVATION_STRATEGY_MINIMAL_STATIC = 0x2
 HWRM_CFA_ADV_FLOW_MGNT_QCAPS = 0x124
 HWRM_CFA_COUNTER_CFG = 0x11c
 HWRM_CFA_COUNTER_QCAPS = 0x11b
@@ -3312,6 +3493,113 @@ PORT_PHY_CFG_REQ_TX_LPI_TIMER_SFT = 0x0
 PORT_PHY_CFG_REQ_WIRESPEED_LAST = 0x1
 PORT_PHY_CFG_REQ_WIRESPEED_OFF = 0x0
 PORT_PHY_CFG_REQ_WIRESPEED_ON = 0x1
+PORT_PHY_QCAPS_RESP_FLAGS2_ADSM_REPORT_SUPPORTED = 0x40
+PORT_PHY_QCAPS_RESP_FLAGS2_BANK_ADDR_SUPPORTED = 0x4
+PORT_PHY_QCAPS_RESP_FLAGS2_FDRSTAT_CMD_SUPPORTED = 0x100
+PORT_PHY_QCAPS_RESP_FLAGS2_PAUSE_UNSUPPORTED = 0x1
+PORT_PHY_QCAPS_RESP_FLAGS2_PFC_ADV_STATS_SUPPORTED = 0x20
+PORT_PHY_QCAPS_RESP_FLAGS2_PFC_UNSUPPORTED = 0x2
+PORT_PHY_QCAPS_RESP_FLAGS2_PM_EVENT_LOG_SUPPORTED = 0x80
+PORT_PHY_QCAPS_RESP_FLAGS2_REMOTE_LPBK_UNSUPPORTED = 0x10
+PORT_PHY_QCAPS_RESP_FLAGS2_SPEEDS2_SUPPORTED = 0x8
+PORT_PHY_QCAPS_RESP_FLAGS_AUTONEG_LPBK_SUPPORTED = 0x4
+PORT_PHY_QCAPS_RESP_FLAGS_CUMULATIVE_COUNTERS_ON_RESET = 0x10
+PORT_PHY_QCAPS_RESP_FLAGS_EEE_SUPPORTED = 0x1
+PORT_PHY_QCAPS_RESP_FLAGS_EXTERNAL_LPBK_SUPPORTED = 0x2
+PORT_PHY_QCAPS_RESP_FLAGS_FW_MANAGED_LINK_DOWN = 0x40
+PORT_PHY_QCAPS_RESP_FLAGS_LOCAL_LPBK_NOT_SUPPORTED = 0x20
+PORT_PHY_QCAPS_RESP_FLAGS_NO_FCS = 0x80
+PORT_PHY_QCAPS_RESP_FLAGS_SHARED_PHY_CFG_SUPPORTED = 0x8
+PORT_PHY_QCAPS_RESP_PORT_CNT_1 = 0x1
+PORT_PHY_QCAPS_RESP_PORT_CNT_12 = 0xc
+PORT_PHY_QCAPS_RESP_PORT_CNT_2 = 0x2
+PORT_PHY_QCAPS_RESP_PORT_CNT_3 = 0x3
+PORT_PHY_QCAPS_RESP_PORT_CNT_4 = 0x4
+PORT_PHY_QCAPS_RESP_PORT_CNT_LAST = 0xc
+PORT_PHY_QCAPS_RESP_PORT_CNT_UNKNOWN = 0x0
+PORT_PHY_QCAPS_RESP_RSVD2_MASK = 0xff000000
+PORT_PHY_QCAPS_RESP_RSVD2_SFT = 0x18
+PORT_PHY_QCAPS_RESP_RSVD_MASK = 0xff000000
+PORT_PHY_QCAPS_RESP_RSVD_SFT = 0x18
+PORT_PHY_QCAPS_RESP_SUPPORTED_PAM4_SPEEDS_AUTO_MODE_100G = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_PAM4_SPEEDS_AUTO_MODE_200G = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_PAM4_SPEEDS_AUTO_MODE_50G = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_PAM4_SPEEDS_FORCE_MODE_100G = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_PAM4_SPEEDS_FORCE_MODE_200G = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_PAM4_SPEEDS_FORCE_MODE_50G = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_100GB = 0x20
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_100GB_PAM4_112 = 0x400
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_100GB_PAM4_56 = 0x80
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_10GB = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_1GB = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_200GB_PAM4_112 = 0x800
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_200GB_PAM4_56 = 0x100
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_25GB = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_400GB_PAM4_112 = 0x1000
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_400GB_PAM4_56 = 0x200
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_40GB = 0x8
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_50GB = 0x10
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_50GB_PAM4_56 = 0x40
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_AUTO_MODE_800GB_PAM4_112 = 0x2000
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_EXT_AUTO_MODE_200GB_PAM4_224 = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_EXT_AUTO_MODE_400GB_PAM4_224 = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_EXT_AUTO_MODE_800GB_PAM4_224 = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_EXT_FORCE_MODE_200GB_PAM4_224 = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_EXT_FORCE_MODE_400GB_PAM4_224 = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_EXT_FORCE_MODE_800GB_PAM4_224 = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_100GB = 0x20
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_100GB_PAM4_112 = 0x400
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_100GB_PAM4_56 = 0x80
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_10GB = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_1GB = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_200GB_PAM4_112 = 0x800
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_200GB_PAM4_56 = 0x100
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_25GB = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_400GB_PAM4_112 = 0x1000
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_400GB_PAM4_56 = 0x200
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_40GB = 0x8
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_50GB = 0x10
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_50GB_PAM4_56 = 0x40
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS2_FORCE_MODE_800GB_PAM4_112 = 0x2000
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_100GB = 0x800
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_100MB = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_100MBHD = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_10GB = 0x40
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_10MB = 0x2000
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_10MBHD = 0x1000
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_1GB = 0x8
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_1GBHD = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_20GB = 0x80
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_25GB = 0x100
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_2GB = 0x10
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_2_5GB = 0x20
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_40GB = 0x200
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_AUTO_MODE_50GB = 0x400
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_EEE_MODE_100MB = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_EEE_MODE_10GB = 0x40
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_EEE_MODE_1GB = 0x8
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_EEE_MODE_RSVD1 = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_EEE_MODE_RSVD2 = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_EEE_MODE_RSVD3 = 0x10
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_EEE_MODE_RSVD4 = 0x20
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_100GB = 0x800
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_100MB = 0x2
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_100MBHD = 0x1
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_10GB = 0x40
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_10MB = 0x2000
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_10MBHD = 0x1000
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_1GB = 0x8
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_1GBHD = 0x4
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_20GB = 0x80
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_25GB = 0x100
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_2GB = 0x10
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_2_5GB = 0x20
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_40GB = 0x200
+PORT_PHY_QCAPS_RESP_SUPPORTED_SPEEDS_FORCE_MODE_50GB = 0x400
+PORT_PHY_QCAPS_RESP_TX_LPI_TIMER_HIGH_MASK = 0xffffff
+PORT_PHY_QCAPS_RESP_TX_LPI_TIMER_HIGH_SFT = 0x0
+PORT_PHY_QCAPS_RESP_TX_LPI_TIMER_LOW_MASK = 0xffffff
+PORT_PHY_QCAPS_RESP_TX_LPI_TIMER_LOW_SFT = 0x0
 PORT_PHY_QCFG_RESP_ACTIVE_FEC_FEC_CLAUSE74_ACTIVE = 0x10
 PORT_PHY_QCFG_RESP_ACTIVE_FEC_FEC_CLAUSE91_ACTIVE = 0x20
 PORT_PHY_QCFG_RESP_ACTIVE_FEC_FEC_NONE_ACTIVE = 0x0
@@ -4704,6 +4992,78 @@ class hwrm_func_qcfg_output(ctypes.LittleEndianStructure):
     ]
 
 
+class hwrm_func_cfg_input(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('req_type', ctypes.c_uint16),
+        ('cmpl_ring', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('target_id', ctypes.c_uint16),
+        ('resp_addr', ctypes.c_uint64),
+        ('fid', ctypes.c_uint16),
+        ('num_msix', ctypes.c_uint16),
+        ('flags', ctypes.c_uint32),
+        ('enables', ctypes.c_uint32),
+        ('admin_mtu', ctypes.c_uint16),
+        ('mru', ctypes.c_uint16),
+        ('num_rsscos_ctxs', ctypes.c_uint16),
+        ('num_cmpl_rings', ctypes.c_uint16),
+        ('num_tx_rings', ctypes.c_uint16),
+        ('num_rx_rings', ctypes.c_uint16),
+        ('num_l2_ctxs', ctypes.c_uint16),
+        ('num_vnics', ctypes.c_uint16),
+        ('num_stat_ctxs', ctypes.c_uint16),
+        ('num_hw_ring_grps', ctypes.c_uint16),
+        ('dflt_mac_addr', ctypes.c_uint8 * 6),
+        ('dflt_vlan', ctypes.c_uint16),
+        ('dflt_ip_addr', ctypes.c_uint32 * 4),
+        ('min_bw', ctypes.c_uint32),
+        ('max_bw', ctypes.c_uint32),
+        ('async_event_cr', ctypes.c_uint16),
+        ('vlan_antispoof_mode', ctypes.c_uint8),
+        ('allowed_vlan_pris', ctypes.c_uint8),
+        ('evb_mode', ctypes.c_uint8),
+        ('options', ctypes.c_uint8),
+        ('num_mcast_filters', ctypes.c_uint16),
+        ('schq_id', ctypes.c_uint16),
+        ('mpc_chnls', ctypes.c_uint16),
+        ('partition_min_bw', ctypes.c_uint32),
+        ('partition_max_bw', ctypes.c_uint32),
+        ('tpid', ctypes.c_uint16),
+        ('host_mtu', ctypes.c_uint16),
+        ('flags2', ctypes.c_uint32),
+        ('enables2', ctypes.c_uint32),
+        ('port_kdnet_mode', ctypes.c_uint8),
+        ('db_page_size', ctypes.c_uint8),
+        ('physical_slot_number', ctypes.c_uint16),
+        ('num_ktls_tx_key_ctxs', ctypes.c_uint32),
+        ('num_ktls_rx_key_ctxs', ctypes.c_uint32),
+        ('num_quic_tx_key_ctxs', ctypes.c_uint32),
+        ('num_quic_rx_key_ctxs', ctypes.c_uint32),
+        ('roce_max_av_per_vf', ctypes.c_uint32),
+        ('roce_max_cq_per_vf', ctypes.c_uint32),
+        ('roce_max_mrw_per_vf', ctypes.c_uint32),
+        ('roce_max_qp_per_vf', ctypes.c_uint32),
+        ('roce_max_srq_per_vf', ctypes.c_uint32),
+        ('roce_max_gid_per_vf', ctypes.c_uint32),
+        ('xid_partition_cfg', ctypes.c_uint16),
+        ('pcie_compliance', ctypes.c_uint8),
+        ('unused_2', ctypes.c_uint8),
+    ]
+
+
+class hwrm_func_cfg_output(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('error_code', ctypes.c_uint16),
+        ('req_type', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('resp_len', ctypes.c_uint16),
+        ('unused_0', ctypes.c_uint8 * 7),
+        ('valid', ctypes.c_uint8),
+    ]
+
+
 class hwrm_func_drv_rgtr_input(ctypes.LittleEndianStructure):
     _pack_ = 1
     _fields_ = [
@@ -4764,6 +5124,61 @@ class hwrm_func_drv_unrgtr_output(ctypes.LittleEndianStructure):
         ('seq_id', ctypes.c_uint16),
         ('resp_len', ctypes.c_uint16),
         ('unused_0', ctypes.c_uint8 * 7),
+        ('valid', ctypes.c_uint8),
+    ]
+
+
+class hwrm_func_resource_qcaps_input(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('req_type', ctypes.c_uint16),
+        ('cmpl_ring', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('target_id', ctypes.c_uint16),
+        ('resp_addr', ctypes.c_uint64),
+        ('fid', ctypes.c_uint16),
+        ('unused_0', ctypes.c_uint8 * 6),
+    ]
+
+
+class hwrm_func_resource_qcaps_output(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('error_code', ctypes.c_uint16),
+        ('req_type', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('resp_len', ctypes.c_uint16),
+        ('max_vfs', ctypes.c_uint16),
+        ('max_msix', ctypes.c_uint16),
+        ('vf_reservation_strategy', ctypes.c_uint16),
+        ('min_rsscos_ctx', ctypes.c_uint16),
+        ('max_rsscos_ctx', ctypes.c_uint16),
+        ('min_cmpl_rings', ctypes.c_uint16),
+        ('max_cmpl_rings', ctypes.c_uint16),
+        ('min_tx_rings', ctypes.c_uint16),
+        ('max_tx_rings', ctypes.c_uint16),
+        ('min_rx_rings', ctypes.c_uint16),
+        ('max_rx_rings', ctypes.c_uint16),
+        ('min_l2_ctxs', ctypes.c_uint16),
+        ('max_l2_ctxs', ctypes.c_uint16),
+        ('min_vnics', ctypes.c_uint16),
+        ('max_vnics', ctypes.c_uint16),
+        ('min_stat_ctx', ctypes.c_uint16),
+        ('max_stat_ctx', ctypes.c_uint16),
+        ('min_hw_ring_grps', ctypes.c_uint16),
+        ('max_hw_ring_grps', ctypes.c_uint16),
+        ('max_tx_scheduler_inputs', ctypes.c_uint16),
+        ('flags', ctypes.c_uint16),
+        ('min_msix', ctypes.c_uint16),
+        ('min_ktls_tx_key_ctxs', ctypes.c_uint32),
+        ('max_ktls_tx_key_ctxs', ctypes.c_uint32),
+        ('min_ktls_rx_key_ctxs', ctypes.c_uint32),
+        ('max_ktls_rx_key_ctxs', ctypes.c_uint32),
+        ('min_quic_tx_key_ctxs', ctypes.c_uint32),
+        ('max_quic_tx_key_ctxs', ctypes.c_uint32),
+        ('min_quic_rx_key_ctxs', ctypes.c_uint32),
+        ('max_quic_rx_key_ctxs', ctypes.c_uint32),
+        ('unused_0', ctypes.c_uint8 * 3),
         ('valid', ctypes.c_uint8),
     ]
 
@@ -4844,6 +5259,32 @@ class hwrm_func_backing_store_qcaps_v2_output(ctypes.LittleEndianStructure):
         ('split_entry_3', ctypes.c_uint32),
         ('max_instance_count', ctypes.c_uint16),
         ('rsvd3', ctypes.c_uint8),
+        ('valid', ctypes.c_uint8),
+    ]
+
+
+class hwrm_func_drv_if_change_input(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('req_type', ctypes.c_uint16),
+        ('cmpl_ring', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('target_id', ctypes.c_uint16),
+        ('resp_addr', ctypes.c_uint64),
+        ('flags', ctypes.c_uint32),
+        ('unused', ctypes.c_uint32),
+    ]
+
+
+class hwrm_func_drv_if_change_output(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('error_code', ctypes.c_uint16),
+        ('req_type', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('resp_len', ctypes.c_uint16),
+        ('flags', ctypes.c_uint32),
+        ('unused_0', ctypes.c_uint8 * 3),
         ('valid', ctypes.c_uint8),
     ]
 
@@ -4962,6 +5403,47 @@ class hwrm_port_phy_qcfg_output(ctypes.LittleEndianStructure):
         ('support_speeds2_ext', ctypes.c_uint16),
         ('auto_link_speeds2_ext', ctypes.c_uint16),
         ('rsvd2', ctypes.c_uint8 * 3),
+        ('valid', ctypes.c_uint8),
+    ]
+
+
+class hwrm_port_phy_qcaps_input(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('req_type', ctypes.c_uint16),
+        ('cmpl_ring', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('target_id', ctypes.c_uint16),
+        ('resp_addr', ctypes.c_uint64),
+        ('port_id', ctypes.c_uint16),
+        ('unused_0', ctypes.c_uint8 * 6),
+    ]
+
+
+class hwrm_port_phy_qcaps_output(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('error_code', ctypes.c_uint16),
+        ('req_type', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('resp_len', ctypes.c_uint16),
+        ('flags', ctypes.c_uint8),
+        ('port_cnt', ctypes.c_uint8),
+        ('supported_speeds_force_mode', ctypes.c_uint16),
+        ('supported_speeds_auto_mode', ctypes.c_uint16),
+        ('supported_speeds_eee_mode', ctypes.c_uint16),
+        ('tx_lpi_timer_low', ctypes.c_uint32),
+        ('valid_tx_lpi_timer_high', ctypes.c_uint32),
+        ('supported_pam4_speeds_auto_mode', ctypes.c_uint16),
+        ('supported_pam4_speeds_force_mode', ctypes.c_uint16),
+        ('flags2', ctypes.c_uint16),
+        ('internal_port_cnt', ctypes.c_uint8),
+        ('unused_0', ctypes.c_uint8),
+        ('supported_speeds2_force_mode', ctypes.c_uint16),
+        ('supported_speeds2_auto_mode', ctypes.c_uint16),
+        ('supported_speeds2_ext_force_mode', ctypes.c_uint16),
+        ('supported_speeds2_ext_auto_mode', ctypes.c_uint16),
+        ('unused_1', ctypes.c_uint8 * 7),
         ('valid', ctypes.c_uint8),
     ]
 
@@ -7671,18 +8153,26 @@ STRUCT_SIZES = {
     'hwrm_func_qcaps_output': 144,
     'hwrm_func_qcfg_input': 24,
     'hwrm_func_qcfg_output': 176,
+    'hwrm_func_cfg_input': 160,
+    'hwrm_func_cfg_output': 16,
     'hwrm_func_drv_rgtr_input': 112,
     'hwrm_func_drv_rgtr_output': 16,
     'hwrm_func_drv_unrgtr_input': 24,
     'hwrm_func_drv_unrgtr_output': 16,
+    'hwrm_func_resource_qcaps_input': 24,
+    'hwrm_func_resource_qcaps_output': 88,
     'hwrm_func_backing_store_cfg_v2_input': 64,
     'hwrm_func_backing_store_cfg_v2_output': 16,
     'hwrm_func_backing_store_qcaps_v2_input': 24,
     'hwrm_func_backing_store_qcaps_v2_output': 56,
+    'hwrm_func_drv_if_change_input': 24,
+    'hwrm_func_drv_if_change_output': 16,
     'hwrm_port_phy_cfg_input': 64,
     'hwrm_port_phy_cfg_output': 16,
     'hwrm_port_phy_qcfg_input': 24,
     'hwrm_port_phy_qcfg_output': 112,
+    'hwrm_port_phy_qcaps_input': 24,
+    'hwrm_port_phy_qcaps_output': 48,
     'hwrm_vnic_alloc_input': 24,
     'hwrm_vnic_alloc_output': 16,
     'hwrm_vnic_free_input': 24,

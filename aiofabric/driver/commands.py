@@ -10,6 +10,7 @@ from ..hw.firmware import CMDQ_HEADER, HWRM_REQUEST_HEADER
 
 HWRM_HEADER_FIELDS = frozenset(field.name for field in HWRM_REQUEST_HEADER.fields)  # the channels fill them
 CMDQ_HEADER_FIELDS = frozenset(field.name for field in CMDQ_HEADER.fields) - {"flags"}
+OWN_FID = 0xFFFF  # an HWRM command's fid for the function that sends it (Linux: fid = cpu_to_le16(0xffff))
 
 
 @functools.cache

@@ -1,23 +1,18 @@
 """A BNXT function's control path: bring-up, liveness, asynchronous events and teardown. It is composed of the two
-firmware channels (`HwrmChannel`, `RcfwChannel`), the removal watch (`Liveness`) and a close's time budget
-(`CloseBudget`); verbs objects attach to it through `DeviceObject`.
+firmware channels (`HwrmChannel`, `RcfwChannel`), the removal watch (`Liveness`), who hears of events (`EventRouter`)
+and a close's time budget (`CloseBudget`); verbs objects attach to it through `DeviceObject`.
 
-Bring-up follows the seed's BNXTDev, corrected where Linux (bnxt_en/bnxt_re) differs: the driver registers with an OS
-type, walks backing-store types by `next_valid_type` and configures the ones bnxt_en sizes (no trace buffers),
-initialises context memory at `ctx_init_offset * 4` only when the firmware asks (ENABLE_CTX_KIND_INIT) and sizes every
-ring explicitly. Each chip and firmware feature is used only where Linux finds it: Thor and Thor2 chips only (VER_GET
-chip_num), variable-size WQEs on Thor2 only, short HWRM commands when VER_GET requires them, backing store v2 when
-FUNC_QCAPS offers it (v1 is refused), hardware retransmission when QUERY_FUNC's dev_cap_flags offer it, and the MSN
-or PSN search table its dev_cap_ext_flags_2 name (hw/firmware.py).
+Bring-up follows Linux's bnxt_en and bnxt_re: the driver registers with an OS type, configures the backing store
+(backing_store.py) and sizes every ring explicitly. Each chip and firmware feature is used only where Linux finds it:
+Thor and Thor2 chips only (VER_GET chip_num), variable-size WQEs on Thor2 only, short HWRM commands when VER_GET
+requires them, backing store v2 when FUNC_QCAPS offers it (v1 is refused), hardware retransmission when QUERY_FUNC's
+dev_cap_flags offer it, and the MSN or PSN search table its dev_cap_ext_flags_2 name (hw/firmware.py).
 """
 from __future__ import annotations
 
 import atexit
-import collections
 import ctypes
-import dataclasses
 import functools
-import logging
 import socket
 import weakref
 from typing import Any, Callable, Protocol
@@ -25,44 +20,33 @@ from typing import Any, Callable, Protocol
 import anyio
 import anyio.abc
 
+from . import backing_store, log
 from .close_budget import CLOSE_TIMEOUT, CloseBudget
-from .firmware_events import EVENT_RING_DEPTH, EVENT_VECTOR, EventRing, Link, event_kind, reset_text
+from .commands import OWN_FID
+from .firmware_events import (EVENT_RING_DEPTH, EVENT_VECTOR, DeviceEvent, EventRing, EventRouter, Link, event_kind,
+                              reset_text)
 from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, HWRM_VECTOR, NQ_VECTOR, wake
 from .liveness import Liveness
 from .rcfw_channel import CREQ_DEPTH, RCFW_TIMEOUT, RcfwChannel
-from .rings import Ring, page_table
+from .rings import Ring
+from .teardown import Teardown
 from ..autogen import bnxt
 from ..errors import ClosedError, DeviceLostError, FabricError, FirmwareError, PCIError
 from ..hw.async_event import ASYNC_EVENT_ENTRY, EventId, forwarding
-from ..hw.cqe import CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, NQ_ENTRY, creq_type
-from ..hw.firmware import (CONFIGURED_CONTEXT_TYPES, LINK_SPEED_MBPS, RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS,
-                           BackingStoreType, add_gid_fields, host_msn_table, hw_retx_supported, short_commands_required)
+from ..hw.cqe import CREQ_ENTRY, NQ_ENTRY
+from ..hw.firmware import (LINK_SPEED_MBPS, RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, add_gid_fields, host_msn_table,
+                           hw_retx_supported, short_commands_required)
 from ..pci import PAGE_SIZE, PCIDevice
 from ..version import __version__
 
-log = logging.getLogger("aiofabric.driver.device")
-
 NQ_DEPTH = 4096
-QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
-FUNC_EVENT = bnxt.CREQ_BASE_TYPE_FUNC_EVENT
-QP_ERROR = bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION
-CQ_ERROR = bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION
-EXTRA_QPS, EXTRA_MRS = 1024, 4096  # RoCE objects the backing store is sized for, beyond the firmware's L2 needs
+VECTORS = (HWRM_VECTOR, CREQ_VECTOR, NQ_VECTOR, EVENT_VECTOR)  # every MSI-X vector the driver waits on
 
 
 def ipv4_gid(ip: str) -> bytes:
     """The RoCEv2 GID of an IPv4 address: ::ffff:a.b.c.d."""
     return bytes(10) + b"\xff\xff" + socket.inet_aton(ip)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceEvent:
-    """An asynchronous event the firmware reported: on the CREQ ("qp_error", "cq_error", "function") or on the event
-    ring (firmware_events.event_kind: "link", "mtu", "reset", "fatal", ...)."""
-    kind: str
-    xid: int  # QP number / CQ id; the event code for function and firmware events
-    detail: dict[str, int]
 
 
 class DeviceObject(Protocol):
@@ -87,7 +71,7 @@ class Device:
                  rcfw_timeout: float = RCFW_TIMEOUT) -> None:
         self.pci, self.ip, self.gid = pci, ip, ipv4_gid(ip)
         self.bar0, self.doorbells = pci.map_bar(0), pci.map_bar(2)
-        self._interrupts = [pci.interrupt_fd(v) if v < pci.num_vectors else None for v in range(3)]
+        self._interrupts = {v: pci.interrupt_fd(v) if v < pci.num_vectors else None for v in VECTORS}
         self.liveness = Liveness(pci)
         self.liveness.on_lost(self._on_lost)
         self.budget = CloseBudget()
@@ -95,18 +79,17 @@ class Device:
                                         hwrm_timeout)
         self._rcfw_channel: RcfwChannel | None = None  # from boot on: its rings need HWRM commands first
         self._rcfw_timeout = rcfw_timeout
-        self._qp_handlers: dict[int, Callable[[DeviceEvent], None]] = {}
-        self._cq_handlers: dict[int, Callable[[DeviceEvent], None]] = {}
-        self.function_handlers: list[Callable[[DeviceEvent], None]] = []
-        self.events: collections.deque[DeviceEvent] = collections.deque(maxlen=256)
-        self._teardown: list[tuple[str, Callable[[], Any]]] = []  # firmware objects, freed in reverse order
-        self._memory: list[Callable[[], None]] = []  # host memory the device may write: freed once it is quiesced
+        self.router = EventRouter(pci.address)
+        self.events = self.router.events  # what no handler took, and the handlers of function events: the NIC's
+        self.function_handlers = self.router.function_handlers  # users read and add to them here
+        self.teardown = Teardown(pci.address)
         self.objects: dict[int, DeviceObject] = {}  # attached verbs objects by id()
         self._closing = False  # close() started: the public API refuses, teardown still runs commands
         self._close_lock = anyio.Lock()
         self._closed = False  # close() ran to the end
         self._background: list[anyio.CancelScope] = []  # the NIC's own tasks: close() stops them first
-        self.fw_version = self.hwrm_version = self.mac = ""
+        self.fw_version = self.hwrm_version = self.mac = ""  # mac: as text; mac_address: its 6 bytes
+        self.mac_address = b""
         self.port_id = self.db_offset = self.nq_id = 0
         self.gid_index = -1
         self.caps: dict[str, int] = {}
@@ -115,7 +98,7 @@ class Device:
 
     # -- what verbs objects and the poller use ------------------------------------------------------------------------
     def interrupt_fd(self, vector: int) -> int | None:
-        """The eventfd of MSI-X `vector` (HWRM_VECTOR, CREQ_VECTOR, NQ_VECTOR); None on a platform without them."""
+        """The eventfd of MSI-X `vector` (one of VECTORS); None on a platform without them."""
         return self._interrupts[vector]
 
     @property
@@ -150,24 +133,21 @@ class Device:
         self.check_open()
         return await self.rcfw_channel.command(name, command_timeout=command_timeout, **fields)
 
-    async def rcfw_release(self, name: str, **fields: Any) -> ctypes.Structure:
+    async def rcfw_release(self, name: str, **fields: Any) -> bool:
         """An RCFW command that frees a firmware object (destroy_qp, deregister_mr, ...): unlike `rcfw`, it runs
-        while the device closes too (bounded by the close's budget)."""
-        return await self.rcfw_channel.command(name, **fields)
+        while the device closes too (bounded by the close's budget). False if the device is gone (the command not
+        run, or cut short): then nothing holds the object's memory any more, and it is freed all the same."""
+        try:
+            await self.rcfw_channel.command(name, **fields)
+        except DeviceLostError:
+            return False
+        return True
 
     def attach(self, obj: DeviceObject) -> None:
         self.objects[id(obj)] = obj
 
     def detach(self, obj: DeviceObject) -> None:
         self.objects.pop(id(obj), None)
-
-    def route_events(self, kind: str, xid: int, handler: Callable[[DeviceEvent], None] | None) -> None:
-        """Send QP ("qp_error") or CQ ("cq_error") error notifications for object `xid` to `handler` (None: stop)."""
-        table = self._qp_handlers if kind == "qp_error" else self._cq_handlers
-        if handler is None:
-            table.pop(xid, None)
-        else:
-            table[xid] = handler
 
     async def in_background(self, service: Callable[..., Any], *,
                             task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -181,22 +161,6 @@ class Device:
             await service()
 
     # -- events --------------------------------------------------------------------------------------------------------
-    def _on_event(self, entry: bytes) -> None:
-        """A CREQ entry that is not a command's reply: an error notification for a QP or CQ, or a function event."""
-        kind, event = creq_type(entry[CREQ_TYPE_OFFSET]), entry[CREQ_EVENT_OFFSET]
-        if kind == QP_EVENT and event in (QP_ERROR, CQ_ERROR):
-            layout = bnxt.creq_qp_error_notification if event == QP_ERROR else bnxt.creq_cq_error_notification
-            notice = layout.from_buffer_copy(entry)
-            detail = {name: getattr(notice, name) for name, *_ in layout._fields_
-                      if not name.startswith(("reserved", "type", "v", "event"))}
-            routed = DeviceEvent("qp_error" if event == QP_ERROR else "cq_error", notice.xid, detail)
-            handlers = self._qp_handlers if event == QP_ERROR else self._cq_handlers
-            self._deliver(routed, handlers.get(notice.xid))
-        elif kind == FUNC_EVENT:
-            self._announce(DeviceEvent("function", event, {}))
-        else:
-            log.warning("%s: unexpected CREQ entry type %#x dropped", self.pci.address, kind)
-
     async def _on_firmware_event(self, event_id: int, data1: int, data2: int) -> None:
         """An event from the event ring (firmware_events.py). Link and MTU changes are read again from the firmware,
         as bnxt_en does; a reset notice or a fatal firmware error loses the device at once: the firmware resets it
@@ -216,22 +180,7 @@ class Device:
                 detail.update(port_mtu=self.port_mtu)
         except FabricError as exc:  # the event still counts; what it changed stays unknown
             log.warning("%s: %s event %#x: the port could not be queried: %s", self.pci.address, kind, event_id, exc)
-        self._announce(DeviceEvent(kind, event_id, detail))
-
-    def _announce(self, event: DeviceEvent) -> None:
-        """A function-wide event: to `events` and to every function handler."""
-        for handler in [None, *self.function_handlers]:
-            self._deliver(event, handler)
-
-    def _deliver(self, event: DeviceEvent, handler: Callable[[DeviceEvent], None] | None) -> None:
-        if handler is None:
-            self.events.append(event)
-            log.info("%s: %s", self.pci.address, event)
-            return
-        try:
-            handler(event)
-        except Exception:
-            log.exception("%s: handler for %s failed", self.pci.address, event)
+        self.router.announce(DeviceEvent(kind, event_id, detail))
 
     # -- liveness ----------------------------------------------------------------------------------------------------
     @property
@@ -257,9 +206,8 @@ class Device:
             self._rcfw_channel.fail_all(error)
         for obj in list(self.objects.values()):  # work in flight fails now; new work raises at once
             obj.device_lost(error)
-        for fd in self._interrupts:  # wake every interrupt waiter so it notices
+        for fd in self._interrupts.values():  # wake every interrupt waiter so it notices
             wake(fd)
-
 
     # -- bring-up ------------------------------------------------------------------------------------------------------
     async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
@@ -283,10 +231,11 @@ class Device:
         if ver.def_req_timeout:
             self.hwrm_channel.timeout = max(self.hwrm_channel.timeout, ver.def_req_timeout / 1000)
         await self.hwrm("func_reset", command_timeout=4 * self.hwrm_channel.timeout)
-        caps = await self.hwrm("func_qcaps", fid=0xFFFF)
+        caps = await self.hwrm("func_qcaps", fid=OWN_FID)
         if not caps.flags & bnxt.FUNC_QCAPS_RESP_FLAGS_ROCE_V2_SUPPORTED:
             raise FirmwareError("HWRM func_qcaps", 0, "NO_ROCE", f"{self.pci.address} does not support RoCE v2")
-        self.mac, self.port_id = bytes(caps.mac_address).hex(":"), caps.port_id
+        self.mac_address, self.port_id = bytes(caps.mac_address), caps.port_id
+        self.mac = self.mac_address.hex(":")
         self.caps = {"max_rsscos_ctx": caps.max_rsscos_ctx, "max_cmpl_rings": caps.max_cmpl_rings,
                      "max_tx_rings": caps.max_tx_rings, "max_rx_rings": caps.max_rx_rings,
                      "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext}
@@ -295,70 +244,27 @@ class Device:
                         async_event_fwd=forwarding(EventId), os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
                         **dict(zip(("ver_maj_8b", "ver_min_8b", "ver_upd_8b"),
                                    (int(x) for x in __version__.split(".")))))
-        self._on_close("HWRM func_drv_unrgtr", lambda: self.hwrm_channel.command("func_drv_unrgtr"))
-        qcfg = await self.hwrm("func_qcfg", fid=0xFFFF)
+        self.teardown.on_close("HWRM func_drv_unrgtr", lambda: self.hwrm_channel.command("func_drv_unrgtr"))
+        qcfg = await self.hwrm("func_qcfg", fid=OWN_FID)
         self.db_offset = -(-qcfg.legacy_l2_db_size_kb * 1024 // PAGE_SIZE) * PAGE_SIZE
-        await self._configure_backing_store()
+        await backing_store.configure(self.pci, self.hwrm, self.caps["flags_ext"], self.teardown.on_quiesced)
         await self._open_rcfw(task_group)
         await self._open_l2()
         await self._open_events(task_group)
-        gid_field, mac_field = add_gid_fields(self.gid, bytes.fromhex(self.mac.replace(":", "")))
+        gid_field, mac_field = add_gid_fields(self.gid, self.mac_address)
         gid = await self.rcfw("add_gid", gid=gid_field, src_mac=mac_field)
         self.gid_index = gid.xid
-        self._on_close("RCFW delete_gid", lambda: self.rcfw_channel.command("delete_gid", gid_index=self.gid_index))
+        self.teardown.on_close("RCFW delete_gid",
+                               lambda: self.rcfw_channel.command("delete_gid", gid_index=self.gid_index))
         log.info("%s: booted fw %s mac %s gid %s", self.pci.address, self.fw_version, self.mac, self.ip)
-
-    def _on_close(self, what: str, action: Callable[[], Any]) -> None:
-        """A firmware object to free at close (a command), in reverse order of creation."""
-        self._teardown.append((what, action))
-
-    def _on_quiesced(self, free: Callable[[], None]) -> None:
-        """Host memory the device may write (rings, context and statistics memory), freed at close only once the
-        device is quiesced: told to let go, then stopped by bus mastering off and a function reset."""
-        self._memory.append(free)
-
-    async def _configure_backing_store(self) -> None:
-        """Backing store v2 (bnxt.c bnxt_backing_store_cfg_v2): one CFG_V2 per instance of each valid type bnxt_en
-        sizes (CONFIGURED_CONTEXT_TYPES: not the firmware's trace buffers). Firmware without it wants v1
-        (FUNC_BACKING_STORE_QCAPS/CFG, bnxt_backing_store_cfg), whose layouts the bindings lack: refused."""
-        if not self.caps["flags_ext"] & bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED:
-            raise PCIError(f"{self.pci.address}: backing store v1 (pre-Thor2 firmware) is not supported (FUNC_QCAPS "
-                           "flags_ext has no BS_V2_SUPPORTED)")
-        plan, kind, seen = [], 0, set()
-        while kind != BackingStoreType.INVALID and kind not in seen:
-            seen.add(kind)
-            caps = await self.hwrm("func_backing_store_qcaps_v2", type=kind)
-            valid = caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID and caps.entry_size
-            if valid and kind in CONFIGURED_CONTEXT_TYPES:
-                plan.append((kind, caps))
-            kind = caps.next_valid_type
-        counts: dict[int, int] = {}
-        steps = [(kind, caps, instance) for kind, caps in plan
-                 for instance in ([i for i in range(32) if caps.instance_bit_map >> i & 1] or [0])]
-        for number, (kind, caps, instance) in enumerate(steps):
-            splits = [getattr(caps, f"split_entry_{j}") for j in range(min(caps.subtype_valid_cnt, 4))]
-            entries = counts.setdefault(kind, _backing_entries(kind, caps, splits, counts))
-            memory = self.pci.alloc_dma(max(entries * caps.entry_size, 1))
-            if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_ENABLE_CTX_KIND_INIT and caps.ctx_init_value:
-                start = caps.ctx_init_offset * 4  # units of 4 bytes (bnxt_init_ctx_initializer)
-                memory.view[start:entries * caps.entry_size:caps.entry_size] = \
-                    bytes([caps.ctx_init_value]) * len(range(start, entries * caps.entry_size, caps.entry_size))
-            table = page_table(self.pci, memory.bus_addrs, queue=False)
-            last = number == len(steps) - 1
-            await self.hwrm("func_backing_store_cfg_v2", type=kind, instance=instance, entry_size=caps.entry_size,
-                            num_entries=entries, page_dir=table.base, page_size_pbl_level=table.level,
-                            subtype_valid_cnt=len(splits),
-                            flags=bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_FLAGS_BS_CFG_ALL_DONE if last else 0,
-                            **{f"split_entry_{j}": v for j, v in enumerate(splits)})
-            self._on_quiesced(functools.partial(_free_all, table, memory))
 
     async def _open_rcfw(self, task_group: anyio.abc.TaskGroup) -> None:
         creq = Ring(self.pci, CREQ_DEPTH, CREQ_ENTRY.size)
         creq_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, creq, CREQ_VECTOR)
         channel = self._rcfw_channel = RcfwChannel(
             self.pci, self.bar0, self.doorbells, self.db_offset, self.interrupt_fd(CREQ_VECTOR), creq, creq_id,
-            self.liveness, self.budget, self._on_event, self._rcfw_timeout)
-        self._on_quiesced(channel.cmdq.free)
+            self.liveness, self.budget, self.router.creq_event, self._rcfw_timeout)
+        self.teardown.on_quiesced(channel.cmdq.free)
         self.bar0.write_block(bnxt.RCFW_COMM_BASE_OFFSET, channel.init_block())
         channel.reading = True  # before the reader runs: no command may find the CREQ unserved and read it too
         await task_group.start(self.in_background, channel.serve)
@@ -370,25 +276,26 @@ class Device:
                          max_qp_wr=function.max_qp_wr, max_sge=function.max_sge, max_cqe=function.max_cqe,
                          max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data)
         self._stats = self.pci.alloc_dma(PAGE_SIZE)
-        self._on_quiesced(self._stats.free)
+        self.teardown.on_quiesced(self._stats.free)
         stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr, stats_dma_length=176,
                                update_period_ms=1000, stat_ctx_flags=bnxt.STAT_CTX_ALLOC_REQ_STAT_CTX_FLAGS_ROCE)
         self._stat_ctx_id = stat.stat_ctx_id
-        self._on_close("HWRM stat_ctx_free", lambda: self.hwrm_channel.command("stat_ctx_free", stat_ctx_id=self._stat_ctx_id))
+        self.teardown.on_close("HWRM stat_ctx_free",
+                               lambda: self.hwrm_channel.command("stat_ctx_free", stat_ctx_id=self._stat_ctx_id))
         flags = bnxt.CMDQ_INITIALIZE_FW_FLAGS_HW_REQUESTER_RETX_SUPPORTED if self.hw_retransmit else 0
         await self.rcfw("initialize_fw", stat_ctx_id=self._stat_ctx_id, log2_dbr_pg_size=0, flags=flags)
-        self._on_close("RCFW deinitialize_fw", lambda: self.rcfw_channel.command("deinitialize_fw"))
+        self.teardown.on_close("RCFW deinitialize_fw", lambda: self.rcfw_channel.command("deinitialize_fw"))
         self.nq = Ring(self.pci, NQ_DEPTH, NQ_ENTRY.size)
         self.nq_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, self.nq, NQ_VECTOR)
 
     async def _alloc_ring(self, ring_type: int, ring: Ring, logical_id: int = 0, **fields: Any) -> int:
-        self._on_quiesced(ring.free)  # even if the firmware refuses it: it is ours to free, after the close
+        self.teardown.on_quiesced(ring.free)  # even if the firmware refuses it: it is ours to free, after the close
         reply = await self.hwrm("ring_alloc", ring_type=ring_type, page_tbl_addr=ring.base, page_size=12,
                                 page_tbl_depth=ring.level, length=ring.depth, logical_id=logical_id,
                                 int_mode=bnxt.RING_ALLOC_REQ_INT_MODE_MSIX, **fields)
         ring_id = reply.ring_id
-        self._on_close(f"HWRM ring_free {ring_id}",
-                       lambda: self.hwrm_channel.command("ring_free", ring_type=ring_type, ring_id=ring_id))
+        self.teardown.on_close(f"HWRM ring_free {ring_id}",
+                               lambda: self.hwrm_channel.command("ring_free", ring_type=ring_type, ring_id=ring_id))
         return ring_id
 
     async def _open_l2(self) -> None:
@@ -402,26 +309,25 @@ class Device:
                                        enables=nq_enable | bnxt.RING_ALLOC_REQ_ENABLES_RX_BUF_SIZE_VALID,
                                        nq_ring_id=self.nq_id)
         vnic = (await self.hwrm("vnic_alloc")).vnic_id
-        self._on_close("HWRM vnic_free", lambda: self.hwrm_channel.command("vnic_free", vnic_id=vnic))
+        self.teardown.on_close("HWRM vnic_free", lambda: self.hwrm_channel.command("vnic_free", vnic_id=vnic))
         await self.hwrm("vnic_cfg", vnic_id=vnic, mru=9018, default_rx_ring_id=rx_id, default_cmpl_ring_id=cmpl_id,
                         enables=bnxt.VNIC_CFG_REQ_ENABLES_MRU | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_RX_RING_ID
                         | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_CMPL_RING_ID)
-        mac = tuple(bytes.fromhex(self.mac.replace(":", "")))
         l2_filter = await self.hwrm(
-            "cfa_l2_filter_alloc", flags=bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_PATH_RX, l2_addr=mac,
+            "cfa_l2_filter_alloc", flags=bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_PATH_RX, l2_addr=tuple(self.mac_address),
             l2_addr_mask=(0xFF,) * 6, dst_id=vnic,
             enables=bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR_MASK
             | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID)
         filter_id = l2_filter.l2_filter_id
-        self._on_close("HWRM cfa_l2_filter_free", lambda: self.hwrm_channel.command("cfa_l2_filter_free", l2_filter_id=filter_id))
+        self.teardown.on_close("HWRM cfa_l2_filter_free",
+                               lambda: self.hwrm_channel.command("cfa_l2_filter_free", l2_filter_id=filter_id))
 
     async def _open_events(self, task_group: anyio.abc.TaskGroup) -> None:
         """The event ring and its reader (firmware_events.py), then the link and the MTU as they are now."""
         ring = Ring(self.pci, EVENT_RING_DEPTH, ASYNC_EVENT_ENTRY.size)
         ring_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, ring, EVENT_VECTOR)
-        fd = self.pci.interrupt_fd(EVENT_VECTOR) if EVENT_VECTOR < self.pci.num_vectors else None
-        self.liveness.on_lost(lambda _: wake(fd))  # the reader sleeps without a timeout: it must hear of a loss
-        reader = EventRing(ring, ring_id, self.doorbells, self.db_offset, fd, self.liveness)
+        reader = EventRing(ring, ring_id, self.doorbells, self.db_offset, self.interrupt_fd(EVENT_VECTOR),
+                           self.liveness)  # it sleeps without a timeout: a loss wakes it (_on_lost)
         await task_group.start(self.in_background, functools.partial(reader.serve, self._on_firmware_event))
         await self._query_link()
         await self._query_port_mtu()
@@ -435,7 +341,7 @@ class Device:
     async def _query_port_mtu(self) -> None:
         """The port's MTU: FUNC_QCFG's admin_mtu, as DPDK's bnxt_hwrm_func_qcfg reads it (bnxt_en takes
         max_mtu_configured as the ceiling of its netdev's MTU: the fallback)."""
-        qcfg = await self.hwrm_channel.command("func_qcfg", fid=0xFFFF)
+        qcfg = await self.hwrm_channel.command("func_qcfg", fid=OWN_FID)
         self.port_mtu = qcfg.admin_mtu or qcfg.max_mtu_configured
 
     async def set_loopback(self, mode: int) -> None:
@@ -464,7 +370,7 @@ class Device:
             if self._closed:  # the first finished meanwhile
                 return
             await self._release_objects()
-            await self._teardown_all()
+            await self.teardown.run_commands()
             await self._quiesce()
             await self._free_memory()
             self._closed = True
@@ -495,25 +401,8 @@ class Device:
         for obj in list(self.objects.values()):  # what the firmware kept: the device is stopped, it is ours again
             obj.forget()
         self.objects.clear()
-        while self._memory:
-            self._memory.pop()()
+        self.teardown.free_memory()
         await self.hwrm_channel.close()
-
-    async def _teardown_all(self) -> None:
-        failures = []
-        while self._teardown:
-            what, action = self._teardown[-1]  # popped once done: a cancel in the middle leaves it for the resume
-            try:
-                result = action()  # with the device lost, its commands raise at once and memory is still freed
-                if result is not None:
-                    await result
-            except DeviceLostError:
-                pass  # the device is gone, and its objects with it
-            except Exception as exc:  # keep freeing the rest; report at the end
-                failures.append(f"{what}: {exc}")
-            self._teardown.pop()
-        if failures:
-            log.warning("%s: close: %s", self.pci.address, "; ".join(failures))
 
 
 _open_devices: weakref.WeakSet[Device] = weakref.WeakSet()  # booted, not yet closed: the crash path stops them
@@ -535,21 +424,3 @@ def _stop_at_exit() -> None:
     resets the function first, and the kernel's vfio-pci resets it when its file closes."""
     for device in list(_open_devices):
         quiesce_function(device.pci)
-
-
-def _backing_entries(kind: int, caps: ctypes.Structure, splits: list[int], counts: dict[int, int]) -> int:
-    """Entries for one backing-store type, as bnxt_en sizes them for a RoCE-capable function."""
-    base = sum(splits)
-    extras: dict[int, int] = {BackingStoreType.QP: EXTRA_QPS, BackingStoreType.SRQ: EXTRA_QPS // 2,
-                              BackingStoreType.CQ: 2 * EXTRA_QPS, BackingStoreType.MRAV: EXTRA_MRS}
-    extra = extras.get(kind, 0)
-    entries = counts.get(BackingStoreType.QP, base + EXTRA_QPS) if kind == BackingStoreType.TIM else base + extra
-    multiple = max(caps.entry_multiple, 1)
-    entries = -(-entries // multiple) * multiple
-    return max(caps.min_num_entries, min(entries, caps.max_num_entries or entries))
-
-
-def _free_all(*items: Any) -> None:
-    for item in items:
-        item.free()
-

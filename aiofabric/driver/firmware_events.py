@@ -1,4 +1,5 @@
-"""Firmware events: the async event ring and its reader, what each event means, and the port's link.
+"""Firmware events: the async event ring and its reader, what each event means, the port's link, and who hears of
+every asynchronous event (`EventRouter`: these, and the error notifications and function events of the CREQ).
 
 Linux's bnxt_en (bnxt.c) registers the events it handles with FUNC_DRV_RGTR (bnxt_hwrm_func_drv_rgtr: the
 async_event_fwd bitmap of bnxt_async_events_arr) and names the ring they arrive on with FUNC_CFG's async_event_cr
@@ -15,23 +16,84 @@ nothing else (sim/hwrm.py). A real NIC needs FUNC_CFG's async_event_cr.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import logging
 from typing import Awaitable, Callable
 
+from . import log
 from .interrupts import wait_for_interrupt
 from .liveness import Liveness
+from .rcfw_channel import CQ_ERROR, QP_ERROR, QP_EVENT
 from .rings import Ring
 from ..autogen import bnxt
-from ..hw import doorbell
 from ..hw.async_event import ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, EventId, ResetReason, reset_reason
+from ..hw.cqe import CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, creq_type
 from ..pci import Bar
-
-log = logging.getLogger("aiofabric.driver.device")
 
 EVENT_VECTOR = 3  # RING_ALLOC's logical_id for the event ring (interrupts.py has the others)
 EVENT_RING_DEPTH = 64
 LINK_EVENTS = frozenset({EventId.LINK_STATUS_CHANGE, EventId.LINK_SPEED_CHANGE, EventId.PORT_PHY_CFG_CHANGE})
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceEvent:
+    """An asynchronous event the firmware reported: on the CREQ ("qp_error", "cq_error", "function") or on the event
+    ring (`event_kind`: "link", "mtu", "reset", "fatal", ...)."""
+    kind: str
+    xid: int  # QP number / CQ id; the event code for function and firmware events
+    detail: dict[str, int]
+
+
+Handler = Callable[[DeviceEvent], None]
+
+
+class EventRouter:
+    """Who hears of each event: a QP's or CQ's error notification goes to the handler its object named (`route`), a
+    function-wide event to every one of `function_handlers`; what no handler takes is logged and kept in `events`."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address  # the device's, for the log
+        self.handlers: dict[str, dict[int, Handler]] = {"qp_error": {}, "cq_error": {}}
+        self.function_handlers: list[Handler] = []
+        self.events: collections.deque[DeviceEvent] = collections.deque(maxlen=256)
+
+    def route(self, kind: str, xid: int, handler: Handler | None) -> None:
+        """Send QP ("qp_error") or CQ ("cq_error") error notifications for object `xid` to `handler` (None: stop)."""
+        table = self.handlers[kind]
+        if handler is None:
+            table.pop(xid, None)
+        else:
+            table[xid] = handler
+
+    def creq_event(self, entry: bytes) -> None:
+        """A CREQ entry that is not a command's reply: an error notification for a QP or CQ, or a function event."""
+        kind, event = creq_type(entry[CREQ_TYPE_OFFSET]), entry[CREQ_EVENT_OFFSET]
+        if kind == QP_EVENT and event in (QP_ERROR, CQ_ERROR):
+            layout = bnxt.creq_qp_error_notification if event == QP_ERROR else bnxt.creq_cq_error_notification
+            notice = layout.from_buffer_copy(entry)
+            detail = {name: getattr(notice, name) for name, *_ in layout._fields_
+                      if not name.startswith(("reserved", "type", "v", "event"))}
+            routed = DeviceEvent("qp_error" if event == QP_ERROR else "cq_error", notice.xid, detail)
+            self.deliver(routed, self.handlers[routed.kind].get(notice.xid))
+        elif kind == bnxt.CREQ_BASE_TYPE_FUNC_EVENT:
+            self.announce(DeviceEvent("function", event, {}))
+        else:
+            log.warning("%s: unexpected CREQ entry type %#x dropped", self.address, kind)
+
+    def announce(self, event: DeviceEvent) -> None:
+        """A function-wide event: to `events` and to every function handler."""
+        for handler in [None, *self.function_handlers]:
+            self.deliver(event, handler)
+
+    def deliver(self, event: DeviceEvent, handler: Handler | None) -> None:
+        if handler is None:
+            self.events.append(event)
+            log.info("%s: %s", self.address, event)
+            return
+        try:
+            handler(event)
+        except Exception:
+            log.exception("%s: handler for %s failed", self.address, event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +148,7 @@ class EventRing:
                 log.warning("event ring %d: entry of type %#x is no async event: dropped", self.ring_id, kind)
             ring.consumer += 1
         if events or not self.armed:
-            self.doorbells.write64_doorbell(self.db_offset, doorbell.encode(
-                self.ring_id, bnxt.DBC_DBC_TYPE_NQ_ARM, ring.slot(ring.consumer), ring.epoch(ring.consumer)))
+            self.doorbells.write64_doorbell(self.db_offset, ring.doorbell(self.ring_id, bnxt.DBC_DBC_TYPE_NQ_ARM))
             self.armed = True
         return events
 

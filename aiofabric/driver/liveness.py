@@ -2,16 +2,15 @@
 reading all ones. Once it is gone, `lost` holds the error and everyone who asked to be told (`on_lost`) is."""
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import anyio
 
+from . import log
 from .interrupts import readable
 from ..errors import DeviceLostError
 from ..pci import PCI_VENDOR_ID, PCIDevice
 
-log = logging.getLogger("aiofabric.driver.device")
 REMOVAL_POLL = 1.0  # without a removal fd: how often the watch reads config space
 
 
@@ -44,7 +43,7 @@ class Liveness:
                     await anyio.wait_readable(fd)
                 else:
                     await anyio.sleep(REMOVAL_POLL)
-                    if self.pci.read_config(PCI_VENDOR_ID, 2) != 0xFFFF:
+                    if not self._reads_all_ones():
                         continue
                 await self._declare_removed()
         finally:
@@ -55,10 +54,14 @@ class Liveness:
         whether the device is gone, so the wait ends now rather than at its timeout. Raises the loss if `raising`."""
         if self.lost is None and not self.watching:
             fd = self.pci.removal_fd()
-            if readable(fd) if fd is not None else self.pci.read_config(PCI_VENDOR_ID, 2) == 0xFFFF:
+            if readable(fd) if fd is not None else self._reads_all_ones():
                 await self._declare_removed()
         if raising:
             self.check()
+
+    def _reads_all_ones(self) -> bool:
+        """Whether config space reads all ones, as a device no longer on the bus does."""
+        return self.pci.read_config(PCI_VENDOR_ID, 2) == 0xFFFF
 
     async def _declare_removed(self) -> None:
         with anyio.CancelScope(shield=True):  # the reason (an exit status) is read once, in a worker thread

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import logging
 from typing import Any, Callable
 
 import anyio
 
+from . import log
 from .close_budget import CloseBudget
 from .commands import CMDQ_HEADER_FIELDS, build, rcfw_types
 from .interrupts import COMMAND_POLL, wait_for_interrupt, wake
@@ -16,20 +16,18 @@ from .liveness import Liveness
 from .rings import Ring
 from ..autogen import bnxt
 from ..errors import DeviceLostError, FirmwareError, FirmwareTimeoutError
-from ..hw import doorbell
 from ..hw.cqe import CREQ_COMMAND_EVENT, CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, creq_type
 from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT
 from ..pci import Bar, DmaBuffer, PCIDevice, memory_barrier
-
-log = logging.getLogger("aiofabric.driver.device")
 
 RCFW_TIMEOUT = 20.0  # Linux RCFW_CMD_WAIT_TIME_MS
 CMDQ_DEPTH = 4096  # slots; Linux uses 8192 (256 on old firmware)
 CREQ_DEPTH = 4096
 CREQ_POLL = 4 * COMMAND_POLL  # the reader's safety poll while a command awaits its reply
-QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
-REPLY_NOT = frozenset((bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION,
-                       bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION))  # QP-event entries that are not replies
+QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT  # the CREQ entry type of replies, and of a QP's or CQ's error notification
+QP_ERROR = bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION
+CQ_ERROR = bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION
+REPLY_NOT = frozenset((QP_ERROR, CQ_ERROR))  # QP-event entries that are not replies
 
 
 @dataclasses.dataclass
@@ -212,8 +210,7 @@ class RcfwChannel:
             entry = bytes(view[offset:offset + CREQ_ENTRY.size])
             creq.consumer += 1
             freed += self._dispatch(entry)
-        self.doorbells.write64_doorbell(self.db_offset, doorbell.encode(
-            self.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, creq.slot(creq.consumer), creq.epoch(creq.consumer)))
+        self.doorbells.write64_doorbell(self.db_offset, creq.doorbell(self.creq_id, bnxt.DBC_DBC_TYPE_NQ_ARM))
         if freed:
             self._signal_space()
 

@@ -8,11 +8,16 @@ from __future__ import annotations
 import dataclasses
 
 from ..autogen import bnxt
-from ..hw import ring
+from ..hw import doorbell, ring
 from ..hw.firmware import PTE_SIZE, pack_ptes
 from ..pci import PAGE_SIZE, DmaBuffer, PCIDevice
 
 PTES_PER_PAGE = PAGE_SIZE // PTE_SIZE
+
+
+def power_of_two(count: int) -> int:
+    """The smallest power of two >= `count`: what a ring's depth must be."""
+    return 1 << max(count - 1, 0).bit_length()
 
 
 @dataclasses.dataclass
@@ -82,6 +87,11 @@ class Ring:
 
     def epoch(self, count: int) -> int:
         return ring.epoch(count, self.depth)
+
+    def doorbell(self, xid: int, kind: int, toggle: int = 0) -> int:
+        """The doorbell of kind `kind` (DBC_DBC_TYPE_*) that tells the device object `xid` how far this ring is
+        consumed (`toggle`: CQ arm doorbells only)."""
+        return doorbell.encode(xid, kind, self.slot(self.consumer), self.epoch(self.consumer), toggle)
 
     def free_entries(self) -> int:
         return self.depth - (self.producer - self.consumer)

@@ -1,7 +1,9 @@
-"""The PCI seam and its three backends: the interface (`seam`), a real NIC through VFIO (`vfio`, the default) or plain
-sysfs (`sysfs`), and the emulated NIC (`emulated`, which talks to the emulator process of `aiofabric.sim`); with what
-they share: Linux memory (`linux`), the doorbell barrier, the DMA pool and the checks before a device is taken
-(`preflight`). The driver imports the seam's names from here and a backend only where it opens one."""
+"""The PCI seam and its three backends: the interface (`seam`), a real NIC through VFIO (`vfio`, the default: over
+the kernel's interface `vfio_api`, with DMA windows in the IOMMU, `iommu`) or plain sysfs (`sysfs`), and the emulated
+NIC (`emulated`, which talks to the emulator process of `aiofabric.sim`); with what they share: Linux memory
+(`linux`), the doorbell barrier, the DMA pool, the checks before a device is taken (`preflight`), taking it
+(`device_lock`: the open's verdict and the per-device lock) and `aiofabric doctor`'s report (`doctor`). The driver
+imports the seam's names from here and a backend only where it opens one."""
 from .barrier import memory_barrier
 from .linux import PAGE_SIZE
 from .seam import ADDRESS, Bar, DmaBudget, DmaBuffer, PCIDevice, check_bar_index

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from .emulated import SimPCIDevice
 from .linux import MAP_NORESERVE, map_at
-from .vfio import VfioApi
+from .vfio_api import VfioApi
 from .vfio_abi import (VFIO_DEVICE_FLAGS_PCI, VFIO_DEVICE_FLAGS_RESET, VFIO_GROUP_FLAGS_VIABLE, VFIO_IRQ_INFO_EVENTFD,
                        VFIO_NOIOMMU_IOMMU, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX,
                        VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_REQ_IRQ_INDEX, VFIO_REGION_INFO_FLAG_READ,

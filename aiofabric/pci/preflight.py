@@ -1,9 +1,9 @@
-"""Pre-flight checks of a PCI function before the driver takes it over, and the per-device lock.
+"""Pre-flight checks of a PCI function before the driver takes it over.
 
 Every check reads the machine through a `Host` (sysfs, procfs, /dev/vfio: the real paths, or a fake tree's in tests)
-and returns a `Finding`: what it saw, whether that is fine, and the command that fixes it. `aiofabric doctor` prints
-them all (`doctor`); opening a function (`claim`, called by the seam's backends) refuses it when its identity or
-binding is wrong or another process holds it, logs every other failure as a warning, and takes the per-device lock.
+and returns a `Finding`: what it saw, whether that is fine, and the command that fixes it. Opening a function runs
+them (`device_lock.claim`, which also takes the per-device lock), and so does `aiofabric doctor` (`doctor`), which
+prints them all.
 
 What is fine depends on how the driver reaches the device (`access`). Raw sysfs gives the NIC physical addresses, so
 it needs the IOMMU off or in passthrough and DMA pages the kernel never moves; VFIO maps DMA through the IOMMU (the
@@ -12,18 +12,13 @@ pages pinned by it), so it needs translation on and the function bound to vfio-p
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import logging
 import os
 import resource
-import textwrap
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
 from ..errors import PCIError
 from ..hw.pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_COMMAND_INTX_DISABLE, PCI_COMMAND_MASTER
-from ..util import private
 
-log = logging.getLogger(__name__)
 
 Access = Literal["sysfs", "vfio"]
 ACCESSES: tuple[Access, ...] = ("sysfs", "vfio")
@@ -36,7 +31,7 @@ _FAMILIES = {"Thor": {0x1750: "BCM57508", 0x1751: "BCM57504", 0x1752: "BCM57502"
              "Thor2": {0x1760: "BCM57608", 0x1761: "BCM57604", 0x1762: "BCM57602", 0x1763: "BCM57601"}}
 SUPPORTED_CHIPS: dict[int, str] = {device: f"{part} ({family})"
                                    for family, parts in _FAMILIES.items() for device, part in parts.items()}
-_SUPPORTED = "; ".join(f"{family} {', '.join(parts.values())}" for family, parts in _FAMILIES.items())
+SUPPORTED_NAMES = "; ".join(f"{family} {', '.join(parts.values())}" for family, parts in _FAMILIES.items())
 
 CAP_IPC_LOCK, CAP_SYS_ADMIN = 14, 21  # include/uapi/linux/capability.h
 # Drivers VFIO accepts beside ours in an IOMMU group (they leave DMA to the group's owner), and no driver at all
@@ -47,7 +42,6 @@ WARNING_ONLY: dict[str, tuple[Access, ...]] = {
     "iommu_group": ("sysfs",),  # only VFIO takes the whole group
     "power": ("vfio",),  # VFIO wakes the function when it opens it
 }
-FATAL_AT_OPEN = ("present", "device_id", "driver")  # the lock too: without these the open refuses the function
 LOCK_DIR = "/run/aiofabric"
 
 
@@ -103,10 +97,10 @@ def refusal(finding: Finding) -> PCIError:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Reading the tree
+# Reading the tree: a function's files, the functions on the bus
 
 
-def _read(path: str) -> str | None:
+def read_text(path: str) -> str | None:
     """A sysfs or procfs file's text, stripped; None when it is absent or unreadable."""
     try:
         with open(path) as f:
@@ -115,14 +109,14 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _number(text: str | None, base: int = 10) -> int | None:
+def read_number(text: str | None, base: int = 10) -> int | None:
     try:
         return None if text is None else int(text, base)
     except ValueError:
         return None
 
 
-def _driver(device_dir: str) -> str | None:
+def bound_driver(device_dir: str) -> str | None:
     """The driver bound to the function at `device_dir`, or None."""
     link = os.path.join(device_dir, "driver")
     return os.path.basename(os.path.realpath(link)) if os.path.lexists(link) else None
@@ -135,10 +129,41 @@ def _unbind(device_dir: str) -> str:
 
 def _capabilities(host: Host) -> int:
     """This process's effective capabilities (CapEff in /proc/self/status); 0 when unknown."""
-    for line in (_read(host.status) or "").splitlines():
+    for line in (read_text(host.status) or "").splitlines():
         if line.startswith("CapEff:"):
-            return _number(line.split(":", 1)[1].strip(), 16) or 0
+            return read_number(line.split(":", 1)[1].strip(), 16) or 0
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BusFunction:
+    """One PCI function as the bus scan lists it (-1: an ID that could not be read)."""
+
+    address: str
+    vendor: int
+    device: int
+    driver: str | None
+
+    def __str__(self) -> str:
+        return f"{self.address} {self.vendor:04x}:{self.device:04x}" + (f" ({self.driver})" if self.driver else "")
+
+
+def bus_functions(host: Host) -> list[BusFunction]:
+    try:
+        addresses = sorted(os.listdir(host.devices))
+    except OSError:
+        addresses = []
+    found = []
+    for address in addresses:
+        device_dir = os.path.join(host.devices, address)
+        vendor, device = (read_number(read_text(os.path.join(device_dir, name)), 16) for name in ("vendor", "device"))
+        found.append(BusFunction(address, -1 if vendor is None else vendor, -1 if device is None else device,
+                                 bound_driver(device_dir)))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the checks look at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +186,7 @@ class Target:
         return os.path.join(self.host.devices, self.address)
 
     def read(self, name: str) -> str | None:
-        return _read(os.path.join(self.dir, name))
+        return read_text(os.path.join(self.dir, name))
 
     def group(self) -> str | None:
         """The function's IOMMU group number, None without an IOMMU."""
@@ -201,7 +226,7 @@ def check_present(t: Target) -> Finding:
 
 
 def check_device_id(t: Target) -> Finding:
-    vendor, device = _number(t.read("vendor"), 16), _number(t.read("device"), 16)
+    vendor, device = read_number(t.read("vendor"), 16), read_number(t.read("device"), 16)
     if vendor is None or device is None:
         return t.finding("device_id", False, f"cannot read the vendor and device IDs of {t.address} "
                                              f"({t.dir}/vendor, device)", "sudo aiofabric doctor  # as root")
@@ -211,12 +236,13 @@ def check_device_id(t: Target) -> Finding:
     maker = "Broadcom, but" if vendor == BROADCOM_VENDOR_ID else "not Broadcom and"
     return t.finding("device_id", False,
                      f"{t.address} has vendor {vendor:#06x} device {device:#06x}: {maker} not a BNXT RoCE chip we "
-                     f"support ({_SUPPORTED}); driving it would write firmware commands into another chip's registers",
+                     f"support ({SUPPORTED_NAMES}); driving it would write firmware commands into another chip's "
+                     "registers",
                      "aiofabric doctor  # without an address: lists the supported functions on the bus")
 
 
 def check_driver(t: Target) -> Finding:
-    name = _driver(t.dir)
+    name = bound_driver(t.dir)
     if name == "vfio-pci" or name is None and t.access == "sysfs":
         return t.finding("driver", True, f"bound to {name}" if name else "no driver bound")
     if name is None:
@@ -239,7 +265,7 @@ def check_driver_override(t: Target) -> Finding:
 
 def check_iommu(t: Target) -> Finding:
     group = t.group()
-    kind = _read(os.path.join(t.host.iommu_groups, group, "type")) if group else None
+    kind = read_text(os.path.join(t.host.iommu_groups, group, "type")) if group else None
     if group is None:
         mode = "off (no IOMMU group)"
     elif kind == "identity":
@@ -271,7 +297,7 @@ def check_iommu_group(t: Target) -> Finding:
     except OSError:
         peers = []
     busy = [(peer, driver) for peer in peers
-            if (driver := _driver(os.path.join(members, peer))) not in GROUP_PEER_DRIVERS | {None}]
+            if (driver := bound_driver(os.path.join(members, peer))) not in GROUP_PEER_DRIVERS | {None}]
     if not busy:
         others = f"{len(peers)} other functions, none bound to a driver VFIO refuses" if peers else "alone in it"
         return t.finding("iommu_group", True, f"IOMMU group {group}: {others}")
@@ -282,7 +308,7 @@ def check_iommu_group(t: Target) -> Finding:
 
 
 def check_lockdown(t: Target) -> Finding:
-    text = _read(t.host.lockdown)
+    text = read_text(t.host.lockdown)
     chosen = [word[1:-1] for word in (text or "").split() if word.startswith("[")]
     mode = chosen[0] if chosen else "none"
     if mode == "none":
@@ -347,8 +373,8 @@ def check_memlock(t: Target) -> Finding:
 
 
 def check_hugepages(t: Target) -> Finding:
-    free = _number(_read(os.path.join(t.host.hugepages, "free_hugepages"))) or 0
-    total = _number(_read(os.path.join(t.host.vm, "nr_hugepages"))) or 0
+    free = read_number(read_text(os.path.join(t.host.hugepages, "free_hugepages"))) or 0
+    total = read_number(read_text(os.path.join(t.host.vm, "nr_hugepages"))) or 0
     if free:
         return t.finding("hugepages", True, f"{free} of {total} 2 MiB hugepages free")
     why = ("DMA slabs fall back to 4 KiB pages (each an IOTLB entry of its own)" if t.access == "vfio" else
@@ -358,7 +384,7 @@ def check_hugepages(t: Target) -> Finding:
 
 
 def check_compaction(t: Target) -> Finding:
-    value = _read(os.path.join(t.host.vm, "compact_unevictable_allowed"))
+    value = read_text(os.path.join(t.host.vm, "compact_unevictable_allowed"))
     if t.access == "vfio":
         return t.finding("compaction", True, "VFIO pins DMA pages through the IOMMU; compaction never moves them")
     if value in (None, "0"):
@@ -396,228 +422,3 @@ def check_function(address: str, host: Host, access: Access = "vfio") -> list[Fi
         if not findings[-1].ok:
             return findings
     return findings + [check(target) for check in CHECKS]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The per-device lock
-
-
-class _NoLockDirectory(Exception):
-    """No directory we may keep device locks in: why (`detail`) and what fixes it (`fix`)."""
-
-    def __init__(self, detail: str, fix: str) -> None:
-        super().__init__(detail)
-        self.detail, self.fix = detail, fix
-
-
-def _lock_directory(preferred: str) -> tuple[str, int]:
-    """The directory device locks live in, and a descriptor of it that every check went through: `preferred`
-    (/run/aiofabric, which only root can make) when we can make or use it, else, for a user who cannot, their own
-    $XDG_RUNTIME_DIR/aiofabric (0700). Locks need not be shared across users: only root can reach a function
-    through sysfs, and VFIO lets one process at a time open a group. Never a shared name under /tmp, which another
-    user could take first; a directory we did not just make must be ours and writable by nobody else (a user
-    finding root's /run/aiofabric goes to their own)."""
-    try:
-        return preferred, private.open_directory(preferred, 0o755)
-    except private.NotPrivate as exc:
-        if os.geteuid() == 0 or exc.owner not in (None, 0):  # root's own, or someone else's: not to go around
-            fix = f"mkdir -m 755 {preferred}" if exc.owner is None else \
-                f"remove it unless it was made so on purpose (rm -r {preferred}); aiofabric makes it again"
-            raise _NoLockDirectory(f"the device-lock directory {preferred} {exc.detail}", fix) from None
-        why = f"{preferred} {exc.detail}"  # a user cannot make /run/aiofabric, or it is root's: use their own
-    fix = f"run as root, or {private.RUNTIME_FIX}"
-    try:
-        return private.user_directory()
-    except private.NotPrivate as exc:
-        if exc.path == f"${private.RUNTIME_ENV}":
-            raise _NoLockDirectory(f"no directory for device locks: {why}, and {private.RUNTIME_ENV} is not set (a "
-                                   f"user's locks live in ${private.RUNTIME_ENV}/aiofabric, never under a name in "
-                                   "/tmp another user could take first)", fix) from None
-        raise _NoLockDirectory(f"no directory for device locks: {why}, and {exc.path} {exc.detail}", fix) from None
-
-
-def _take(address: str, directory: str) -> tuple[int, str, int | None]:
-    """Try to lock `address`: (fd, path, None) when taken, (-1, path, the pid its holder wrote, if any) when not.
-    Raises _NoLockDirectory when no directory may hold locks."""
-    parent, parent_fd = _lock_directory(directory)
-    path = os.path.join(parent, f"{address}.lock")
-    try:
-        fd = os.open(f"{address}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644,
-                     dir_fd=parent_fd)
-    except OSError as e:
-        raise PCIError(f"cannot open the lock file of {address} ({path}): {e.strerror}") from e
-    finally:
-        os.close(parent_fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _number(os.pread(fd, 32, 0).decode(errors="replace").strip())
-        os.close(fd)
-        return -1, path, holder
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd, path, None
-
-
-def _busy(address: str, path: str, pid: int | None) -> Finding:
-    if pid is None:  # its holder has not written its pid yet
-        return Finding("lock", False, f"{address} is in use by another process (lock {path})", f"fuser -v {path}",
-                       address=address)
-    name = _read(f"/proc/{pid}/comm") or "gone"
-    return Finding("lock", False, f"{address} is in use by pid {pid} ({name}) (lock {path})",
-                   f"kill {pid}  # or wait for it to close the device", address=address)
-
-
-class DeviceLock:
-    """An exclusive flock on `<directory>/<address>.lock`, held from a device's open to its close: a second open of
-    the same function, by another process or this one, fails at once naming the holder. The kernel drops a flock when
-    its holder dies, so the file a killed process leaves behind blocks nobody. The seam's backends take one."""
-
-    def __init__(self, address: str, directory: str = LOCK_DIR) -> None:
-        try:
-            self._fd, self.path, holder = _take(address, directory)
-        except _NoLockDirectory as exc:
-            raise refusal(Finding("lock", False, exc.detail, exc.fix, address=address)) from None
-        if self._fd < 0:
-            raise refusal(_busy(address, self.path, holder))
-
-    def release(self) -> None:
-        """Let the function go (idempotent)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def check_lock(address: str, host: Host) -> Finding:
-    """Whether the function is free, without keeping it."""
-    try:
-        fd, path, holder = _take(address, host.locks)
-    except _NoLockDirectory as exc:
-        return Finding("lock", False, exc.detail, exc.fix, address=address)
-    if fd < 0:
-        return _busy(address, path, holder)
-    os.close(fd)
-    return Finding("lock", True, f"no other process holds {address} (lock {path})", address=address)
-
-
-def claim(address: str, host: Host = Host(), access: Access = "vfio") -> DeviceLock:
-    """The pre-flight of a seam's open: refuse the function when it is absent, not a supported chip, bound to the
-    wrong driver or held by another process; log every other failed check; take its lock, to hold until close."""
-    for finding in check_function(address, host, access):
-        if finding.ok:
-            continue
-        if finding.name in FATAL_AT_OPEN:
-            raise refusal(finding)
-        log.warning("%s: pre-flight %s", address, finding.line())
-    lock = DeviceLock(address, host.locks)
-    quiesced = check_quiesced(Target.of(address, host, access))
-    if not quiesced.ok:
-        log.warning("%s: pre-flight %s", address, quiesced.line())
-    return lock
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# aiofabric doctor
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """What `aiofabric doctor` found: the findings, and `error`, one line saying why nothing can be driven ("" when
-    something can)."""
-
-    address: str | None
-    access: Access
-    findings: list[Finding]
-    error: str
-
-    def as_dict(self) -> dict[str, Any]:
-        result = {"address": self.address, "access": self.access,
-                  "findings": [{**dataclasses.asdict(f), "status": f.status} for f in self.findings]}
-        return {**result, "error": self.error} if self.error else result
-
-    def format(self, width: int = 118) -> str:
-        """One finding a paragraph: its status, name and what it saw, then on a failure the fix."""
-        lines, address, indent = [], "", " " * 24
-        for f in self.findings:
-            if f.address != address and f.address:
-                lines.append(f"{f.address} (through {self.access}):")
-            address = f.address
-            lines.append(textwrap.fill(f.detail, width, initial_indent=f"  {f.status:<5} {f.name:<15} ",
-                                       subsequent_indent=indent))
-            if not f.ok and f.fix:
-                lines.append(f"{indent}fix: {f.fix}")
-        return "\n".join(lines)
-
-
-def drivable(findings: list[Finding]) -> bool:
-    return all(f.ok or not f.blocking for f in findings)
-
-
-def diagnose(address: str, host: Host, access: Access) -> list[Finding]:
-    """Every check of one function, the lock and, when nobody holds it, whether the last holder left it running."""
-    findings = check_function(address, host, access)
-    if len(findings) <= len(IDENTITY):  # check_function stopped at a failed identity check
-        return findings
-    lock = check_lock(address, host)
-    return findings + [lock] + ([check_quiesced(Target.of(address, host, access))] if lock.ok else [])
-
-
-def _why_not(address: str, access: Access, findings: list[Finding]) -> str:
-    failed = [f for f in findings if not f.ok and f.blocking]
-    more = f" (and {', '.join(f.name for f in failed[1:])})" if failed[1:] else ""
-    return f"{address} cannot be driven through {access}: {failed[0].line()}{more}" if failed else ""
-
-
-@dataclasses.dataclass(frozen=True)
-class BusFunction:
-    """One PCI function as the bus scan lists it (-1: an ID that could not be read)."""
-
-    address: str
-    vendor: int
-    device: int
-    driver: str | None
-
-    def __str__(self) -> str:
-        return f"{self.address} {self.vendor:04x}:{self.device:04x}" + (f" ({self.driver})" if self.driver else "")
-
-
-def bus_functions(host: Host) -> list[BusFunction]:
-    try:
-        addresses = sorted(os.listdir(host.devices))
-    except OSError:
-        addresses = []
-    found = []
-    for address in addresses:
-        device_dir = os.path.join(host.devices, address)
-        vendor, device = (_number(_read(os.path.join(device_dir, name)), 16) for name in ("vendor", "device"))
-        found.append(BusFunction(address, -1 if vendor is None else vendor, -1 if device is None else device,
-                                 _driver(device_dir)))
-    return found
-
-
-def scan(host: Host, access: Access) -> Report:
-    """Every supported function on the bus, diagnosed; when there is none, what the bus holds instead."""
-    functions = bus_functions(host)
-    broadcom = [f for f in functions if f.vendor == BROADCOM_VENDOR_ID]
-    supported = [f for f in broadcom if f.device in SUPPORTED_CHIPS]
-    if not supported:
-        what = (f"{len(broadcom)} Broadcom, none of them a supported chip" if broadcom
-                else f"none of them Broadcom (vendor {BROADCOM_VENDOR_ID:#06x})")
-        error = f"no supported BNXT RoCE function on this machine ({_SUPPORTED}): {len(functions)} PCI functions, {what}"
-        seen = ", ".join(map(str, functions)) or "nothing"
-        return Report(None, access, [Finding("bus", False, f"{error}: {seen}",
-                                             "aiofabric bench write  # the emulated NIC needs no hardware")], error)
-    found = Finding("bus", True, "supported functions: " + ", ".join(f"{f.address} {SUPPORTED_CHIPS[f.device]}"
-                                                                     for f in supported))
-    each = {f.address: diagnose(f.address, host, access) for f in supported}
-    blocked = [_why_not(a, access, findings) for a, findings in each.items() if not drivable(findings)]
-    error = "" if len(blocked) < len(each) else "; ".join(blocked)
-    return Report(None, access, [found] + [f for findings in each.values() for f in findings], error)
-
-
-def doctor(address: str | None, host: Host = Host(), access: Access = "vfio") -> Report:
-    """`aiofabric doctor`: one function's findings, or without an address the bus's."""
-    if address is None:
-        return scan(host, access)
-    findings = diagnose(address, host, access)
-    return Report(address, access, findings, _why_not(address, access, findings))

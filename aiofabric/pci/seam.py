@@ -204,6 +204,28 @@ class PCIDevice(abc.ABC):
         return False
 
 
+def check_address(address: str) -> str:
+    """`address` in lower case (as sysfs, VFIO and the device locks name a function); PCIError unless it is
+    domain:bus:device.function."""
+    lowered = address.lower()
+    if not ADDRESS.fullmatch(lowered):
+        raise PCIError(f"bad PCI address {address!r}: expected domain:bus:device.function, e.g. 0000:41:00.0")
+    return lowered
+
+
+def check_config_access(offset: int, size: int, config_size: int) -> None:
+    """A config-space access is 1, 2 or 4 bytes, naturally aligned, within the first `config_size` bytes."""
+    if size not in (1, 2, 4) or offset % size or not 0 <= offset <= config_size - size:
+        raise ValueError(f"bad config access: {size} bytes at offset {offset:#x}")
+
+
+def config_value(raw: bytes, offset: int, size: int, address: str) -> int:
+    """The value a config read of `size` bytes at `offset` returned (little-endian); PCIError if it came short."""
+    if len(raw) != size:
+        raise PCIError(f"short config read at {offset:#x} of {address} (only {len(raw)} bytes)")
+    return int.from_bytes(raw, "little")
+
+
 def check_bar_index(index: int) -> None:
     """A function has six BARs, 0..5."""
     if not 0 <= index <= 5:

@@ -8,10 +8,11 @@ import errno
 import mmap
 import os
 
+from .device_lock import claim
 from .linux import (HUGE_PAGE_SIZE, MAP_HUGETLB, MAP_LOCKED, MAP_POPULATE, PAGE_SIZE, phys_addr, release_mapping,
                     virt_addr)
-from .preflight import Host, claim
-from .seam import ADDRESS, Bar, DmaBuffer, PCIDevice, check_bar_index
+from .preflight import Host
+from .seam import Bar, DmaBuffer, PCIDevice, check_address, check_bar_index, check_config_access, config_value
 from ..errors import PCIError
 
 NEED_ROOT = "run as root (CAP_SYS_ADMIN is needed for BARs, config space and physical addresses)"
@@ -95,9 +96,7 @@ class SysfsPCIDevice(PCIDevice):
     def __init__(
         self, address: str, sysfs_root: str = "/sys/bus/pci/devices", pagemap: str = "/proc/self/pagemap"
     ) -> None:
-        self.address = address.lower()
-        if not ADDRESS.fullmatch(self.address):
-            raise PCIError(f"bad PCI address {address!r}: expected domain:bus:device.function, e.g. 0000:41:00.0")
+        self.address = check_address(address)
         self._dir = os.path.join(sysfs_root, self.address)
         self._pagemap = pagemap
         self._bars: dict[int, SysfsBar] = {}
@@ -126,15 +125,11 @@ class SysfsPCIDevice(PCIDevice):
 
     def _check_config(self, offset: int, size: int) -> None:
         self._check_open()
-        if size not in (1, 2, 4) or offset % size or not 0 <= offset <= 4096 - size:
-            raise ValueError(f"bad config access: {size} bytes at offset {offset:#x}")
+        check_config_access(offset, size, 4096)
 
     def read_config(self, offset: int, size: int) -> int:
         self._check_config(offset, size)
-        raw = os.pread(self._config_fd, size, offset)
-        if len(raw) != size:
-            raise PCIError(f"short config read at {offset:#x} of {self.address} (only {len(raw)} bytes)")
-        return int.from_bytes(raw, "little")
+        return config_value(os.pread(self._config_fd, size, offset), offset, size, self.address)
 
     def write_config(self, offset: int, value: int, size: int) -> None:
         self._check_config(offset, size)

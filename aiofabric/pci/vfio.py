@@ -7,7 +7,8 @@
 - BARs are regions of the device fd (VFIO_DEVICE_GET_REGION_INFO), mmapped where the kernel allows it, else read
   and written through the fd; config space is the config region, through the fd (the kernel virtualizes parts);
 - DMA memory comes from a `DmaPool` whose slabs are mapped once each with VFIO_IOMMU_MAP_DMA, at IOVAs chosen here
-  within the IOMMU's valid ranges: a bus address is an IOVA, and the device can reach no page it was not given;
+  within the IOMMU's valid ranges (`iommu.IommuWindows`): a bus address is an IOVA, and the device can reach no page
+  it was not given;
 - MSI-X vectors are eventfds (VFIO_DEVICE_SET_IRQS); so are the device request (the kernel wants the device back:
   unbind, hot-unplug) and the error interrupt (AER), which one epoll fd turns into the removal fd;
 - `reset()` is VFIO_DEVICE_RESET; closing the device fd also makes vfio-pci clear bus mastering and reset the
@@ -18,17 +19,13 @@ isolation, DMA at physical addresses (pagemap, root only); a warning says so. io
 cdev, Linux 6.2+) is not used: what it adds (nested translation, dirty tracking, PASIDs) this driver does not need,
 and the container interface works on every kernel with VFIO, on the newest through iommufd's compatibility layer.
 
-The kernel is reached only through a `VfioApi`, so tests fake it: aiofabric/pci/emulated_vfio.py puts an emulated NIC behind
-one.
+The kernel is reached only through a `VfioApi` (`vfio_api`), so tests fake it: aiofabric/pci/emulated_vfio.py puts
+an emulated NIC behind one.
 """
 from __future__ import annotations
 
-import abc
-import array
 import contextlib
-import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -36,262 +33,20 @@ import select
 from typing import Any, Callable, TypeVar
 
 from . import vfio_abi as abi
-from .dma_pool import SLAB_SIZE, DmaPool, DmaWindows, PhysicalWindows
-from .linux import PAGE_SIZE
-from .preflight import DeviceLock, Host, Target, check_iommu, check_iommu_group, check_present, claim, refusal
-from .seam import ADDRESS, Bar, DmaBuffer, PCIDevice, check_bar_index
+from .device_lock import DeviceLock, claim
+from .dma_pool import DmaPool, DmaWindows, PhysicalWindows
+from .iommu import IommuWindows
+from .preflight import Host, Target, check_iommu, check_iommu_group, check_present, refusal
+from .seam import Bar, DmaBuffer, PCIDevice, check_address, check_bar_index, check_config_access, config_value
 from .sysfs import SysfsBar
+from .vfio_api import LinuxVfio, VfioApi
 from ..errors import PCIError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MSIX_VECTORS = 8  # enabled together at open (vfio-pci enables MSI-X as one block); the driver uses the first three
-# Where IOVAs go when the kernel reports no valid ranges (before Linux 5.4): above 4 GiB, clear of x86's MSI window
-# at 0xfee00000, and below 2^39, the narrowest IOMMU address width in common use (3-level VT-d tables).
-DEFAULT_IOVA_RANGES = [(1 << 32, (1 << 39) - 1)]
 REMOVAL_REASONS = {abi.VFIO_PCI_REQ_IRQ_INDEX: "the kernel asked for it back (VFIO device request: unbind or unplug)",
                    abi.VFIO_PCI_ERR_IRQ_INDEX: "it reported an uncorrectable error (VFIO error interrupt, AER)"}
-
-
-class VfioApi(abc.ABC):
-    """The VFIO kernel interface, one method per call the seam makes: the files under /dev/vfio, their ioctls, and
-    I/O on a device fd's regions. Failures raise OSError, as the system calls do."""
-
-    dev_dir = "/dev/vfio"
-
-    @abc.abstractmethod
-    def open_container(self) -> int:
-        """Open /dev/vfio/vfio."""
-
-    @abc.abstractmethod
-    def open_group(self, name: str) -> int:
-        """Open /dev/vfio/NAME: an IOMMU group's number, or noiommu-N."""
-
-    @abc.abstractmethod
-    def api_version(self, container: int) -> int: ...
-
-    @abc.abstractmethod
-    def check_extension(self, container: int, extension: int) -> bool: ...
-
-    @abc.abstractmethod
-    def set_iommu(self, container: int, iommu_type: int) -> None: ...
-
-    @abc.abstractmethod
-    def iova_ranges(self, container: int) -> list[tuple[int, int]]:
-        """The IOMMU's valid IOVA ranges as (first, last) (VFIO_IOMMU_GET_INFO); [] if the kernel does not say."""
-
-    @abc.abstractmethod
-    def map_dma(self, container: int, vaddr: int, iova: int, size: int) -> None:
-        """Let the device read and write [vaddr, vaddr + size) of this process at [iova, iova + size); pins it."""
-
-    @abc.abstractmethod
-    def unmap_dma(self, container: int, iova: int, size: int) -> int:
-        """Remove the mappings within [iova, iova + size); the bytes unmapped."""
-
-    @abc.abstractmethod
-    def group_status(self, group: int) -> int:
-        """VFIO_GROUP_GET_STATUS's flags."""
-
-    @abc.abstractmethod
-    def set_container(self, group: int, container: int) -> None: ...
-
-    @abc.abstractmethod
-    def get_device_fd(self, group: int, address: str) -> int: ...
-
-    @abc.abstractmethod
-    def device_info(self, device: int) -> abi.vfio_device_info: ...
-
-    @abc.abstractmethod
-    def region_info(self, device: int, index: int) -> abi.vfio_region_info: ...
-
-    @abc.abstractmethod
-    def irq_info(self, device: int, index: int) -> abi.vfio_irq_info: ...
-
-    @abc.abstractmethod
-    def set_irqs(self, device: int, index: int, fds: list[int]) -> None:
-        """Interrupt i of `index` signals eventfd fds[i]; [] disables the index."""
-
-    @abc.abstractmethod
-    def reset(self, device: int) -> None: ...
-
-    @abc.abstractmethod
-    def read(self, device: int, offset: int, size: int) -> bytes:
-        """`size` bytes at `offset` of the device fd (a region's offset plus the offset within it)."""
-
-    @abc.abstractmethod
-    def write(self, device: int, offset: int, data: bytes) -> None: ...
-
-    @abc.abstractmethod
-    def mmap(self, device: int, offset: int, size: int) -> mmap.mmap: ...
-
-    @abc.abstractmethod
-    def close(self, fd: int) -> None: ...
-
-
-def _ioctl(fd: int, request: int, arg: ctypes.Structure | bytearray | int = 0) -> int:
-    """ioctl(2): a buffer argument is passed by address and filled in place; the call's result is returned."""
-    return int(fcntl.ioctl(fd, request, arg))
-
-
-class LinuxVfio(VfioApi):
-    """The real one: the device files under `dev_dir` and their ioctls."""
-
-    def __init__(self, dev_dir: str = "/dev/vfio") -> None:
-        self.dev_dir = dev_dir
-
-    def open_container(self) -> int:
-        return os.open(os.path.join(self.dev_dir, "vfio"), os.O_RDWR | os.O_CLOEXEC)
-
-    def open_group(self, name: str) -> int:
-        return os.open(os.path.join(self.dev_dir, name), os.O_RDWR | os.O_CLOEXEC)
-
-    def api_version(self, container: int) -> int:
-        return _ioctl(container, abi.VFIO_GET_API_VERSION)
-
-    def check_extension(self, container: int, extension: int) -> bool:
-        return _ioctl(container, abi.VFIO_CHECK_EXTENSION, extension) > 0
-
-    def set_iommu(self, container: int, iommu_type: int) -> None:
-        _ioctl(container, abi.VFIO_SET_IOMMU, iommu_type)
-
-    def iova_ranges(self, container: int) -> list[tuple[int, int]]:
-        info = abi.vfio_iommu_type1_info(argsz=ctypes.sizeof(abi.vfio_iommu_type1_info))
-        _ioctl(container, abi.VFIO_IOMMU_GET_INFO, info)
-        if not info.flags & abi.VFIO_IOMMU_INFO_CAPS or info.argsz <= ctypes.sizeof(info):
-            return []
-        buffer = bytearray(info.argsz)  # again, with room for the capability chain the first call sized
-        abi.vfio_iommu_type1_info.from_buffer(buffer).argsz = info.argsz
-        _ioctl(container, abi.VFIO_IOMMU_GET_INFO, buffer)
-        offset = abi.vfio_iommu_type1_info.from_buffer(buffer).cap_offset
-        while offset:
-            header = abi.vfio_info_cap_header.from_buffer(buffer, offset)
-            if header.id == abi.VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE:
-                cap = abi.vfio_iommu_type1_info_cap_iova_range.from_buffer(buffer, offset)
-                ranges = (abi.vfio_iova_range * cap.nr_iovas).from_buffer(buffer, offset + ctypes.sizeof(cap))
-                return [(r.start, r.end) for r in ranges]
-            offset = header.next
-        return []
-
-    def map_dma(self, container: int, vaddr: int, iova: int, size: int) -> None:
-        _ioctl(container, abi.VFIO_IOMMU_MAP_DMA, abi.vfio_iommu_type1_dma_map(
-            argsz=ctypes.sizeof(abi.vfio_iommu_type1_dma_map), vaddr=vaddr, iova=iova, size=size,
-            flags=abi.VFIO_DMA_MAP_FLAG_READ | abi.VFIO_DMA_MAP_FLAG_WRITE))
-
-    def unmap_dma(self, container: int, iova: int, size: int) -> int:
-        unmap = abi.vfio_iommu_type1_dma_unmap(argsz=ctypes.sizeof(abi.vfio_iommu_type1_dma_unmap), iova=iova,
-                                               size=size)
-        _ioctl(container, abi.VFIO_IOMMU_UNMAP_DMA, unmap)
-        return int(unmap.size)
-
-    def group_status(self, group: int) -> int:
-        status = abi.vfio_group_status(argsz=ctypes.sizeof(abi.vfio_group_status))
-        _ioctl(group, abi.VFIO_GROUP_GET_STATUS, status)
-        return int(status.flags)
-
-    def set_container(self, group: int, container: int) -> None:
-        _ioctl(group, abi.VFIO_GROUP_SET_CONTAINER, bytearray(container.to_bytes(4, "little", signed=True)))
-
-    def get_device_fd(self, group: int, address: str) -> int:
-        return _ioctl(group, abi.VFIO_GROUP_GET_DEVICE_FD, bytearray(address.encode() + b"\0"))
-
-    def device_info(self, device: int) -> abi.vfio_device_info:
-        info = abi.vfio_device_info(argsz=ctypes.sizeof(abi.vfio_device_info))
-        _ioctl(device, abi.VFIO_DEVICE_GET_INFO, info)
-        return info
-
-    def region_info(self, device: int, index: int) -> abi.vfio_region_info:
-        info = abi.vfio_region_info(argsz=ctypes.sizeof(abi.vfio_region_info), index=index)
-        _ioctl(device, abi.VFIO_DEVICE_GET_REGION_INFO, info)
-        return info
-
-    def irq_info(self, device: int, index: int) -> abi.vfio_irq_info:
-        info = abi.vfio_irq_info(argsz=ctypes.sizeof(abi.vfio_irq_info), index=index)
-        _ioctl(device, abi.VFIO_DEVICE_GET_IRQ_INFO, info)
-        return info
-
-    def set_irqs(self, device: int, index: int, fds: list[int]) -> None:
-        data = array.array("i", fds).tobytes()
-        header = abi.vfio_irq_set(argsz=ctypes.sizeof(abi.vfio_irq_set) + len(data), index=index, start=0,
-                                  count=len(fds), flags=abi.VFIO_IRQ_SET_ACTION_TRIGGER
-                                  | (abi.VFIO_IRQ_SET_DATA_EVENTFD if fds else abi.VFIO_IRQ_SET_DATA_NONE))
-        _ioctl(device, abi.VFIO_DEVICE_SET_IRQS, bytearray(bytes(header) + data))
-
-    def reset(self, device: int) -> None:
-        _ioctl(device, abi.VFIO_DEVICE_RESET)
-
-    def read(self, device: int, offset: int, size: int) -> bytes:
-        return os.pread(device, size, offset)
-
-    def write(self, device: int, offset: int, data: bytes) -> None:
-        os.pwrite(device, data, offset)
-
-    def mmap(self, device: int, offset: int, size: int) -> mmap.mmap:
-        return mmap.mmap(device, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
-
-
-# -- DMA windows in the IOMMU ------------------------------------------------------------------------------------------
-class IovaSpace:
-    """IOVAs for DMA windows: blocks of a power-of-two size (a slab's at least), aligned to it, so the IOMMU can map
-    each with its largest pages; a freed block serves the next window of its size. Blocks are taken from the valid
-    ranges in order, never at IOVA 0."""
-
-    def __init__(self, ranges: list[tuple[int, int]]) -> None:
-        self._ranges = sorted(ranges)
-        self._next = 0  # below it every block is handed out or in `_free`
-        self._free: dict[int, list[int]] = {}
-
-    def alloc(self, size: int) -> int:
-        block = _block(size)
-        if self._free.get(block):
-            return self._free[block].pop()
-        for first, last in self._ranges:
-            start = -(-max(self._next, first, block) // block) * block
-            if start + block - 1 <= last:
-                self._next = start + block
-                return start
-        raise PCIError(f"no IOVA space left for a {size:#x}-byte DMA window")
-
-    def free(self, iova: int, size: int) -> None:
-        self._free.setdefault(_block(size), []).append(iova)
-
-
-def _block(size: int) -> int:
-    return max(SLAB_SIZE, 1 << (size - 1).bit_length())
-
-
-class IommuWindows:
-    """Slabs mapped into the container's IOMMU at IOVAs from an `IovaSpace`: the device sees each slab as one
-    contiguous range at its IOVA, and nothing else. VFIO pins mapped pages (they cannot be swapped or migrated)
-    and counts them against RLIMIT_MEMLOCK, once: the pool does not lock them as well."""
-
-    pins = True
-
-    def __init__(self, api: VfioApi, container: int, ranges: list[tuple[int, int]], owner: str) -> None:
-        self.api, self.container, self.owner = api, container, owner
-        self.space = IovaSpace(ranges or DEFAULT_IOVA_RANGES)
-
-    def map(self, address: int, size: int) -> list[int]:
-        iova = self.space.alloc(size)
-        try:
-            self.api.map_dma(self.container, address, iova, size)
-        except OSError as e:
-            self.space.free(iova, size)
-            hint = (": raise the locked-memory limit (`ulimit -l unlimited`; LimitMEMLOCK=infinity for a service)"
-                    if e.errno == errno.ENOMEM else "")
-            raise PCIError(f"{self.owner}: VFIO_IOMMU_MAP_DMA of {size:#x} bytes at IOVA {iova:#x} failed "
-                           f"({e.strerror}){hint}") from e
-        return list(range(iova, iova + size, PAGE_SIZE))
-
-    def unmap(self, bus_address: int, size: int) -> None:
-        try:
-            self.api.unmap_dma(self.container, bus_address, size)
-        except OSError as e:
-            raise PCIError(f"VFIO_IOMMU_UNMAP_DMA of {size:#x} bytes at IOVA {bus_address:#x} failed "
-                           f"({e.strerror})") from e
-        self.space.free(bus_address, size)
 
 
 # -- BARs --------------------------------------------------------------------------------------------------------------
@@ -347,9 +102,7 @@ class VfioPCIDevice(PCIDevice):
 
     def __init__(self, address: str, *, host: Host = Host(), api: VfioApi | None = None,
                  pagemap: str = "/proc/self/pagemap") -> None:
-        self.address = address.lower()
-        if not ADDRESS.fullmatch(self.address):
-            raise PCIError(f"bad PCI address {address!r}: expected domain:bus:device.function, e.g. 0000:41:00.0")
+        self.address = check_address(address)
         self.api = api or LinuxVfio(host.vfio)
         self._target = Target.of(self.address, host, "vfio")
         self._lock: DeviceLock | None = None
@@ -509,16 +262,13 @@ class VfioPCIDevice(PCIDevice):
     def _config_offset(self, offset: int, size: int) -> int:
         self._check_open()
         assert self._config is not None  # set before the device fd is
-        if size not in (1, 2, 4) or offset % size or not 0 <= offset <= self._config.size - size:
-            raise ValueError(f"bad config access: {size} bytes at offset {offset:#x}")
+        check_config_access(offset, size, self._config.size)
         return int(self._config.offset) + offset
 
     def read_config(self, offset: int, size: int) -> int:
         at = self._config_offset(offset, size)
-        raw = self._vfio("config read", self.api.read, self._device, at, size)
-        if len(raw) != size:
-            raise PCIError(f"short config read at {offset:#x} of {self.address} (only {len(raw)} bytes)")
-        return int.from_bytes(raw, "little")
+        return config_value(self._vfio("config read", self.api.read, self._device, at, size), offset, size,
+                            self.address)
 
     def write_config(self, offset: int, value: int, size: int) -> None:
         at = self._config_offset(offset, size)

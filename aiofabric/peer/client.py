@@ -16,9 +16,9 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import anyio
 
-from . import PeerError, protocol
+from . import protocol
 from .protocol import Answer, ClientState, Ready
-from ..errors import ProtocolError
+from ..errors import PeerError, ProtocolError
 from ..verbs import QPInfo, RemoteRegion
 
 HOST_SPEC = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s\[\]]+)(?::(?P<port>\d+))?")

@@ -2,7 +2,7 @@
 
 The client stamps and posts a ping and waits for the pong; the server waits for the ping and answers. Both halves
 run in `aiofabric lat` on one host; with a server host, the server half runs in its endpoint (op "pong",
-aiofabric/peer/protocol.py), so a ping's round trip never crosses the control connection.
+aiofabric/peer/operations.py), so a ping's round trip never crosses the control connection.
 
 - WRITE: each side writes `size` bytes into [size, 2*size) of the other side's region and polls the LAST byte of
   its own [size, 2*size) until it holds the iteration's value (`value(i)`). No receive is involved.

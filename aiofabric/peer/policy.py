@@ -3,7 +3,7 @@
 A TCP client is anyone who can reach the port, so the server decides everything that touches its host (which NIC,
 its address, capture files, namespaces: `ServerPolicy`), bounds what one client can hold (`Limits`), and lets its
 QPs talk only to the client that asked (`check_peer`). The request loop (`serve.serve_stream`) applies them; the
-requests themselves are narrowed to the bench exchange by `protocol.BENCH`.
+requests themselves are narrowed to the bench exchange by `operations.BENCH`.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class ServerPolicy:
     pcap_max_files: int = PCAP_MAX_FILES
     allow_peers: tuple[Network, ...] = ()
     limits: Limits = dataclasses.field(default_factory=Limits)
-    tool: str = "bench"  # the exchange clients may run (protocol.PROFILES): "bench" or "lat"
+    tool: str = "bench"  # the exchange clients may run (operations.PROFILES): "bench" or "lat"
     expect: dict[str, Any] = dataclasses.field(default_factory=dict)  # lat: the test, size and MTU clients must run
     _opened: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
 

@@ -1,5 +1,8 @@
 """`connect_peer`: a remote endpoint started over SSH (asyncssh). The only module that imports asyncssh.
 
+Here are the SSH connection (`connect`), the peer object over its session channel (`SSHPeer`), `connect_peer`, and
+the SFTP half of a push; what the remote side runs, and what a push copies, is `aiofabric.peer.launch`.
+
 asyncssh runs on asyncio only (uvloop included); on trio, `connect_peer` raises `PeerError` saying so, before
 asyncssh is even imported.
 
@@ -16,23 +19,20 @@ pid over a second session (`kill`); its emulators exit with their driver.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.metadata
-import json
 import logging
 import os
-import re
 import shlex
-import sysconfig
 import time
 from collections import deque
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 import anyio
 
-from . import PeerError
 from .client import Peer
+from .launch import (PID_MARKER, endpoint_distributions, probe_answer, probe_command, push_files, python_argv,
+                     remote_command, start_error)
+from ..errors import PeerError
 from ..util.taskgroups import own_task_group, run_in
 from ..verbs import CLOSE_TIMEOUT
 
@@ -52,21 +52,10 @@ STDERR_TAIL = 12  # remote stderr lines kept for error messages
 # Bytes: a longer stderr line is forwarded (and kept) in pieces, so a remote that writes gigabytes, newline or not,
 # costs this side at most STDERR_TAIL pieces.
 STDERR_LINE_MAX = 1024
-PID_MARKER = "aiofabric-endpoint-pid"  # the stderr line of the remote command's wrapper, before it execs python
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
 PUSH_IN_FLIGHT = 16  # files a push copies at once: numpy alone is some 1,500 files, each a few round trips
-CLIENT_ONLY = {"asyncssh"}  # requirements only this side imports: the endpoint never opens SSH
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-MISSING_MODULE = re.compile(r"No module named '?([\w.]+)'?")
-# The remote python's side of a push: a private (0700) temp dir, its version, ABI and platform, and which of the
-# distributions named in argv it lacks. One line (any login shell passes it on) in Python 3.8's syntax.
-PROBE = ("import importlib.metadata as m, json, sys, sysconfig, tempfile; print(json.dumps({"
-         "'dir': tempfile.mkdtemp(prefix='aiofabric-push.'), 'python': sys.version.split()[0], "
-         "'abi': [sysconfig.get_config_var('SOABI'), sysconfig.get_platform()], "
-         "'missing': [name for name in sys.argv[1:] if next(iter(m.distributions(name=name)), None) is None]}))")
 
 
-class _ProcessCarrier:
+class ProcessCarrier:
     """The endpoint's stdin/stdout over an SSH session channel."""
 
     def __init__(self, process: asyncssh.SSHClientProcess) -> None:
@@ -84,7 +73,7 @@ class SSHPeer(Peer):
     """A `Peer` whose endpoint runs over SSH. `handshake_s`: SSH connect + endpoint start (+ push) in seconds;
     `pushed_to`: the remote temp dir the package was copied to, if it was; `endpoint_pid`: the remote process."""
 
-    def __init__(self, carrier: _ProcessCarrier, connection: asyncssh.SSHClientConnection, host: str,
+    def __init__(self, carrier: ProcessCarrier, connection: asyncssh.SSHClientConnection, host: str,
                  command_timeout: float) -> None:
         self.process = carrier.process
         self.connection = connection
@@ -142,7 +131,7 @@ class SSHPeer(Peer):
                 self.stderr_tail.append(line)
                 log.warning("%s: %s", self.host, line)
 
-    async def _signal(self, signal: str) -> None:
+    async def signal_endpoint(self, signal: str) -> None:
         """Signal the endpoint over its channel, and by pid over a second session (OpenSSH ignores the first for
         root logins)."""
         with contextlib.suppress(Exception):
@@ -164,14 +153,23 @@ class SSHPeer(Peer):
                 await process.wait_closed()
             if process.exit_status is not None or process.exit_signal is not None or signal is None:
                 break
-            await self._signal(signal)
+            await self.signal_endpoint(signal)
         process.close()
 
 
-def _async_library() -> str:
-    """The running async library, "asyncio" under uvloop too. Not sniffio: it is not a dependency (current anyio
-    no longer needs it); anyio's cancellation class is the running backend's own (asyncio's or trio's)."""
-    return anyio.get_cancelled_exc_class().__module__.partition(".")[0]
+def destination(host: str, port: int, user: str | None) -> str:
+    """`[user@]host:port`: how errors name an SSH destination."""
+    return f"{user + '@' if user else ''}{host}:{port}"
+
+
+def check_asyncio(what: str, where: str, advice: str = "") -> None:
+    """PeerError unless the running async library is asyncio ("asyncio" under uvloop too): asyncssh runs on nothing
+    else. Not sniffio: it is not a dependency (current anyio no longer needs it); anyio's cancellation class is the
+    running backend's own (asyncio's or trio's)."""
+    library = anyio.get_cancelled_exc_class().__module__.partition(".")[0]
+    if library != "asyncio":
+        raise PeerError(f"{what} needs asyncio or uvloop (asyncssh is asyncio-only), not {library}{advice}",
+                        host=where)
 
 
 def _known_hosts_option(known_hosts: Any, where: str) -> Any:
@@ -201,8 +199,10 @@ def _host_key_error(exc: Exception, known: Any, host: str, port: int, where: str
                      f"pass known_hosts=None / --known-hosts none to skip the check ({exc})", host=where)
 
 
-async def _connect(host: str, port: int, user: str | None, identity: str | os.PathLike | None, known_hosts: Any,
-                   connect_timeout: float, where: str) -> asyncssh.SSHClientConnection:
+async def connect(host: str, port: int, user: str | None, identity: str | os.PathLike | None, known_hosts: Any,
+                  connect_timeout: float, where: str) -> asyncssh.SSHClientConnection:
+    """An SSH connection to `host`, its host key checked (see the module docstring); PeerError naming `where` and
+    what to do otherwise."""
     import asyncssh
     file = "~/.ssh/known_hosts" if known_hosts is DEFAULT else str(known_hosts)
     known = _known_hosts_option(known_hosts, where)
@@ -235,56 +235,6 @@ async def _connect(host: str, port: int, user: str | None, identity: str | os.Pa
         raise PeerError(f"{where}: cannot reach the SSH server: {exc.strerror or exc}", host=where) from None
 
 
-def _argv(python: str | Sequence[str]) -> list[str]:
-    argv = shlex.split(python) if isinstance(python, str) else list(python)
-    if not argv:
-        raise ValueError("python must name a command, e.g. 'python3'")
-    return argv
-
-
-def _quoted(argv: Iterable[str]) -> str:
-    return " ".join(shlex.quote(word) for word in argv)
-
-
-def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def endpoint_distributions() -> dict[str, tuple[importlib.metadata.Distribution, str]]:
-    """The installed distributions the endpoint imports besides aiofabric, {normalized name: (distribution,
-    requirement)}: aiofabric's requirements but CLIENT_ONLY, and theirs, without extras. A requirement not installed
-    here is left out (its marker excludes this python), and all are when aiofabric runs from a source tree."""
-    try:
-        todo = importlib.metadata.requires("aiofabric") or []
-    except importlib.metadata.PackageNotFoundError:
-        return {}
-    found: dict[str, tuple[importlib.metadata.Distribution, str]] = {}
-    while todo:
-        requirement, _, marker = todo.pop(0).partition(";")
-        name = _normalized(re.split(r"[\s<>=!~\[(@]", requirement.strip(), maxsplit=1)[0])
-        if "extra" in marker or name in found or name in CLIENT_ONLY:
-            continue
-        try:
-            distribution = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        found[name] = (distribution, requirement.strip())
-        todo += distribution.requires or []
-    return found
-
-
-def _distribution_files(distribution: importlib.metadata.Distribution) -> list[PurePath]:
-    """Its installed files (its RECORD), relative to its site directory (`locate_file("")`), without scripts or
-    bytecode."""
-    root = Path(str(distribution.locate_file("")))
-    return [file for file in distribution.files or [] if file.parts[0] != ".." and "__pycache__" not in file.parts
-            and (root / file).is_file()]
-
-
-def _is_pure(distribution: importlib.metadata.Distribution) -> bool:
-    return not any(file.suffix in (".so", ".pyd") or ".so." in file.name for file in distribution.files or [])
-
-
 async def _upload(sftp: asyncssh.SFTPClient, remote_dir: str, files: list[tuple[Path, PurePath]]) -> None:
     """Put each (root, file) at `remote_dir`/file, PUSH_IN_FLIGHT files at a time."""
     for directory in sorted({file.parent.as_posix() for _, file in files}):
@@ -307,36 +257,16 @@ async def _remove(connection: asyncssh.SSHClientConnection, remote_dir: str) -> 
 
 async def push(connection: asyncssh.SSHClientConnection, python: str | Sequence[str] = "python3",
                where: str = "") -> str:
-    """Copy this aiofabric package (its .py files), and the distributions it needs that the remote `python` lacks,
-    into a new private (0700) temp dir on the remote host over SFTP; the dir, to put on PYTHONPATH. Pure-Python
-    distributions are copied from this side's installation; compiled ones (numpy, isal) only to the same Python ABI
-    and platform, else a PeerError says what to install there. The caller removes the dir (`connect_peer` does)."""
-    argv = _argv(python)
+    """Copy this aiofabric package and the distributions it needs that the remote `python` lacks (`push_files`)
+    into a new private (0700) temp dir on the remote host over SFTP; the dir, to put on PYTHONPATH. The caller
+    removes the dir (`connect_peer` does)."""
+    argv = python_argv(python)
     needed = endpoint_distributions()
-    names = [distribution.metadata["Name"] for distribution, _ in needed.values()]
-    result = await connection.run(_quoted([*argv, "-c", PROBE, *names]), check=False)
+    result = await connection.run(probe_command(argv, needed), check=False)
+    remote = probe_answer(result.stdout, result.stderr, result.exit_status, argv, where)
+    remote_dir = remote["dir"]
     try:
-        remote = json.loads(str(result.stdout).strip().splitlines()[-1])
-        remote_dir = remote["dir"]
-    except (ValueError, IndexError, KeyError, TypeError):
-        stderr = str(result.stderr or "").strip().splitlines()
-        raise PeerError(f"{where}: push: the remote python ({_quoted(argv)}) did not run: "
-                        f"{stderr[-1] if stderr else f'exit status {result.exit_status}'}", host=where) from None
-    try:
-        missing = [needed[_normalized(name)] for name in remote["missing"]]
-        here = [sysconfig.get_config_var("SOABI"), sysconfig.get_platform()]
-        blocked = [requirement for distribution, requirement in missing
-                   if remote["abi"] != here and not _is_pure(distribution)]
-        if blocked:
-            install = _quoted([*argv, "-m", "pip", "install", *blocked])
-            raise PeerError(f"{where}: push: the remote python ({_quoted(argv)}: {remote['python']}, "
-                            f"{' '.join(map(str, remote['abi']))}) lacks compiled packages built here for "
-                            f"{' '.join(map(str, here))}: install them there: {install}", host=where)
-        files: list[tuple[Path, PurePath]] = [(PACKAGE_DIR.parent, path.relative_to(PACKAGE_DIR.parent))
-                                               for path in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in path.parts]
-        for distribution, _ in missing:
-            root = Path(str(distribution.locate_file("")))
-            files += [(root, file) for file in _distribution_files(distribution)]
+        files = push_files(remote, needed, argv, where)
         async with connection.start_sftp_client() as sftp:
             await _upload(sftp, remote_dir, files)
     except BaseException:
@@ -345,35 +275,25 @@ async def push(connection: asyncssh.SSHClientConnection, python: str | Sequence[
     return remote_dir
 
 
-def remote_command(python: str | Sequence[str], pushed_to: str | None = None, args: Sequence[str] = ("serve",),
-                   env: Mapping[str, str] | None = None) -> str:
-    """`python -m aiofabric ARGS` (the endpoint: `serve`) as a command line, every word quoted so the remote shell
-    only splits it: a wrapper that reports its pid on stderr (PID_MARKER), then execs it in the same process, with
-    `env` (and PYTHONPATH for a push) set through env(1): sshd passes a client's environment only where AcceptEnv
-    says so."""
-    variables = {**(env or {}), **({"PYTHONPATH": pushed_to} if pushed_to is not None else {})}
-    for name in variables:
-        if not ENV_NAME.fullmatch(name):
-            raise ValueError(f"{name!r} is not an environment variable name")
-    argv = [*(["env", *(f"{name}={value}" for name, value in variables.items())] if variables else []),
-            *_argv(python)]
-    return _quoted(["sh", "-c", f'echo {PID_MARKER} $$ >&2; exec "$@"', "sh", *argv, "-m", "aiofabric", *args])
+async def push_step(connection: asyncssh.SSHClientConnection, python: str | Sequence[str], where: str) -> str:
+    """`push`, any failure a PeerError naming `where`."""
+    try:
+        return await push(connection, python, where)
+    except PeerError:
+        raise
+    except Exception as exc:
+        raise PeerError(f"{where}: push over SFTP failed: {type(exc).__name__}: {exc}", host=where) from None
 
 
-def _start_error(exc: PeerError, peer: SSHPeer, python: str | Sequence[str], push: bool) -> PeerError:
-    """An endpoint that exited before it was ready for want of a module: one line saying what to install where."""
-    module = next((match[1].partition(".")[0] for line in reversed(peer.stderr_tail)
-                   if (match := MISSING_MODULE.search(line))), None)
-    if module is None:
-        return exc
-    where, argv = peer.host, _argv(python)
-    if module == "aiofabric":
-        advice = "install aiofabric there or use push=True (connect --push)"
-    else:
-        advice = f"install it there ({_quoted([*argv, '-m', 'pip', 'install', module])})" + (
-            "" if push else " or use push=True (connect --push), which also copies the packages aiofabric needs")
-    return PeerError(f"{where}: the remote endpoint exited before it was ready: the remote python ({_quoted(argv)}) "
-                     f"has no module named {module}: {advice}", host=where)
+async def close_connection(connection: asyncssh.SSHClientConnection, pushed_to: str | None) -> None:
+    """Remove a pushed dir, then close the connection (at most 5 s), shielded: cancellation still cleans up."""
+    with anyio.CancelScope(shield=True):
+        if pushed_to:
+            await _remove(connection, pushed_to)
+        with anyio.move_on_after(5):
+            connection.close()
+            with contextlib.suppress(Exception):
+                await connection.wait_closed()
 
 
 @contextlib.asynccontextmanager
@@ -394,13 +314,10 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
     it does not exit (over the channel and by pid), closes the connection and removes a pushed dir: no process
     outlives the block on either side.
     """
-    where = f"{user + '@' if user else ''}{host}:{port}"
-    library = _async_library()
-    if library != "asyncio":
-        raise PeerError(f"connect_peer needs asyncio or uvloop (asyncssh is asyncio-only), not {library}: run with "
-                        "anyio.run(..., backend='asyncio') or aiofabric --backend asyncio", host=where)
+    where = destination(host, port, user)
+    check_asyncio("connect_peer", where, ": run with anyio.run(..., backend='asyncio') or aiofabric --backend asyncio")
     started = time.perf_counter()
-    connection = await _connect(host, port, user, identity, known_hosts, connect_timeout, where)
+    connection = await connect(host, port, user, identity, known_hosts, connect_timeout, where)
     peer: SSHPeer | None = None
     pushed_to: str | None = None
     # The reader and the stderr pump are shielded from the caller's cancellation (Ctrl-C in the CLI): its shielded
@@ -412,7 +329,7 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                 try:
                     with anyio.fail_after(max(0.1, connect_timeout - (time.perf_counter() - started))):
                         if push:
-                            pushed_to = await _push_step(connection, python, where)
+                            pushed_to = await push_step(connection, python, where)
                         try:
                             process = await connection.create_process(remote_command(python, pushed_to),
                                                                       encoding=None)
@@ -422,7 +339,7 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                 except TimeoutError:
                     raise PeerError(f"{where}: the remote endpoint did not start within {connect_timeout:g} s",
                                     host=where) from None
-                peer = SSHPeer(_ProcessCarrier(process), connection, where, command_timeout)
+                peer = SSHPeer(ProcessCarrier(process), connection, where, command_timeout)
                 peer.pushed_to = pushed_to
                 for function, scope in zip((peer.reader, peer.pump_stderr), background):
                     tasks.start_soon(run_in, scope, function)
@@ -430,7 +347,7 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                     await peer.wait_ready(max(0.1, connect_timeout - (time.perf_counter() - started)),
                                           budget=connect_timeout)
                 except PeerError as exc:
-                    raise _start_error(exc, peer, python, push) from None
+                    raise start_error(exc, peer.stderr_tail, where, python, push) from None
                 peer.handshake_s = time.perf_counter() - started
                 yield peer
             finally:
@@ -442,104 +359,4 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
                         scope.cancel()
                     tasks.cancel_scope.cancel()
     finally:
-        if pushed_to:
-            await _remove(connection, pushed_to)
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            connection.close()
-            with contextlib.suppress(Exception):
-                await connection.wait_closed()
-
-
-async def _push_step(connection: asyncssh.SSHClientConnection, python: str | Sequence[str], where: str) -> str:
-    try:
-        return await push(connection, python, where)
-    except PeerError:
-        raise
-    except Exception as exc:
-        raise PeerError(f"{where}: push over SFTP failed: {type(exc).__name__}: {exc}", host=where) from None
-
-
-@dataclasses.dataclass
-class RemoteRun:
-    """What `run_remote` saw: the command's exit status (None: killed by a signal, or stopped by us), its stdout,
-    the last lines of its stderr, and why it was stopped (`stopped`: "" if it ended by itself)."""
-    host: str
-    exit_status: int | None
-    stdout: str
-    stderr_tail: list[str]
-    stopped: str = ""
-
-
-async def run_remote(host: str, port: int = 22, *, args: Sequence[str], env: Mapping[str, str] | None = None,
-                     tunnel: tuple[str, int] | None = None, user: str | None = None,
-                     identity: str | os.PathLike | None = None, known_hosts: Any = DEFAULT,
-                     python: str | Sequence[str] = "python3", connect_timeout: float = 20.0, timeout: float = 600.0,
-                     push: bool = False) -> RemoteRun:
-    """Run `python -m aiofabric ARGS` on `host` with `env`, and return how it ended. With `tunnel` (a host and port
-    that this side reaches), SSH forwards a port of the host's 127.0.0.1 to it (remote port forwarding, which
-    OpenSSH allows by default) and MASTER_ADDR/MASTER_PORT name that port: the torchrun convention for a rendezvous,
-    relayed over SSH so the host needs no route to this side. A command that runs past `timeout`, or whose run is
-    cancelled, is signalled by pid (TERM, then KILL) and the connection closed: nothing outlives the call."""
-    where = f"{user + '@' if user else ''}{host}:{port}"
-    if _async_library() != "asyncio":
-        raise PeerError(f"run_remote needs asyncio or uvloop (asyncssh is asyncio-only), not {_async_library()}",
-                        host=where)
-    connection = await _connect(host, port, user, identity, known_hosts, connect_timeout, where)
-    pushed_to: str | None = None
-    try:
-        env = dict(env or {})
-        if tunnel is not None:
-            try:
-                listener = await connection.forward_remote_port("127.0.0.1", 0, tunnel[0], tunnel[1])
-            except Exception as exc:
-                raise PeerError(f"{where}: the SSH server refused to forward a port for the rendezvous ({exc}); "
-                                "allow TCP forwarding (sshd_config AllowTcpForwarding)", host=where) from None
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listener.get_port()))
-        if push:
-            pushed_to = await _push_step(connection, python, where)
-        try:
-            process = await connection.create_process(remote_command(python, pushed_to, args, env), encoding=None)
-        except Exception as exc:
-            raise PeerError(f"{where}: cannot start `aiofabric {' '.join(args)}`: {exc}", host=where) from None
-        peer = SSHPeer(_ProcessCarrier(process), connection, where, timeout)  # for its stderr pump and signals
-        output: list[bytes] = []
-        stopped = ""
-
-        async def read_stdout() -> None:
-            with contextlib.suppress(Exception):
-                while chunk := await process.stdout.read(1 << 16):
-                    output.append(chunk)
-        def running() -> bool:
-            return process.exit_status is None and process.exit_signal is None
-
-        async def kill() -> None:
-            with anyio.CancelScope(shield=True):
-                for signal in ("TERM", "KILL"):
-                    await peer._signal(signal)
-                    with anyio.move_on_after(SIGNAL_WAIT):
-                        await process.wait_closed()
-                    if not running():
-                        break
-                process.close()
-        try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(peer.pump_stderr)
-                group.start_soon(read_stdout)
-                with anyio.move_on_after(timeout):
-                    await process.wait_closed()
-                if running():
-                    stopped = f"still running after {timeout:g} s"
-                    await kill()  # its output ends with it, and with that the readers
-        finally:
-            if running():  # cancelled
-                await kill()
-        return RemoteRun(where, process.exit_status, b"".join(output).decode(errors="replace"),
-                         list(peer.stderr_tail), stopped)
-    finally:
-        with anyio.CancelScope(shield=True):
-            if pushed_to:
-                await _remove(connection, pushed_to)
-            with anyio.move_on_after(5):
-                connection.close()
-                with contextlib.suppress(Exception):
-                    await connection.wait_closed()
+        await close_connection(connection, pushed_to)

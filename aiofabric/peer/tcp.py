@@ -22,7 +22,7 @@ Failures, each one line:
 Security: there is no authentication (like perftest), so a client runs only the test. The server's
 `ServerPolicy` (aiofabric.peer.policy) decides its NIC, addresses and capture files and bounds each client (NICs,
 DMA memory, requests in flight, line length, JSON nesting, idle time); a client may send only the bench exchange
-(`protocol.BENCH`), and a server QP connects only to the address the client's connection came from.
+(`operations.BENCH`), and a server QP connects only to the address the client's connection came from.
 """
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 import anyio.abc
 
-from . import PeerError, protocol
+from . import protocol
 from .client import Peer
+from .endpoint import OnReport
 from .policy import ServerPolicy
 from .serve import READ_CHUNK, serve_stream
+from ..errors import PeerError
 from ..util.taskgroups import own_task_group, run_in
 
 log = logging.getLogger("aiofabric.serve")
@@ -128,7 +130,7 @@ async def _linger(stream: anyio.abc.SocketStream) -> None:
 
 async def serve_tcp(host: str = "0.0.0.0", port: int = DEFAULT_PORT, *, forever: bool = False,
                     policy: ServerPolicy | None = None, ready: Callable[[int], Any] | None = None,
-                    on_report: Callable[[dict[str, Any], str], Any] | None = None,
+                    on_report: OnReport | None = None,
                     on_session: Callable[[dict[str, Any]], Any] | None = None,
                     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> dict[str, Any]:
     """Listen on `host`:`port` and serve the endpoint protocol to one client at a time.

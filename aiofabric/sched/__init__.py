@@ -5,8 +5,9 @@
     print(batch.describe()); batch.trace("run.json")
 
 Modules: `plan` (pure planner), `calls` (queues and calls), `kernels` (C and numpy kernels, the 0-d/1-d rule),
-`timeline` (awaitable counters), `pool` (receive pools), `run` (compiled batches and their workers), `trace`
-(Chrome trace JSON), `reduce` (reduction kernels).
+`timeline` (awaitable counters, each device's timeline), `pool` (receive pools), `run` (compiled batches: `Batch`,
+`compile`), `binding` (a batch's inputs, rebinding them, each call's prepared work), `workers` (the task that runs
+each queue of a batch), `trace` (Chrome trace JSON), `reduce` (reduction kernels).
 """
 from . import reduce  # sched.reduce.reduce(...), sched.reduce.reduction(...)
 from .calls import (Call, ComputeQueue, CopyQueue, Scalar, copy, kernel, qp_name, read, recv, send, wait_imm, write,

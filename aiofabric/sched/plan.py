@@ -1,8 +1,9 @@
 """Planning: a batch of calls, each on an in-order queue with the byte ranges it reads and writes -> one submission
 per call (timeline wait, waits, the call, signal) plus one finaliser per device.
 
-Pure (no anyio, no aiofabric imports), so it is tested in microseconds like h11's state machine. It is hcq2's
-`_emit_submits` model:
+Pure (no anyio, no aiofabric imports), so it is tested in microseconds like h11's state machine. The model is
+that of tinygrad's hardware command queues (HCQ), whose batch submitter this scheduler grew from: in-order queues
+that signal counters, and calls that wait for other queues' counters before they run:
 
 - dependencies come from overlapping byte ranges (read-after-write, write-after-read, write-after-write);
 - only the newest dependency per producer queue is kept (queues complete in order, so it implies the older ones);

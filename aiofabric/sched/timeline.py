@@ -1,8 +1,12 @@
-"""Awaitable counters: a queue's signal within one run, and a device's timeline across runs.
+"""Awaitable counters: a queue's signal within one run, and a device's timeline across runs (`timeline_of`: one per
+device, shared by every batch that uses it).
 
 Every wait is an anyio Event, so it is cancellable on asyncio, uvloop and trio alike; a wait already satisfied
 returns without a checkpoint (the replay hot path)."""
 from __future__ import annotations
+
+import weakref
+from typing import Any
 
 import anyio
 
@@ -64,3 +68,18 @@ class Timeline(Counter):
             value += 1
             self._done.discard(value)
         self.set(value)
+
+
+_timelines: weakref.WeakKeyDictionary[Any, Timeline] = weakref.WeakKeyDictionary()
+_named_timelines: dict[Any, Timeline] = {}
+
+
+def timeline_of(device: Any) -> Timeline:
+    """The device's timeline, shared by every batch that uses the device."""
+    try:
+        timeline = _timelines.get(device)
+        if timeline is None:
+            timeline = _timelines[device] = Timeline()
+    except TypeError:  # a device named by a plain value (str, tuple): not weakly referenceable
+        timeline = _named_timelines.setdefault(device, Timeline())
+    return timeline

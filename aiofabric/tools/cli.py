@@ -45,6 +45,7 @@ from .units import SWEEP_MAX, SWEEP_MIN, sweep
 from ..collectives.layout import DTYPE_NAMES, PIECE_BYTES
 from ..errors import BadOption
 from ..pci import ADDRESS, preflight
+from ..pci.doctor import doctor as doctor_report
 from ..verbs import open_nic
 
 if sys.version_info < (3, 11):
@@ -491,7 +492,7 @@ async def _collective_over_ssh(args: argparse.Namespace, sizes: list[int]) -> di
     served here and forwarded to each host's 127.0.0.1 over its SSH connection. Rank 0's result is the table."""
     from ..collectives.communicator import CollectiveError
     from ..collectives.rendezvous import RendezvousServer
-    from ..peer.ssh import run_remote
+    from ..peer.remote_run import run_remote
     hosts = args.host_list  # _check_collective's
     ssh = _ssh_options(args)
     ssh.pop("command_timeout")
@@ -550,7 +551,7 @@ def pci_address(text: str) -> str:
 
 
 async def cmd_doctor(args: argparse.Namespace) -> dict[str, Any]:
-    report = preflight.doctor(args.address, access=args.access)
+    report = doctor_report(args.address, access=args.access)
     if not args.json:
         print(report.format())
     return report.as_dict()  # with "error" (exit 1) when nothing found can be driven

@@ -14,9 +14,14 @@ import anyio.abc
 import anyio.lowlevel
 
 from .poller import Poller
-from .queues import ALL_ACCESS, Access, CompletionQueue, MemoryRegion, QueuePair, check_range
+from .cq import CompletionQueue
+from .mr import MemoryRegion
+from .post import QueuePair
+from .types import ALL_ACCESS, Access, check_range
 from ..driver.close_budget import CLOSE_TIMEOUT
-from ..driver.device import Device, DeviceEvent, DeviceObject
+from ..driver.device import Device, DeviceObject
+from ..driver.firmware_events import DeviceEvent
+from ..driver.rings import power_of_two
 from ..errors import ClosedError, PCIError
 from ..hw.verbs import path_mtu_for_port
 from ..pci import DmaBudget, DmaBuffer, PCIDevice
@@ -45,7 +50,7 @@ class NIC:
         """A CQ with room for at least `depth` completions (rounded up to a power of two)."""
         self.device.check_open()
         check_range("depth", depth, 1, self.caps.get("max_cqe") or 1 << 22)
-        return await CompletionQueue.create(self.device, self.poller, 1 << (depth - 1).bit_length())
+        return await CompletionQueue.create(self.device, self.poller, power_of_two(depth))
 
     async def create_qp(self, cq: CompletionQueue | None = None, *, send_cq: CompletionQueue | None = None,
                         recv_cq: CompletionQueue | None = None, sq_depth: int = 128, rq_depth: int = 128,

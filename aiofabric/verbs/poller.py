@@ -9,7 +9,6 @@ nobody) until the next post wakes it. Work posted while completions keep coming 
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Protocol
 
@@ -19,10 +18,7 @@ import anyio.lowlevel
 from ..autogen import bnxt
 from ..driver.device import Device
 from ..driver.interrupts import NQ_VECTOR, wait_for_interrupt, wake
-from ..hw import doorbell
 from ..hw.cqe import NQ_CQ_NOTIFICATION, NQ_ENTRY, notification_fields
-
-log = logging.getLogger("aiofabric.verbs.poller")
 
 SPIN_SECONDS = 80e-6
 SAFETY_POLL = 0.1  # the first safety poll after an interrupt or a completion ...
@@ -140,8 +136,7 @@ class Poller:
             nq.consumer += 1
             consumed = True
         if consumed or not self.nq_armed:  # an NQ that fired is disarmed; one that did not is still armed
-            doorbells.append(doorbell.encode(self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM, nq.slot(nq.consumer),
-                                             nq.epoch(nq.consumer)))
+            doorbells.append(nq.doorbell(self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM))
             self.nq_armed = True
         if doorbells:
             self.device.doorbells.write64_doorbells(self.device.db_offset, doorbells)

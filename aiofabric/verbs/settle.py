@@ -8,6 +8,7 @@ import anyio
 
 from .nic import NIC
 from ..driver.close_budget import CLOSE_TIMEOUT
+from ..driver.commands import OWN_FID
 from ..errors import ClosedError, DeviceLostError, FabricError, FirmwareTimeoutError
 
 PROBE_SECONDS = 1.0  # after a failure, how long a NIC's firmware gets to answer a query (microseconds when it runs)
@@ -21,7 +22,7 @@ async def silence(nic: NIC, seconds: float = PROBE_SECONDS) -> str | None:
         return f"{type(lost).__name__}: {lost}"
     try:
         with anyio.move_on_after(seconds + 1):  # the command's own timeout ends it first; a backstop
-            await nic.hwrm("func_qcfg", fid=0xFFFF, command_timeout=seconds)
+            await nic.hwrm("func_qcfg", fid=OWN_FID, command_timeout=seconds)
             return None
     except ClosedError:
         return None

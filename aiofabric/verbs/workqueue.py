@@ -11,7 +11,7 @@ slot a WQE ends at is kept by WQE number, so a CQE releases the ring up to any W
 `RecvQueueCodec` does the same for the RQ: one WQE per receive, tagged with its producer count, and completions
 matched in order.
 
-Neither touches a doorbell, a CQ or a clock: `QueuePair` (queues.py) is the I/O around them, and the tests drive
+Neither touches a doorbell, a CQ or a clock: `QueuePair` (qp.py, post.py) is the I/O around them, and the tests drive
 them with plain memory (tests/unit/test_workqueue.py).
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ HALF_WINDOW = (SQ_CONS_IDX_MASK + 1) >> 1  # WQEs in flight at most: more and a 
 SLOT_SHIFT = SQ_SLOT.bit_length() - 1
 RECV_TAG_MASK = bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
 Sge = tuple[int, int, int]  # (address, lkey, length): one scatter/gather element
+ADDRESS_MAX, KEY_MAX = (1 << 64) - 1, (1 << 32) - 1  # an SGE's and an RETH's address; a key, an SGE's length
 
 # The one-SGE paths inline msn_entry (a call per WQE is ~10% of a post; tests/unit/test_workqueue.py holds them to it)
 _PACK_ONE = SQ_RDMA_HEADER_AND_SGE.pack_into
@@ -49,7 +50,6 @@ _SI_FROM_OFFSET, _SI_MASK = bnxt.SQ_MSN_SEARCH_START_IDX_SFT - SLOT_SHIFT, bnxt.
 # off the layout by packing probes
 VECTOR_RUN = 24  # WQEs from which a run is written as arrays (~15 us a run of 32; one by one, ~0.7 us a WQE)
 _WORD = np.dtype("<u8")
-_ADDRESS_MAX = (1 << 64) - 1
 _PROBE = np.frombuffer(SQ_RDMA_HEADER_AND_SGE.pack(0, 0, 0, 0, 0, 1, 0, 0, 2, 0, 0), _WORD)
 _REMOTE_WORD, _LOCAL_WORD = int(np.flatnonzero(_PROBE == 1)[0]), int(np.flatnonzero(_PROBE == 2)[0])
 _FLAGS_PROBE = np.frombuffer(SQ_RDMA_HEADER_AND_SGE.pack(0, SIGNAL, 0, 0, 0, 0, 0, 0, 0, 0, 0), _WORD)
@@ -350,7 +350,7 @@ def span(values: Sequence[int]) -> tuple[int, int]:
 def _words(name: str, offsets: Sequence[int], base: int) -> np.ndarray:
     """`base + offsets` as 64-bit words; struct.error (what packing them would raise) when one does not fit."""
     low, high = span(offsets)
-    if base + low < 0 or base + high > _ADDRESS_MAX:
+    if base + low < 0 or base + high > ADDRESS_MAX:
         raise struct.error(f"an address ({name} {low} or {high} from {base:#x}) does not fit 64 bits")
     if isinstance(offsets, range):
         return np.arange(base + offsets.start, base + offsets.stop, offsets.step, dtype=_WORD)

@@ -17,7 +17,7 @@ from aiofabric.collectives.communicator import MAX_PIECES
 from aiofabric.errors import ImmediateMismatchError
 from aiofabric.pci import PAGE_SIZE, PCIError
 from aiofabric.pci.dma_pool import SLAB_SIZE, DmaPool
-from aiofabric.pci.vfio import IommuWindows, IovaSpace
+from aiofabric.pci.iommu import IommuWindows, IovaSpace
 from aiofabric.peer.policy import Limits
 from aiofabric.sched.pool import pool_of
 from aiofabric.sim.freed import FreedMemory

@@ -15,7 +15,7 @@ from aiofabric.autogen import bnxt
 from aiofabric.hw.wqe import MSN_ENTRY, SQ_SLOT
 from aiofabric.verbs.completions import CompletionError
 from aiofabric.verbs.poller import QUIET_SAFETY_POLL
-from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
+from aiofabric.verbs.types import LocalBuffer, RemoteRegion
 from tests.support.nics import connect, connected_pair, count_wakeups
 
 pytestmark = pytest.mark.anyio

@@ -12,8 +12,10 @@ import pytest
 
 from aiofabric.autogen import bnxt
 from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER, PCIError, preflight
-from aiofabric.pci.preflight import (CAP_IPC_LOCK, CAP_SYS_ADMIN, PCI_COMMAND_INTX_DISABLE, SUPPORTED_CHIPS, DeviceLock,
-                                     Host, Target, check_memlock, claim, doctor)
+from aiofabric.pci.device_lock import DeviceLock, check_lock, claim
+from aiofabric.pci.doctor import doctor
+from aiofabric.pci.preflight import (CAP_IPC_LOCK, CAP_SYS_ADMIN, PCI_COMMAND_INTX_DISABLE, SUPPORTED_CHIPS, Host, Target,
+                                     check_memlock)
 from aiofabric.pci.sysfs import SysfsPCIDevice
 from tests.support.sysfs import ADDR, PEER, make_tree
 
@@ -274,7 +276,7 @@ def test_a_second_open_fails_naming_the_holder_and_close_releases_it(tmp_path):
 
 HOLD = """
 import sys
-from aiofabric.pci.preflight import DeviceLock
+from aiofabric.pci.device_lock import DeviceLock
 lock = DeviceLock(sys.argv[1], sys.argv[2])
 print("held", flush=True)
 sys.stdin.read()
@@ -288,7 +290,7 @@ def test_another_process_holding_the_lock_is_named_and_its_death_frees_it(tmp_pa
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(PCIError, match=rf"in use by pid {holder.pid} \(python.*\).*fix: kill {holder.pid}"):
             DeviceLock(ADDR, str(tmp_path))
-        seen = preflight.check_lock(ADDR, Host(locks=str(tmp_path)))
+        seen = check_lock(ADDR, Host(locks=str(tmp_path)))
         assert not seen.ok and f"pid {holder.pid}" in seen.detail
     finally:
         holder.kill()

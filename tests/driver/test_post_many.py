@@ -8,7 +8,7 @@ import pytest
 
 from aiofabric import ClosedError, QPStateError, open_nic
 from aiofabric.verbs.completions import CompletionError
-from aiofabric.verbs.queues import LocalBuffer, RemoteRegion
+from aiofabric.verbs.types import LocalBuffer, RemoteRegion
 from tests.support.nics import connected_qps, tag
 
 pytestmark = pytest.mark.anyio

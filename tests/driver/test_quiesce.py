@@ -14,7 +14,7 @@ from aiofabric import open_nic
 from aiofabric.driver.device import Device
 from aiofabric.errors import CompletionError
 from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER
-from aiofabric.verbs.queues import QPInfo, RemoteRegion
+from aiofabric.verbs.types import QPInfo, RemoteRegion
 from tests.support.nics import closing_with_a_sender, stats
 
 pytestmark = pytest.mark.anyio
@@ -103,7 +103,7 @@ async def test_a_sigkilled_driver_leaves_a_device_that_places_nothing_more():
         import json, sys
         import anyio
         from aiofabric import open_nic
-        from aiofabric.verbs.queues import QPInfo
+        from aiofabric.verbs.types import QPInfo
         async def hold():
             async with open_nic() as nic:
                 cq = await nic.create_cq(64)

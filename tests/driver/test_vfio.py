@@ -20,13 +20,15 @@ import pytest
 
 from aiofabric.errors import PCIError
 from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER
-from aiofabric.pci import vfio as vfio_module
+from aiofabric.pci import vfio_api as vfio_module
 from aiofabric.pci import vfio_abi as abi
 from aiofabric.pci.dma_pool import SLAB_SIZE, DmaPool
 from aiofabric.pci.emulated_vfio import EmulatedVfio, IommuFault
+from aiofabric.pci.iommu import IovaSpace
 from aiofabric.pci.preflight import Host
 from aiofabric.pci.sysfs import SysfsPCIDevice
-from aiofabric.pci.vfio import IovaSpace, LinuxVfio, MappedBar, RegionBar, VfioPCIDevice
+from aiofabric.pci.vfio import MappedBar, RegionBar, VfioPCIDevice
+from aiofabric.pci.vfio_api import LinuxVfio
 from aiofabric.sim.memory import BUS_BASE
 from aiofabric.verbs import nic as nic_module
 from tests.support.backends import on

@@ -19,7 +19,7 @@ from aiofabric.hw.wqe import ATOMIC_SIZE, MSN_ENTRY, SqGeometry, msn_fields
 from aiofabric.sim import packets as pk
 from aiofabric.sim.responder import Responder
 from aiofabric.verbs.completions import CompletionError
-from aiofabric.verbs.queues import ALL_ACCESS, Access
+from aiofabric.verbs.types import ALL_ACCESS, Access
 from aiofabric.verbs.workqueue import SIGNAL, SendQueueCodec
 from tests.support import emulator
 from tests.support.nics import connect, tag

@@ -22,7 +22,7 @@ from scapy.contrib.roce import AETH, BTH, opcode  # noqa: E402
 
 from aiofabric import QPInfo, open_nic  # noqa: E402
 from aiofabric.driver.device import ipv4_gid  # noqa: E402
-from aiofabric.verbs.queues import RemoteRegion  # noqa: E402
+from aiofabric.verbs.types import RemoteRegion  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="raw sockets need root / CAP_NET_RAW")

@@ -282,12 +282,12 @@ def test_emulator_import_loads_neither_the_driver_nor_anyio():
     check = textwrap.dedent("""
         import sys
         import aiofabric.sim.process
-        loaded = [m for m in ("anyio", "trio", "aiofabric.driver.device", "aiofabric.verbs.nic", "aiofabric.verbs.queues")
+        loaded = [m for m in ("anyio", "trio", "aiofabric.driver.device", "aiofabric.verbs.nic", "aiofabric.verbs.types")
                   if m in sys.modules]
         assert not loaded, loaded
         import aiofabric
         assert aiofabric.CompletionError.__module__ == "aiofabric.errors"  # every exception lives there
-        assert aiofabric.RemoteRegion.__module__ == "aiofabric.verbs.queues"
+        assert aiofabric.RemoteRegion.__module__ == "aiofabric.verbs.types"
         assert issubclass(aiofabric.ClosedError, aiofabric.FabricError)
         assert issubclass(aiofabric.PCIError, aiofabric.FabricError)
         assert {"CompletionError", "RemoteRegion", "ClosedError", "open_nic", "LocalBuffer"} <= set(dir(aiofabric))

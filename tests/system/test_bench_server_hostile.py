@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiofabric.peer import protocol, serve
+from aiofabric.peer import operations, serve
 from tests.support.processes import CLI, IDLE, LIMITS, ServerProcess
 
 
@@ -426,7 +426,7 @@ def _mismatch(op, args):
     if op != "lat_params":
         return False
     try:
-        checked = protocol.check_args(op, args, protocol.LAT)
+        checked = operations.check_args(op, args, operations.LAT)
     except ValueError:
         return False
     return (checked["test"], checked["size"], checked["mtu"]) != ("write", 2, 4096)

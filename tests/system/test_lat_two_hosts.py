@@ -8,7 +8,7 @@ import subprocess
 import anyio
 import pytest
 
-from aiofabric.peer import PeerError, protocol
+from aiofabric.peer import PeerError, operations, protocol
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
 from tests.support.backends import on
@@ -120,20 +120,20 @@ PONG = {"qp": 1, "mr": 2, "test": "write", "size": 64, "iters": 10, "wait": 1.0}
 ])
 def test_every_hostile_pong_field_is_refused_naming_it(field, value):
     with pytest.raises(ValueError, match=f"pong: field '{field}' must be"):
-        protocol.check_args("pong", {**PONG, field: value}, protocol.LAT)
+        operations.check_args("pong", {**PONG, field: value}, operations.LAT)
 
 
 def test_the_lat_profile_is_the_latency_exchange_only():
     for op in ("post", "post_recvs"):
         with pytest.raises(protocol.NotAllowed, match="latency exchange"):
-            protocol.check_args(op, {}, protocol.LAT)
+            operations.check_args(op, {}, operations.LAT)
     with pytest.raises(protocol.NotAllowed, match="server's to choose"):
-        protocol.check_args("open_nic", {"options": {"pcap": "/etc/x"}}, protocol.LAT)
+        operations.check_args("open_nic", {"options": {"pcap": "/etc/x"}}, operations.LAT)
     with pytest.raises(protocol.NotAllowed):
-        protocol.check_args("open_nic", {"spec": "0000:41:00.0"}, protocol.LAT)
-    assert protocol.check_args("pong", PONG, protocol.LAT)["rx_slots"] == 0
+        operations.check_args("open_nic", {"spec": "0000:41:00.0"}, operations.LAT)
+    assert operations.check_args("pong", PONG, operations.LAT)["rx_slots"] == 0
     with pytest.raises(protocol.NotAllowed):  # and a bench server does not run pongs
-        protocol.check_args("pong", PONG, protocol.BENCH)
+        operations.check_args("pong", PONG, operations.BENCH)
 
 
 @contextlib.asynccontextmanager

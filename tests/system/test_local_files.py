@@ -20,7 +20,7 @@ import pytest
 from aiofabric import sched
 from aiofabric.pci import PCIError
 from aiofabric.pci.emulated import SimPCIDevice
-from aiofabric.pci.preflight import DeviceLock
+from aiofabric.pci.device_lock import DeviceLock
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.sched import kernels
 from aiofabric.sim.pcap import PcapWriter

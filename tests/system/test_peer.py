@@ -22,7 +22,7 @@ if sys.version_info < (3, 11):
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiofabric.peer import PeerError, protocol
+from aiofabric.peer import PeerError, operations, protocol
 from aiofabric.peer.protocol import Answer, ClientState, LineBuffer, ProtocolError, Ready, Request
 from tests.support import CHECKOUT, sshd
 from tests.support.backends import on, only
@@ -68,7 +68,7 @@ def test_bad_requests_name_what_is_wrong_and_keep_their_id(line, message, reques
 
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.sampled_from(["id", "op", "args", "x"]),
-                       st.one_of(st.integers(-2, 3), st.text(max_size=5), st.sampled_from(list(protocol.OPS)),
+                       st.one_of(st.integers(-2, 3), st.text(max_size=5), st.sampled_from(list(operations.OPS)),
                                  st.dictionaries(st.sampled_from(["nic", "mr", "qp", "verb", "size", "remote"]),
                                                  st.one_of(st.integers(-1, 3), st.text(max_size=3), st.none())))))
 def test_any_object_decodes_or_raises_protocol_error_only(data):

@@ -12,7 +12,8 @@ from aiofabric import open_nic
 from aiofabric.pci import DmaBudget
 from aiofabric.peer import protocol
 from aiofabric.peer.policy import Limits, ServerPolicy
-from aiofabric.peer.protocol import BENCH, ENDPOINT, NotAllowed, NotProtocolError
+from aiofabric.peer.operations import BENCH, ENDPOINT
+from aiofabric.peer.protocol import NotAllowed, NotProtocolError
 
 GID_OF = lambda ip: "00000000000000000000ffff" + ipaddress.IPv4Address(ip).packed.hex()  # noqa: E731
 PEER = {"qpn": 2, "psn": 0, "gid": GID_OF("127.0.0.99"), "mac": "02:00:00:00:00:01"}

@@ -1,0 +1,91 @@
+"""`aiofabric doctor`: every pre-flight check of one PCI function, or of every supported function on the bus, with
+the lock and, when nobody holds the function, whether its last holder left it running; as a `Report` printed as text
+or JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from typing import Any
+
+from .device_lock import check_lock
+from .preflight import (IDENTITY, SUPPORTED_CHIPS, SUPPORTED_NAMES, Access, Finding, Host, Target, bus_functions,
+                        check_function, check_quiesced)
+from ..hw.pci import BROADCOM_VENDOR_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What `aiofabric doctor` found: the findings, and `error`, one line saying why nothing can be driven ("" when
+    something can)."""
+
+    address: str | None
+    access: Access
+    findings: list[Finding]
+    error: str
+
+    def as_dict(self) -> dict[str, Any]:
+        result = {"address": self.address, "access": self.access,
+                  "findings": [{**dataclasses.asdict(f), "status": f.status} for f in self.findings]}
+        return {**result, "error": self.error} if self.error else result
+
+    def format(self, width: int = 118) -> str:
+        """One finding a paragraph: its status, name and what it saw, then on a failure the fix."""
+        lines, address, indent = [], "", " " * 24
+        for f in self.findings:
+            if f.address != address and f.address:
+                lines.append(f"{f.address} (through {self.access}):")
+            address = f.address
+            lines.append(textwrap.fill(f.detail, width, initial_indent=f"  {f.status:<5} {f.name:<15} ",
+                                       subsequent_indent=indent))
+            if not f.ok and f.fix:
+                lines.append(f"{indent}fix: {f.fix}")
+        return "\n".join(lines)
+
+
+def drivable(findings: list[Finding]) -> bool:
+    return all(f.ok or not f.blocking for f in findings)
+
+
+def diagnose(address: str, host: Host, access: Access) -> list[Finding]:
+    """Every check of one function, the lock and, when nobody holds it, whether the last holder left it running."""
+    findings = check_function(address, host, access)
+    if len(findings) <= len(IDENTITY):  # check_function stopped at a failed identity check
+        return findings
+    lock = check_lock(address, host)
+    return findings + [lock] + ([check_quiesced(Target.of(address, host, access))] if lock.ok else [])
+
+
+def _why_not(address: str, access: Access, findings: list[Finding]) -> str:
+    failed = [f for f in findings if not f.ok and f.blocking]
+    more = f" (and {', '.join(f.name for f in failed[1:])})" if failed[1:] else ""
+    return f"{address} cannot be driven through {access}: {failed[0].line()}{more}" if failed else ""
+
+
+def scan(host: Host, access: Access) -> Report:
+    """Every supported function on the bus, diagnosed; when there is none, what the bus holds instead."""
+    functions = bus_functions(host)
+    broadcom = [f for f in functions if f.vendor == BROADCOM_VENDOR_ID]
+    supported = [f for f in broadcom if f.device in SUPPORTED_CHIPS]
+    if not supported:
+        what = (f"{len(broadcom)} Broadcom, none of them a supported chip" if broadcom
+                else f"none of them Broadcom (vendor {BROADCOM_VENDOR_ID:#06x})")
+        error = (f"no supported BNXT RoCE function on this machine ({SUPPORTED_NAMES}): {len(functions)} PCI "
+                 f"functions, {what}")
+        seen = ", ".join(map(str, functions)) or "nothing"
+        return Report(None, access, [Finding("bus", False, f"{error}: {seen}",
+                                             "aiofabric bench write  # the emulated NIC needs no hardware")], error)
+    found = Finding("bus", True, "supported functions: " + ", ".join(f"{f.address} {SUPPORTED_CHIPS[f.device]}"
+                                                                     for f in supported))
+    each = {f.address: diagnose(f.address, host, access) for f in supported}
+    blocked = [_why_not(a, access, findings) for a, findings in each.items() if not drivable(findings)]
+    error = "" if len(blocked) < len(each) else "; ".join(blocked)
+    return Report(None, access, [found] + [f for findings in each.values() for f in findings], error)
+
+
+def doctor(address: str | None, host: Host = Host(), access: Access = "vfio") -> Report:
+    """`aiofabric doctor`: one function's findings, or without an address the bus's."""
+    if address is None:
+        return scan(host, access)
+    findings = diagnose(address, host, access)
+    return Report(address, access, findings, _why_not(address, access, findings))

@@ -1,0 +1,132 @@
+"""Completion queues: the ring of CQEs the NIC writes, drained by the NIC's poller, each CQE handed to the QP it
+names."""
+from __future__ import annotations
+
+import itertools
+from typing import Protocol
+
+from .poller import Poller
+from ..autogen import bnxt
+from ..driver.device import Device
+from ..driver.firmware_events import DeviceEvent
+from ..driver.rings import Ring
+from ..errors import ClosedError, DeviceLostError
+from ..hw.cqe import CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, cqe_type
+
+__all__ = ["CompletionQueue", "CompletionTarget", "handles"]
+CQE_KIND_REQ, CQE_KIND_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
+handles = itertools.count(1)  # cq_handle and qp_handle: how notifications and CQEs name our CQs and QPs
+
+
+class CompletionTarget(Protocol):
+    """What a CQ drives: a QP (qp.py) whose work requests complete here."""
+
+    def send_completed(self, consumer: int, status: int) -> None: ...  # a requester CQE
+
+    def recv_completed(self, wr_id: int, status: int, length: int, imm: int | None) -> None: ...  # a responder CQE
+
+    def fail_outstanding(self, error: BaseException | None) -> None: ...
+
+
+class CompletionQueue:
+    """A CQ of `depth` 32-byte CQEs (power of two), notified through the device's NQ, drained by the NIC's poller.
+    Made by `NIC.create_cq` (`create`)."""
+
+    release_order = 1  # at the NIC's close: after the QPs that use it
+
+    def __init__(self, device: Device, poller: Poller, depth: int) -> None:
+        self.device, self.poller, self.depth, self.handle = device, poller, depth, next(handles)
+        self.ring = Ring(device.pci, depth, CQ_ENTRY.size)
+        self.id = -1
+        self.closed = False
+        self.errors: list[DeviceEvent] = []
+        self.qps: dict[int, CompletionTarget] = {}  # by qp_handle, as CQEs name them
+        self.outstanding = 0  # work requests whose completion lands here
+        self.armed, self.toggle = False, 0
+
+    @classmethod
+    async def create(cls, device: Device, poller: Poller, depth: int) -> CompletionQueue:
+        """CREATE_CQ with room for `depth` CQEs (a power of two), drained by `poller`."""
+        cq = cls(device, poller, depth)
+        await cq._create()
+        poller.add(cq)
+        return cq
+
+    async def _create(self) -> None:
+        try:
+            reply = await self.device.rcfw(
+                "create_cq", cq_handle=self.handle, cq_size=self.depth, pbl=self.ring.base, dpi=0,
+                pg_size_lvl=self.ring.level << bnxt.CMDQ_CREATE_CQ_LVL_SFT | bnxt.CMDQ_CREATE_CQ_PG_SIZE_PG_4K,
+                cq_fco_cnq_id=self.device.nq_id)
+        except BaseException:
+            self.ring.free()
+            raise
+        self.id = reply.xid  # no checkpoint from the reply to here: a cancelled create still registers the CQ
+        self.device.router.route("cq_error", self.id, self.errors.append)
+        self.device.attach(self)
+
+    @property
+    def busy(self) -> bool:
+        return self.outstanding > 0
+
+    def poll(self, budget: int = 512) -> int:
+        """Consume up to `budget` new CQEs, completing their work requests; return the CQ credit to the NIC."""
+        ring, view, depth = self.ring, self.ring.view, self.ring.depth
+        count = 0
+        while count < budget:
+            offset = ring.offset(ring.consumer)
+            if not CQ_ENTRY.is_new(view, offset, ring.consumer, depth):
+                break
+            kind = cqe_type(view[offset + CQE_TYPE_OFFSET])
+            if kind == CQE_KIND_REQ:
+                handle, consumer, _, status = CQE_REQ.unpack_from(view, offset)
+                qp = self.qps.get(handle)
+                if qp is not None:
+                    qp.send_completed(consumer, status)
+            elif kind == CQE_KIND_RES_RC:
+                length, imm, handle, _, _, status, flags, wr_id = CQE_RES_RC.unpack_from(view, offset)
+                qp = self.qps.get(handle)
+                if qp is not None:
+                    qp.recv_completed(wr_id, status, length, imm if flags & bnxt.CQ_RES_RC_FLAGS_IMM else None)
+            ring.consumer += 1
+            count += 1
+        if count:
+            self.device.doorbells.write64_doorbell(self.device.db_offset,
+                                                   ring.doorbell(self.id, bnxt.DBC_DBC_TYPE_CQ))
+        return count
+
+    def arm(self) -> None:
+        self.device.doorbells.write64_doorbell(self.device.db_offset, self.arm_doorbell())
+
+    def arm_doorbell(self) -> int:
+        """Mark the CQ armed; the CQ_ARMALL doorbell that does it, to ring (alone, or with others)."""
+        self.armed = True
+        return self.ring.doorbell(self.id, bnxt.DBC_DBC_TYPE_CQ_ARMALL, self.toggle)
+
+    def fail_all(self, error: BaseException) -> None:
+        for qp in list(self.qps.values()):
+            qp.fail_outstanding(error)
+
+    def device_lost(self, error: DeviceLostError) -> None:
+        self.fail_all(error)
+
+    async def release(self) -> None:
+        await self.destroy()
+
+    def forget(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.fail_all(ClosedError(f"CQ {self.id:#x} was closed with its NIC"))
+            self.ring.free()
+
+    async def destroy(self) -> None:
+        """DESTROY_CQ and free the ring; the firmware refuses while QPs still use the CQ (FirmwareError)."""
+        if self.closed:
+            return
+        await self.device.rcfw_release("destroy_cq", cq_cid=self.id)
+        self.closed = True
+        self.device.router.route("cq_error", self.id, None)
+        self.poller.remove(self)
+        self.device.detach(self)
+        self.fail_all(ClosedError(f"CQ {self.id:#x} was destroyed"))
+        self.ring.free()
