@@ -16,7 +16,8 @@ from aiofabric.hw.async_event import (ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVEN
                                       forwarding, reset_reason)
 from aiofabric.sim.packets import Op, Packet
 from aiofabric.sim.port import Port, frame_size
-from aiofabric.tools.perftest import BenchConfig, run_bench
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.perftest import run_bench
 
 NQ = bnxt.RING_ALLOC_REQ_RING_TYPE_NQ
 pytestmark = pytest.mark.anyio

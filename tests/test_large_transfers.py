@@ -20,7 +20,8 @@ from aiofabric import open_nic
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim import packets as pk
 from aiofabric.sim.requester import READ_SEGMENT, WINDOW
-from aiofabric.tools.perftest import BenchConfig, run_bench
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.perftest import run_bench
 
 RESPONSES = (pk.Op.RDMA_READ_RESPONSE_FIRST, pk.Op.RDMA_READ_RESPONSE_MIDDLE, pk.Op.RDMA_READ_RESPONSE_LAST,
              pk.Op.RDMA_READ_RESPONSE_ONLY)
