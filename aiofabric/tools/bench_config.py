@@ -3,13 +3,11 @@ and buffers, derived from it."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .options import TESTS, PerftestOptions, queue_needs
 from ..errors import BadOption
-
-if TYPE_CHECKING:
-    from ..verbs import NIC
+from ..verbs import NIC
 
 MAX_NICS = 16  # emulated NICs of one run: each is a process with its own sparse DMA arena
 MAX_SIZE = 1 << 30  # one message: source and target live in different NICs' 4 GiB DMA arenas
@@ -67,10 +65,7 @@ class BenchConfig(PerftestOptions):
         self.check_inline()
         if self.inline_size and self.post_list > 1:
             raise bad("inline_size", "post lists (-l) are not sent inline: drop one of them")
-        self.check_outs()
-        self.check_size()
-        if self.test == "atomic":
-            self.check_atomic()
+        self.check_messages()
         self.check_link()
         if self.inject_fault is not None:
             self.fault()

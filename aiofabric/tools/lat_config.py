@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from .options import TESTS, PerftestOptions, queue_needs
 from ..errors import BadOption
-
-if TYPE_CHECKING:
-    from ..verbs import NIC
+from ..verbs import NIC
 
 MAX_SIZE = 1 << 28  # 256 MiB: a WRITE side holds two buffers, a SEND side up to three, each page touched
 WARMUP = 8  # iterations run before measuring (perftest warms its latency loops up too)
@@ -57,10 +54,7 @@ class LatConfig(PerftestOptions):
         # what bench checks alike; the NIC spec was checked above: lat runs a PCI NIC in PHY loopback, where bench
         # needs a partner host
         self.check_inline()
-        self.check_outs()
-        self.check_size()
-        if self.test == "atomic":
-            self.check_atomic()
+        self.check_messages()
         self.fault()
 
     def check_caps(self, nic: NIC) -> None:

@@ -17,8 +17,8 @@ pong_wait), so a round trip never crosses the control connection, and the bytes 
 Reported latency is ONE-WAY for WRITE and SEND: half the round trip the client measures (perftest reports RTT/2),
 and the whole post-to-completion time for READ (perftest's rtt_factor 1). Fields, all in microseconds: t_min, t_max,
 t_typical (the median), t_avg, t_stdev (population), p99 and p99.9, summarised by perftest's rules
-(aiofabric/tools/samples.py: the two largest samples left out, its percentile index), so t_min <= t_typical <= p99 <= p99.9
-<= t_max always holds.
+(aiofabric/tools/samples.py: the two largest samples left out, its percentile index), so
+t_min <= t_typical <= p99 <= p99.9 <= t_max always holds.
 
 Every wait is bounded by `LatConfig.wait_seconds` (long enough for the QP's retransmissions to recover a lost
 packet): a message that never arrives ends in a TimeoutError naming the side and the iteration, never a hang.
@@ -42,7 +42,8 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from .introspect import NOT_COUNTED, WIRE_COUNTERS, emulator, emulator_processes, placement_counts, wire_counters, wire_delta
+from .introspect import (NOT_COUNTED, WIRE_COUNTERS, emulator, emulator_processes, placement_counts, wire_counters,
+                         wire_delta)
 from .lat_config import CQ_DEPTH, SQ_DEPTH, LatConfig
 from .options import NO_ORIGINAL, RETRY_CNT
 from .runs import (RELEASE_SECONDS, REMOTE_CLOSE_AFTER_FAILURE, after_failure, close_remote_after_failure, fit_mtu,

@@ -7,17 +7,13 @@ the command's.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import BadOption
 from ..pci.emulated import FAULTS
-from ..verbs import PCI_ADDRESS
-
-if TYPE_CHECKING:
-    import argparse
-
-    from ..verbs import NIC
+from ..verbs import NIC, PCI_ADDRESS
 
 TESTS = ("write", "read", "send", "atomic")
 INLINE_TESTS = ("write", "send")  # tests whose local side a WQE can carry inline
@@ -126,15 +122,16 @@ class PerftestOptions(WireOptions):
             raise BadOption("inline_size", self.inline_size, f"inline data goes with {' and '.join(INLINE_TESTS)} "
                                                              f"(the local side of a {self.test} is written by the NIC)")
 
-    def check_outs(self) -> None:
+    def check_messages(self) -> None:
+        """-o's outstanding requests, the message size, and what the atomic test allows (`check_atomic`)."""
         if self.outs is not None and (self.outs < 1 or self.test not in ORDERED_TESTS):
             tests = " and ".join(ORDERED_TESTS)
             raise BadOption("outs", self.outs, f"counts outstanding {tests} requests: at least 1"
                             if self.test in ORDERED_TESTS else f"applies to {tests} only")
-
-    def check_size(self) -> None:
         if self.size < 1:
             raise BadOption("size", self.size, "must be at least 1 byte")
+        if self.test == "atomic":
+            self.check_atomic()
 
     def check_atomic(self) -> None:
         """What the atomic test allows: 8-byte messages, perftest's two operations."""
@@ -161,7 +158,8 @@ class PerftestOptions(WireOptions):
         `queue_needs`'), the outstanding READs, the inline size and the GID index."""
         caps = nic.device.caps
         for dest, value, need, cap, what in (
-                *needs, ("outs", self.outs, self.outs or 0, "max_qp_rd_atom", "outstanding READ/atomic requests per QP"),
+                *needs,
+                ("outs", self.outs, self.outs or 0, "max_qp_rd_atom", "outstanding READ/atomic requests per QP"),
                 ("inline_size", self.inline_size, self.inline_size, "max_inline_data", "bytes of inline data")):
             if caps.get(cap) and need > caps[cap]:
                 raise BadOption(dest, value, f"{what} exceed what {nic.pci.address} allows ({cap} {caps[cap]})")

@@ -48,6 +48,10 @@ def _bench_number(result: dict[str, Any], config: BenchConfig, output: str) -> s
     return f"{result['msg_rate'] / 1e6:.6f}"
 
 
+def _lat_number(result: dict[str, Any], config: LatConfig, output: str) -> str:
+    return f"{result['t_avg_us'] * (config.cpu_mhz or 1):.2f}"  # t_avg, in the table's unit
+
+
 async def _lat_as_client(config: LatConfig, nics: list[NIC]) -> dict[str, Any]:
     """lat's client of a --server: the server checks these parameters against its own first."""
     await config.remote.request("lat_params", test=config.test, size=config.size, mtu=config.mtu, iters=config.iters,
@@ -58,8 +62,7 @@ async def _lat_as_client(config: LatConfig, nics: list[NIC]) -> dict[str, Any]:
 BENCH = Perftest(BENCH_OUTPUTS, BenchConfig.from_args, run_bench, run_bench, format_table, perftest_report,
                  _bench_number, ())
 LAT = Perftest(LAT_OUTPUTS, LatConfig.from_args, run_latency, _lat_as_client, format_latency_table,
-               perftest_latency_report, lambda result, config, output: f"{result['t_avg_us'] * (config.cpu_mhz or 1):.2f}",
-               ("test", "size", "mtu"))
+               perftest_latency_report, _lat_number, ("test", "size", "mtu"))
 
 
 def add_bench(sub: Subcommands) -> None:
@@ -111,8 +114,9 @@ def _add_two_host_flags(parser: argparse.ArgumentParser) -> Any:
     group.add_argument("--server", action="store_true", help="run as perftest's server: wait for a client over TCP")
     group.add_argument("--forever", action="store_true", help="with --server: serve one client after another")
     group.add_argument("--bind", default="0.0.0.0", help="with --server: the address to listen on (default all)")
-    group.add_argument("--ip", type=ipv4, help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; SERVER_HOST: the "
-                                    "address that reaches the server; --server: the address the client reached)")
+    group.add_argument("--ip", type=ipv4, help="NIC 0's IPv4 address (emulated: each picks a free 127.0.0.x; "
+                                               "SERVER_HOST: the address that reaches the server; --server: the "
+                                               "address the client reached)")
     return group
 
 
@@ -121,7 +125,8 @@ def _add_peer_flags(group: Any) -> None:
     group.add_argument("--peer", metavar="HOST", help="run the server side on [user@]HOST[:port], started over SSH "
                                                      "(one NIC here, one there)")
     group.add_argument("--remote-nic", help="with --peer: the NIC there (default sim)")
-    group.add_argument("--remote-ip", type=ipv4_or_ssh, help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
+    group.add_argument("--remote-ip", type=ipv4_or_ssh,
+                       help="with --peer: its IPv4 address ('ssh': the address SSH reached)")
     add_ssh_flags(group, short_port=True)
 
 

@@ -40,20 +40,23 @@ def add_collectives(sub: Subcommands) -> None:
     for command, kind in COLLECTIVE_COMMANDS.items():
         coll = sub.add_parser(command, help=f"nccl-tests' {kind}_perf over a ring of emulated (or PCI) NICs in this "
                                             "process: a size sweep, every element checked")
-        coll.add_argument("--ranks", type=integer(1, MAX_LOCAL_RANKS, RANKS_WHY), help="ranks in this process, one NIC each (default 2; under torchrun, "
-                                                   "mpirun or srun: this process is one rank of their job, "
-                                                   "rendezvous at MASTER_ADDR:MASTER_PORT)")
+        coll.add_argument("--ranks", type=integer(1, MAX_LOCAL_RANKS, RANKS_WHY),
+                          help="ranks in this process, one NIC each (default 2; under torchrun, mpirun or srun: this "
+                               "process is one rank of their job, rendezvous at MASTER_ADDR:MASTER_PORT)")
         coll.add_argument("--nic", default="sim", help="with a launcher: this rank's NIC (default sim)")
-        coll.add_argument("--ip", type=ipv4, help="with a launcher: this rank's NIC's IPv4 address (emulated: a free 127.0.0.x)")
+        coll.add_argument("--ip", type=ipv4,
+                          help="with a launcher: this rank's NIC's IPv4 address (emulated: a free 127.0.0.x)")
         coll.add_argument("--nics", metavar="A,B,...", help="PCI NICs, one per rank (default: emulated NICs)")
         coll.add_argument("-b", "--minbytes", type=sized(1), default=32 << 10,
                           help="smallest size (default 32K); K/M/G suffixes are powers of 1024")
         coll.add_argument("-e", "--maxbytes", type=sized(1), default=32 << 20,
                           help="largest size (default 32M)")
-        coll.add_argument("-f", "--stepfactor", type=integer(2), default=2, help="multiply the size by this each step (2)")
+        coll.add_argument("-f", "--stepfactor", type=integer(2), default=2,
+                          help="multiply the size by this each step (2)")
         coll.add_argument("--size", type=size, help="one size instead of a sweep")
         coll.add_argument("-n", "--iters", type=integer(0), default=20, help="timed iterations per size (default 20)")
-        coll.add_argument("-w", "--warmup_iters", type=integer(0), default=5, help="untimed iterations first (default 5)")
+        coll.add_argument("-w", "--warmup_iters", type=integer(0), default=5,
+                          help="untimed iterations first (default 5)")
         coll.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES),
                           help="element type (default float)")
         coll.add_argument("-o", "--op", default="sum", choices=("sum", "prod", "min", "max"),
@@ -71,7 +74,8 @@ def add_collectives(sub: Subcommands) -> None:
         coll.add_argument("--hosts", metavar="FILE|h1,h2", help="one rank per host, started over SSH (`python -m "
                                                               "aiofabric` there); the rendezvous is relayed over SSH")
         coll.add_argument("--remote-nic", default="sim", help="with --hosts: each host's NIC (default sim)")
-        coll.add_argument("--remote-ip", type=ipv4_or_ssh, help="with --hosts: each host's NIC address ('ssh': the address SSH reached)")
+        coll.add_argument("--remote-ip", type=ipv4_or_ssh,
+                          help="with --hosts: each host's NIC address ('ssh': the address SSH reached)")
         add_ssh_flags(coll)
         coll.add_argument("--json", action="store_true", help="print one JSON object")
         coll.set_defaults(run=cmd_collective, kind=kind, check=_check_collective(coll))

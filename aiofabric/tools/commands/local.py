@@ -18,7 +18,8 @@ from ...verbs import open_nic
 def add_info(sub: Subcommands) -> None:
     info = sub.add_parser("info", help="boot a NIC and print its firmware version, MAC, port, GID, capabilities")
     info.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
-    info.add_argument("--ip", type=ipv4, help="the NIC's IPv4 address; its GID is ::ffff:IP (emulated: a free 127.0.0.x)")
+    info.add_argument("--ip", type=ipv4,
+                      help="the NIC's IPv4 address; its GID is ::ffff:IP (emulated: a free 127.0.0.x)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(run=cmd_info)
 

@@ -26,8 +26,9 @@ def add_connect(sub: Subcommands) -> None:
     connect.add_argument("--nic", default="sim", help="local NIC: 'sim', 'sim:NAME' or a PCI address (default sim)")
     connect.add_argument("--remote-nic", default="sim", help="the remote host's NIC (default sim)")
     connect.add_argument("--local-ip", type=ipv4, help="local NIC's IPv4 address (emulated: a free 127.0.0.x)")
-    connect.add_argument("--remote-ip", type=ipv4_or_ssh, help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there); 'ssh': "
-                                             "the address the SSH connection reached (with --hosts: on every host)")
+    connect.add_argument("--remote-ip", type=ipv4_or_ssh,
+                         help="remote NIC's IPv4 address (emulated: a free 127.0.0.x there); 'ssh': the address the "
+                              "SSH connection reached (with --hosts: on every host)")
     connect.add_argument("--size", type=sized(1), default=1 << 20,
                          help="bytes to write and read back, with an optional K/M/G suffix (default 1M)")
     add_ssh_flags(connect)

@@ -17,7 +17,8 @@ def add_ssh_flags(parser: Any, short_port: bool = False) -> None:
                         help="SSH port (default 22); for bench --server / SERVER_HOST the TCP port (default 18515; "
                              "--server: 0 picks one)")
     parser.add_argument("--user", help="SSH user (default: the SSH default)")
-    parser.add_argument("--identity", type=readable_file, metavar="FILE", help="private key (default: the agent and ~/.ssh keys)")
+    parser.add_argument("--identity", type=readable_file, metavar="FILE",
+                        help="private key (default: the agent and ~/.ssh keys)")
     parser.add_argument("--known-hosts", metavar="FILE|none",
                         help="known_hosts file (default ~/.ssh/known_hosts); 'none' skips the check (insecure)")
     parser.add_argument("--push", action="store_true",
