@@ -16,22 +16,27 @@ from ...verbs import open_nic
 
 
 def add_info(sub: Subcommands) -> None:
-    info = sub.add_parser("info", help="boot a NIC and print its firmware version, MAC, port, GID, capabilities")
-    info.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
-    info.add_argument("--ip", type=ipv4,
-                      help="the NIC's IPv4 address; its GID is ::ffff:IP (emulated: a free 127.0.0.x)")
+    info = _one_nic(sub, "info", "boot a NIC and print its firmware version, MAC, port, GID, capabilities",
+                    "the NIC's IPv4 address; its GID is ::ffff:IP (emulated: a free 127.0.0.x)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(run=cmd_info)
 
 
 def add_loopback(sub: Subcommands) -> None:
-    loop = sub.add_parser("loopback", help="RDMA WRITE between two QPs of one NIC through its PHY loopback")
-    loop.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
-    loop.add_argument("--ip", type=ipv4, help="the NIC's IPv4 address (emulated: a free 127.0.0.x)")
+    loop = _one_nic(sub, "loopback", "RDMA WRITE between two QPs of one NIC through its PHY loopback",
+                    "the NIC's IPv4 address (emulated: a free 127.0.0.x)")
     loop.add_argument("-s", "--size", type=sized(1, MAX_SIZE), default=4096,
                       help="bytes to write, with an optional K/M/G suffix (default 4096)")
     loop.add_argument("--json", action="store_true", help="print one JSON object")
     loop.set_defaults(run=cmd_loopback)
+
+
+def _one_nic(sub: Subcommands, name: str, help: str, ip_help: str) -> argparse.ArgumentParser:
+    """A command's parser with the NIC it opens (--nic) and that NIC's address (--ip)."""
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument("--nic", default="sim", help="'sim', 'sim:NAME' or a PCI address (default sim)")
+    parser.add_argument("--ip", type=ipv4, help=ip_help)
+    return parser
 
 
 def add_plot(sub: Subcommands) -> None:
