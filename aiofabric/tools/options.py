@@ -16,6 +16,7 @@ from ..pci.emulated import FAULTS
 from ..verbs import NIC, PCI_ADDRESS
 
 TESTS = ("write", "read", "send", "atomic")
+DEFAULT_ITERS = 1000  # bench's and lat's -n
 INLINE_TESTS = ("write", "send")  # tests whose local side a WQE can carry inline
 ORDERED_TESTS = ("read", "atomic")  # tests whose requests take the QP's outstanding-READ slots (-o)
 ATOMIC_TYPES = ("FETCH_AND_ADD", "CMP_AND_SWAP")  # perftest's -A
@@ -79,7 +80,7 @@ class PerftestOptions(WireOptions):
     test: str = "write"
     _: dataclasses.KW_ONLY
     size: int
-    iters: int = 1000
+    iters: int = DEFAULT_ITERS
     mtu: int = 4096
     timeout: int = 14  # QP local ACK timeout: 4.096 us * 2^timeout (perftest's default); 0 waits forever, as in IB
     shared_emulator: bool  # the local emulated NICs in one emulator process (SimPCIDevice's `process`)

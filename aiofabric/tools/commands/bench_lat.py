@@ -15,17 +15,16 @@ from .. import plot
 from ..arguments import Subcommands, add_wire_flags, ipv4, ipv4_or_ssh, size
 from ..bench_config import BenchConfig
 from ..bench_report import bandwidth_unit, format_table, perftest_report
-from ..lat_config import LatConfig
+from ..lat_config import WARMUP, LatConfig
 from ..lat_report import format_latency_table, perftest_latency_report
 from ..latency import run_latency
-from ..options import ATOMIC_SIZE, TESTS
+from ..options import ATOMIC_SIZE, DEFAULT_ITERS, TESTS
 from ..perftest import run_bench
 from ..perftest_flags import BENCH_OUTPUTS, DEFAULT_JSON_FILE, LAT_OUTPUTS, add_perftest_flags, usage_message
 from ..units import SWEEP_MAX, SWEEP_MIN, sweep
 from ...errors import BadOption
 from ...verbs import NIC
 
-DEFAULT_ITERS = 1000  # bench's and lat's -n
 SWEEP_SECONDS = 1.0  # -a without -n: each size runs about this long
 
 
@@ -99,7 +98,8 @@ def add_lat(sub: Subcommands) -> None:
                           "the same test, -s and -m)")
     add_perftest_flags(lat, "lat")
     group = _add_two_host_flags(lat)
-    group.add_argument("--warmup", type=int, default=8, help="iterations run first and not measured (default 8)")
+    group.add_argument("--warmup", type=int, default=WARMUP,
+                       help=f"iterations run first and not measured (default {WARMUP})")
     add_wire_flags(group)
     _add_emulator_flag(group, shared=True)
     _add_peer_flags(group)
