@@ -20,7 +20,7 @@ from aiofabric.hw.verbs import PSN_MASK, MRAccess, QPAccess, QPState
 from aiofabric.hw.wqe import ATOMIC_SIZE, MSN_ENTRY, SqGeometry, msn_fields
 from aiofabric.sim import packets as pk
 from aiofabric.sim.responder import Responder
-from aiofabric.verbs.completions import CompletionError
+from aiofabric.errors import CompletionError
 from aiofabric.verbs.types import ALL_ACCESS, Access
 from aiofabric.verbs.workqueue import SIGNAL, SendQueueCodec
 

@@ -16,7 +16,7 @@ from aiofabric.hw.firmware import CONFIGURED_CONTEXT_TYPES, THOR2_CHIPS
 from aiofabric.sim.function import CONTEXT_TYPES
 from aiofabric.sim.profiles import PROFILES
 from aiofabric.verbs import workqueue
-from aiofabric.verbs.completions import CompletionError
+from aiofabric.errors import CompletionError
 
 pytestmark = pytest.mark.anyio
 BOOTING = [name for name, profile in PROFILES.items() if profile.backing_store_v2]

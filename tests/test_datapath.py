@@ -14,7 +14,7 @@ from aiofabric import Access, DeviceLostError, QPInfo, QPState, open_nic
 from aiofabric.autogen import bnxt
 from aiofabric.driver import hwrm_channel, rcfw_channel
 from aiofabric.hw.wqe import MSN_ENTRY, SQ_SLOT
-from aiofabric.verbs.completions import CompletionError
+from aiofabric.errors import CompletionError
 from aiofabric.verbs.poller import QUIET_SAFETY_POLL
 from aiofabric.verbs.types import LocalBuffer, RemoteRegion
 

@@ -196,14 +196,16 @@ class SimBar(Bar):
 
 
 class SimPCIDevice(PCIDevice):
-    """An emulated BNXT NIC in its own OS process.
+    """An emulated BNXT NIC in an emulator process: its own, or one it shares with the NICs opened with the same
+    `process` option.
 
-    `options` go to the emulator; see OPTIONS and the README: `ip` (without one the emulator binds a free 127.0.0.x
+    `options` go to the emulator; see aiofabric/sim/options.py and docs/emulator.md: `ip` (without one the emulator binds a free 127.0.0.x
     itself, race-free across processes; `self.ip` says which, and `self.netns` if UDP 4791 was taken on every one of
     the host's and it moved to this user's private network namespace), `mac`, `fw_latency_us`, `transport`, the wire
-    faults `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, `port_mtu` (port.py), `profile` (the chip and
-    firmware it plays, profiles.py), and `netns`, which starts the process inside that network namespace, so its wire
-    is the namespace's interfaces. Bad options raise ValueError before anything starts; an emulator that cannot start
+    faults `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap` and `pcap_max_bytes` (the capture and its bound),
+    `port_mtu`, `profile` (the chip and firmware it plays), `netns`, which starts the process inside that network
+    namespace, so its wire is the namespace's interfaces, and `process`, a name: the NICs this process opens with
+    the same name (and namespace) share one emulator process. Bad options raise ValueError before anything starts; an emulator that cannot start
     raises PCIError with its reason.
     """
 
@@ -362,7 +364,7 @@ class SimPCIDevice(PCIDevice):
 
     # -- the debug channel (tests and tools only) -----------------------------------------------------------------
     def debug_client(self) -> DebugClient:
-        """The emulator's debug channel, for async code: counters, placement counts, faults (see sim/debug.py)."""
+        """The emulator's debug channel, for async code: counters, placement counts, faults (see emulated_debug.py)."""
         return self._debug_client
 
     def debug(self, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:

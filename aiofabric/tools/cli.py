@@ -1,4 +1,4 @@
-"""The `aiofabric` command line (README: Command line).
+"""The `aiofabric` command line (docs/command-line.md).
 
 `--json` prints exactly one JSON object as the last line of stdout, with "ok": true|false, on every outcome (usage
 errors and signals included), so a script can always parse the last line; on failure "error" names the innermost

@@ -54,8 +54,9 @@ class WireOptions:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
     def nic_options(self) -> dict[str, Any]:
-        """open_nic's keywords for every one of these, the faults that are off too (the capture only when given)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(WireOptions) if f.name != "pcap" or self.pcap}
+        """open_nic's keywords for what was asked: the faults that are on (with the seed) and the capture. Nothing
+        when nothing was: a PCI NIC takes no emulator option, not even a fault that is off."""
+        return {**self.faults(), **({"pcap": self.pcap} if self.pcap else {})}
 
     def faults(self, seed: int = 0) -> dict[str, Any]:
         """open_nic's keywords for the faults that are on, with the seed `seed` past ours (each NIC its own)."""

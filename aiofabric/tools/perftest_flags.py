@@ -1,4 +1,4 @@
-"""perftest's command line on `aiofabric bench` and `aiofabric lat` (README: Command line).
+"""perftest's command line on `aiofabric bench` and `aiofabric lat` (docs/command-line.md).
 
 Each perftest flag bench or lat does is an alias of ours (`-q/--qp/--qps`), listed in perftest's --help order; each one
 they do not do is refused naming the flag and why (`REFUSED`), never ignored. `typed_flags` finds the spelling a user

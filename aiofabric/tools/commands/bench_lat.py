@@ -132,7 +132,7 @@ def _add_peer_flags(group: Any) -> None:
 
 def _add_emulator_flag(group: Any, shared: bool) -> None:
     """Whether this host's emulated NICs share one emulator process (bench: no, for parallel NICs; lat: yes, so a
-    packet between them costs no process wake-up; see the README)."""
+    packet between them costs no process wake-up; see docs/emulator.md)."""
     group.add_argument("--shared-emulator", action=argparse.BooleanOptionalAction, default=shared,
                        help="run this host's emulated NICs in one emulator process: a packet between them wakes no "
                             "other process, but they share its CPU time (default: "
