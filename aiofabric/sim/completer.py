@@ -76,7 +76,8 @@ class Completer:
         return rto
 
     # -- completing ------------------------------------------------------------------------------------------------
-    def _post(self, w: SendWqe, status: int) -> None:
+    def post_completion(self, w: SendWqe, status: int) -> None:
+        """w's CQE, if it asked for one (a signaled WQE) or failed."""
         if status or w.signaled:
             consumer = (w.index + 1) & SQ_CONS_IDX_MASK
             self.post_cqe(self.qp.scq, CQE_REQ.pack(self.qp.handle, consumer, CQE_TYPE_REQ, status))
@@ -85,7 +86,7 @@ class Completer:
         """Complete wqes[done] successfully."""
         w = self.wqes[self.done]
         self.done += 1
-        self._post(w, OK)
+        self.post_completion(w, OK)
         self.qp.sq_consumer = w.index + 1
 
     def _trim(self) -> None:
@@ -123,7 +124,7 @@ class Completer:
                 break
             done += 1
             if w.signaled:
-                self._post(w, OK)
+                self.post_completion(w, OK)
         if done != self.done:
             self.done, progressed = done, True
             self.qp.sq_consumer = wqes[done - 1].index + 1
@@ -173,7 +174,7 @@ class Completer:
         if self.done < len(self.wqes):
             w = self.wqes[self.done]
             self.done += 1
-            self._post(w, status)
+            self.post_completion(w, status)
             self.qp.sq_consumer = w.index + 1
         self.port.fail_qp(req_reason=reason)
 

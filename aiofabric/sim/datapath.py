@@ -18,8 +18,8 @@ feeds it:
 
 CQEs land in host memory through `post_cqe` (`CompletionQueue.post`, and a CQ overflow reported once), which the
 requester and responder call directly; interrupts collect in fw.interrupts; QP errors reach the CREQ through
-`rcfw.post_event("qp_error")`. Per QP a `QpContext` holds the `Requester` (requester.py) and `Responder`
-(responder.py) and is their `QpPort` (qpport.py): all they reach of the data path. It is created on first use and
+`rcfw.post_event("qp_error")`. Per QP a `QpContext` holds the `Requester` (requester.py, its answers taken by
+completer.py) and `Responder` (responder.py) and is their `QpPort` (qpport.py): all they reach of the data path. It is created on first use and
 watches the QP's state (`QueuePair.observer`, called by `QueuePair.change_state`): ERR flushes, RTS starts the send
 queue, RESET forgets everything.
 
@@ -37,9 +37,9 @@ Deviations from rxe/hardware, on purpose:
 - A duplicate READ is answered from its own RETH (rkey checked again, memory read again); responder READ resources
   (max_dest_rd_atomic, the IRRQ) are not limited, and the ORRQ/IRRQ memory is not used: the engine keeps that state
   itself. Atomics' saved results do take max_dest_rd_atomic entries (READs take none of them), so a duplicate atomic
-  is answered from its result, never executed again, for as long as the requester may retransmit it (responder.py).
+  is answered from its result, never executed again, for as long as the requester may retransmit it (atomics.py).
   The SQ's search table (MSN or PSN entries) is read only by a go-back with hardware retransmission on, to find the
-  message it resumes (requester.py); without it the engine retransmits from its own state, as firmware keeps it in
+  message it resumes (completer.py); without it the engine retransmits from its own state, as firmware keeps it in
   the QP context. `max_rd_atomic` 0 is treated as 1.
 - No P_Key check on received packets. The source address is checked as rxe's check_addr does (rxe_recv.c): a QP
   takes packets only from the IPv4 address of the GID it was connected to, addressed to this NIC's; others are

@@ -51,7 +51,7 @@ class Requester(Completer):
             self.stats["bad_doorbells"] += 1
         elif flush:
             for w in wqes:
-                self._post(w, FLUSHED)
+                self.post_completion(w, FLUSHED)
             self.qp.sq_consumer = self.sq.fetched
         else:
             self.wqes += wqes
@@ -177,7 +177,7 @@ class Requester(Completer):
     def flush(self) -> None:
         """The QP is in ERR: every WQE not yet completed, and every WQE still on the ring, completes FLUSHED."""
         for w in self.wqes[self.done:]:
-            self._post(w, FLUSHED)
+            self.post_completion(w, FLUSHED)
         if len(self.wqes) > self.done:
             self.qp.sq_consumer = self.wqes[-1].index + 1
         self.wqes, self.done, self.send, self.send_pkt, self.reads = [], 0, 0, 0, 0
