@@ -139,7 +139,7 @@ class Datapath:
     """The RC engine of one NIC."""
 
     def __init__(self, fw: Firmware, ip: str = "0.0.0.0") -> None:
-        self.fw, self.rcfw, self.mem, self.mrs = fw, fw.rcfw, fw.mem, fw.rcfw.mrs
+        self.rcfw, self.mem, self.mrs = fw.rcfw, fw.mem, fw.rcfw.mrs
         self.ip = ip
         # packets_sent, packets_received, retransmits, go_backs, acks, naks, rnr_naks, duplicates, out_of_sequence,
         # timeouts,

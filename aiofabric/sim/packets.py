@@ -103,9 +103,9 @@ RNR_TIMER_US = (655360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 96
 class IpUdpFields:
     """The IPv4 and UDP header fields a packet travels under, defined once for `Packet` and `Segments`.
 
-    Each lists this class first among its bases, so these fields come after its own (a dataclass takes its bases'
-    fields from the last base to the first) and both keep their positional order. No slots of its own: the classes
-    built on it have them all."""
+    Both list this class first among their bases: a dataclass takes its bases' fields from the last base to the
+    first, so these come after the other base's (_PacketFields, _MessageFields) and both classes keep their positional
+    order. No slots of its own: the classes built on it have them all."""
 
     __slots__ = ()
     src_ip: str = ""
@@ -119,6 +119,8 @@ class IpUdpFields:
 
 @dataclasses.dataclass
 class _PacketFields:
+    """Packet's fields before the IP/UDP header's."""
+
     __slots__ = ()
     opcode: int
     dest_qp: int
@@ -157,6 +159,8 @@ Opcodes = tuple[int, int, int, int]  # a message's opcodes by position: middle, 
 
 @dataclasses.dataclass
 class _MessageFields:
+    """Segments' fields before the IP/UDP header's."""
+
     __slots__ = ()
     opcodes: Opcodes
     dest_qp: int
