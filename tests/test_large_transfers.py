@@ -19,7 +19,8 @@ from test_sim_datapath import MASK, READ, REQ_OK, WRITE, fill, pair
 from aiofabric import open_nic
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim import packets as pk
-from aiofabric.sim.requester import READ_SEGMENT, WINDOW
+from aiofabric.sim.completer import READ_SEGMENT
+from aiofabric.sim.requester import WINDOW
 from aiofabric.tools.bench_config import BenchConfig
 from aiofabric.tools.perftest import run_bench
 

@@ -18,9 +18,11 @@ from aiofabric.hw.layout import field_type
 from aiofabric.hw.ring import phase, position, slot
 from aiofabric.hw.verbs import QPAccess, QPState
 from aiofabric.hw.wqe import RQ_WQE_HEADER, SGE, SQ_SLOT
+from aiofabric.sim.datapath import Datapath
 from aiofabric.sim.function import CONTEXT_TYPES, FirmwareConfig
 from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
+from aiofabric.sim.mmio import Doorbells
 from aiofabric.sim.objects import CompletionQueue, MemoryProtectionError, NotificationQueue, PageList, walk_pbl
 from aiofabric.sim.profiles import PROFILES
 
@@ -56,6 +58,7 @@ class Driver:
         self.mem = BusMemory(bytearray(memory))
         self.next_page = BUS_BASE
         self.fw = Firmware(self.mem, FirmwareConfig(mac=MAC, **config))
+        self.bar2 = Doorbells(self.fw, Datapath(self.fw))
         self.seq = self.cookie = 0
         self.response, self.requests = self.alloc(), self.alloc()
         self.short_commands = False  # what VER_GET asks for
@@ -221,7 +224,7 @@ class Driver:
         return getattr(bnxt, f"creq_{name}_resp").from_buffer_copy(entry)
 
     def doorbell(self, xid: int, kind: int, index: int, epoch: int = 0) -> None:
-        self.fw.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch))
+        self.bar2.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch))
 
     def boot(self, **rcfw) -> None:
         self.short_commands = short_commands_required(self.hwrm("ver_get").dev_caps_cfg)
@@ -688,14 +691,14 @@ def test_completion_queue_post_toggle_full_and_notification(driver):
 def test_doorbells_are_decoded_and_recorded(driver):
     cq = driver.create_cq()
     qp = driver.create_qp(cq)
-    fw = driver.fw
-    fw.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 9, 1))
-    fw.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_RQ, 3))
-    fw.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 10, valid=False))
-    fw.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 11, path=bnxt.DBC_DBC_PATH_L2))
-    fw.doorbell(0x80, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 12))
+    fw, bar2 = driver.fw, driver.bar2
+    bar2.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 9, 1))
+    bar2.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_RQ, 3))
+    bar2.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 10, valid=False))
+    bar2.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 11, path=bnxt.DBC_DBC_PATH_L2))
+    bar2.doorbell(0x80, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 12))
     state = fw.rcfw.qps[qp]
-    assert (fw.sq_doorbells, fw.rq_doorbells) == ([qp], [qp])
+    assert (bar2.datapath.sq_rung, bar2.datapath.rq_rung) == ([state], [state])
     assert (state.sq_producer, state.sq_producer_epoch, state.rq_producer) == (9, 1, 3)
     assert (fw.stats["doorbells_without_valid"], fw.stats["l2_doorbells"], fw.stats["legacy_doorbells"]) == (1, 1, 1)
 

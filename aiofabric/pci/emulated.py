@@ -34,10 +34,10 @@ from ..hw.pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_VENDOR_ID
 from ..sim.kick import (ATTACH_FDS, BAR0_KICK_FROM, CONFIG_SPACE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, NUM_VECTORS,
                         PUNCHED, send_kicks)
 from ..sim.memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
+from ..sim.netns import NETNS_DIR
 from ..sim.options import check_options
 from ..sim.options import FAULTS as FAULTS  # the wire faults, for the tools (which do not import sim/)
 from ..sim.profiles import DEFAULT_PROFILE, PROFILES
-from ..sim.wire import NETNS_DIR
 
 if TYPE_CHECKING:
     from .emulated_debug import DebugClient
