@@ -63,7 +63,8 @@ async def atomic_results(config: BenchConfig, flow: Flow) -> str | None:
 
 
 def verification(config: BenchConfig, emulated: bool) -> str:
-    """How `verified` was decided (docs/command-line.md: What `verified` means); `emulated`: every local NIC has a debug channel."""
+    """How `verified` was decided (docs/command-line.md: What `verified` means); `emulated`: every local NIC has a debug
+    channel."""
     every = "every operation's bytes" if config.slots == config.iters else "the last pass's bytes"
     if config.test == "atomic":
         every = "the counter and every atomic's original value" if config.slots == config.iters else \

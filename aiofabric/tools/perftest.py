@@ -1,8 +1,8 @@
 """perftest-style RDMA tests on emulated NICs: the engines behind `aiofabric bench` and `aiofabric loopback`.
 
-`bench` boots `nics` emulated NICs (talking RoCEv2 over UDP on 127.0.0.x; one emulator process each, or one for all with --shared-emulator), pairs them up
-(NIC 0 with 1, 2 with 3, ...), spreads `qps` client/server QP pairs over the pairs and drives every QP from one
-event loop with `depth` work requests in flight.
+`bench` boots `nics` emulated NICs (talking RoCEv2 over UDP on 127.0.0.x; one emulator process each, or one for all with
+--shared-emulator), pairs them up (NIC 0 with 1, 2 with 3, ...), spreads `qps` client/server QP pairs over the pairs and
+drives every QP from one event loop with `depth` work requests in flight.
 
 Verification can fail: every operation moves its own bytes. When a QP's `iters * size` fit in FULL_CHECK_BYTES per
 NIC, each operation has its own slot of seeded random data and every operation's bytes are compared at its own
@@ -288,7 +288,8 @@ class _Sampler:
 
 
 async def run_loopback(spec: str, size: int, ip: str | None = None) -> dict[str, Any]:
-    """The PHY-loopback test of the synchronous driver this project grew from: two QPs on one NIC, port in LPBK_LOCAL, one RDMA WRITE, verified."""
+    """The PHY-loopback test of the synchronous driver this project grew from: two QPs on one NIC, port in LPBK_LOCAL,
+    one RDMA WRITE, verified."""
     if not 1 <= size <= MAX_SIZE:
         raise ValueError(f"--size must be in [1, {MAX_SIZE}] bytes, not {size}")
     async with open_nic(spec, ip=ip) as nic:
