@@ -25,7 +25,8 @@ from aiofabric import DmaBudget, collectives
 from aiofabric.collectives import layout
 from aiofabric.sched import pool
 from aiofabric.sched.reduce import reduction
-from aiofabric.tools.perftest import BenchConfig, run_bench
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.perftest import run_bench
 from aiofabric.tools.units import parse_size
 
 RANKS = 4

@@ -20,7 +20,7 @@ import anyio
 from datapath import cpu_seconds
 
 from aiofabric import open_nic
-from aiofabric.sim.process import DEFAULT_LATENCY_US
+from aiofabric.sim.emulator import DEFAULT_LATENCY_US
 
 IDLE_SETTLE = 2.0  # seconds before an idle measurement: the poller's safety poll backs off over 1.5 s
 

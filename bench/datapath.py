@@ -19,7 +19,8 @@ import time
 import anyio
 
 from aiofabric import open_nic
-from aiofabric.tools.perftest import BenchConfig, run_bench
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.perftest import run_bench
 
 
 def raw_sendto_rate(size: int, seconds: float = 1.0) -> float:

@@ -36,9 +36,11 @@ import aiofabric
 from aiofabric.autogen import bnxt
 from aiofabric.driver.rcfw_channel import CMDQ_SLOT
 from aiofabric.errors import FirmwareError
+from aiofabric.sim import codec, icrc
 from aiofabric.sim import packets as pk
 from aiofabric.sim.hwrm import Firmware
-from aiofabric.sim.rcfw import OPCODE_NAMES, Rcfw
+from aiofabric.sim.cmdq import OPCODE_NAMES
+from aiofabric.sim.rcfw import Rcfw
 
 # Why these are never sent to a live NIC: each one tears down what the driver brought up and still uses.
 HWRM_EXCLUDED = {
@@ -389,16 +391,16 @@ class Wire:
         shorter than a BTH: no ICRC exists for it, and the decoder refuses it by length first)."""
         if len(body) < pk.BTH_SIZE:
             return body + bytes(4)
-        header = pk.encode_ipv4_header(self.packet(0, 0, 0), len(body) + pk.ICRC_SIZE)
-        return body + pk.icrc(header + body)
+        header = codec.encode_ipv4_header(self.packet(0, 0, 0), len(body) + pk.ICRC_SIZE)
+        return body + icrc.icrc(header + body)
 
     def fate(self, datagram: bytes) -> str:
         """What the NIC's decoder will do with it: "received", "icrc" or "malformed"."""
         try:
-            pk.decode(datagram, self.src_ip, self.dst_ip, self.src_port)
-        except pk.IcrcMismatch:
+            codec.decode(datagram, self.src_ip, self.dst_ip, self.src_port)
+        except codec.IcrcMismatch:
             return "icrc"
-        except pk.BadPacket:
+        except codec.BadPacket:
             return "malformed"
         return "received"
 
@@ -425,12 +427,12 @@ def make_datagram(rng: random.Random, wire: Wire, qpns: list[int], epsn: int, mr
         return kind, wire.seal(bth + rng.randbytes(rng.choice((0, 4, 12, 16, 28, rng.randrange(0, mtu + 64)))))
     if kind == "truncated":  # a valid packet cut short, resealed half of the time so the length checks run
         op = rng.choice(REQUEST_OPS)
-        body = pk.encode(wire.packet(op, qpn, epsn, remote_addr=mr.addr, rkey=mr.rkey, dma_length=64,
+        body = codec.encode(wire.packet(op, qpn, epsn, remote_addr=mr.addr, rkey=mr.rkey, dma_length=64,
                                      payload=rng.randbytes(64) if op in pk.HAS_PAYLOAD else b""))[:-pk.ICRC_SIZE]
         cut = body[:rng.randrange(0, len(body))]
         return kind, wire.seal(cut) if rng.random() < 0.5 else cut
     if kind == "bad_icrc":
-        good = bytearray(pk.encode(wire.packet(pk.Op.RDMA_WRITE_ONLY, qpn, epsn, remote_addr=mr.addr, rkey=mr.rkey,
+        good = bytearray(codec.encode(wire.packet(pk.Op.RDMA_WRITE_ONLY, qpn, epsn, remote_addr=mr.addr, rkey=mr.rkey,
                                                dma_length=8, payload=rng.randbytes(8))))
         good[rng.randrange(len(good))] ^= 1 << rng.randrange(8)
         return kind, bytes(good)
@@ -439,20 +441,20 @@ def make_datagram(rng: random.Random, wire: Wire, qpns: list[int], epsn: int, mr
                                          (rng.getrandbits(64), mr.rkey, 8), (mr.addr, mr.rkey, 1 << 31)))
         op = rng.choice((pk.Op.RDMA_WRITE_ONLY, pk.Op.RDMA_WRITE_FIRST, pk.Op.RDMA_READ_REQUEST))
         payload = b"" if op == pk.Op.RDMA_READ_REQUEST else rng.randbytes(8 if op == pk.Op.RDMA_WRITE_ONLY else mtu)
-        return kind, pk.encode(wire.packet(op, qpn, epsn, remote_addr=addr, rkey=rkey, dma_length=length,
+        return kind, codec.encode(wire.packet(op, qpn, epsn, remote_addr=addr, rkey=rkey, dma_length=length,
                                            payload=payload, ack_req=True))
     if kind == "broken_order":  # a MIDDLE/LAST with no FIRST, or a FIRST inside another message
         op = rng.choice((pk.Op.SEND_MIDDLE, pk.Op.SEND_LAST, pk.Op.RDMA_WRITE_MIDDLE, pk.Op.RDMA_WRITE_LAST,
                          pk.Op.SEND_FIRST, pk.Op.RDMA_WRITE_FIRST, pk.Op.SEND_LAST_WITH_IMMEDIATE))
         size = mtu if "MIDDLE" in op.name or "FIRST" in op.name else rng.randrange(0, mtu + 1)
-        return kind, pk.encode(wire.packet(op, qpn, epsn, remote_addr=mr.addr, rkey=mr.rkey, dma_length=mtu * 2,
+        return kind, codec.encode(wire.packet(op, qpn, epsn, remote_addr=mr.addr, rkey=mr.rkey, dma_length=mtu * 2,
                                            payload=rng.randbytes(size)))
     if kind == "far_psn":
         psn = (epsn + rng.choice((1 << 22, -(1 << 22), 1 << 23, rng.randrange(1 << 24)))) & pk.PSN_MASK
-        return kind, pk.encode(wire.packet(pk.Op.RDMA_WRITE_ONLY, qpn, psn, remote_addr=mr.addr, rkey=mr.rkey,
+        return kind, codec.encode(wire.packet(pk.Op.RDMA_WRITE_ONLY, qpn, psn, remote_addr=mr.addr, rkey=mr.rkey,
                                            dma_length=4, payload=b"\xee" * 4, ack_req=rng.random() < 0.5))
     length = rng.randrange(1, min(mr.length, mtu) + 1)  # a well-formed WRITE into the MR: the responder's good path
-    return kind, pk.encode(wire.packet(pk.Op.RDMA_WRITE_ONLY, qpn, epsn, remote_addr=mr.addr, rkey=mr.rkey,
+    return kind, codec.encode(wire.packet(pk.Op.RDMA_WRITE_ONLY, qpn, epsn, remote_addr=mr.addr, rkey=mr.rkey,
                                        dma_length=length, payload=rng.randbytes(length), ack_req=rng.random() < 0.3))
 
 
@@ -484,7 +486,7 @@ async def wire_batch(a: aiofabric.NIC, b: aiofabric.NIC, rng: random.Random, cou
                 fate = wire.fate(datagram)
                 expected[fate] += 1
                 if fate == "received":
-                    decoded = pk.decode(datagram, wire.src_ip, wire.dst_ip, wire.src_port)
+                    decoded = codec.decode(datagram, wire.src_ip, wire.dst_ip, wire.src_port)
                     expected["no_qp"] += decoded.dest_qp not in live
                 wire.sock.sendto(datagram, (b.ip, pk.ROCE_PORT))
                 sent += 1

@@ -33,7 +33,7 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids (a test function's id selects all its parameters)
 
 
-PACKETS, RESPONDER, WORKQUEUE = "aiofabric/sim/packets.py", "aiofabric/sim/responder.py", "aiofabric/verbs/workqueue.py"
+ICRC, RESPONDER, WORKQUEUE = "aiofabric/sim/icrc.py", "aiofabric/sim/responder.py", "aiofabric/verbs/workqueue.py"
 PLAN, PROTOCOL, DEVICE, SAMPLES = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/driver/device.py",
                                    "aiofabric/tools/samples.py")
 SCAPY_ICRC = ("tests/unit/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
@@ -62,7 +62,7 @@ POOL, CALLS, RUN = "aiofabric/sched/pool.py", "aiofabric/sched/calls.py", "aiofa
 COMM, LAYOUT = "aiofabric/collectives/communicator.py", "aiofabric/collectives/layout.py"
 FREED, VFIO, PCI = "aiofabric/sim/freed.py", "aiofabric/pci/vfio.py", "aiofabric/pci/seam.py"
 FLAGS, POLICY = "aiofabric/tools/perftest_flags.py", "aiofabric/peer/policy.py"
-DATAPATH_SIM, WIRE, RCFW, PCAP = ("aiofabric/sim/datapath.py", "aiofabric/sim/wire.py", "aiofabric/sim/rcfw.py",
+DATAPATH_SIM, UDP, RCFW, PCAP = ("aiofabric/sim/datapath.py", "aiofabric/sim/udp.py", "aiofabric/sim/rcfw.py",
                                   "aiofabric/sim/pcap.py")
 PRIVATE, SERVE = "aiofabric/util/private.py", "aiofabric/peer/serve.py"
 FORGED, LOCAL_FILES = "tests/emulator/test_forged_packets.py::", "tests/system/test_local_files.py::"
@@ -77,9 +77,9 @@ IOVA = (B + "test_an_iova_block_may_end_on_a_ranges_last_byte_and_a_freed_block_
 BUDGET = (B + "test_a_dma_budget_counts_odd_sizes_in_whole_pages_and_takes_exactly_its_limit",)
 
 MUTANTS = [
-    Mutant("icrc: the masked LRH seed is 4 bytes, not 8", PACKETS,
+    Mutant("icrc: the masked LRH seed is 4 bytes, not 8", ICRC,
            '_ICRC_SEED = zlib.crc32(b"\\xff" * 8)', '_ICRC_SEED = zlib.crc32(b"\\xff" * 4)', SCAPY_ICRC),
-    Mutant("icrc: the plain rule leaves BTH byte 4 (FECN/BECN) unmasked", PACKETS,
+    Mutant("icrc: the plain rule leaves BTH byte 4 (FECN/BECN) unmasked", ICRC,
            "    masked[ihl + UDP_HEADER_SIZE + 4] = 0xFF\n", "", ("tests/unit/test_packets.py",)),
     Mutant("nak: the packets behind one refused with an RNR NAK earn a sequence NAK", RESPONDER,
            "if self.nak_sent or racing:", "if racing:",
@@ -202,7 +202,7 @@ MUTANTS = [
            "elif p.src_ip != ctx.peer_ip or p.dst_ip != ip:", "elif p.dst_ip != ip:",
            (FORGED + "test_a_packet_not_between_the_qp_and_its_peer_is_dropped",
             FORGED + "test_a_forged_acknowledgement_completes_nothing")),
-    Mutant("wire: the UDP transport takes a loopback sender on any port", WIRE,
+    Mutant("wire: the UDP transport takes a loopback sender on any port", UDP,
            "if src_port != ROCE_PORT and source[0] == 127:", "if src_port != ROCE_PORT and source[0] == 126:",
            ("tests/emulator/test_wire.py::test_a_loopback_sender_not_on_4791_is_dropped_for_its_port",)),
     Mutant("keys: every NIC's first key byte is the same", RCFW, "        byte = secrets.randbits(8)\n        while",

@@ -1,4 +1,4 @@
-"""The seed's PHY-loopback test, async: one NIC, two QPs, port in local loopback, one verified RDMA WRITE.
+"""The PHY-loopback test of the synchronous driver this project grew from, async: one NIC, two QPs, port in local loopback, one verified RDMA WRITE.
 
     python examples/loopback.py [--nic sim|0000:41:00.0] [--ip 10.0.200.5]
 """

@@ -28,7 +28,8 @@ HWRM_COMMANDS = (
     "|func_drv_if_change|func_backing_store_qcaps_v2|func_backing_store_cfg_v2|stat_ctx_alloc|stat_ctx_free"
     "|ring_alloc|ring_free|vnic_alloc|vnic_cfg|vnic_free"
     "|cfa_l2_filter_alloc|cfa_l2_filter_free|port_phy_cfg|port_phy_qcfg|port_phy_qcaps")
-HWRM_STRUCTS = re.compile(rf"hwrm_(({HWRM_COMMANDS})_(input|output)|cmd_hdr|resp_hdr|err_output|short_input|cmpl|async_event_cmpl)|dbc_dbc")
+HWRM_STRUCTS = re.compile(
+    rf"hwrm_(({HWRM_COMMANDS})_(input|output)|cmd_hdr|resp_hdr|err_output|short_input|cmpl|async_event_cmpl)|dbc_dbc")
 BNXT_EN_DEFINES = {"BNXT_GRCPF_REG_CHIMP_COMM", "BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER", "BNXT_GRCPF_REG_KONG_COMM",
                    "BNXT_GRCPF_REG_KONG_COMM_TRIGGER", "BNXT_HWRM_TARGET", "BNXT_HWRM_NO_CMPL_RING",
                    "BNXT_HWRM_REQ_MAX_SIZE", "DFLT_HWRM_CMD_TIMEOUT", "HWRM_RESET_TIMEOUT"}

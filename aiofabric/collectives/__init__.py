@@ -1,4 +1,4 @@
-"""Collectives over a ring of RDMA NICs, on the scheduler (README: Collectives).
+"""Collectives over a ring of RDMA NICs, on the scheduler (docs/collectives.md).
 
     async with collectives.local(4) as comms:             # 4 ranks in this process, an emulated NIC each
         await collectives.run_ranks([functools.partial(c.allreduce, x) for c, x in zip(comms, xs)])

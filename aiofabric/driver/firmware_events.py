@@ -9,7 +9,7 @@ bnxt_update_link); RESET_NOTIFY stops the device (bnxt_fw_reset, and bnxt_re's s
 and reports IB_EVENT_DEVICE_FATAL): everything must be re-initialised, which here is a lost device.
 
 Here the events get an NQ of their own (`EventRing`) on MSI-X vector EVENT_VECTOR, read by one of the NIC's
-background tasks that sleeps on that interrupt without a timeout (README: an idle NIC wakes nothing). The bindings
+background tasks that sleeps on that interrupt without a timeout (docs/api.md: an idle NIC wakes nothing). The bindings
 carry no FUNC_CFG (autogen/generate.py's HWRM_COMMANDS), so the ring cannot be named to the firmware: the HSI then
 sends events to the function's default completion ring, which the emulator takes to be an NQ the function uses for
 nothing else (sim/hwrm.py). A real NIC needs FUNC_CFG's async_event_cr.

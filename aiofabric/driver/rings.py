@@ -15,11 +15,6 @@ from ..pci import PAGE_SIZE, DmaBuffer, PCIDevice
 PTES_PER_PAGE = PAGE_SIZE // PTE_SIZE
 
 
-def power_of_two(count: int) -> int:
-    """The smallest power of two >= `count`: what a ring's depth must be."""
-    return 1 << max(count - 1, 0).bit_length()
-
-
 @dataclasses.dataclass
 class PageTable:
     """What a firmware command needs to find memory: PBL level (0, 1, 2) and the base address at that level."""

@@ -86,3 +86,8 @@ class RingEntry:
         view[:valid] = entry[:valid]
         view[valid + 1:self.size] = entry[valid + 1:self.size]
         view[valid] = entry[valid] & ~self.valid_bit | (self.valid_bit if count // depth & 1 == 0 else 0)
+
+
+def power_of_two(count: int) -> int:
+    """The smallest power of two >= `count`: what a ring's depth must be."""
+    return 1 << max(count - 1, 0).bit_length()

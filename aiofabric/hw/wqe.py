@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 
 from .layout import Layout
+from .ring import power_of_two
 from ..autogen import bnxt
 
 SQ_SLOT = ctypes.sizeof(bnxt.sq_sge)
@@ -87,10 +88,6 @@ def psn_search_fields(opcode_start_psn: int, flags_next_psn: int, start_slot: in
             (flags_next_psn & _SEARCH_NEXT_PSN[1]) >> _SEARCH_NEXT_PSN[0], start_slot)
 
 
-def _power_of_two(count: int) -> int:
-    return 1 << (count - 1).bit_length()
-
-
 @dataclasses.dataclass(frozen=True)
 class SqGeometry:
     """One send queue as CREATE_QP names it: `size` is its sq_size, slots with `variable` WQEs or WQEs without;
@@ -123,7 +120,7 @@ class SqGeometry:
         """The MSN table: sq_size rounded up to a power of two, halved with variable WQEs (msn_tbl_sz); the PSN search
         table: one entry per sq_size unit."""
         if self.host_msn:
-            return _power_of_two(self.size) // (2 if self.variable else 1)
+            return power_of_two(self.size) // (2 if self.variable else 1)
         return self.size
 
     def table_index(self, message: int, start_slot: int) -> int:

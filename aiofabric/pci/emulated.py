@@ -1,17 +1,18 @@
 """The driver-side half of the emulated NIC: starts the emulator process and presents it through the seam.
 
-BAR0 and the DMA arena are memfds mapped by both processes. MMIO writes that have side effects on a real NIC (the
-HWRM trigger, the RCFW mailbox and producer, every doorbell, config-space writes) additionally travel to the emulator
-as 16-byte "kick" records on a stream socket, so the device sees them in program order, like posted PCIe writes; a
-write that finds the socket full waits for the emulator to drain it (`send_kicks`), as a posted write stalls the CPU
-when the link's buffers are full. MSI-X vectors are eventfds the emulator writes. When the emulator dies, the kick
-socket reads EOF: that is the removal fd. A second socket carries the debug channel (object counts, fault injection), never used by the driver;
-its first line is the emulator's start-up answer: ready (with the address it bound) or why it could not start.
+BAR0 and the DMA arena are memfds mapped by both processes. MMIO writes that have side effects on a real NIC (the HWRM
+trigger, the RCFW mailbox and producer, every doorbell, config-space writes) additionally travel to the emulator as
+16-byte "kick" records on a stream socket, so the device sees them in program order, like posted PCIe writes; a write
+that finds the socket full waits for the emulator to drain it (`send_kicks`), as a posted write stalls the CPU when the
+link's buffers are full. MSI-X vectors are eventfds the emulator writes. When the emulator dies, the kick socket reads
+EOF: that is the removal fd. A second socket carries the debug channel (object counts, fault injection), never used by
+the driver; its first line is the emulator's start-up answer: ready (with the address it bound) or why it could not
+start.
 
-The emulator process (`EmulatorProcess`: one per NIC, or one for the NICs opened with the same `process` option)
-lives as long as the driver *process* (it watches the driver's pidfd, see process.py) or until its last NIC's
-close(). close() releases everything at once, even while a caller still holds a view of DMA memory: such views are
-left pointing at private zero pages, never at the memfd.
+The emulator process (`EmulatorProcess`: one per NIC, or one for the NICs opened with the same `process` option) lives
+as long as the driver *process* (it watches the driver's pidfd, see aiofabric/sim/process.py) or until its last NIC's
+close(). close() releases everything at once, even while a caller still holds a view of DMA memory: such views are left
+pointing at private zero pages, never at the memfd.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ from ..hw.pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_VENDOR_ID
 from ..sim.kick import (ATTACH_FDS, BAR0_KICK_FROM, CONFIG_SPACE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, NUM_VECTORS,
                         PUNCHED, send_kicks)
 from ..sim.memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
+from ..sim.netns import NETNS_DIR
 from ..sim.options import check_options
+from ..sim.options import FAULTS as FAULTS  # the wire faults, for the tools (which do not import sim/)
 from ..sim.profiles import DEFAULT_PROFILE, PROFILES
-from ..sim.wire import NETNS_DIR
 
 if TYPE_CHECKING:
     from .emulated_debug import DebugClient
@@ -73,8 +75,8 @@ def _unmap(m: mmap.mmap, address: int, length: int) -> None:
 
 
 class EmulatorProcess:
-    """An emulator process (process.py) and its control socket: NICs attach to it, and it exits once the last one
-    has closed and `release()` has closed the control socket.
+    """An emulator process (aiofabric/sim/process.py) and its control socket: NICs attach to it, and it exits once the
+    last one has closed and `release()` has closed the control socket.
 
     `acquire` gives each SimPCIDevice opened with the option process=NAME the one process of that name (and
     namespace) in this driver process while it has NICs; a NIC without it gets a process of its own."""
@@ -195,15 +197,17 @@ class SimBar(Bar):
 
 
 class SimPCIDevice(PCIDevice):
-    """An emulated BNXT NIC in its own OS process.
+    """An emulated BNXT NIC in an emulator process: its own, or one it shares with the NICs opened with the same
+    `process` option.
 
-    `options` go to the emulator; see OPTIONS and the README: `ip` (without one the emulator binds a free 127.0.0.x
-    itself, race-free across processes; `self.ip` says which, and `self.netns` if UDP 4791 was taken on every one of
-    the host's and it moved to this user's private network namespace), `mac`, `fw_latency_us`, `transport`, the wire
-    faults `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap`, `port_mtu` (port.py), `profile` (the chip and
-    firmware it plays, profiles.py), and `netns`, which starts the process inside that network namespace, so its wire
-    is the namespace's interfaces. Bad options raise ValueError before anything starts; an emulator that cannot start
-    raises PCIError with its reason.
+    `options` go to the emulator; see aiofabric/sim/options.py and docs/emulator.md: `ip` (without one the emulator
+    binds a free 127.0.0.x itself, race-free across processes; `self.ip` says which, and `self.netns` if UDP 4791 was
+    taken on every one of the host's and it moved to this user's private network namespace), `mac`, `fw_latency_us`,
+    `transport`, the wire faults `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap` and `pcap_max_bytes` (the capture
+    and its bound), `port_mtu`, `profile` (the chip and firmware it plays), `netns`, which starts the process inside
+    that network namespace, so its wire is the namespace's interfaces, and `process`, a name: the NICs this process
+    opens with the same name (and namespace) share one emulator process. Bad options raise ValueError before anything
+    starts; an emulator that cannot start raises PCIError with its reason.
     """
 
     ip: str
@@ -361,7 +365,7 @@ class SimPCIDevice(PCIDevice):
 
     # -- the debug channel (tests and tools only) -----------------------------------------------------------------
     def debug_client(self) -> DebugClient:
-        """The emulator's debug channel, for async code: counters, placement counts, faults (see sim/debug.py)."""
+        """The emulator's debug channel, for async code: counters, placement counts, faults (see emulated_debug.py)."""
         return self._debug_client
 
     def debug(self, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The emulated NIC's debug channel, driver side: a typed client that never blocks the event loop.
 
-The channel is a stream socket to the emulator process (made by `SimPCIDevice`, answered by process.py): each request
-is one JSON line and gets one JSON line back, in order. Replies carry no request id, so a request given up on (its
-timeout passed, or its caller was cancelled) still owes a reply; the next request skips it.
+The channel is a stream socket to the emulator process (made by `SimPCIDevice`, answered by aiofabric/sim/debug.py):
+each request is one JSON line and gets one JSON line back, in order. Replies carry no request id, so a request given up
+on (its timeout passed, or its caller was cancelled) still owes a reply; the next request skips it.
 
 `DebugClient`'s coroutines wait for the socket with anyio (asyncio, uvloop or trio) and give up after their timeout;
 `request_blocking` serves the synchronous `SimPCIDevice.debug` of tests and tools through the same state, so the two
@@ -78,7 +78,7 @@ class DebugClient:
         return collections.Counter((await self.request("objects"))["objects"])
 
     async def stats(self) -> collections.Counter[str]:
-        """Every counter of the emulator by name (process.py lists them: packets_sent, retransmits, dropped,
+        """Every counter of the emulator by name (aiofabric/sim/debug.py lists them: packets_sent, retransmits, dropped,
         rx_overflow, ...; among the drops' reasons dropped_bad_source, packets to a QP from an address other than its
         peer's); a counter it does not report reads 0."""
         return collections.Counter((await self.request("stats"))["stats"])

@@ -1,4 +1,4 @@
-"""The scheduler: compiled batches of kernel, copy and RDMA calls over many in-order queues (README: Scheduler).
+"""The scheduler: compiled batches of kernel, copy and RDMA calls over many in-order queues (docs/scheduler.md).
 
     batch = sched.compile([sched.kernel(...), sched.write(qp, ...), ...], inputs={"x": x})
     await batch.run({"x": new_x})          # replay with new inputs, no planning

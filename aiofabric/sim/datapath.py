@@ -1,8 +1,11 @@
 """The emulated NIC's RoCE data path (sans-IO): doorbells, packets and time in; packets, CQEs and events out.
 
-One `Datapath` per NIC, beside its `Firmware`. The I/O shell (process.py) feeds it:
+One `Datapath` per NIC, beside its `Firmware`. The MMIO decoder (mmio.py) rings it, the I/O shell (emulator.py)
+feeds it:
 
-    dp.doorbells(now)          after kicks: SQ/RQ producers the firmware recorded in fw.sq_doorbells / rq_doorbells
+    dp.ring_sq(qp, index, epoch), dp.ring_rq(...)   an SQ or RQ doorbell: the producer moves at once (in program
+                               order with the driver's other writes), the QP acts on it at the next doorbells()
+    dp.doorbells(now)          the QPs whose SQ or RQ doorbell rang since the last call fetch what was posted
     dp.receive(packets, now)   a batch of decoded packets from the wire; ACKs owed are sent once, at the batch end
     dp.advance(now)            fire due timers (retransmission, RNR waits)
     dp.pump(now, budget)       turn posted work into request packets (round-robin over QPs, window permitting)
@@ -13,9 +16,10 @@ One `Datapath` per NIC, beside its `Firmware`. The I/O shell (process.py) feeds 
     dp.placed_report()         per QP, the messages and bytes placed in memory, the atomics executed (debug "placed")
     dp.faults.inject(kind, count, offset)   deliberately wrong WRITE placement (debug "fault")
 
-CQEs land in host memory through `CompletionQueue.post`; interrupts collect in fw.interrupts; QP errors reach the CREQ
-through `rcfw.post_event("qp_error")`. Per QP a `QpContext` holds the `Requester` (requester.py) and `Responder`
-(responder.py) and is their `QpPort` (qpport.py): all they reach of the data path. It is created on first use and
+CQEs land in host memory through `post_cqe` (`CompletionQueue.post`, and a CQ overflow reported once), which the
+requester and responder call directly; interrupts collect in fw.interrupts; QP errors reach the CREQ through
+`rcfw.post_event("qp_error")`. Per QP a `QpContext` holds the `Requester` (requester.py, its answers taken by
+completer.py) and `Responder` (responder.py) and is their `QpPort` (qpport.py): all they reach of the data path. It is created on first use and
 watches the QP's state (`QueuePair.observer`, called by `QueuePair.change_state`): ERR flushes, RTS starts the send
 queue, RESET forgets everything.
 
@@ -33,14 +37,14 @@ Deviations from rxe/hardware, on purpose:
 - A duplicate READ is answered from its own RETH (rkey checked again, memory read again); responder READ resources
   (max_dest_rd_atomic, the IRRQ) are not limited, and the ORRQ/IRRQ memory is not used: the engine keeps that state
   itself. Atomics' saved results do take max_dest_rd_atomic entries (READs take none of them), so a duplicate atomic
-  is answered from its result, never executed again, for as long as the requester may retransmit it (responder.py).
+  is answered from its result, never executed again, for as long as the requester may retransmit it (atomics.py).
   The SQ's search table (MSN or PSN entries) is read only by a go-back with hardware retransmission on, to find the
-  message it resumes (requester.py); without it the engine retransmits from its own state, as firmware keeps it in
+  message it resumes (completer.py); without it the engine retransmits from its own state, as firmware keeps it in
   the QP context. `max_rd_atomic` 0 is treated as 1.
 - No P_Key check on received packets. The source address is checked as rxe's check_addr does (rxe_recv.c): a QP
   takes packets only from the IPv4 address of the GID it was connected to, addressed to this NIC's; others are
   dropped silently and counted as dropped_bad_source. The UDP source port is not part of this check (RoCEv2 stacks
-  pick it per flow); the UDP transport drops a loopback sender not on 4791 before a packet gets here (wire.py).
+  pick it per flow); the UDP transport drops a loopback sender not on 4791 before a packet gets here (udp.py).
 - SEND with invalidate, SRQs, UD and UC are not emulated.
 """
 from __future__ import annotations
@@ -54,7 +58,9 @@ from typing import Any, Callable
 from . import packets as pk
 from .hwrm import Firmware
 from .objects import CompletionQueue, QueuePair
-from .qpport import Address, Outgoing, PlacedCounts, PlacementFaults
+from .packets import ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, RESPONSE_FIRST
+from .placement import PlacedCounts, PlacementFaults
+from .qpport import Address, Outgoing
 from .requester import Requester
 from .responder import Responder
 from ..autogen import bnxt
@@ -63,8 +69,6 @@ from ..hw.verbs import QPState
 
 QUANTUM = 32  # packets one QP may send before the next ready QP gets its turn
 RTS, RTR, SQD, ERR, RESET = QPState.RTS, QPState.RTR, QPState.SQD, QPState.ERR, QPState.RESET
-RESPONSE_FIRST, ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE = (  # responses (to the requester) are the opcodes in between
-    int(pk.Op.RDMA_READ_RESPONSE_FIRST), int(pk.Op.ACKNOWLEDGE), int(pk.Op.ATOMIC_ACKNOWLEDGE))
 CQ_OVERFLOW = {True: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_REQ_CQ_OVERFLOW_ERROR,
                False: bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_RES_CQ_OVERFLOW_ERROR}
 
@@ -76,6 +80,7 @@ class QpContext:
     def __init__(self, dp: Datapath, qp: QueuePair) -> None:
         self.dp, self.qp = dp, qp
         self.mem, self.mrs, self.stats, self.outbox, self.faults = dp.mem, dp.mrs, dp.stats, dp.outbox, dp.faults
+        self.post_cqe, self.acks_due = dp.post_cqe, dp.acks_due
         self.address: Address = (0, 0, "", "", 0, 0, 0)
         self.peer_ip = ""  # the only source address this QP accepts packets from (receive(): check_addr)
         self.refresh()
@@ -108,18 +113,15 @@ class QpContext:
             self.dp.ready.append(self)
 
     def schedule(self, when: float) -> None:
-        self.dp.schedule(self, when)
-
-    def post_cqe(self, cq: CompletionQueue, cqe: bytes, solicited: bool = False) -> None:
-        self.dp.post_cqe(cq, cqe, solicited)
+        """Make sure advance() looks at this QP no later than `when` (its own deadlines may since have moved later)."""
+        if self.timer_at is None or when < self.timer_at:
+            self.timer_at = when
+            heapq.heappush(self.dp.timers, (when, next(self.dp.timer_sequence), self))
 
     def fail_qp(self, req_reason: int = 0, res_reason: int = 0) -> None:
         if self.qp.state != ERR:
             self.error_reasons = (req_reason, res_reason)
             self.qp.change_state(ERR)  # on_state flushes and reports
-
-    def owe_ack(self) -> None:
-        self.dp.acks_due.append(self)
 
     def sq_doorbell(self) -> None:
         state = self.qp.state
@@ -137,7 +139,7 @@ class Datapath:
     """The RC engine of one NIC."""
 
     def __init__(self, fw: Firmware, ip: str = "0.0.0.0") -> None:
-        self.fw, self.rcfw, self.mem, self.mrs = fw, fw.rcfw, fw.mem, fw.rcfw.mrs
+        self.rcfw, self.mem, self.mrs = fw.rcfw, fw.mem, fw.rcfw.mrs
         self.ip = ip
         # packets_sent, packets_received, retransmits, go_backs, acks, naks, rnr_naks, duplicates, out_of_sequence,
         # timeouts,
@@ -148,9 +150,11 @@ class Datapath:
         self.outbox: list[Outgoing] = []  # one list for good: the QP contexts hold it
         self.contexts: dict[int, QpContext] = {}
         self.ready: collections.deque[QpContext] = collections.deque()
-        self.acks_due: list[QpContext] = []  # QPs whose responder owes a coalesced ACK at the end of this batch
-        self._timers: list[tuple[float, int, QpContext]] = []
-        self._sequence = itertools.count()
+        self.acks_due: list[Callable[[], None]] = []  # responders' flush_ack: a coalesced ACK owed at this batch's end
+        self.timers: list[tuple[float, int, QpContext]] = []  # a heap: (when, its order, QP)
+        self.timer_sequence = itertools.count()
+        self.sq_rung: list[QueuePair] = []  # QPs whose SQ / RQ doorbell rang since doorbells() last looked
+        self.rq_rung: list[QueuePair] = []
         self._overflowed: set[int] = set()
         self.last_error = ""
         self.placed: dict[int, PlacedCounts] = {}  # by QPN; an entry whose qp is not the live one is stale
@@ -217,27 +221,37 @@ class Datapath:
         return report
 
     # -- inputs ------------------------------------------------------------------------------------------------------
-    def doorbells(self, now: float) -> None:
-        """Act on the SQ and RQ doorbells the firmware recorded since the last call."""
-        fw = self.fw
-        if fw.sq_doorbells:
-            qpns = dict.fromkeys(fw.sq_doorbells)
-            fw.sq_doorbells.clear()
-            for qpn in qpns:
-                self._guarded(self._sq_doorbell, qpn)
-        if fw.rq_doorbells:
-            qpns = dict.fromkeys(fw.rq_doorbells)
-            fw.rq_doorbells.clear()
-            for qpn in qpns:
-                self._guarded(self._rq_doorbell, qpn)
+    def ring_sq(self, qp: QueuePair, index: int, epoch: int) -> None:
+        """An SQ doorbell: the producer (index, epoch) is the QP's now; its WQEs are fetched at doorbells()."""
+        qp.sq_producer, qp.sq_producer_epoch = index, epoch
+        self.sq_rung.append(qp)
 
-    def _sq_doorbell(self, qpn: int) -> None:
-        ctx = self.context(qpn)
+    def ring_rq(self, qp: QueuePair, index: int, epoch: int) -> None:
+        """An RQ doorbell: the producer (index, epoch) is the QP's now; doorbells() flushes it if the QP is in ERR."""
+        qp.rq_producer, qp.rq_producer_epoch = index, epoch
+        self.rq_rung.append(qp)
+
+    def doorbells(self, now: float) -> None:
+        """Act on the SQ and RQ doorbells rung since the last call, once per QP (one gone since, or reset by a
+        FUNC_RESET, is not acted on)."""
+        if self.sq_rung:
+            qps = dict.fromkeys(self.sq_rung)
+            self.sq_rung.clear()
+            for qp in qps:
+                self._guarded(self._sq_doorbell, qp)
+        if self.rq_rung:
+            qps = dict.fromkeys(self.rq_rung)
+            self.rq_rung.clear()
+            for qp in qps:
+                self._guarded(self._rq_doorbell, qp)
+
+    def _sq_doorbell(self, qp: QueuePair) -> None:
+        ctx = self.context(qp.qpn) if self.rcfw.qps.get(qp.qpn) is qp else None
         if ctx is not None:
             ctx.sq_doorbell()
 
-    def _rq_doorbell(self, qpn: int) -> None:
-        ctx = self.context(qpn)
+    def _rq_doorbell(self, qp: QueuePair) -> None:
+        ctx = self.context(qp.qpn) if self.rcfw.qps.get(qp.qpn) is qp else None
         if ctx is not None and ctx.qp.state == ERR:
             ctx.responder.flush()  # receives posted to a QP in ERR complete FLUSHED at once
 
@@ -296,19 +310,13 @@ class Datapath:
         self.flush_acks()
 
     def flush_acks(self) -> None:
-        for ctx in self.acks_due:
-            ctx.responder.flush_ack()
+        for flush_ack in self.acks_due:
+            flush_ack()
         self.acks_due.clear()
 
     # -- time and transmission ---------------------------------------------------------------------------------------
-    def schedule(self, ctx: QpContext, when: float) -> None:
-        """Make sure advance() looks at `ctx` no later than `when` (its own deadlines may since have moved later)."""
-        if ctx.timer_at is None or when < ctx.timer_at:
-            ctx.timer_at = when
-            heapq.heappush(self._timers, (when, next(self._sequence), ctx))
-
     def advance(self, now: float) -> None:
-        timers = self._timers
+        timers = self.timers
         while timers and timers[0][0] <= now:
             _, _, ctx = heapq.heappop(timers)
             ctx.timer_at = None
@@ -320,7 +328,7 @@ class Datapath:
                 self._internal_error(exc)
             deadline = ctx.requester.deadline()
             if deadline is not None:
-                self.schedule(ctx, max(deadline, now + 1e-6))
+                ctx.schedule(max(deadline, now + 1e-6))
             ctx.wake()
 
     def pump(self, now: float, budget: int = 1 << 30) -> int:
@@ -348,7 +356,7 @@ class Datapath:
         """When advance()/pump() next have something to do: 0.0 for "now", None for "only on new input"."""
         if self.ready:
             return 0.0
-        timers = self._timers
+        timers = self.timers
         return timers[0][0] if timers else None
 
     def describe(self) -> dict[str, dict[str, Any]]:

@@ -1,5 +1,5 @@
 """Host memory the driver gave back, as the emulated device sees it: the arena ranges it freed (its DMA_UNMAP
-records, see host.py) and has not allocated again, and the device writes that landed there afterwards.
+records, see kick.py) and has not allocated again, and the device writes that landed there afterwards.
 
 The driver punches freed pages out of the shared memfd (MADV_REMOVE), so they are not resident until someone writes
 them. A page of a freed range that is resident again and not all zero was written by the device after the free: a

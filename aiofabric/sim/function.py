@@ -2,8 +2,8 @@
 
 HWRM (hwrm.py) and the RoCE channel (rcfw.py) are two doors into one PCI function. What both need lives here: host
 memory and the configuration, the rings HWRM allocates (the CREQ and the NQs the RoCE side posts to are HWRM rings),
-statistics contexts, the backing store and how many objects it holds, the SQ/RQ doorbells recorded for the data
-path, the MSI-X vectors the I/O shell is to fire, injected errors and error accounting. `hwrm.Firmware` is this
+statistics contexts, the backing store and how many objects it holds, the MSI-X vectors the I/O shell is to fire,
+injected errors and error accounting. `hwrm.Firmware` is this
 state plus the HWRM commands, and owns the `rcfw.Rcfw` that is handed this state: neither channel imports the other
 for it.
 """
@@ -85,8 +85,6 @@ class FunctionState:
     def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
         self.mem, self.config = mem, config
         self.interrupts: list[int] = []  # MSI-X vectors for the shell to fire
-        self.sq_doorbells: list[int] = []  # QP numbers whose SQ / RQ producer moved, for the data path
-        self.rq_doorbells: list[int] = []
         self.injected_errors: dict[str, list[int]] = {}  # command name -> [status, remaining count]
         # counters for the debug channel: errors, internal_errors (emulator bugs), ctx_init_missing, legacy_doorbells,
         # l2_doorbells, ignored_doorbells, doorbells_without_valid, ignored_triggers, creq_dropped, hwrm_unanswerable
@@ -103,13 +101,11 @@ class FunctionState:
         self.loopback = bnxt.PORT_PHY_CFG_REQ_LPBK_NONE
 
     def clear(self) -> None:
-        """FUNC_RESET: the L2 objects, the backing store and the recorded doorbells are gone."""
+        """FUNC_RESET: the L2 objects and the backing store are gone."""
         for table in (self.rings, self.stat_ctxs, self.vnics, self.l2_filters, self.backing_store):
             table.clear()
         self.queried_context_types.clear()
         self.backing_store_done, self.driver = False, None
-        self.sq_doorbells.clear()
-        self.rq_doorbells.clear()
 
     # -- errors ------------------------------------------------------------------------------------------------------
     def failure(self, what: str, exc: Exception, invalid: int, internal: int) -> int:

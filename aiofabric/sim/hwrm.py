@@ -1,12 +1,14 @@
-"""The emulated NIC's firmware, HWRM side: the ChiMP command channel, doorbells and fault injection (sans-IO).
+"""The emulated NIC's firmware, HWRM side: the ChiMP command channel, asynchronous events and fault injection
+(sans-IO).
 
 `Firmware.hwrm(request)` executes one request window and returns where to DMA the answer and its bytes; the I/O
 shell writes them (valid byte last) and fires interrupts from `Firmware.interrupts`. A window holding a short request
 (`hwrm_short_input`) names the request in host memory, read from there. What the firmware offers (its chip, backing
 store v2, short commands) is its profile's (profiles.py). `Firmware` is the function's shared state (function.py)
 plus the HWRM commands, the Ethernet port (port.py: link and MTU) and the asynchronous events the driver registered
-for (`post_event`); its RoCE command channel is `rcfw.Rcfw`, created here over that state. Behaviour follows what
-Linux's bnxt_en (bnxt_hwrm.c, bnxt.c) expects of real firmware. Bad input never raises: it gets an error code.
+for (`post_event`); its RoCE command channel is `rcfw.Rcfw`, created here over that state. Doorbells do not pass
+through here: mmio.py decodes them for the NQs, CQs and the data path. Behaviour follows what Linux's bnxt_en
+(bnxt_hwrm.c, bnxt.c) expects of real firmware. Bad input never raises: it gets an error code.
 """
 from __future__ import annotations
 
@@ -62,8 +64,7 @@ class _Command:
 
 
 class Firmware(FunctionState):
-    """The function's firmware: its shared state (function.py), the HWRM commands and the doorbell page; `rcfw` is
-    its RoCE channel."""
+    """The function's firmware: its shared state (function.py) and the HWRM commands; `rcfw` is its RoCE channel."""
 
     COMMANDS = ("ver_get", "func_reset", "func_qcaps", "func_qcfg", "func_drv_rgtr", "func_drv_unrgtr",
                 "func_backing_store_qcaps_v2", "func_backing_store_cfg_v2", "stat_ctx_alloc", "stat_ctx_free",
@@ -131,15 +132,6 @@ class Firmware(FunctionState):
             return self.mem.read(address, size).ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0")
         except DmaFault:
             return None
-
-    def doorbell(self, offset: int, value: int) -> None:
-        """A 64-bit write to BAR2. Below the RoCE doorbell page are legacy L2 doorbells: counted, ignored."""
-        if offset < self.roce_db_offset:
-            self.stats["legacy_doorbells"] += 1
-        else:
-            self.rcfw.doorbell(value)
-            if self.async_events:  # an NQ doorbell may have made room on the event ring
-                self._flush_async_events()
 
     def objects(self) -> dict[str, int]:
         """Live object counts, for the debug channel (a clean shutdown brings every one back to zero)."""
@@ -395,9 +387,10 @@ class Firmware(FunctionState):
             self.stats["async_events_not_forwarded"] += 1
             return
         self.async_events.append(async_event(event_id, data1, data2))
-        self._flush_async_events()
+        self.flush_async_events()
 
-    def _flush_async_events(self) -> None:
+    def flush_async_events(self) -> None:
+        """Post the events waiting for room on the event ring, as many as fit."""
         ring = self._async_event_ring()
         while self.async_events and ring is not None and ring.post(self.async_events[0]):
             self.async_events.popleft()

@@ -1,8 +1,8 @@
 """The kick protocol: how MMIO writes and DMA mappings reach the emulator process, and how a NIC attaches to it.
 
-The device side defines it (process.py reads it); the driver side's emulated backend (aiofabric/pci/emulated.py)
-writes it. A kick is a 16-byte record on a stream socket, so the device sees writes in program order, like posted
-PCIe writes."""
+The device side defines it (process.py attaches NICs by it, mmio.py decodes the kicks); the driver side's emulated
+backend (aiofabric/pci/emulated.py) writes it. A kick is a 16-byte record on a stream socket, so the device sees
+writes in program order, like posted PCIe writes."""
 from __future__ import annotations
 
 import select

@@ -10,7 +10,7 @@ import bisect
 
 PAGE = 0x1000
 BUS_BASE = 0x10_0000_0000
-# Sparse: only allocated pages cost memory (freed ones go back to the host, host.py). 4 GiB: two 1 GiB buffers
+# Sparse: only allocated pages cost memory (freed ones go back to the host, pci/emulated.py). 4 GiB: two 1 GiB buffers
 # (a loopback message's source and target on one NIC) and the rings fit.
 ARENA_SIZE = 4 << 30
 BAR0_SIZE = 0x10000

@@ -1,4 +1,4 @@
-"""The options an emulated NIC takes (process.py reads them), and their checks, run before a process starts."""
+"""The options an emulated NIC takes (emulator.py reads them), and their checks, run before a process starts."""
 from __future__ import annotations
 
 import ipaddress

@@ -9,7 +9,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .packets import ICRC_SIZE, IPV4_HEADER_SIZE, UDP_HEADER_SIZE, Op, Packet, Segments, header_size
+from .codec import header_size
+from .packets import ICRC_SIZE, IPV4_HEADER_SIZE, UDP_HEADER_SIZE, Op, Packet, Segments
 from ..autogen import bnxt
 from ..hw.verbs import PATH_MTU_BYTES
 

@@ -22,7 +22,7 @@ from ..autogen import bnxt
 @dataclass(frozen=True)
 class FirmwareProfile:
     name: str
-    summary: str  # one line, for option errors and the README
+    summary: str  # one line, for option errors and docs/emulator.md
     chip_num: int = bnxt.CHIP_NUM_57608
     backing_store_v2: bool = True
     hw_retx: bool = True

@@ -1,29 +1,25 @@
-"""The emulated firmware's RoCE channel (RCFW): CMDQ in, CREQ out, the RoCE object tables, RoCE doorbells (sans-IO).
+"""The emulated firmware's RoCE channel (RCFW): its commands and the RoCE object tables they change (sans-IO).
 
-The driver latches `cmdq_init` through the BAR0 mailbox, writes commands into its CMDQ ring and publishes the
-producer. On a trigger the shell drains `next_command()`, `execute()`s each (latency is the shell's business) and
-`post_creq()`s the 16-byte answer, retrying after doorbells while the CREQ is full. Request and answer layouts are the
-bindings' `cmdq_<name>` and `creq_<name>_resp`; behaviour follows Linux's qplib_rcfw.c. The function's state shared
-with the HWRM side (its rings, statistics contexts, backing store, doorbells for the data path) is the
-`function.FunctionState` handed in.
+The channel's queues are cmdq.py's: on a trigger the shell drains `next_command()`, `execute()`s each (latency is the
+shell's business) and `post_creq()`s the 16-byte answer. Request and answer layouts are the bindings' `cmdq_<name>`
+and `creq_<name>_resp`; behaviour follows Linux's qplib_rcfw.c. The function's state shared with the HWRM side (its
+rings, statistics contexts, backing store) is the `function.FunctionState` handed in.
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import secrets
-import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .cmdq import OPCODE_NAMES, CommandQueue, PendingCommand
 from .function import FunctionState
-from .memory import BAR2_SIZE, PAGE, DmaFault
-from .objects import (CommandError, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList, PageTableError,
-                      QueuePair, lowest_free_id, map_memory)
+from .memory import BAR2_SIZE, PAGE
+from .objects import (CommandError, CompletionQueue, Gid, MemoryRegion, NotificationQueue, PageList, QueuePair,
+                      lowest_free_id, map_memory)
 from ..autogen import bnxt
-from ..hw import doorbell
 from ..hw.cqe import CQ_ENTRY, SQ_CONS_IDX_MASK
-from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT, PAGE_SIZE_CODES
+from ..hw.firmware import CMDQ_SLOT, PAGE_SIZE_CODES
 from ..hw.firmware import BackingStoreType as BS
 from ..hw.firmware import add_gid_values
 from ..hw.layout import field_type
@@ -34,8 +30,6 @@ QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
 SUCCESS, FAIL, RESOURCES, INVALID_CMD, NOT_IMPLEMENTED, INVALID_PARAMETER = (
     getattr(bnxt, f"CREQ_QP_EVENT_STATUS_{name}") for name in
     ("SUCCESS", "FAIL", "RESOURCES", "INVALID_CMD", "NOT_IMPLEMENTED", "INVALID_PARAMETER"))
-OPCODE_NAMES = {value: name.removeprefix("CMDQ_BASE_OPCODE_").lower() for name, value in vars(bnxt).items()
-                if name.startswith("CMDQ_BASE_OPCODE_") and name != "CMDQ_BASE_OPCODE_LAST"}
 BEFORE_INITIALIZE_FW = {"query_func", "query_version", "initialize_fw", "deinitialize_fw"}
 QP_TYPES = {bnxt.CMDQ_CREATE_QP_TYPE_RC, bnxt.CMDQ_CREATE_QP_TYPE_UD, bnxt.CMDQ_CREATE_QP_TYPE_RAW_ETHERTYPE,
             bnxt.CMDQ_CREATE_QP_TYPE_GSI}
@@ -48,24 +42,6 @@ MODIFY_FIELDS = tuple((getattr(bnxt, M + bit), bit.lower()) for bit in (
     "RETRY_CNT", "RNR_RETRY", "RQ_PSN", "SQ_PSN", "MAX_RD_ATOMIC", "MIN_RNR_TIMER", "MAX_DEST_RD_ATOMIC", "DEST_QP_ID",
     "SRC_MAC", "VLAN_ID"))
 RTR_NEEDS = getattr(bnxt, M + "DGID") | getattr(bnxt, M + "DEST_QP_ID")  # a connected QP must know its peer
-NQ_DOORBELLS = {bnxt.DBC_DBC_TYPE_NQ: None, bnxt.DBC_DBC_TYPE_NQ_ARM: True, bnxt.DBC_DBC_TYPE_NQ_MASK: False}
-CQ_DOORBELLS = {bnxt.DBC_DBC_TYPE_CQ, bnxt.DBC_DBC_TYPE_CQ_ARMALL, bnxt.DBC_DBC_TYPE_CQ_ARMSE,
-                bnxt.DBC_DBC_TYPE_CQ_ARMENA}
-
-
-@dataclass(frozen=True)
-class PendingCommand:
-    """One command taken off the CMDQ: its header fields and all its slots."""
-    opcode: int
-    cookie: int
-    resp_size: int  # side buffer, in 16-byte units
-    resp_addr: int
-    data: bytes
-    complete: bool  # False when cmd_size was 0 or claimed more slots than were published
-
-    @property
-    def name(self) -> str:
-        return OPCODE_NAMES.get(self.opcode, f"opcode {self.opcode:#x}")
 
 
 @dataclass(frozen=True)
@@ -75,24 +51,17 @@ class _Command:
     run: Callable[[Any, PendingCommand], dict[str, Any]]
 
 
-class Rcfw:
-    """The RoCE command channel of one function, and the RoCE objects it creates."""
+class Rcfw(CommandQueue):
+    """The RoCE command channel of one function (its queues: CommandQueue), and the RoCE objects it creates."""
 
     COMMANDS = ("initialize_fw", "deinitialize_fw", "query_func", "query_version", "add_gid", "delete_gid",
                 "create_cq", "destroy_cq", "create_qp", "modify_qp", "query_qp", "destroy_qp", "allocate_mrw",
                 "deallocate_key", "register_mr", "deregister_mr")
 
     def __init__(self, function: FunctionState) -> None:
-        self.fw, self.mem = function, function.mem
-        self.mailbox = bytearray(CMDQ_INIT.size)
-        self.cmdq: PageList | None = None  # None: no cmdq_init latched (or its CREQ is gone): commands are ignored
-        self.cmdq_depth = 0
-        self.creq: NotificationQueue | None = None
-        self.producer = self.published = self.consumer = 0  # 16-bit free-running slot counts
-        self.consumer_slot = 0
+        super().__init__(function)
         self.initialized = False
         self.hw_retx = False  # INITIALIZE_FW asked for hardware requester retransmission (the profile offers it)
-        self.events: collections.deque[bytes] = collections.deque()  # asynchronous events waiting for CREQ room
         self.gids: dict[int, Gid] = {}
         self.cqs: dict[int, CompletionQueue] = {}
         self.qps: dict[int, QueuePair] = {}
@@ -112,70 +81,7 @@ class Rcfw:
         self.stop()
         self.initialized = self.hw_retx = False
 
-    def stop(self) -> None:
-        self.cmdq, self.creq, self.cmdq_depth = None, None, 0
-        self.events.clear()
-
-    # -- the command queue -------------------------------------------------------------------------------------------
-    def mailbox_write(self, offset: int, value: int) -> None:
-        """A 32-bit write to BAR0 + 0x600 + offset: the cmdq_init dwords; 0xC is also the producer register."""
-        if offset not in range(0, CMDQ_INIT.size, 4):
-            self.fw.stats["mailbox_ignored"] += 1
-            return
-        struct.pack_into("<I", self.mailbox, offset, value & 0xFFFFFFFF)
-        if offset == bnxt.RCFW_PF_VF_COMM_PROD_OFFSET:
-            if value & CMDQ_FIRST_PRODUCER:
-                self._start()
-            self.producer = value & 0xFFFF
-
-    def _start(self) -> None:
-        """The first producer write after cmdq_init: latch the CMDQ geometry and reset the CMDQ/CREQ pointers."""
-        self.stop()
-        pbl, size_level, creq_ring_id, _ = CMDQ_INIT.unpack(self.mailbox)
-        depth = (size_level & bnxt.CMDQ_INIT_CMDQ_SIZE_MASK) >> bnxt.CMDQ_INIT_CMDQ_SIZE_SFT
-        creq = self.fw.rings.get(creq_ring_id)
-        try:
-            if not isinstance(creq, NotificationQueue):
-                raise CommandError(FAIL, f"creq_ring_id {creq_ring_id} is not an allocated NQ ring")
-            if not depth:
-                raise CommandError(FAIL, "CMDQ depth 0")
-            self.cmdq = map_memory(self.mem, size_level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK, pbl, depth * CMDQ_SLOT,
-                                   queue=True)
-        except (CommandError, DmaFault, PageTableError) as exc:
-            self.fw.note_error("RCFW cmdq_init", f"{exc}; commands are ignored until the next FIRST producer write")
-            return
-        self.cmdq_depth, self.creq = depth, creq
-        creq.reset()
-        self.published = self.consumer = self.consumer_slot = 0
-
-    def trigger(self) -> None:
-        """The driver wrote the trigger register: commands up to the producer are now ours."""
-        if self.cmdq is None:
-            self.fw.stats["ignored_triggers"] += 1
-        else:
-            self.published = self.producer
-
-    def next_command(self) -> PendingCommand | None:
-        """Take the next published command off the CMDQ (wrapping slot by slot), or None."""
-        pending = (self.published - self.consumer) & 0xFFFF
-        if self.cmdq is None or not pending:
-            return None
-        if pending > self.cmdq_depth:
-            self.fw.note_error("RCFW", f"producer is {pending} slots ahead, beyond the {self.cmdq_depth}-slot CMDQ")
-            self.consumer = self.published
-            return None
-        size = self._slot(self.consumer_slot)[1]
-        slots = min(max(size, 1), pending)
-        data = b"".join(self._slot((self.consumer_slot + i) % self.cmdq_depth) for i in range(slots))
-        self.consumer = (self.consumer + slots) & 0xFFFF
-        self.consumer_slot = (self.consumer_slot + slots) % self.cmdq_depth
-        opcode, _, _, cookie, resp_size, resp_addr = CMDQ_HEADER.unpack_from(data)
-        return PendingCommand(opcode, cookie, resp_size, resp_addr, data, complete=slots == size)
-
-    def _slot(self, slot: int) -> bytes:
-        assert self.cmdq is not None
-        return self.mem.read(self.cmdq.address(slot * CMDQ_SLOT), CMDQ_SLOT)
-
+    # -- the commands --------------------------------------------------------------------------------------------------
     def execute(self, command: PendingCommand) -> bytes:
         """Run one command against the object tables; return its 16-byte CREQ answer (phase bit left 0)."""
         handler = self._commands.get(command.opcode)
@@ -196,13 +102,6 @@ class Rcfw:
             status = self.fw.failure(f"RCFW {name}", exc, INVALID_PARAMETER, bnxt.CREQ_QP_EVENT_STATUS_INTERNAL_ERROR)
         response = handler.response if handler else bnxt.creq_qp_event
         return bytes(response(type=QP_EVENT, status=status, cookie=command.cookie, event=command.opcode, **fields))
-
-    def post_creq(self, entry: bytes) -> bool:
-        """Post an answer on the CREQ; False (nothing posted) when full. Without a CREQ the answer is dropped."""
-        if self.creq is None:
-            self.fw.stats["creq_dropped"] += 1
-            return True
-        return self.creq.post(entry)
 
     # -- asynchronous events -----------------------------------------------------------------------------------------
     def post_event(self, kind: str, xid: int = 0, event: int = 0, reason: int = 0, res_reason: int = 0) -> bool:
@@ -227,43 +126,8 @@ class Rcfw:
         else:
             raise ValueError(f"unknown event kind {kind!r} (qp_error, cq_error, function)")
         self.events.append(bytes(entry))
-        self._flush_events()
+        self.flush_events()
         return not self.events
-
-    def _flush_events(self) -> None:
-        while self.events and self.creq is not None and self.creq.post(self.events[0]):
-            self.events.popleft()
-
-    # -- doorbells (hw/doorbell.py) ----------------------------------------------------------------------------------
-    def doorbell(self, value: int) -> None:
-        """A 64-bit write to the RoCE doorbell page."""
-        xid, kind, index, epoch, _, path, valid = doorbell.decode(value)
-        stats = self.fw.stats
-        if not valid:
-            stats["doorbells_without_valid"] += 1
-            return
-        if kind in NQ_DOORBELLS:  # NQs are HWRM rings, whatever the path
-            nq = self.fw.rings.get(xid)
-            if not isinstance(nq, NotificationQueue):
-                stats["ignored_doorbells"] += 1
-                return
-            nq.consumer_doorbell(index, epoch, arm=NQ_DOORBELLS[kind])
-            if nq is self.creq:
-                self._flush_events()
-        elif path != bnxt.DBC_DBC_PATH_ROCE:
-            stats["l2_doorbells"] += 1
-        elif kind in CQ_DOORBELLS and xid in self.cqs:
-            self.cqs[xid].doorbell(kind, index, epoch)
-        elif kind in (bnxt.DBC_DBC_TYPE_SQ, bnxt.DBC_DBC_TYPE_RQ) and xid in self.qps:
-            qp = self.qps[xid]
-            if kind == bnxt.DBC_DBC_TYPE_SQ:
-                qp.sq_producer, qp.sq_producer_epoch = index, epoch
-                self.fw.sq_doorbells.append(xid)
-            else:
-                qp.rq_producer, qp.rq_producer_epoch = index, epoch
-                self.fw.rq_doorbells.append(xid)
-        else:
-            stats["ignored_doorbells"] += 1
 
     # -- function ----------------------------------------------------------------------------------------------------
     def _initialize_fw(self, request: Any, command: PendingCommand) -> dict[str, Any]:

@@ -7,33 +7,29 @@ an earlier one is a duplicate, re-acknowledged (SEND/WRITE), answered again from
 saved for it (atomic), never executed twice. ACKs are coalesced: a packet with AckReq only notes the PSN, and
 `flush_ack()` (called by the data path at the end of every receive batch) sends one ACK for the highest; an atomic is
 answered at once with its ATOMIC_ACKNOWLEDGE. Invalid requests and access violations answer with a NAK and put the QP
-in ERR, as rxe's class C errors do. All it reaches of the data path is its `QpPort` (qpport.py).
-
-Atomics (rxe_resp.c `atomic_reply`): the rkey, the region's and the QP's REMOTE_ATOMIC access and the bounds are
-checked first (NAK remote access error), then the 8-byte alignment of the address (NAK invalid request); the 64-bit
-value in host memory (little-endian) is replaced, wrapping mod 2^64, and the original goes back in the AtomicAckETH.
-The original is also kept, by PSN, among the QP's responder resources: at most max_dest_rd_atomic results, the
-oldest given up first (rxe recycles its resources the same way), which is as many atomics as the requester may have
-unanswered. A duplicate is answered from there.
+in ERR, as rxe's class C errors do. A SEND fills the RQ WQE at the consumer (receivequeue.py); atomics execute as
+atomics.py says, and their results are kept for duplicates there. All it reaches of the data path is its `QpPort`
+(qpport.py).
 """
 from __future__ import annotations
 
-import collections
-from typing import Any, Union
-
 from . import packets as pk
-from .dma import ACCESS_ERRORS, EMPTY, Buffer, map_remote, map_sges
-from .packets import MSN_MASK, ROCE_PORT
+from .atomics import AtomicResults, execute
+from .dma import ACCESS_ERRORS, EMPTY, Buffer, map_remote
+from .packets import (ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, COMPARE_SWAP, FETCH_ADD, MSN_MASK, READ_REQUEST, RESPONSE_FIRST,
+                      RESPONSE_LAST, RESPONSE_MIDDLE, RESPONSE_ONLY, ROCE_PORT, SEND_FIRST, SEND_LAST_IMM, SEND_MIDDLE,
+                      SEND_ONLY, SEND_ONLY_IMM, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE, WRITE_ONLY, WRITE_ONLY_IMM)
+from .placement import Target
 from .qpport import QpPort
+from .receivequeue import ReceiveQueue
 from ..autogen import bnxt
 from ..hw.cqe import CQE_RES_RC
-from ..hw.ring import producer_from_doorbell
 from ..hw.verbs import PSN_MASK, MRAccess, QPAccess, psn_count, psn_diff
-from ..hw.wqe import ATOMIC_SIZE, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS, SGE, SQ_SLOT
+from ..hw.wqe import ATOMIC_SIZE
 
 # plain ints: IntFlag arithmetic is slow on the per-message path
-MR_LOCAL_WRITE, MR_REMOTE_READ, MR_REMOTE_WRITE, MR_REMOTE_ATOMIC = (
-    int(MRAccess.LOCAL_WRITE), int(MRAccess.REMOTE_READ), int(MRAccess.REMOTE_WRITE), int(MRAccess.REMOTE_ATOMIC))
+MR_REMOTE_READ, MR_REMOTE_WRITE, MR_REMOTE_ATOMIC = (
+    int(MRAccess.REMOTE_READ), int(MRAccess.REMOTE_WRITE), int(MRAccess.REMOTE_ATOMIC))
 QP_REMOTE_READ, QP_REMOTE_WRITE, QP_REMOTE_ATOMIC = (int(QPAccess.REMOTE_READ), int(QPAccess.REMOTE_WRITE),
                                                      int(QPAccess.REMOTE_ATOMIC))
 R = "CREQ_QP_ERROR_NOTIFICATION_RES_ERR_STATE_REASON_RES_"
@@ -45,34 +41,10 @@ S = bnxt
 OK, FLUSHED = S.CQ_RES_RC_STATUS_OK, S.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR
 IMM, RDMA = S.CQ_RES_RC_FLAGS_IMM, S.CQ_RES_RC_FLAGS_RDMA
 WR_ID_MASK = S.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
-O = pk.Op
-SEND_FIRST, SEND_MIDDLE, SEND_LAST_IMM, SEND_ONLY, SEND_ONLY_IMM = (
-    int(O.SEND_FIRST), int(O.SEND_MIDDLE), int(O.SEND_LAST_WITH_IMMEDIATE), int(O.SEND_ONLY),
-    int(O.SEND_ONLY_WITH_IMMEDIATE))
-WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM = (
-    int(O.RDMA_WRITE_FIRST), int(O.RDMA_WRITE_MIDDLE), int(O.RDMA_WRITE_LAST), int(O.RDMA_WRITE_LAST_WITH_IMMEDIATE),
-    int(O.RDMA_WRITE_ONLY), int(O.RDMA_WRITE_ONLY_WITH_IMMEDIATE))
-READ_REQUEST, ACKNOWLEDGE = int(O.RDMA_READ_REQUEST), int(O.ACKNOWLEDGE)
-ATOMIC_ACKNOWLEDGE, COMPARE_SWAP, FETCH_ADD = int(O.ATOMIC_ACKNOWLEDGE), int(O.COMPARE_SWAP), int(O.FETCH_ADD)
-ATOMIC_MASK = (1 << 8 * ATOMIC_SIZE) - 1
-RESPONSE_FIRST, RESPONSE_MIDDLE, RESPONSE_LAST, RESPONSE_ONLY = (
-    int(O.RDMA_READ_RESPONSE_FIRST), int(O.RDMA_READ_RESPONSE_MIDDLE), int(O.RDMA_READ_RESPONSE_LAST),
-    int(O.RDMA_READ_RESPONSE_ONLY))
 IN_SEND, IN_WRITE = 1, 2
 # WRITE opcodes WRITE_FIRST.. WRITE_ONLY_IMM -> (starts a message, ends it, carries an immediate)
 WRITE_POSITIONS = tuple((op in (WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM), op not in (WRITE_FIRST, WRITE_MIDDLE),
                          op in (WRITE_LAST_IMM, WRITE_ONLY_IMM)) for op in range(WRITE_FIRST, WRITE_ONLY_IMM + 1))
-
-
-class _Discard:
-    """A WRITE target that drops what is written to it: the "skip_placement" fault (qpport.PlacementFaults)."""
-
-    def __setitem__(self, index: slice, data: object) -> None:
-        pass
-
-
-DISCARD = _Discard()
-Target = Union[Buffer, _Discard]  # where a message's payload lands
 
 
 class Responder:
@@ -81,6 +53,8 @@ class Responder:
     def __init__(self, port: QpPort) -> None:
         self.port, self.qp = port, port.qp
         self.mem, self.mrs, self.stats, self.faults = port.mem, port.mrs, port.stats, port.faults
+        self.post_cqe, self.acks_due = port.post_cqe, port.acks_due
+        self.rq = ReceiveQueue(port.qp, port.mem, port.mrs)
         self.started = False
         self.epsn = self.msn = 0
         self.nak_sent = False  # a NAK (sequence or RNR) is out for epsn: drop later PSNs silently until it arrives
@@ -95,7 +69,7 @@ class Responder:
         self.placing = True  # the current WRITE's payload really lands (False only under the skip_placement fault)
         self.wr_id = 0  # of the RQ WQE the current SEND fills
         self.ack_psn: int | None = None  # the coalesced ACK owed at the end of this receive batch
-        self.atomics: collections.OrderedDict[int, int] = collections.OrderedDict()  # PSN -> original, oldest first
+        self.atomics = AtomicResults()
 
     def start(self) -> None:
         """The QP reached RTR: expect rq_psn."""
@@ -119,7 +93,7 @@ class Responder:
 
     def _owe_ack(self, psn: int) -> None:
         if self.ack_psn is None:
-            self.port.owe_ack()
+            self.acks_due.append(self.flush_ack)
         self.ack_psn = psn
 
     def _nak(self, syndrome: int, psn: int) -> None:
@@ -154,8 +128,8 @@ class Responder:
     def _complete(self, status: int, length: int = 0, imm: int = 0, flags: int = 0, solicited: bool = False) -> None:
         """Complete the RQ WQE at the consumer."""
         qp = self.qp
-        self.port.post_cqe(qp.rcq, CQE_RES_RC.pack(length, imm, qp.handle, 0, CQE_TYPE_RES_RC, status, flags,
-                                                   self.wr_id & WR_ID_MASK), solicited)
+        self.post_cqe(qp.rcq, CQE_RES_RC.pack(length, imm, qp.handle, 0, CQE_TYPE_RES_RC, status, flags,
+                                              self.wr_id & WR_ID_MASK), solicited)
         qp.rq_consumer += 1
 
     def _error(self, p: pk.Packet, syndrome: int, reason: int, status: int | None = None) -> None:
@@ -168,50 +142,33 @@ class Responder:
 
     def flush(self) -> None:
         """The QP is in ERR: every posted receive completes FLUSHED."""
-        qp = self.qp
         self.in_msg, self.ack_psn = 0, None
-        if qp.rq is None or not qp.rq_size:
+        if not self.rq.exists:
             return
-        produced = producer_from_doorbell(qp.rq_consumer, qp.rq_producer, qp.rq_producer_epoch, qp.rq_size)
+        qp, produced = self.qp, self.rq.produced()
         while produced is not None and qp.rq_consumer < produced:
             try:
-                self.wr_id = self._rq_wqe()[3]
+                self.wr_id = self.rq.wqe()[1]
             except ACCESS_ERRORS:
                 self.wr_id = 0
             self._complete(FLUSHED)
 
-    def _rq_wqe(self) -> tuple[Any, ...]:
-        """(wqe_type, flags, wqe_size, wr_id[0], wr_id[1], view) of the RQ WQE at the consumer."""
-        qp = self.qp
-        size, pages = qp.rq_wqe_size, qp.rq
-        assert pages is not None
-        offset = qp.rq_consumer % qp.rq_size * size
-        view: memoryview | bytes
-        if pages.contiguous or (offset & pages.page_mask) + size <= pages.page_size:
-            view = self.mem.view(pages.address(offset), size)
-        else:
-            view = b"".join(self.mem.view(pages.address(offset + i), SQ_SLOT) for i in range(0, size, SQ_SLOT))
-        return (*RQ_WQE_HEADER.unpack_from(view), view)
-
     def _take_rq(self, p: pk.Packet, scatter: bool) -> bool:
         """Hold the next RQ WQE for this message (its SGEs mapped when `scatter`); on False a NAK was sent."""
-        qp = self.qp
-        if qp.rq is None or not qp.rq_size:
+        qp, rq = self.qp, self.rq
+        if not rq.exists:
             self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)  # a QP without an RQ takes no SENDs
             return False
-        produced = producer_from_doorbell(qp.rq_consumer, qp.rq_producer, qp.rq_producer_epoch, qp.rq_size)
+        produced = rq.produced()
         if produced is None or produced == qp.rq_consumer:
             self._nak(pk.RNR_NAK | qp.min_rnr_timer & 0x1F, p.psn)
             self.nak_sent = True  # what follows in flight is dropped quietly until the retry arrives
             self.stats["rnr_naks"] += 1
             return False
         try:
-            _, _, wqe_size, self.wr_id, _, view = self._rq_wqe()
+            wqe_size, self.wr_id, view = rq.wqe()
             if scatter:
-                count = min(max(wqe_size - RQ_WQE_HEADER_SLOTS, 0), qp.rq_sge,
-                            qp.rq_wqe_size // SQ_SLOT - RQ_WQE_HEADER_SLOTS)
-                buffer = map_sges(self.mem, self.mrs, [SGE.unpack_from(view, RQ_WQE_HEADER.size + i * SGE.size)
-                                                       for i in range(count)], qp.pd, MR_LOCAL_WRITE)
+                buffer = rq.buffer(wqe_size, view)
                 self.target, self.msg_length = buffer, len(buffer)
         except ACCESS_ERRORS:
             self._error(p, pk.NAK_REMOTE_OPERATIONAL, RES_MEMORY_ERROR, S.CQ_RES_RC_STATUS_LOCAL_PROTECTION_ERR)
@@ -312,8 +269,7 @@ class Responder:
         first, last = op == SEND_FIRST or op >= SEND_ONLY, op > SEND_MIDDLE
         if first:
             if self.in_msg:
-                self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
-                            S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
+                self._inside_a_message(p)
                 return
             if not self._take_rq(p, True):
                 return
@@ -353,8 +309,7 @@ class Responder:
         qp = self.qp
         if first:
             if self.in_msg:
-                self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
-                            S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
+                self._inside_a_message(p)
                 return
         elif self.in_msg != IN_WRITE:
             self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
@@ -373,7 +328,7 @@ class Responder:
                 return
             self.in_msg, self.offset, self.msg_length, self.placing = IN_WRITE, 0, p.dma_length, True
             if p.dma_length and self.faults.armed:
-                self._fault_placement(p)
+                self.target, self.placing = self.faults.target(p, self.target, self.mem, self.mrs, qp.pd)
         payload = p.payload
         size, mtu = len(payload), qp.path_mtu
         end = self.offset + size
@@ -399,20 +354,10 @@ class Responder:
         if p.ack_req:
             self._owe_ack(p.psn)
 
-    def _fault_placement(self, p: pk.Packet) -> None:
-        """Apply the deliberate placement bug armed for this WRITE message, if any: drop its payload, or land it
-        misplace_offset bytes away from the RETH's address, clamped to stay inside the region (so it never faults)."""
-        faults = self.faults
-        kind = faults.take()
-        if kind == "skip_placement":
-            self.target, self.placing = DISCARD, False
-        elif kind == "misplace":
-            region = self.mrs[p.rkey]  # map_remote found it for the true address
-            va = max(region.va, min(p.remote_addr + faults.misplace_offset, region.va + region.size - p.dma_length))
-            try:
-                self.target = map_remote(self.mem, self.mrs, va, p.rkey, p.dma_length, self.qp.pd, MR_REMOTE_WRITE)
-            except ACCESS_ERRORS:
-                pass  # the true target stays
+    def _inside_a_message(self, p: pk.Packet) -> None:
+        """A message starts while another is half received: an invalid request (a SEND's RQ WQE fails with it)."""
+        self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
+                    S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
 
     def _read_source(self, p: pk.Packet) -> Buffer:
         qp = self.qp
@@ -422,8 +367,7 @@ class Responder:
 
     def _read(self, p: pk.Packet) -> None:
         if self.in_msg:
-            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
-                        S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
+            self._inside_a_message(p)
             return
         try:
             source = self._read_source(p)
@@ -444,8 +388,7 @@ class Responder:
 
     def _atomic(self, p: pk.Packet, op: int) -> None:
         if self.in_msg:
-            self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR,
-                        S.CQ_RES_RC_STATUS_REMOTE_INVALID_REQUEST_ERR if self.in_msg == IN_SEND else None)
+            self._inside_a_message(p)
             return
         try:
             target = self._atomic_target(p)
@@ -455,32 +398,15 @@ class Responder:
         if p.remote_addr % ATOMIC_SIZE:
             self._error(p, pk.NAK_INVALID_REQUEST, RES_UNALIGN_ATOMIC)
             return
-        original = self._execute(target, op, p.swap_add, p.compare)
+        original = execute(target, op, p.swap_add, p.compare)
         self.msn = (self.msn + 1) & MSN_MASK
         self.epsn = (p.psn + 1) & PSN_MASK
-        self._save_atomic(p.psn, original)
+        self.atomics.save(p.psn, original, self.qp.max_dest_rd_atomic)
         placed = self.port.placed
         placed.atomic_messages += 1
         placed.atomic_bytes += ATOMIC_SIZE
         self._atomic_acknowledge(p.psn, original)
         self.ack_psn = None  # the answer to the newest PSN acknowledges every one before it (not so a replayed one)
-
-    @staticmethod
-    def _execute(target: Buffer, op: int, swap_add: int, compare: int) -> int:
-        """Apply the atomic to the 64-bit little-endian value in `target`; the value before."""
-        original = int.from_bytes(target[0:ATOMIC_SIZE], "little")
-        if op == FETCH_ADD:
-            target[0:ATOMIC_SIZE] = ((original + swap_add) & ATOMIC_MASK).to_bytes(ATOMIC_SIZE, "little")
-        elif original == compare:
-            target[0:ATOMIC_SIZE] = swap_add.to_bytes(ATOMIC_SIZE, "little")
-        return original
-
-    def _save_atomic(self, psn: int, original: int) -> None:
-        """Keep an atomic's result among the responder resources, giving up the oldest beyond max_dest_rd_atomic."""
-        atomics = self.atomics
-        atomics[psn] = original
-        while len(atomics) > max(1, self.qp.max_dest_rd_atomic):
-            atomics.popitem(last=False)
 
     def _duplicate_atomic(self, p: pk.Packet) -> None:
         """An atomic executed before: its saved result again, never a second execution. Once the result is given up

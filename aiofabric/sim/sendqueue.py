@@ -52,8 +52,8 @@ KINDS: dict[int, tuple[pk.Opcodes | None, bool, bool]] = {
     S.SQ_BASE_WQE_TYPE_WRITE_WQE: (_opcodes(WRITE_OPS), False, True),
     S.SQ_BASE_WQE_TYPE_WRITE_W_IMMEAD: (_opcodes(WRITE_IMM_OPS), True, True),
     S.SQ_BASE_WQE_TYPE_READ_WQE: (None, False, True)}
-ATOMICS = {S.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS: int(O.COMPARE_SWAP),  # WQE type -> request opcode
-           S.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA: int(O.FETCH_ADD)}
+ATOMICS = {S.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS: pk.COMPARE_SWAP,  # WQE type -> request opcode
+           S.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA: pk.FETCH_ADD}
 SIGNAL, FENCE, SOLICIT, INLINE = (S.SQ_SEND_FLAGS_SIGNAL_COMP, S.SQ_SEND_FLAGS_RD_OR_ATOMIC_FENCE,
                                   S.SQ_SEND_FLAGS_SE, S.SQ_SEND_FLAGS_INLINE)
 

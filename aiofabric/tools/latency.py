@@ -1,12 +1,14 @@
-"""perftest-style latency tests: the engine behind `aiofabric lat {write,read,send}`.
+"""perftest-style latency tests: the engine behind `aiofabric lat {write,read,send,atomic}`.
 
-Two emulated NICs (one process each, RoCEv2 over UDP on 127.0.0.x) and one RC QP pair, driven as ib_*_lat drive
-theirs: one message at a time, `warmup` iterations first (excluded from the numbers), then `iters` measured ones.
+Two emulated NICs (RoCEv2 over UDP on 127.0.0.x; in one emulator process unless `shared_emulator` is off) and one RC
+QP pair, driven as ib_*_lat drive theirs: one message at a time, `warmup` iterations first (excluded from the
+numbers), then `iters` measured ones.
 On a PCI NIC both ends run on that NIC with its port in PHY loopback (as `aiofabric loopback`): the NIC's own
 latency, with no wire and no partner host.
 
 - WRITE (ib_write_lat) and SEND (ib_send_lat): a ping-pong, its two halves in aiofabric/peer/pingpong.py.
-- READ (ib_read_lat): one-sided; the client times each RDMA READ from post to completion.
+- READ (ib_read_lat) and ATOMIC (ib_atomic_lat): one-sided; the client times each READ or atomic from post to
+  completion.
 
 With a peer (`config.remote`: `lat --peer HOST` over SSH, or `lat SERVER_HOST` against `lat --server` over TCP), the
 client's NIC is here and the server's there: the server half of a ping-pong runs in the peer's endpoint (ops pong /
@@ -15,13 +17,15 @@ pong_wait), so a round trip never crosses the control connection, and the bytes 
 Reported latency is ONE-WAY for WRITE and SEND: half the round trip the client measures (perftest reports RTT/2),
 and the whole post-to-completion time for READ (perftest's rtt_factor 1). Fields, all in microseconds: t_min, t_max,
 t_typical (the median), t_avg, t_stdev (population), p99 and p99.9, summarised by perftest's rules
-(aiofabric/tools/samples.py: the two largest samples left out, its percentile index), so t_min <= t_typical <= p99 <= p99.9
-<= t_max always holds.
+(aiofabric/tools/samples.py: the two largest samples left out, its percentile index), so
+t_min <= t_typical <= p99 <= p99.9 <= t_max always holds.
 
 Every wait is bounded by `LatConfig.wait_seconds` (long enough for the QP's retransmissions to recover a lost
 packet): a message that never arrives ends in a TimeoutError naming the side and the iteration, never a hang.
 `verified` checks the last ping's bytes on both sides (and, for READ, that the server's bytes are unchanged), and
 the emulator's count of messages each responder placed where the NICs are emulated (`verification` says which).
+
+The run's options are lat_config.py's, its table lat_report.py's.
 """
 from __future__ import annotations
 
@@ -38,120 +42,21 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from . import perftest
-from .samples import FIELDS as LATENCY_FIELDS
-from .samples import summarize
-from ..errors import BadOption
+from .introspect import (NOT_COUNTED, WIRE_COUNTERS, emulator, emulator_processes, placement_counts, wire_counters,
+                         wire_delta)
+from .lat_config import CQ_DEPTH, SQ_DEPTH, LatConfig
+from .options import NO_ORIGINAL, RETRY_CNT
+from .runs import (RELEASE_SECONDS, REMOTE_CLOSE_AFTER_FAILURE, after_failure, close_remote_after_failure, fit_mtu,
+                   open_nics, phy_loopback, release_after_failure, release_steps)
+from .samples import histogram, summarize
+from .sweeps import run_sizes, sweep_result
 from ..peer import pingpong
 from ..peer.protocol import fill_pattern
 from ..verbs import ALL_ACCESS, ATOMIC_ACCESS, NIC, PCI_ADDRESS, MemoryRegion, QueuePair, open_nic
 
 log = logging.getLogger("aiofabric.tools.latency")
-TESTS = perftest.TESTS
-MTUS = perftest.MTUS
-MAX_ACK_TIMEOUT = perftest.MAX_ACK_TIMEOUT
-MAX_SIZE = 1 << 28  # 256 MiB: a WRITE side holds two buffers, a SEND side up to three, each page touched
-WARMUP = 8  # iterations run before measuring (perftest warms its latency loops up too)
-SQ_DEPTH = 64
 RX_SLOTS, RX_BYTES = 16, 64 << 20  # SEND: receives posted ahead, at most RX_BYTES of them (at least 2)
-RETRY_CNT = 7  # the QPs' retry count (perftest's default): a lost packet is resent up to 7 times
-WAIT_BASE_SECONDS, WAIT_SLOWEST_BPS = 5.0, 1 << 20  # an iteration's bound: 5 s + retransmissions + 1 s per MiB
-HISTOGRAM_SUBBUCKETS = 4  # each power-of-two octave [2^k, 2^(k+1)) us is split in 4 equal buckets
-HISTOGRAM_BAR = 50  # characters of the longest ASCII histogram bar
-WIRE_COUNTERS = perftest.WIRE_COUNTERS[:3]  # packets, retransmits, dropped: lat reports no rx_overflow
-HEADER = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]"
-          "   99% percentile[usec]   99.9% percentile[usec]")
-
-
-@dataclasses.dataclass
-class LatConfig:
-    test: str = "write"
-    size: int = 2  # bytes per message (ib_*_lat's default)
-    iters: int = 1000  # measured iterations
-    mtu: int = 4096
-    loss: float = 0.0
-    reorder: float = 0.0
-    dup: float = 0.0
-    corrupt: float = 0.0
-    seed: int = 0
-    timeout: int = 14  # QP local ACK timeout: 4.096 us * 2^timeout (perftest's default); 0 waits forever, as in IB
-    histogram: bool = False  # perftest's -H: add a histogram of the samples
-    warmup: int = WARMUP  # iterations before the measured ones, excluded from the numbers
-    wait: float | None = None  # seconds one iteration may take before TimeoutError; None: wait_seconds decides
-    pcap: str | None = None  # capture NIC 0's packets in FILE and NIC 1's in FILE.1
-    shared_emulator: bool = True  # both emulated NICs in one emulator process: a hop wakes one process, not two
-    inject_fault: str | None = None  # "KIND[:COUNT[:OFFSET]]" on the server NIC (perftest.FAULT_KINDS)
-    nic: str = "sim"  # "sim" or "sim:NAME": two emulated NICs; a PCI address: both ends on it, in PHY loopback
-    ip: str | None = None  # NIC 0's IPv4 address
-    sizes: list[int] | None = None  # -a: one row per size (NICs booted once)
-    sweep_seconds: float | None = None  # -a without -n: iterations per size chosen to run about this long
-    unsorted: bool = False  # -U: the samples in the order measured, in the result ("samples") and the table
-    cpu_mhz: float | None = None  # -C: report in CPU cycles at this clock instead of microseconds
-    events: bool = False  # -e: the pollers sleep on the completion interrupt without polling first
-    inline_size: int = 0  # -I: messages up to this size are posted inline
-    outs: int | None = None  # -o: the READ test's outstanding requests per QP
-    gid_index: int | None = None  # -x: must be the NIC's GID index
-    progress: bool = False  # a sweep's progress on stderr
-    atomic_type: str = "FETCH_AND_ADD"  # -A: the atomic test's operation (perftest.ATOMIC_TYPES)
-    remote: Any = None  # a connected aiofabric.peer Peer: the server side runs in its endpoint (lat --peer/SERVER_HOST)
-    remote_nic: str | None = None  # the NIC the server side opens there (None: the endpoint's default or choice)
-    remote_ip: str | None = None
-
-    def check(self) -> None:
-        """Refuse a bad value before any NIC boots: errors.BadOption naming the option, the value and what it allows.
-        The NIC's own limits are `bench_config().check_caps`'."""
-        if self.test not in TESTS:
-            raise BadOption("test", self.test, f"must be one of {', '.join(TESTS)}")
-        if not (self.nic == "sim" or self.nic.startswith("sim:") or PCI_ADDRESS.fullmatch(self.nic)):
-            raise BadOption("nic", self.nic, "use 'sim', 'sim:NAME' (two emulated NICs) or a PCI address like "
-                                             "0000:41:00.0 (both ends on that NIC, its port in PHY loopback)")
-        if self.inject_fault is not None and not self.nic.startswith("sim"):
-            raise BadOption("inject_fault", self.inject_fault, f"needs the emulator's debug channel, which the PCI "
-                                                               f"NIC {self.nic} does not have")
-        wire = [name for name in ("loss", "reorder", "dup", "corrupt", "pcap") if getattr(self, name)]
-        if wire and not self.nic.startswith("sim"):
-            verb = "apply" if len(wire) > 1 else "applies"
-            raise BadOption(wire[0], getattr(self, wire[0]), f"{', '.join('--' + name for name in wire)} {verb} to "
-                                                             f"the emulated wire only, not to the PCI NIC {self.nic}")
-        for size in self.sizes or [self.size]:
-            if not isinstance(size, int) or not 1 <= size <= MAX_SIZE:
-                raise BadOption("size", size, f"must be an integer in [1, {MAX_SIZE}] bytes")
-        if not isinstance(self.iters, int) or self.iters < 1:
-            raise BadOption("iters", self.iters, "must be an integer of at least 1")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise BadOption("warmup", self.warmup, "must be an integer of at least 0")
-        if self.mtu not in MTUS:
-            raise BadOption("mtu", self.mtu, f"must be one of {', '.join(map(str, MTUS))}")
-        if not isinstance(self.timeout, int) or not 0 <= self.timeout <= MAX_ACK_TIMEOUT:
-            raise BadOption("timeout", self.timeout, f"must be in [0, {MAX_ACK_TIMEOUT}] (a 5-bit exponent: "
-                                                     "4.096 us * 2^timeout, 0 waits forever)")
-        for name in ("loss", "reorder", "dup", "corrupt"):
-            if not 0 <= getattr(self, name) < 1:
-                raise BadOption(name, getattr(self, name), "is a probability in [0, 1)")
-        if self.wait is not None and not self.wait > 0:
-            raise BadOption("wait", self.wait, "must be a positive number of seconds")
-        # what bench checks alike (-I, -o, --inject-fault's syntax); the NIC spec was checked above: lat runs a PCI NIC
-        # in PHY loopback, where bench needs a partner host
-        dataclasses.replace(self.bench_config(), nic="sim").check()
-
-    @property
-    def wait_seconds(self) -> float:
-        """How long one iteration may take: enough for every retransmission of a lost packet in both directions
-        (4.096 us * 2^timeout, RETRY_CNT + 1 times each), plus WAIT_BASE_SECONDS, plus 1 s per MiB moved."""
-        if self.wait is not None:
-            return self.wait
-        ack = 4.096e-6 * 2 ** self.timeout if self.timeout else 0.0
-        return WAIT_BASE_SECONDS + 2 * (RETRY_CNT + 1) * ack + 2 * self.size / WAIT_SLOWEST_BPS
-
-    def bench_config(self) -> perftest.BenchConfig:
-        """The same NICs as `bench` with these options boots (perftest's helpers take a BenchConfig)."""
-        return perftest.BenchConfig(test=self.test, qps=1, size=self.size, iters=self.iters, depth=SQ_DEPTH, nics=2,
-                                    mtu=self.mtu, loss=self.loss, reorder=self.reorder, dup=self.dup,
-                                    corrupt=self.corrupt, seed=self.seed, pcap=self.pcap,
-                                    shared_emulator=self.shared_emulator, timeout=self.timeout,
-                                    inject_fault=self.inject_fault, nic=self.nic, ip=self.ip, events=self.events,
-                                    inline_size=self.inline_size, outs=self.outs, gid_index=self.gid_index,
-                                    atomic_type=self.atomic_type, sizes=self.sizes)
+LAT_WIRE_COUNTERS = WIRE_COUNTERS[:3]  # packets, retransmits, dropped: lat reports no rx_overflow
 
 
 @dataclasses.dataclass
@@ -190,40 +95,39 @@ async def _connect(config: LatConfig, client_nic: NIC, server_nic: Any, peer: An
     """The QP pair and regions of one size; with `peer`, the server's on `server_nic` there (a RemoteNIC).
     Distinct seeded payloads on the two sides, so a pong that carried the ping's bytes would not verify."""
     size, (rx_slots, span) = config.size, _shape(config)
-    client_cq = await client_nic.create_cq(depth=256)
+    client_cq = await client_nic.create_cq(depth=CQ_DEPTH)
     client = await client_nic.create_qp(client_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                         max_inline_data=config.inline_size)
     client_mr = await client_nic.register_mr(span)
     if config.test == "atomic":  # what no atomic returns, so an original never written back shows
-        client_mr.view[:size] = perftest.NO_ORIGINAL
+        client_mr.view[:size] = NO_ORIGINAL
     elif config.test != "read":
-        fill_pattern(client_mr.view[:size], config.seed * 7919)
+        fill_pattern(client_mr.view[:size], config.pattern_seed(0))
     atomic = config.test == "atomic"  # the server's counter starts at 0; its QP and region allow atomics
     if peer is None:
-        server_cq = await server_nic.create_cq(depth=256)
+        server_cq = await server_nic.create_cq(depth=CQ_DEPTH)
         server = await server_nic.create_qp(server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                             max_inline_data=config.inline_size)
         if atomic:
             await server.to_init(ATOMIC_ACCESS)
         await server.connect(client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT,
-                             **perftest.outs(config))
+                             **config.rd_atomic())
         server_mr = await server_nic.register_mr(span, ATOMIC_ACCESS if atomic else ALL_ACCESS)
         if atomic:
             server_mr.view[:size] = bytes(size)
         else:
-            fill_pattern(server_mr.view[:size], config.seed * 7919 + 1)
+            fill_pattern(server_mr.view[:size], config.pattern_seed(1))
         info = server.info()
     else:
-        server_cq = await peer.create_cq(server_nic, 256)
+        server_cq = await peer.create_cq(server_nic, CQ_DEPTH)
         server = await peer.create_qp(server_nic, server_cq, sq_depth=SQ_DEPTH, rq_depth=max(rx_slots, 1),
                                       max_inline_data=config.inline_size)
         await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT,
                               atomic=atomic)
         server_mr = await peer.register_mr(server_nic, span, atomic=atomic)
-        await peer.fill(server_mr, **({"byte": 0} if atomic else {"seed": config.seed * 7919 + 1}), length=size)
+        await peer.fill(server_mr, **({"byte": 0} if atomic else {"seed": config.pattern_seed(1)}), length=size)
         info = server.info
-    await client.connect(info, mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT,
-                         **perftest.outs(config))
+    await client.connect(info, mtu=config.mtu, timeout=config.timeout, retry_cnt=RETRY_CNT, **config.rd_atomic())
     return _Pair(client, server, client_mr, server_mr, rx_slots, peer, server_cq)
 
 
@@ -349,37 +253,6 @@ async def _verify(config: LatConfig, pair: _Pair, server_digest: str, placed: li
     return None
 
 
-def _bucket(us: float) -> float:
-    """The low edge of the histogram bucket holding `us`: [0, 1) us, then each octave in HISTOGRAM_SUBBUCKETS."""
-    if us < 1:
-        return 0.0
-    octave = 2.0 ** math.floor(math.log2(us))
-    step = octave / HISTOGRAM_SUBBUCKETS
-    return octave + step * min(HISTOGRAM_SUBBUCKETS - 1, int((us - octave) / step))
-
-
-def _next_bucket(low: float) -> float:
-    if low < 1:
-        return 1.0
-    octave = 2.0 ** math.floor(math.log2(low))
-    return low + octave / HISTOGRAM_SUBBUCKETS
-
-
-def histogram(samples: list[float]) -> list[list[float]]:
-    """[[bucket_low_us, count], ...] from the lowest to the highest non-empty bucket (empty ones between included)."""
-    if not samples:
-        return []
-    counts: dict[float, int] = {}
-    for us in samples:
-        low = _bucket(us)
-        counts[low] = counts.get(low, 0) + 1
-    rows, low, top = [], min(counts), max(counts)
-    while low <= top:
-        rows.append([low, counts.get(low, 0)])
-        low = _next_bucket(low)
-    return rows
-
-
 def _verification(config: LatConfig, placed: list[Any]) -> str:
     """How `verified` was decided; `placed`: the client's and the server's placement counts (None where the NIC is
     not emulated, or is the peer's: its bytes are compared by sha256 there)."""
@@ -389,7 +262,7 @@ def _verification(config: LatConfig, placed: list[Any]) -> str:
     if config.remote is not None:
         counted = " and the client NIC's placement counts" if placed[0] is not None else ""
         return f"{checked} (the server's by sha256 there){counted}"
-    return f"{checked} and the NICs' placement counts" if None not in placed else f"{checked} ({perftest.NOT_COUNTED})"
+    return f"{checked} and the NICs' placement counts" if None not in placed else f"{checked} ({NOT_COUNTED})"
 
 
 @contextlib.asynccontextmanager
@@ -400,26 +273,21 @@ async def _open_nics(config: LatConfig, client_nic: NIC | None = None) -> AsyncI
     if config.remote is not None:
         async with contextlib.AsyncExitStack() as stack:
             if client_nic is None:
-                client_nic = (await stack.enter_async_context(
-                    perftest.open_bench_nics(dataclasses.replace(config.bench_config(), remote=config.remote))))[0]
-            faults = {k: getattr(config, k) for k in ("loss", "reorder", "dup", "corrupt") if getattr(config, k)}
-            remote = await config.remote.open_nic(config.remote_nic, ip=config.remote_ip,
-                                                  **(dict(faults, seed=config.seed + 1) if faults else {}))
+                client_nic = (await stack.enter_async_context(open_nics(config, 1)))[0]
+            remote = await config.remote.open_nic(config.remote_nic, ip=config.remote_ip, **config.faults(seed=1))
             try:
                 yield client_nic, remote
             except BaseException:  # the end of the connection frees it: a stalled NIC there costs no more
-                with anyio.CancelScope(shield=True), anyio.move_on_after(perftest.REMOTE_CLOSE_AFTER_FAILURE):
-                    with contextlib.suppress(Exception):
-                        await config.remote.close(remote)
+                await close_remote_after_failure(config.remote, remote)
                 raise
             else:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_SECONDS):
                     await config.remote.close(remote)
     elif PCI_ADDRESS.fullmatch(config.nic):
-        async with open_nic(config.nic, ip=config.ip) as nic, perftest.phy_loopback(nic):
+        async with open_nic(config.nic, ip=config.ip) as nic, phy_loopback(nic):
             yield nic, nic
     else:
-        async with perftest.open_bench_nics(config.bench_config()) as (client, server):
+        async with open_nics(config, 2) as (client, server):
             yield client, server
 
 
@@ -428,8 +296,8 @@ async def run_latency(config: LatConfig, client_nic: NIC | None = None) -> dict[
     here, or `client_nic`), run `config.test`'s latency loop and report perftest's latency fields in us.
 
     WRITE and SEND report one-way latency, half the client's round trip (as perftest: RTT/2); READ reports each
-    READ's post-to-completion time. Keys: the LATENCY_FIELDS, iters, size, test, mtu (the path MTU used: the
-    requested one unless a port is too small for it, see perftest.fit_mtu), mtu_requested, warmup, verified,
+    READ's post-to-completion time. Keys: samples.FIELDS, iters, size, test, mtu (the path MTU used: the
+    requested one unless a port is too small for it, see runs.fit_mtu), mtu_requested, warmup, verified,
     verification (what `verified` checked), latency (what was measured), seconds, packets, retransmits, dropped
     (None on a PCI NIC: only an emulator counts them), fw_version; "histogram" with config.histogram, "samples"
     (in the order measured) with config.unsorted; "remote_host" with a peer; "error" when verification failed. A
@@ -440,53 +308,44 @@ async def run_latency(config: LatConfig, client_nic: NIC | None = None) -> dict[
     async with _open_nics(config, client_nic) as (client_nic, server_nic):
         nics = [nic for nic in dict.fromkeys((client_nic, server_nic)) if isinstance(nic, NIC)]  # the ones here
         for nic in nics:
-            config.bench_config().check_caps(nic)
-        config = dataclasses.replace(config, mtu=perftest.fit_mtu(requested, nics, "lat"))
-        sizes = config.sizes or [config.size]
-        rows = [{**row, "mtu_requested": requested} for row in await perftest.run_sizes(
-            config, sizes, lambda sized: _run_size(sized, client_nic, server_nic))]
-    if config.sizes is None:
-        return rows[0]
-    failed = [row for row in rows if "error" in row]
-    return {"verified": all(row["verified"] for row in rows), "test": config.test, "sizes": sizes, "rows": rows,
-            "fw_version": rows[0]["fw_version"], "mtu": config.mtu, "mtu_requested": requested,
-            "warmup": config.warmup, "latency": rows[0]["latency"],
-            **({"remote_host": config.remote.host} if config.remote is not None else {}),
-            **({"error": f"size {failed[0]['size']}: {failed[0]['error']}"} if failed else {})}
+            config.check_caps(nic)
+        config = dataclasses.replace(config, mtu=fit_mtu(requested, nics, "lat"))
+        rows = await run_sizes(config, config.sizes or [config.size],
+                               lambda sized: _run_size(sized, client_nic, server_nic))
+    return sweep_result(config, rows, config.mtu, requested, warmup=config.warmup, latency=rows[0]["latency"],
+                        **({"remote_host": config.remote.host} if config.remote is not None else {}))
 
 
 async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict[str, Any]:
     """One size's latency loop on a QP pair of its own, destroyed afterwards (a sweep keeps its NICs). After a
-    failure, what stopped is found first (`perftest.after_failure`: it heads the error) and the clean-up is bounded
+    failure, what stopped is found first (`runs.after_failure`: it heads the error) and the clean-up is bounded
     and quiet: its own errors are logged, the run's first error is raised."""
     here = [nic for nic in dict.fromkeys((client_nic, server_nic)) if isinstance(nic, NIC)]
     pair: _Pair | None = None
     try:
         pair = await _connect(config, client_nic, server_nic, config.remote)
-        fault = config.bench_config().fault()
+        fault = config.fault()
         if fault is not None:
-            await perftest.emulator(server_nic, "--inject-fault").fault(*fault)
+            await emulator(server_nic, "--inject-fault").fault(*fault)
         server_digest = await pair.server_digest(0, config.size)
-        before = await perftest.wire_counters(here)
+        before = await wire_counters(here)
         started = time.perf_counter()
         samples = await ENGINES[config.test](config, pair)
         seconds = time.perf_counter() - started
-        placed = [await perftest.placement_counts(nic) if isinstance(nic, NIC) else None
+        placed = [await placement_counts(nic) if isinstance(nic, NIC) else None
                   for nic in (client_nic, server_nic)]
         mismatch = await _verify(config, pair, server_digest, placed)
-        wire = perftest.wire_delta(before, await perftest.wire_counters(here), WIRE_COUNTERS)
-        processes = await perftest.emulator_processes(here)
+        wire = wire_delta(before, await wire_counters(here), LAT_WIRE_COUNTERS)
+        processes = await emulator_processes(here)
     except BaseException as exc:
-        headline = await perftest.after_failure(exc, here, config.remote,
-                                                server_nic if config.remote is not None else None)
+        headline = await after_failure(exc, here, config.remote, server_nic if config.remote is not None else None)
         if pair is not None:
-            await perftest.release_after_failure(functools.partial(_release, pair, quiet=True),
-                                                 "releasing the QP pair")
+            await release_after_failure(functools.partial(_release, pair, quiet=True), "releasing the QP pair")
         if headline is not None:
             raise headline from exc
         raise
     else:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_SECONDS):
             await _release(pair)
     return {
         **summarize(samples), "iters": len(samples), "iterations": len(samples), "size": config.size,
@@ -506,17 +365,17 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
 async def _release(pair: _Pair, quiet: bool = False) -> None:
     """Destroy the pair's QPs, then their CQs and memory (the server's in its endpoint, with a peer). `quiet` (after
     a failure): an object that cannot be released is logged and the rest still are; the peer's get
-    perftest.REMOTE_CLOSE_AFTER_FAILURE s (the end of its connection frees them anyway)."""
+    REMOTE_CLOSE_AFTER_FAILURE s (the end of its connection frees them anyway)."""
     steps: list[Callable[[], Awaitable[Any]]] = [pair.client.destroy, pair.client_mr.deregister,
                                                  pair.client.send_cq.destroy]
     if pair.remote is None:
         steps += [pair.server.destroy, pair.server_mr.deregister]
         if pair.server.send_cq is not pair.client.send_cq:
             steps.append(pair.server.send_cq.destroy)
-    await perftest.release_steps(steps, quiet)
+    await release_steps(steps, quiet)
     if pair.remote is None or quiet and getattr(pair.remote, "failure", None) is not None:
         return
-    with anyio.move_on_after(perftest.REMOTE_CLOSE_AFTER_FAILURE if quiet else math.inf):
+    with anyio.move_on_after(REMOTE_CLOSE_AFTER_FAILURE if quiet else math.inf):
         for handle in (pair.server, pair.server_mr, pair.server_cq):
             try:
                 await pair.remote.close(handle)
@@ -526,89 +385,3 @@ async def _release(pair: _Pair, quiet: bool = False) -> None:
                 log.info("after the failure: %s: %s", type(exc).__name__, exc)
 
 
-def perftest_latency_report(result: dict[str, Any], config: LatConfig) -> dict[str, Any]:
-    """perftest's --out_json keys: "test_info" and "results" (one per size, a list for a sweep), in the unit the
-    table uses (usec, or cycles with -C)."""
-    rows = result.get("rows", [result])
-    scale = config.cpu_mhz or 1.0
-    names = {"t_min": "t_min_us", "t_max": "t_max_us", "t_typical": "t_typical_us", "t_avg": "t_avg_us",
-             "t_stdev": "t_stdev_us", "percentile_99": "p99_us", "percentile_99.9": "p99_9_us"}
-    results = [{"MsgSize": row["size"], "n_iterations": row["iterations"],
-                **{key: round(row[ours] * scale, 2) for key, ours in names.items()}} for row in rows]
-    info = {"test": f"{perftest.TEST_TITLES[config.test]}_Latency_Test", "Number of qps": 1,
-            "Connection type": "RC", "Mtu": result.get("mtu", config.mtu), "Link type": "Ethernet",
-            "Max inline data": config.inline_size, "unit": "cycles" if config.cpu_mhz else "usec"}
-    return {"test_info": info, "results": results if "rows" in result else results[0]}
-
-
-def _row(values: list[str]) -> str:
-    """Values placed under HEADER's columns, each starting where its column's title starts."""
-    starts = [1] + [HEADER.index(title) for title in ("#iterations", "t_min", "t_max", "t_typical", "t_avg",
-                                                      "t_stdev", "99%", "99.9%")]
-    line = ""
-    for start, value in zip(starts, values):
-        line = line.ljust(max(start, len(line) + 1)) + value
-    return line
-
-
-def format_histogram(rows: list[list[float]], width: int = HISTOGRAM_BAR) -> str:
-    """An ASCII histogram: one line per bucket, [low, high) in us, the count and a bar scaled to the largest. A row
-    that is not [a non-negative number, a non-negative integer count] raises ValueError (a server shows a client's
-    report with this: its bars stay within `width` whatever the report says)."""
-    if not rows:
-        return " (no samples)"
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                                and 0 <= x < math.inf for x in row)
-                and float(row[1]).is_integer()):
-            raise ValueError(f"histogram: a row must be [bucket_low_us >= 0, count >= 0], not {row!r}"[:200])
-    peak = max(count for _, count in rows) or 1
-    lines = [" latency histogram [usec]          count"]
-    for low, count in rows:
-        high = _next_bucket(low)
-        bar = "#" * min(width, math.ceil(count / peak * width)) if count else ""
-        lines.append(f" [{low:>10.2f}, {high:>10.2f})  {int(count):>8}  {bar}")
-    return "\n".join(lines)
-
-
-def format_latency_table(result: dict[str, Any], config: LatConfig) -> str:
-    """perftest's banner and latency table (usec, or cycles with -C), one row per size, the wire counters and, with
-    config.histogram, an ASCII histogram; with config.unsorted, every sample first in the order measured ("#, usec"
-    lines, as perftest's -U)."""
-    unit = "cycles" if config.cpu_mhz else "usec"
-    scale = config.cpu_mhz or 1.0
-    header = HEADER.replace("usec", unit)
-    rule = "-" * len(HEADER)
-    rows = result.get("rows", [result])
-    measured = "one-way = RTT/2" if config.test in pingpong.TESTS else f"{config.test.upper()} post to completion"
-    nic = "emulated BNXT" if config.nic.startswith("sim") else f"{config.nic}, PHY loopback"
-    if "remote_host" in result:
-        nic = f"{config.nic if not config.nic.startswith('sim') else 'emulated BNXT'}, server {result['remote_host']}"
-    iterations = f"about {config.sweep_seconds:g} s per size (-n fixes them)" if config.sweep_seconds else \
-        str(config.iters)
-    lines = []
-    if config.unsorted:
-        for row in rows:
-            lines += [f"#, {unit}"] + [f"{i}, {sample * scale:g}" for i, sample in enumerate(row["samples"], 1)]
-    lines += [rule, f"                    {perftest.TEST_TITLES[config.test]} Latency Test (aiofabric, {nic})",
-              " Number of qps   : 1\t\tTransport type : IB",
-              " Connection type : RC\t\tUsing SRQ      : OFF",
-              f" Warm-up         : {result['warmup']} iterations\tLatency        : {measured}",
-              f" Mtu             : {result.get('mtu', config.mtu)}[B]\t\tLink type      : Ethernet (RoCEv2 over UDP)",
-              f" Max inline data : {config.inline_size}[B]\t\tIterations     : {iterations}",
-              f" Firmware        : {result['fw_version']}", rule, header]
-    lines += [_row([str(row["size"]), str(row["iterations"])] + [f"{row[key] * scale:.2f}" for key in LATENCY_FIELDS])
-              for row in rows]
-    lines.append(rule)
-    for row in rows:
-        lines.append(f" {row['size']:<7} verified: {'yes' if row['verified'] else 'NO'}   "
-                     f"packets: {perftest.count_text(row['packets'])}   "
-                     f"retransmits: {perftest.count_text(row['retransmits'])}   "
-                     f"dropped: {perftest.count_text(row['dropped'])}   seconds: {row['seconds']:.2f}")
-        if "error" in row:
-            lines.append(f" {row['error']}")
-    lines.append(rule)
-    if config.histogram:
-        for row in rows:
-            lines += [format_histogram(row.get("histogram", [])), rule]
-    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""perftest's command line on `aiofabric bench` and `aiofabric lat` (README: Command line).
+"""perftest's command line on `aiofabric bench` and `aiofabric lat` (docs/command-line.md).
 
 Each perftest flag bench or lat does is an alias of ours (`-q/--qp/--qps`), listed in perftest's --help order; each one
 they do not do is refused naming the flag and why (`REFUSED`), never ignored. `typed_flags` finds the spelling a user
@@ -7,21 +7,19 @@ typed, so an out-of-range value (errors.BadOption) is reported under it: "-q 100
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import math
 import os
 import textwrap
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from .perftest import MTUS
-from .units import parse_size
+from .arguments import integer, seconds_or_zero, size
+from .options import ATOMIC_TYPES, MTUS
 from ..errors import BadOption
 from ..verbs import PCI_ADDRESS
 from ..version import __version__
 
 CONNECTIONS = ("RC", "XRC", "UC", "UD", "DC", "SRD")  # perftest's -c choices; aiofabric runs RC
-ATOMIC_TYPES = ("FETCH_AND_ADD", "CMP_AND_SWAP")  # perftest's -A choices
-OUTPUTS = ("bandwidth", "message_rate", "latency")  # perftest's --output
+BENCH_OUTPUTS, LAT_OUTPUTS = ("bandwidth", "message_rate"), ("latency",)  # perftest's --output, by tool
+OUTPUTS = BENCH_OUTPUTS + LAT_OUTPUTS
 DEFAULT_JSON_FILE = "perftest_out.json"  # perftest's --out_json file when --out_json_file does not name one
 SYSFS_CLASSES = ("/sys/class/net", "/sys/class/infiniband")  # -d NAME: a network interface or an RDMA device
 
@@ -178,117 +176,6 @@ def ib_port(text: str) -> int:
     return 1
 
 
-# argparse types shared by every command (cli.py's too): each refuses, naming the value and the range, whatever its
-# flag cannot hold, so a usage error exits 2 before anything runs ("argument --ranks: must be in [1, 16], not 0")
-
-
-def _range_text(low: int, high: float) -> str:
-    return f"at least {low}" if high == math.inf else f"in [{low}, {int(high)}]"
-
-
-def integer(low: int, high: float = math.inf, why: str = "") -> Callable[[str], int]:
-    """An integer in [low, high] ("0x10" and "1_000" are not: perftest's flags are decimal); `why` ends a refusal."""
-    def convert(text: str) -> int:
-        try:
-            value = int(text.strip(), 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be {_range_text(low, high)}, not {value}{why}")
-        return value
-    convert.__name__ = "integer"
-    return convert
-
-
-positive_int = integer(1)
-
-
-def sized(low: int = 0, high: float = math.inf, why: str = "") -> Callable[[str], int]:
-    """Bytes ("4096", "64K", "1M": powers of 1024) in [low, high]."""
-    def convert(text: str) -> int:
-        try:
-            value = parse_size(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be a size {'of ' * (high == math.inf)}{_range_text(low, high)}, "
-                                             f"not {value}{why}")
-        return value
-    convert.__name__ = "size"
-    return convert
-
-
-size = sized()
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
-def seconds(text: str) -> float:
-    """A positive, finite number of seconds (a timeout: nan or inf would never end, or end at once)."""
-    value = _number(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, not {text}")
-    return value
-
-
-positive_float = seconds
-
-
-def seconds_or_zero(text: str) -> float:
-    """A finite number of seconds, zero included (a margin)."""
-    value = _number(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds of at least 0, not {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    """A per-packet probability in [0, 1) (1 would drop, or damage, every packet: nothing would get through)."""
-    value = _number(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1), not {text}")
-    return value
-
-
-def port_number(text: str) -> int:
-    """A TCP port; 0 lets the OS choose (a server's)."""
-    value = integer(0)(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], not {value}")
-    return value
-
-
-def ipv4(text: str) -> str:
-    """A NIC's IPv4 address (its GID is ::ffff:a.b.c.d): unicast."""
-    try:
-        address = ipaddress.IPv4Address(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 address (a.b.c.d)") from None
-    if address.is_unspecified or address.is_multicast:
-        raise argparse.ArgumentTypeError(f"{text}: a NIC needs a unicast address")
-    return str(address)
-
-
-def ipv4_or_ssh(text: str) -> str:
-    """A remote NIC's IPv4 address, or 'ssh': the address the SSH connection reached."""
-    return "ssh" if text == "ssh" else ipv4(text)
-
-
-def readable_file(text: str) -> str:
-    """A file that exists and can be read (an SSH identity: refused here rather than as an SSH failure later)."""
-    try:
-        with open(text, "rb"):
-            pass
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"{text}: cannot read it: {exc.strerror or exc}") from None
-    return text
-
-
 def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
     """perftest's flags of ib_*_bw (tool "bench") or ib_*_lat ("lat"), in perftest's --help order, with our long
     spellings beside theirs; then the refused ones (hidden from --help, listed in its epilog)."""
@@ -359,7 +246,7 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
     add("--out_json_file", "--json-file", dest="json_file", metavar="FILE",
         help="the file --out_json writes (giving it implies --out_json)")
     add("--output", choices=OUTPUTS, help="print only this number: " + ", ".join(
-        OUTPUTS[:2] if bench else OUTPUTS[2:]) + (" (in the table's unit)" if bench else " (t_avg)"))
+        BENCH_OUTPUTS if bench else LAT_OUTPUTS) + (" (in the table's unit)" if bench else " (t_avg)"))
     if bench:
         add("--report-both", action="store_true", help="accepted: with -b each direction is reported anyway")
         add("--report_gbits", "--report-gbits", dest="report_gbits", action="store_true",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from .perftest import bandwidth_unit
+from .bench_report import bandwidth_unit
 
 EXTRA_HINT = "plotting needs matplotlib: pip install 'aiofabric[plot]'"
 

@@ -7,7 +7,6 @@ from typing import Any, Generator
 import anyio
 
 from ..autogen import bnxt
-from ..errors import CompletionError as CompletionError  # where it used to live
 
 SEND_FLUSHED = bnxt.CQ_REQ_STATUS_WORK_REQUEST_FLUSHED_ERR
 RECV_FLUSHED = bnxt.CQ_RES_RC_STATUS_WORK_REQUEST_FLUSHED_ERR

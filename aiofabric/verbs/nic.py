@@ -21,7 +21,7 @@ from .types import ALL_ACCESS, Access, check_range
 from ..driver.close_budget import CLOSE_TIMEOUT
 from ..driver.device import Device, DeviceObject
 from ..driver.firmware_events import DeviceEvent
-from ..driver.rings import power_of_two
+from ..hw.ring import power_of_two
 from ..errors import ClosedError, PCIError
 from ..hw.verbs import path_mtu_for_port
 from ..pci import DmaBudget, DmaBuffer, PCIDevice
@@ -186,7 +186,7 @@ def _gid_text(gid: bytes) -> str:
 def open_pci(spec: str, **options: Any) -> PCIDevice:
     """The seam for a spec:
 
-    - "sim", "sim:NAME": an emulated NIC in its own process;
+    - "sim", "sim:NAME": an emulated NIC in an emulator process (its own, or shared: the `process` option);
     - a PCI address like "0000:41:00.0": the function through VFIO (bound to vfio-pci; the IOMMU isolates it, or,
       in VFIO's no-IOMMU mode, nothing does and a warning says so);
     - "sysfs:" and a PCI address: the function through raw sysfs, unsafe: no isolation (the IOMMU must be off or
@@ -212,9 +212,11 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
     """Boot the NIC named by `spec` and close it (freeing every firmware object) when the block exits.
 
     `ip` is the NIC's IPv4 address (its GID is ::ffff:ip); an emulated NIC without one picks a free 127.0.0.x.
-    Extra `options` configure an emulated NIC: `fw_latency_us`, `transport` ("udp" or "raw"), `loss`, `dup`,
-    `reorder`, `corrupt`, `seed` (wire faults), `pcap` (a file to write every packet to) and `netns` (a network
-    namespace to run in). `dma_budget` caps the DMA memory (rings, registered memory, the NIC's own) this NIC
+    Extra `options` configure an emulated NIC (every one is in aiofabric/sim/options.py; docs/emulator.md says what
+    each does): `mac`, `fw_latency_us`, `transport` ("udp" or "raw"), `loss`, `dup`, `reorder`, `corrupt`, `seed`
+    (wire faults), `pcap` (a file to write every packet to) and `pcap_max_bytes`, `port_mtu`, `profile` (the chip
+    and firmware it plays), `netns` (a network namespace to run in) and `process` (a name: NICs opened with the same
+    one share an emulator process). `dma_budget` caps the DMA memory (rings, registered memory, the NIC's own) this NIC
     and any others sharing the budget may hold: past it, what would allocate raises MemoryError.
 
     An exception raised in the block leaves it as itself. The close runs even when the block is cancelled from

@@ -16,7 +16,8 @@ from ..autogen import bnxt
 from ..driver import log
 from ..driver.device import Device
 from ..driver.firmware_events import DeviceEvent
-from ..driver.rings import Ring, power_of_two
+from ..driver.rings import Ring
+from ..hw.ring import power_of_two
 from ..errors import ClosedError, CompletionError, DeviceLostError, FabricError, QPStateError
 from ..hw.cqe import QP_ERROR_REASON_NAMES, RECV_STATUS_NAMES, SEND_STATUS_NAMES
 from ..hw.layout import field_type

@@ -15,7 +15,7 @@ from aiofabric.hw.firmware import CONFIGURED_CONTEXT_TYPES, THOR2_CHIPS
 from aiofabric.sim.function import CONTEXT_TYPES
 from aiofabric.sim.profiles import PROFILES
 from aiofabric.verbs import workqueue
-from aiofabric.verbs.completions import CompletionError
+from aiofabric.errors import CompletionError
 from tests.support.nics import connected_qps, tag
 
 pytestmark = pytest.mark.anyio

@@ -13,7 +13,7 @@ import pytest
 from aiofabric import Access, DeviceLostError, QPInfo, QPState, open_nic
 from aiofabric.autogen import bnxt
 from aiofabric.hw.wqe import MSN_ENTRY, SQ_SLOT
-from aiofabric.verbs.completions import CompletionError
+from aiofabric.errors import CompletionError
 from aiofabric.verbs.poller import QUIET_SAFETY_POLL
 from aiofabric.verbs.types import LocalBuffer, RemoteRegion
 from tests.support.nics import connect, connected_pair, count_wakeups

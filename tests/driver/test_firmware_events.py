@@ -14,7 +14,8 @@ from aiofabric.hw.async_event import (ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVEN
                                       forwarding, reset_reason)
 from aiofabric.sim.packets import Op, Packet
 from aiofabric.sim.port import Port, frame_size
-from aiofabric.tools.perftest import BenchConfig, run_bench
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.perftest import run_bench
 from tests.support.firmware import NQ, Driver
 from tests.support.nics import connected_pair, connected_qps, count_wakeups
 

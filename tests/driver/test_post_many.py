@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from aiofabric import ClosedError, QPStateError, open_nic
-from aiofabric.verbs.completions import CompletionError
+from aiofabric.errors import CompletionError
 from aiofabric.verbs.types import LocalBuffer, RemoteRegion
 from tests.support.nics import connected_qps, tag
 

@@ -16,9 +16,11 @@ from aiofabric import open_nic
 from aiofabric.autogen import bnxt
 from aiofabric.hw.verbs import PSN_MASK, MRAccess, QPAccess, QPState
 from aiofabric.hw.wqe import ATOMIC_SIZE, MSN_ENTRY, SqGeometry, msn_fields
+from aiofabric.sim import codec
 from aiofabric.sim import packets as pk
+from aiofabric.sim.atomics import execute
 from aiofabric.sim.responder import Responder
-from aiofabric.verbs.completions import CompletionError
+from aiofabric.errors import CompletionError
 from aiofabric.verbs.types import ALL_ACCESS, Access
 from aiofabric.verbs.workqueue import SIGNAL, SendQueueCodec
 from tests.support import emulator
@@ -82,7 +84,7 @@ def atomic_pair(**options):
 
 def carry(items: list) -> list[pk.Packet]:
     """Packets through the codec, as the wire carries them."""
-    return [pk.decode(pk.encode(p), p.src_ip, p.dst_ip, p.src_port) for p in pk.expand(items)]
+    return [codec.decode(codec.encode(p), p.src_ip, p.dst_ip, p.src_port) for p in pk.expand(items)]
 
 
 def executed(host: emulator.Host) -> int:
@@ -248,7 +250,7 @@ def test_the_exactly_once_check_sees_a_responder_that_executes_duplicates_again(
     """Tamper with the responder: a duplicate atomic is executed again (and its new result sent). The check above
     must fail."""
     def execute_again(self: Responder, p: pk.Packet) -> None:
-        original = self._execute(self._atomic_target(p), p.opcode, p.swap_add, p.compare)
+        original = execute(self._atomic_target(p), p.opcode, p.swap_add, p.compare)
         self.port.placed.atomic_messages += 1
         self._atomic_acknowledge(p.psn, original)
 

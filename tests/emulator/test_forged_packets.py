@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from aiofabric import QPState, collectives, open_nic
+from aiofabric.sim import codec
 from aiofabric.sim import packets as pk
-from aiofabric.sim.wire import IP_MTU_DISCOVER, IP_PMTUDISC_DO
+from aiofabric.sim.udp import IP_MTU_DISCOVER, IP_PMTUDISC_DO
 from tests.support import emulator
 from tests.support.nics import connect, connected_qps, tag
 
@@ -52,7 +53,7 @@ def send_forged(dest_ip: str, source_ip: str, dest_qp: int, psn: int, addr: int,
         packet = pk.Packet(pk.Op.RDMA_WRITE_ONLY, dest_qp, psn, ack_req=True, remote_addr=addr, rkey=rkey,
                            dma_length=len(payload), payload=payload, src_ip=source_ip, dst_ip=dest_ip,
                            src_port=sock.getsockname()[1])
-        sock.sendto(pk.encode(packet), (dest_ip, pk.ROCE_PORT))
+        sock.sendto(codec.encode(packet), (dest_ip, pk.ROCE_PORT))
 
 
 async def stat_reaches(nic, names: tuple[str, ...], value: int, memory: memoryview, timeout: float = 10.0) -> dict:
@@ -223,7 +224,7 @@ def _write_packets(a, b, size: int):
     a.post(emulator.WRITE, [(src, lkey, size)], remote=dst, rkey=rkey)
     a.dp.doorbells(0.0)
     a.dp.pump(0.0)
-    packets = [pk.decode(pk.encode(p), p.src_ip, p.dst_ip, p.src_port) for p in pk.expand(a.dp.take_outbox())]
+    packets = [codec.decode(codec.encode(p), p.src_ip, p.dst_ip, p.src_port) for p in pk.expand(a.dp.take_outbox())]
     return packets, dst, data[:size]
 
 

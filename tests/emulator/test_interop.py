@@ -127,7 +127,8 @@ async def test_aiofabric_writes_into_a_scapy_responder():
 
 
 async def test_every_packet_of_a_run_parses_with_scapy_and_carries_its_icrc(tmp_path):
-    from aiofabric.tools.perftest import BenchConfig, run_bench
+    from aiofabric.tools.bench_config import BenchConfig
+    from aiofabric.tools.perftest import run_bench
     capture = tmp_path / "run.pcap"
     result = await run_bench(BenchConfig("write", qps=2, size=3000, iters=20, depth=4, mtu=1024,
                                          pcap=str(capture)))

@@ -19,8 +19,10 @@ import pytest
 from aiofabric import open_nic
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim import packets as pk
-from aiofabric.sim.requester import READ_SEGMENT, WINDOW
-from aiofabric.tools.perftest import BenchConfig, run_bench
+from aiofabric.sim.completer import READ_SEGMENT
+from aiofabric.sim.requester import WINDOW
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.perftest import run_bench
 from tests.support.backends import on
 from tests.support.emulator import MASK, READ, REQ_OK, WRITE, fill, pair
 from tests.support.nics import connected_qps

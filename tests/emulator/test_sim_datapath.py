@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from aiofabric.autogen import bnxt
 from aiofabric.hw.verbs import PSN_MASK, QPState
 from aiofabric.hw.wqe import msn_entry, psn_search_values
-from aiofabric.sim import packets as pk
+from aiofabric.sim import codec, packets as pk
 from tests.support.emulator import (FLUSHED, MASK, READ, REQ_OK, RES_FLUSHED, SEND, SEND_IMM, WRITE, WRITE_IMM, Host,
                                     Wire, fill, pair)
 
@@ -127,7 +127,7 @@ def test_send_into_posted_receives():
     assert b.mem.read(inbox + 2048, 61) == data[3000:3061]
     imm_packets = [p for p in wire.log if p.opcode == pk.Op.SEND_ONLY_WITH_IMMEDIATE]
     assert imm_packets[0].immediate == 0xCAFEBABE
-    assert pk.encode(imm_packets[0])[12:16] == bytes.fromhex("cafebabe")  # ImmDt is big-endian on the wire
+    assert codec.encode(imm_packets[0])[12:16] == bytes.fromhex("cafebabe")  # ImmDt is big-endian on the wire
 
 
 def test_write_with_immediate_consumes_a_receive():

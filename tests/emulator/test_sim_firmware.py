@@ -442,14 +442,14 @@ def test_completion_queue_post_toggle_full_and_notification(driver):
 def test_doorbells_are_decoded_and_recorded(driver):
     cq = driver.create_cq()
     qp = driver.create_qp(cq)
-    fw = driver.fw
-    fw.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 9, 1))
-    fw.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_RQ, 3))
-    fw.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 10, valid=False))
-    fw.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 11, path=bnxt.DBC_DBC_PATH_L2))
-    fw.doorbell(0x80, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 12))
+    fw, bar2 = driver.fw, driver.bar2
+    bar2.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 9, 1))
+    bar2.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_RQ, 3))
+    bar2.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 10, valid=False))
+    bar2.doorbell(fw.roce_db_offset, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 11, path=bnxt.DBC_DBC_PATH_L2))
+    bar2.doorbell(0x80, dbc(qp, bnxt.DBC_DBC_TYPE_SQ, 12))
     state = fw.rcfw.qps[qp]
-    assert (fw.sq_doorbells, fw.rq_doorbells) == ([qp], [qp])
+    assert (bar2.datapath.sq_rung, bar2.datapath.rq_rung) == ([state], [state])
     assert (state.sq_producer, state.sq_producer_epoch, state.rq_producer) == (9, 1, 3)
     assert (fw.stats["doorbells_without_valid"], fw.stats["l2_doorbells"], fw.stats["legacy_doorbells"]) == (1, 1, 1)
 

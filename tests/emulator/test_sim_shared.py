@@ -222,7 +222,8 @@ def test_the_commands_say_how_many_emulator_processes_ran_their_nics(argv, proce
 @pytest.mark.loop_agnostic
 async def test_each_run_shares_a_process_of_its_own():
     """Two runs with --shared-emulator in one driver process: each run's NICs share a process, not the other's."""
-    from aiofabric.tools.perftest import BenchConfig, open_bench_nics
+    from aiofabric.tools.bench_config import BenchConfig
+    from aiofabric.tools.perftest import open_bench_nics
     config = BenchConfig(shared_emulator=True)
     async with open_bench_nics(config) as first, open_bench_nics(config) as second:
         assert first[0].pci.pid == first[1].pci.pid

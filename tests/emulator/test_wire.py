@@ -14,11 +14,15 @@ from pathlib import Path
 import pytest
 
 from aiofabric.sim import mmsg
-from aiofabric.sim.packets import (ACK_UNLIMITED, ROCE_PORT, Op, Packet, Segments, decode, decode_ipv4, encode_ipv4,
-                                   udp_source_port)
+from aiofabric.sim.codec import decode, decode_ipv4, encode_ipv4
+from aiofabric.sim.faults import Faults
+from aiofabric.sim.packets import ACK_UNLIMITED, ROCE_PORT, Op, Packet, Segments, udp_source_port
 from aiofabric.sim.pcap import PcapWriter
-from aiofabric.sim.wire import (BATCH, IP_MTU_DISCOVER, IP_PMTUDISC_DO, SO_RCVBUFFORCE, Faults, LoopbackTransport,
-                                RawTransport, Transport, UdpTransport, open_transport)
+from aiofabric.sim.phy_loopback import LoopbackTransport
+from aiofabric.sim.raw import RawTransport
+from aiofabric.sim.transport import Transport
+from aiofabric.sim.udp import BATCH, IP_MTU_DISCOVER, IP_PMTUDISC_DO, SO_RCVBUFFORCE, UdpTransport
+from aiofabric.sim.wire import open_transport
 
 scapy_all = pytest.importorskip("scapy.all")
 roce = pytest.importorskip("scapy.contrib.roce")

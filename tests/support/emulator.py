@@ -14,14 +14,16 @@ from aiofabric.hw.ring import position, slot
 from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState, psn_count
 from aiofabric.hw.wqe import (RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
                               SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry, msn_entry, psn_search_values)
+from aiofabric.sim import codec
 from aiofabric.sim import packets as pk
+from aiofabric.sim.cmdq import PendingCommand
 from aiofabric.sim.datapath import Datapath
 from aiofabric.sim.function import FirmwareConfig
 from aiofabric.sim.hwrm import NQ, Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
+from aiofabric.sim.mmio import Doorbells
 from aiofabric.sim.objects import NotificationQueue, PageList
 from aiofabric.sim.profiles import DEFAULT_PROFILE, PROFILES
-from aiofabric.sim.rcfw import PendingCommand
 
 SUCCESS = bnxt.CREQ_QP_EVENT_STATUS_SUCCESS
 Q = "CMDQ_MODIFY_QP_MODIFY_MASK_"
@@ -46,6 +48,7 @@ class Host:
         self.fw = Firmware(self.mem, FirmwareConfig(mac=bytes(6), profile=PROFILES[profile]))
         self.fw.rcfw.initialized, self.fw.rcfw.hw_retx = True, hw_retx  # what INITIALIZE_FW would have granted
         self.dp = Datapath(self.fw, ip)
+        self.bar2 = Doorbells(self.fw, self.dp)
         self.cookie = 0
         self.creq = self.nq(4096, logical_id=0)  # long enough that tests need not return credits
         self.fw.rcfw.creq = self.creq
@@ -174,7 +177,7 @@ class Host:
         self.doorbell(bnxt.DBC_DBC_TYPE_RQ, *position(self.rq_producer, self.rq_size))
 
     def doorbell(self, kind: int, index: int, epoch: int) -> None:
-        self.fw.doorbell(self.fw.roce_db_offset, doorbell.encode(self.qpn, kind, index, epoch))
+        self.bar2.doorbell(self.fw.roce_db_offset, doorbell.encode(self.qpn, kind, index, epoch))
 
     def poll(self) -> list[tuple]:
         """New CQEs: ("req", status, sq_cons_idx, handle) or ("res", status, length, imm, flags, wr_id)."""
@@ -228,10 +231,10 @@ class Wire:
                 if self.black_hole or self.random.random() < self.loss:
                     continue
                 copies = 2 if self.random.random() < self.dup else 1
-                wire = pk.encode(packet)
+                wire = codec.encode(packet)
                 for _ in range(copies):
                     batch.setdefault(packet.dst_ip, []).append(
-                        pk.decode(wire, packet.src_ip, packet.dst_ip, packet.src_port))
+                        codec.decode(wire, packet.src_ip, packet.dst_ip, packet.src_port))
             for ip, packets in batch.items():
                 if self.reorder:
                     for i in range(len(packets) - 1):

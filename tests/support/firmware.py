@@ -12,9 +12,11 @@ from aiofabric.hw.layout import field_type
 from aiofabric.hw.ring import position, slot
 from aiofabric.hw.verbs import QPAccess, QPState
 from aiofabric.hw.wqe import RQ_WQE_HEADER, SGE, SQ_SLOT
+from aiofabric.sim.datapath import Datapath
 from aiofabric.sim.function import FirmwareConfig
 from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
+from aiofabric.sim.mmio import Doorbells
 from aiofabric.sim.objects import PageList
 
 MAC = bytes.fromhex("020af0123456")
@@ -49,6 +51,7 @@ class Driver:
         self.mem = BusMemory(bytearray(memory))
         self.next_page = BUS_BASE
         self.fw = Firmware(self.mem, FirmwareConfig(mac=MAC, **config))
+        self.bar2 = Doorbells(self.fw, Datapath(self.fw))
         self.seq = self.cookie = 0
         self.response, self.requests = self.alloc(), self.alloc()
         self.short_commands = False  # what VER_GET asks for
@@ -214,7 +217,7 @@ class Driver:
         return getattr(bnxt, f"creq_{name}_resp").from_buffer_copy(entry)
 
     def doorbell(self, xid: int, kind: int, index: int, epoch: int = 0) -> None:
-        self.fw.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch))
+        self.bar2.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch))
 
     def boot(self, **rcfw) -> None:
         self.short_commands = short_commands_required(self.hwrm("ver_get").dev_caps_cfg)

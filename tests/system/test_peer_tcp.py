@@ -11,7 +11,9 @@ import pytest
 
 from aiofabric.peer import PeerError
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
-from aiofabric.tools.perftest import BenchConfig, format_table, open_bench_nics, run_bench
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.bench_report import format_table
+from aiofabric.tools.perftest import open_bench_nics, run_bench
 from tests.support.backends import only
 from tests.support.ssh_servers import assert_no_leftovers
 

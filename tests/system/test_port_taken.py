@@ -24,9 +24,9 @@ import pytest
 import aiofabric
 from aiofabric.pci import PCIError
 from aiofabric.pci.emulated import SimPCIDevice
-from aiofabric.sim import wire
+from aiofabric.sim import netns
 from aiofabric.sim.packets import ROCE_PORT
-from aiofabric.sim.wire import NoPrivateNetns
+from aiofabric.sim.netns import NoPrivateNetns
 
 HOLDER_USER = "nobody"
 # Another user's socket on every address's 4791: it says its pid, then counts what reaches it until stdin closes.
@@ -239,22 +239,22 @@ def test_a_rendezvous_directory_others_could_have_made_or_can_enter_is_refused(t
     directory.mkdir()
     os.chmod(directory, 0o755)  # another user could enter it
     with pytest.raises(NoPrivateNetns) as raised:
-        wire._user_netns_dir()
+        netns.user_netns_dir()
     assert str(raised.value) == refused("is open to group and others (mode 755)")
     os.chmod(directory, 0o700)
-    assert wire._user_netns_dir() == str(directory)
+    assert netns.user_netns_dir() == str(directory)
     if uid == 0:  # made by another user first
         holder = pwd.getpwnam(HOLDER_USER).pw_uid
         os.chown(directory, holder, -1)
         with pytest.raises(NoPrivateNetns) as raised:
-            wire._user_netns_dir()
+            netns.user_netns_dir()
         assert str(raised.value) == refused(f"is owned by uid {holder}, not by us (uid 0)")
     directory.rename(tmp_path / "elsewhere")
     directory.symlink_to(tmp_path / "elsewhere")  # a link is not the directory itself
     with pytest.raises(NoPrivateNetns) as raised:
-        wire._user_netns_dir()
+        netns.user_netns_dir()
     assert str(raised.value) == refused("is a symlink")
     monkeypatch.delenv("XDG_RUNTIME_DIR")  # never a name under /tmp instead
     with pytest.raises(NoPrivateNetns) as raised:
-        wire._user_netns_dir()
+        netns.user_netns_dir()
     assert str(raised.value) == refused("is not set", "$XDG_RUNTIME_DIR")

@@ -13,6 +13,7 @@ import pytest
 
 import aiofabric
 from aiofabric.tools import cli, perftest_flags
+from aiofabric.tools.commands.perftest_server import MAX_REPORT_ROWS
 from tests.support.nics import connected_qps
 
 ENVIRONMENT = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
@@ -233,10 +234,10 @@ def test_a_bench_server_prints_one_bounded_report_per_client(tmp_path):
             def request(number, result):
                 sock.sendall(json.dumps({"id": number, "op": "report", "args": {"result": result}}).encode() + b"\n")
                 return json.loads(answers.readline())
-            rows = {**honest, "rows": [honest] * (cli.MAX_REPORT_ROWS + 1)}
+            rows = {**honest, "rows": [honest] * (MAX_REPORT_ROWS + 1)}
             too_many = request(1, rows)
-            assert not too_many["ok"] and f"report: {cli.MAX_REPORT_ROWS + 1} rows; a sweep has at most " \
-                f"{cli.MAX_REPORT_ROWS}" in too_many["error"]["message"], too_many
+            assert not too_many["ok"] and f"report: {MAX_REPORT_ROWS + 1} rows; a sweep has at most " \
+                f"{MAX_REPORT_ROWS}" in too_many["error"]["message"], too_many
             assert request(2, honest)["ok"]
             again = request(3, honest)
             assert not again["ok"] and "report: a client reports its run once" in again["error"]["message"], again

@@ -27,8 +27,13 @@ from aiofabric.pci.emulated_debug import DebugClient, Placed
 from aiofabric.pci.sysfs import SysfsPCIDevice
 from aiofabric.peer.policy import ServerPolicy
 from aiofabric.peer.tcp import connect_tcp, serve_tcp
-from aiofabric.tools.latency import LatConfig, format_latency_table, run_latency
-from aiofabric.tools.perftest import NOT_COUNTED, BenchConfig, format_table, open_bench_nics, run_bench, run_loopback
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.bench_report import format_table
+from aiofabric.tools.introspect import NOT_COUNTED
+from aiofabric.tools.lat_config import LatConfig
+from aiofabric.tools.lat_report import format_latency_table
+from aiofabric.tools.latency import run_latency
+from aiofabric.tools.perftest import open_bench_nics, run_bench, run_loopback
 from aiofabric.verbs import nic as nic_module
 from tests.support.backends import on
 from tests.support.sysfs import ADDR, make_tree

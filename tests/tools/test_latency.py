@@ -3,8 +3,11 @@ import dataclasses
 
 import pytest
 
-from aiofabric.tools.latency import HEADER, LATENCY_FIELDS, LatConfig, format_latency_table, histogram, run_latency
-from aiofabric.tools.samples import summarize
+from aiofabric.tools.lat_config import LatConfig
+from aiofabric.tools.lat_report import HEADER, format_latency_table
+from aiofabric.tools.latency import run_latency
+from aiofabric.tools.samples import FIELDS as LATENCY_FIELDS
+from aiofabric.tools.samples import histogram, summarize
 from tests.support.backends import on
 from tests.support.ssh_servers import assert_no_leftovers
 

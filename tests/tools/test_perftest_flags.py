@@ -7,7 +7,9 @@ import sys
 import pytest
 
 from aiofabric.tools import cli, perftest_flags
-from aiofabric.tools.perftest import sweep_iterations
+from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.lat_config import LatConfig
+from aiofabric.tools.sweeps import sweep_iterations
 
 BENCH_ALIASES = [  # (perftest's spelling, ours): each pair must parse to the same configuration
     (["-n", "77"], ["--iters", "77"]), (["-q", "3"], ["--qps", "3"]), (["--qp", "3"], ["--qps", "3"]),
@@ -34,7 +36,7 @@ def parsed(*argv):
 def config_of(*argv):
     """What a command line runs: the engine's configuration and the file the report goes to."""
     args = parsed(*argv)
-    return (cli.bench_config(args) if args.command == "bench" else cli.lat_config(args)), args.json_file
+    return (BenchConfig if args.command == "bench" else LatConfig).from_args(args), args.json_file
 
 
 @pytest.mark.parametrize("theirs,ours", BENCH_ALIASES, ids=[" ".join(t) for t, _ in BENCH_ALIASES])
@@ -256,7 +258,7 @@ def test_the_atomic_check_sees_a_wrong_original_or_counter():
     import asyncio
     from types import SimpleNamespace
 
-    from aiofabric.tools.perftest import BenchConfig, _atomic_results
+    from aiofabric.tools.bench_verify import atomic_results as _atomic_results
 
     def flow(originals, counter):
         source = bytearray(b"".join(v.to_bytes(8, "little") for v in originals))
@@ -309,7 +311,7 @@ def test_connect_sizes_take_suffixes_like_the_rest():
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_events_make_the_pollers_sleep_on_the_interrupt_without_polling_first():
-    from aiofabric.tools.perftest import BenchConfig, open_bench_nics, run_bench
+    from aiofabric.tools.perftest import open_bench_nics, run_bench
     config = BenchConfig(test="write", size=64, iters=300, depth=4, events=True)
     async with open_bench_nics(config) as nics:
         result = await run_bench(config, nics)
@@ -326,7 +328,6 @@ def test_the_nic_limits_count_what_one_nic_holds():
     from types import SimpleNamespace
 
     from aiofabric.errors import BadOption
-    from aiofabric.tools.perftest import BenchConfig
     nic = SimpleNamespace(device=SimpleNamespace(caps={"max_qp": 1216, "max_qp_wr": 65535, "max_cqe": 4194303,
                                                        "max_qp_rd_atom": 16, "max_inline_data": 96}, gid_index=0),
                           pci=SimpleNamespace(address="sim:x"), ip="127.0.0.5")
@@ -344,7 +345,8 @@ def test_the_atomic_check_sees_the_first_original_never_written():
     import asyncio
     from types import SimpleNamespace
 
-    from aiofabric.tools.perftest import NO_ORIGINAL, BenchConfig, _atomic_results
+    from aiofabric.tools.bench_verify import atomic_results as _atomic_results
+    from aiofabric.tools.options import NO_ORIGINAL
     source = bytearray(NO_ORIGINAL + b"".join(v.to_bytes(8, "little") for v in (1, 2, 3)))
     flow = SimpleNamespace(done=4, source=SimpleNamespace(view=memoryview(source)), remote=None, client=SimpleNamespace(qpn=7),
                            target=SimpleNamespace(view=memoryview(bytearray((4).to_bytes(8, "little")))))
@@ -368,7 +370,7 @@ def test_what_only_a_client_does_is_refused_on_a_server(capsys, argv, named):
 
 
 def test_a_hostile_report_cannot_stretch_the_servers_histogram():
-    from aiofabric.tools.latency import format_histogram
+    from aiofabric.tools.lat_report import format_histogram
     assert max(len(line) for line in format_histogram([[1.0, 3], [2.0, 10 ** 9]]).splitlines()) < 120
     for rows in ([[1, -1], [2, -2000000]], [[1, 1.5]], [["x", 1]], [[1, float("inf")]], [[1, True]]):
         with pytest.raises(ValueError, match="histogram: a row must be"):

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aiofabric.sim.codec import (BadPacket, decode, decode_ipv4, encode, encode_into, encode_ipv4, encode_ipv4_header,
+                                 encode_segments_into, header_size)
+from aiofabric.sim.icrc import icrc
 from aiofabric.sim.packets import (ACK_UNLIMITED, HAS_AETH, HAS_ATOMIC_ACK_ETH, HAS_ATOMIC_ETH, HAS_IETH, HAS_IMM,
                                    HAS_PAYLOAD, HAS_RETH, NAK_PSN_SEQ, NAK_REMOTE_ACCESS, RNR_NAK, RNR_TIMER_US,
-                                   ROCE_PORT, BadPacket, Op, Packet, Segments, decode, decode_ipv4, encode, encode_into,
-                                   encode_ipv4, encode_ipv4_header, encode_segments_into, expand, header_size, icrc,
-                                   udp_source_port)
+                                   ROCE_PORT, Op, Packet, Segments, expand, udp_source_port)
 from tests.support import CHECKOUT
 
 scapy_all = pytest.importorskip("scapy.all")
