@@ -38,7 +38,9 @@ async def silence(nic: NIC, seconds: float = PROBE_SECONDS) -> str | None:
 async def settle(nics: Iterable[NIC], seconds: float = PROBE_SECONDS) -> dict[str, str]:
     """After a failure, before its clean-up: probe `nics` at once (`silence`, shielded: a cancelled run settles too)
     and close each that stopped now, with no budget (no command is sent to a firmware that does not answer; the
-    function reset frees what they would have). {address: why} of those."""
+    function reset frees what they would have). {address: why} of those, in the order of `nics` (not the order the
+    probes ended in: a report names them the same way every time)."""
+    unique = list(dict.fromkeys(nics))
     stopped: dict[str, str] = {}
 
     async def probe(nic: NIC) -> None:
@@ -49,6 +51,6 @@ async def settle(nics: Iterable[NIC], seconds: float = PROBE_SECONDS) -> dict[st
 
     with anyio.CancelScope(shield=True), anyio.move_on_after(seconds + CLOSE_TIMEOUT):
         async with anyio.create_task_group() as tasks:
-            for nic in dict.fromkeys(nics):
+            for nic in unique:
                 tasks.start_soon(probe, nic)
-    return stopped
+    return {nic.pci.address: stopped[nic.pci.address] for nic in unique if nic.pci.address in stopped}

@@ -23,7 +23,7 @@ def placed(nic, qp) -> dict[str, int]:
 
 
 async def test_placed_counts_match_what_was_posted_under_loss_and_dup():
-    async with connected_pair(timeout=8, loss=0.05, dup=0.05, seed=3) as (a, b, qa, qb):
+    async with connected_pair(loss=0.05, dup=0.05, seed=3) as (a, b, qa, qb):
         local, remote = await a.register_mr(1 << 17), await b.register_mr(1 << 17)
         local.view[:] = random.Random(5).randbytes(1 << 17)
         writes, reads, sends = [1, 1000, 4096, 20000] * 4, [3000, 7, 9000] * 3, [100, 2048] * 4
@@ -49,7 +49,7 @@ async def test_placed_counts_match_what_was_posted_under_loss_and_dup():
 
 
 async def test_placement_faults_through_the_debug_channel():
-    async with connected_pair(timeout=8) as (a, b, qa, qb):
+    async with connected_pair() as (a, b, qa, qb):
         source, target = await a.register_mr(8192), await b.register_mr(8192)
         source.view[:] = random.Random(6).randbytes(8192)
         b.pci.debug({"op": "fault", "kind": "skip_placement", "count": 1})
@@ -69,7 +69,7 @@ async def test_placement_faults_through_the_debug_channel():
 
 
 async def test_rx_overflow_is_reported_apart_from_protocol_drops():
-    async with connected_pair(timeout=8, loss=0.2, seed=4) as (a, b, qa, qb):
+    async with connected_pair(loss=0.2, seed=4) as (a, b, qa, qb):
         source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
         with anyio.fail_after(30):
             for i in range(8):
@@ -83,7 +83,7 @@ async def test_a_stalled_receiver_overflows_no_receive_buffer_under_fan_in():
     its socket must hold them all (the emulator sizes it for the QPs' windows). A 4 MiB buffer dropped thousands,
     counted as rx_overflow and then recovered by retransmission."""
     qps, depth = 128, 128
-    async with connected_pair(timeout=8) as (a, b, _, _):
+    async with connected_pair() as (a, b, _, _):
         cq_a, cq_b = await a.create_cq(qps * depth), await b.create_cq(256)
         source, target = await a.register_mr(64), await b.register_mr(qps * depth * 64)
         flows = []

@@ -375,3 +375,12 @@ def test_a_hostile_report_cannot_stretch_the_servers_histogram():
     for rows in ([[1, -1], [2, -2000000]], [[1, 1.5]], [["x", 1]], [[1, float("inf")]], [[1, True]]):
         with pytest.raises(ValueError, match="histogram: a row must be"):
             format_histogram(rows)
+
+
+def test_a_pci_nic_gets_no_emulator_option_unless_one_was_asked():
+    """The collectives pass these to open_nic, which refuses any option for a PCI NIC: faults that are off (the
+    defaults) are not options asked for."""
+    from aiofabric.tools.options import WireOptions
+    assert WireOptions().nic_options() == {}
+    assert WireOptions(loss=0.1, seed=3).nic_options() == {"loss": 0.1, "seed": 3}
+    assert WireOptions(pcap="x.pcap").nic_options() == {"pcap": "x.pcap"}
