@@ -34,8 +34,8 @@ class Mutant:
 
 
 ICRC, RESPONDER, WORKQUEUE = "aiofabric/sim/icrc.py", "aiofabric/sim/responder.py", "aiofabric/verbs/workqueue.py"
-PLAN, PROTOCOL, DEVICE, SAMPLES = ("aiofabric/sched/plan.py", "aiofabric/peer/protocol.py", "aiofabric/driver/device.py",
-                                   "aiofabric/tools/samples.py")
+PLAN, OPERATIONS = "aiofabric/sched/plan.py", "aiofabric/peer/operations.py"
+DEVICE, SAMPLES = "aiofabric/driver/device.py", "aiofabric/tools/samples.py"
 SCAPY_ICRC = ("tests/unit/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
               "tests/unit/test_packets.py::test_icrc_over_nonzero_ip_ids_matches_scapy",
               "tests/unit/test_packets.py::test_golden_capture_decodes_and_reencodes_bit_exactly")
@@ -58,9 +58,10 @@ CLOSE = (LIFETIMES + "test_a_close_destroys_what_is_attached_in_an_order_the_fir
          LIFETIMES + "test_objects_of_a_closed_nic_refuse_use")
 SUMMARY = ("tests/unit/test_samples.py",)
 B = "tests/driver/test_boundaries.py::"
-POOL, CALLS, RUN = "aiofabric/sched/pool.py", "aiofabric/sched/calls.py", "aiofabric/sched/run.py"
+POOL, CALLS, WORKERS, BINDING = ("aiofabric/sched/pool.py", "aiofabric/sched/calls.py", "aiofabric/sched/workers.py",
+                                 "aiofabric/sched/binding.py")
 COMM, LAYOUT = "aiofabric/collectives/communicator.py", "aiofabric/collectives/layout.py"
-FREED, VFIO, PCI = "aiofabric/sim/freed.py", "aiofabric/pci/vfio.py", "aiofabric/pci/seam.py"
+FREED, IOMMU, PCI = "aiofabric/sim/freed.py", "aiofabric/pci/iommu.py", "aiofabric/pci/seam.py"
 FLAGS, POLICY = "aiofabric/tools/perftest_flags.py", "aiofabric/peer/policy.py"
 DATAPATH_SIM, UDP, RCFW, PCAP = ("aiofabric/sim/datapath.py", "aiofabric/sim/udp.py", "aiofabric/sim/rcfw.py",
                                   "aiofabric/sim/pcap.py")
@@ -119,11 +120,11 @@ MUTANTS = [
            "if segment.readers:  # every reader", "if False:  # every reader", PLANNING),
     Mutant("plan: a write does not wait for the earlier writer (write-after-write)", PLAN,
            "elif segment.writer is not None:", "elif False:", PLANNING),
-    Mutant("protocol: true is an integer (and handle 1)", PROTOCOL,
+    Mutant("protocol: true is an integer (and handle 1)", OPERATIONS,
            "if isinstance(value, bool) or not isinstance(value, int):", "if not isinstance(value, int):",
            PEER_REQUESTS),
-    Mutant("protocol: handle 0 is a handle", PROTOCOL, "if _int(value) < 1:", "if _int(value) < 0:", PEER_REQUESTS),
-    Mutant("protocol: true is a deadline", PROTOCOL,
+    Mutant("protocol: handle 0 is a handle", OPERATIONS, "if _int(value) < 1:", "if _int(value) < 0:", PEER_REQUESTS),
+    Mutant("protocol: true is a deadline", OPERATIONS,
            "if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:",
            "if not isinstance(value, (int, float)) or not value > 0:", PEER_REQUESTS),
     Mutant("close: the NIC's own tasks keep running while it frees their rings", DEVICE,
@@ -141,20 +142,20 @@ MUTANTS = [
            "while len(self.posted) < self.depth:", "while len(self.posted) <= self.depth:", POOL_DEPTH),
     Mutant("pool: a depth equal to the receive queue's (no room left for a run's own) is accepted", POOL,
            "not 1 <= depth < qp.rq.depth", "not 1 <= depth <= qp.rq.depth", POOL_DEPTH),
-    Mutant("imm: an expected immediate of 0 is never checked", RUN,
+    Mutant("imm: an expected immediate of 0 is never checked", WORKERS,
            "if want is not None and done.imm != want:", "if want and done.imm != want:", IMM),
     Mutant("imm: wait_imm refuses an immediate of 0", CALLS,
            "not 0 <= imm <= 0xFFFFFFFF", "not 0 < imm <= 0xFFFFFFFF", IMM),
     Mutant("imm: wait_imm refuses 0xffffffff", CALLS,
            "not 0 <= imm <= 0xFFFFFFFF", "not 0 <= imm < 0xFFFFFFFF", IMM),
-    Mutant("scalar: an RDMA size rebound to exactly its compiled value is refused", RUN,
+    Mutant("scalar: an RDMA size rebound to exactly its compiled value is refused", BINDING,
            "not 0 <= value <= limit", "not 0 <= value < limit", SCALAR),
     Mutant("rdma range: a call ending exactly at its region's end is refused", CALLS,
            "offset + size > length:", "offset + size >= length:", SCALAR),
-    Mutant("binding: memory right after a constant argument counts as overlapping it", RUN,
+    Mutant("binding: memory right after a constant argument counts as overlapping it", BINDING,
            "(self._constant_starts < stop) & (self._constant_stops > start)",
            "(self._constant_starts <= stop) & (self._constant_stops >= start)", TOUCHING),
-    Mutant("binding: two inputs side by side count as overlapping", RUN,
+    Mutant("binding: two inputs side by side count as overlapping", BINDING,
            "e[0] < extent[1] and extent[0] < e[1]", "e[0] <= extent[1] and extent[0] <= e[1]", TOUCHING),
     Mutant("collective: a buffer of exactly the communicator's capacity is refused", COMM,
            "if buffer_bytes > self.capacity:", "if buffer_bytes >= self.capacity:",
@@ -174,11 +175,11 @@ MUTANTS = [
            "                kept.append((start, offset))\n", "                pass\n", FREED_SPLIT),
     Mutant("freed: allocating the middle of a freed range forgets its right remnant", FREED,
            "                kept.append((end, stop))\n", "                pass\n", FREED_SPLIT),
-    Mutant("iova: a block ending on a valid range's last byte is refused", VFIO,
+    Mutant("iova: a block ending on a valid range's last byte is refused", IOMMU,
            "if start + block - 1 <= last:", "if start + block - 1 < last:", IOVA),
-    Mutant("iova: a freed block is handed out twice", VFIO,
+    Mutant("iova: a freed block is handed out twice", IOMMU,
            "return self._free[block].pop()", "return self._free[block][-1]", IOVA),
-    Mutant("iova: the block of a failed mapping is never given back", VFIO,
+    Mutant("iova: the block of a failed mapping is never given back", IOMMU,
            "            self.space.free(iova, size)\n            hint", "            hint",
            (B + "test_the_iova_of_a_failed_mapping_serves_the_next",)),
     Mutant("dma: the byte past a buffer has a bus address", PCI,
@@ -214,7 +215,8 @@ MUTANTS = [
     Mutant("private: a group-writable directory is trusted", PRIVATE, "((0o020, \"group\"), (0o002, \"others\"))",
            "((0o000, \"group\"), (0o002, \"others\"))",
            (LOCAL_FILES + "test_a_cache_directory_others_can_write_is_refused",)),
-    Mutant("pcap: a capture follows a symlink and overwrites", PCAP, "os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW",
+    Mutant("pcap: a capture follows a symlink and overwrites", PCAP,
+           "os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW",
            "os.O_WRONLY | os.O_CREAT | os.O_TRUNC",
            (LOCAL_FILES + "test_a_symlink_at_the_capture_path_is_refused_and_its_target_unchanged",)),
     Mutant("server: a request still running counts as its client's idleness", SERVE, "            if unanswered:\n",
