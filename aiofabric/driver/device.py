@@ -26,7 +26,7 @@ from .commands import OWN_FID
 from .firmware_events import (EVENT_RING_DEPTH, EVENT_VECTOR, DeviceEvent, EventRing, EventRouter, Link, event_kind,
                               reset_text)
 from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
-from .interrupts import CREQ_VECTOR, HWRM_VECTOR, NQ_VECTOR, wake
+from .interrupts import CREQ_VECTOR, NQ_VECTOR, wake
 from .liveness import Liveness
 from .rcfw_channel import CREQ_DEPTH, RCFW_TIMEOUT, RcfwChannel
 from .rings import Ring
@@ -41,7 +41,7 @@ from ..pci import PAGE_SIZE, PCIDevice
 from ..version import __version__
 
 NQ_DEPTH = 4096
-VECTORS = (HWRM_VECTOR, CREQ_VECTOR, NQ_VECTOR, EVENT_VECTOR)  # every MSI-X vector the driver waits on
+VECTORS = (CREQ_VECTOR, NQ_VECTOR, EVENT_VECTOR)  # every MSI-X vector the driver waits on
 
 
 def ipv4_gid(ip: str) -> bytes:
@@ -75,8 +75,7 @@ class Device:
         self.liveness = Liveness(pci)
         self.liveness.on_lost(self._on_lost)
         self.budget = CloseBudget()
-        self.hwrm_channel = HwrmChannel(pci, self.bar0, self.interrupt_fd(HWRM_VECTOR), self.liveness, self.budget,
-                                        hwrm_timeout)
+        self.hwrm_channel = HwrmChannel(pci, self.bar0, self.liveness, self.budget, hwrm_timeout)
         self._rcfw_channel: RcfwChannel | None = None  # from boot on: its rings need HWRM commands first
         self._rcfw_timeout = rcfw_timeout
         self.router = EventRouter(pci.address)

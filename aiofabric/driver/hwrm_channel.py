@@ -1,25 +1,37 @@
-"""The HWRM channel: one command at a time, written into BAR0's mailbox window, answered by DMA into a host buffer
-whose last byte turns valid, with an interrupt on the HWRM vector. Firmware that requires short commands takes each
-request from a host buffer instead, the window naming only its address and length (Linux bnxt_hwrm.c)."""
+"""The HWRM channel: one command at a time, written into BAR0's mailbox window, answered by DMA into a zeroed host
+buffer: the length and sequence id first, the last byte (the valid key) last. Requests name no completion ring
+(cmpl_ring 0xFFFF), so the firmware raises nothing: the answer is polled, as Linux's __hwrm_send does. Firmware that
+requires short commands takes each request from a host buffer instead, the window naming only its address and length
+(Linux bnxt_hwrm.c)."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import time
 from typing import Any, AsyncIterator, Callable
 
 import anyio
+import anyio.lowlevel
 
 from .close_budget import CloseBudget
 from .commands import HWRM_HEADER_FIELDS, build, hwrm_types
-from .interrupts import COMMAND_POLL, wait_for_interrupt
+from .interrupts import POLL_INTERVAL
 from .liveness import Liveness
 from ..autogen import bnxt
 from ..errors import FirmwareError, FirmwareTimeoutError
-from ..hw.firmware import HWRM_RESPONSE_HEADER, HWRM_SHORT_REQUEST, SHORT_REQUEST_SIGNATURE
+from ..hw.firmware import HWRM_RESPONSE_HEADER, HWRM_SHORT_REQUEST, NO_COMPLETION_RING, SHORT_REQUEST_SIGNATURE
 from ..pci import PAGE_SIZE, Bar, DmaBuffer, PCIDevice
 
 HWRM_TIMEOUT = 2.0  # Linux: 500 ms default; generous for loaded CI machines
 CMD_ERR_OFFSET = bnxt.hwrm_err_output.cmd_err.offset  # the firmware's detail, in an error answer of that size
+# How an answer is polled (Linux __hwrm_send): between looks the thread sleeps 25 us, as Linux's does 25-40 us (its
+# first five 3-10 us sleeps are below a thread's default timer slack here). A sleeping thread is what gives the CPU to
+# whoever answers: an emulator sharing the CPU never preempts the driver, and yielding to the event loop does not give
+# the CPU away, while the loop's own timers are no finer than a millisecond. The loop runs its other tasks between
+# looks; past FINE_POLL seconds, a slow answer is looked for every POLL_INTERVAL by the loop's timer instead.
+SLEEP = 25e-6
+FINE_POLL = 0.002
+VALID_DELAY = 0.05  # how long the valid byte may trail the length (Linux HWRM_VALID_BIT_DELAY_USEC)
 
 
 class HwrmChannel:
@@ -27,9 +39,9 @@ class HwrmChannel:
     command is waited for even if the caller is cancelled, so a cancelled allocation never leaves an object the
     driver does not know of."""
 
-    def __init__(self, pci: PCIDevice, bar0: Bar, fd: int | None, liveness: Liveness, budget: CloseBudget,
+    def __init__(self, pci: PCIDevice, bar0: Bar, liveness: Liveness, budget: CloseBudget,
                  timeout: float = HWRM_TIMEOUT) -> None:
-        self.pci, self.bar0, self.fd, self.liveness, self.budget = pci, bar0, fd, liveness, budget
+        self.pci, self.bar0, self.liveness, self.budget = pci, bar0, liveness, budget
         self.timeout = timeout
         self.max_request = bnxt.HWRM_MAX_REQ_LEN  # until ver_get says what this firmware takes
         self._answers = pci.alloc_dma(PAGE_SIZE)
@@ -51,13 +63,13 @@ class HwrmChannel:
             self.liveness.check()
             self.budget.check(f"HWRM {name}")
             self._seq = seq = (self._seq + 1) & 0xFFFF
-            request.req_type, request.cmpl_ring, request.seq_id = request_kind, 0xFFFF, seq
+            request.req_type, request.cmpl_ring, request.seq_id = request_kind, NO_COMPLETION_RING, seq
             request.target_id, request.resp_addr = bnxt.BNXT_HWRM_TARGET, self._answers.bus_addr
             data = bytes(request)
             if len(data) > self.max_request:
                 raise ValueError(f"HWRM {name}: {len(data)}-byte request exceeds the {self.max_request}-byte window")
             answer = self._answers.view
-            answer[:HWRM_RESPONSE_HEADER.size] = bytes(HWRM_RESPONSE_HEADER.size)
+            answer[:] = bytes(len(answer))  # Linux's answers come zeroed: a length that is not 0 is the new answer's
             window = data.ljust(self.max_request, b"\0")
             if self._requests is not None:
                 self._requests.view[:len(window)] = window
@@ -66,13 +78,18 @@ class HwrmChannel:
             self.bar0.write_block(bnxt.BNXT_GRCPF_REG_CHIMP_COMM, window)
             self.bar0.write32(bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER, 1)
 
-            def answered() -> bool:  # the answer to this seq_id, its last byte (the valid key) written
+            def landed() -> bool:  # the answer to this seq_id has its length (another seq_id's is stale: wait on)
                 _, _, answered_seq, length = HWRM_RESPONSE_HEADER.unpack_from(answer)
-                return HWRM_RESPONSE_HEADER.size <= length <= len(answer) and answered_seq == seq \
-                    and answer[length - 1] != 0
+                return HWRM_RESPONSE_HEADER.size <= length <= len(answer) and answered_seq == seq
 
-            await self._wait(answered, max(0.0, deadline - anyio.current_time()), f"HWRM {name}")
+            timeout = max(0.0, deadline - anyio.current_time())
+            if not await self._poll(landed, timeout):
+                raise self._unanswered(f"HWRM {name}: no answer from {self.pci.address} within {timeout:g} s")
             error, _, _, length = HWRM_RESPONSE_HEADER.unpack_from(answer)
+            if not await self._poll(lambda: answer[length - 1] != 0, self.budget.bounded(VALID_DELAY)):
+                raise self._unanswered(f"HWRM {name}: the answer's valid byte stayed 0 for {VALID_DELAY:g} s after "
+                                       "its length landed")
+            self.answering = True
             raw = bytes(answer[:length])
             answer[length - 1] = 0  # clear the valid byte, as Linux does, so a stale answer never looks new
         if error:
@@ -102,22 +119,28 @@ class HwrmChannel:
         finally:
             self._lock.release()
 
-    async def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
-        """Sleep on the interrupt fd until `ready()`; memory is re-checked on every wake and every COMMAND_POLL. A
-        close that starts meanwhile ends the wait at its deadline too."""
-        try:
-            with anyio.CancelScope(shield=True), anyio.fail_after(timeout):
-                while not ready():
-                    await self.liveness.look()
-                    if self.budget.spent():
-                        raise TimeoutError
-                    await wait_for_interrupt(self.fd, COMMAND_POLL)
-            self.answering = True
-        except TimeoutError:
-            self.answering = False
-            self.liveness.check()
-            raise FirmwareTimeoutError(f"{what}: no answer from {self.pci.address} within {timeout:g} s"
-                                       + self.budget.note()) from None
+    async def _poll(self, ready: Callable[[], bool], timeout: float) -> bool:
+        """Look at the answer until `ready()` (True) or for `timeout` seconds (False): SLEEP apart for FINE_POLL
+        seconds, then POLL_INTERVAL apart. A device lost meanwhile is raised at the next look; a close that starts
+        meanwhile ends the wait at its deadline."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            fine = anyio.current_time() + FINE_POLL
+            while not ready():
+                await self.liveness.look()
+                if self.budget.spent():
+                    break
+                if anyio.current_time() < fine:
+                    time.sleep(SLEEP)
+                    await anyio.lowlevel.checkpoint()
+                else:
+                    await anyio.sleep(POLL_INTERVAL)
+        return ready()
+
+    def _unanswered(self, message: str) -> FirmwareTimeoutError:
+        """The error of a command the firmware left unanswered (unless the device is gone: that is raised)."""
+        self.answering = False
+        self.liveness.check()
+        return FirmwareTimeoutError(message + self.budget.note())
 
     async def close(self) -> None:
         """Free the answer and request buffers once no command is using them (one started before a close ends at the

@@ -7,11 +7,9 @@ import select
 
 import anyio
 
-from ..hw.firmware import HWRM_VECTOR as HWRM_VECTOR  # the function's own; the rings' are the driver's choice:
-
-CREQ_VECTOR, NQ_VECTOR = 1, 2  # RING_ALLOC's logical_id for the CREQ and the NQ
+CREQ_VECTOR, NQ_VECTOR = 1, 2  # RING_ALLOC's logical_id for the CREQ and the NQ (HWRM answers are polled: none)
 POLL_INTERVAL = 0.001  # how often to look at memory on a platform without interrupts
-COMMAND_POLL = 0.05  # a command awaiting its answer re-checks memory this often: a lost interrupt costs this much
+COMMAND_POLL = 0.05  # an RCFW command awaiting its answer re-checks memory this often: a lost interrupt costs this much
 
 
 def readable(fd: int) -> bool:

@@ -2,10 +2,11 @@
 
 HWRM (the ChiMP channel in BAR0, bindings hwrm_*): a request starts with `hwrm_cmd_hdr` (`HWRM_REQUEST_HEADER`), the
 answer the firmware DMAs to `resp_addr` with `hwrm_resp_hdr` (`HWRM_RESPONSE_HEADER`), its last byte the valid key
-written last. The emulated function raises MSI-X vector `HWRM_VECTOR` when an answer has landed. Firmware whose
-VER_GET asks for short commands (`short_commands_required`) takes the request from host memory instead: the window
-then holds only `hwrm_short_input` (`HWRM_SHORT_REQUEST`, signed `SHORT_REQUEST_SIGNATURE`) naming its address and
-length (Linux bnxt_hwrm.c __hwrm_send).
+written last. A request whose `cmpl_ring` is `NO_COMPLETION_RING`, as Linux's every polled one is (__hwrm_req_init),
+gets no completion and no interrupt: the driver polls the answer. Firmware whose VER_GET asks for short commands
+(`short_commands_required`) takes the request from host memory instead: the window then holds only `hwrm_short_input`
+(`HWRM_SHORT_REQUEST`, signed `SHORT_REQUEST_SIGNATURE`) naming its address and length (Linux bnxt_hwrm.c
+__hwrm_send).
 
 RCFW (the RoCE channel): the driver latches `cmdq_init` (`CMDQ_INIT`) through the BAR0 mailbox at
 RCFW_COMM_BASE_OFFSET, then writes commands of `CMDQ_SLOT`-byte slots into the CMDQ ring, each starting with
@@ -38,7 +39,7 @@ HWRM_SHORT_REQUEST = Layout.of(bnxt.hwrm_short_input, "req_type", "signature", "
 SHORT_REQUEST_SIGNATURE = bnxt.SHORT_REQ_SIGNATURE_SHORT_CMD
 _SHORT_COMMANDS = bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_SUPPORTED | bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_REQUIRED
 HWRM_ERROR_NAMES = constant_names("HWRM_ERR_CODE_")
-HWRM_VECTOR = 0
+NO_COMPLETION_RING = 0xFFFF  # Linux BNXT_HWRM_NO_CMPL_RING
 
 CMDQ_SLOT = ctypes.sizeof(bnxt.cmdq_base)  # a command is a whole number of these (Linux: struct bnxt_qplib_cmdqe)
 CMDQ_HEADER = Layout.of(bnxt.cmdq_base, "opcode", "cmd_size", "flags", "cookie", "resp_size", "resp_addr")

@@ -37,7 +37,6 @@ from .requester import WINDOW
 from .transport import Transport
 from .wire import StartupError, open_transport, open_wire
 from ..autogen import bnxt
-from ..hw.firmware import HWRM_VECTOR
 
 DEFAULT_LATENCY_US = 30.0
 RX_BUDGET = 128  # packets taken off a transport per round
@@ -166,8 +165,10 @@ class Emulator:
             time.sleep(remaining)
 
     def run_hwrm(self) -> None:
-        """The HWRM trigger: execute the request in the BAR0 window, answer in host memory (valid byte last) after the
-        configured latency, and interrupt (not while bus mastering is off: the answer is a DMA write)."""
+        """The HWRM trigger: execute the request in the BAR0 window and answer in host memory (valid byte last) after
+        the configured latency (not while bus mastering is off: the answer is a DMA write). No interrupt: a request
+        with cmpl_ring 0xFFFF gets none, and a HWRM_DONE completion on a named ring is not emulated (no driver here
+        names one; Linux does only for RING_FREE on its close path)."""
         started = time.perf_counter()
         request = bytes(self.bar0[:bnxt.HWRM_MAX_REQ_LEN])
         if not self.mmio.bus_master:
@@ -187,8 +188,6 @@ class Emulator:
         addr, response = result
         self.mem.write(addr, response[:-1])
         self.mem.write(addr + len(response) - 1, response[-1:])  # the valid byte lands last
-        self.fw.interrupts.append(HWRM_VECTOR)
-        self.fire_interrupts()
 
     def run_rcfw(self) -> None:
         """Execute pending RoCE commands one at a time, answering each on the CREQ as it finishes (not while bus

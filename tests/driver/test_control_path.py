@@ -67,6 +67,22 @@ async def test_hwrm_timeout_then_channel_recovers():
 
 
 @pytest.mark.loop_agnostic
+async def test_hwrm_answers_are_polled_the_firmware_raises_no_interrupt_for_them():
+    """A request names no completion ring (cmpl_ring 0xFFFF, as each of Linux's does), so the firmware raises no
+    interrupt: the driver polls the answer, as Linux's __hwrm_send does. One that waited for an interrupt would see
+    each answer only at its next safety poll (50 ms)."""
+    async with open_nic("sim:hwrm-poll") as nic:
+        before = nic.pci.debug({"op": "stats"})["stats"]
+        started = time.perf_counter()
+        for _ in range(20):
+            await nic.hwrm("func_qcfg", fid=0xFFFF)
+        took = time.perf_counter() - started
+        after = nic.pci.debug({"op": "stats"})["stats"]
+    assert after["hwrm"] - before["hwrm"] == 20 and after["interrupts"] == before["interrupts"]
+    assert took < 0.5, f"20 HWRM commands took {took:.2f} s: answers were not polled"
+
+
+@pytest.mark.loop_agnostic
 async def test_rcfw_many_in_flight_matched_by_cookie():
     async with open_nic("sim:many") as nic:
         cqs = []

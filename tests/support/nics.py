@@ -7,7 +7,7 @@ import random
 from typing import Any, AsyncIterator, Callable
 
 from aiofabric import NIC, MemoryRegion, QueuePair, open_nic
-from aiofabric.driver import hwrm_channel, rcfw_channel
+from aiofabric.driver import rcfw_channel
 from aiofabric.sim.options import FAULTS
 
 
@@ -75,16 +75,16 @@ async def closing_with_a_sender() -> AsyncIterator[tuple[NIC, QueuePair, MemoryR
 
 
 def count_wakeups(monkeypatch: Any, *nics: NIC) -> Callable[[], tuple[int, int, int]]:
-    """What an idle NIC's driver would wake up for: the poller's sleeps ending, the device's own interrupt waits
-    (CREQ reader, HWRM) starting, and doorbells or register writes reaching the emulator (each wakes it)."""
+    """What an idle NIC's driver would wake up for: the poller's sleeps ending, the CREQ reader's interrupt waits
+    starting (HWRM answers are polled only while a command waits), and doorbells or register writes reaching the
+    emulator (each wakes it)."""
     device_waits = []
-    for channel in (hwrm_channel, rcfw_channel):
-        original = channel.wait_for_interrupt
+    original = rcfw_channel.wait_for_interrupt
 
-        async def counting(fd, timeout, _original=original):
-            device_waits.append(timeout)
-            return await _original(fd, timeout)
-        monkeypatch.setattr(channel, "wait_for_interrupt", counting)
+    async def counting(fd, timeout):
+        device_waits.append(timeout)
+        return await original(fd, timeout)
+    monkeypatch.setattr(rcfw_channel, "wait_for_interrupt", counting)
     writes = []
     for nic in nics:
         for bar, method in ((nic.device.doorbells, "write64"), (nic.device.bar0, "write32"),
