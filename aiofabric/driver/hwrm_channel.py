@@ -15,7 +15,7 @@ import anyio.lowlevel
 
 from .close_budget import CloseBudget
 from .commands import HWRM_HEADER_FIELDS, build, hwrm_types
-from .interrupts import POLL_INTERVAL
+from .interrupts import COMMAND_POLL, POLL_INTERVAL
 from .liveness import Liveness
 from ..autogen import bnxt
 from ..errors import FirmwareError, FirmwareTimeoutError
@@ -28,7 +28,8 @@ CMD_ERR_OFFSET = bnxt.hwrm_err_output.cmd_err.offset  # the firmware's detail, i
 # first five 3-10 us sleeps are below a thread's default timer slack here). A sleeping thread is what gives the CPU to
 # whoever answers: an emulator sharing the CPU never preempts the driver, and yielding to the event loop does not give
 # the CPU away, while the loop's own timers are no finer than a millisecond. The loop runs its other tasks between
-# looks; past FINE_POLL seconds, a slow answer is looked for every POLL_INTERVAL by the loop's timer instead.
+# looks. Past FINE_POLL seconds the loop's timer takes over, from POLL_INTERVAL doubling up to COMMAND_POLL: a slow
+# answer (FUNC_RESET) is seen within twice its time, a stalled one costs few wake-ups, and a loss ends the sleep.
 SLEEP = 25e-6
 FINE_POLL = 0.002
 VALID_DELAY = 0.05  # how long the valid byte may trail the length (Linux HWRM_VALID_BIT_DELAY_USEC)
@@ -47,6 +48,8 @@ class HwrmChannel:
         self._answers = pci.alloc_dma(PAGE_SIZE)
         self._requests: DmaBuffer | None = None  # with short commands: where each request is written
         self._lock = anyio.Lock()
+        self._lost = anyio.Event()  # set when the device is lost: a waiting command looks at once
+        liveness.on_lost(lambda _: self._lost.set())
         self._seq = 0
         self.answering = True  # False once a command went unanswered, True again at the next answer
 
@@ -120,11 +123,10 @@ class HwrmChannel:
             self._lock.release()
 
     async def _poll(self, ready: Callable[[], bool], timeout: float) -> bool:
-        """Look at the answer until `ready()` (True) or for `timeout` seconds (False): SLEEP apart for FINE_POLL
-        seconds, then POLL_INTERVAL apart. A device lost meanwhile is raised at the next look; a close that starts
-        meanwhile ends the wait at its deadline."""
+        """Look at the answer until `ready()` (True) or for `timeout` seconds (False), ever less often (see SLEEP).
+        A device lost meanwhile is raised at once; a close that starts meanwhile ends the wait at its deadline."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-            fine = anyio.current_time() + FINE_POLL
+            fine, pause = anyio.current_time() + FINE_POLL, POLL_INTERVAL
             while not ready():
                 await self.liveness.look()
                 if self.budget.spent():
@@ -133,7 +135,9 @@ class HwrmChannel:
                     time.sleep(SLEEP)
                     await anyio.lowlevel.checkpoint()
                 else:
-                    await anyio.sleep(POLL_INTERVAL)
+                    with anyio.move_on_after(pause):
+                        await self._lost.wait()
+                    pause = min(2 * pause, COMMAND_POLL)
         return ready()
 
     def _unanswered(self, message: str) -> FirmwareTimeoutError:

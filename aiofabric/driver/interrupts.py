@@ -9,7 +9,7 @@ import anyio
 
 CREQ_VECTOR, NQ_VECTOR = 1, 2  # RING_ALLOC's logical_id for the CREQ and the NQ (HWRM answers are polled: none)
 POLL_INTERVAL = 0.001  # how often to look at memory on a platform without interrupts
-COMMAND_POLL = 0.05  # an RCFW command awaiting its answer re-checks memory this often: a lost interrupt costs this much
+COMMAND_POLL = 0.05  # the longest a waiting HWRM command goes between looks; the CREQ reader's poll is 4 of these
 
 
 def readable(fd: int) -> bool:
