@@ -4,7 +4,7 @@ Low dword (`dbc_dbc.index`): the slot index (DBC_DBC_INDEX_MASK), the epoch bit 
 count the index names) and, for CQ arm doorbells, a 2-bit toggle (DBC_DBC_TOGGLE_MASK). High dword
 (`dbc_dbc.type_path_xid`): the object (DBC_DBC_XID_MASK: QP number, CQ id, or the HWRM ring id of an NQ or the CREQ),
 the path (DBC_DBC_PATH_ROCE for RoCE), DBC_DBC_VALID, and the kind (DBC_DBC_TYPE_SQ, _RQ, _CQ, _CQ_ARMALL, _NQ_ARM,
-...: the bindings' values, already shifted into place).
+...: the bindings' values, already shifted into place). `arm_enable` is the CQ_ARMENA doorbell.
 """
 from __future__ import annotations
 
@@ -36,3 +36,9 @@ def decode(value: int) -> Doorbell:
     high = value >> HIGH_SHIFT
     return (high & XID_MASK, high & TYPE_MASK, value & INDEX_MASK, value >> EPOCH_SHIFT & 1,
             (value & TOGGLE_MASK) >> TOGGLE_SHIFT, high & PATH_MASK, bool(high & VALID))
+
+
+def arm_enable(xid: int, toggle: int) -> int:
+    """The CQ_ARMENA doorbell of CQ `xid`, which lets it be armed: index 0 and the toggle of its last notification (0
+    before any). Linux writes it to the privileged doorbell page (bnxt_qplib_armen_db)."""
+    return encode(xid, bnxt.DBC_DBC_TYPE_CQ_ARMENA, 0, 0, toggle)

@@ -49,7 +49,7 @@ class Doorbells:
         if offset < self.roce_page:
             stats["legacy_doorbells"] += 1
             return
-        xid, kind, index, epoch, _, path, valid = decode(value)
+        xid, kind, index, epoch, toggle, path, valid = decode(value)
         if not valid:
             stats["doorbells_without_valid"] += 1
         elif kind in NQ_DOORBELLS:  # NQs are HWRM rings, whatever the path
@@ -64,7 +64,8 @@ class Doorbells:
         elif path != ROCE:
             stats["l2_doorbells"] += 1
         elif kind in CQ_DOORBELLS and xid in self.cqs:
-            self.cqs[xid].doorbell(kind, index, epoch)
+            if not self.cqs[xid].doorbell(kind, index, epoch, toggle):
+                stats["cq_doorbells_ignored"] += 1  # an arm without CQ_ARMENA, or CQ_ARMENA with a stale toggle
         elif kind == SQ and xid in self.qps:
             self.datapath.ring_sq(self.qps[xid], index, epoch)
         elif kind == RQ and xid in self.qps:

@@ -178,7 +178,10 @@ class CqArm(enum.IntEnum):
 
 @dataclass(eq=False)
 class CompletionQueue:
-    """A RoCE CQ: CQEs with a valid (toggle) bit per lap (hw.cqe.CQ_ENTRY), notifications through its NQ when armed."""
+    """A RoCE CQ: CQEs with a valid (toggle) bit per lap (hw.cqe.CQ_ENTRY), notifications through its NQ when armed.
+    An arm counts only after a CQ_ARMENA with the last notification's toggle (0 before any); a notification uses it up.
+    Inferred, no source says so: Linux rings CQ_ARMENA after CREATE_CQ and with each notification's toggle
+    (bnxt_qplib_create_cq, bnxt_qplib_service_nq)."""
     cq_id: int
     handle: int  # the driver's cq_handle, echoed in NQ notifications
     pages: PageList
@@ -188,7 +191,8 @@ class CompletionQueue:
     produced: int = 0
     consumed: int = 0
     armed: CqArm = CqArm.NONE
-    toggle: int = 0  # 2-bit notification count, sent in nq_cn (drivers echo it in arm doorbells; not checked)
+    enabled: bool = False  # a CQ_ARMENA came since the last notification
+    toggle: int = 0  # 2-bit notification count, sent in nq_cn (CQ_ARMENA echoes it)
     notifications: int = 0  # reported by DESTROY_CQ (total_cnq_events) so the driver can drain its NQ
 
     def post(self, cqe: bytes, solicited: bool = False) -> bool:
@@ -204,25 +208,29 @@ class CompletionQueue:
         return True
 
     def notify(self) -> bool:
-        """Post a CQ_NOTIFICATION to the NQ (disarming the CQ); False if the NQ had no room."""
+        """Post a CQ_NOTIFICATION to the NQ (disarming the CQ until the next CQ_ARMENA); False if the NQ had no room."""
         self.armed = CqArm.NONE
         toggle = (self.toggle + 1) & 3
         if not self.nq.post(cq_notification(self.handle, toggle)):
             return False  # the NQ overflowed: this notification is lost, as on hardware
-        self.toggle, self.notifications = toggle, self.notifications + 1
+        self.toggle, self.notifications, self.enabled = toggle, self.notifications + 1, False
         return True
 
-    def doorbell(self, kind: int, index: int, epoch: int) -> None:
-        """CQ (credit only), CQ_ARMALL, CQ_ARMSE; CQ_ARMENA carries no index and only enables arming (a no-op here)."""
+    def doorbell(self, kind: int, index: int, epoch: int, toggle: int) -> bool:
+        """CQ (credit only), CQ_ARMALL, CQ_ARMSE, CQ_ARMENA (no index); False if ignored (see the class)."""
         if kind == bnxt.DBC_DBC_TYPE_CQ_ARMENA:
-            return
+            self.enabled |= toggle == self.toggle
+            return toggle == self.toggle
         self.consumed = consumer_from_doorbell(self.produced, self.consumed, index, epoch, self.size)
+        if kind != bnxt.DBC_DBC_TYPE_CQ and not self.enabled:
+            return False
         if kind == bnxt.DBC_DBC_TYPE_CQ_ARMALL:
             self.armed = CqArm.NEXT
             if self.produced > self.consumed:  # CQEs landed after the driver's last poll
                 self.notify()
         elif kind == bnxt.DBC_DBC_TYPE_CQ_ARMSE:
             self.armed = CqArm.SOLICITED
+        return True
 
 
 @dataclass(eq=False)

@@ -12,6 +12,7 @@ from ..driver.firmware_events import DeviceEvent
 from ..driver.rings import Ring
 from ..errors import ClosedError, DeviceLostError
 from ..hw.cqe import CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, cqe_type
+from ..hw.doorbell import arm_enable
 
 __all__ = ["CompletionQueue", "CompletionTarget", "handles"]
 CQE_KIND_REQ, CQE_KIND_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
@@ -64,6 +65,8 @@ class CompletionQueue:
         self.id = reply.xid  # no checkpoint from the reply to here: a cancelled create still registers the CQ
         self.device.router.route("cq_error", self.id, self.errors.append)
         self.device.attach(self)
+        # without it the CQ never notifies (Linux bnxt_qplib_create_cq); db_offset is the privileged doorbell page
+        self.device.doorbells.write64_doorbell(self.device.db_offset, arm_enable(self.id, self.toggle))
 
     @property
     def busy(self) -> bool:
@@ -102,6 +105,12 @@ class CompletionQueue:
         """Mark the CQ armed; the CQ_ARMALL doorbell that does it, to ring (alone, or with others)."""
         self.armed = True
         return self.ring.doorbell(self.id, bnxt.DBC_DBC_TYPE_CQ_ARMALL, self.toggle)
+
+    def notified(self, toggle: int) -> int:
+        """Its notification came, which disarmed it: take the notification's toggle; the CQ_ARMENA doorbell that lets
+        it be armed again, to ring with others (Linux bnxt_qplib_service_nq)."""
+        self.armed, self.toggle = False, toggle
+        return arm_enable(self.id, toggle)
 
     def fail_all(self, error: BaseException) -> None:
         for qp in list(self.qps.values()):

@@ -29,13 +29,13 @@ CQ_NOTIFICATION = bnxt.NQ_CN_TYPE_CQ_NOTIFICATION
 class Pollable(Protocol):
     handle: int
     armed: bool
-    toggle: int
 
     @property
     def busy(self) -> bool: ...  # has work requests outstanding
     def poll(self) -> int: ...  # drain CQEs; return how many
     def arm(self) -> None: ...  # CQ_ARMALL: notify on the next CQE
     def arm_doorbell(self) -> int: ...  # the same, as the doorbell value for the caller to ring
+    def notified(self, toggle: int) -> int: ...  # disarmed by a notification: the CQ_ARMENA doorbell to ring
     def fail_all(self, error: BaseException) -> None: ...
 
 
@@ -119,8 +119,8 @@ class Poller:
         return False
 
     def _drain_nq(self, nq, doorbells: list[int]) -> None:
-        """Consume CQ notifications (each one disarms its CQ) and re-arm the NQ, ringing `doorbells` (CQ arms) with
-        the NQ's in one write."""
+        """Consume CQ notifications (each one disarms its CQ, which CQ_ARMENA lets be armed again) and re-arm the NQ,
+        ringing `doorbells` (CQ arms) with those in one write."""
         view, consumed = nq.view, False
         while True:
             offset = nq.offset(nq.consumer)
@@ -131,8 +131,7 @@ class Poller:
             if kind == CQ_NOTIFICATION:
                 cq = self.cqs.get(handle)
                 if cq is not None:
-                    cq.armed = False
-                    cq.toggle = toggle
+                    doorbells.append(cq.notified(toggle))
             nq.consumer += 1
             consumed = True
         if consumed or not self.nq_armed:  # an NQ that fired is disarmed; one that did not is still armed

@@ -210,6 +210,25 @@ async def test_qp_info_wider_than_the_wire_is_refused_and_reaches_no_qp():
         assert b.pci.debug({"op": "placed"})["qps"][str(qb.qpn)]["write_messages"] == 0
 
 
+@pytest.mark.loop_agnostic
+async def test_a_completion_wakes_the_sleeping_poller_through_its_cqs_notification():
+    """A CQ notifies only once CQ_ARMENA let it be armed, after CREATE_CQ and after each notification, as Linux rings
+    it (bnxt_qplib_create_cq, bnxt_qplib_service_nq). The emulator ignores an arm without it: the poller would hear
+    of each completion only at its safety poll (0.1 s)."""
+    async with connected_pair() as (a, b, qa, qb):
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        took = []
+        for _ in range(5):
+            await anyio.sleep(0.3)  # nothing outstanding: the poller sleeps
+            started = time.perf_counter()
+            with anyio.fail_after(5):
+                await qa.write(source, target, 64)
+            took.append(time.perf_counter() - started)
+        ignored = [nic.pci.debug({"op": "stats"})["stats"].get("cq_doorbells_ignored", 0) for nic in (a, b)]
+    assert ignored == [0, 0], "CQ arms the emulated chip ignored: no CQ_ARMENA before them"
+    assert sorted(took)[2] < 0.05, f"writes took {took} s: their completions waited for the safety poll"
+
+
 async def test_an_idle_nic_wakes_nobody_yet_hears_the_next_completion(monkeypatch):
     async with connected_pair() as (a, b, qa, qb):
         source, target = await a.register_mr(4096), await b.register_mr(4096)

@@ -435,8 +435,31 @@ def test_completion_queue_post_toggle_full_and_notification(driver):
     note = bnxt.nq_cn.from_buffer_copy(driver.mem.read(driver.fw.rings[driver.nq_id].pages.address(0), NQ_ENTRY.size))
     assert note.type & bnxt.NQ_CN_TYPE_MASK == bnxt.NQ_CN_TYPE_CQ_NOTIFICATION and note.v & bnxt.NQ_CN_V
     assert notification_fields(note.type, note.cq_handle_low, note.cq_handle_high)[2] == 0x1122334455667788
-    assert cq.post(cqe) and interrupts == [2]  # disarmed until the next CQ_ARMALL
+    assert cq.post(cqe) and interrupts == [2]  # disarmed until the next CQ_ARMENA and CQ_ARMALL
     assert driver.rcfw("destroy_cq", cq_cid=cq_id).total_cnq_events == 1
+
+
+def test_a_cq_arm_counts_only_after_cq_armena_with_the_last_notifications_toggle(driver):
+    """Linux rings CQ_ARMENA after CREATE_CQ, and again with its toggle after each notification (bnxt_qplib_create_cq,
+    bnxt_qplib_service_nq): the emulator ignores an arm that no CQ_ARMENA enabled, and counts it."""
+    cq_id = driver.create_cq(arm_enable=False)
+    cq: CompletionQueue = driver.fw.rcfw.cqs[cq_id]
+    cqe = bytes(bnxt.cq_req(qp_handle=7, sq_cons_idx=3, cqe_type_toggle=bnxt.CQ_BASE_CQE_TYPE_REQ))
+    ARMENA, ARMALL = bnxt.DBC_DBC_TYPE_CQ_ARMENA, bnxt.DBC_DBC_TYPE_CQ_ARMALL
+    stats = driver.fw.stats
+    driver.doorbell(cq_id, ARMALL, 0)
+    assert cq.post(cqe) and cq.notifications == 0 and stats["cq_doorbells_ignored"] == 1  # never enabled
+    driver.doorbell(cq_id, ARMENA, 0, toggle=0)
+    driver.doorbell(cq_id, ARMALL, 0)  # a CQE is waiting: it notifies at once
+    assert (cq.notifications, cq.toggle, stats["cq_doorbells_ignored"]) == (1, 1, 1)
+    driver.doorbell(cq_id, ARMALL, *position(1, cq.size))
+    assert cq.post(cqe) and cq.notifications == 1 and stats["cq_doorbells_ignored"] == 2  # the notification used it
+    driver.doorbell(cq_id, ARMENA, 0, toggle=0)  # the toggle before the last notification's
+    driver.doorbell(cq_id, ARMALL, *position(1, cq.size))
+    assert cq.notifications == 1 and stats["cq_doorbells_ignored"] == 4
+    driver.doorbell(cq_id, ARMENA, 0, toggle=1)
+    driver.doorbell(cq_id, ARMALL, *position(1, cq.size))
+    assert (cq.notifications, cq.toggle, stats["cq_doorbells_ignored"]) == (2, 2, 4)
 
 
 def test_doorbells_are_decoded_and_recorded(driver):

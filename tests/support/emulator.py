@@ -81,6 +81,7 @@ class Host:
         pages = self.alloc(size * CQ_ENTRY.size)
         cq = self.command("create_cq", cq_handle=0xC0 + len(self.cqs), cq_size=size, cq_fco_cnq_id=self.cq_nq.ring_id,
                           pg_size_lvl=0, pbl=pages)
+        self.bar2.doorbell(self.fw.roce_db_offset, doorbell.arm_enable(cq, 0))  # as Linux's bnxt_qplib_create_cq
         self.cqs[cq] = [pages, size, 0]
         return cq
 

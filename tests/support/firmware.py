@@ -34,9 +34,10 @@ ALL_QP_ACCESS = QPAccess.LOCAL_WRITE | QPAccess.REMOTE_WRITE | QPAccess.REMOTE_R
 RQ_WQE_SIZE = RQ_WQE_HEADER.size + 2 * SGE.size  # the QPs here take two receive SGEs
 
 
-def dbc(xid: int, kind: int, index: int, epoch: int = 0, path: int = bnxt.DBC_DBC_PATH_ROCE, valid: bool = True) -> int:
+def dbc(xid: int, kind: int, index: int, epoch: int = 0, path: int = bnxt.DBC_DBC_PATH_ROCE, valid: bool = True,
+        toggle: int = 0) -> int:
     """A doorbell as the driver writes it, or with the path or valid bit spoilt."""
-    value = doorbell.encode(xid, kind, index, epoch) | path << doorbell.HIGH_SHIFT
+    value = doorbell.encode(xid, kind, index, epoch, toggle) | path << doorbell.HIGH_SHIFT
     return value if valid else value & ~(doorbell.VALID << doorbell.HIGH_SHIFT)
 
 
@@ -216,8 +217,8 @@ class Driver:
             return side.from_buffer_copy(self.mem.read(address, ctypes.sizeof(side)))
         return getattr(bnxt, f"creq_{name}_resp").from_buffer_copy(entry)
 
-    def doorbell(self, xid: int, kind: int, index: int, epoch: int = 0) -> None:
-        self.bar2.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch))
+    def doorbell(self, xid: int, kind: int, index: int, epoch: int = 0, toggle: int = 0) -> None:
+        self.bar2.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch, toggle=toggle))
 
     def boot(self, **rcfw) -> None:
         self.short_commands = short_commands_required(self.hwrm("ver_get").dev_caps_cfg)
@@ -236,11 +237,15 @@ class Driver:
             src_mac=field_type(bnxt.cmdq_add_gid, "src_mac").from_buffer_copy(bytes(MAC[i ^ 1] for i in range(6)))).xid
 
     # -- verbs objects ----------------------------------------------------------------------------------------------
-    def create_cq(self, size: int = 64, handle: int = 0xC0FFEE_0000_0001) -> int:
+    def create_cq(self, size: int = 64, handle: int = 0xC0FFEE_0000_0001, arm_enable: bool = True) -> int:
+        """CREATE_CQ, then CQ_ARMENA as Linux's bnxt_qplib_create_cq rings it (unless not `arm_enable`)."""
         pages = self.scattered(max(1, size * CQ_ENTRY.size // PAGE))
         level = 0 if len(pages) == 1 else 1
-        return self.rcfw("create_cq", cq_handle=handle, cq_size=size, cq_fco_cnq_id=self.nq_id, pg_size_lvl=level,
-                         pbl=self.page_table(pages, level, queue=True)).xid
+        cq = self.rcfw("create_cq", cq_handle=handle, cq_size=size, cq_fco_cnq_id=self.nq_id, pg_size_lvl=level,
+                       pbl=self.page_table(pages, level, queue=True)).xid
+        if arm_enable:
+            self.bar2.doorbell(self.fw.roce_db_offset, doorbell.arm_enable(cq, 0))
+        return cq
 
     def create_qp(self, cq: int, sq_slots: int = 256, rq_size: int = 16, **fields) -> int:
         sq, rq = self.scattered(sq_slots * SQ_SLOT // PAGE + 1), self.scattered(rq_size * RQ_WQE_SIZE // PAGE or 1)

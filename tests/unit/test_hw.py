@@ -150,6 +150,14 @@ def test_doorbell_round_trips_and_is_linux_dbc_dbc(xid, kind, slot, epoch, toggl
     assert linux.type_path_xid & bnxt.DBC_DBC_VALID and linux.type_path_xid & bnxt.DBC_DBC_PATH_MASK == 0
 
 
+@given(xid=st.integers(0, bnxt.DBC_DBC_XID_MASK), toggle=st.integers(0, 3))
+def test_cq_armena_is_linux_armen_db(xid, toggle):
+    """bnxt_qplib_armen_db: index always 0, the toggle in the low word, CQ_ARMENA, RoCE path, valid."""
+    linux = bnxt.dbc_dbc.from_buffer_copy(doorbell.arm_enable(xid, toggle).to_bytes(8, "little"))
+    assert linux.index == toggle << bnxt.DBC_DBC_TOGGLE_SFT
+    assert linux.type_path_xid == xid | bnxt.DBC_DBC_TYPE_CQ_ARMENA | bnxt.DBC_DBC_PATH_ROCE | bnxt.DBC_DBC_VALID
+
+
 def test_doorbell_agrees_with_linux_qplib_shifts():
     """bnxt_re builds doorbells with its own names for the same bits (qplib_res.h)."""
     assert doorbell.EPOCH_SHIFT == bnxt.BNXT_QPLIB_DBR_EPOCH_SHIFT
