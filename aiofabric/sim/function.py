@@ -87,7 +87,8 @@ class FunctionState:
         self.interrupts: list[int] = []  # MSI-X vectors for the shell to fire
         self.injected_errors: dict[str, list[int]] = {}  # command name -> [status, remaining count]
         # counters for the debug channel: errors, internal_errors (emulator bugs), ctx_init_missing, legacy_doorbells,
-        # l2_doorbells, ignored_doorbells, doorbells_without_valid, ignored_triggers, creq_dropped, hwrm_unanswerable
+        # l2_doorbells, ignored_doorbells, doorbells_without_valid, cq_doorbells_ignored, ignored_triggers,
+        # creq_dropped, hwrm_unanswerable
         self.stats: collections.Counter[str] = collections.Counter()
         self.last_error = ""  # why the last command failed or was ignored
         self.rings: dict[int, Ring] = {}
