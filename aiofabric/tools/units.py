@@ -19,14 +19,6 @@ def parse_size(text: str | int) -> int:
     return int(match.group(1)) * SUFFIXES[match.group(2).upper()]
 
 
-def format_size(size: int) -> str:
-    """The shortest exact spelling: 65536 -> "64K", 1000 -> "1000"."""
-    for suffix in ("G", "M", "K"):
-        if size and size % SUFFIXES[suffix] == 0:
-            return f"{size // SUFFIXES[suffix]}{suffix}"
-    return str(size)
-
-
 def sweep(low: int, high: int, factor: int = 2) -> list[int]:
     """low, low*factor, ... up to high (inclusive when it lands on it), as perftest's -a walks sizes."""
     if low < 1 or high < low:

@@ -11,7 +11,7 @@ from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutErr
 from aiofabric.autogen import bnxt
 from aiofabric.driver import rcfw_channel
 from aiofabric.driver.interrupts import CREQ_VECTOR
-from tests.support.nics import connect, object_counts
+from tests.support.nics import command_counters, connect, object_counts, until_posted
 
 pytestmark = pytest.mark.anyio
 
@@ -185,6 +185,7 @@ async def test_error_notifications_are_routed_not_mistaken_for_replies():
         cq = await nic.create_cq(depth=64)
         qp = await nic.create_qp(cq)
         nic.pci.debug({"op": "latency", "us": 20000})
+        counters = command_counters(nic)
         async with anyio.create_task_group() as tasks:
             results = []
 
@@ -192,7 +193,7 @@ async def test_error_notifications_are_routed_not_mistaken_for_replies():
                 results.append(await nic.rcfw("query_version"))
 
             tasks.start_soon(query)
-            await anyio.wait_all_tasks_blocked()  # the query is posted: its answer is 20 ms away
+            await until_posted(nic, counters, rcfw=1)  # the events below arrive while its reply is due
             nic.pci.debug({"op": "event", "event": {"kind": "qp_error", "xid": qp.qpn}})
             nic.pci.debug({"op": "event", "event": {"kind": "cq_error", "xid": cq.id}})
             nic.pci.debug({"op": "event", "event": {"kind": "function", "event": 1}})
@@ -207,7 +208,8 @@ async def test_error_notifications_are_routed_not_mistaken_for_replies():
 async def test_emulator_killed_mid_command_fails_every_waiter_promptly():
     started = time.monotonic()
     async with open_nic("sim:doomed") as nic:
-        nic.pci.debug({"op": "latency", "us": 2_000_000})  # no command finishes before the kill
+        nic.pci.debug({"op": "latency", "us": 10_000_000})  # no command finishes before the kill
+        counters = command_counters(nic)
         errors = []
 
         async def command(run):
@@ -220,7 +222,7 @@ async def test_emulator_killed_mid_command_fails_every_waiter_promptly():
             for _ in range(8):
                 tasks.start_soon(command, lambda: nic.rcfw("query_version"))
             tasks.start_soon(command, lambda: nic.hwrm("func_qcfg", fid=0xFFFF))
-            await anyio.wait_all_tasks_blocked()  # every command posted or waiting for its channel
+            await until_posted(nic, counters, rcfw=8, hwrm=1)  # every command posted
             os.kill(nic.pci.pid, signal.SIGKILL)
         assert len(errors) == 9
         assert "emulator exited with status -9" in str(errors[0])

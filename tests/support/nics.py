@@ -1,12 +1,15 @@
 """Emulated NICs as the tests above the emulator use them: a name no other run takes, QP pairs connected both ways
 (most data-path tests start from two NICs with one connected RC QP each), what the emulator counts, what an idle
-NIC's driver wakes up for, and a NIC that closes while a peer still sends into it."""
+NIC's driver wakes up for, commands known to be in flight, and a NIC that closes while a peer still sends into it."""
 import contextlib
 import os
 import random
 from typing import Any, AsyncIterator, Callable
 
+import anyio
+
 from aiofabric import NIC, MemoryRegion, QueuePair, open_nic
+from aiofabric.autogen import bnxt
 from aiofabric.driver import rcfw_channel
 from aiofabric.sim.options import FAULTS
 
@@ -24,6 +27,22 @@ def stats(nic: NIC) -> dict[str, Any]:
 def object_counts(nic: NIC) -> dict[str, Any]:
     """How many objects of each kind the emulated firmware holds."""
     return nic.pci.debug({"op": "objects"})["objects"]
+
+
+def command_counters(nic: NIC) -> tuple[int, int]:
+    """The driver's last RCFW cookie and HWRM sequence number: what `until_posted` counts from."""
+    return nic.device.rcfw_channel._cookie, nic.device.hwrm_channel._seq
+
+
+async def until_posted(nic: NIC, counters: tuple[int, int], rcfw: int = 0, hwrm: int = 0) -> None:
+    """Until `rcfw` RoCE and `hwrm` HWRM commands were posted since `counters` were read. Watching the driver's own
+    counters (set as each command is written, answered or not), not waiting for every task to block: anyio's
+    wait_all_tasks_blocked polls every 0.1 s, and on a loaded machine a command can be answered before it returns."""
+    cookie, seq = counters
+    with anyio.fail_after(10):
+        while (nic.device.rcfw_channel._cookie - cookie) % (bnxt.RCFW_MAX_COOKIE_VALUE + 1) < rcfw or \
+                (nic.device.hwrm_channel._seq - seq) % 0x10000 < hwrm:
+            await anyio.sleep(0.001)
 
 
 async def connect(qa: QueuePair, qb: QueuePair, **options: Any) -> None:
