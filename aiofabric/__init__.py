@@ -18,7 +18,7 @@ _HOMES = {
     ".verbs.post": ("QueuePair",),
     ".verbs.completions": ("Completion",),
     ".errors": ("FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "ClosedError", "PCIError",
-                "CompletionError", "QPStateError", "OperationTimeoutError", "PeerError"),
+                "CompletionError", "QPStateError", "OperationTimeoutError", "LinkDownError", "PeerError"),
     ".peer.ssh": ("connect_peer",),
 }
 __all__ = [*(name for names in _HOMES.values() for name in names), "__version__"]
@@ -31,7 +31,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from .errors import (ClosedError, CompletionError, DeviceLostError, FabricError, FirmwareError,
-                         FirmwareTimeoutError, OperationTimeoutError, PCIError, PeerError, QPStateError)
+                         FirmwareTimeoutError, LinkDownError, OperationTimeoutError, PCIError, PeerError,
+                         QPStateError)
     from .peer.ssh import connect_peer
     from .verbs.completions import Completion
     from .verbs.cq import CompletionQueue

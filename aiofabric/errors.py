@@ -80,6 +80,10 @@ class OperationTimeoutError(FabricError, TimeoutError):
     """An operation (not a firmware command) did not finish in time: a benchmark's message, a peer's request."""
 
 
+class LinkDownError(FabricError, TimeoutError):
+    """The port's link did not come up in time (no cable, a dark switch port, a link partner that does not train)."""
+
+
 class PeerError(FabricError):
     """A remote endpoint failed: a request's error answer, a crash, a disconnect, a timeout, an SSH failure.
 

@@ -27,6 +27,7 @@ from .firmware_events import (EVENT_RING_DEPTH, EVENT_VECTOR, DeviceEvent, Event
                               reset_text)
 from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, NQ_VECTOR, wake
+from .link import PortLink, single_pf
 from .liveness import Liveness
 from .rcfw_channel import CREQ_DEPTH, RCFW_TIMEOUT, RcfwChannel
 from .rings import Ring
@@ -35,8 +36,8 @@ from ..autogen import bnxt
 from ..errors import ClosedError, DeviceLostError, FabricError, FirmwareError, PCIError
 from ..hw.async_event import ASYNC_EVENT_ENTRY, EventId, forwarding
 from ..hw.cqe import CREQ_ENTRY, NQ_ENTRY
-from ..hw.firmware import (LINK_SPEED_MBPS, RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, add_gid_fields, host_msn_table,
-                           hw_retx_supported, short_commands_required)
+from ..hw.firmware import (RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, add_gid_fields, host_msn_table, hw_retx_supported,
+                           short_commands_required)
 from ..pci import PAGE_SIZE, PCIDevice
 from ..version import __version__
 
@@ -64,7 +65,6 @@ class DeviceObject(Protocol):
 class Device:
     """One BNXT function driven from userspace. Use `aiofabric.open_nic`, which boots and closes it."""
 
-    link = Link(up=False, speed_mbps=0)  # PORT_PHY_QCFG's, from boot on; link events keep it current
     port_mtu = 0  # the port's MTU (FUNC_QCFG admin_mtu), from boot on; 0: not known
 
     def __init__(self, pci: PCIDevice, ip: str, *, hwrm_timeout: float = HWRM_TIMEOUT,
@@ -76,6 +76,7 @@ class Device:
         self.liveness.on_lost(self._on_lost)
         self.budget = CloseBudget()
         self.hwrm_channel = HwrmChannel(pci, self.bar0, self.liveness, self.budget, hwrm_timeout)
+        self.port_link = PortLink(self.hwrm_channel, pci.address)  # the interface's UP and the link (link.py)
         self._rcfw_channel: RcfwChannel | None = None  # from boot on: its rings need HWRM commands first
         self._rcfw_timeout = rcfw_timeout
         self.router = EventRouter(pci.address)
@@ -94,6 +95,11 @@ class Device:
         self.caps: dict[str, int] = {}
         self.chip_num = 0  # VER_GET's
         self.variable_wqes = self.hw_retransmit = self.host_msn_table = False  # what boot finds the device offers
+
+    @property
+    def link(self) -> Link:
+        """PORT_PHY_QCFG's, from boot on; link events keep it current."""
+        return self.port_link.link
 
     # -- what verbs objects and the poller use ------------------------------------------------------------------------
     def interrupt_fd(self, vector: int) -> int | None:
@@ -238,18 +244,23 @@ class Device:
         self.caps = {"max_rsscos_ctx": caps.max_rsscos_ctx, "max_cmpl_rings": caps.max_cmpl_rings,
                      "max_tx_rings": caps.max_tx_rings, "max_rx_rings": caps.max_rx_rings,
                      "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext}
-        await self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
-                        | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD,
-                        async_event_fwd=forwarding(EventId), os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
-                        **dict(zip(("ver_maj_8b", "ver_min_8b", "ver_upd_8b"),
-                                   (int(x) for x in __version__.split(".")))))
+        registered = await self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
+                                     | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER
+                                     | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD,
+                                     async_event_fwd=forwarding(EventId), os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
+                                     **dict(zip(("ver_maj_8b", "ver_min_8b", "ver_upd_8b"),
+                                                (int(x) for x in __version__.split(".")))))
         self.teardown.on_close("HWRM func_drv_unrgtr", lambda: self.hwrm_channel.command("func_drv_unrgtr"))
+        self.port_link.registered(registered.flags, self.port_id)
+        self.teardown.on_close("HWRM func_drv_if_change (down)", self.port_link.interface_down)  # after every free
         qcfg = await self.hwrm("func_qcfg", fid=OWN_FID)
         self.db_offset = -(-qcfg.legacy_l2_db_size_kb * 1024 // PAGE_SIZE) * PAGE_SIZE
         await backing_store.configure(self.pci, self.hwrm, self.caps["flags_ext"], self.teardown.on_quiesced)
+        await self.port_link.interface_up()  # before the first ring, as bnxt_en's open (link.py)
         await self._open_rcfw(task_group)
         await self._open_l2()
         await self._open_events(task_group)
+        await self.port_link.update_phy_setting(single_pf(qcfg))  # the link comes up later: its event says so
         gid_field, mac_field = add_gid_fields(self.gid, self.mac_address)
         gid = await self.rcfw("add_gid", gid=gid_field, src_mac=mac_field)
         self.gid_index = gid.xid
@@ -322,20 +333,17 @@ class Device:
                                lambda: self.hwrm_channel.command("cfa_l2_filter_free", l2_filter_id=filter_id))
 
     async def _open_events(self, task_group: anyio.abc.TaskGroup) -> None:
-        """The event ring and its reader (firmware_events.py), then the link and the MTU as they are now."""
+        """The event ring and its reader (firmware_events.py), then the MTU as it is now."""
         ring = Ring(self.pci, EVENT_RING_DEPTH, ASYNC_EVENT_ENTRY.size)
         ring_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, ring, EVENT_VECTOR)
         reader = EventRing(ring, ring_id, self.doorbells, self.db_offset, self.interrupt_fd(EVENT_VECTOR),
                            self.liveness)  # it sleeps without a timeout: a loss wakes it (_on_lost)
         await task_group.start(self.in_background, functools.partial(reader.serve, self._on_firmware_event))
-        await self._query_link()
         await self._query_port_mtu()
 
     async def _query_link(self) -> None:
         """The link, from PORT_PHY_QCFG (bnxt_en's bnxt_update_link)."""
-        phy = await self.hwrm_channel.command("port_phy_qcfg", port_id=self.port_id)
-        up = phy.link == bnxt.PORT_PHY_QCFG_RESP_LINK_LINK
-        self.link = Link(up, LINK_SPEED_MBPS.get(phy.link_speed, 0) if up else 0)
+        await self.port_link.query()
 
     async def _query_port_mtu(self) -> None:
         """The port's MTU: FUNC_QCFG's admin_mtu, as DPDK's bnxt_hwrm_func_qcfg reads it (bnxt_en takes

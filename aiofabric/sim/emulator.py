@@ -10,8 +10,9 @@ fw_latency_us; ip (the NIC's IPv4 address; when null the emulator binds the firs
 start and reports it); netns (the namespace `ip netns exec` started the process in: it never moves from there);
 transport ("udp" default, or "raw"); the wire fault probabilities (options.FAULTS) and seed; pcap (a file that gets
 every packet sent and received) and pcap_max_bytes; port_mtu (the port's MTU, port.py: longer packets are dropped);
-profile (profiles.py). While port_phy_cfg selects LPBK_LOCAL, packets go through an in-process loopback transport
-instead of the wire; while the link is down (debug "event" link_down, until link_up) the port carries nothing.
+profile (profiles.py); link_delay_ms (how long the link trains before it comes up, phy.py). While port_phy_cfg
+selects LPBK_LOCAL, packets go through an in-process loopback transport instead of the wire; while the link is down
+(until a driver brings it up, and from a debug "event" link_down to link_up) the port carries nothing.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .mmio import Mmio
 from .options import FAULTS
 from .pcap import PcapWriter
+from .phy import DEFAULT_LINK_DELAY_MS
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
 from .profiles import DEFAULT_PROFILE, PROFILES
 from .requester import WINDOW
@@ -85,6 +87,7 @@ class Emulator:
         mac = bytes.fromhex(config["mac"].replace(":", "")) if config.get("mac") else mac_for(self.name)
         self.fw = Firmware(self.mem, FirmwareConfig(mac=mac, profile=PROFILES[config.get("profile", DEFAULT_PROFILE)]))
         self.fw.port.mtu = config.get("port_mtu", DEFAULT_PORT_MTU)
+        self.fw.phy.delay = config.get("link_delay_ms", DEFAULT_LINK_DELAY_MS) / 1000
         self.latency = config.get("fw_latency_us", DEFAULT_LATENCY_US) * 1e-6
         self.stall = {"hwrm": 0, "rcfw": 0}  # drop this many responses: firmware timeouts on demand
         self.hang = {"hwrm": 0, "rcfw": 0}  # neither execute nor answer this many commands: a hung firmware
@@ -126,7 +129,9 @@ class Emulator:
         return watched
 
     def step(self) -> None:
-        """Everything the last events and the timers due asked for: RoCE commands, doorbells, packets, interrupts."""
+        """Everything the last events and the timers due asked for: the link's training, RoCE commands, doorbells,
+        packets, interrupts."""
+        self.fw.phy.tick(time.monotonic())
         self.run_rcfw()
         self.size_receive_window()
         self.service()
@@ -246,9 +251,9 @@ class Emulator:
         return self.wire
 
     def deadline(self) -> float | None:
-        """When this NIC needs a step without an event (time.monotonic()): the data path's next timer or a held
-        (reordered) packet; at once while the loopback holds packets (no descriptor announces them); None: not
-        before an event."""
+        """When this NIC needs a step without an event (time.monotonic()): the data path's next timer, a held
+        (reordered) packet or the end of the link's training; at once while the loopback holds packets (no
+        descriptor announces them); None: not before an event."""
         if self.loopback.pending:
             return 0.0
         deadline = self.datapath.next_deadline()
@@ -256,7 +261,8 @@ class Emulator:
             held = transport.flush_deadline if transport is not None else None
             if held is not None and (deadline is None or held < deadline):
                 deadline = held
-        return deadline
+        trained = self.fw.phy.due
+        return trained if trained is not None and (deadline is None or trained < deadline) else deadline
 
     def size_receive_window(self) -> None:
         """Grow the wire's receive buffer with the number of QPs, so that their windows in flight fit in it."""

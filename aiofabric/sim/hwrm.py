@@ -5,10 +5,11 @@
 shell writes them (valid byte last) and fires interrupts from `Firmware.interrupts`. A window holding a short request
 (`hwrm_short_input`) names the request in host memory, read from there. What the firmware offers (its chip, backing
 store v2, short commands) is its profile's (profiles.py). `Firmware` is the function's shared state (function.py)
-plus the HWRM commands, the Ethernet port (port.py: link and MTU) and the asynchronous events the driver registered
-for (`post_event`); its RoCE command channel is `rcfw.Rcfw`, created here over that state. Doorbells do not pass
-through here: mmio.py decodes them for the NQs, CQs and the data path. Behaviour follows what Linux's bnxt_en
-(bnxt_hwrm.c, bnxt.c) expects of real firmware. Bad input never raises: it gets an error code.
+plus the HWRM commands, the Ethernet port (port.py: link and MTU; phy.py: how the link comes up) and the
+asynchronous events the driver registered for (`post_event`); its RoCE command channel is `rcfw.Rcfw`, created here
+over that state. Doorbells do not pass through here: mmio.py decodes them for the NQs, CQs and the data path.
+Behaviour follows what Linux's bnxt_en (bnxt_hwrm.c, bnxt.c) expects of real firmware. Bad input never raises: it gets
+an error code.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, Co
 from .memory import BusMemory, DmaFault
 from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, Ring, StatContext, Vnic,
                       lowest_free_id, map_memory)
+from .phy import Phy
 from .port import Port, check_mtu
 from .rcfw import Rcfw
 from ..autogen import bnxt
@@ -28,7 +30,7 @@ from ..hw.async_event import (NEW_MTU_MASK, EventId, ResetReason, async_event, f
                               reset_event_data)
 from ..hw.doorbell import INDEX_MASK
 from ..hw.firmware import (HWRM_REQUEST_HEADER, HWRM_SHORT_REQUEST, PAGE_SIZE_CODES, RING_ENTRY_SIZES,
-                           SHORT_REQUEST_SIGNATURE)
+                           SHORT_REQUEST_SIGNATURE, THOR2_CHIPS)
 from ..hw.firmware import BackingStoreType as BS
 
 INVALID_PARAMS, RESOURCE_ALLOC_ERROR = bnxt.HWRM_ERR_CODE_INVALID_PARAMS, bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR
@@ -47,8 +49,8 @@ RING_LIMITS = {L2_CMPL: 128, TX: 128, RX: 128, ROCE_CMPL: 128, RX_AGG: 128, NQ: 
 MAX_L2_FILTERS, MAX_RSS_CONTEXTS = 1024, 64
 MAX_VNICS, MAX_STAT_CTXS = CONTEXT_TYPES[BS.VNIC].max_entries, CONTEXT_TYPES[BS.STAT].max_entries
 PORT_EVENTS: dict[str, tuple[EventId, Callable[[Firmware], int]]] = {  # post_event's: (event id, its event_data1)
-    "link_down": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(False, fw.config.port_id)),
-    "link_up": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(True, fw.config.port_id)),
+    "link_down": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(fw.port.up, fw.config.port_id)),
+    "link_up": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(fw.port.up, fw.config.port_id)),
     "mtu": (EventId.LINK_MTU_CHANGE, lambda fw: fw.port.mtu & NEW_MTU_MASK),
     "reset_notify": (EventId.RESET_NOTIFY, lambda _: reset_event_data(ResetReason.MANAGEMENT_RESET_REQUEST)),
     "fatal": (EventId.RESET_NOTIFY, lambda _: reset_event_data(ResetReason.FW_EXCEPTION_FATAL)),
@@ -69,12 +71,13 @@ class Firmware(FunctionState):
     COMMANDS = ("ver_get", "func_reset", "func_qcaps", "func_qcfg", "func_drv_rgtr", "func_drv_unrgtr",
                 "func_backing_store_qcaps_v2", "func_backing_store_cfg_v2", "stat_ctx_alloc", "stat_ctx_free",
                 "ring_alloc", "ring_free", "vnic_alloc", "vnic_cfg", "vnic_free", "cfa_l2_filter_alloc",
-                "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg")
+                "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg", "port_phy_qcaps", "func_drv_if_change")
 
     def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
         super().__init__(mem, config)
         self.rcfw = Rcfw(self)
         self.port: Port = Port(self.stats)  # annotated: PORT_EVENTS, above, reads it
+        self.phy = Phy(self.port, config.profile.chip_num in THOR2_CHIPS, self._link_changed)
         self.async_events: collections.deque[bytes] = collections.deque()  # waiting for room on the event ring
         self._commands = {getattr(bnxt, f"HWRM_{name.upper()}"): _Command(
             name, getattr(bnxt, f"hwrm_{name}_input"), getattr(bnxt, f"hwrm_{name}_output"), getattr(self, f"_{name}"))
@@ -139,9 +142,11 @@ class Firmware(FunctionState):
                 "l2_filters": len(self.l2_filters), "backing_store": len(self.backing_store), **self.rcfw.objects()}
 
     def reset(self) -> None:
-        """FUNC_RESET: every L2 and RoCE object and the backing store are gone; the RoCE channel starts over."""
+        """FUNC_RESET: every L2 and RoCE object and the backing store are gone; the RoCE channel starts over. The
+        port's link stays as it is (phy.py)."""
         self.rcfw.reset()
         self.clear()
+        self.phy.interface(False)
         self.async_events.clear()
 
     # -- function ----------------------------------------------------------------------------------------------------
@@ -194,14 +199,23 @@ class Firmware(FunctionState):
         self.driver = {"enables": request.enables, "os_type": request.os_type,
                        "version": (request.ver_maj_8b, request.ver_min_8b, request.ver_upd_8b),
                        "async_event_fwd": tuple(request.async_event_fwd) if forward else ()}
-        return {}
+        return {"flags": bnxt.FUNC_DRV_RGTR_RESP_FLAGS_IF_CHANGE_SUPPORTED}  # Linux sends IF_CHANGE only then
 
     def _func_drv_unrgtr(self, request: Any) -> dict[str, Any]:
         """The driver is leaving and will free its memory: stop using its context memory (Linux frees it next)."""
         self.driver = None
         self.backing_store.clear()
         self.backing_store_done = False
+        self.phy.interface(False)
         return {}
+
+    def _func_drv_if_change(self, request: Any) -> dict[str, Any]:
+        """The driver's interface goes up (flags UP) or down; this firmware never reports RESC_CHANGE,
+        HOT_FW_RESET_DONE or CAPS_CHANGE (it has no hot reset, and nothing changes a reservation)."""
+        if self.driver is None:
+            raise CommandError(INVALID_PARAMS, "no driver is registered: FUNC_DRV_RGTR comes first")
+        self.phy.interface(bool(request.flags & bnxt.FUNC_DRV_IF_CHANGE_REQ_FLAGS_UP))
+        return {"flags": 0}
 
     # -- backing store (bnxt.c bnxt_backing_store_cfg_v2) ------------------------------------------------------------
     def _func_backing_store_qcaps_v2(self, request: Any) -> dict[str, Any]:
@@ -353,28 +367,36 @@ class Firmware(FunctionState):
         if request.enables & bnxt.PORT_PHY_CFG_REQ_ENABLES_LPBK:
             if request.lpbk > bnxt.PORT_PHY_CFG_REQ_LPBK_EXTERNAL:
                 raise CommandError(INVALID_PARAMS, f"lpbk {request.lpbk} (0 none, 1 local, 2 remote, 3 external)")
+        self.phy.configure(request, lambda why: self.note_error("HWRM port_phy_cfg", why))
+        if request.enables & bnxt.PORT_PHY_CFG_REQ_ENABLES_LPBK:
             self.loopback = request.lpbk
         return {}
 
     def _port_phy_qcfg(self, request: Any) -> dict[str, Any]:
         self._own_port(request.port_id)
-        up = self.port.up
-        return {"link": bnxt.PORT_PHY_QCFG_RESP_LINK_LINK if up else bnxt.PORT_PHY_QCFG_RESP_LINK_NO_LINK,
-                "link_speed": self.port.speed if up else 0,
-                "duplex_state": bnxt.PORT_PHY_QCFG_RESP_DUPLEX_STATE_FULL, "lpbk": self.loopback}
+        return {**self.phy.qcfg(), "lpbk": self.loopback}
+
+    def _port_phy_qcaps(self, request: Any) -> dict[str, Any]:
+        self._own_port(request.port_id)
+        return self.phy.qcaps()
+
+    def _link_changed(self) -> None:
+        """The PHY took the link up or down: LINK_STATUS_CHANGE, as firmware reports it (bnxt_async_event_process)."""
+        self.post_async_event(EventId.LINK_STATUS_CHANGE, link_event_data(self.port.up, self.config.port_id))
 
     # -- asynchronous events (Linux bnxt.c: bnxt_hwrm_func_drv_rgtr, bnxt_async_event_process) ----------------------
     def post_event(self, kind: str, **fields: int) -> None:
         """Report an asynchronous event. The port's and the firmware's (`PORT_EVENTS`) go to the async event ring:
-        "link_down" / "link_up" change the link (the port then drops or carries packets) and LINK_STATUS_CHANGE
-        says so; "mtu" (field `mtu`) changes the port's MTU and LINK_MTU_CHANGE says so; "reset_notify" is
-        RESET_NOTIFY for a management reset, "fatal" RESET_NOTIFY for a fatal firmware exception. The RoCE ones go to
-        the CREQ (rcfw.Rcfw.post_event)."""
+        "link_down" / "link_up" pull and plug the cable (phy.py: a configured link is up again at once, a forced-down
+        one stays down; the port drops packets while down) and LINK_STATUS_CHANGE says what the link is now; "mtu"
+        (field `mtu`) changes the port's MTU and LINK_MTU_CHANGE says so; "reset_notify" is RESET_NOTIFY for a
+        management reset, "fatal" RESET_NOTIFY for a fatal firmware exception. The RoCE ones go to the CREQ
+        (rcfw.Rcfw.post_event)."""
         if kind not in PORT_EVENTS:
             self.rcfw.post_event(kind, **fields)
             return
         if kind.startswith("link_"):
-            self.port.up = kind == "link_up"
+            self.phy.plug(kind == "link_up")
         elif kind == "mtu":
             self.port.mtu = check_mtu(fields.get("mtu"), "mtu")
         event_id, data1 = PORT_EVENTS[kind]

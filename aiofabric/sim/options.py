@@ -5,6 +5,7 @@ import ipaddress
 import os
 from typing import Any
 
+from .phy import DEFAULT_LINK_DELAY_MS
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
 from .port import check_mtu
 from .profiles import DEFAULT_PROFILE, PROFILES
@@ -13,7 +14,7 @@ FAULTS = ("loss", "dup", "reorder", "corrupt")  # wire faults, each a probabilit
 TRANSPORTS = ("udp", "raw")
 # Every option the emulator reads, plus netns and process, which place the NIC's process.
 OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "pcap_max_bytes", "netns", "port_mtu",
-           "profile", "process")
+           "profile", "process", "link_delay_ms")
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -41,6 +42,9 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     latency = options.get("fw_latency_us", 0)
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= 1e7:  # nan, inf
         raise ValueError(f"fw_latency_us={latency!r}: must be a number >= 0, at most 1e7 (10 s a command)")
+    delay = options.get("link_delay_ms", DEFAULT_LINK_DELAY_MS)
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 60_000:  # nan, inf
+        raise ValueError(f"link_delay_ms={delay!r}: must be a number >= 0, at most 60000 (a minute of link training)")
     if options.get("profile", DEFAULT_PROFILE) not in PROFILES:
         raise ValueError(f"profile={options['profile']!r}: choose one of {', '.join(PROFILES)}")
     seed = options.get("seed", 0)

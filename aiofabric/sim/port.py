@@ -1,5 +1,6 @@
 """The emulated NIC's Ethernet port: its link and MTU as the firmware reports them (PORT_PHY_QCFG, FUNC_QCFG), and
-what the wire does with them. A port whose link is down carries nothing, either way, until it is up again; one whose
+what the wire does with them. Its PHY (phy.py) brings the link up and down. A port whose link is down carries nothing,
+either way, until it is up again (it starts down: a driver brings it up); one whose
 MTU a packet exceeds drops it, as a real port (or the switch behind it) drops an oversized frame: a path MTU of 4096
 on a 1500-byte fabric loses every full packet and the requester retries until it gives up (sans-IO).
 """
@@ -11,7 +12,6 @@ from typing import Any, TypeVar
 
 from .codec import header_size
 from .packets import ICRC_SIZE, IPV4_HEADER_SIZE, UDP_HEADER_SIZE, Op, Packet, Segments
-from ..autogen import bnxt
 from ..hw.verbs import PATH_MTU_BYTES
 
 DEFAULT_MTU = 9000  # a jumbo-frame fabric: every path MTU fits (4096 needs 4192, Linux's iboe_get_mtu)
@@ -43,8 +43,8 @@ class Port:
     dropped_oversize."""
     stats: collections.Counter[str] = field(default_factory=collections.Counter)
     mtu: int = DEFAULT_MTU
-    up: bool = True
-    speed: int = bnxt.PORT_PHY_QCFG_RESP_LINK_SPEED_400GB  # PORT_PHY_QCFG's link_speed code while the link is up
+    up: bool = False  # the one attribute the data path reads per batch of packets
+    speed: int = 0  # PORT_PHY_QCFG's link_speed code while the link is up
 
     def carried(self, items: list[Item]) -> list[Item]:
         """What of `items` (packets sent or received) the port carries."""

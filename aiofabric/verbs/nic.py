@@ -20,7 +20,8 @@ from .post import QueuePair
 from .types import ALL_ACCESS, Access, check_range
 from ..driver.close_budget import CLOSE_TIMEOUT
 from ..driver.device import Device, DeviceObject
-from ..driver.firmware_events import DeviceEvent
+from ..driver.firmware_events import DeviceEvent, Link
+from ..driver.link import LINK_UP_TIMEOUT
 from ..hw.ring import power_of_two
 from ..errors import ClosedError, PCIError
 from ..hw.verbs import path_mtu_for_port
@@ -97,6 +98,13 @@ class NIC:
 
     async def set_loopback(self, mode: int) -> None:
         await self.device.set_loopback(mode)
+
+    async def wait_for_link(self, timeout: float = LINK_UP_TIMEOUT) -> Link:
+        """The port's link once it is up. The open brings the link up but does not wait for it, as Linux's does not
+        (a real link trains for a second or more; an emulated one for its link_delay_ms): traffic sent before it is
+        up is lost, and retried by the QPs. LinkDownError after `timeout` seconds, saying what the PHY reports."""
+        self.device.check_open()
+        return await self.device.port_link.wait_up(timeout)
 
     async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Destroy every verbs object (QPs first), then free the device's own firmware objects (see `Device.close`)."""

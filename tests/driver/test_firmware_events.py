@@ -88,6 +88,9 @@ def test_the_link_and_mtu_as_the_firmware_reports_them():
     driver = Driver()
     driver.fw.port.mtu = 1500
     assert driver.hwrm("func_qcfg", fid=0xFFFF).admin_mtu == 1500
+    assert driver.hwrm("port_phy_qcfg", port_id=0).link == bnxt.PORT_PHY_QCFG_RESP_LINK_NO_LINK  # as bnxt_en left it
+    registered(driver)
+    driver.link_up()
     phy = driver.hwrm("port_phy_qcfg", port_id=0)
     assert (phy.link, phy.link_speed) == (bnxt.PORT_PHY_QCFG_RESP_LINK_LINK, bnxt.PORT_PHY_QCFG_RESP_LINK_SPEED_400GB)
     driver.fw.post_event("link_down")
@@ -102,18 +105,19 @@ def test_the_link_and_mtu_as_the_firmware_reports_them():
 def test_a_port_carries_nothing_while_down_and_no_frame_longer_than_its_mtu():
     packets = [Packet(Op.RDMA_WRITE_ONLY, 1, 0, payload=bytes(size)) for size in (1024, 1412, 1413, 4096)]
     assert [frame_size(p) for p in packets] == [1084, 1472, 1476, 4156]  # IP 20, UDP 8, BTH 12, RETH 16, pad, ICRC 4
-    port = Port(mtu=1472)
+    port = Port(mtu=1472, up=True)
     assert port.carried(packets) == packets[:2] and port.stats["dropped_oversize"] == 2
     port.up = False
     assert port.carried(packets) == [] and port.stats["dropped_link_down"] == 4
-    assert Port().carried(packets) == packets  # the default jumbo MTU carries any path MTU
+    assert Port(up=True).carried(packets) == packets  # the default jumbo MTU carries any path MTU
 
 
 # -- the driver ---------------------------------------------------------------------------------------------------
 async def test_link_down_and_up_arrive_as_events_and_the_port_drops_packets_meanwhile():
     async with open_nic("sim:link-a") as a, open_nic("sim:link-b") as b:
         qa, qb = await connected_qps(a, b, 64, timeout=14)  # 67 ms per retry: retries outlast the link's 0.2 s down
-        assert a.device.link == firmware_events.Link(up=True, speed_mbps=400000)
+        assert await a.wait_for_link() == firmware_events.Link(up=True, speed_mbps=400000)
+        await b.wait_for_link()
         assert (a.info()["link"], a.info()["link_speed_mbps"], a.info()["port_mtu"]) == ("up", 400000, 9000)
         heard = []
         a.device.function_handlers.append(heard.append)
@@ -141,8 +145,9 @@ async def test_link_down_and_up_arrive_as_events_and_the_port_drops_packets_mean
 async def test_an_mtu_change_arrives_as_an_event_and_port_mtu_follows():
     async with open_nic("sim:mtu-change") as nic:
         assert nic.device.port_mtu == 9000
+        await nic.wait_for_link()  # its event comes first
         nic.pci.debug({"op": "event", "event": {"kind": "mtu", "mtu": 1500}})
-        await wait_for(lambda: nic.events)
+        await wait_for(lambda: nic.events[-1].kind == "mtu")
         event = nic.events[-1]
         assert (event.kind, event.xid, event.detail["port_mtu"]) == ("mtu", EventId.LINK_MTU_CHANGE, 1500)
         assert nic.device.port_mtu == 1500 and nic.info()["port_mtu"] == 1500
@@ -152,6 +157,7 @@ async def test_an_mtu_change_arrives_as_an_event_and_port_mtu_follows():
                                          ("fatal", "FW_EXCEPTION_FATAL")])
 async def test_reset_notice_and_fatal_error_fail_everything_at_once_naming_the_event(kind, reason):
     async with open_nic("sim:reset", hwrm_timeout=30) as nic:
+        await nic.wait_for_link()  # its event is read before the firmware stalls
         cq = await nic.create_cq(64)
         qp = await nic.create_qp(cq)
         receive = await qp.post_recv(await nic.register_mr(4096), 64)  # nothing will ever arrive
@@ -200,8 +206,9 @@ async def test_an_idle_nic_with_the_event_reader_wakes_nobody(monkeypatch):
         before = counts(), len(reader_waits)
         await anyio.sleep(1.0)
         assert (counts(), len(reader_waits)) == before  # no timer anywhere, the event reader's included
+        heard = len(a.events)  # the link's coming up, at the open
         a.pci.debug({"op": "event", "event": {"kind": "link_up"}})
-        await wait_for(lambda: len(a.events) == 1)  # its interrupt is heard: one wake-up, then sleep again
+        await wait_for(lambda: len(a.events) == heard + 1)  # its interrupt is heard: one wake-up, then sleep again
         assert reader_waits[before[1]:] == [None]
 
 

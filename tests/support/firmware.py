@@ -103,6 +103,17 @@ class Driver:
         assert len(data) == ctypes.sizeof(output)
         return output.from_buffer_copy(data)
 
+    def link_up(self) -> None:
+        """What bnxt_en's open does to the link of a registered driver: FUNC_DRV_IF_CHANGE(UP), then PORT_PHY_CFG
+        restarting autoneg with RESET_PHY; then the link's training time passes."""
+        self.hwrm("func_drv_if_change", flags=bnxt.FUNC_DRV_IF_CHANGE_REQ_FLAGS_UP)
+        self.hwrm("port_phy_cfg", port_id=0, enables=bnxt.PORT_PHY_CFG_REQ_ENABLES_AUTO_MODE,
+                  auto_mode=bnxt.PORT_PHY_CFG_REQ_AUTO_MODE_SPEED_MASK,
+                  flags=bnxt.PORT_PHY_CFG_REQ_FLAGS_RESET_PHY | bnxt.PORT_PHY_CFG_REQ_FLAGS_RESTART_AUTONEG)
+        self.fw.phy.tick(0.0)
+        self.fw.phy.tick(self.fw.phy.delay)
+        assert self.fw.port.up, self.fw.last_error
+
     def ring(self, kind: int, length: int, logical_id: int = 0, level: int | None = None, **fields) -> int:
         pages = self.scattered(max(1, -(-length * RING_ENTRY_SIZES[kind] // PAGE)))
         level = (0 if len(pages) == 1 else 1) if level is None else level
