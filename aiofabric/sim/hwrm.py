@@ -202,7 +202,10 @@ class Firmware(FunctionState):
         return {"flags": bnxt.FUNC_DRV_RGTR_RESP_FLAGS_IF_CHANGE_SUPPORTED}  # Linux sends IF_CHANGE only then
 
     def _func_drv_unrgtr(self, request: Any) -> dict[str, Any]:
-        """The driver is leaving and will free its memory: stop using its context memory (Linux frees it next)."""
+        """The driver is leaving and will free its memory: stop using its context memory (Linux frees it next). One
+        whose interface is still up skipped FUNC_DRV_IF_CHANGE(down): noted (bnxt_close sends it after its frees)."""
+        if self.phy.interface_up:
+            self.note_error("HWRM func_drv_unrgtr", "the interface is still up: FUNC_DRV_IF_CHANGE(down) comes first")
         self.driver = None
         self.backing_store.clear()
         self.backing_store_done = False

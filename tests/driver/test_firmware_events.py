@@ -9,11 +9,14 @@ import pytest
 from aiofabric import open_nic
 from aiofabric.autogen import bnxt
 from aiofabric.driver import firmware_events
-from aiofabric.errors import CompletionError, DeviceLostError
+from aiofabric.driver.link import IF_CHANGE_RETRY_INTERVAL, IF_CHANGE_TRIES, phy_settings
+from aiofabric.errors import CompletionError, DeviceLostError, FirmwareError, LinkDownError
+from aiofabric.hw.firmware import LINK_SPEED_MBPS
 from aiofabric.hw.async_event import (ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, EventId, ResetReason,
                                       forwarding, reset_reason)
 from aiofabric.sim.packets import Op, Packet
 from aiofabric.sim.port import Port, frame_size
+from aiofabric.sim.profiles import PROFILES
 from aiofabric.tools.bench_config import BenchConfig
 from aiofabric.tools.perftest import run_bench
 from tests.support.firmware import NQ, Driver
@@ -112,7 +115,105 @@ def test_a_port_carries_nothing_while_down_and_no_frame_longer_than_its_mtu():
     assert Port(up=True).carried(packets) == packets  # the default jumbo MTU carries any path MTU
 
 
+@pytest.mark.parametrize("profile", ["thor2", "thor"])
+@pytest.mark.parametrize("forced", [False, True], ids=["autoneg", "forced"])
+def test_the_drivers_phy_settings_from_each_phys_own_qcfg_bring_its_link_up(profile, forced):
+    """link.phy_settings (bnxt_init_ethtool_link_settings, bnxt_hwrm_set_link_common) from PORT_PHY_QCFG: the
+    firmware's autoneg, or its forced speed, in the fields of the PHY's generation (PORT_PHY_QCAPS SPEEDS2)."""
+    driver = Driver(profile=PROFILES[profile])
+    registered(driver)
+    phy = driver.fw.phy
+    if forced:  # a forced speed the firmware was left with: the slowest this PHY has
+        phy.forced = min((s for family in phy.families for s in family.speeds), key=lambda s: s.link_speed)
+    driver.hwrm("func_drv_if_change", flags=bnxt.FUNC_DRV_IF_CHANGE_REQ_FLAGS_UP)
+    qcfg = driver.hwrm("port_phy_qcfg", port_id=0)
+    speeds2 = bool(driver.hwrm("port_phy_qcaps", port_id=0).flags2 & bnxt.PORT_PHY_QCAPS_RESP_FLAGS2_SPEEDS2_SUPPORTED)
+    driver.hwrm("port_phy_cfg", port_id=0, **phy_settings(qcfg, speeds2))
+    phy.tick(0.0)
+    phy.tick(phy.delay)
+    assert driver.fw.port.up and not driver.fw.stats["errors"], driver.fw.last_error
+    mbps = LINK_SPEED_MBPS[driver.hwrm("port_phy_qcfg", port_id=0).link_speed]
+    assert mbps == (100_000 if forced and profile == "thor2" else 50_000 if forced else
+                    400_000 if profile == "thor2" else 200_000)
+
+
 # -- the driver ---------------------------------------------------------------------------------------------------
+async def test_the_driver_brings_up_the_link_bnxt_ens_unbind_left_forced_down():
+    """The emulated port starts as unbinding bnxt_en leaves it (bnxt_close: FORCE_LINK_DWN, IF_CHANGE down): data
+    moves only because the boot sent FUNC_DRV_IF_CHANGE(UP) and PORT_PHY_CFG (bnxt_update_phy_setting). The open
+    does not wait for the link, as Linux's does not; `wait_for_link` does."""
+    async with open_nic("sim:forced-a") as a, open_nic("sim:forced-b") as b:
+        qa, qb = await connected_qps(a, b, 64)
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        source.view[:] = bytes(range(256)) * 16
+        with anyio.fail_after(5):  # a link left down: the write fails after its retries (RETRY_EXC_ERR)
+            await qa.write(source, target, 4096)
+        assert bytes(target.view) == bytes(source.view)
+        for nic in (a, b):
+            assert await nic.wait_for_link(5) == firmware_events.Link(up=True, speed_mbps=400000)
+            assert nic.info()["link"] == "up" and nic.events[0].kind == "link" and nic.events[0].detail["up"]
+            assert not (await nic.pci.debug_client().stats())["errors"]
+
+
+async def test_the_close_says_the_interface_is_down_after_every_free_and_before_unregistering(monkeypatch):
+    """bnxt_close: its frees, then FUNC_DRV_IF_CHANGE(down); then FUNC_DRV_UNRGTR (bnxt_remove_one). The link is
+    not forced down: the next driver finds the port as it was (link.py says why)."""
+    async with open_nic("sim:if-down") as nic:
+        await nic.wait_for_link()
+        channel, sent, seen = nic.device.hwrm_channel, [], {}
+        original = channel.command
+
+        async def recording(name, **fields):
+            sent.append((name, fields.get("flags")))
+            if name != "func_drv_unrgtr":
+                return await original(name, **fields)
+            seen.update(nic.pci.debug({"op": "objects"})["objects"])  # what the driver left when it leaves
+            answer = await original(name, **fields)
+            seen["errors"] = nic.pci.debug({"op": "stats"})["stats"].get("errors", 0)  # what the firmware noted
+            return answer
+        monkeypatch.setattr(channel, "command", recording)
+    assert seen["errors"] == 0  # the firmware saw IF_CHANGE(down): it notes an unregister with the interface up
+    assert (seen["rings"], seen["vnics"], seen["stat_ctxs"], seen["l2_filters"]) == (0, 0, 0, 0)
+    names = [name for name, _ in sent]
+    assert sent[-3:] == [("func_drv_if_change", 0), ("func_drv_unrgtr", None), ("func_reset", None)], sent
+    assert "port_phy_cfg" not in names and names.count("func_drv_if_change") == 1
+
+
+async def test_interface_up_retries_a_busy_firmware_as_linux_does():
+    """bnxt_hwrm_if_change: BUSY or HOT_RESET_PROGRESS is retried, BNXT_FW_IF_RETRY (10) tries 50 ms apart; the
+    tenth busy answer fails the open."""
+    async with open_nic("sim:if-busy") as nic:
+        link = nic.device.port_link
+        busy = bnxt.HWRM_ERR_CODE_BUSY
+        nic.pci.debug({"op": "inject", "command": "func_drv_if_change", "status": busy, "count": IF_CHANGE_TRIES - 1})
+        started = time.monotonic()
+        await link.interface_up()  # the last try answers
+        assert time.monotonic() - started >= (IF_CHANGE_TRIES - 1) * IF_CHANGE_RETRY_INTERVAL
+        nic.pci.debug({"op": "inject", "command": "func_drv_if_change", "status": busy, "count": IF_CHANGE_TRIES})
+        with pytest.raises(FirmwareError, match="HWRM func_drv_if_change failed: BUSY"):
+            await link.interface_up()
+        nic.pci.debug({"op": "inject", "command": "func_drv_if_change", "status": bnxt.HWRM_ERR_CODE_FAIL})
+        started = time.monotonic()
+        with pytest.raises(FirmwareError, match="FAIL"):  # any other error at once
+            await link.interface_up()
+        assert time.monotonic() - started < IF_CHANGE_RETRY_INTERVAL
+
+
+async def test_waiting_for_a_link_that_stays_down_says_what_the_phy_reports():
+    async with open_nic("sim:no-cable") as nic:
+        await nic.wait_for_link()
+        nic.pci.debug({"op": "event", "event": {"kind": "link_down"}})  # the cable pulled
+        await wait_for(lambda: not nic.device.link.up)  # its event is heard
+        started = time.monotonic()
+        with pytest.raises(LinkDownError, match=r"sim:no-cable: the link is still down after 0.3 s \(PORT_PHY_QCFG "
+                                                r"link NO_LINK, link_down_reason CABLE_REMOVED\): check the cable"):
+            await nic.wait_for_link(0.3)
+        assert 0.3 <= time.monotonic() - started < 2
+        assert nic.info()["link"] == "down"
+        nic.pci.debug({"op": "event", "event": {"kind": "link_up"}})
+        assert (await nic.wait_for_link(5)).up
+
+
 async def test_link_down_and_up_arrive_as_events_and_the_port_drops_packets_meanwhile():
     async with open_nic("sim:link-a") as a, open_nic("sim:link-b") as b:
         qa, qb = await connected_qps(a, b, 64, timeout=14)  # 67 ms per retry: retries outlast the link's 0.2 s down

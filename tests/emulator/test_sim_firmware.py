@@ -8,14 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
+from aiofabric.hw.async_event import ASYNC_EVENT, ASYNC_EVENT_ENTRY, LINK_UP, EventId, forwarding
 from aiofabric.hw.cqe import (CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY, NQ_ENTRY, RequesterErrorReason, creq_type,
                               notification_fields)
-from aiofabric.hw.firmware import (CMDQ_INIT, HWRM_SHORT_REQUEST, SHORT_REQUEST_SIGNATURE, host_msn_table,
-                                   hw_retx_supported, short_commands_required)
+from aiofabric.hw.firmware import (CMDQ_INIT, HWRM_SHORT_REQUEST, LINK_SPEED_MBPS, SHORT_REQUEST_SIGNATURE,
+                                   host_msn_table, hw_retx_supported, short_commands_required)
 from aiofabric.hw.ring import phase, position, slot
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim.function import CONTEXT_TYPES
 from aiofabric.sim.memory import PAGE
+from aiofabric.sim.packets import Op, Packet
 from aiofabric.sim.objects import CompletionQueue, MemoryProtectionError, NotificationQueue, PageList, walk_pbl
 from aiofabric.sim.profiles import PROFILES
 from tests.support.firmware import (FAIL, GID, INIT_MASK, INVALID_PARAMETER, L2_CMPL, MAC, NQ, RX, SUCCESS, Driver,
@@ -526,3 +528,130 @@ def test_walk_pbl_levels_and_limits():
         walk_pbl(host.mem, 3, pages[0], 1)
     with pytest.raises(ValueError):
         walk_pbl(host.mem, 1, pages[0], 1 << 30)
+
+
+# -- the port's link (sim/phy.py) -----------------------------------------------------------------------------------
+AUTONEG = {"port_id": 0, "enables": bnxt.PORT_PHY_CFG_REQ_ENABLES_AUTO_MODE,
+           "auto_mode": bnxt.PORT_PHY_CFG_REQ_AUTO_MODE_SPEED_MASK,
+           "flags": bnxt.PORT_PHY_CFG_REQ_FLAGS_RESET_PHY | bnxt.PORT_PHY_CFG_REQ_FLAGS_RESTART_AUTONEG}
+IF_UP = bnxt.FUNC_DRV_IF_CHANGE_REQ_FLAGS_UP
+INVALID_PARAMS = bnxt.HWRM_ERR_CODE_INVALID_PARAMS
+
+
+def registered(host: Driver) -> int:
+    """Register `host` for every link event, with an event ring (the NQ events go to): the ring's id."""
+    answer = host.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
+                       | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD, os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
+                       async_event_fwd=forwarding(EventId))
+    assert answer.flags == bnxt.FUNC_DRV_RGTR_RESP_FLAGS_IF_CHANGE_SUPPORTED  # else Linux never sends IF_CHANGE
+    return host.ring(NQ, 8, logical_id=3)
+
+
+def link_events(host: Driver, ring_id: int) -> list[bool]:
+    """The LINK_STATUS_CHANGE events on the ring so far: up or down."""
+    ring = host.fw.rings[ring_id]
+    entries = [ASYNC_EVENT.unpack(host.mem.read(ring.pages.address(i * ASYNC_EVENT_ENTRY.size), ASYNC_EVENT_ENTRY.size))
+               for i in range(ring.produced)]
+    return [bool(data1 & LINK_UP) for _, event_id, _, data1 in entries if event_id == EventId.LINK_STATUS_CHANGE]
+
+
+def test_the_link_starts_forced_down_and_comes_up_only_after_if_change_up_and_a_phy_reset():
+    """As bnxt_en's unbind leaves it; Linux's open: FUNC_DRV_IF_CHANGE(UP), then PORT_PHY_CFG with RESET_PHY
+    (bnxt_update_phy_setting); the link trains for the PHY's delay, then LINK_STATUS_CHANGE says it is up."""
+    host = Driver()
+    phy, port = host.fw.phy, host.fw.port
+    assert host.hwrm("port_phy_qcfg", port_id=0).link == bnxt.PORT_PHY_QCFG_RESP_LINK_NO_LINK and not port.up
+    host.hwrm("func_drv_if_change", expect=INVALID_PARAMS, flags=IF_UP)
+    assert "FUNC_DRV_RGTR comes first" in host.fw.last_error
+    events = registered(host)
+    host.hwrm("port_phy_cfg", **AUTONEG)  # taken, but no IF_CHANGE(UP) yet
+    assert "before FUNC_DRV_IF_CHANGE(UP)" in host.fw.last_error and phy.due is None
+    host.hwrm("func_drv_if_change", flags=IF_UP)
+    host.hwrm("port_phy_cfg", **{**AUTONEG, "flags": bnxt.PORT_PHY_CFG_REQ_FLAGS_RESTART_AUTONEG})  # no RESET_PHY
+    assert "without RESET_PHY" in host.fw.last_error and phy.due is None
+    errors = host.fw.stats["errors"]
+    host.hwrm("port_phy_cfg", **AUTONEG)
+    assert host.fw.stats["errors"] == errors and phy.due == 0.0  # training: the shell times it at its next step
+    phy.tick(10.0)
+    assert phy.due == 10.0 + phy.delay
+    phy.tick(10.0 + phy.delay * 0.999)  # not yet
+    assert not port.up and link_events(host, events) == []
+    phy.tick(10.0 + phy.delay)
+    answer = host.hwrm("port_phy_qcfg", port_id=0)
+    assert (answer.link, answer.link_speed) == (bnxt.PORT_PHY_QCFG_RESP_LINK_LINK,
+                                                bnxt.PORT_PHY_QCFG_RESP_LINK_SPEED_400GB)
+    assert port.up and phy.due is None and link_events(host, events) == [True]
+
+
+def test_what_takes_the_link_down_and_what_leaves_it_up():
+    """Only PORT_PHY_CFG takes it down (FORCE_LINK_DWN, bnxt_hwrm_shutdown_link; a PHY reset while it retrains):
+    IF_CHANGE(down), FUNC_DRV_UNRGTR and FUNC_RESET leave the port up for the next driver. Unregistering with the
+    interface still up skipped IF_CHANGE(down): noted."""
+    host = Driver()
+    events = registered(host)
+    host.link_up()
+    host.hwrm("func_drv_unrgtr")
+    assert "the interface is still up" in host.fw.last_error and host.fw.port.up
+    events = registered(host)
+    host.hwrm("func_drv_if_change", flags=IF_UP)
+    host.hwrm("func_drv_if_change", flags=0)
+    errors = host.fw.stats["errors"]
+    host.hwrm("func_drv_unrgtr")
+    host.hwrm("func_reset")
+    assert host.fw.stats["errors"] == errors and host.fw.port.up and not host.fw.phy.interface_up
+    events = registered(host)
+    host.hwrm("func_drv_if_change", flags=IF_UP)
+    host.hwrm("port_phy_cfg", **AUTONEG)  # a PHY reset: the link drops and trains again
+    assert not host.fw.port.up and link_events(host, events) == [False]
+    host.hwrm("port_phy_cfg", port_id=0, flags=bnxt.PORT_PHY_CFG_REQ_FLAGS_FORCE_LINK_DWN)  # cancels the training
+    host.fw.phy.tick(0.0)
+    host.fw.phy.tick(1.0)
+    assert not host.fw.port.up and host.fw.phy.due is None
+    host.fw.post_event("link_up")  # a cable plugged in does not lift the force
+    assert not host.fw.port.up and link_events(host, events) == [False, False]
+    packets = [Packet(Op.RDMA_WRITE_ONLY, 1, 0, payload=bytes(64))]
+    assert host.fw.port.carried(packets) == [] and host.fw.stats["dropped_link_down"] == 1
+
+
+@pytest.mark.parametrize("profile,qcaps,good,bad", [
+    ("thor2", {"flags2": bnxt.PORT_PHY_QCAPS_RESP_FLAGS2_SPEEDS2_SUPPORTED},
+     [({"enables": bnxt.PORT_PHY_CFG_REQ_ENABLES_FORCE_LINK_SPEEDS2,
+        "force_link_speeds2": bnxt.PORT_PHY_CFG_REQ_FORCE_LINK_SPEEDS2_200GB_PAM4_56}, 200_000),
+      ({"enables": bnxt.PORT_PHY_CFG_REQ_ENABLES_FORCE_LINK_SPEEDS2,
+        "force_link_speeds2": bnxt.PORT_PHY_CFG_REQ_FORCE_LINK_SPEEDS2_400GB_PAM4_112}, 400_000)],
+     [{"enables": bnxt.PORT_PHY_CFG_REQ_ENABLES_FORCE_PAM4_LINK_SPEED,
+       "force_pam4_link_speed": bnxt.PORT_PHY_CFG_REQ_FORCE_PAM4_LINK_SPEED_200GB},  # Thor's field
+      {"enables": bnxt.PORT_PHY_CFG_REQ_ENABLES_FORCE_LINK_SPEEDS2,
+       "force_link_speeds2": bnxt.PORT_PHY_CFG_REQ_FORCE_LINK_SPEEDS2_800GB_PAM4_112},  # a speed it lacks
+      {"force_link_speeds2": bnxt.PORT_PHY_CFG_REQ_FORCE_LINK_SPEEDS2_200GB_PAM4_56}]),  # without its enable
+    ("thor", {"flags2": 0},
+     [({"enables": bnxt.PORT_PHY_CFG_REQ_ENABLES_FORCE_PAM4_LINK_SPEED,
+        "force_pam4_link_speed": bnxt.PORT_PHY_CFG_REQ_FORCE_PAM4_LINK_SPEED_200GB}, 200_000),
+      ({"force_link_speed": bnxt.PORT_PHY_CFG_REQ_FORCE_LINK_SPEED_100GB}, 100_000)],  # NRZ: no enable bit
+     [{"enables": bnxt.PORT_PHY_CFG_REQ_ENABLES_FORCE_LINK_SPEEDS2,
+       "force_link_speeds2": bnxt.PORT_PHY_CFG_REQ_FORCE_LINK_SPEEDS2_100GB},  # Thor2's field
+      {"force_link_speed": bnxt.PORT_PHY_CFG_REQ_FORCE_LINK_SPEED_50GB}]),  # an NRZ speed it lacks
+])
+def test_each_phy_takes_its_own_generations_speeds(profile, qcaps, good, bad):
+    """Thor2's PHY takes the SPEEDS2 fields (PORT_PHY_QCAPS flags2 SPEEDS2_SUPPORTED, bnxt_hwrm_set_link_common),
+    Thor's the NRZ and PAM4 ones; a forced speed comes up at that speed."""
+    host = Driver(profile=PROFILES[profile])
+    registered(host)
+    host.hwrm("func_drv_if_change", flags=IF_UP)
+    assert host.hwrm("port_phy_qcaps", port_id=0).flags2 == qcaps["flags2"]
+    force = bnxt.PORT_PHY_CFG_REQ_FLAGS_FORCE | bnxt.PORT_PHY_CFG_REQ_FLAGS_RESET_PHY
+    for fields, mbps in good:
+        host.hwrm("port_phy_cfg", port_id=0, flags=force, **fields)
+        host.fw.phy.tick(0.0)
+        host.fw.phy.tick(1.0)
+        answer = host.hwrm("port_phy_qcfg", port_id=0)
+        assert LINK_SPEED_MBPS[answer.link_speed] == mbps and answer.auto_mode == 0
+    for fields in bad:
+        host.hwrm("port_phy_cfg", expect=INVALID_PARAMS, port_id=0, flags=force, **fields)
+    host.hwrm("port_phy_cfg", expect=INVALID_PARAMS, **{**AUTONEG, "flags": AUTONEG["flags"] | force})
+    assert "FORCE and RESTART_AUTONEG" in host.fw.last_error
+    host.hwrm("port_phy_cfg", **AUTONEG)  # back to autoneg over every speed: the fastest wins
+    host.fw.phy.tick(0.0)
+    host.fw.phy.tick(1.0)
+    assert LINK_SPEED_MBPS[host.hwrm("port_phy_qcfg", port_id=0).link_speed] == (400_000 if profile == "thor2"
+                                                                                 else 200_000)
