@@ -139,7 +139,7 @@ class PortLink:
                 if not self.link.up:
                     await self.query()
             return self.link
-        raise LinkDownError(f"{self.address}: the link is still down after {timeout:g} s ({self.phy_state}): check "
+        raise LinkDownError(f"{self.address}: the link is still down after {timeout:.3g} s ({self.phy_state}): check "
                             "the cable, the transceiver and the switch port")
 
 

@@ -1,5 +1,6 @@
-"""What bench's and lat's runs do alike around their loops: open the local NICs, fit the path MTU to their ports,
-turn a port back on itself, and, after a failure, find what stopped and release what is left within a bound."""
+"""What bench's and lat's runs do alike around their loops: open the local NICs and wait for their links, fit the path
+MTU to their ports, turn a port back on itself, and, after a failure, find what stopped (or whose link is down) and
+release what is left within a bound."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,8 @@ if sys.version_info < (3, 11):
 from .options import PerftestOptions
 from ..autogen import bnxt
 from ..driver.close_budget import CLOSE_TIMEOUT
-from ..errors import FabricError
+from ..driver.link import LINK_UP_TIMEOUT
+from ..errors import FabricError, LinkDownError
 from ..hw.verbs import ROCE_OVERHEAD, path_mtu_for_port
 from ..verbs import NIC
 from ..verbs import PROBE_SECONDS as FIRMWARE_PROBE_SECONDS
@@ -38,9 +40,10 @@ class NICStoppedError(FabricError):
 
 @contextlib.asynccontextmanager
 async def open_nics(options: PerftestOptions, count: int) -> AsyncIterator[list[NIC]]:
-    """`count` local NICs as `options` say (emulated: NIC i's faults seeded --seed + i, its capture FILE.i). After a
-    failure (or a cancellation) they are closed at once, together: one that stopped answering with no budget
-    (`settle`), the others each within its own, so the whole close takes one budget, not one per NIC."""
+    """`count` local NICs as `options` say (emulated: NIC i's faults seeded --seed + i, its capture FILE.i), each with
+    its link up (`wait_for_links`). After a failure (or a cancellation) they are closed at once, together: one that
+    stopped answering with no budget (`settle`), the others each within its own, so the whole close takes one budget,
+    not one per NIC."""
     nics: list[NIC] = []
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_exit(functools.partial(_close_after_failure, nics))
@@ -60,7 +63,17 @@ async def open_nics(options: PerftestOptions, count: int) -> AsyncIterator[list[
         for nic in nics:
             if options.events:  # perftest's -e: no polling before sleeping on the interrupt
                 nic.poller.spin = 0.0
+        await wait_for_links(nics)
         yield nics
+
+
+async def wait_for_links(nics: list[NIC], timeout: float = LINK_UP_TIMEOUT) -> None:
+    """Every NIC's link up, within `timeout` seconds for them all: the open brings a link up without waiting for it
+    (a real one trains for a second or more), and a run's first packets would be lost. LinkDownError naming the first
+    NIC whose link stays down and what its PHY reports (perftest refuses a port that is not ACTIVE likewise)."""
+    deadline = anyio.current_time() + timeout
+    for nic in nics:
+        await nic.wait_for_link(max(0.0, deadline - anyio.current_time()))
 
 
 async def _close_after_failure(nics: list[NIC], kind: Any, error: Any, traceback: Any) -> bool:
@@ -99,17 +112,23 @@ async def after_failure(error: BaseException, nics: Iterable[NIC], peer: Any = N
                         ) -> BaseException | None:
     """What stopped, once a run failed with `error` (shielded, a second or so): the local NICs that stopped
     answering (`settle` closes them at once, so the clean-up spends nothing on them) and, with a peer, the peer's
-    NIC as its endpoint reports it (op nic_status). A `NICStoppedError` naming them, `error` after them; None when
-    every NIC answers or the run was cancelled (the cancellation stays the outcome)."""
+    NIC as its endpoint reports it (op nic_status). A `NICStoppedError` naming them, `error` after them; else a
+    `LinkDownError` naming the local NICs whose link is down (their packets went nowhere); None when every NIC
+    answers with its link up, or the run was cancelled (the cancellation stays the outcome)."""
+    nics = list(nics)
     stopped = [f"{address} stopped: {why}" for address, why in (await settle(nics)).items()]
+    down = [f"{nic.pci.address}'s link is down ({nic.device.port_link.phy_state})" for nic in nics
+            if nic.alive and not nic.device.link.up]
     cancelled = isinstance(first_error(error), anyio.get_cancelled_exc_class())
     if peer is not None and remote_nic is not None and not cancelled and getattr(peer, "failure", None) is None:
         with anyio.CancelScope(shield=True):
             status = await remote_nic_status(peer, remote_nic)
         if status is not None and status.get("stopped"):
             stopped.append(f"the server's NIC {status.get('nic', '?')} at {peer.host} stopped: {status['stopped']}")
-    if cancelled or not stopped:
+    if cancelled or not (stopped or down):
         return None
+    if not stopped:
+        return LinkDownError(f"{'; '.join(down)}; what the run saw: {error_text(first_error(error))}")
     return NICStoppedError(f"{'; '.join(stopped)}; what the run saw: {error_text(first_error(error))}")
 
 

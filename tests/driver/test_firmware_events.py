@@ -19,6 +19,7 @@ from aiofabric.sim.port import Port, frame_size
 from aiofabric.sim.profiles import PROFILES
 from aiofabric.tools.bench_config import BenchConfig
 from aiofabric.tools.perftest import run_bench
+from aiofabric.tools.runs import wait_for_links
 from tests.support.firmware import NQ, Driver
 from tests.support.nics import connected_pair, connected_qps, count_wakeups
 
@@ -332,3 +333,22 @@ async def test_path_mtu_4096_on_a_1500_byte_port_is_lost_until_retries_run_out()
         with anyio.fail_after(10), pytest.raises(CompletionError, match="TRANSPORT_RETRY_CNT_ERR"):
             await qa.write(source, target, 8192)
         assert (await a.pci.debug_client().stats())["dropped_oversize"] > 0
+
+
+async def test_bench_waits_for_the_links_and_a_run_over_a_dead_link_names_it():
+    """The open does not wait for the link; a run does (runs.wait_for_links, in open_nics), so its first packets are
+    not lost; a run whose packets went nowhere says which NIC's link is down, not only what the QP saw."""
+    async with open_nic("sim:slow-link-a", link_delay_ms=300) as a, open_nic("sim:slow-link-b", link_delay_ms=300) as b:
+        assert not b.device.link.up  # still training (a's may be up: b took a while to open)
+        started = time.monotonic()
+        await wait_for_links([a, b])
+        assert a.device.link.up and b.device.link.up and time.monotonic() - started < 5
+        result = await run_bench(BenchConfig(size=4096, iters=64), [a, b])
+        assert result["verified"] and result["retransmits"] == 0
+        b.pci.debug({"op": "event", "event": {"kind": "link_down"}})
+        await wait_for(lambda: not b.device.link.up)
+        with pytest.raises(LinkDownError, match=r"sim:slow-link-b: the link is still down after 0.2 s"):
+            await wait_for_links([a, b], 0.2)
+        with pytest.raises(LinkDownError, match=r"sim:slow-link-b's link is down \(PORT_PHY_QCFG link NO_LINK, "
+                                                r"link_down_reason CABLE_REMOVED\); what the run saw: CompletionError"):
+            await run_bench(BenchConfig(size=4096, iters=8), [a, b])
