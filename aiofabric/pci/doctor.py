@@ -1,17 +1,20 @@
 """`aiofabric doctor`: every pre-flight check of one PCI function, or of every supported function on the bus, with
-the lock and, when nobody holds the function, whether its last holder left it running; as a `Report` printed as text
-or JSON.
+the lock, whether its last holder left it running when nobody holds it, and its link where bnxt_en shows it; as a
+`Report` printed as text or JSON.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import textwrap
 from typing import Any
 
 from .device_lock import check_lock
 from .preflight import (IDENTITY, SUPPORTED_CHIPS, SUPPORTED_NAMES, Access, Finding, Host, Target, bus_functions,
-                        check_function, check_quiesced)
+                        check_function, check_quiesced, read_number, read_text)
 from ..hw.pci import BROADCOM_VENDOR_ID
+
+IFF_UP = 0x1  # a netdev's flags: administratively up (include/uapi/linux/if.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +51,45 @@ def drivable(findings: list[Finding]) -> bool:
 
 
 def diagnose(address: str, host: Host, access: Access) -> list[Finding]:
-    """Every check of one function, the lock and, when nobody holds it, whether the last holder left it running."""
+    """Every check of one function, the lock and, when nobody holds it, whether the last holder left it running;
+    then its link, when bnxt_en shows it (`check_link`)."""
     findings = check_function(address, host, access)
     if len(findings) <= len(IDENTITY):  # check_function stopped at a failed identity check
         return findings
+    target = Target.of(address, host, access)
     lock = check_lock(address, host)
-    return findings + [lock] + ([check_quiesced(Target.of(address, host, access))] if lock.ok else [])
+    link = check_link(target)
+    return findings + [lock] + ([check_quiesced(target)] if lock.ok else []) + ([link] if link else [])
+
+
+def check_link(t: Target) -> Finding | None:
+    """The link as bnxt_en sees it while it holds the function: its netdev's flags, operstate and carrier in sysfs.
+    None when no netdev shows it (bound to vfio-pci, or to nothing): then only the firmware knows, and `aiofabric
+    info` reports it once the driver has opened the function. A warning, never a refusal: the driver brings the link
+    up itself (driver/link.py), but not one that no partner answers."""
+    net = os.path.join(t.dir, "net")
+    try:
+        name = sorted(os.listdir(net))[0]
+    except (OSError, IndexError):
+        return None
+
+    def read(item: str) -> str | None:
+        return read_text(os.path.join(net, name, item))
+    interface = f"{name} (bnxt_en)"
+    if not (read_number(read("flags"), 16) or 0) & IFF_UP:
+        return Finding("link", True, f"{interface} is administratively down: the link is as the firmware keeps it, "
+                                     "unknown here; the driver's open brings it up", blocking=False, address=t.address)
+    operstate, speed = read("operstate") or "unknown", read_number(read("speed"))
+    if read("carrier") == "1":
+        at = f" at {speed} Mb/s" if speed and speed > 0 else ""
+        return Finding("link", True, f"{interface} is up with its link up{at} (operstate {operstate}): unbinding "
+                                     "bnxt_en forces the link down (bnxt_close), and the driver's open brings it back "
+                                     "up (FUNC_DRV_IF_CHANGE, PORT_PHY_CFG), in the time a link takes to train",
+                       blocking=False, address=t.address)
+    return Finding("link", False, f"{interface} is up but its link is down (operstate {operstate}, no carrier): no "
+                                  "link partner answers, and the driver cannot bring up a link bnxt_en cannot",
+                   f"ethtool {name}  # what the PHY sees; check the cable, the transceiver and the switch port",
+                   blocking=False, address=t.address)
 
 
 def _why_not(address: str, access: Access, findings: list[Finding]) -> str:

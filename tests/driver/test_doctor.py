@@ -186,6 +186,40 @@ def test_each_check_fails_with_its_fix(host, device, name, breaks, access, says,
     assert f"fix: {finding.fix}" in report.format()
 
 
+def netdev(device: Path, flags: str, operstate: str, carrier: str | None = None, speed: str | None = None) -> None:
+    """bnxt_en's netdev of the function, as sysfs shows it (carrier and speed are unreadable while it is down)."""
+    bind(device, "bnxt_en")
+    for name, value in {"flags": flags, "operstate": operstate, "carrier": carrier, "speed": speed}.items():
+        if value is not None:
+            write(device / "net" / "enp65s0f0np0" / name, f"{value}\n")
+
+
+@pytest.mark.parametrize("flags, operstate, carrier, speed, ok, says", [
+    ("0x1003", "up", "1", "400000", True, r"enp65s0f0np0 \(bnxt_en\) is up with its link up at 400000 Mb/s "
+                                          r"\(operstate up\): unbinding bnxt_en forces the link down "
+                                          r"\(bnxt_close\), and the driver's open brings it back up "
+                                          r"\(FUNC_DRV_IF_CHANGE, PORT_PHY_CFG\)"),
+    ("0x1003", "down", "0", "-1", False, r"enp65s0f0np0 \(bnxt_en\) is up but its link is down \(operstate down, no "
+                                         r"carrier\): no link partner answers"),
+    ("0x1002", "down", None, None, True, r"enp65s0f0np0 \(bnxt_en\) is administratively down: the link is as the "
+                                         r"firmware keeps it"),
+], ids=["up", "no-carrier", "admin-down"])
+def test_doctor_reports_the_link_bnxt_en_sees(host, device, flags, operstate, carrier, speed, ok, says):
+    """Unbinding bnxt_en with its interface up forces the link down (bnxt_close): doctor says what the link is while
+    bnxt_en shows it, that the driver brings it back, and warns (never refuses) of one no partner answers."""
+    netdev(device, flags, operstate, carrier, speed)
+    report = doctor(ADDR, host, "vfio")
+    link = {f.name: f for f in report.findings}["link"]
+    assert (link.ok, link.blocking, link.status, link.address) == (ok, False, "ok" if ok else "WARN", ADDR)
+    assert re.search(says, link.detail), link.detail
+    assert link.fix == ("" if ok else "ethtool enp65s0f0np0  # what the PHY sees; check the cable, the transceiver "
+                                      "and the switch port")
+    assert not {f.name: f for f in report.findings}["driver"].ok  # bound to bnxt_en: that is what blocks
+    last = report.as_dict()["findings"][-1]
+    assert (last["name"], last["ok"], last["status"]) == ("link", ok, link.status)
+    assert ("fix: ethtool" in report.format()) is not ok
+
+
 @pytest.mark.parametrize("access, kind, ok", [("sysfs", "identity", True), ("sysfs", "DMA", False),
                                               ("vfio", "identity", True), ("vfio", "DMA-FQ", True)])
 def test_the_iommu_mode_each_access_needs(host, device, access, kind, ok):
