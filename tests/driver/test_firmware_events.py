@@ -1,6 +1,7 @@
 """Firmware events (README: firmware events, link and MTU): the async event ring and its reader, link changes as
 DeviceEvents, reset notices and fatal errors as a lost device at once, the port's link and MTU, and the engines
 clamping the path MTU to the port's. The reader's tests run on every backend: it sleeps on an interrupt."""
+import re
 import time
 
 import anyio
@@ -9,7 +10,7 @@ import pytest
 from aiofabric import open_nic
 from aiofabric.autogen import bnxt
 from aiofabric.driver import firmware_events
-from aiofabric.driver.link import IF_CHANGE_RETRY_INTERVAL, IF_CHANGE_TRIES, phy_settings
+from aiofabric.driver.link import IF_CHANGE_RETRY_INTERVAL, IF_CHANGE_TRIES, PortLink, phy_settings
 from aiofabric.errors import CompletionError, DeviceLostError, FirmwareError, LinkDownError
 from aiofabric.hw.firmware import LINK_SPEED_MBPS
 from aiofabric.hw.async_event import (ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, EventId, ResetReason,
@@ -198,6 +199,39 @@ async def test_interface_up_retries_a_busy_firmware_as_linux_does():
         with pytest.raises(FirmwareError, match="FAIL"):  # any other error at once
             await link.interface_up()
         assert time.monotonic() - started < IF_CHANGE_RETRY_INTERVAL
+
+
+class IfChangeAnswers:
+    """An HWRM channel whose every answer is a FUNC_DRV_IF_CHANGE with `flags` (the emulator never reports them)."""
+
+    def __init__(self, flags):
+        self.flags, self.sent = flags, []
+
+    async def command(self, name, **fields):
+        self.sent.append((name, fields))
+        return bnxt.hwrm_func_drv_if_change_output(flags=self.flags)
+
+
+@pytest.mark.parametrize("flags, names", [
+    (bnxt.FUNC_DRV_IF_CHANGE_RESP_FLAGS_RESC_CHANGE, "RESC_CHANGE"),
+    (bnxt.FUNC_DRV_IF_CHANGE_RESP_FLAGS_HOT_FW_RESET_DONE | bnxt.FUNC_DRV_IF_CHANGE_RESP_FLAGS_CAPS_CHANGE,
+     "HOT_FW_RESET_DONE|CAPS_CHANGE")])
+async def test_an_if_change_answer_saying_the_firmware_changed_stops_the_boot_naming_it(flags, names):
+    """Linux queries and reserves again (RESC_CHANGE) or starts over (HOT_FW_RESET_DONE, CAPS_CHANGE); this boot
+    stops naming the flags, and its close still says DOWN. Without IF_CHANGE_SUPPORTED nothing is sent."""
+    channel = IfChangeAnswers(flags)
+    link = PortLink(channel, "0000:41:00.0")
+    link.registered(0, 0)
+    await link.interface_up()
+    await link.interface_down()
+    assert channel.sent == []
+    link.registered(bnxt.FUNC_DRV_RGTR_RESP_FLAGS_IF_CHANGE_SUPPORTED, 0)
+    with pytest.raises(FirmwareError, match=rf"HWRM func_drv_if_change failed: {re.escape(names)} \(0x0\): "
+                                            r"0000:41:00.0: .*open the NIC again"):
+        await link.interface_up()
+    await link.interface_down()
+    up = bnxt.FUNC_DRV_IF_CHANGE_REQ_FLAGS_UP
+    assert channel.sent == [("func_drv_if_change", {"flags": up}), ("func_drv_if_change", {"flags": 0})]
 
 
 async def test_waiting_for_a_link_that_stays_down_says_what_the_phy_reports():
