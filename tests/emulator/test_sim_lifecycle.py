@@ -199,10 +199,11 @@ def _open_fds() -> set[str]:
     ({"corrupt": 1.0}, ValueError, "corrupt=1.0: a fault probability must be a number in [0, 1)"),
     ({"lossy": 0.5}, ValueError, "unknown emulated-NIC option lossy; valid options: " + ", ".join(OPTIONS)),
     ({"fw_latency_us": -1}, ValueError, "fw_latency_us=-1: must be a number >= 0"),
+    ({"link_delay_ms": float("inf")}, ValueError, "link_delay_ms=inf: must be a number >= 0, at most 60000"),
     ({"seed": "7"}, ValueError, "seed='7': must be an int"),
     ({"netns": f"aiofab-none{os.getpid()}"}, PCIError, "no network namespace"),
-], ids=["pcap", "unbindable-ip", "bad-ip", "transport", "loss", "corrupt", "unknown-option", "latency", "seed",
-        "netns"])
+], ids=["pcap", "unbindable-ip", "bad-ip", "transport", "loss", "corrupt", "unknown-option", "latency", "link-delay",
+        "seed", "netns"])
 def test_start_up_errors_name_the_reason_and_leave_nothing_behind(options, error, message):
     fds_before, children_before = _open_fds(), _children()
     with pytest.raises(error) as raised:
