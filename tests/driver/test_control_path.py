@@ -57,6 +57,7 @@ async def test_hwrm_bad_input_gets_clear_errors():
 
 async def test_hwrm_timeout_then_channel_recovers():
     async with open_nic("sim:stall", hwrm_timeout=0.3) as nic:
+        await nic.wait_for_link()  # first: its event's PORT_PHY_QCFG would meet what follows
         nic.pci.debug({"op": "stall", "channel": "hwrm"})
         started = time.monotonic()
         with pytest.raises(FirmwareTimeoutError, match="HWRM func_qcfg: no answer"):
@@ -72,6 +73,7 @@ async def test_hwrm_answers_are_polled_the_firmware_raises_no_interrupt_for_them
     interrupt: the driver polls the answer, as Linux's __hwrm_send does. One that waited for an interrupt would see
     each answer only at its next safety poll (50 ms)."""
     async with open_nic("sim:hwrm-poll") as nic:
+        await nic.wait_for_link()  # first: its event's PORT_PHY_QCFG would meet what follows
         before = nic.pci.debug({"op": "stats"})["stats"]
         started = time.perf_counter()
         for _ in range(20):
@@ -182,6 +184,7 @@ async def test_memory_regions_with_every_page_table_level():
 @pytest.mark.loop_agnostic
 async def test_error_notifications_are_routed_not_mistaken_for_replies():
     async with open_nic("sim:events") as nic:
+        await nic.wait_for_link()  # first: its event's PORT_PHY_QCFG would meet what follows
         cq = await nic.create_cq(depth=64)
         qp = await nic.create_qp(cq)
         nic.pci.debug({"op": "latency", "us": 20000})

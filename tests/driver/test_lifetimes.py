@@ -198,6 +198,7 @@ async def test_close_spends_at_most_its_budget_on_a_firmware_that_stopped_answer
 
 async def test_close_bounds_a_wait_for_the_hwrm_channel_and_commands_started_before_it():
     async with open_nic(hwrm_timeout=8) as nic:
+        await nic.wait_for_link()  # first: its event's PORT_PHY_QCFG would meet what follows
         nic.pci.debug({"op": "stall", "channel": "hwrm", "count": 100})
         async with anyio.create_task_group() as tasks:
             async def stalled_user_command():
