@@ -70,8 +70,10 @@ class ScapyPeer:
 
 @contextlib.asynccontextmanager
 async def nic_facing_the_peer(name: str, ip: str, psn: int):
-    """An emulated NIC on the raw transport with one RC QP connected to the scapy peer."""
+    """An emulated NIC on the raw transport with one RC QP connected to the scapy peer, its link up (the peer sends
+    each packet once)."""
     async with open_nic(f"sim:{name}", ip=ip, transport="raw") as nic:
+        await nic.wait_for_link()
         qp = await nic.create_qp(await nic.create_cq(64))
         await qp.connect(QPInfo(PEER_QPN, ipv4_gid(PEER_IP), PEER_MAC, psn))
         yield nic, qp
