@@ -303,6 +303,10 @@ async def cleanup(nic: aiofabric.NIC, pools: Pools) -> list[str]:
     failures += [f"ring {r:#x} would not go" for r in rings]
     await attempt("stat_ctx", "stat_ctx_free", lambda x: {"stat_ctx_id": x}, nic.hwrm)
     await nic.set_loopback(bnxt.PORT_PHY_CFG_REQ_LPBK_NONE)  # PORT_PHY_CFG may have turned PHY loopback on
+    link = nic.device.port_link  # and may have forced the link down (FUNC_DRV_IF_CHANGE, its interface down):
+    await link.interface_up()  # brought up again as the boot does
+    await link.update_phy_setting(single_pf=True)
+    await nic.wait_for_link()
     return failures
 
 
