@@ -34,6 +34,7 @@ def test_info_json():
     assert code == 0 and result["ok"] is True
     assert result["fw_version"] and result["mac"].count(":") == 5 and result["gid"].startswith("0000:")
     assert isinstance(result["port"], int)
+    assert (result["link"], result["link_speed_mbps"]) == ("up", 400000)  # info waits while the link trains
 
 
 def test_info_human_output():

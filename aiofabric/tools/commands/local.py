@@ -3,6 +3,7 @@ driver takes it), `plot` (saved bench results)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from .. import plot
@@ -10,6 +11,7 @@ from ..arguments import Subcommands, ipv4, pci_address, sized
 from ..bench_config import MAX_SIZE
 from ..introspect import count_text
 from ..perftest import run_loopback
+from ...errors import LinkDownError
 from ...pci import preflight
 from ...pci.doctor import doctor as doctor_report
 from ...verbs import open_nic
@@ -61,6 +63,8 @@ def add_doctor(sub: Subcommands) -> None:
 
 async def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
     async with open_nic(args.nic, ip=args.ip) as nic:
+        with contextlib.suppress(LinkDownError):  # then reported down: info says what is, a link down included
+            await nic.wait_for_link()  # the open brings the link up without waiting for it to train
         info = nic.info()
     if not args.json:
         for key in ("nic", "fw_version", "hwrm_version", "mac", "port", "ip", "gid", "gid_index", "hw_retransmit",
