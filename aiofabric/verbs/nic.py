@@ -223,12 +223,14 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
     Extra `options` configure an emulated NIC (every one is in aiofabric/sim/options.py; docs/emulator.md says what
     each does): `mac`, `fw_latency_us`, `transport` ("udp" or "raw"), `loss`, `dup`, `reorder`, `corrupt`, `seed`
     (wire faults), `pcap` (a file to write every packet to) and `pcap_max_bytes`, `port_mtu`, `profile` (the chip
-    and firmware it plays), `netns` (a network namespace to run in) and `process` (a name: NICs opened with the same
-    one share an emulator process). `dma_budget` caps the DMA memory (rings, registered memory, the NIC's own) this NIC
-    and any others sharing the budget may hold: past it, what would allocate raises MemoryError.
+    and firmware it plays), `link_delay_ms` (how long its link trains), `netns` (a network namespace to run in) and
+    `process` (a name: NICs opened with the same one share an emulator process). `dma_budget` caps the DMA memory
+    (rings, registered memory, the NIC's own) this NIC and any others sharing the budget may hold: past it, what
+    would allocate raises MemoryError.
 
-    An exception raised in the block leaves it as itself. The close runs even when the block is cancelled from
-    outside, shielded and bounded (CLOSE_TIMEOUT); whatever it could not free goes with the emulator process.
+    The open brings the port's link up but does not wait for it (`NIC.wait_for_link` does). An exception raised in
+    the block leaves it as itself. The close runs even when the block is cancelled from outside, shielded and
+    bounded (CLOSE_TIMEOUT); whatever it could not free goes with the emulator process.
     """
     if spec.startswith("sim"):
         options["ip"] = ip  # None: the emulator binds a free 127.0.0.x itself (race-free across processes)
