@@ -389,7 +389,8 @@ class Firmware(FunctionState):
 
     # -- asynchronous events (Linux bnxt.c: bnxt_hwrm_func_drv_rgtr, bnxt_async_event_process) ----------------------
     def post_event(self, kind: str, **fields: int) -> None:
-        """Report an asynchronous event. The port's and the firmware's (`PORT_EVENTS`) go to the async event ring:
+        """Report an asynchronous event. The port's and the firmware's (`PORT_EVENTS`) go where async events go
+        (`_async_event_ring`):
         "link_down" / "link_up" change the link (the port then drops or carries packets) and LINK_STATUS_CHANGE
         says so; "mtu" (field `mtu`) changes the port's MTU and LINK_MTU_CHANGE says so; "reset_notify" is
         RESET_NOTIFY for a management reset, "fatal" RESET_NOTIFY for a fatal firmware exception. The RoCE ones go to
