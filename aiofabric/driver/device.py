@@ -4,7 +4,8 @@ and a close's time budget (`CloseBudget`); verbs objects attach to it through `D
 
 Bring-up follows Linux's bnxt_en and bnxt_re: the driver configures the backing store (backing_store.py) and asks
 what it may reserve (FUNC_RESOURCE_QCAPS) before it registers with an OS type, reserves what it will allocate with
-FUNC_CFG before the first ring (resources.py), names its event ring to the firmware and sizes every ring explicitly. Each chip and firmware feature is used only where Linux finds it:
+FUNC_CFG before the first ring (resources.py), names its event ring to the firmware and sizes every ring explicitly.
+Each chip and firmware feature is used only where Linux finds it:
 Thor and Thor2 chips only (VER_GET chip_num), variable-size WQEs on Thor2 only, short HWRM commands when VER_GET
 requires them, backing store v2 when FUNC_QCAPS offers it (v1 is refused), hardware retransmission when QUERY_FUNC's
 dev_cap_flags offer it, and the MSN or PSN search table its dev_cap_ext_flags_2 name (hw/firmware.py).
@@ -168,9 +169,9 @@ class Device:
 
     # -- events --------------------------------------------------------------------------------------------------------
     async def _on_firmware_event(self, event_id: int, data1: int, data2: int) -> None:
-        """An event from the event ring (firmware_events.py). Link and MTU changes are read again from the firmware,
-        as bnxt_en does; a reset notice or a fatal firmware error loses the device at once: the firmware resets it
-        and everything must be set up again."""
+        """An event from the event ring or the CREQ (firmware_events.py). Link and MTU changes are read again from
+        the firmware, as bnxt_en does; a reset notice or a fatal firmware error loses the device at once: the firmware
+        resets it and everything must be set up again."""
         kind = event_kind(event_id, data1)
         detail = {"data1": data1, "data2": data2}
         self._reset_notice(kind, data1)

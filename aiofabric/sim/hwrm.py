@@ -65,11 +65,10 @@ class _Command:
 class Firmware(FunctionState):
     """The function's firmware: its shared state (function.py) and the HWRM commands; `rcfw` is its RoCE channel."""
 
-    COMMANDS = ("ver_get", "func_reset", "func_qcaps", "func_qcfg", "func_cfg", "func_resource_qcaps", "func_drv_rgtr",
-                "func_drv_unrgtr",
+    COMMANDS = ("ver_get", "func_reset", "func_qcaps", "func_qcfg", "func_drv_rgtr", "func_drv_unrgtr",
                 "func_backing_store_qcaps_v2", "func_backing_store_cfg_v2", "stat_ctx_alloc", "stat_ctx_free",
                 "ring_alloc", "ring_free", "vnic_alloc", "vnic_cfg", "vnic_free", "cfa_l2_filter_alloc",
-                "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg")
+                "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg", "func_resource_qcaps", "func_cfg")
 
     def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
         super().__init__(mem, config)

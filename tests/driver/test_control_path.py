@@ -69,10 +69,10 @@ async def test_boot_reserves_what_it_allocates_before_the_first_ring_and_no_ring
         stats = nic.pci.debug({"op": "stats"})["stats"]
         assert bool(stats.get("short_commands")) == PROFILES[profile].short_commands  # thor2: FUNC_CFG cut, in BAR0
         ring = Ring(nic.pci, 64, 16)
+        on_nq = dict(enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID, nq_ring_id=nic.device.nq_id)
         try:
             for kind, fields in ((bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, {}),
-                                 (bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, dict(
-                                     enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID, nq_ring_id=nic.device.nq_id))):
+                                 (bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, on_nq)):
                 with pytest.raises(FirmwareError, match="RESOURCE_ALLOC_ERROR"):
                     await nic.hwrm("ring_alloc", ring_type=kind, page_tbl_addr=ring.base, length=64, **fields)
             with pytest.raises(FirmwareError, match="RESOURCE_ALLOC_ERROR"):
