@@ -33,7 +33,7 @@ from ..hw.async_event import ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, E
 from ..hw.cqe import CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, creq_type
 from ..pci import Bar
 
-EVENT_VECTOR = 3  # RING_ALLOC's logical_id for the event ring (interrupts.py has the others)
+EVENT_VECTOR = 2  # RING_ALLOC's logical_id for the event ring (interrupts.py has the others)
 EVENT_RING_DEPTH = 64
 LINK_EVENTS = frozenset({EventId.LINK_STATUS_CHANGE, EventId.LINK_SPEED_CHANGE, EventId.PORT_PHY_CFG_CHANGE})
 

@@ -296,6 +296,9 @@ class Firmware(FunctionState):
         resource = RING_RESOURCE[kind]
         self.reservation.check(resource, sum(RING_RESOURCE[ring.ring_type] == resource for ring in self.rings.values()),
                                f"RING_ALLOC type {kind}")
+        if kind == NQ and request.logical_id >= self.reservation.granted["num_msix"]:  # Inferred (resources.py)
+            raise CommandError(INVALID_PARAMS, f"RING_ALLOC NQ logical_id {request.logical_id}: the vector is not "
+                               f"among the {self.reservation.granted['num_msix']} FUNC_CFG num_msix reserved")
         nq_ring_id = None
         if request.enables & bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID:
             nq_ring_id = request.nq_ring_id

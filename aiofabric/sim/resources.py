@@ -13,7 +13,8 @@ than FUNC_RESOURCE_QCAPS's maximum, fail with RESOURCE_ALLOC_ERROR (Linux maps i
 *_ASSETS_TEST flags make the firmware "return an error if the requested assets are not available"); a ring of type NQ
 counts against num_msix, L2_CMPL and ROCE_CMPL against num_cmpl_rings (pre-P5 Linux counts RoCE rings there), RX_AGG
 against num_rx_rings (Linux reserves twice the RX rings with aggregation rings); the minima are 0 (a PF is guaranteed
-nothing it did not reserve).
+nothing it did not reserve); an NQ's logical_id, which the HSI says picks its MSI-X vector, must be one of the
+num_msix reserved (Linux numbers its vectors 0..n-1 within its grant, bnxt_re's CREQ first), else INVALID_PARAMS.
 """
 from __future__ import annotations
 

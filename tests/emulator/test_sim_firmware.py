@@ -349,6 +349,14 @@ def test_each_allocation_counts_against_its_reservation_up_to_the_grant_and_not_
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
 
 
+def test_an_nqs_vector_is_one_of_the_msix_vectors_reserved():
+    host = Driver(reserve=False)
+    host.reserve(num_msix=2)
+    host.hwrm("ring_alloc", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, ring_type=NQ, length=16, logical_id=2)
+    assert "RING_ALLOC NQ logical_id 2: the vector is not among the 2 FUNC_CFG num_msix reserved" in host.fw.last_error
+    host.ring(NQ, 16, logical_id=1)
+
+
 def test_func_cfg_takes_each_count_with_its_enable_bit_and_refuses_past_the_resource_maxima():
     host = Driver(reserve=False)
     limits = host.hwrm("func_resource_qcaps", fid=0xFFFF)
