@@ -220,7 +220,8 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
     Extra `options` configure an emulated NIC (every one is in aiofabric/sim/options.py; docs/emulator.md says what
     each does): `mac`, `fw_latency_us`, `transport` ("udp" or "raw"), `loss`, `dup`, `reorder`, `corrupt`, `seed`
     (wire faults), `pcap` (a file to write every packet to) and `pcap_max_bytes`, `port_mtu`, `profile` (the chip
-    and firmware it plays), `netns` (a network namespace to run in) and `process` (a name: NICs opened with the same
+    and firmware it plays), `pcie_path` (the PCIe path to the root complex, which decides whether atomics work),
+    `netns` (a network namespace to run in) and `process` (a name: NICs opened with the same
     one share an emulator process). `dma_budget` caps the DMA memory (rings, registered memory, the NIC's own) this NIC
     and any others sharing the budget may hold: past it, what would allocate raises MemoryError.
 
