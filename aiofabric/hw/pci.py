@@ -23,7 +23,6 @@ PCI_EXP_DEVCAP2_ATOMIC_ROUTE = 0x40  # a switch port routes AtomicOps
 PCI_EXP_DEVCAP2_ATOMIC_COMP32, PCI_EXP_DEVCAP2_ATOMIC_COMP64 = 0x80, 0x100  # a completer of 32/64-bit AtomicOps
 PCI_EXP_DEVCTL2_ATOMIC_REQ = 0x40  # AtomicOp Requester Enable: the function may issue AtomicOps
 PCI_EXP_DEVCTL2_ATOMIC_EGRESS_BLOCK = 0x80  # an upstream port drops AtomicOps leaving it
-PCI_EXP_CAP_SIZE = 0x3C  # version 2 of the capability
 PCIE_TYPE_NAMES = {PCI_EXP_TYPE_ENDPOINT: "endpoint", PCI_EXP_TYPE_LEG_END: "legacy endpoint",
                    PCI_EXP_TYPE_ROOT_PORT: "root port", PCI_EXP_TYPE_UPSTREAM: "switch upstream port",
                    PCI_EXP_TYPE_DOWNSTREAM: "switch downstream port"}

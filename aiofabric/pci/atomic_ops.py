@@ -80,14 +80,14 @@ def check_path(function: ConfigSpace, path: UpstreamPath, cap_mask: int) -> Verd
     if path.virtfn:
         return Verdict(False, f"{name} is a virtual function: its AtomicOp Requester Enable is reserved (its "
                               "physical function's applies)")
-    own = _pcie(function)
-    if own is None:
-        return Verdict(False, f"{name} has no PCI Express capability")
-    capability, kind = own
-    if kind not in (PCI_EXP_TYPE_ENDPOINT, PCI_EXP_TYPE_LEG_END):
-        return Verdict(False, f"{name} is a {PCIE_TYPE_NAMES.get(kind, f'type {kind:#x} function')}, not an "
-                              "endpoint: only endpoints are AtomicOp requesters")
     try:
+        own = _pcie(function)
+        if own is None:
+            return Verdict(False, f"{name} has no PCI Express capability")
+        capability, kind = own
+        if kind not in (PCI_EXP_TYPE_ENDPOINT, PCI_EXP_TYPE_LEG_END):
+            return Verdict(False, f"{name} is a {PCIE_TYPE_NAMES.get(kind, f'type {kind:#x} function')}, not an "
+                                  "endpoint: only endpoints are AtomicOp requesters")
         ports = [(bridge, pcie) for bridge in path.bridges if (pcie := _pcie(bridge)) is not None]  # others: skipped
         kinds = [kind for _, (_, kind) in ports]
         if PCI_EXP_TYPE_ROOT_PORT not in kinds:
@@ -122,17 +122,15 @@ def check_path(function: ConfigSpace, path: UpstreamPath, cap_mask: int) -> Verd
     return Verdict(True, f"{name} reaches root port {port.address}{via}, which completes its PCIe AtomicOps")
 
 
-def enable_atomic_ops_to_root(function: Function, path: UpstreamPath, cap_masks: tuple[int, ...]) -> Verdict:
-    """`check_path` for each of `cap_masks` in turn (the first refusal is the verdict), then ATOMIC_REQ set in the
-    function's DEVCTL2. Linux sets it after each size passes, so a root port completing 32-bit AtomicOps but not
-    64-bit ones leaves it set (and bnxt_re then offers atomics, which are 64-bit); here it is set only once every
-    size passed."""
-    verdict = Verdict(False, "no AtomicOp size asked")
-    for cap_mask in cap_masks:
-        verdict = check_path(function, path, cap_mask)
-        if not verdict.ok:
-            return verdict
-    own = _pcie(function)
+def enable_atomic_ops_to_root(function: Function, path: UpstreamPath) -> Verdict:
+    """`check_path` for 32-bit, then 64-bit completion, as bnxt_qplib_determine_atomics asks (the first refusal is
+    the verdict), then ATOMIC_REQ set in the function's DEVCTL2. Linux sets it after each size passes, so a root port
+    completing 32-bit AtomicOps but not 64-bit ones leaves it set (and bnxt_re then offers atomics, which are
+    64-bit); here it is set only once both passed."""
+    verdict = check_path(function, path, PCI_EXP_DEVCAP2_ATOMIC_COMP32)
+    if verdict.ok:
+        verdict = check_path(function, path, PCI_EXP_DEVCAP2_ATOMIC_COMP64)
+    own = _pcie(function) if verdict.ok else None
     if own is not None:
         at = own[0] + PCI_EXP_DEVCTL2
         control = function.read_config(at, 2)
@@ -144,7 +142,7 @@ def enable_atomic_ops_to_root(function: Function, path: UpstreamPath, cap_masks:
 def determine_atomics(function: Function, path: UpstreamPath) -> AtomicOps:
     """bnxt_qplib_determine_atomics (32-bit, then 64-bit completion asked of the path), then
     bnxt_qplib_is_atomic_cap: what the function's DEVCTL2 says."""
-    verdict = enable_atomic_ops_to_root(function, path, tuple(COMPLETER_BITS))
+    verdict = enable_atomic_ops_to_root(function, path)
     if not verdict.ok:
         return AtomicOps(False, verdict.detail)
     own = _pcie(function)
