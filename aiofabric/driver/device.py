@@ -40,6 +40,7 @@ from ..hw.cqe import CREQ_ENTRY, NQ_ENTRY
 from ..hw.firmware import (LINK_SPEED_MBPS, RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, add_gid_fields, host_msn_table,
                            hw_retx_supported, short_commands_required)
 from ..pci import PAGE_SIZE, PCIDevice
+from ..pci.atomic_ops import AtomicOps, determine_atomics
 from ..version import __version__
 
 NQ_DEPTH = 4096
@@ -102,6 +103,7 @@ class Device:
         self.caps: dict[str, int] = {}
         self.chip_num = 0  # VER_GET's
         self.variable_wqes = self.hw_retransmit = self.host_msn_table = False  # what boot finds the device offers
+        self.atomic_ops = AtomicOps(False, f"{pci.address} has not booted")  # whether its PCIe path takes atomics
 
     # -- what verbs objects and the poller use ------------------------------------------------------------------------
     def interrupt_fd(self, vector: int) -> int | None:
@@ -267,6 +269,9 @@ class Device:
         qcfg = await self.hwrm("func_qcfg", fid=OWN_FID)
         self.db_offset = -(-qcfg.legacy_l2_db_size_kb * 1024 // PAGE_SIZE) * PAGE_SIZE
         await resources.reserve(self.pci.address, self.hwrm, RESERVATION, limits)  # Linux bnxt_set_dflt_rings
+        self.atomic_ops = determine_atomics(self.pci, self.pci.upstream_path())  # bnxt_re, before its RCFW channel
+        log.info("%s: atomics %s: %s", self.pci.address, "on" if self.atomic_ops.enabled else "off",
+                 self.atomic_ops.detail)
         await self._open_rcfw(task_group)
         await self._open_l2()
         await self._open_events(task_group)
