@@ -74,7 +74,7 @@ class SendWqe:
                  imm: int = 0, data: Buffer = EMPTY, first_psn: int = 0, npkts: int = 1,
                  status: int | None = None, reason: int = 0, slot: int = 0, atomic: int = 0, swap_add: int = 0,
                  compare: int = 0) -> None:
-        self.index = index  # free-running WQE count: sq_cons_idx of its CQE is index + 1; its message number
+        self.index = index  # free-running WQE count: its CQE names index + 1 (mod sq_size); its message number
         self.slot = slot  # the ring slot it starts at (an error CQE names it with variable WQEs)
         # read: a READ or an atomic, completed by its responses (not by ACKs) and holding an ORRQ entry
         self.ops, self.read, self.signaled, self.solicited, self.fence = ops, read, signaled, solicited, fence
