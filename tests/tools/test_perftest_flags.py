@@ -1,6 +1,7 @@
 """perftest's command line on `aiofabric bench` / `lat`: aliases, refused flags, defaults and meanings (#iterations
 of every QP, warm-up excluded), errors under the spelling typed, bounded sweeps, --output and --out_json."""
 import json
+import re
 import subprocess
 import sys
 
@@ -118,6 +119,20 @@ def test_limits_the_nic_sets_are_usage_errors_under_the_spelling_typed(capsys):
     assert "--inline-size 200: bytes of inline data exceed what" in usage(capsys, "bench", "write", "--inline-size",
                                                                          "200", "-n", "2")
     assert "-x 3: " in usage(capsys, "bench", "write", "-x", "3", "-n", "2")
+
+
+def test_lat_takes_perform_warm_up_and_the_nics_gid_index_and_refuses_duration_saying_why(capsys):
+    assert config_of("lat", "write", "--perform_warm_up") == config_of("lat", "write")  # lat always warms up
+    assert usage(capsys, "lat", "write", "-D", "2") == (
+        "usage: -D: not supported by aiofabric lat: lat runs -n iterations: both halves of its ping-pong, the "
+        "server's on another host too, are started with their count (bench runs for a duration)")
+    assert usage(capsys, "bench", "write", "--perform_warm_up") == (
+        "usage: --perform_warm_up: not supported by aiofabric bench: -n runs are measured whole (and verified "
+        "whole); with -D the first -f seconds are the warm-up")
+    process = bench("lat", "write", "-x", "0", "-n", "10", "--perform_warm_up")
+    assert process.returncode == 0 and " GID index       : 0" in process.stdout.splitlines(), process.stderr
+    error = usage(capsys, "lat", "write", "-x", "1", "-n", "10")
+    assert re.fullmatch(r"usage: -x 1: sim:\S+'s GID ::ffff:127\.0\.0\.\d+ is at index 0", error), error
 
 
 def test_device_names_resolve_through_sysfs(tmp_path, monkeypatch):
