@@ -17,8 +17,8 @@ seam). On a PCI NIC (with --peer) the bytes are still compared; the JSON says nu
 run, never in its hot loop.
 
 Here: the loop that keeps each QP's work requests in flight, its sampler and stall watch, and the result of a run
-(its BW peak and average by perftest's rules: peak.py). The run's options are bench_config.py's, its QP pairs bench_flows.py's, its checks bench_verify.py's, its table
-bench_report.py's.
+(its BW peak and average by perftest's rules: peak.py). The run's options are bench_config.py's, its QP pairs
+bench_flows.py's, its checks bench_verify.py's, its table bench_report.py's.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ RESULT_FMT = " #bytes     #iterations    BW peak[MiB/sec]    BW average[MiB/sec]
 RESULT_FMT_G = " #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]"
 REPORT_FMT = " %-7d    %-10d       %-7.2f            %-7.2f\t\t     %-7.6f"
 REPORT_FMT_EXT = " %-7d    %d           %-7.6f            %-7.6f            %-7.6f"  # Gb/sec below 0.1
-RESULT_FMT_LAT = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   "
-                  "99% percentile[usec]   99.9% percentile[usec] ")
+RESULT_FMT_LAT = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    "
+                  "t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ")
 REPORT_FMT_LAT = " %-7d %d          %-7.2f        %-7.2f      %-7.2f  \t       %-7.2f     \t%-7.2f\t\t%-7.2f \t\t%-7.2f"
 SAMPLES_TITLE = "#, %s"  # -H and -U: a title, then "%d, %g" per sample
 SLOW_BYTES = 4 << 30  # a run that moves more than this through emulated NICs takes minutes: the banner says so

@@ -410,7 +410,8 @@ def test_bench_server_and_client_on_one_host():
 
 
 @pytest.mark.parametrize("server_args,client_args,what", [
-    (["write", "-s", "4K", "-n", "20"], ["write", "-s", "8K", "-n", "20"], "the client runs size 8192, the server size 4096"),
+    (["write", "-s", "4K", "-n", "20"], ["write", "-s", "8K", "-n", "20"],
+     "the client runs size 8192, the server size 4096"),
     (["write", "-n", "20"], ["read", "-n", "20"], "the client runs test read, the server test write"),
     (["write", "-n", "20", "-q", "2", "-t", "8"], ["write", "-n", "20", "-t", "16"],
      "the client runs qps 1, depth 16, the server qps 2, depth 8"),

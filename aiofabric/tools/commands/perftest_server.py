@@ -89,7 +89,8 @@ async def serve(args: argparse.Namespace, config: BenchConfig | LatConfig,
     """perftest's server: wait for `aiofabric <command> ... SERVER_HOST` clients over TCP (one at a time; --forever:
     one after another), let each drive the server side through the command's exchange under this server's policy
     (its NIC, address, capture file and limits; `expect`: the parameters a client must match, lat's test, size and
-    MTU, bench's symmetric flags), and print each one's table. Without --forever, a client whose session failed makes the server fail too."""
+    MTU, bench's symmetric flags), and print each one's table. Without --forever, a client whose session failed
+    makes the server fail too."""
     from ...peer.policy import Limits, ServerPolicy
     from ...peer.tcp import DEFAULT_PORT, serve_tcp
     limits = Limits(nics=args.max_nics, memory=args.max_memory, in_flight=args.max_requests, line=args.max_line,
