@@ -237,7 +237,8 @@ class Device:
         self.mac = self.mac_address.hex(":")
         self.caps = {"max_rsscos_ctx": caps.max_rsscos_ctx, "max_cmpl_rings": caps.max_cmpl_rings,
                      "max_tx_rings": caps.max_tx_rings, "max_rx_rings": caps.max_rx_rings,
-                     "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext}
+                     "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext,
+                     "flags_ext2": caps.flags_ext2}
         await self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
                         | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD,
                         async_event_fwd=forwarding(EventId), os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
@@ -246,7 +247,8 @@ class Device:
         self.teardown.on_close("HWRM func_drv_unrgtr", lambda: self.hwrm_channel.command("func_drv_unrgtr"))
         qcfg = await self.hwrm("func_qcfg", fid=OWN_FID)
         self.db_offset = -(-qcfg.legacy_l2_db_size_kb * 1024 // PAGE_SIZE) * PAGE_SIZE
-        await backing_store.configure(self.pci, self.hwrm, self.caps["flags_ext"], self.teardown.on_quiesced)
+        await backing_store.configure(self.pci, self.hwrm, self.caps["flags_ext"], self.caps["flags_ext2"],
+                                      self.teardown.on_quiesced)
         await self._open_rcfw(task_group)
         await self._open_l2()
         await self._open_events(task_group)

@@ -51,8 +51,9 @@ async def test_a_chip_that_is_neither_thor_nor_thor2_is_refused_in_one_line(monk
 
 @pytest.mark.loop_agnostic
 async def test_backing_store_v1_firmware_is_refused_in_one_line():
-    with pytest.raises(PCIError, match=r"backing store v1 \(pre-Thor2 firmware\) is not supported \(FUNC_QCAPS "
-                                       r"flags_ext has no BS_V2_SUPPORTED\)$"):
+    with pytest.raises(PCIError, match=r"the firmware offers only backing store v1 \(FUNC_QCAPS flags_ext has no "
+                                       r"BS_V2_SUPPORTED: older Thor firmware\), which this driver does not speak; "
+                                       r"update the NIC firmware to one with backing store v2$"):
         async with open_nic("sim", profile="thor"):
             pass
 

@@ -66,7 +66,7 @@ def test_unknown_hwrm_opcode_is_not_supported_and_unanswerable_requests_get_noth
     ("port_phy_cfg", dict(port_id=3)),
     ("func_qcaps", dict(fid=0x22)),
     ("func_backing_store_qcaps_v2", dict(type=7)),
-    ("func_backing_store_cfg_v2", dict(type=0, entry_size=704, num_entries=256)),  # before its QCAPS_V2
+    ("func_backing_store_cfg_v2", dict(type=0, entry_size=704, num_entries=300)),  # before its QCAPS_V2
     ("stat_ctx_free", dict(stat_ctx_id=3)),
     ("stat_ctx_alloc", dict(stats_dma_addr=0x1000, stats_dma_length=176)),  # DmaFault inside the handler
 ])
@@ -82,7 +82,7 @@ def test_invalid_hwrm_input_gets_invalid_params(name, fields):
 def test_backing_store_cfg_validation(fields):
     host = Driver()
     host.hwrm("func_backing_store_qcaps_v2", type=0)
-    request = dict(type=0, instance=0, entry_size=704, num_entries=256, page_dir=host.alloc(44),
+    request = dict(type=0, instance=0, entry_size=704, num_entries=300, page_dir=host.alloc(52),
                    page_size_pbl_level=0) | fields
     host.hwrm("func_backing_store_cfg_v2", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, **request)
 
@@ -269,7 +269,9 @@ def test_each_profile_reports_its_chip_and_capabilities_where_linux_reads_them(p
     assert hw_retx_supported(caps.dev_cap_flags) == profile.hw_retx
     assert host_msn_table(caps.dev_cap_ext_flags_2) == profile.host_msn_table
     areas = {kind: area.entries for (kind, _), area in host.fw.backing_store.items()}
-    assert (caps.max_qp, caps.max_cq, caps.max_mr, caps.max_gid) == (areas[0], areas[2], areas[0xE] // 2, 256)
+    l2_qps, l2_cqs = CONTEXT_TYPES[0].splits[0], CONTEXT_TYPES[2].splits[0]  # the firmware's own share: not RoCE's
+    assert (caps.max_qp, caps.max_cq, caps.max_mr, caps.max_gid) == (areas[0] - l2_qps, areas[2] - l2_cqs,
+                                                                     areas[0xE], 256)
 
 
 @pytest.mark.parametrize("profile", ["thor2", "no-hw-retx"])
