@@ -12,6 +12,7 @@ from aiofabric.hw.cqe import (CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY, NQ_ENTRY
                               notification_fields)
 from aiofabric.hw.firmware import (CMDQ_INIT, HWRM_SHORT_REQUEST, SHORT_REQUEST_SIGNATURE, host_msn_table,
                                    hw_retx_supported, short_commands_required)
+from aiofabric.hw.firmware import BackingStoreType as BS
 from aiofabric.hw.ring import phase, position, slot
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim.function import CONTEXT_TYPES
@@ -77,6 +78,7 @@ def test_invalid_hwrm_input_gets_invalid_params(name, fields):
 
 
 @pytest.mark.parametrize("fields", [dict(instance=1), dict(entry_size=64), dict(num_entries=100_000),
+                                    dict(num_entries=257),  # below the L2 share (256) and the QP1s (2)
                                     dict(page_size_pbl_level=3), dict(page_size_pbl_level=0x70),
                                     dict(page_dir=0x1000)])
 def test_backing_store_cfg_validation(fields):
@@ -129,6 +131,57 @@ def test_trace_buffers_are_optional_and_accepted():
     assert (trace, 0) in with_trace.backing_store(trace=True) and with_trace.fw.backing_store_missing() is None
     without = Driver()
     assert (trace, 0) not in without.backing_store() and without.fw.backing_store_missing() is None
+
+
+def test_a_required_type_left_out_keeps_initialize_fw_refused():
+    host = Driver()
+    host.backing_store(leave_out=frozenset({BS.MRAV}))  # ALL_DONE on the last, TIM
+    host.open_rcfw()
+    stat = host.hwrm("stat_ctx_alloc", stats_dma_addr=host.alloc(), stats_dma_length=176).stat_ctx_id
+    host.rcfw("initialize_fw", expect=FAIL, stat_ctx_id=stat)
+    assert host.fw.last_error == "RCFW initialize_fw: backing-store type 0xe instances [0] not configured"
+
+
+@pytest.mark.parametrize("sizes", [
+    {},  # the QP entries: the L2 share (256), the QP1s (2) and 6 more
+    {BS.TIM: 256 + 8},  # a timer context for every QP, L2 ones included
+    {BS.SP_TQM_RING: 128 + 256 + 2 * 8 + 64},  # the slow-path ring: VNICs, L2 QPs, two per RoCE QP, its minimum
+    {BS.FP_TQM_RING: 256 + 8},  # each fast-path ring: every QP
+], ids=["qp", "tim", "sp-tqm", "fp-tqm"])
+def test_exactly_the_qps_the_backing_store_holds_can_be_created(sizes):
+    """8 RoCE QPs backed: the eighth is created, the ninth refused with RESOURCES, and one destroyed makes room."""
+    host = Driver()
+    host.boot(store=dict(extra_qps=64 if sizes else 6, sizes=sizes))
+    assert host.rcfw("query_func").max_qp == 8
+    cq = host.create_cq()
+    qps = [host.create_qp(cq) for _ in range(8)]
+    host.create_qp(cq, expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES)
+    assert host.fw.last_error == "RCFW create_qp: the backing store holds 8 QP contexts; all are in use"
+    host.rcfw("destroy_qp", qp_cid=qps[3])
+    assert host.create_qp(cq) == qps[3]
+
+
+def test_cqs_mrs_statistics_contexts_and_vnics_fit_the_backing_store():
+    """Each as many as configured, less the firmware's own share: L2 CQs (256), address handles (MRAV's split 0 as
+    the driver sent it), RSS ring tables (VNIC entries past split 0)."""
+    host = Driver()
+    host.boot(store=dict(extra_qps=2, sizes={BS.MRAV: 3, BS.STAT: 2, BS.VNIC: 1}))  # CQs: 256 + 2 x 2
+    cqs = [host.create_cq() for _ in range(4)]
+    host.rcfw("create_cq", expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES, cq_handle=1, cq_size=64,
+              cq_fco_cnq_id=host.nq_id, pg_size_lvl=0, pbl=host.alloc())
+    assert "holds 4 CQ contexts" in host.fw.last_error and len(cqs) == 4
+    for _ in range(3):
+        host.rcfw("allocate_mrw", pd_id=1, mrw_flags=bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
+    host.rcfw("allocate_mrw", expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES, pd_id=1,
+              mrw_flags=bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
+    assert "holds 3 MR contexts" in host.fw.last_error
+    host.hwrm("stat_ctx_alloc", stats_dma_addr=host.alloc(), stats_dma_length=176)  # boot() took the first
+    host.hwrm("stat_ctx_alloc", expect=bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR, stats_dma_addr=host.alloc(),
+              stats_dma_length=176)
+    assert host.fw.last_error == "HWRM stat_ctx_alloc: all 2 statistics contexts are allocated"
+    host.hwrm("vnic_alloc")
+    host.hwrm("vnic_alloc", expect=bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR)
+    assert host.fw.last_error == "HWRM vnic_alloc: all 1 VNICs are allocated"
 
 
 def test_context_init_at_a_byte_offset_is_noted_not_refused():
