@@ -1,6 +1,6 @@
 """`aiofabric doctor`: every pre-flight check of one PCI function, or of every supported function on the bus, with
-the lock and, when nobody holds the function, whether its last holder left it running; as a `Report` printed as text
-or JSON.
+whether its PCIe path completes AtomicOps (a warning when not: the NIC then offers no atomics), the lock and, when
+nobody holds the function, whether its last holder left it running; as a `Report` printed as text or JSON.
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 import textwrap
 from typing import Any
 
+from .atomic_ops import check_atomic_ops
 from .device_lock import check_lock
 from .preflight import (IDENTITY, SUPPORTED_CHIPS, SUPPORTED_NAMES, Access, Finding, Host, Target, bus_functions,
                         check_function, check_quiesced)
@@ -48,12 +49,14 @@ def drivable(findings: list[Finding]) -> bool:
 
 
 def diagnose(address: str, host: Host, access: Access) -> list[Finding]:
-    """Every check of one function, the lock and, when nobody holds it, whether the last holder left it running."""
+    """Every check of one function, its AtomicOps path, the lock and, when nobody holds it, whether the last holder
+    left it running."""
     findings = check_function(address, host, access)
     if len(findings) <= len(IDENTITY):  # check_function stopped at a failed identity check
         return findings
     lock = check_lock(address, host)
-    return findings + [lock] + ([check_quiesced(Target.of(address, host, access))] if lock.ok else [])
+    target = Target.of(address, host, access)
+    return findings + [check_atomic_ops(target), lock] + ([check_quiesced(target)] if lock.ok else [])
 
 
 def _why_not(address: str, access: Access, findings: list[Finding]) -> str:

@@ -31,9 +31,9 @@ K bytes away from the RETH's address, clamped to stay inside the MR (it never fa
 replaces the pending count of its kind (count 0 cancels it).
 
 "event" request: {"op": "event", "event": {"kind": K, ...}} reports what the firmware would (hwrm.Firmware.
-post_event): "link_down", "link_up", "reset_notify" and "fatal" on the async event ring, if the driver registered for
-them; "qp_error", "cq_error" and "function" on the CREQ. The port's drops are the firmware's counters
-dropped_link_down and dropped_oversize.
+post_event): "link_down", "link_up", "reset_notify" and "fatal" on the ring FUNC_CFG named for them (the CREQ until
+then), if the driver registered for them; "qp_error", "cq_error" and "function" on the CREQ. The port's drops are the
+firmware's counters dropped_link_down and dropped_oversize.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ fw_latency_us; ip (the NIC's IPv4 address; when null the emulator binds the firs
 start and reports it); netns (the namespace `ip netns exec` started the process in: it never moves from there);
 transport ("udp" default, or "raw"); the wire fault probabilities (options.FAULTS) and seed; pcap (a file that gets
 every packet sent and received) and pcap_max_bytes; port_mtu (the port's MTU, port.py: longer packets are dropped);
-profile (profiles.py). While port_phy_cfg selects LPBK_LOCAL, packets go through an in-process loopback transport
+profile (profiles.py); pcie_path (pcie.py: the path to the root complex, which decides whether atomics reach host
+memory). While port_phy_cfg selects LPBK_LOCAL, packets go through an in-process loopback transport
 instead of the wire; while the link is down (debug "event" link_down, until link_up) the port carries nothing.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .mmio import Mmio
 from .options import FAULTS
 from .pcap import PcapWriter
+from .pcie import DEFAULT_PCIE_PATH
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
 from .profiles import DEFAULT_PROFILE, PROFILES
 from .requester import WINDOW
@@ -83,7 +85,8 @@ class Emulator:
         self.mem = BusMemory(self.arena_map)
         self.freed = FreedMemory(self.arena_map)
         mac = bytes.fromhex(config["mac"].replace(":", "")) if config.get("mac") else mac_for(self.name)
-        self.fw = Firmware(self.mem, FirmwareConfig(mac=mac, profile=PROFILES[config.get("profile", DEFAULT_PROFILE)]))
+        self.fw = Firmware(self.mem, FirmwareConfig(mac=mac, profile=PROFILES[config.get("profile", DEFAULT_PROFILE)],
+                                                    pcie_path=config.get("pcie_path", DEFAULT_PCIE_PATH)))
         self.fw.port.mtu = config.get("port_mtu", DEFAULT_PORT_MTU)
         self.latency = config.get("fw_latency_us", DEFAULT_LATENCY_US) * 1e-6
         self.stall = {"hwrm": 0, "rcfw": 0}  # drop this many responses: firmware timeouts on demand

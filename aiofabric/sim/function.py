@@ -15,6 +15,7 @@ from typing import Any
 
 from .memory import PAGE, BusMemory, DmaFault
 from .objects import BackingStoreArea, CommandError, L2Filter, PageTableError, Ring, StatContext, Vnic
+from .pcie import DEFAULT_PCIE_PATH, PcieFunction
 from .profiles import DEFAULT_PROFILE, PROFILES, FirmwareProfile
 from ..autogen import bnxt
 from ..hw.firmware import BackingStoreType as BS
@@ -32,6 +33,7 @@ class FirmwareConfig:
     fw_version: tuple[int, int, int, int] = (230, 0, 150, 0)  # major, minor, build, reserved
     roce_db_page_kb: int = 64  # func_qcfg.legacy_l2_db_size_kb: the RoCE doorbell page is at BAR2 + this * 1024
     profile: FirmwareProfile = PROFILES[DEFAULT_PROFILE]  # the chip and what its firmware offers (profiles.py)
+    pcie_path: str = DEFAULT_PCIE_PATH  # the path to the root complex (pcie.py): whether atomics reach memory
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class FunctionState:
         self.backing_store_done = False
         self.driver: dict[str, Any] | None = None  # what FUNC_DRV_RGTR said; drivers may skip registering
         self.loopback = bnxt.PORT_PHY_CFG_REQ_LPBK_NONE
+        self.pcie = PcieFunction(config.pcie_path, self.note_error)  # DEVCTL2 lives on through FUNC_RESET
 
     def clear(self) -> None:
         """FUNC_RESET: the L2 objects and the backing store are gone."""

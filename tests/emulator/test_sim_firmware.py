@@ -359,6 +359,98 @@ def test_short_commands_are_read_from_host_memory_and_required_where_asked():
     assert host.fw.hwrm(nowhere.ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0")) is None  # no request there: nothing to answer
 
 
+# -- the reservation (sim/resources.py; Linux __bnxt_hwrm_reserve_pf_rings, bnxt_hwrm_get_rings) ---------------------
+ALLOC_ERROR = bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR
+TX, RX_AGG = bnxt.RING_ALLOC_REQ_RING_TYPE_TX, bnxt.RING_ALLOC_REQ_RING_TYPE_RX_AGG
+
+
+def test_nothing_can_be_allocated_before_func_cfg_reserves_it():
+    host = Driver(reserve=False)
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
+    assert "0 MSI-X vectors (NQ rings) in use and FUNC_CFG num_msix reserved 0" in host.fw.last_error
+    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR)
+    assert "FUNC_CFG num_stat_ctxs reserved 0" in host.fw.last_error
+    host.hwrm("vnic_alloc", expect=ALLOC_ERROR)
+    assert "FUNC_CFG num_vnics reserved 0" in host.fw.last_error
+    assert not any(host.fw.objects().values())
+
+
+def test_each_allocation_counts_against_its_reservation_up_to_the_grant_and_not_one_past():
+    host = Driver(reserve=False)
+    host.reserve(num_msix=2, num_cmpl_rings=1, num_tx_rings=1, num_rx_rings=2, num_stat_ctxs=1, num_vnics=1)
+    qcfg = host.hwrm("func_qcfg", fid=0xFFFF)
+    assert (qcfg.alloc_msix, qcfg.alloc_cmpl_rings, qcfg.alloc_tx_rings, qcfg.alloc_rx_rings, qcfg.alloc_stat_ctx,
+            qcfg.alloc_vnics, qcfg.alloc_rsscos_ctx) == (2, 1, 1, 2, 1, 1, 0)
+    nq = [host.ring(NQ, 16), host.ring(NQ, 16)]
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
+    assert "RING_ALLOC type 5: 2 MSI-X vectors (NQ rings) in use and FUNC_CFG num_msix reserved 2" \
+        in host.fw.last_error
+    on_nq = dict(enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID, nq_ring_id=nq[0])
+    cmpl = host.ring(L2_CMPL, 16, **on_nq)
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=L2_CMPL, length=16, **on_nq)
+    host.ring(TX, 16, cmpl_ring_id=cmpl)
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=TX, length=16, cmpl_ring_id=cmpl)
+    rx = host.ring(RX, 16, **on_nq)
+    host.ring(RX_AGG, 16, **on_nq)  # an aggregation ring is an RX ring too
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=RX, length=16, **on_nq)
+    host.hwrm("stat_ctx_alloc")
+    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR)
+    host.hwrm("vnic_alloc")
+    host.hwrm("vnic_alloc", expect=ALLOC_ERROR)
+    host.hwrm("ring_free", ring_type=RX, ring_id=rx)  # freeing gives the reservation back
+    host.ring(RX, 16, **on_nq)
+    host.hwrm("func_reset")  # and FUNC_RESET forgets it (Linux reserves again after one)
+    assert host.hwrm("func_qcfg", fid=0xFFFF).alloc_msix == 0
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
+
+
+def test_an_nqs_vector_is_one_of_the_msix_vectors_reserved():
+    host = Driver(reserve=False)
+    host.reserve(num_msix=2)
+    host.hwrm("ring_alloc", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, ring_type=NQ, length=16, logical_id=2)
+    assert "RING_ALLOC NQ logical_id 2: the vector is not among the 2 FUNC_CFG num_msix reserved" in host.fw.last_error
+    host.ring(NQ, 16, logical_id=1)
+
+
+def test_func_cfg_takes_each_count_with_its_enable_bit_and_refuses_past_the_resource_maxima():
+    host = Driver(reserve=False)
+    limits = host.hwrm("func_resource_qcaps", fid=0xFFFF)
+    caps = host.hwrm("func_qcaps", fid=0xFFFF)
+    assert (limits.max_msix, limits.min_msix, limits.max_stat_ctx, limits.max_vnics) == \
+        (64, 0, CONTEXT_TYPES[4].max_entries, CONTEXT_TYPES[3].splits[0])  # VNIC entries past split 0: ring tables
+    assert (caps.max_cmpl_rings, caps.max_rx_rings, caps.max_stat_ctx) == \
+        (limits.max_cmpl_rings, limits.max_rx_rings, limits.max_stat_ctx)
+    host.hwrm("func_cfg", fid=0xFFFF, enables=bnxt.FUNC_CFG_REQ_ENABLES_NUM_MSIX, num_msix=3, num_vnics=9)
+    qcfg = host.hwrm("func_qcfg", fid=0xFFFF)
+    assert (qcfg.alloc_msix, qcfg.alloc_vnics) == (3, 0)  # no enable bit: not asked for
+    host.hwrm("func_cfg", expect=ALLOC_ERROR, fid=0xFFFF, num_msix=4, num_stat_ctxs=limits.max_stat_ctx + 1,
+              enables=bnxt.FUNC_CFG_REQ_ENABLES_NUM_MSIX | bnxt.FUNC_CFG_REQ_ENABLES_NUM_STAT_CTXS)
+    assert f"num_stat_ctxs {limits.max_stat_ctx + 1}: this function may reserve at most" in host.fw.last_error
+    host.hwrm("func_cfg", fid=0xFFFF, enables=bnxt.FUNC_CFG_REQ_ENABLES_NUM_MSIX, num_msix=10,
+              flags=bnxt.FUNC_CFG_REQ_FLAGS_NQ_ASSETS_TEST)  # a test reserves nothing
+    assert host.hwrm("func_qcfg", fid=0xFFFF).alloc_msix == 3  # the refused request changed nothing either
+
+
+@pytest.mark.parametrize("profile", ["thor2", "short-cmd"])
+def test_func_cfg_is_taken_cut_to_the_window_and_whole_in_the_short_format(profile):
+    """160 bytes: in the short format where max_ext_req_len allows it, else cut to 128 bytes in the window (Linux
+    bnxt_hwrm_func_cfg_short_req_init, __hwrm_send); every field a driver sets lies below byte 86."""
+    firmware = PROFILES[profile]
+    assert ctypes.sizeof(bnxt.hwrm_func_cfg_input) == 160 and bnxt.hwrm_func_cfg_input.options.offset < 86
+    host = Driver(reserve=False, profile=firmware)
+    ver = host.hwrm("ver_get")
+    host.short_commands = short_commands_required(ver.dev_caps_cfg)
+    assert ver.max_ext_req_len == firmware.max_ext_req_len == (256 if firmware.short_commands else 128)
+    host.reserve(num_msix=1)
+    assert host.fw.reservation.granted["num_msix"] == 1 and host.fw.stats["short_commands"] == host.short_commands
+    request = bytes(bnxt.hwrm_func_cfg_input(req_type=bnxt.HWRM_FUNC_CFG, cmpl_ring=0xFFFF, resp_addr=host.response,
+                                             fid=0xFFFF))
+    host.mem.write(host.requests, request)
+    window = HWRM_SHORT_REQUEST.pack(bnxt.HWRM_FUNC_CFG, SHORT_REQUEST_SIGNATURE, 0, len(request), host.requests)
+    answered = host.fw.hwrm(window.ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0"))
+    assert (answered is not None) == (len(request) <= firmware.max_ext_req_len)  # longer than it takes: unanswered
+
+
 def test_add_gid_stores_the_plain_gid_and_mac(driver):
     gid = driver.fw.rcfw.gids[driver.gid_index]
     assert (gid.gid, gid.src_mac) == (GID, MAC)

@@ -47,6 +47,7 @@ class Host:
         self.next_page = BUS_BASE
         self.fw = Firmware(self.mem, FirmwareConfig(mac=bytes(6), profile=PROFILES[profile]))
         self.fw.rcfw.initialized, self.fw.rcfw.hw_retx = True, hw_retx  # what INITIALIZE_FW would have granted
+        self.fw.pcie.atomic_requests = True  # DEVCTL2 as the driver's AtomicOps walk leaves it on the default path
         self.dp = Datapath(self.fw, ip)
         self.bar2 = Doorbells(self.fw, self.dp)
         self.cookie = 0

@@ -18,6 +18,7 @@ from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
 from aiofabric.sim.mmio import Doorbells
 from aiofabric.sim.objects import PageList
+from aiofabric.sim.resources import RESOURCES
 
 MAC = bytes.fromhex("020af0123456")
 GID = bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 7])
@@ -32,6 +33,7 @@ INVALID_PARAMETER = bnxt.CREQ_QP_EVENT_STATUS_INVALID_PARAMETER
 VALID, LAST, NEXT_TO_LAST = bnxt.PTU_PTE_VALID, bnxt.PTU_PTE_LAST, bnxt.PTU_PTE_NEXT_TO_LAST
 ALL_QP_ACCESS = QPAccess.LOCAL_WRITE | QPAccess.REMOTE_WRITE | QPAccess.REMOTE_READ
 RQ_WQE_SIZE = RQ_WQE_HEADER.size + 2 * SGE.size  # the QPs here take two receive SGEs
+ALLOCATIONS = {"ring_alloc", "stat_ctx_alloc", "vnic_alloc"}  # what counts against FUNC_CFG's reservation
 
 
 def dbc(xid: int, kind: int, index: int, epoch: int = 0, path: int = bnxt.DBC_DBC_PATH_ROCE, valid: bool = True,
@@ -46,9 +48,11 @@ def cookie_of(entry: bytes) -> int:
 
 
 class Driver:
-    """Just enough of a driver: host memory, page tables, the HWRM window, a CMDQ and a CREQ."""
+    """Just enough of a driver: host memory, page tables, the HWRM window, a CMDQ and a CREQ. Like Linux's bnxt_en it
+    reserves (FUNC_CFG, `reserve`) before its first allocation, here every resource at its maximum, unless `reserve`
+    is False; a FUNC_RESET forgets the reservation."""
 
-    def __init__(self, memory: int = 16 << 20, **config) -> None:
+    def __init__(self, memory: int = 16 << 20, reserve: bool = True, **config) -> None:
         self.mem = BusMemory(bytearray(memory))
         self.next_page = BUS_BASE
         self.fw = Firmware(self.mem, FirmwareConfig(mac=MAC, **config))
@@ -56,6 +60,7 @@ class Driver:
         self.seq = self.cookie = 0
         self.response, self.requests = self.alloc(), self.alloc()
         self.short_commands = False  # what VER_GET asks for
+        self.auto_reserve, self.reserved = reserve, False
         self.side_buffers: dict[int, int] = {}  # cookie -> where a query's result lands
 
     def alloc(self, pages: int = 1) -> int:
@@ -87,11 +92,14 @@ class Driver:
 
     # -- HWRM -------------------------------------------------------------------------------------------------------
     def hwrm(self, name: str, expect: int = 0, **fields) -> ctypes.Structure:
+        if name in ALLOCATIONS and self.auto_reserve and not self.reserved:
+            self.reserve()
+        self.reserved &= name != "func_reset"
         self.seq = (self.seq + 1) & 0xFFFF
         request = getattr(bnxt, f"hwrm_{name}_input")(
             req_type=getattr(bnxt, f"HWRM_{name.upper()}"), cmpl_ring=0xFFFF, seq_id=self.seq, target_id=0xFFFF,
             resp_addr=self.response, **fields)
-        window = bytes(request)
+        window = bytes(request)[:self.fw.config.profile.max_ext_req_len]  # FUNC_CFG as Linux cuts it to fit
         if self.short_commands:
             self.mem.write(self.requests, window)
             window = HWRM_SHORT_REQUEST.pack(request.req_type, SHORT_REQUEST_SIGNATURE, 0, len(window), self.requests)
@@ -102,6 +110,13 @@ class Driver:
         output = getattr(bnxt, f"hwrm_{name}_output") if not error else bnxt.hwrm_err_output
         assert len(data) == ctypes.sizeof(output)
         return output.from_buffer_copy(data)
+
+    def reserve(self, **counts: int) -> None:
+        """FUNC_CFG reserving `counts` (FUNC_CFG field names; default: every resource at its maximum), each with its
+        enable bit."""
+        counts = counts or {name: r.maximum for name, r in RESOURCES.items()}
+        self.hwrm("func_cfg", fid=0xFFFF, enables=sum(RESOURCES[name].enable for name in counts), **counts)
+        self.reserved = True
 
     def ring(self, kind: int, length: int, logical_id: int = 0, level: int | None = None, **fields) -> int:
         pages = self.scattered(max(1, -(-length * RING_ENTRY_SIZES[kind] // PAGE)))

@@ -1,12 +1,14 @@
 """perftest's command line on `aiofabric bench` / `lat`: aliases, refused flags, meanings (#iterations per QP,
 warm-up excluded), errors under the spelling typed, bounded sweeps, --output and --out_json."""
+import functools
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from aiofabric.tools import cli, perftest_flags
+from aiofabric.tools import cli, perftest_flags, runs
 from aiofabric.tools.bench_config import BenchConfig
 from aiofabric.tools.lat_config import LatConfig
 from aiofabric.tools.sweeps import sweep_iterations
@@ -385,3 +387,16 @@ def test_a_pci_nic_gets_no_emulator_option_unless_one_was_asked():
     assert WireOptions().nic_options() == {}
     assert WireOptions(loss=0.1, seed=3).nic_options() == {"loss": 0.1, "seed": 3}
     assert WireOptions(pcap="x.pcap").nic_options() == {"pcap": "x.pcap"}
+
+
+@pytest.mark.parametrize("tool", ["bench", "lat"])
+def test_atomic_on_a_nic_whose_pcie_path_lacks_atomicops_exits_1_naming_the_port(tool, monkeypatch, capsys):
+    """The NICs boot (it is the NIC, not the command line, that cannot): the run stops before any QP, with exit 1
+    and why in one line."""
+    monkeypatch.setattr(runs, "open_nic", functools.partial(runs.open_nic, pcie_path="no-completer"))
+    code = cli.main([tool, "atomic", "-n", "10", "--json"])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert code == 1 and result["ok"] is False, result
+    assert re.fullmatch(r"UnsupportedError: the atomic test on sim:\S+: this NIC offers no atomics \(Linux's bnxt_re "
+                        r"reports IB_ATOMIC_NONE\): root port 0000:00:01.0 does not complete 32-bit PCIe AtomicOps "
+                        r"\(its DEVCAP2 0x0 lacks 0x80\)", result["error"]), result["error"]
