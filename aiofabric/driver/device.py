@@ -257,8 +257,10 @@ class Device:
         self.mac = self.mac_address.hex(":")
         self.caps = {"max_rsscos_ctx": caps.max_rsscos_ctx, "max_cmpl_rings": caps.max_cmpl_rings,
                      "max_tx_rings": caps.max_tx_rings, "max_rx_rings": caps.max_rx_rings,
-                     "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext}
-        await backing_store.configure(self.pci, self.hwrm, self.caps["flags_ext"], self.teardown.on_quiesced)
+                     "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext,
+                     "flags_ext2": caps.flags_ext2}
+        await backing_store.configure(self.pci, self.hwrm, self.caps["flags_ext"], self.caps["flags_ext2"],
+                                      self.teardown.on_quiesced)
         limits = await self.hwrm("func_resource_qcaps", fid=OWN_FID)
         await self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
                         | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD,

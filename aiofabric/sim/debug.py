@@ -2,7 +2,8 @@
 (pci/emulated_debug.py is its client); each gets one JSON line back, {"error": ...} if it failed. A bad request never
 takes the device down.
 
-Requests ({"op": OP, ...}): "ping"; "objects" (live firmware objects); "stats"; "datapath" (per-QP protocol state);
+Requests ({"op": OP, ...}): "ping"; "objects" (live firmware objects); "backing_store" (what the driver configured:
+type, instance, entries, entry_size, PBL level, splits); "stats"; "datapath" (per-QP protocol state);
 "inject" (the next `count` commands named `command` fail with `status`); "stall" and "hang" (the next `count` answers
 on `channel`, "hwrm" or "rcfw", are dropped, or their commands neither executed nor answered); "latency" (`us` per
 firmware command from now on); "placed"; "fault"; "event".
@@ -71,6 +72,8 @@ class DebugServer:
             return {"pid": os.getpid(), "name": nic.name, "netns": nic.netns}
         if op == "objects":
             return {"objects": nic.fw.objects()}
+        if op == "backing_store":
+            return {"backing_store": nic.fw.backing_store_report()}
         if op == "stats":
             return {"stats": {**nic.stats, **nic.fw.stats, **wire_stats(nic),
                               "writes_after_free": nic.freed.written_pages(),

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, ContextType, FirmwareConfig, FunctionState
 from .memory import BusMemory, DmaFault
-from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, Ring, StatContext, Vnic,
+from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, PageList, Ring, StatContext, Vnic,
                       lowest_free_id, map_memory)
 from .port import Port, check_mtu
 from .rcfw import Rcfw
@@ -38,13 +38,13 @@ FUNCTION_ID = 0  # this PF's fid; requests may also say 0xFFFF for "myself"
 DEFAULT_REQUEST_TIMEOUT_MS = 500
 MAX_RING_LENGTH = INDEX_MASK + 1  # a doorbell's index must reach every entry
 ALL_DONE = bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_FLAGS_BS_CFG_ALL_DONE
+CTX_INIT_SAMPLE = 16  # backing-store pages: one in this many has its context initialisation checked
 BACKING_STORE_V2 = bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED | bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_REQUIRED
 SHORT_COMMANDS = bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_SUPPORTED | bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_REQUIRED
 BACKING_STORE_V2_COMMANDS = {bnxt.HWRM_FUNC_BACKING_STORE_QCAPS_V2, bnxt.HWRM_FUNC_BACKING_STORE_CFG_V2}
 
 L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TYPE_{name}") for name in
                                           ("L2_CMPL", "TX", "RX", "ROCE_CMPL", "RX_AGG", "NQ"))
-MAX_VNICS, MAX_STAT_CTXS = CONTEXT_TYPES[BS.VNIC].max_entries, CONTEXT_TYPES[BS.STAT].max_entries
 PORT_EVENTS: dict[str, tuple[EventId, Callable[[Firmware], int]]] = {  # post_event's: (event id, its event_data1)
     "link_down": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(False, fw.config.port_id)),
     "link_up": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(True, fw.config.port_id)),
@@ -252,6 +252,10 @@ class Firmware(FunctionState):
         if not ctx.min_entries <= request.num_entries <= ctx.max_entries:
             raise CommandError(INVALID_PARAMS, f"type {ctx.kind:#x}: {request.num_entries} entries is outside "
                                             f"[{ctx.min_entries}, {ctx.max_entries}]")
+        own = sum(ctx.splits[:2]) if ctx.kind == BS.QP else sum(ctx.splits[:1]) if ctx.kind == BS.CQ else 0
+        if request.num_entries < own:  # Inferred: DPDK's L2-only sizing (the HSI: QP1 entries even without RoCE)
+            raise CommandError(INVALID_PARAMS, f"type {ctx.kind:#x}: {request.num_entries} entries leave no room for "
+                                            f"the firmware's own {own} (its L2 rings and QP1s)")
         level = request.page_size_pbl_level & bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_PBL_LEVEL_MASK
         page_code = request.page_size_pbl_level >> bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_PAGE_SIZE_SFT
         if level > 2 or page_code not in PAGE_SIZE_CODES:
@@ -260,23 +264,34 @@ class Firmware(FunctionState):
                            PAGE_SIZE_CODES[page_code])
         if ctx.flags & CTX_INIT and ctx.init_value and not self._contexts_initialised(ctx, pages, request.num_entries):
             self.stats["ctx_init_missing"] += 1  # real firmware would run on garbage contexts; we only note it
+        splits = tuple(getattr(request, f"split_entry_{i}") for i in range(min(request.subtype_valid_cnt, 4)))
         self.backing_store[ctx.kind, request.instance] = BackingStoreArea(
-            ctx.kind, request.instance, request.num_entries, ctx.entry_size, pages)
+            ctx.kind, request.instance, request.num_entries, ctx.entry_size, pages, level, splits)
         if request.flags & ALL_DONE:
             self.backing_store_done = True
         return {}
 
-    def _contexts_initialised(self, ctx: ContextType, pages: Any, entries: int) -> bool:
-        offset = ctx.init_offset * 4  # units of 4 bytes (bnxt.c bnxt_init_ctx_initializer)
-        return all(self.mem.view(pages.address(i * ctx.entry_size + offset), 1)[0] == ctx.init_value
-                   for i in range(entries))
+    def _contexts_initialised(self, ctx: ContextType, pages: PageList, entries: int) -> bool:
+        """The init byte of every entry (at init_offset units of 4 bytes: bnxt_init_ctx_initializer) holds the value,
+        in the first page, the last and every CTX_INIT_SAMPLE-th: reading all of a 150 MiB backing store would cost
+        a boot more than the note is worth."""
+        offset, end, size = ctx.init_offset * 4, entries * ctx.entry_size, pages.page_size
+        last = -(-end // size) - 1
+        for index in sorted({*range(0, last, CTX_INIT_SAMPLE), last}):
+            low, high = index * size, min(index * size + size, end)
+            first = low + (offset - low) % ctx.entry_size
+            if first < high:
+                found = self.mem.view(pages.address(first), high - first)[::ctx.entry_size]
+                if found.tobytes() != bytes([ctx.init_value]) * len(found):
+                    return False
+        return True
 
     # -- statistics contexts, rings, VNICs, filters, port ------------------------------------------------------------
     def _stat_ctx_alloc(self, request: Any) -> dict[str, Any]:
         if request.stats_dma_addr:  # where the firmware would DMA the counters: it must exist
             self.mem.view(request.stats_dma_addr, request.stats_dma_length)
         self.reservation.check("num_stat_ctxs", len(self.stat_ctxs), "STAT_CTX_ALLOC")
-        ctx_id = self._new_id(self.stat_ctxs, MAX_STAT_CTXS, "statistics contexts")
+        ctx_id = self._new_id(self.stat_ctxs, self.context_capacity(BS.STAT), "statistics contexts")
         self.stat_ctxs[ctx_id] = StatContext(ctx_id, request.stats_dma_addr, request.stats_dma_length,
                                              request.stat_ctx_flags)
         return {"stat_ctx_id": ctx_id}
@@ -329,7 +344,7 @@ class Firmware(FunctionState):
 
     def _vnic_alloc(self, request: Any) -> dict[str, Any]:
         self.reservation.check("num_vnics", len(self.vnics), "VNIC_ALLOC")
-        vnic_id = self._new_id(self.vnics, MAX_VNICS, "VNICs")
+        vnic_id = self._new_id(self.vnics, self.context_capacity(BS.VNIC), "VNICs")
         self.vnics[vnic_id] = Vnic(vnic_id)
         return {"vnic_id": vnic_id}
 

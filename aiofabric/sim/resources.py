@@ -52,7 +52,7 @@ RESOURCES = {r.count: r for r in (
     Resource("num_stat_ctxs", bnxt.FUNC_CFG_REQ_ENABLES_NUM_STAT_CTXS, "stat_ctx", "alloc_stat_ctx",
              CONTEXT_TYPES[BS.STAT].max_entries, "statistics contexts"),
     Resource("num_vnics", bnxt.FUNC_CFG_REQ_ENABLES_NUM_VNICS, "vnics", "alloc_vnics",
-             CONTEXT_TYPES[BS.VNIC].max_entries, "VNICs"),
+             CONTEXT_TYPES[BS.VNIC].splits[0], "VNICs"),  # the rest of the VNIC entries are RSS ring tables
     Resource("num_rsscos_ctxs", bnxt.FUNC_CFG_REQ_ENABLES_NUM_RSSCOS_CTXS, "rsscos_ctx", "alloc_rsscos_ctx", 64,
              "RSS contexts"),
 )}

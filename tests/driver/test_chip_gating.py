@@ -5,20 +5,26 @@ support; the emulator's go-backs retransmit from the search table the driver wri
 transfer under loss. Atomics are offered only where the PCIe path to the root port completes AtomicOps (bnxt_re:
 bnxt_qplib_determine_atomics, bnxt_qplib_is_atomic_cap), on each path the emulator can play (its pcie_path)."""
 import contextlib
+import dataclasses
 import random
+from types import SimpleNamespace
 
 import anyio
 import pytest
 
 from aiofabric import PCIError, open_nic
-from aiofabric.driver import device
+from aiofabric.autogen import bnxt
+from aiofabric.driver import backing_store, device
 from aiofabric.hw.firmware import CONFIGURED_CONTEXT_TYPES, THOR2_CHIPS
+from aiofabric.hw.firmware import BackingStoreType as BS
 from aiofabric.hw.pci import PCI_EXP_DEVCTL2_ATOMIC_REQ
+from aiofabric.pci import PAGE_SIZE, DmaBuffer
 from aiofabric.sim.function import CONTEXT_TYPES
 from aiofabric.sim.pcie import DEVCTL2, PCIE_PATHS
 from aiofabric.sim.profiles import PROFILES
 from aiofabric.verbs import ATOMIC_ACCESS, workqueue
 from aiofabric.errors import CompletionError, UnsupportedError
+from tests.support.firmware import Driver
 from tests.support.nics import connect, connected_qps, stats, tag
 
 pytestmark = pytest.mark.anyio
@@ -54,8 +60,9 @@ async def test_a_chip_that_is_neither_thor_nor_thor2_is_refused_in_one_line(monk
 
 @pytest.mark.loop_agnostic
 async def test_backing_store_v1_firmware_is_refused_in_one_line():
-    with pytest.raises(PCIError, match=r"backing store v1 \(pre-Thor2 firmware\) is not supported \(FUNC_QCAPS "
-                                       r"flags_ext has no BS_V2_SUPPORTED\)$"):
+    with pytest.raises(PCIError, match=r"the firmware offers only backing store v1 \(FUNC_QCAPS flags_ext has no "
+                                       r"BS_V2_SUPPORTED: older Thor firmware\), which this driver does not speak; "
+                                       r"update the NIC firmware to one with backing store v2$"):
         async with open_nic("sim", profile="thor"):
             pass
 
@@ -97,6 +104,52 @@ async def test_the_backing_store_leaves_the_firmware_trace_buffers_out():
     async with open_nic("sim") as nic:
         assert nic.pci.debug({"op": "objects"})["objects"]["backing_store"] == configured
 
+
+
+@pytest.mark.loop_agnostic
+async def test_the_backing_store_is_sized_as_bnxt_en_sizes_it():
+    """bnxt_alloc_ctx_mem on the emulated Thor2's capabilities (sim/function.py): the L2 share 256 + QP1s 2 + 64 Ki
+    RoCE QPs (65856 rounded up to 64, held to the maximum 65794); SRQs 128 + 8 Ki; CQs 256 + 2 x 64 Ki; VNICs and
+    statistics contexts at their maximum; MRAV 256 Ki MRs + 128 Ki address handles (split 0); timers as many as QPs;
+    the slow-path TQM ring 128 VNICs + 256 + 2 x (64 Ki + 2) + its minimum 64 = 131524 and each of the 8 fast-path
+    ones 256 + 2 x (64 Ki + 2) = 131332, rounded up to 64. PBL depth 2 where Linux asks for it, else 1."""
+    expected = {BS.QP: (65794, 2, [256, 2, 0]), BS.SRQ: (8320, 2, [128]), BS.CQ: (131328, 2, [256]),
+                BS.VNIC: (1024, 1, [128]), BS.STAT: (1024, 1, []), BS.SP_TQM_RING: (131584, 2, []),
+                BS.FP_TQM_RING: (131392, 2, []), BS.MRAV: (393216, 2, [131072]), BS.TIM: (65794, 1, [])}
+    async with open_nic("sim") as nic:
+        configured = nic.pci.debug({"op": "backing_store"})["backing_store"]
+        assert nic.caps["max_qp"] == 65538  # QP1s and RoCE QPs: what bnxt_re gets (min(64 Ki, max_qp) there)
+    assert {(area["type"], area["instance"]): (area["entries"], area["level"], area["splits"])
+            for area in configured} == {(kind, instance): expected[kind]
+                                        for kind in expected for instance in CONTEXT_TYPES[kind].instances}
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("kind, change, reason", [
+    (BS.STAT, dict(max_entries=0), "has max_num_entries 0"),
+    (BS.MRAV, dict(flags=0), r"is not offered \(no TYPE_VALID type in the FUNC_BACKING_STORE_QCAPS_V2 walk\)"),
+])
+async def test_a_type_the_firmware_gives_nothing_of_fails_the_boot_naming_it(kind, change, reason, monkeypatch):
+    """Linux cannot size it and fails its probe (bnxt_setup_ctxm_pg_tbls: -EINVAL); so does the driver, before it
+    configures anything. Against the firmware in-process: the emulated NIC's own offers every type."""
+    monkeypatch.setitem(CONTEXT_TYPES, kind, dataclasses.replace(CONTEXT_TYPES[kind], **change))
+    host = Driver(memory=64 << 20)
+
+    async def hwrm(name, **fields):
+        return host.hwrm(name, **fields)
+
+    def alloc_dma(size):
+        pages = -(-size // PAGE_SIZE)
+        start = host.alloc(pages)
+        return DmaBuffer(host.mem.view(start, pages * PAGE_SIZE), [start + i * PAGE_SIZE for i in range(pages)], True)
+
+    flags_ext = bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED
+    with pytest.raises(PCIError, match=rf"^in-process: backing-store type {kind.name} \({kind:#x}\) {reason}: "
+                                       r"bnxt_en cannot size it either and fails its probe \(bnxt_setup_ctxm_pg_tbls: "
+                                       r"-EINVAL\)$"):
+        await backing_store.configure(SimpleNamespace(address="in-process", alloc_dma=alloc_dma), hwrm, flags_ext, 0,
+                                      lambda free: None)
+    assert not host.fw.backing_store
 
 SIZES = [random.Random(5).randrange(1, 12000) for _ in range(32)]  # unequal: a misnumbered message cannot pass
 

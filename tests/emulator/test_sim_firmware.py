@@ -12,6 +12,7 @@ from aiofabric.hw.cqe import (CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY, NQ_ENTRY
                               notification_fields)
 from aiofabric.hw.firmware import (CMDQ_INIT, HWRM_SHORT_REQUEST, SHORT_REQUEST_SIGNATURE, host_msn_table,
                                    hw_retx_supported, short_commands_required)
+from aiofabric.hw.firmware import BackingStoreType as BS
 from aiofabric.hw.ring import phase, position, slot
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim.function import CONTEXT_TYPES
@@ -66,7 +67,7 @@ def test_unknown_hwrm_opcode_is_not_supported_and_unanswerable_requests_get_noth
     ("port_phy_cfg", dict(port_id=3)),
     ("func_qcaps", dict(fid=0x22)),
     ("func_backing_store_qcaps_v2", dict(type=7)),
-    ("func_backing_store_cfg_v2", dict(type=0, entry_size=704, num_entries=256)),  # before its QCAPS_V2
+    ("func_backing_store_cfg_v2", dict(type=0, entry_size=704, num_entries=300)),  # before its QCAPS_V2
     ("stat_ctx_free", dict(stat_ctx_id=3)),
     ("stat_ctx_alloc", dict(stats_dma_addr=0x1000, stats_dma_length=176)),  # DmaFault inside the handler
 ])
@@ -77,12 +78,13 @@ def test_invalid_hwrm_input_gets_invalid_params(name, fields):
 
 
 @pytest.mark.parametrize("fields", [dict(instance=1), dict(entry_size=64), dict(num_entries=100_000),
+                                    dict(num_entries=257),  # below the L2 share (256) and the QP1s (2)
                                     dict(page_size_pbl_level=3), dict(page_size_pbl_level=0x70),
                                     dict(page_dir=0x1000)])
 def test_backing_store_cfg_validation(fields):
     host = Driver()
     host.hwrm("func_backing_store_qcaps_v2", type=0)
-    request = dict(type=0, instance=0, entry_size=704, num_entries=256, page_dir=host.alloc(44),
+    request = dict(type=0, instance=0, entry_size=704, num_entries=300, page_dir=host.alloc(52),
                    page_size_pbl_level=0) | fields
     host.hwrm("func_backing_store_cfg_v2", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, **request)
 
@@ -129,6 +131,57 @@ def test_trace_buffers_are_optional_and_accepted():
     assert (trace, 0) in with_trace.backing_store(trace=True) and with_trace.fw.backing_store_missing() is None
     without = Driver()
     assert (trace, 0) not in without.backing_store() and without.fw.backing_store_missing() is None
+
+
+def test_a_required_type_left_out_keeps_initialize_fw_refused():
+    host = Driver()
+    host.backing_store(leave_out=frozenset({BS.MRAV}))  # ALL_DONE on the last, TIM
+    host.open_rcfw()
+    stat = host.hwrm("stat_ctx_alloc", stats_dma_addr=host.alloc(), stats_dma_length=176).stat_ctx_id
+    host.rcfw("initialize_fw", expect=FAIL, stat_ctx_id=stat)
+    assert host.fw.last_error == "RCFW initialize_fw: backing-store type 0xe instances [0] not configured"
+
+
+@pytest.mark.parametrize("sizes", [
+    {},  # the QP entries: the L2 share (256), the QP1s (2) and 6 more
+    {BS.TIM: 256 + 8},  # a timer context for every QP, L2 ones included
+    {BS.SP_TQM_RING: 128 + 256 + 2 * 8 + 64},  # the slow-path ring: VNICs, L2 QPs, two per RoCE QP, its minimum
+    {BS.FP_TQM_RING: 256 + 8},  # each fast-path ring: every QP
+], ids=["qp", "tim", "sp-tqm", "fp-tqm"])
+def test_exactly_the_qps_the_backing_store_holds_can_be_created(sizes):
+    """8 RoCE QPs backed: the eighth is created, the ninth refused with RESOURCES, and one destroyed makes room."""
+    host = Driver()
+    host.boot(store=dict(extra_qps=64 if sizes else 6, sizes=sizes))
+    assert host.rcfw("query_func").max_qp == 8
+    cq = host.create_cq()
+    qps = [host.create_qp(cq) for _ in range(8)]
+    host.create_qp(cq, expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES)
+    assert host.fw.last_error == "RCFW create_qp: the backing store holds 8 QP contexts; all are in use"
+    host.rcfw("destroy_qp", qp_cid=qps[3])
+    assert host.create_qp(cq) == qps[3]
+
+
+def test_cqs_mrs_statistics_contexts_and_vnics_fit_the_backing_store():
+    """Each as many as configured, less the firmware's own share: L2 CQs (256), address handles (MRAV's split 0 as
+    the driver sent it), RSS ring tables (VNIC entries past split 0)."""
+    host = Driver()
+    host.boot(store=dict(extra_qps=2, sizes={BS.MRAV: 3, BS.STAT: 2, BS.VNIC: 1}))  # CQs: 256 + 2 x 2
+    cqs = [host.create_cq() for _ in range(4)]
+    host.rcfw("create_cq", expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES, cq_handle=1, cq_size=64,
+              cq_fco_cnq_id=host.nq_id, pg_size_lvl=0, pbl=host.alloc())
+    assert "holds 4 CQ contexts" in host.fw.last_error and len(cqs) == 4
+    for _ in range(3):
+        host.rcfw("allocate_mrw", pd_id=1, mrw_flags=bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
+    host.rcfw("allocate_mrw", expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES, pd_id=1,
+              mrw_flags=bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
+    assert "holds 3 MR contexts" in host.fw.last_error
+    host.hwrm("stat_ctx_alloc", stats_dma_addr=host.alloc(), stats_dma_length=176)  # boot() took the first
+    host.hwrm("stat_ctx_alloc", expect=bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR, stats_dma_addr=host.alloc(),
+              stats_dma_length=176)
+    assert host.fw.last_error == "HWRM stat_ctx_alloc: all 2 statistics contexts are allocated"
+    host.hwrm("vnic_alloc")
+    host.hwrm("vnic_alloc", expect=bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR)
+    assert host.fw.last_error == "HWRM vnic_alloc: all 1 VNICs are allocated"
 
 
 def test_context_init_at_a_byte_offset_is_noted_not_refused():
@@ -269,7 +322,9 @@ def test_each_profile_reports_its_chip_and_capabilities_where_linux_reads_them(p
     assert hw_retx_supported(caps.dev_cap_flags) == profile.hw_retx
     assert host_msn_table(caps.dev_cap_ext_flags_2) == profile.host_msn_table
     areas = {kind: area.entries for (kind, _), area in host.fw.backing_store.items()}
-    assert (caps.max_qp, caps.max_cq, caps.max_mr, caps.max_gid) == (areas[0], areas[2], areas[0xE] // 2, 256)
+    l2_qps, l2_cqs = CONTEXT_TYPES[0].splits[0], CONTEXT_TYPES[2].splits[0]  # the firmware's own share: not RoCE's
+    assert (caps.max_qp, caps.max_cq, caps.max_mr, caps.max_gid) == (areas[0] - l2_qps, areas[2] - l2_cqs,
+                                                                     areas[0xE], 256)
 
 
 @pytest.mark.parametrize("profile", ["thor2", "no-hw-retx"])
@@ -362,7 +417,7 @@ def test_func_cfg_takes_each_count_with_its_enable_bit_and_refuses_past_the_reso
     limits = host.hwrm("func_resource_qcaps", fid=0xFFFF)
     caps = host.hwrm("func_qcaps", fid=0xFFFF)
     assert (limits.max_msix, limits.min_msix, limits.max_stat_ctx, limits.max_vnics) == \
-        (64, 0, CONTEXT_TYPES[4].max_entries, CONTEXT_TYPES[3].max_entries)
+        (64, 0, CONTEXT_TYPES[4].max_entries, CONTEXT_TYPES[3].splits[0])  # VNIC entries past split 0: ring tables
     assert (caps.max_cmpl_rings, caps.max_rx_rings, caps.max_stat_ctx) == \
         (limits.max_cmpl_rings, limits.max_rx_rings, limits.max_stat_ctx)
     host.hwrm("func_cfg", fid=0xFFFF, enables=bnxt.FUNC_CFG_REQ_ENABLES_NUM_MSIX, num_msix=3, num_vnics=9)
