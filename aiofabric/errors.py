@@ -168,3 +168,8 @@ class CompilerNotFoundError(FabricError):
 
 class KernelBuildError(FabricError):
     """The C compiler refused a kernel's source; the message carries its diagnostics."""
+
+
+class UnsupportedError(FabricError):
+    """The NIC does not offer what was asked: atomics, when the PCIe path to the root port does not complete
+    AtomicOps (the message names the port)."""

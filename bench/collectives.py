@@ -33,7 +33,7 @@ RANKS = 4
 
 
 async def p2p_bandwidth(size=1 << 20):
-    result = await run_bench(BenchConfig(test="write", size=size, qps=4, depth=8, iters=64))
+    result = await run_bench(BenchConfig(test="write", size=size, qps=4, depth=8, cq_mod=4, iters=64))
     return result["bytes"] / result["seconds"] / 1e9
 
 

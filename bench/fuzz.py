@@ -46,6 +46,7 @@ from aiofabric.sim.rcfw import Rcfw
 HWRM_EXCLUDED = {
     "func_reset": "wipes every ring, context and RoCE object the driver owns (the CREQ included: RCFW goes deaf)",
     "func_drv_unrgtr": "the driver leaving: the firmware drops the backing store RoCE runs on",
+    "func_cfg": "may point the driver's async events (async_event_cr) at its CREQ or its RoCE NQ",
 }
 RCFW_EXCLUDED = {
     "deinitialize_fw": "un-initializes the RoCE function: every later command, the driver's teardown too, fails",

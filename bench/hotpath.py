@@ -186,8 +186,8 @@ def check_import(tree: Tree, cwd: Path) -> None:
 def bench_cpu(tree: Tree, cwd: Path, qps: int, iters: int, post_list: int | None = None) -> float:
     """Driver CPU µs per 64 B WRITE at `qps` QPs x depth 32, the bytes of every operation verified."""
     args = ["bench", "write", "--size", "64", "--qps", str(qps), "--depth", "32", "--iters", str(iters)]
-    if post_list is not None:
-        args += ["--post-list", str(post_list)]
+    # a completion every half depth (bench's default before it took perftest's CQ moderation), or each post list's
+    args += ["--cq-mod", "16"] if post_list is None else ["--post-list", str(post_list)]
     doc = aiofabric(tree, cwd, *args)
     if doc.get("verified") is not True:
         raise RunError(f"not verified: {doc.get('verification', doc.get('error'))}")

@@ -2,8 +2,10 @@
 firmware channels (`HwrmChannel`, `RcfwChannel`), the removal watch (`Liveness`), who hears of events (`EventRouter`)
 and a close's time budget (`CloseBudget`); verbs objects attach to it through `DeviceObject`.
 
-Bring-up follows Linux's bnxt_en and bnxt_re: the driver registers with an OS type, configures the backing store
-(backing_store.py) and sizes every ring explicitly. Each chip and firmware feature is used only where Linux finds it:
+Bring-up follows Linux's bnxt_en and bnxt_re: the driver configures the backing store (backing_store.py) and asks
+what it may reserve (FUNC_RESOURCE_QCAPS) before it registers with an OS type, reserves what it will allocate with
+FUNC_CFG before the first ring (resources.py), names its event ring to the firmware and sizes every ring explicitly.
+Each chip and firmware feature is used only where Linux finds it:
 Thor and Thor2 chips only (VER_GET chip_num), variable-size WQEs on Thor2 only, short HWRM commands when VER_GET
 requires them, backing store v2 when FUNC_QCAPS offers it (v1 is refused), hardware retransmission when QUERY_FUNC's
 dev_cap_flags offer it, and the MSN or PSN search table its dev_cap_ext_flags_2 name (hw/firmware.py).
@@ -20,11 +22,11 @@ from typing import Any, Callable, Protocol
 import anyio
 import anyio.abc
 
-from . import backing_store, log
+from . import backing_store, log, resources
 from .close_budget import CLOSE_TIMEOUT, CloseBudget
 from .commands import OWN_FID
-from .firmware_events import (EVENT_RING_DEPTH, EVENT_VECTOR, DeviceEvent, EventRing, EventRouter, Link, event_kind,
-                              reset_text)
+from .firmware_events import (EVENT_RING_DEPTH, EVENT_VECTOR, DeviceEvent, EventInbox, EventRing, EventRouter, Link,
+                              event_kind, reset_text)
 from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, NQ_VECTOR, wake
 from .link import PortLink, single_pf
@@ -39,10 +41,16 @@ from ..hw.cqe import CREQ_ENTRY, NQ_ENTRY
 from ..hw.firmware import (RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, add_gid_fields, host_msn_table, hw_retx_supported,
                            short_commands_required)
 from ..pci import PAGE_SIZE, PCIDevice
+from ..pci.atomic_ops import AtomicOps, determine_atomics
 from ..version import __version__
 
 NQ_DEPTH = 4096
 VECTORS = (CREQ_VECTOR, NQ_VECTOR, EVENT_VECTOR)  # every MSI-X vector the driver waits on
+# What boot allocates, reserved with FUNC_CFG before the first ring (resources.py): an NQ-type ring per vector (the
+# CREQ, the RoCE NQ, the event ring), the L2 receive path's completion ring, RX ring and VNIC (_open_l2) and the RoCE
+# statistics context (_open_rcfw); no TX ring, no RSS context.
+RESERVATION = {"num_msix": len(VECTORS), "num_cmpl_rings": 1, "num_tx_rings": 0, "num_rx_rings": 1,
+               "num_stat_ctxs": 1, "num_vnics": 1, "num_rsscos_ctxs": 0}
 
 
 def ipv4_gid(ip: str) -> bytes:
@@ -79,7 +87,8 @@ class Device:
         self.port_link = PortLink(self.hwrm_channel, pci.address)  # the interface's UP and the link (link.py)
         self._rcfw_channel: RcfwChannel | None = None  # from boot on: its rings need HWRM commands first
         self._rcfw_timeout = rcfw_timeout
-        self.router = EventRouter(pci.address)
+        self.router = EventRouter(pci.address, self._creq_firmware_event)
+        self._inbox = EventInbox(pci.address)  # firmware events heard on the CREQ, for a task to handle
         self.events = self.router.events  # what no handler took, and the handlers of function events: the NIC's
         self.function_handlers = self.router.function_handlers  # users read and add to them here
         self.teardown = Teardown(pci.address)
@@ -95,6 +104,7 @@ class Device:
         self.caps: dict[str, int] = {}
         self.chip_num = 0  # VER_GET's
         self.variable_wqes = self.hw_retransmit = self.host_msn_table = False  # what boot finds the device offers
+        self.atomic_ops = AtomicOps(False, f"{pci.address} has not booted")  # whether its PCIe path takes atomics
 
     @property
     def link(self) -> Link:
@@ -167,15 +177,12 @@ class Device:
 
     # -- events --------------------------------------------------------------------------------------------------------
     async def _on_firmware_event(self, event_id: int, data1: int, data2: int) -> None:
-        """An event from the event ring (firmware_events.py). Link and MTU changes are read again from the firmware,
-        as bnxt_en does; a reset notice or a fatal firmware error loses the device at once: the firmware resets it
-        and everything must be set up again."""
+        """An event from the event ring or the CREQ (firmware_events.py). Link and MTU changes are read again from
+        the firmware, as bnxt_en does; a reset notice or a fatal firmware error loses the device at once: the firmware
+        resets it and everything must be set up again."""
         kind = event_kind(event_id, data1)
         detail = {"data1": data1, "data2": data2}
-        if kind in ("reset", "fatal"):
-            self.liveness.declare(DeviceLostError(
-                f"{self.pci.address}: firmware event RESET_NOTIFY ({reset_text(data1)}): the firmware resets the "
-                "device, which must be opened again"))
+        self._reset_notice(kind, data1)
         try:
             if kind == "link":
                 await self._query_link()
@@ -186,6 +193,20 @@ class Device:
         except FabricError as exc:  # the event still counts; what it changed stays unknown
             log.warning("%s: %s event %#x: the port could not be queried: %s", self.pci.address, kind, event_id, exc)
         self.router.announce(DeviceEvent(kind, event_id, detail))
+
+    def _creq_firmware_event(self, event_id: int, data1: int, data2: int) -> None:
+        """A firmware event that came on the CREQ, where the firmware sends them until FUNC_CFG names the event ring
+        (_open_events): a reset notice loses the device at once, and the event then waits for the inbox's task (the
+        CREQ's reader must not wait for the HWRM commands a link change needs)."""
+        self._reset_notice(event_kind(event_id, data1), data1)
+        self._inbox.put(event_id, data1, data2)
+
+    def _reset_notice(self, kind: str, data1: int) -> None:
+        """A reset notice or a fatal firmware error loses the device, unless it is lost already."""
+        if kind in ("reset", "fatal") and self.liveness.alive:
+            self.liveness.declare(DeviceLostError(
+                f"{self.pci.address}: firmware event RESET_NOTIFY ({reset_text(data1)}): the firmware resets the "
+                "device, which must be opened again"))
 
     # -- liveness ----------------------------------------------------------------------------------------------------
     @property
@@ -229,21 +250,24 @@ class Device:
             raise PCIError(f"{self.pci.address}: chip {self.chip_num:#06x} is not supported: only Thor (P5) and Thor2 "
                            "(P7) chips are (VER_GET chip_num)")
         self.variable_wqes = self.chip_num in THOR2_CHIPS  # Linux bnxt_re_set_drv_mode
-        if ver.max_req_win_len:
-            self.hwrm_channel.max_request = min(ver.max_req_win_len, 0x100)
-        if short_commands_required(ver.dev_caps_cfg):
-            self.hwrm_channel.use_short_commands(max(ver.max_ext_req_len, bnxt.HWRM_MAX_REQ_LEN))
+        self.hwrm_channel.configure(ver.max_req_win_len or bnxt.HWRM_MAX_REQ_LEN, ver.max_ext_req_len,
+                                    short_commands_required(ver.dev_caps_cfg))
         if ver.def_req_timeout:
             self.hwrm_channel.timeout = max(self.hwrm_channel.timeout, ver.def_req_timeout / 1000)
         await self.hwrm("func_reset", command_timeout=4 * self.hwrm_channel.timeout)
-        caps = await self.hwrm("func_qcaps", fid=OWN_FID)
+        caps = await self.hwrm("func_qcaps", fid=OWN_FID)  # then, as inside Linux's bnxt_hwrm_func_qcaps, the
+        # backing store and FUNC_RESOURCE_QCAPS, all before FUNC_DRV_RGTR (bnxt_fw_init_one_p2)
         if not caps.flags & bnxt.FUNC_QCAPS_RESP_FLAGS_ROCE_V2_SUPPORTED:
             raise FirmwareError("HWRM func_qcaps", 0, "NO_ROCE", f"{self.pci.address} does not support RoCE v2")
         self.mac_address, self.port_id = bytes(caps.mac_address), caps.port_id
         self.mac = self.mac_address.hex(":")
         self.caps = {"max_rsscos_ctx": caps.max_rsscos_ctx, "max_cmpl_rings": caps.max_cmpl_rings,
                      "max_tx_rings": caps.max_tx_rings, "max_rx_rings": caps.max_rx_rings,
-                     "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext}
+                     "max_stat_ctx": caps.max_stat_ctx, "flags": caps.flags, "flags_ext": caps.flags_ext,
+                     "flags_ext2": caps.flags_ext2}
+        await backing_store.configure(self.pci, self.hwrm, self.caps["flags_ext"], self.caps["flags_ext2"],
+                                      self.teardown.on_quiesced)
+        limits = await self.hwrm("func_resource_qcaps", fid=OWN_FID)
         registered = await self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
                                      | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_VER
                                      | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD,
@@ -255,7 +279,10 @@ class Device:
         self.teardown.on_close("HWRM func_drv_if_change (down)", self.port_link.interface_down)  # after every free
         qcfg = await self.hwrm("func_qcfg", fid=OWN_FID)
         self.db_offset = -(-qcfg.legacy_l2_db_size_kb * 1024 // PAGE_SIZE) * PAGE_SIZE
-        await backing_store.configure(self.pci, self.hwrm, self.caps["flags_ext"], self.teardown.on_quiesced)
+        await resources.reserve(self.pci.address, self.hwrm, RESERVATION, limits)  # Linux bnxt_set_dflt_rings
+        self.atomic_ops = determine_atomics(self.pci, self.pci.upstream_path())  # bnxt_re, before its RCFW channel
+        log.info("%s: atomics %s: %s", self.pci.address, "on" if self.atomic_ops.enabled else "off",
+                 self.atomic_ops.detail)
         await self.port_link.interface_up()  # before the first ring, as bnxt_en's open (link.py)
         await self._open_rcfw(task_group)
         await self._open_l2()
@@ -276,6 +303,7 @@ class Device:
             self.liveness, self.budget, self.router.creq_event, self._rcfw_timeout)
         self.teardown.on_quiesced(channel.cmdq.free)
         self.bar0.write_block(bnxt.RCFW_COMM_BASE_OFFSET, channel.init_block())
+        await task_group.start(self.in_background, functools.partial(self._inbox.serve, self._on_firmware_event))
         channel.reading = True  # before the reader runs: no command may find the CREQ unserved and read it too
         await task_group.start(self.in_background, channel.serve)
 
@@ -336,6 +364,11 @@ class Device:
         """The event ring and its reader (firmware_events.py), then the MTU as it is now."""
         ring = Ring(self.pci, EVENT_RING_DEPTH, ASYNC_EVENT_ENTRY.size)
         ring_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, ring, EVENT_VECTOR)
+        try:  # right after the ring, as Linux's bnxt_hwrm_set_async_event_cr; till then events come on the CREQ
+            await self.hwrm("func_cfg", fid=OWN_FID, enables=bnxt.FUNC_CFG_REQ_ENABLES_ASYNC_EVENT_CR,
+                            async_event_cr=ring_id)
+        except FirmwareError as exc:  # Linux only warns: the events keep coming on the CREQ
+            log.warning("%s: HWRM func_cfg async_event_cr %d: %s", self.pci.address, ring_id, exc)
         reader = EventRing(ring, ring_id, self.doorbells, self.db_offset, self.interrupt_fd(EVENT_VECTOR),
                            self.liveness)  # it sleeps without a timeout: a loss wakes it (_on_lost)
         await task_group.start(self.in_background, functools.partial(reader.serve, self._on_firmware_event))

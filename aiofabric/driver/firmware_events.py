@@ -8,17 +8,20 @@ to bnxt_hwrm_handler and bnxt_async_event_process. Link changes make it re-read 
 bnxt_update_link); RESET_NOTIFY stops the device (bnxt_fw_reset, and bnxt_re's stop marks its command queue detached
 and reports IB_EVENT_DEVICE_FATAL): everything must be re-initialised, which here is a lost device.
 
-Here the events get an NQ of their own (`EventRing`) on MSI-X vector EVENT_VECTOR, read by one of the NIC's
-background tasks that sleeps on that interrupt without a timeout (docs/api.md: an idle NIC wakes nothing). The bindings
-carry no FUNC_CFG (autogen/generate.py's HWRM_COMMANDS), so the ring cannot be named to the firmware: the HSI then
-sends events to the function's default completion ring, which the emulator takes to be an NQ the function uses for
-nothing else (sim/hwrm.py). A real NIC needs FUNC_CFG's async_event_cr.
+Here the events get an NQ of their own (`EventRing`) on MSI-X vector EVENT_VECTOR, named with FUNC_CFG's
+async_event_cr as soon as it exists, and read by one of the NIC's background tasks that sleeps on that interrupt
+without a timeout (docs/api.md: an idle NIC wakes nothing). Until it is named, the firmware sends events to the
+function's default completion ring, the CREQ, where Linux's bnxt_qplib_service_creq accepts HWRM async event
+completions too: the CREQ's reader hands them over (`EventRouter.creq_event`), and a task of their own handles them
+(`EventInbox`).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 from typing import Awaitable, Callable
+
+import anyio
 
 from . import log
 from .interrupts import wait_for_interrupt
@@ -30,7 +33,7 @@ from ..hw.async_event import ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, E
 from ..hw.cqe import CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, creq_type
 from ..pci import Bar
 
-EVENT_VECTOR = 3  # RING_ALLOC's logical_id for the event ring (interrupts.py has the others)
+EVENT_VECTOR = 2  # RING_ALLOC's logical_id for the event ring (interrupts.py has the others)
 EVENT_RING_DEPTH = 64
 LINK_EVENTS = frozenset({EventId.LINK_STATUS_CHANGE, EventId.LINK_SPEED_CHANGE, EventId.PORT_PHY_CFG_CHANGE})
 
@@ -45,14 +48,17 @@ class DeviceEvent:
 
 
 Handler = Callable[[DeviceEvent], None]
+FirmwareEvent = Callable[[int, int, int], None]  # (event_id, data1, data2) of an HWRM async event
 
 
 class EventRouter:
     """Who hears of each event: a QP's or CQ's error notification goes to the handler its object named (`route`), a
-    function-wide event to every one of `function_handlers`; what no handler takes is logged and kept in `events`."""
+    function-wide event to every one of `function_handlers`, an HWRM async event that came on the CREQ to
+    `firmware_event`; what no handler takes is logged and kept in `events`."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, firmware_event: FirmwareEvent) -> None:
         self.address = address  # the device's, for the log
+        self.firmware_event = firmware_event
         self.handlers: dict[str, dict[int, Handler]] = {"qp_error": {}, "cq_error": {}}
         self.function_handlers: list[Handler] = []
         self.events: collections.deque[DeviceEvent] = collections.deque(maxlen=256)
@@ -66,7 +72,8 @@ class EventRouter:
             table[xid] = handler
 
     def creq_event(self, entry: bytes) -> None:
-        """A CREQ entry that is not a command's reply: an error notification for a QP or CQ, or a function event."""
+        """A CREQ entry that is not a command's reply: an error notification for a QP or CQ, a function event, or an
+        HWRM async event (the firmware's before the event ring is named)."""
         kind, event = creq_type(entry[CREQ_TYPE_OFFSET]), entry[CREQ_EVENT_OFFSET]
         if kind == QP_EVENT and event in (QP_ERROR, CQ_ERROR):
             layout = bnxt.creq_qp_error_notification if event == QP_ERROR else bnxt.creq_cq_error_notification
@@ -77,6 +84,9 @@ class EventRouter:
             self.deliver(routed, self.handlers[routed.kind].get(notice.xid))
         elif kind == bnxt.CREQ_BASE_TYPE_FUNC_EVENT:
             self.announce(DeviceEvent("function", event, {}))
+        elif kind == ASYNC_EVENT_TYPE:
+            _, event_id, data2, data1 = ASYNC_EVENT.unpack_from(entry)
+            self.firmware_event(event_id, data1, data2)
         else:
             log.warning("%s: unexpected CREQ entry type %#x dropped", self.address, kind)
 
@@ -94,6 +104,32 @@ class EventRouter:
             handler(event)
         except Exception:
             log.exception("%s: handler for %s failed", self.address, event)
+
+
+class EventInbox:
+    """Firmware events heard where they cannot be handled at once (the CREQ's reader, which must not wait for the
+    HWRM commands a link change needs): they wait here, in order, for `serve`. It holds as many as the event ring."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address  # the device's, for the log
+        self.waiting: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.arrived = anyio.Event()
+
+    def put(self, event_id: int, data1: int, data2: int) -> None:
+        if len(self.waiting) >= EVENT_RING_DEPTH:
+            log.warning("%s: firmware event %#x dropped: %d wait to be handled", self.address, event_id,
+                        len(self.waiting))
+            return
+        self.waiting.append((event_id, data1, data2))
+        self.arrived.set()
+
+    async def serve(self, handle: Callable[[int, int, int], Awaitable[None]]) -> None:
+        """Hand every event to `handle`, in order; between events, sleep until one is put (no timeout)."""
+        while True:
+            while self.waiting:
+                await handle(*self.waiting.popleft())
+            await self.arrived.wait()
+            self.arrived = anyio.Event()
 
 
 @dataclasses.dataclass(frozen=True)

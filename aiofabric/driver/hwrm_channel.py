@@ -1,8 +1,10 @@
 """The HWRM channel: one command at a time, written into BAR0's mailbox window, answered by DMA into a zeroed host
 buffer: the length and sequence id first, the last byte (the valid key) last. Requests name no completion ring
-(cmpl_ring 0xFFFF), so the firmware raises nothing: the answer is polled, as Linux's __hwrm_send does. Firmware that
-requires short commands takes each request from a host buffer instead, the window naming only its address and length
-(Linux bnxt_hwrm.c)."""
+(cmpl_ring 0xFFFF), so the firmware raises nothing: the answer is polled, as Linux's __hwrm_send does. A request in
+the short format is taken from a host buffer instead, the window naming only its address and length: every request
+where the firmware requires short commands, else one longer than the window (Linux bnxt_hwrm.c). A request longer than
+the firmware takes either way (VER_GET max_ext_req_len) is cut to that length when only zeros are cut off, as Linux
+cuts FUNC_CFG's 160 bytes (bnxt_hwrm_func_cfg_short_req_init)."""
 from __future__ import annotations
 
 import contextlib
@@ -44,9 +46,11 @@ class HwrmChannel:
                  timeout: float = HWRM_TIMEOUT) -> None:
         self.pci, self.bar0, self.liveness, self.budget = pci, bar0, liveness, budget
         self.timeout = timeout
-        self.max_request = bnxt.HWRM_MAX_REQ_LEN  # until ver_get says what this firmware takes
+        self.max_request = bnxt.HWRM_MAX_REQ_LEN  # the window; until ver_get says what this firmware takes
+        self.max_ext_request = bnxt.HWRM_MAX_REQ_LEN  # in the short format (ver_get max_ext_req_len, at least 128)
+        self.short_required = False  # every request in the short format
         self._answers = pci.alloc_dma(PAGE_SIZE)
-        self._requests: DmaBuffer | None = None  # with short commands: where each request is written
+        self._requests: DmaBuffer | None = None  # where requests in the short format are written, from the first on
         self._lock = anyio.Lock()
         self._lost = anyio.Event()  # set when the device is lost: a waiting command looks at once
         liveness.on_lost(lambda _: self._lost.set())
@@ -68,14 +72,13 @@ class HwrmChannel:
             self._seq = seq = (self._seq + 1) & 0xFFFF
             request.req_type, request.cmpl_ring, request.seq_id = request_kind, NO_COMPLETION_RING, seq
             request.target_id, request.resp_addr = bnxt.BNXT_HWRM_TARGET, self._answers.bus_addr
-            data = bytes(request)
-            if len(data) > self.max_request:
-                raise ValueError(f"HWRM {name}: {len(data)}-byte request exceeds the {self.max_request}-byte window")
+            data = self._fit(name, bytes(request))
             answer = self._answers.view
             answer[:] = bytes(len(answer))  # Linux's answers come zeroed: a length that is not 0 is the new answer's
             window = data.ljust(self.max_request, b"\0")
-            if self._requests is not None:
-                self._requests.view[:len(window)] = window
+            if self.short_required or len(data) > self.max_request:
+                self._requests = self._requests or self.pci.alloc_dma(PAGE_SIZE)
+                self._requests.view[:len(data)] = data
                 window = HWRM_SHORT_REQUEST.pack(request_kind, SHORT_REQUEST_SIGNATURE,
                                                  bnxt.SHORT_REQ_TARGET_ID_DEFAULT, len(data), self._requests.bus_addr)
             self.bar0.write_block(bnxt.BNXT_GRCPF_REG_CHIMP_COMM, window)
@@ -101,11 +104,22 @@ class HwrmChannel:
         size = ctypes.sizeof(response_type)
         return response_type.from_buffer_copy(raw[:size].ljust(size, b"\0"))
 
-    def use_short_commands(self, max_request: int) -> None:
-        """From now on send every request in the short format (VER_GET said the firmware requires it), each up to
-        `max_request` bytes (its max_ext_req_len)."""
-        self._requests = self._requests or self.pci.alloc_dma(PAGE_SIZE)
-        self.max_request = min(max_request, PAGE_SIZE)
+    def configure(self, window: int, max_ext_request: int, short_required: bool) -> None:
+        """What VER_GET says the firmware takes: `window` bytes in BAR0 (max_req_win_len), `max_ext_request` in the
+        short format (max_ext_req_len), and whether it requires the short format for every request."""
+        self.max_request = min(window, 0x100)
+        self.max_ext_request = min(max(max_ext_request, bnxt.HWRM_MAX_REQ_LEN), PAGE_SIZE)
+        self.short_required = short_required
+
+    def _fit(self, name: str, data: bytes) -> bytes:
+        """The request as the firmware takes it: cut to the longest it takes when only zeros are cut off."""
+        longest = max(self.max_request, self.max_ext_request)
+        if len(data) > longest:
+            if any(data[longest:]):
+                raise ValueError(f"HWRM {name}: {len(data)}-byte request with fields set past the {longest} bytes "
+                                 "this firmware takes (VER_GET max_req_win_len, max_ext_req_len)")
+            data = data[:longest]
+        return data
 
     @contextlib.asynccontextmanager
     async def exclusive(self, name: str, timeout: float) -> AsyncIterator[None]:

@@ -7,7 +7,9 @@ import select
 
 import anyio
 
-CREQ_VECTOR, NQ_VECTOR = 1, 2  # RING_ALLOC's logical_id for the CREQ and the NQ (HWRM answers are polled: none)
+# RING_ALLOC's logical_id, which picks the MSI-X vector: 0..num_msix-1 of what FUNC_CFG reserved (bnxt_re's CREQ is
+# entry 0, its NQs follow; HWRM answers are polled and have none)
+CREQ_VECTOR, NQ_VECTOR = 0, 1
 POLL_INTERVAL = 0.001  # how often to look at memory on a platform without interrupts
 COMMAND_POLL = 0.05  # the longest a waiting HWRM command goes between looks; the CREQ reader's poll is 4 of these
 

@@ -28,9 +28,11 @@ class PageTable:
         self.tables.clear()
 
 
-def page_table(pci: PCIDevice, pages: list[int], *, queue: bool) -> PageTable:
-    """Build the PBL for `pages` (bus addresses of 4 KiB pages). Queues mark the last PTEs (LAST, NEXT_TO_LAST)."""
-    if len(pages) == 1:
+def page_table(pci: PCIDevice, pages: list[int], *, queue: bool, min_level: int = 0) -> PageTable:
+    """Build the PBL for `pages` (bus addresses of 4 KiB pages), at the lowest level that holds them but not below
+    `min_level` (context memory: Linux asks for 1 or 2, bnxt_alloc_ctx_pg_tbls). Queues mark the last PTEs (LAST,
+    NEXT_TO_LAST)."""
+    if len(pages) == 1 and not min_level:
         return PageTable(0, pages[0], [])
     ptes = [p | bnxt.PTU_PTE_VALID for p in pages]
     if queue:
@@ -39,7 +41,7 @@ def page_table(pci: PCIDevice, pages: list[int], *, queue: bool) -> PageTable:
     leaf_pages = -(-len(ptes) // PTES_PER_PAGE)
     leaves = pci.alloc_dma(leaf_pages * PAGE_SIZE)
     leaves.view[:len(ptes) * PTE_SIZE] = pack_ptes(ptes)
-    if leaf_pages == 1:
+    if leaf_pages == 1 and min_level < 2:
         return PageTable(1, leaves.bus_addr, [leaves])
     if leaf_pages > PTES_PER_PAGE:
         raise ValueError(f"{len(pages)} pages need more than a 2-level page table")

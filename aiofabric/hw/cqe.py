@@ -3,8 +3,10 @@ reason codes.
 
 CQEs are 32 bytes (`cq_base`): byte `cqe_type_toggle` holds the valid bit (CQ_BASE_TOGGLE) and the type
 (CQ_BASE_CQE_TYPE_MASK: REQ, RES_RC, ...), the next byte the status. `CQE_REQ` (cq_req) completes send-queue work:
-`sq_cons_idx` is the SQ consumer in WQEs after the completed WQE (mod 2^16), so one CQE retires every unsignaled WQE
-before it. `CQE_RES_RC` (cq_res_rc) completes a receive, or a WRITE with immediate (flags CQ_RES_RC_FLAGS_*).
+`sq_cons_idx` is the index of the WQE after the completed one, modulo CREATE_QP's sq_size (one count per WQE), so
+one CQE retires every unsignaled WQE before it; an error CQE of a variable-WQE QP names the slot the failed WQE starts
+at instead (Linux bnxt_qplib_cq_process_req). `CQE_RES_RC` (cq_res_rc) completes a receive, or a WRITE with
+immediate (flags CQ_RES_RC_FLAGS_*).
 NQ entries are 16 bytes (`nq_cn`): a CQ notification carries the CQ's handle and a 2-bit toggle in `type`. CREQ
 entries are 16 bytes (`creq_base`): command completions (`creq_qp_event`, matched by cookie) and asynchronous events.
 `CQ_ENTRY`, `NQ_ENTRY` and `CREQ_ENTRY` say where each kind keeps its valid bit (see ring.py).
@@ -29,7 +31,7 @@ NQ_ENTRY = RingEntry(ctypes.sizeof(bnxt.nq_base), bnxt.nq_cn.v.offset, bnxt.NQ_C
 CREQ_ENTRY = RingEntry(ctypes.sizeof(bnxt.creq_base), bnxt.creq_base.v.offset, bnxt.CREQ_BASE_V)
 
 CQE_TYPE_OFFSET, CQE_STATUS_OFFSET = bnxt.cq_base.cqe_type_toggle.offset, bnxt.cq_base.status.offset
-SQ_CONS_IDX_MASK = (1 << 8 * bnxt.cq_req.sq_cons_idx.size) - 1  # sq_cons_idx counts WQEs modulo 2^16
+SQ_CONS_IDX_MASK = (1 << 8 * bnxt.cq_req.sq_cons_idx.size) - 1  # what a 16-bit consumer index holds
 CQE_REQ = Layout.of(bnxt.cq_req, "qp_handle", "sq_cons_idx", "cqe_type_toggle", "status")
 CQE_RES_RC = Layout.of(bnxt.cq_res_rc, "length", "imm_data_or_inv_r_key", "qp_handle", "mr_handle", "cqe_type_toggle",
                        "status", "flags", "srq_or_rq_wr_id")

@@ -1,6 +1,7 @@
 """`aiofabric doctor`: every pre-flight check of one PCI function, or of every supported function on the bus, with
-the lock, whether its last holder left it running when nobody holds it, and its link where bnxt_en shows it; as a
-`Report` printed as text or JSON.
+whether its PCIe path completes AtomicOps (a warning when not: the NIC then offers no atomics), the lock, whether its
+last holder left it running when nobody holds it, and its link where bnxt_en shows it; as a `Report` printed as text
+or JSON.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import textwrap
 from typing import Any
 
+from .atomic_ops import check_atomic_ops
 from .device_lock import check_lock
 from .preflight import (IDENTITY, SUPPORTED_CHIPS, SUPPORTED_NAMES, Access, Finding, Host, Target, bus_functions,
                         check_function, check_quiesced, read_number, read_text)
@@ -51,15 +53,16 @@ def drivable(findings: list[Finding]) -> bool:
 
 
 def diagnose(address: str, host: Host, access: Access) -> list[Finding]:
-    """Every check of one function, the lock and, when nobody holds it, whether the last holder left it running;
-    then its link, when bnxt_en shows it (`check_link`)."""
+    """Every check of one function, its AtomicOps path, the lock and, when nobody holds it, whether the last holder
+    left it running; then its link, when bnxt_en shows it (`check_link`)."""
     findings = check_function(address, host, access)
     if len(findings) <= len(IDENTITY):  # check_function stopped at a failed identity check
         return findings
     target = Target.of(address, host, access)
     lock = check_lock(address, host)
     link = check_link(target)
-    return findings + [lock] + ([check_quiesced(target)] if lock.ok else []) + ([link] if link else [])
+    return findings + [check_atomic_ops(target), lock] + ([check_quiesced(target)] if lock.ok else []) + \
+        ([link] if link else [])
 
 
 def check_link(t: Target) -> Finding | None:

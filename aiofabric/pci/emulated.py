@@ -22,7 +22,6 @@ import logging
 import mmap
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -30,14 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 from .linux import MAP_NORESERVE, map_at, virt_addr
 from .seam import Bar, DmaBuffer, PCIDevice
+from .upstream import ConfigImage, UpstreamPath
 from ..errors import PCIError
-from ..hw.pci import BROADCOM_VENDOR_ID, PCI_COMMAND, PCI_VENDOR_ID
 from ..sim.kick import (ATTACH_FDS, BAR0_KICK_FROM, CONFIG_SPACE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, NUM_VECTORS,
                         PUNCHED, send_kicks)
 from ..sim.memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageAllocator
 from ..sim.netns import NETNS_DIR
 from ..sim.options import check_options
 from ..sim.options import FAULTS as FAULTS  # the wire faults, for the tools (which do not import sim/)
+from ..sim.pcie import DEFAULT_PCIE_PATH, function_config, port_configs
 from ..sim.profiles import DEFAULT_PROFILE, PROFILES
 
 if TYPE_CHECKING:
@@ -204,9 +204,10 @@ class SimPCIDevice(PCIDevice):
     binds a free 127.0.0.x itself, race-free across processes; `self.ip` says which, and `self.netns` if UDP 4791 was
     taken on every one of the host's and it moved to this user's private network namespace), `mac`, `fw_latency_us`,
     `transport`, the wire faults `loss`/`dup`/`reorder`/`corrupt` with `seed`, `pcap` and `pcap_max_bytes` (the capture
-    and its bound), `port_mtu`, `profile` (the chip and firmware it plays), `netns`, which starts the process inside
-    that network namespace, so its wire is the namespace's interfaces, and `process`, a name: the NICs this process
-    opens with the same name (and namespace) share one emulator process. Bad options raise ValueError before anything
+    and its bound), `port_mtu`, `profile` (the chip and firmware it plays), `pcie_path` (the PCIe path to the root
+    complex, which decides whether atomics work), `netns`, which starts the process inside that network namespace,
+    so its wire is the namespace's interfaces, and `process`, a name: the NICs this process opens with the same name
+    (and namespace) share one emulator process. Bad options raise ValueError before anything
     starts; an emulator that cannot start raises PCIError with its reason.
     """
 
@@ -233,9 +234,10 @@ class SimPCIDevice(PCIDevice):
         self._kick, kick_peer = socket.socketpair()
         self._debug, debug_peer = socket.socketpair()
         self._debug_file = self._debug.makefile("rwb", buffering=0)
-        self._config = bytearray(256)
-        struct.pack_into("<HH", self._config, PCI_VENDOR_ID, BROADCOM_VENDOR_ID,
-                         PROFILES[options.get("profile", DEFAULT_PROFILE)].chip_num)
+        pcie_path = options.get("pcie_path", DEFAULT_PCIE_PATH)
+        self._config = function_config(PROFILES[options.get("profile", DEFAULT_PROFILE)].chip_num, pcie_path)
+        self._upstream = UpstreamPath(tuple(ConfigImage(address, config)
+                                            for address, config in port_configs(pcie_path)))
         fds = [self._bar0_fd, self._arena_fd, kick_peer.fileno(), debug_peer.fileno(), *self._irqs]
         config = {"name": name, "fds": {**{key: i for i, key in enumerate(ATTACH_FDS)},
                                         "irq_fds": list(range(len(ATTACH_FDS), len(fds)))},
@@ -302,8 +304,11 @@ class SimPCIDevice(PCIDevice):
 
     def write_config(self, offset: int, value: int, size: int) -> None:
         self._config[offset:offset + size] = value.to_bytes(size, "little")
-        if offset == PCI_COMMAND:
-            send_kicks(self._kick, KICK.pack(CONFIG_SPACE, offset, value))
+        send_kicks(self._kick, KICK.pack(CONFIG_SPACE, offset, value))
+
+    def upstream_path(self) -> UpstreamPath:
+        """The ports the `pcie_path` option puts above the function."""
+        return self._upstream
 
     def _alloc_dma(self, size: int, contiguous: bool) -> DmaBuffer:
         if self._closed:
@@ -311,7 +316,11 @@ class SimPCIDevice(PCIDevice):
         length = -(-max(size, 1) // PAGE) * PAGE
         start = self._allocator.alloc(length)
         view = self._arena_view[start:start + length]
-        view[:] = bytes(length)
+        try:  # zeroed by punching a hole (free for pages already punched), then one byte per page touches it all
+            self._arena.madvise(mmap.MADV_REMOVE, start, length)
+            view[::PAGE] = bytes(length // PAGE)
+        except OSError:  # a kernel without MADV_REMOVE for shmem: zero every byte (twice the cost)
+            view[:] = bytes(length)
         buffer = DmaBuffer(view, [BUS_BASE + start + i for i in range(0, length, PAGE)], True,
                            lambda: self._free(start))
         self._live[start] = buffer

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from .barrier import memory_barrier
 from .linux import PAGE_SIZE
+from .upstream import UpstreamPath
 from ..errors import PCIError
 from ..hw.pci import PCI_COMMAND, PCI_COMMAND_INTX_DISABLE, PCI_COMMAND_MASTER, PCI_COMMAND_MEMORY
 
@@ -177,6 +178,11 @@ class PCIDevice(abc.ABC):
     def removal_reason(self) -> str:
         """Why the device went away, if the platform can tell (blocking; call it once, after removal)."""
         return ""
+
+    def upstream_path(self) -> UpstreamPath:
+        """The bridges between the function and the root complex, nearest first, and whether it is a virtual
+        function: what the PCIe AtomicOps walk reads (atomic_ops.py). The default platform shows no bridge."""
+        return UpstreamPath()
 
     def debug_client(self) -> Any:
         """The emulator's debug channel (an `aiofabric.pci.emulated_debug.DebugClient`) when this device is an emulated NIC,

@@ -13,6 +13,7 @@ from .linux import (HUGE_PAGE_SIZE, MAP_HUGETLB, MAP_LOCKED, MAP_POPULATE, PAGE_
                     virt_addr)
 from .preflight import Host
 from .seam import Bar, DmaBuffer, PCIDevice, check_address, check_bar_index, check_config_access, config_value
+from .upstream import UpstreamPath, sysfs_upstream
 from ..errors import PCIError
 
 NEED_ROOT = "run as root (CAP_SYS_ADMIN is needed for BARs, config space and physical addresses)"
@@ -97,6 +98,7 @@ class SysfsPCIDevice(PCIDevice):
         self, address: str, sysfs_root: str = "/sys/bus/pci/devices", pagemap: str = "/proc/self/pagemap"
     ) -> None:
         self.address = check_address(address)
+        self._root = sysfs_root
         self._dir = os.path.join(sysfs_root, self.address)
         self._pagemap = pagemap
         self._bars: dict[int, SysfsBar] = {}
@@ -135,6 +137,9 @@ class SysfsPCIDevice(PCIDevice):
         self._check_config(offset, size)
         if os.pwrite(self._config_fd, value.to_bytes(size, "little"), offset) != size:
             raise PCIError(f"short config write at {offset:#x} of {self.address}")
+
+    def upstream_path(self) -> UpstreamPath:
+        return sysfs_upstream(self._root, self.address)
 
     # -- DMA memory --
 

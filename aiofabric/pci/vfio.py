@@ -39,6 +39,7 @@ from .iommu import IommuWindows
 from .preflight import Host, Target, check_iommu, check_iommu_group, check_present, refusal
 from .seam import Bar, DmaBuffer, PCIDevice, check_address, check_bar_index, check_config_access, config_value
 from .sysfs import SysfsBar
+from .upstream import UpstreamPath, sysfs_upstream
 from .vfio_api import LinuxVfio, VfioApi
 from ..errors import PCIError
 
@@ -273,6 +274,10 @@ class VfioPCIDevice(PCIDevice):
     def write_config(self, offset: int, value: int, size: int) -> None:
         at = self._config_offset(offset, size)
         self._vfio("config write", self.api.write, self._device, at, value.to_bytes(size, "little"))
+
+    def upstream_path(self) -> UpstreamPath:
+        """The bridges above, from sysfs (VFIO gives only the function itself)."""
+        return sysfs_upstream(self._target.host.devices, self.address)
 
     def _alloc_dma(self, size: int, contiguous: bool) -> DmaBuffer:
         self._check_open()

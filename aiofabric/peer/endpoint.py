@@ -264,6 +264,11 @@ class Endpoint:
             self.policy.check_params({"test": test, "size": size, "mtu": mtu})
         return {"test": test, "size": size, "mtu": mtu, **(self.policy.expect if self.policy else {})}
 
+    async def op_bench_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        if self.policy is not None:
+            self.policy.check_params(params)
+        return self.policy.expect if self.policy else params
+
     async def op_pong(self, qp: int, mr: int, test: str, size: int, iters: int, wait: float, warmup: int,
                       remote: dict[str, Any] | None, rx_slots: int, inline: bool) -> dict[str, Any]:
         # one server half per client at a time: each is a background task polling a QP until its wait runs out

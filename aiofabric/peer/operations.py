@@ -32,6 +32,9 @@ Operations (`args` fields; "=" marks a default, the rest are required)
     lat_params   test, size, mtu, iters, warmup=0             -> {"test", "size", "mtu"}   (the server's)
                  (a latency client's parameters; a `lat --server` started with another test, size or MTU refuses
                  them with a ParameterMismatch naming both, and ends the session)
+    bench_params params: object                               -> the server's parameters
+                 (a bandwidth client's symmetric parameters, {name: value}; a `bench --server` started with other
+                 values refuses them with a ParameterMismatch naming both, and ends the session)
     pong         qp, mr, test, size, iters, wait, warmup=0, remote=null: REGION, rx_slots=0, inline=false -> {"pong"}
                  (starts the server half of a latency ping-pong, aiofabric/peer/pingpong.py, on a connected QP:
                  test "write" (remote: the client's region) or "send" (rx_slots receives posted ahead); answers
@@ -213,6 +216,7 @@ OPS: dict[str, Fields] = {
     "report": {"result": (_json_object, REQUIRED)},
     "lat_params": {"test": (_name, REQUIRED), "size": (_natural, REQUIRED), "mtu": (_natural, REQUIRED),
                    "iters": (_natural, REQUIRED), "warmup": (_natural, 0)},
+    "bench_params": {"params": (_json_object, REQUIRED)},
     "pong": {"qp": (_handle, REQUIRED), "mr": (_handle, REQUIRED), "test": (_choice("write", "send"), REQUIRED),
              "size": (_bounded_int(1, 1 << 30), REQUIRED), "iters": (_bounded_int(1, MAX_PINGS), REQUIRED),
              "wait": (_seconds(MAX_WAIT), REQUIRED), "warmup": (_bounded_int(0, MAX_PINGS), 0),
@@ -242,7 +246,7 @@ def _tcp_profile(tool: str, names: tuple[str, ...], exchange: str) -> Profile:
 
 ENDPOINT = Profile("endpoint", OPS)
 BENCH_OPS_NAMES = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", "fill", "sha256", "connect_qp",
-                   "post_recvs", "close", "report", "nic_status")  # what `bench SERVER_HOST` sends, nothing else
+                   "bench_params", "post_recvs", "close", "report", "nic_status")  # what `bench SERVER_HOST` sends
 BENCH = _tcp_profile("bench", BENCH_OPS_NAMES, "bench exchange")
 LAT_OPS_NAMES = ("ping", "open_nic", "create_cq", "create_qp", "register_mr", "fill", "sha256", "connect_qp",
                  "lat_params", "pong", "pong_wait", "close", "report", "nic_status")  # what `lat SERVER_HOST` sends

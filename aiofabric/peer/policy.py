@@ -18,8 +18,8 @@ from ..errors import NotAllowed, ParameterMismatch
 
 log = logging.getLogger(__name__)
 # A --forever server's captures: at most PCAP_MAX_FILES files (FILE, FILE.1, ...) of at most PCAP_MAX_BYTES each, so
-# clients cannot fill the server's disk (16 GiB at worst). A default bench run (1000 x 65536 bytes) captures about
-# 70 MB, so a file holds a default run many times over; 16 files are a session's first clients.
+# clients cannot fill the server's disk (16 GiB at worst). A default bench write run (5000 x 65536 bytes) captures
+# about 350 MB, so a file holds a default run a few times over; 16 files are a session's first clients.
 PCAP_MAX_BYTES = 1 << 30
 PCAP_MAX_FILES = 16
 
@@ -64,7 +64,8 @@ class ServerPolicy:
     allow_peers: tuple[Network, ...] = ()
     limits: Limits = dataclasses.field(default_factory=Limits)
     tool: str = "bench"  # the exchange clients may run (operations.PROFILES): "bench" or "lat"
-    expect: dict[str, Any] = dataclasses.field(default_factory=dict)  # lat: the test, size and MTU clients must run
+    expect: dict[str, Any] = dataclasses.field(default_factory=dict)  # the parameters clients must run with
+    flags: dict[str, str] = dataclasses.field(default_factory=dict)  # how `expect`'s names are spelled, for errors
     _opened: itertools.count = dataclasses.field(default_factory=itertools.count, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,14 +87,16 @@ class ServerPolicy:
         return {"pcap": self.pcap if number == 0 else f"{self.pcap}.{number}", "pcap_max_bytes": self.pcap_max_bytes}
 
     def check_params(self, params: dict[str, Any]) -> None:
-        """Refuse (ParameterMismatch, one line naming both sides) a latency client whose test, size or MTU differ
-        from what this server was started with, as perftest's two sides refuse each other."""
+        """Refuse (ParameterMismatch, one line naming both sides) a client whose parameters differ from the ones
+        this server was started with (`expect`: lat's test, size and MTU; bench's symmetric flags), as perftest's
+        two sides refuse each other."""
         differ = [name for name, mine in self.expect.items() if params.get(name) != mine]
         if differ:  # the client's values are escaped: the message is printed and logged on the server
             theirs = printable(", ".join(f"{name} {params.get(name)}" for name in differ))
             ours = ", ".join(f"{name} {self.expect[name]}" for name in differ)
+            spelled = [self.flags.get(name, name) for name in self.expect]
             raise ParameterMismatch(f"the two sides' parameters differ: the client runs {theirs}, the server "
-                                    f"{ours}; start both with the same test, -s and -m")
+                                    f"{ours}; start both with the same {', '.join(spelled[:-1])} and {spelled[-1]}")
 
     def check_peer(self, gid: str, client: str) -> None:
         """Refuse (NotAllowed) a QP peer whose GID (32 hex digits) is neither the address `client` connected from

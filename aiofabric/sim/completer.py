@@ -20,7 +20,7 @@ from .packets import RESPONSE_LAST, RESPONSE_MIDDLE, RESPONSE_ONLY
 from .qpport import QpPort
 from .sendqueue import SendQueue, SendWqe
 from ..autogen import bnxt
-from ..hw.cqe import CQE_REQ, SQ_CONS_IDX_MASK, RequesterErrorReason
+from ..hw.cqe import CQE_REQ, RequesterErrorReason
 from ..hw.verbs import PSN_MASK, QPState, psn_diff
 from ..hw.wqe import ATOMIC_SIZE
 
@@ -77,10 +77,16 @@ class Completer:
 
     # -- completing ------------------------------------------------------------------------------------------------
     def post_completion(self, w: SendWqe, status: int) -> None:
-        """w's CQE, if it asked for one (a signaled WQE) or failed."""
+        """w's CQE, if it asked for one (a signaled WQE) or failed. Its sq_cons_idx names the WQE after w, modulo
+        CREATE_QP's sq_size (WQEs; slots with variable WQEs, still one count per WQE), as Linux's
+        bnxt_qplib_cq_process_req reduces it; an error CQE of a variable-WQE QP names the slot w starts at instead
+        (bnxt_qplib_get_cqe_sq_cons). Inferred: that the chip reduces the index itself (Linux's own `%` could not
+        undo a 16-bit wrap when sq_size does not divide 2^16)."""
         if status or w.signaled:
-            consumer = (w.index + 1) & SQ_CONS_IDX_MASK
-            self.post_cqe(self.qp.scq, CQE_REQ.pack(self.qp.handle, consumer, CQE_TYPE_REQ, status))
+            qp = self.qp
+            geometry = qp.sq_geometry
+            consumer = w.slot if status and geometry.variable else (w.index + 1) % geometry.size
+            self.post_cqe(qp.scq, CQE_REQ.pack(qp.handle, consumer, CQE_TYPE_REQ, status))
 
     def _retire(self) -> None:
         """Complete wqes[done] successfully."""

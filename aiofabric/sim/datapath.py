@@ -80,6 +80,7 @@ class QpContext:
     def __init__(self, dp: Datapath, qp: QueuePair) -> None:
         self.dp, self.qp = dp, qp
         self.mem, self.mrs, self.stats, self.outbox, self.faults = dp.mem, dp.mrs, dp.stats, dp.outbox, dp.faults
+        self.pcie = dp.pcie
         self.post_cqe, self.acks_due = dp.post_cqe, dp.acks_due
         self.address: Address = (0, 0, "", "", 0, 0, 0)
         self.peer_ip = ""  # the only source address this QP accepts packets from (receive(): check_addr)
@@ -140,6 +141,7 @@ class Datapath:
 
     def __init__(self, fw: Firmware, ip: str = "0.0.0.0") -> None:
         self.rcfw, self.mem, self.mrs = fw.rcfw, fw.mem, fw.rcfw.mrs
+        self.pcie = fw.pcie  # whether atomics reach host memory
         self.ip = ip
         # packets_sent, packets_received, retransmits, go_backs, acks, naks, rnr_naks, duplicates, out_of_sequence,
         # timeouts,

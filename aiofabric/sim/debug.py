@@ -2,7 +2,8 @@
 (pci/emulated_debug.py is its client); each gets one JSON line back, {"error": ...} if it failed. A bad request never
 takes the device down.
 
-Requests ({"op": OP, ...}): "ping"; "objects" (live firmware objects); "stats"; "datapath" (per-QP protocol state);
+Requests ({"op": OP, ...}): "ping"; "objects" (live firmware objects); "backing_store" (what the driver configured:
+type, instance, entries, entry_size, PBL level, splits); "stats"; "datapath" (per-QP protocol state);
 "inject" (the next `count` commands named `command` fail with `status`); "stall" and "hang" (the next `count` answers
 on `channel`, "hwrm" or "rcfw", are dropped, or their commands neither executed nor answered); "latency" (`us` per
 firmware command from now on); "placed"; "fault"; "event".
@@ -30,9 +31,9 @@ K bytes away from the RETH's address, clamped to stay inside the MR (it never fa
 replaces the pending count of its kind (count 0 cancels it).
 
 "event" request: {"op": "event", "event": {"kind": K, ...}} reports what the firmware would (hwrm.Firmware.
-post_event): "link_down", "link_up", "reset_notify" and "fatal" on the async event ring, if the driver registered for
-them; "qp_error", "cq_error" and "function" on the CREQ. The port's drops are the firmware's counters
-dropped_link_down and dropped_oversize.
+post_event): "link_down", "link_up", "reset_notify" and "fatal" on the ring FUNC_CFG named for them (the CREQ until
+then), if the driver registered for them; "qp_error", "cq_error" and "function" on the CREQ. The port's drops are the
+firmware's counters dropped_link_down and dropped_oversize.
 """
 from __future__ import annotations
 
@@ -71,6 +72,8 @@ class DebugServer:
             return {"pid": os.getpid(), "name": nic.name, "netns": nic.netns}
         if op == "objects":
             return {"objects": nic.fw.objects()}
+        if op == "backing_store":
+            return {"backing_store": nic.fw.backing_store_report()}
         if op == "stats":
             return {"stats": {**nic.stats, **nic.fw.stats, **wire_stats(nic),
                               "writes_after_free": nic.freed.written_pages(),

@@ -10,9 +10,10 @@ fw_latency_us; ip (the NIC's IPv4 address; when null the emulator binds the firs
 start and reports it); netns (the namespace `ip netns exec` started the process in: it never moves from there);
 transport ("udp" default, or "raw"); the wire fault probabilities (options.FAULTS) and seed; pcap (a file that gets
 every packet sent and received) and pcap_max_bytes; port_mtu (the port's MTU, port.py: longer packets are dropped);
-profile (profiles.py); link_delay_ms (how long the link trains before it comes up, phy.py). While port_phy_cfg
-selects LPBK_LOCAL, packets go through an in-process loopback transport instead of the wire; while the link is down
-(until a driver brings it up, and from a debug "event" link_down to link_up) the port carries nothing.
+profile (profiles.py); pcie_path (pcie.py: the path to the root complex, which decides whether atomics reach host
+memory); link_delay_ms (how long the link trains before it comes up, phy.py). While port_phy_cfg selects LPBK_LOCAL,
+packets go through an in-process loopback transport instead of the wire; while the link is down (until a driver
+brings it up, and from a debug "event" link_down to link_up) the port carries nothing.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .memory import ARENA_SIZE, BAR0_SIZE, BusMemory
 from .mmio import Mmio
 from .options import FAULTS
 from .pcap import PcapWriter
+from .pcie import DEFAULT_PCIE_PATH
 from .phy import DEFAULT_LINK_DELAY_MS
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
 from .profiles import DEFAULT_PROFILE, PROFILES
@@ -85,7 +87,8 @@ class Emulator:
         self.mem = BusMemory(self.arena_map)
         self.freed = FreedMemory(self.arena_map)
         mac = bytes.fromhex(config["mac"].replace(":", "")) if config.get("mac") else mac_for(self.name)
-        self.fw = Firmware(self.mem, FirmwareConfig(mac=mac, profile=PROFILES[config.get("profile", DEFAULT_PROFILE)]))
+        self.fw = Firmware(self.mem, FirmwareConfig(mac=mac, profile=PROFILES[config.get("profile", DEFAULT_PROFILE)],
+                                                    pcie_path=config.get("pcie_path", DEFAULT_PCIE_PATH)))
         self.fw.port.mtu = config.get("port_mtu", DEFAULT_PORT_MTU)
         self.fw.phy.delay = config.get("link_delay_ms", DEFAULT_LINK_DELAY_MS) / 1000
         self.latency = config.get("fw_latency_us", DEFAULT_LATENCY_US) * 1e-6

@@ -15,6 +15,7 @@ from typing import Any
 
 from .memory import PAGE, BusMemory, DmaFault
 from .objects import BackingStoreArea, CommandError, L2Filter, PageTableError, Ring, StatContext, Vnic
+from .pcie import DEFAULT_PCIE_PATH, PcieFunction
 from .profiles import DEFAULT_PROFILE, PROFILES, FirmwareProfile
 from ..autogen import bnxt
 from ..hw.firmware import BackingStoreType as BS
@@ -32,6 +33,7 @@ class FirmwareConfig:
     fw_version: tuple[int, int, int, int] = (230, 0, 150, 0)  # major, minor, build, reserved
     roce_db_page_kb: int = 64  # func_qcfg.legacy_l2_db_size_kb: the RoCE doorbell page is at BAR2 + this * 1024
     profile: FirmwareProfile = PROFILES[DEFAULT_PROFILE]  # the chip and what its firmware offers (profiles.py)
+    pcie_path: str = DEFAULT_PCIE_PATH  # the path to the root complex (pcie.py): whether atomics reach memory
 
 
 @dataclass(frozen=True)
@@ -58,20 +60,25 @@ class ContextType:
         return bool(self.flags & TYPE_VALID) and not self.flags & FW_TRACE
 
 
-# A Thor2-like set, small enough for an emulator's arena: Linux sizes QPs as split0 (L2) + split1 (QP1) + extra RoCE
-# QPs, CQs as split0 + 2 * extra QPs, TIM like QPs. TX_CK is reported but not valid for this function; SRT_TRACE is a
-# firmware log buffer, valid but optional (bnxt_en configures it only to collect logs).
+# A Thor2-like set, sized so that bnxt_en's sizing (bnxt_alloc_ctx_mem) comes out as on a real RoCE function: 64 Ki
+# RoCE QPs beyond the firmware's L2 share (split 0: one per L2 ring) and QP1s (split 1), two CQs per QP beyond the L2
+# CQs, 8 Ki SRQs, 256 Ki MRs and 128 Ki address handles in MRAV, statistics contexts and VNICs (split 0: VNICs, the
+# rest RSS ring tables) taken whole, timer contexts for every QP. Statistics contexts and the TQM rings have no
+# splits. Only the TQM rings report a minimum: v1's QCAPS has a minimum for them alone (tqm_min_entries_per_ring),
+# and Linux adds it to the slow-path ring. TX_CK is reported but not valid for this function; SRT_TRACE is a firmware
+# log buffer, valid but optional (bnxt_en configures it only to collect logs). Inferred: the numbers themselves (no
+# source gives a real Thor2's); Linux's own caps (64 Ki extra QPs, 256 Ki MRs) and comments shaped them.
 CONTEXT_TYPES = {ctx.kind: ctx for ctx in (
-    #           type            size flags                 instances init  offset multiple min  max    splits
-    ContextType(BS.QP,          704, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 2,     64,      256, 2048,  (128, 2, 0)),
-    ContextType(BS.SRQ,         192, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 1,     64,      64,  1024,  (128,)),
-    ContextType(BS.CQ,          128, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 3,     64,      256, 8192,  (256,)),
-    ContextType(BS.VNIC,        256, TYPE_VALID,            0x00,     0,    0,     1,       1,   128,   (128,)),
-    ContextType(BS.STAT,        256, TYPE_VALID,            0x00,     0,    0,     1,       1,   512),
-    ContextType(BS.SP_TQM_RING, 64,  TYPE_VALID,            0x01,     0,    0,     64,      64,  16384),
-    ContextType(BS.FP_TQM_RING, 32,  TYPE_VALID,            0xFF,     0,    0,     64,      64,  16384),  # per TC
-    ContextType(BS.MRAV,        128, TYPE_VALID | CTX_INIT, 0x00,     0x80, 1,     64,      64,  8192),
-    ContextType(BS.TIM,         16,  TYPE_VALID,            0x00,     0,    0,     1,       1,   2048),
+    #           type            size flags                 instances init  offset multiple min  max     splits
+    ContextType(BS.QP,          704, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 2,     64,      0,   65794,  (256, 2, 0)),
+    ContextType(BS.SRQ,         192, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 1,     64,      0,   8320,   (128,)),
+    ContextType(BS.CQ,          128, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 3,     64,      0,   131328, (256,)),
+    ContextType(BS.VNIC,        256, TYPE_VALID,            0x00,     0,    0,     1,       0,   1024,   (128,)),
+    ContextType(BS.STAT,        256, TYPE_VALID,            0x00,     0,    0,     1,       0,   1024),
+    ContextType(BS.SP_TQM_RING, 64,  TYPE_VALID,            0x01,     0,    0,     64,      64,  262144),
+    ContextType(BS.FP_TQM_RING, 32,  TYPE_VALID,            0xFF,     0,    0,     64,      64,  262144),  # per TC
+    ContextType(BS.MRAV,        128, TYPE_VALID | CTX_INIT, 0x00,     0x80, 1,     64,      0,   524288),
+    ContextType(BS.TIM,         16,  TYPE_VALID,            0x00,     0,    0,     1,       0,   65794),
     ContextType(BS.TX_CK,       0,   0,                     0x00,     0,    0,     0,       0,   0),
     ContextType(SRT_TRACE,      64,  TYPE_VALID | FW_TRACE, 0x00,     0,    0,     1,       16,  256),
 )}
@@ -100,6 +107,7 @@ class FunctionState:
         self.backing_store_done = False
         self.driver: dict[str, Any] | None = None  # what FUNC_DRV_RGTR said; drivers may skip registering
         self.loopback = bnxt.PORT_PHY_CFG_REQ_LPBK_NONE
+        self.pcie = PcieFunction(config.pcie_path, self.note_error)  # DEVCTL2 lives on through FUNC_RESET
 
     def clear(self) -> None:
         """FUNC_RESET: the L2 objects and the backing store are gone."""
@@ -154,10 +162,38 @@ class FunctionState:
         """False once any backing-store area arrived without the context initialisation the firmware asked for."""
         return not self.stats["ctx_init_missing"]
 
-    def context_capacity(self, kind: int) -> int:
-        """How many objects of a backing-store type fit: the configured entries, or the maximum until configured."""
+    def context_entries(self, kind: int) -> int:
+        """Entries of a backing-store type: the fewest configured over its instances, or its maximum until then."""
         configured = [area.entries for (k, _), area in self.backing_store.items() if k == kind]
         return min(configured) if configured else CONTEXT_TYPES[kind].max_entries
+
+    def context_capacity(self, kind: int) -> int:
+        """How many objects of a type a driver may create: RoCE QPs (QP1 included), RoCE CQs and MRs through RCFW,
+        statistics contexts and VNICs through HWRM, out of what the backing store holds (its maximum until
+        configured). Not the firmware's own share: split 0 of QPs and CQs is for the L2 rings, of MRAV the address
+        handles (as the driver split it), and only split 0 of the VNIC entries are VNICs (the rest RSS ring tables).
+        Every QP also takes a timer context and TQM entries: the slow-path ring holds the VNICs, the L2 QPs, two per
+        RoCE QP and the ring's minimum, each fast-path ring every QP (the HSI's tqm_max_entries_per_ring text).
+        Inferred: that the firmware refuses the object past these (no source shows a real one at the boundary)."""
+        entries = self.context_entries(kind)
+        if kind == BS.VNIC:
+            return min(entries, CONTEXT_TYPES[BS.VNIC].splits[0])
+        if kind == BS.MRAV:
+            split = [area.splits[:1] for (k, _), area in self.backing_store.items() if k == kind]
+            return max(0, entries - sum(split[0] if split else ()))
+        if kind != BS.QP:
+            return max(0, entries - sum(CONTEXT_TYPES[kind].splits[:1]))
+        l2_qps = CONTEXT_TYPES[BS.QP].splits[0]
+        slow_path = (self.context_entries(BS.SP_TQM_RING) - self.context_capacity(BS.VNIC) - l2_qps
+                     - CONTEXT_TYPES[BS.SP_TQM_RING].min_entries) // 2
+        every_qp = min(entries, self.context_entries(BS.TIM), self.context_entries(BS.FP_TQM_RING))
+        return max(0, min(every_qp - l2_qps, slow_path))
+
+    def backing_store_report(self) -> list[dict[str, Any]]:
+        """What the driver configured, type by type and instance by instance (the debug channel's "backing_store")."""
+        return [{"type": area.kind, "instance": area.instance, "entries": area.entries,
+                 "entry_size": area.entry_size, "level": area.level, "splits": list(area.splits)}
+                for _, area in sorted(self.backing_store.items())]
 
     def backing_store_missing(self) -> str | None:
         """Why RoCE cannot start yet, or None: ALL_DONE seen and every valid type and instance configured."""

@@ -20,11 +20,12 @@ from typing import Any, Callable
 
 from .function import CONTEXT_TYPES, CTX_INIT, NEXT_CONTEXT_TYPE, TYPE_VALID, ContextType, FirmwareConfig, FunctionState
 from .memory import BusMemory, DmaFault
-from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, Ring, StatContext, Vnic,
+from .objects import (BackingStoreArea, CommandError, L2Filter, NotificationQueue, PageList, Ring, StatContext, Vnic,
                       lowest_free_id, map_memory)
 from .phy import Phy
 from .port import Port, check_mtu
 from .rcfw import Rcfw
+from .resources import MAX_L2_CTXS, RING_RESOURCE, Reservation, maxima
 from ..autogen import bnxt
 from ..hw.async_event import (NEW_MTU_MASK, EventId, ResetReason, async_event, forwarded, link_event_data,
                               reset_event_data)
@@ -39,15 +40,13 @@ FUNCTION_ID = 0  # this PF's fid; requests may also say 0xFFFF for "myself"
 DEFAULT_REQUEST_TIMEOUT_MS = 500
 MAX_RING_LENGTH = INDEX_MASK + 1  # a doorbell's index must reach every entry
 ALL_DONE = bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_FLAGS_BS_CFG_ALL_DONE
+CTX_INIT_SAMPLE = 16  # backing-store pages: one in this many has its context initialisation checked
 BACKING_STORE_V2 = bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED | bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_REQUIRED
 SHORT_COMMANDS = bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_SUPPORTED | bnxt.VER_GET_RESP_DEV_CAPS_CFG_SHORT_CMD_REQUIRED
 BACKING_STORE_V2_COMMANDS = {bnxt.HWRM_FUNC_BACKING_STORE_QCAPS_V2, bnxt.HWRM_FUNC_BACKING_STORE_CFG_V2}
 
 L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TYPE_{name}") for name in
                                           ("L2_CMPL", "TX", "RX", "ROCE_CMPL", "RX_AGG", "NQ"))
-RING_LIMITS = {L2_CMPL: 128, TX: 128, RX: 128, ROCE_CMPL: 128, RX_AGG: 128, NQ: 64}
-MAX_L2_FILTERS, MAX_RSS_CONTEXTS = 1024, 64
-MAX_VNICS, MAX_STAT_CTXS = CONTEXT_TYPES[BS.VNIC].max_entries, CONTEXT_TYPES[BS.STAT].max_entries
 PORT_EVENTS: dict[str, tuple[EventId, Callable[[Firmware], int]]] = {  # post_event's: (event id, its event_data1)
     "link_down": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(fw.port.up, fw.config.port_id)),
     "link_up": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(fw.port.up, fw.config.port_id)),
@@ -71,7 +70,8 @@ class Firmware(FunctionState):
     COMMANDS = ("ver_get", "func_reset", "func_qcaps", "func_qcfg", "func_drv_rgtr", "func_drv_unrgtr",
                 "func_backing_store_qcaps_v2", "func_backing_store_cfg_v2", "stat_ctx_alloc", "stat_ctx_free",
                 "ring_alloc", "ring_free", "vnic_alloc", "vnic_cfg", "vnic_free", "cfa_l2_filter_alloc",
-                "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg", "port_phy_qcaps", "func_drv_if_change")
+                "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg", "func_resource_qcaps", "func_cfg",
+                "port_phy_qcaps", "func_drv_if_change")
 
     def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
         super().__init__(mem, config)
@@ -79,6 +79,8 @@ class Firmware(FunctionState):
         self.port: Port = Port(self.stats)  # annotated: PORT_EVENTS, above, reads it
         self.phy = Phy(self.port, config.profile.chip_num in THOR2_CHIPS, self._link_changed)
         self.async_events: collections.deque[bytes] = collections.deque()  # waiting for room on the event ring
+        self.reservation = Reservation()  # what FUNC_CFG reserved (resources.py)
+        self.async_event_cr: int | None = None  # the ring FUNC_CFG named for events; None: the CREQ
         self._commands = {getattr(bnxt, f"HWRM_{name.upper()}"): _Command(
             name, getattr(bnxt, f"hwrm_{name}_input"), getattr(bnxt, f"hwrm_{name}_output"), getattr(self, f"_{name}"))
             for name in self.COMMANDS}
@@ -128,11 +130,11 @@ class Firmware(FunctionState):
         """The request a short one names (hwrm_short_input: its bus address and length), or None if it names
         none that exists."""
         _, _, _, size, address = HWRM_SHORT_REQUEST.unpack_from(window)
-        if not HWRM_REQUEST_HEADER.size <= size <= bnxt.HWRM_MAX_REQ_LEN:
+        if not HWRM_REQUEST_HEADER.size <= size <= self.config.profile.max_ext_req_len:
             return None
         self.stats["short_commands"] += 1
         try:
-            return self.mem.read(address, size).ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0")
+            return self.mem.read(address, size)
         except DmaFault:
             return None
 
@@ -148,6 +150,8 @@ class Firmware(FunctionState):
         self.clear()
         self.phy.interface(False)
         self.async_events.clear()
+        self.reservation.clear()
+        self.async_event_cr = None
 
     # -- function ----------------------------------------------------------------------------------------------------
     def _ver_get(self, request: Any) -> dict[str, Any]:
@@ -164,7 +168,7 @@ class Firmware(FunctionState):
         return {**fields, "active_pkg_name": name, "chip_num": profile.chip_num,
                 "dev_caps_cfg": SHORT_COMMANDS if profile.short_commands else 0,
                 "max_req_win_len": bnxt.HWRM_MAX_REQ_LEN, "max_resp_len": bnxt.HWRM_MAX_RESP_LEN,
-                "def_req_timeout": DEFAULT_REQUEST_TIMEOUT_MS, "max_ext_req_len": bnxt.HWRM_MAX_REQ_LEN,
+                "def_req_timeout": DEFAULT_REQUEST_TIMEOUT_MS, "max_ext_req_len": profile.max_ext_req_len,
                 "flags": bnxt.VER_GET_RESP_FLAGS_EXT_VER_AVAIL, "always_1": 1}
 
     def _func_reset(self, request: Any) -> dict[str, Any]:
@@ -180,19 +184,36 @@ class Firmware(FunctionState):
         return {"fid": FUNCTION_ID, "port_id": self.config.port_id, "mac_address": tuple(self.config.mac),
                 "flags": bnxt.FUNC_QCAPS_RESP_FLAGS_ROCE_V2_SUPPORTED,
                 "flags_ext": BACKING_STORE_V2 if self.config.profile.backing_store_v2 else 0,
-                "max_rsscos_ctx": MAX_RSS_CONTEXTS, "max_cmpl_rings": RING_LIMITS[L2_CMPL],
-                "max_tx_rings": RING_LIMITS[TX], "max_rx_rings": RING_LIMITS[RX], "max_l2_ctxs": MAX_L2_FILTERS,
-                "max_vnics": MAX_VNICS, "max_stat_ctx": MAX_STAT_CTXS, "max_hw_ring_grps": RING_LIMITS[RX]}
+                **{name: value for name, value in maxima().items() if name != "max_msix"}}
 
     def _func_qcfg(self, request: Any) -> dict[str, Any]:
         self._own_function(request.fid)
         return {"fid": FUNCTION_ID, "port_id": self.config.port_id, "mac_address": tuple(self.config.mac),
                 "admin_mtu": self.port.mtu, "mru": self.port.mtu, "max_mtu_configured": self.port.mtu,
                 "host_mtu": self.port.mtu, "port_pf_cnt": 1,
-                "alloc_vnics": len(self.vnics), "alloc_stat_ctx": len(self.stat_ctxs),
+                **self.reservation.qcfg(),
                 "legacy_l2_db_size_kb": self.config.roce_db_page_kb,
                 "l2_doorbell_bar_size_kb": 2 * self.config.roce_db_page_kb,
                 "db_page_size": bnxt.FUNC_QCFG_RESP_DB_PAGE_SIZE_4KB, "always_1": 1}
+
+    def _func_resource_qcaps(self, request: Any) -> dict[str, Any]:
+        self._own_function(request.fid)
+        return maxima()
+
+    def _func_cfg(self, request: Any) -> dict[str, Any]:
+        """The reservation (resources.py) and the ring events go to (ASYNC_EVENT_CR); the other settings (MTU,
+        bandwidth, cache line, ...) are not emulated: accepted and ignored."""
+        self._own_function(request.fid)
+        cr = None
+        if request.enables & bnxt.FUNC_CFG_REQ_ENABLES_ASYNC_EVENT_CR:
+            cr = request.async_event_cr  # Inferred: on P5+ it must be an NQ (Linux names its first NQ)
+            if not isinstance(self.rings.get(cr), NotificationQueue):
+                raise CommandError(INVALID_PARAMS, f"async_event_cr {cr} is not an allocated NQ ring")
+        self.reservation.configure(request)
+        if cr is not None:
+            self.async_event_cr = cr
+            self.flush_async_events()
+        return {}
 
     def _func_drv_rgtr(self, request: Any) -> dict[str, Any]:
         forward = request.enables & bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD
@@ -249,6 +270,10 @@ class Firmware(FunctionState):
         if not ctx.min_entries <= request.num_entries <= ctx.max_entries:
             raise CommandError(INVALID_PARAMS, f"type {ctx.kind:#x}: {request.num_entries} entries is outside "
                                             f"[{ctx.min_entries}, {ctx.max_entries}]")
+        own = sum(ctx.splits[:2]) if ctx.kind == BS.QP else sum(ctx.splits[:1]) if ctx.kind == BS.CQ else 0
+        if request.num_entries < own:  # Inferred: DPDK's L2-only sizing (the HSI: QP1 entries even without RoCE)
+            raise CommandError(INVALID_PARAMS, f"type {ctx.kind:#x}: {request.num_entries} entries leave no room for "
+                                            f"the firmware's own {own} (its L2 rings and QP1s)")
         level = request.page_size_pbl_level & bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_PBL_LEVEL_MASK
         page_code = request.page_size_pbl_level >> bnxt.FUNC_BACKING_STORE_CFG_V2_REQ_PAGE_SIZE_SFT
         if level > 2 or page_code not in PAGE_SIZE_CODES:
@@ -257,22 +282,34 @@ class Firmware(FunctionState):
                            PAGE_SIZE_CODES[page_code])
         if ctx.flags & CTX_INIT and ctx.init_value and not self._contexts_initialised(ctx, pages, request.num_entries):
             self.stats["ctx_init_missing"] += 1  # real firmware would run on garbage contexts; we only note it
+        splits = tuple(getattr(request, f"split_entry_{i}") for i in range(min(request.subtype_valid_cnt, 4)))
         self.backing_store[ctx.kind, request.instance] = BackingStoreArea(
-            ctx.kind, request.instance, request.num_entries, ctx.entry_size, pages)
+            ctx.kind, request.instance, request.num_entries, ctx.entry_size, pages, level, splits)
         if request.flags & ALL_DONE:
             self.backing_store_done = True
         return {}
 
-    def _contexts_initialised(self, ctx: ContextType, pages: Any, entries: int) -> bool:
-        offset = ctx.init_offset * 4  # units of 4 bytes (bnxt.c bnxt_init_ctx_initializer)
-        return all(self.mem.view(pages.address(i * ctx.entry_size + offset), 1)[0] == ctx.init_value
-                   for i in range(entries))
+    def _contexts_initialised(self, ctx: ContextType, pages: PageList, entries: int) -> bool:
+        """The init byte of every entry (at init_offset units of 4 bytes: bnxt_init_ctx_initializer) holds the value,
+        in the first page, the last and every CTX_INIT_SAMPLE-th: reading all of a 150 MiB backing store would cost
+        a boot more than the note is worth."""
+        offset, end, size = ctx.init_offset * 4, entries * ctx.entry_size, pages.page_size
+        last = -(-end // size) - 1
+        for index in sorted({*range(0, last, CTX_INIT_SAMPLE), last}):
+            low, high = index * size, min(index * size + size, end)
+            first = low + (offset - low) % ctx.entry_size
+            if first < high:
+                found = self.mem.view(pages.address(first), high - first)[::ctx.entry_size]
+                if found.tobytes() != bytes([ctx.init_value]) * len(found):
+                    return False
+        return True
 
     # -- statistics contexts, rings, VNICs, filters, port ------------------------------------------------------------
     def _stat_ctx_alloc(self, request: Any) -> dict[str, Any]:
         if request.stats_dma_addr:  # where the firmware would DMA the counters: it must exist
             self.mem.view(request.stats_dma_addr, request.stats_dma_length)
-        ctx_id = self._new_id(self.stat_ctxs, MAX_STAT_CTXS, "statistics contexts")
+        self.reservation.check("num_stat_ctxs", len(self.stat_ctxs), "STAT_CTX_ALLOC")
+        ctx_id = self._new_id(self.stat_ctxs, self.context_capacity(BS.STAT), "statistics contexts")
         self.stat_ctxs[ctx_id] = StatContext(ctx_id, request.stats_dma_addr, request.stats_dma_length,
                                              request.stat_ctx_flags)
         return {"stat_ctx_id": ctx_id}
@@ -289,8 +326,12 @@ class Firmware(FunctionState):
             raise CommandError(INVALID_PARAMS, f"length {request.length}, page_tbl_depth {request.page_tbl_depth}")
         if request.page_size and not 12 <= request.page_size <= 30:
             raise CommandError(INVALID_PARAMS, f"page_size 2^{request.page_size}")
-        if sum(ring.ring_type == kind for ring in self.rings.values()) >= RING_LIMITS[kind]:
-            raise CommandError(RESOURCE_ALLOC_ERROR, f"all {RING_LIMITS[kind]} rings of type {kind} are allocated")
+        resource = RING_RESOURCE[kind]
+        self.reservation.check(resource, sum(RING_RESOURCE[ring.ring_type] == resource for ring in self.rings.values()),
+                               f"RING_ALLOC type {kind}")
+        if kind == NQ and request.logical_id >= self.reservation.granted["num_msix"]:  # Inferred (resources.py)
+            raise CommandError(INVALID_PARAMS, f"RING_ALLOC NQ logical_id {request.logical_id}: the vector is not "
+                               f"among the {self.reservation.granted['num_msix']} FUNC_CFG num_msix reserved")
         nq_ring_id = None
         if request.enables & bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID:
             nq_ring_id = request.nq_ring_id
@@ -320,7 +361,8 @@ class Firmware(FunctionState):
         return {}
 
     def _vnic_alloc(self, request: Any) -> dict[str, Any]:
-        vnic_id = self._new_id(self.vnics, MAX_VNICS, "VNICs")
+        self.reservation.check("num_vnics", len(self.vnics), "VNIC_ALLOC")
+        vnic_id = self._new_id(self.vnics, self.context_capacity(BS.VNIC), "VNICs")
         self.vnics[vnic_id] = Vnic(vnic_id)
         return {"vnic_id": vnic_id}
 
@@ -353,7 +395,7 @@ class Firmware(FunctionState):
             vnic_id = request.dst_id
             if vnic_id not in self.vnics:
                 raise CommandError(INVALID_PARAMS, f"dst_id {vnic_id} is not a VNIC")
-        filter_id = self._new_id(self.l2_filters, MAX_L2_FILTERS, "L2 filters")
+        filter_id = self._new_id(self.l2_filters, MAX_L2_CTXS, "L2 filters")
         self.l2_filters[filter_id] = L2Filter(filter_id, bytes(request.l2_addr), bytes(request.l2_addr_mask), vnic_id)
         return {"l2_filter_id": filter_id, "flow_id": filter_id}
 
@@ -389,12 +431,12 @@ class Firmware(FunctionState):
 
     # -- asynchronous events (Linux bnxt.c: bnxt_hwrm_func_drv_rgtr, bnxt_async_event_process) ----------------------
     def post_event(self, kind: str, **fields: int) -> None:
-        """Report an asynchronous event. The port's and the firmware's (`PORT_EVENTS`) go to the async event ring:
-        "link_down" / "link_up" pull and plug the cable (phy.py: a configured link is up again at once, a forced-down
-        one stays down; the port drops packets while down) and LINK_STATUS_CHANGE says what the link is now; "mtu"
-        (field `mtu`) changes the port's MTU and LINK_MTU_CHANGE says so; "reset_notify" is RESET_NOTIFY for a
-        management reset, "fatal" RESET_NOTIFY for a fatal firmware exception. The RoCE ones go to the CREQ
-        (rcfw.Rcfw.post_event)."""
+        """Report an asynchronous event. The port's and the firmware's (`PORT_EVENTS`) go where async events go
+        (`_async_event_ring`): "link_down" / "link_up" pull and plug the cable (phy.py: a configured link is up again
+        at once, a forced-down one stays down; the port drops packets while down) and LINK_STATUS_CHANGE says what the
+        link is now; "mtu" (field `mtu`) changes the port's MTU and LINK_MTU_CHANGE says so; "reset_notify" is
+        RESET_NOTIFY for a management reset, "fatal" RESET_NOTIFY for a fatal firmware exception. The RoCE ones go to
+        the CREQ (rcfw.Rcfw.post_event)."""
         if kind not in PORT_EVENTS:
             self.rcfw.post_event(kind, **fields)
             return
@@ -421,14 +463,14 @@ class Firmware(FunctionState):
             self.async_events.popleft()
 
     def _async_event_ring(self) -> NotificationQueue | None:
-        """Where events go. Drivers name the ring with FUNC_CFG's async_event_cr (Linux:
-        bnxt_hwrm_set_async_event_cr, an NQ on P5 chips); these bindings carry no FUNC_CFG, so the HSI's rule for a
-        function that names none applies, its default completion ring, which this firmware takes to be the newest
-        NQ the function uses for nothing else: not the CREQ, no CQ and no ring attached."""
-        used = {id(self.rcfw.creq)} | {id(cq.nq) for cq in self.rcfw.cqs.values()} | \
-            {id(self.rings.get(ring.nq_ring_id)) for ring in self.rings.values() if ring.nq_ring_id is not None}
-        return next((ring for ring in reversed(self.rings.values())
-                     if isinstance(ring, NotificationQueue) and id(ring) not in used), None)
+        """Where events go: the ring FUNC_CFG's async_event_cr named (Linux: bnxt_hwrm_set_async_event_cr, its first
+        NQ on P5+ chips) while it exists; until one is named, the HSI's "default completion ring of the function".
+        Inferred: that is the CREQ, the one ring bnxt_re's bnxt_qplib_service_creq accepts HWRM async event
+        completions on; without a CREQ either, events wait."""
+        if self.async_event_cr is not None:
+            ring = self.rings.get(self.async_event_cr)
+            return ring if isinstance(ring, NotificationQueue) else None
+        return self.rcfw.creq
 
     # -- id tables ---------------------------------------------------------------------------------------------------
     @staticmethod

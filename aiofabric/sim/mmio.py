@@ -8,7 +8,8 @@ program order, like posted PCIe writes. `Mmio` decodes them:
   (the CREQ's lets the RoCE channel post what waited for room). Legacy L2 doorbells below the RoCE page, L2-path,
   invalid and unknown ones are counted in the firmware's stats and ignored;
 - BAR0: the RCFW mailbox and trigger go to the RoCE channel (cmdq.py), the HWRM trigger to the shell's runner;
-- the command register's bus master bit (CONFIG_SPACE), the DMA map records (freed.py) and a function-level reset.
+- config space (CONFIG_SPACE): the command register's bus master bit and DEVCTL2's AtomicOp Requester Enable
+  (pcie.py); the DMA map records (freed.py) and a function-level reset.
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from .freed import FreedMemory
 from .hwrm import Firmware
 from .kick import CONFIG_SPACE, DMA_MAP, DMA_UNMAP, FUNCTION_RESET, KICK, PUNCHED
 from .objects import NotificationQueue
+from .pcie import DEVCTL2
 from ..autogen import bnxt
 from ..hw.doorbell import decode
 from ..hw.firmware import CMDQ_INIT
-from ..hw.pci import PCI_COMMAND_MASTER
+from ..hw.pci import PCI_COMMAND, PCI_COMMAND_MASTER
 
 BAR2 = 2  # a kick's space for BAR2
 HWRM_TRIGGER = bnxt.BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER
@@ -115,7 +117,10 @@ class Mmio(Doorbells):
     def write(self, space: int, offset: int, value: int) -> None:
         """One write anywhere but BAR2."""
         if space == CONFIG_SPACE:
-            self.bus_master = bool(value & PCI_COMMAND_MASTER)
+            if offset == PCI_COMMAND:
+                self.bus_master = bool(value & PCI_COMMAND_MASTER)
+            elif offset == DEVCTL2:
+                self.fw.pcie.write_devctl2(value)
         elif space == DMA_MAP:
             self.freed.mapped(offset, value)
         elif space == DMA_UNMAP:

@@ -110,7 +110,7 @@ def map_memory(mem: BusMemory, level: int, base: int, size: int, page_size: int 
         mem.view(base, size)
         return PageList([base], page_size, contiguous=True)
     pages = walk_pbl(mem, level, base, max(1, -(-size // page_size)), page_size, through_last=queue)
-    for page in pages:
+    for page in (min(pages), max(pages)):  # host memory is one range: its lowest and highest page bound the rest
         mem.view(page, page_size)
     return PageList(pages, page_size)
 
@@ -439,12 +439,15 @@ class L2Filter:
 
 @dataclass(eq=False)
 class BackingStoreArea:
-    """One FUNC_BACKING_STORE_CFG_V2: context memory of one type and instance."""
+    """One FUNC_BACKING_STORE_CFG_V2: context memory of one type and instance, its PBL level and the split values the
+    driver sent with it."""
     kind: int
     instance: int
     entries: int
     entry_size: int
     pages: PageList
+    level: int = 0
+    splits: tuple[int, ...] = ()
 
 
 def lowest_free_id(table: Container[int], first: int = 1, limit: int = 1 << 20) -> int | None:

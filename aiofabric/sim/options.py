@@ -5,6 +5,7 @@ import ipaddress
 import os
 from typing import Any
 
+from .pcie import DEFAULT_PCIE_PATH, PCIE_PATHS
 from .phy import DEFAULT_LINK_DELAY_MS
 from .port import DEFAULT_MTU as DEFAULT_PORT_MTU
 from .port import check_mtu
@@ -14,7 +15,7 @@ FAULTS = ("loss", "dup", "reorder", "corrupt")  # wire faults, each a probabilit
 TRANSPORTS = ("udp", "raw")
 # Every option the emulator reads, plus netns and process, which place the NIC's process.
 OPTIONS = ("ip", "mac", "fw_latency_us", "transport", *FAULTS, "seed", "pcap", "pcap_max_bytes", "netns", "port_mtu",
-           "profile", "process", "link_delay_ms")
+           "profile", "pcie_path", "process", "link_delay_ms")
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -47,6 +48,8 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"link_delay_ms={delay!r}: must be a number >= 0, at most 60000 (a minute of link training)")
     if options.get("profile", DEFAULT_PROFILE) not in PROFILES:
         raise ValueError(f"profile={options['profile']!r}: choose one of {', '.join(PROFILES)}")
+    if options.get("pcie_path", DEFAULT_PCIE_PATH) not in PCIE_PATHS:
+        raise ValueError(f"pcie_path={options['pcie_path']!r}: choose one of {', '.join(PCIE_PATHS)}")
     seed = options.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={seed!r}: must be an int")

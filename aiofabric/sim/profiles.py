@@ -9,6 +9,9 @@
                        (bnxt_re _is_host_msn_table): the table hardware retransmission reads after each SQ
     short_commands     VER_GET dev_caps_cfg SHORT_CMD_SUPPORTED | SHORT_CMD_REQUIRED (bnxt_en BNXT_FW_CAP_SHORT_CMD);
                        then every request but VER_GET must come in the short format
+    max_ext_req_len    VER_GET max_ext_req_len: the longest request in the short format (bnxt_en
+                       hwrm_max_ext_req_len); Linux sends a longer one, FUNC_CFG's 160 bytes, in the short format when
+                       it fits (bnxt_hwrm_func_cfg_short_req_init, __hwrm_send), else cut to this length
 
 The default, "thor2", is a Thor2 (BCM57608) with current firmware. Pure data: hwrm.py and rcfw.py read it.
 """
@@ -28,6 +31,7 @@ class FirmwareProfile:
     hw_retx: bool = True
     host_msn_table: bool = True
     short_commands: bool = False
+    max_ext_req_len: int = bnxt.HWRM_MAX_REQ_LEN
 
 
 PROFILES = {profile.name: profile for profile in (
@@ -41,6 +45,7 @@ PROFILES = {profile.name: profile for profile in (
     FirmwareProfile("psn-table", "Thor2 firmware that wants the PSN search table for hardware retransmission",
                     host_msn_table=False),
     FirmwareProfile("no-hw-retx", "Thor2 firmware without hardware requester retransmission", hw_retx=False),
-    FirmwareProfile("short-cmd", "Thor2 firmware that requires short HWRM commands", short_commands=True),
+    FirmwareProfile("short-cmd", "Thor2 firmware that requires short HWRM commands, of up to 256 bytes",
+                    short_commands=True, max_ext_req_len=256),
 )}
 DEFAULT_PROFILE = "thor2"

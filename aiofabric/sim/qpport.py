@@ -17,6 +17,7 @@ from typing import Callable, Protocol, Union
 from .memory import BusMemory
 from .objects import CompletionQueue, MemoryRegion, QueuePair
 from .packets import Packet, Segments
+from .pcie import PcieFunction
 from .placement import PlacedCounts, PlacementFaults
 
 # what every packet of a QP carries: dest QP, P_Key, source and destination IPv4, UDP source port, TOS, TTL
@@ -41,6 +42,7 @@ class QpPort(Protocol):
     stats: collections.Counter[str]  # the data path's counters
     outbox: list[Outgoing]  # packets to transmit
     faults: PlacementFaults
+    pcie: PcieFunction  # the function's PCIe side: whether an atomic may reach host memory
     post_cqe: PostCqe  # the data path's own
     acks_due: list[Callable[[], None]]  # where the responder puts its flush_ack when it owes an ACK at the batch's end
 

@@ -153,8 +153,9 @@ class Rcfw(CommandQueue):
         qps, cqs, mravs = (self.fw.context_capacity(kind) for kind in (BS.QP, BS.CQ, BS.MRAV))
         sb = bnxt.creq_query_func_resp_sb(
             max_mr_size=MAX_MR_SIZE, max_qp=qps, max_qp_wr=0xFFFF, max_cq=cqs, max_cqe=MAX_CQES, max_pd=1 << 16,
-            max_sge=MAX_SGES, max_srq_sge=MAX_SGES, max_qp_rd_atom=16, max_qp_init_rd_atom=16, max_mr=mravs // 2,
-            max_mw=mravs // 2, max_ah=mravs // 2, max_pkeys=1, max_inline_data=MAX_SGES * SQ_SLOT, max_gid=MAX_GIDS,
+            max_sge=MAX_SGES, max_srq_sge=MAX_SGES, max_qp_rd_atom=16, max_qp_init_rd_atom=16, max_mr=mravs,
+            max_mw=mravs, max_ah=self.fw.context_entries(BS.MRAV) - mravs, max_pkeys=1,
+            max_inline_data=MAX_SGES * SQ_SLOT, max_gid=MAX_GIDS,
             l2_db_space_size=self.fw.roce_db_offset // PAGE - 1, max_dpi=(BAR2_SIZE - self.fw.roce_db_offset) // PAGE,
             max_sge_var_wqe=13, max_inline_data_var_wqe=13 * SQ_SLOT,
             dev_cap_flags=bnxt.CREQ_QUERY_FUNC_RESP_SB_MR_REGISTER_ALLOC

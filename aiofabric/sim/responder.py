@@ -8,7 +8,8 @@ saved for it (atomic), never executed twice. ACKs are coalesced: a packet with A
 `flush_ack()` (called by the data path at the end of every receive batch) sends one ACK for the highest; an atomic is
 answered at once with its ATOMIC_ACKNOWLEDGE. Invalid requests and access violations answer with a NAK and put the QP
 in ERR, as rxe's class C errors do. A SEND fills the RQ WQE at the consumer (receivequeue.py); atomics execute as
-atomics.py says, and their results are kept for duplicates there. All it reaches of the data path is its `QpPort`
+atomics.py says, only while the function may issue PCIe AtomicOps that its path completes (pcie.py), and their
+results are kept for duplicates there. All it reaches of the data path is its `QpPort`
 (qpport.py).
 """
 from __future__ import annotations
@@ -397,6 +398,18 @@ class Responder:
             return
         if p.remote_addr % ATOMIC_SIZE:
             self._error(p, pk.NAK_INVALID_REQUEST, RES_UNALIGN_ATOMIC)
+            return
+        pcie = self.port.pcie
+        if pcie.refusal() is not None:
+            # Inferred: no driver shows what the chip does with an atomic it may not issue on PCIe. Without
+            # ATOMIC_REQ it is taken as a responder without atomics takes one, an unsupported request (NAK invalid
+            # request); on a path that does not complete AtomicOps the root port answers Unsupported Request, a host
+            # memory error (NAK remote operational error). Either way nothing is written and the QP fails.
+            self.stats["atomics_refused_pcie"] += 1
+            if pcie.atomic_requests:
+                self._error(p, pk.NAK_REMOTE_OPERATIONAL, RES_MEMORY_ERROR)
+            else:
+                self._error(p, pk.NAK_INVALID_REQUEST, RES_OPCODE_ERROR)
             return
         original = execute(target, op, p.swap_add, p.compare)
         self.msn = (self.msn + 1) & MSN_MASK

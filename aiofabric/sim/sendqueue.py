@@ -74,8 +74,8 @@ class SendWqe:
                  imm: int = 0, data: Buffer = EMPTY, first_psn: int = 0, npkts: int = 1,
                  status: int | None = None, reason: int = 0, slot: int = 0, atomic: int = 0, swap_add: int = 0,
                  compare: int = 0) -> None:
-        self.index = index  # free-running WQE count: sq_cons_idx of its CQE is index + 1; its message number
-        self.slot = slot  # the ring slot it starts at
+        self.index = index  # free-running WQE count: its CQE names index + 1 (mod sq_size); its message number
+        self.slot = slot  # the ring slot it starts at (an error CQE names it with variable WQEs)
         # read: a READ or an atomic, completed by its responses (not by ACKs) and holding an ORRQ entry
         self.ops, self.read, self.signaled, self.solicited, self.fence = ops, read, signaled, solicited, fence
         self.length, self.remote_va, self.rkey, self.imm, self.data = length, remote_va, rkey, imm, data
@@ -148,14 +148,15 @@ class SendQueue:
             if HEADER_SLOTS <= size <= available and size <= largest:
                 stride = size if unit == 1 else SQ_STATIC_WQE_SLOTS
                 if flush:
-                    w = SendWqe(self.fetched)
+                    w = SendWqe(self.fetched, slot=first)
                 else:
                     w = self._parse(psns.next_psn, first, fields, self.fetched)
                     if w.status is None:
                         psns.next_psn = (w.last_psn + 1) & PSN_MASK
             else:  # nothing after a malformed WQE can be parsed: it takes the rest of what was published
                 stride = available
-                w = SendWqe(self.fetched, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR)
+                w = SendWqe(self.fetched, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR,
+                            slot=first)
             self.fetched_slots += stride
             self.fetched += 1
             append(w)
@@ -196,7 +197,7 @@ class SendQueue:
             return self._parse_atomic(first_psn, first, index, size, (va, key, sge_size))
         known = KINDS.get(kind)
         if known is None:
-            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR)
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR, slot=first)
         ops, _, rdma = known
         read = ops is None
         ring = qp.sq_slots
@@ -204,14 +205,16 @@ class SendQueue:
             if flags & INLINE and not read:
                 body = b"".join(self._slot((first + HEADER_SLOTS + i) % ring) for i in range(size - HEADER_SLOTS))
                 if length > len(body):
-                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=WQE_FORMAT_ERROR)
+                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=WQE_FORMAT_ERROR,
+                                   slot=first)
                 data: Buffer = memoryview(bytearray(body[:length]))
             else:
                 data = self._local_memory(first, size, (va, key, sge_size), LOCAL_WRITE if read else 0)
                 if len(data) < length:
-                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=TX_MEMORY_ERROR)
+                    return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=TX_MEMORY_ERROR,
+                                   slot=first)
         except ACCESS_ERRORS:
-            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=TX_MEMORY_ERROR)
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=TX_MEMORY_ERROR, slot=first)
         return SendWqe(index, ops, read, flags & SIGNAL != 0 or self.force_completion, flags & SOLICIT != 0,
                        flags & FENCE != 0, length, remote_va if rdma else 0, rkey if rdma else 0, imm, data, first_psn,
                        psn_count(length, qp.path_mtu), slot=first)
@@ -225,9 +228,9 @@ class SendQueue:
         try:
             data = self._local_memory(first, size, sge, LOCAL_WRITE)
         except ACCESS_ERRORS:
-            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=TX_MEMORY_ERROR)
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, reason=TX_MEMORY_ERROR, slot=first)
         if len(data) < ATOMIC_SIZE:
-            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=TX_MEMORY_ERROR)
+            return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=TX_MEMORY_ERROR, slot=first)
         return SendWqe(index, None, True, flags & SIGNAL != 0 or self.force_completion, False, flags & FENCE != 0,
                        ATOMIC_SIZE, remote_va, rkey, 0, data, first_psn, 1, slot=first,
                        atomic=ATOMICS[kind], swap_add=swap, compare=compare)

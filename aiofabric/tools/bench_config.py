@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from .options import TESTS, PerftestOptions, queue_needs
+from .perftest_defaults import DEF_SIZE_BW, DEF_TX_BW, PEAK_ITERS_LIMIT, cq_moderation, tx_depth
 from ..errors import BadOption
 from ..verbs import NIC
 
@@ -17,10 +18,10 @@ REGION_BYTES = 256 << 20  # at most this much buffer per QP when slots are reuse
 
 @dataclasses.dataclass(kw_only=True)
 class BenchConfig(PerftestOptions):
-    size: int = 65536
+    size: int = DEF_SIZE_BW
     shared_emulator: bool = False  # bench: a process per NIC runs them in parallel
     qps: int = 1
-    depth: int = 32
+    depth: int = DEF_TX_BW  # -t; the run keeps `tx_depth` in flight (no more than -n, as perftest)
     post_list: int = 1  # -l: work requests per post call (QueuePair.post_many); 1: one call each
     nics: int = 2
     duration: float | None = None  # -D: seconds per size instead of `iters` (a warm-up share is not measured)
@@ -33,7 +34,7 @@ class BenchConfig(PerftestOptions):
                                     # is the Peer the caller connected to it, after opening the local NIC)
     margin: float | None = None  # -f: the warm-up of a -D run, in seconds (None: WARMUP_SHARE of it, up to 2 s)
     no_peak: bool = False  # -N: no peak bandwidth (reported as 0, as perftest)
-    cq_mod: int | None = None  # -Q: one signaled work request every cq_mod (None: depth // 2)
+    cq_mod: int | None = None  # -Q: one signaled work request every cq_mod (None: perftest's, `chunk`)
     rx_depth: int | None = None  # -r: the send test's receive queue depth (None: depth)
     stall_timeout: float | None = None  # seconds a QP may complete nothing with work outstanding (None: computed)
 
@@ -58,8 +59,8 @@ class BenchConfig(PerftestOptions):
         if self.cq_mod is not None and self.post_list > 1 and self.cq_mod != self.post_list:
             raise bad("cq_mod", f"with -l {self.post_list} each post list signals its last work request: drop -Q "
                                 f"or give -Q {self.post_list}")
-        if self.rx_depth is not None and (self.test != "send" or self.rx_depth < self.depth):
-            raise bad("rx_depth", f"sizes the send test's receive queue: at least --tx-depth {self.depth} (each "
+        if self.rx_depth is not None and (self.test != "send" or self.rx_depth < self.tx_depth):
+            raise bad("rx_depth", f"sizes the send test's receive queue: at least --tx-depth {self.tx_depth} (each "
                                   "send in flight has its receive posted)" if self.test == "send" else
                       "sizes the receive queue of the send test only")
         self.check_inline()
@@ -101,12 +102,26 @@ class BenchConfig(PerftestOptions):
     def check_caps(self, nic: NIC) -> None:
         """Refuse what `nic` cannot hold (its firmware's limits), naming the option: the QPs and the CQ a NIC gets,
         the queue depth, the outstanding READs, the inline size and the GID index."""
-        self.check_nic(nic, queue_needs(self.qps, self.qps_per_nic, self.depth, self.cq_depth, self.rx_depth))
+        self.check_nic(nic, queue_needs(self.qps, self.qps_per_nic, self.tx_depth, self.cq_depth, self.rx_depth))
+
+    @property
+    def tx_depth(self) -> int:
+        """Work requests in flight per QP: -t, but no more than -n unless the run is timed (perftest's rule)."""
+        return tx_depth(self.depth, self.iters, self.duration is not None)
 
     @property
     def chunk(self) -> int:
-        """Work requests per signaled completion: a post list, or -Q's (default half the depth)."""
-        return self.post_list if self.post_list > 1 else self.cq_mod or max(1, self.depth // 2)
+        """Work requests per signaled completion: a post list, or perftest's CQ moderation (-Q, or 100, or 1 for
+        messages above 8 KiB; at most `tx_depth`)."""
+        if self.post_list > 1:
+            return self.post_list
+        return cq_moderation(self.cq_mod, self.size, self.tx_depth, self.sizes is not None, self.events)
+
+    @property
+    def measures_peak(self) -> bool:
+        """Whether the run has a BW peak: perftest measures none with -N, -D, --run_infinitely or more than
+        PEAK_ITERS_LIMIT iterations per QP (it reports 0)."""
+        return not self.no_peak and self.duration is None and self.iters <= PEAK_ITERS_LIMIT
 
     @property
     def no_progress_seconds(self) -> float:
@@ -124,7 +139,7 @@ class BenchConfig(PerftestOptions):
     @property
     def cq_depth(self) -> int:
         """Each NIC's CQ: room for every work request of its QPs, both queues, as a power of two."""
-        return 1 << max(8, (self.qps_per_nic * self.depth * 2 - 1).bit_length())
+        return 1 << max(8, (self.qps_per_nic * self.tx_depth * 2 - 1).bit_length())
 
     @property
     def with_peer(self) -> bool:
@@ -138,11 +153,11 @@ class BenchConfig(PerftestOptions):
 
     @property
     def slots(self) -> int:
-        """Message slots per QP: one per operation when they fit in FULL_CHECK_BYTES per NIC, else `depth` reused
-        (fewer when `depth` slots of a large message would not fit REGION_BYTES: in-flight messages then share)."""
+        """Message slots per QP: one per operation when they fit in FULL_CHECK_BYTES per NIC, else `tx_depth` reused
+        (fewer when `tx_depth` slots of a large message would not fit REGION_BYTES: in-flight messages then share)."""
         if self.duration is None and self.iters * self.size * self.qps_per_nic <= FULL_CHECK_BYTES:
             return self.iters
-        return max(1, min(self.depth if self.duration else min(self.iters, self.depth), REGION_BYTES // self.size))
+        return max(1, min(self.tx_depth, REGION_BYTES // self.size))
 
     @property
     def used_bytes(self) -> int:

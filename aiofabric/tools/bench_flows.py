@@ -83,9 +83,9 @@ async def _connect(config: BenchConfig, nics: list[NIC], flows: list[Flow]) -> l
         a, b = nics[2 * (pair % (config.nics // 2))], nics[2 * (pair % (config.nics // 2)) + 1]
         if direction:
             a, b = b, a
-        client = await a.create_qp(cqs[a], sq_depth=config.depth, rq_depth=config.depth,
+        client = await a.create_qp(cqs[a], sq_depth=config.tx_depth, rq_depth=config.tx_depth,
                                    max_inline_data=config.inline_size)
-        server = await b.create_qp(cqs[b], sq_depth=config.depth, rq_depth=config.rx_depth or config.depth)
+        server = await b.create_qp(cqs[b], sq_depth=config.tx_depth, rq_depth=config.rx_depth or config.tx_depth)
         flow = Flow(client, server, None, None, i, direction)
         flows.append(flow)
         atomic = config.test == "atomic"
@@ -113,10 +113,10 @@ async def _connect_remote(config: BenchConfig, local: NIC, remote: Any) -> list[
     cq, remote_cq = await local.create_cq(depth=config.cq_depth), await peer.create_cq(remote, config.cq_depth)
     flows = []
     for i in range(config.qps):
-        client = await local.create_qp(cq, sq_depth=config.depth, rq_depth=config.depth,
+        client = await local.create_qp(cq, sq_depth=config.tx_depth, rq_depth=config.tx_depth,
                                        max_inline_data=config.inline_size)
-        server = await peer.create_qp(remote, remote_cq, sq_depth=config.depth,
-                                      rq_depth=config.rx_depth or config.depth)
+        server = await peer.create_qp(remote, remote_cq, sq_depth=config.tx_depth,
+                                      rq_depth=config.rx_depth or config.tx_depth)
         atomic = config.test == "atomic"
         await client.connect(server.info, mtu=config.mtu, timeout=config.timeout, **config.rd_atomic())
         await peer.connect_qp(server, client.info(), mtu=config.mtu, timeout=config.timeout, atomic=atomic)

@@ -113,7 +113,9 @@ async def run_command(command: Callable[[argparse.Namespace], Awaitable[dict[str
     caught: list[int] = []
     try:
         async with anyio.create_task_group() as tasks:
-            stop = args.stop = anyio.Event() if getattr(args, "run_infinitely", False) else None
+            # a --run_infinitely client ends gracefully on Ctrl-C; a server given it (its clients' flag) does not run
+            stop = args.stop = anyio.Event() if getattr(args, "run_infinitely", False) and \
+                not getattr(args, "server", False) else None
             await tasks.start(_watch_signals, tasks.cancel_scope, caught, stop)
             result = await command(args)
             tasks.cancel_scope.cancel()

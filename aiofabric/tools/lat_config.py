@@ -19,10 +19,11 @@ class LatConfig(PerftestOptions):
     One QP pair, one message in flight; `inject_fault` acts on the server NIC."""
     size: int = 2  # bytes per message (ib_*_lat's default)
     shared_emulator: bool = True  # both emulated NICs in one emulator process: a hop wakes one process, not two
-    histogram: bool = False  # perftest's -H: add a histogram of the samples
+    histogram: bool = False  # --histogram: an ASCII histogram of the samples, in the result and after the table
     warmup: int = WARMUP  # iterations before the measured ones, excluded from the numbers
     wait: float | None = None  # seconds one iteration may take before TimeoutError; None: wait_seconds decides
     unsorted: bool = False  # -U: the samples in the order measured, in the result ("samples") and the table
+    sorted_samples: bool = False  # -H: the samples in the result ("samples") and, sorted, in the table
     cpu_mhz: float | None = None  # -C: report in CPU cycles at this clock instead of microseconds
 
     def check(self) -> None:

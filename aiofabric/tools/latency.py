@@ -300,7 +300,8 @@ async def run_latency(config: LatConfig, client_nic: NIC | None = None) -> dict[
     requested one unless a port is too small for it, see runs.fit_mtu), mtu_requested, warmup, verified,
     verification (what `verified` checked), latency (what was measured), seconds, packets, retransmits, dropped
     (None on a PCI NIC: only an emulator counts them), fw_version; "histogram" with config.histogram, "samples"
-    (in the order measured) with config.unsorted; "remote_host" with a peer; "error" when verification failed. A
+    (in the order measured) with config.unsorted or config.sorted_samples; "remote_host" with a peer; "error" when
+    verification failed. A
     sweep (config.sizes) has these per size in "rows". A lost message raises TimeoutError naming the side and the
     iteration."""
     config.check()
@@ -355,7 +356,7 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
         "seconds": seconds, **wire, "fw_version": client_nic.info()["fw_version"],
         **({"remote_host": config.remote.host} if config.remote is not None else {}),
         **({"histogram": histogram(samples)} if config.histogram else {}),
-        **({"samples": samples} if config.unsorted else {}),
+        **({"samples": samples} if config.unsorted or config.sorted_samples else {}),
         **({"cycles": {key.replace("_us", ""): value * config.cpu_mhz for key, value in summarize(samples).items()},
             "cpu_mhz": config.cpu_mhz} if config.cpu_mhz else {}),
         **({"error": f"verification failed: {mismatch}"} if mismatch else {}),

@@ -157,7 +157,10 @@ class PerftestOptions(WireOptions):
 
     def check_nic(self, nic: NIC, needs: tuple[Need, ...]) -> None:
         """Refuse what `nic` cannot hold (its firmware's limits), naming the option: the run's queues (`needs`,
-        `queue_needs`'), the outstanding READs, the inline size and the GID index."""
+        `queue_needs`'), the outstanding READs, the inline size and the GID index; the atomic test a NIC without
+        atomics (UnsupportedError: its PCIe path does not complete AtomicOps)."""
+        if self.test == "atomic":
+            nic.device.atomic_ops.check(f"the atomic test on {nic.pci.address}")
         caps = nic.device.caps
         for dest, value, need, cap, what in (
                 *needs,

@@ -2,11 +2,11 @@
 
 `bench` boots `nics` emulated NICs (talking RoCEv2 over UDP on 127.0.0.x; one emulator process each, or one for all with
 --shared-emulator), pairs them up (NIC 0 with 1, 2 with 3, ...), spreads `qps` client/server QP pairs over the pairs and
-drives every QP from one event loop with `depth` work requests in flight.
+drives every QP from one event loop with `tx_depth` work requests in flight.
 
 Verification can fail: every operation moves its own bytes. When a QP's `iters * size` fit in FULL_CHECK_BYTES per
 NIC, each operation has its own slot of seeded random data and every operation's bytes are compared at its own
-offset. Otherwise slots are reused every `depth` operations and each operation stamps its slot with (QP, iteration)
+offset. Otherwise slots are reused every `tx_depth` operations and each operation stamps its slot with (QP, iteration)
 before it is posted; then the last pass is compared byte for byte, and the emulator's per-QP count of placed
 messages and bytes (debug channel, "placed") must equal what was posted: a lost, duplicated or misplaced message
 shows as a count or a byte that differs.
@@ -16,9 +16,9 @@ seam). On a PCI NIC (with --peer) the bytes are still compared; the JSON says nu
 `verification` says the placement counts were not available. The debug channel is asked only before and after a
 run, never in its hot loop.
 
-Here: the loop that keeps each QP's work requests in flight, its sampler and stall watch, and the result of a run.
-The run's options are bench_config.py's, its QP pairs bench_flows.py's, its checks bench_verify.py's, its table
-bench_report.py's.
+Here: the loop that keeps each QP's work requests in flight, its sampler and stall watch, and the result of a run
+(its BW peak and average by perftest's rules: peak.py). The run's options are bench_config.py's, its QP pairs
+bench_flows.py's, its checks bench_verify.py's, its table bench_report.py's.
 """
 from __future__ import annotations
 
@@ -34,15 +34,19 @@ import anyio
 
 from .bench_config import MAX_SIZE, BenchConfig
 from .bench_flows import Flow, open_flows
+from .bench_report import interval_row, table_head
 from .bench_verify import verification, verify
 from .introspect import emulator_processes, placement_counts, wire_counters, wire_delta
+from .options import ORDERED_TESTS
+from .peak import Timeline
+from .perftest_defaults import DEFAULT_OUTS
 from .runs import fit_mtu, open_nics, phy_loopback
 from .samples import percentile
 from .sweeps import run_sizes, sweep_result
 from ..errors import FabricError
 from ..verbs import NIC, open_nic
 
-PEAK_SAMPLE = 0.05  # seconds between the samples of bytes done (the peak is the best tenth of the run)
+SAMPLE_SECONDS = 0.05  # seconds between the samples of operations done (-D's warm-up ends at one; progress)
 WARMUP_SHARE = 0.2  # with -D, this share of the time (at most 2 s) runs before measuring starts
 STAMP = struct.Struct("<Q")  # (flow << 40 | iteration) at the start of a reused slot, so each payload is distinct
 LOOPBACK_BASE_SECONDS, LOOPBACK_SLOWEST_BPS = 10.0, 1 << 20  # loopback's time limit grows with the size
@@ -80,13 +84,14 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         deadline = started + warmup + config.duration if config.duration and not config.run_infinitely else None
         stop = config.stop if config.run_infinitely else None
         sampler = _Sampler(config, flows, started, warmup, 0 if config.duration else len(flows) * config.iters)
+        timeline = Timeline() if config.measures_peak else None
         stalled: list[BaseException] = []
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(sampler.run)
             async with anyio.create_task_group() as drivers:
                 tasks.start_soon(_watch_progress, flows, config.no_progress_seconds, stalled, drivers.cancel_scope)
                 for flow in flows:
-                    drivers.start_soon(_drive, config, flow, deadline, stop)
+                    drivers.start_soon(_drive, config, flow, deadline, stop, timeline)
                 if config.run_infinitely:
                     drivers.start_soon(_report_every, config, sampler, stop)
             tasks.cancel_scope.cancel()
@@ -102,18 +107,24 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
         processes = await emulator_processes(nics)
     ops = sum(flow.done for flow in flows)
     measured_ops, seconds = ops, ended - started
-    if config.duration and sampler.samples:  # measure from the end of the warm-up
-        measured_ops, seconds = ops - sampler.samples[0][1], ended - sampler.samples[0][0]
+    if config.duration and sampler.first is not None:  # measure from the end of the warm-up
+        measured_ops, seconds = ops - sampler.first[1], ended - sampler.first[0]
+    elif timeline is not None and timeline.span() > 0:  # perftest's: the first post to the last completion
+        seconds = timeline.span()
     seconds = max(seconds, 1e-9)
     bandwidth = measured_ops * config.size / seconds
-    peak = 0.0 if config.no_peak else max(sampler.peak(), bandwidth)
+    fastest = timeline.fastest() if timeline is not None else 0.0
+    peak = config.size / fastest if fastest > 0 else 0.0  # perftest's rule (peak.py); 0 where it measures none
     latencies = sorted(x for f in flows for x in f.latencies)
-    iterations = measured_ops // max(len(flows), 1)  # perftest's #iterations: per QP (and direction), measured
+    # perftest's #iterations: every QP's (print_report_bw: iters * num_of_qps; -D counts every completion), one
+    # direction's with -b (each side of a perftest -b run reports its own); the warm-up of -D left out
+    iterations = measured_ops // (2 if config.bidirectional else 1)
     result = {
         "verified": mismatch is None, "test": config.test, "qps": config.qps, "size": config.size,
         "iterations": iterations, "iters": config.iters if not config.duration else iterations,
-        "duration": config.duration, "warmup_seconds": warmup, "depth": config.depth, "post_list": config.post_list,
-        "cq_mod": config.chunk,
+        "duration": config.duration, "warmup_seconds": warmup, "depth": config.tx_depth,
+        "post_list": config.post_list, "cq_mod": config.chunk,
+        **({"outs": config.outs or DEFAULT_OUTS} if config.test in ORDERED_TESTS else {}),
         "inline_size": config.inline_size, "events": config.events, "mtu": config.mtu, "nics": config.nics,
         "emulator_processes": processes, "ops": ops, "measured_ops": measured_ops, "bytes": ops * config.size,
         "seconds": seconds,
@@ -133,10 +144,11 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
     return result
 
 
-async def _drive(config: BenchConfig, flow: Flow, deadline: float | None, stop: Any = None) -> None:
-    """Keep `depth` work requests in flight on one QP: post in half-depth chunks (or `post_list` at a time, one
-    post_many each), signal each chunk's last. Posts `iters` operations, or (deadline) until the deadline, then
-    drains."""
+async def _drive(config: BenchConfig, flow: Flow, deadline: float | None, stop: Any = None,
+                 timeline: Timeline | None = None) -> None:
+    """Keep `tx_depth` work requests in flight on one QP: post in chunks of `chunk` (CQ moderation, or `post_list`
+    at a time, one post_many each), signal each chunk's last. Posts `iters` operations, or (deadline) until the
+    deadline, then drains. `timeline` (when the run measures a peak) gets each post and completion."""
     chunk = config.chunk
     size = config.size
     inline = size <= config.inline_size  # -I: perftest inlines the messages that fit
@@ -144,7 +156,8 @@ async def _drive(config: BenchConfig, flow: Flow, deadline: float | None, stop: 
     posted = 0
     slots = config.slots
     limit = config.iters if deadline is None and stop is None else 1 << 62
-    stamp = b"" if slots == config.iters or config.test in ("read", "atomic") or slots < config.depth else \
+    depth = config.tx_depth
+    stamp = b"" if slots == config.iters or config.test in ("read", "atomic") or slots < depth else \
         (flow.index << 40).to_bytes(8, "little")[:size]  # reused slots: each write/send stamps its own
     data, target = flow.source.view, flow.target_region
     client, source = flow.client, flow.source
@@ -155,9 +168,11 @@ async def _drive(config: BenchConfig, flow: Flow, deadline: float | None, stop: 
     while True:
         if deadline is not None and time.perf_counter() >= deadline or stop is not None and stop.is_set():
             limit = posted
-        while posted < limit and posted - flow.done < config.depth:
-            count = min(chunk, limit - posted, config.depth - (posted - flow.done))
+        while posted < limit and posted - flow.done < depth:
+            count = min(chunk, limit - posted, depth - (posted - flow.done))
             started = time.perf_counter()
+            if timeline is not None:
+                timeline.post(count, started)
             if config.test == "send" and flow.remote is not None:  # the receives, posted there first
                 for offset, run in _runs(posted, count, slots):
                     await flow.remote.post_recvs(flow.server, flow.target, run, size, offset=offset * size)
@@ -203,6 +218,8 @@ async def _drive(config: BenchConfig, flow: Flow, deadline: float | None, stop: 
         started, completion, count = in_flight.pop(0)
         await completion
         now = flow.progressed = time.perf_counter()
+        if timeline is not None:
+            timeline.complete(count, now)
         flow.latencies.extend([now - started] * count)
         flow.done += count
 
@@ -233,58 +250,43 @@ def _runs(first: int, count: int, slots: int) -> list[tuple[int, int]]:
 
 
 async def _report_every(config: BenchConfig, sampler: _Sampler, stop: Any) -> None:
-    """--run-infinitely: a line on stdout every `duration` seconds with that interval's bandwidth, until `stop`."""
+    """--run_infinitely: perftest's banner and result header first, then every `duration` seconds one row of its
+    table for that interval (its completions, BW peak 0, its bandwidth and message rate), until `stop`. On stdout,
+    or on stderr when stdout carries the JSON."""
+    out = sys.stderr if config.json else sys.stdout
+    print(table_head(config), file=out, flush=True)
     last_time, last_done = time.perf_counter(), sampler.done()
     while not stop.is_set():
         with anyio.move_on_after(config.duration):
             await stop.wait()
         now, done = time.perf_counter(), sampler.done()
-        rate = (done - last_done) * config.size / max(now - last_time, 1e-9)
-        print(f" {config.size:<10} {done - last_done:<14} {rate / 2**20:<20.2f} {rate / config.size / 1e6:.6f} "
-              f"(last {now - last_time:.1f} s)", file=sys.stderr if config.json else sys.stdout, flush=True)
+        print(interval_row(config, done - last_done, now - last_time), file=out, flush=True)
         last_time, last_done = now, done
 
 
 class _Sampler:
-    """Bytes done over time, sampled every PEAK_SAMPLE: the average after the warm-up, and the best interval (peak);
-    on a TTY also a live line on stderr (size, ops, MiB/s, ETA)."""
+    """Operations done over time, sampled every SAMPLE_SECONDS: the first sample after the warm-up (where a -D run's
+    measurement starts); on a TTY also a live line on stderr (size, ops, MiB/s, ETA)."""
 
     def __init__(self, config: BenchConfig, flows: list[Flow], started: float, warmup: float, total: int) -> None:
         self.config, self.flows, self.started, self.warmup, self.total = config, flows, started, warmup, total
-        self.samples: list[tuple[float, int]] = []
+        self.first: tuple[float, int] | None = None  # (time, operations done) when the warm-up ended
 
     def done(self) -> int:
         return sum(flow.done for flow in self.flows)
 
     async def run(self) -> None:
         while True:
-            await anyio.sleep(PEAK_SAMPLE)
+            await anyio.sleep(SAMPLE_SECONDS)
             now, done = time.perf_counter(), self.done()
-            if now - self.started >= self.warmup:
-                self.samples.append((now, done))
+            if self.first is None and now - self.started >= self.warmup:
+                self.first = (now, done)
             if self.config.progress and now - self.started > 2:
                 rate = done * self.config.size / (now - self.started) / 2**20
                 left = (f"ETA {max(0.0, (self.total - done) / max(done, 1) * (now - self.started)):.0f} s"
                         if self.total else "")
                 print(f"\r  {self.config.size} B  {done} ops  {rate:.1f} MiB/s  {left}   ", end="", file=sys.stderr,
                       flush=True)
-
-    def peak(self) -> float:
-        """The best bytes/s over any window of a tenth of the run (at least one sample interval): long enough to hold
-        several completions, which arrive in chunks of depth/2 messages (0 when the run was too short to sample)."""
-        samples = self.samples
-        if len(samples) < 2:
-            return 0.0
-        window = max(PEAK_SAMPLE, (samples[-1][0] - samples[0][0]) / 10)
-        best, j = 0.0, 0
-        for t0, done0 in samples:
-            while j < len(samples) and samples[j][0] - t0 < window:
-                j += 1
-            if j == len(samples):
-                break
-            t1, done1 = samples[j]
-            best = max(best, (done1 - done0) * self.config.size / (t1 - t0))
-        return best
 
 
 async def run_loopback(spec: str, size: int, ip: str | None = None) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 from .arguments import integer, seconds_or_zero, size
 from .options import ATOMIC_TYPES, MTUS
+from .perftest_defaults import (DEF_CQ_MOD, DEF_ITERS, DEF_SIZE_BW, DEF_SIZE_LAT, DEF_TX_BW, MSG_SIZE_CQ_MOD_LIMIT,
+                                NETXTREME_LAT_INLINE)
 from ..errors import BadOption
 from ..verbs import PCI_ADDRESS
 from ..version import __version__
@@ -22,6 +24,10 @@ BENCH_OUTPUTS, LAT_OUTPUTS = ("bandwidth", "message_rate"), ("latency",)  # perf
 OUTPUTS = BENCH_OUTPUTS + LAT_OUTPUTS
 DEFAULT_JSON_FILE = "perftest_out.json"  # perftest's --out_json file when --out_json_file does not name one
 SYSFS_CLASSES = ("/sys/class/net", "/sys/class/infiniband")  # -d NAME: a network interface or an RDMA device
+# how a --server names the parameters its clients must share, in its errors ("start both with the same ...")
+PARAMETER_FLAGS = {"size": "-s", "sizes": "-a (sizes)", "atomic_type": "-A", "bidirectional": "-b", "duration": "-D",
+                   "margin": "-f", "mtu": "-m", "iters": "-n", "qps": "-q", "depth": "-t",
+                   "run_infinitely": "--run_infinitely"}
 
 _UD_ONLY = "multicast runs on UD QPs; aiofabric runs RC"
 _RDMA_CM = "aiofabric connects QPs through its own parameter exchange, not rdma_cm"
@@ -59,7 +65,6 @@ REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("--mmap", "--mmap-offset"), True, "buffers come from the NIC's DMA arena"),
     (("--payload_file_path",), True, "payloads are seeded random bytes, so that every message can be verified"),
     (("--dont_xchg_versions",), False, "the two sides always exchange and compare their parameters"),
-    (("--perform_warm_up",), False, "-n runs are measured whole; with -D the first -f seconds are the warm-up"),
     (("--use_old_post_send",), False, "there is one post path"),
     (("--ipv6", "--ipv6-addr"), False, "GIDs are IPv4-mapped (::ffff:a.b.c.d)"),
     (("--bind_source_ip",), True, "use --ip: the address that reaches the server"),
@@ -85,14 +90,17 @@ REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
       "--data_enc_keys_number", "--data_enc_key_app_path", "--sig_offload", "--log_dci_streams",
       "--log_active_dci_streams"), True, _VENDOR),
 )
-# perftest's latency flags bench refuses (lat does them)
+# perftest's latency flags bench refuses (lat does them), and its flags for bandwidth tests bench does not do
 BENCH_REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("-C", "--report-cycles", "-H", "--report-histogrm", "--report-histogram", "-U", "--report-unsorted"), False,
      "a latency report option: use aiofabric lat"),
+    (("--perform_warm_up",), False, "-n runs are measured whole (and verified whole); with -D the first -f seconds "
+                                    "are the warm-up"),
 )
 # perftest flags lat refuses (bench does them)
 LAT_REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
-    (("-D", "--duration"), True, "lat runs -n iterations (bench runs for a duration)"),
+    (("-D", "--duration"), True, "lat runs -n iterations: both halves of its ping-pong, the server's on another "
+                                 "host too, are started with their count (bench runs for a duration)"),
     (("-q", "--qp"), True, "lat runs one QP pair, as ib_*_lat"),
     (("-t", "--tx-depth"), True, "lat keeps one message in flight, as ib_*_lat"),
     (("-l", "--post_list"), True, "lat posts one message at a time; bench -l posts lists"),
@@ -182,8 +190,9 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
     bench = tool == "bench"
     group = parser.add_argument_group("perftest's options (its spellings and ours, in its order)")
     add = group.add_argument
-    add("-a", "--all", action="store_true", help="sweep sizes 2 B .. 8 MiB in powers of two; without -n each size "
-                                                 "runs about a second (said in the header)")
+    add("-a", "--all", action="store_true", help="sweep sizes 2 B .. 8 MiB in powers of two, -n iterations each "
+                                                 "(perftest's default takes minutes on the emulated NIC: the banner "
+                                                 "says so)")
     add("-A", "--atomic_type", choices=ATOMIC_TYPES, help="with the atomic test: the operation (default "
                                                            "FETCH_AND_ADD)")
     if bench:
@@ -206,18 +215,20 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
     add("-F", "--CPU-freq", dest="cpu_freq", action="store_true",
         help="accepted, as perftest (aiofabric prints no cpufreq warning)")
     if not bench:
-        add("-H", "--report-histogram", "--report-histogrm", "--histogram", dest="histogram", action="store_true",
-            help="print a latency histogram")
+        add("-H", "--report-histogram", "--report-histogrm", dest="sorted_samples", action="store_true",
+            help="print every sample, sorted, as perftest (without the two largest), before the table's row")
     add("-i", "--ib-port", type=ib_port, default=1, help="the RoCE port: 1 (a BNXT function has one)")
-    add("-I", "--inline_size", "--inline-size", dest="inline_size", type=integer(0), default=0,
-        metavar="BYTES", help="send messages up to this size inline, inside the WQE (at most the NIC's "
-                              "max_inline_data, 96 on the emulated NIC; default 0)")
+    add("-I", "--inline_size", "--inline-size", dest="inline_size", type=integer(0), metavar="BYTES",
+        help="send messages up to this size inline, inside the WQE (at most the NIC's max_inline_data, 96 on the "
+             "emulated NIC; default " + ("0)" if bench else f"{NETXTREME_LAT_INLINE} for write and send, as perftest "
+                                                               "on a NetXtreme device)"))
     if bench:
         add("-l", "--post_list", "--post-list", dest="post_list", type=int, default=1, metavar="N",
             help="post N work requests per call, one doorbell each (QueuePair.post_many; default 1)")
     add("-m", "--mtu", type=int, default=4096, choices=MTUS, help="path MTU (default 4096)")
-    add("-n", "--iters", type=int, metavar="N", help="iterations per QP (default 1000; with -a: about a second's "
-                                                     "worth per size)")
+    add("-n", "--iters", type=int, metavar="N", help="iterations per QP (default "
+        + ("5000 for write, 1000 for the others" if bench else str(DEF_ITERS))
+        + ("; with --min-size/--max-size: about a second's worth per size)" if bench else ")"))
     if bench:
         add("-N", "--noPeak", dest="no_peak", action="store_true", help="do not compute the peak bandwidth (0)")
     add("-o", "--outs", type=int, metavar="N", help="outstanding RDMA READ/atomic requests per QP (default: the "
@@ -225,19 +236,20 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
     if bench:
         add("-q", "--qp", "--qps", dest="qps", type=int, default=1, help="queue pairs (default 1)")
         add("-Q", "--cq-mod", dest="cq_mod", type=int, metavar="N",
-            help="signal one completion every N work requests (default: --tx-depth / 2; with -l: each list's last)")
+            help=f"signal one completion every N work requests (default {DEF_CQ_MOD}, or 1 above "
+                 f"{MSG_SIZE_CQ_MOD_LIMIT} B without -a or -e; at most --tx-depth; with -l: each list's last)")
         add("-r", "--rx-depth", dest="rx_depth", type=int, metavar="N",
             help="send: receive queue depth (default and minimum: --tx-depth)")
-    add("-s", "--size", type=size, default=65536 if bench else 2,
+    add("-s", "--size", type=size, default=DEF_SIZE_BW if bench else DEF_SIZE_LAT,
         help=f"message size: bytes or with a K/M/G suffix, powers of 1024 (default {'64K' if bench else 2})")
     if bench:
-        add("-t", "--tx-depth", "--depth", dest="depth", type=int, default=32,
-            help="work requests in flight per QP (default 32)")
+        add("-t", "--tx-depth", "--depth", dest="depth", type=int, default=DEF_TX_BW,
+            help=f"work requests in flight per QP (default {DEF_TX_BW}; no more than -n)")
     add("-u", "--qp-timeout", "--timeout", dest="timeout", type=int, default=14,
         help="QP ACK timeout exponent: 4.096 us * 2^N (default 14: 67 ms; 0 waits forever)")
     if not bench:
         add("-U", "--report-unsorted", dest="unsorted", action="store_true",
-            help="print every sample in the order measured (implies -H's list)")
+            help="print every sample in the order measured, before the table's row")
     add("-V", "--version", action=VersionAction, help="print the version")
     add("-x", "--gid-index", dest="gid_index", type=integer(0), metavar="INDEX",
         help="the GID index to use: the NIC's own (0 on the emulated NIC; see `aiofabric info`)")
@@ -254,6 +266,9 @@ def add_perftest_flags(parser: argparse.ArgumentParser, tool: str) -> None:
         add("--run_infinitely", "--run-infinitely", dest="run_infinitely", action="store_true",
             help="run until Ctrl-C, a report line every -D seconds (default 5); Ctrl-C prints the table")
     add("--mr_per_qp", action="store_true", help="accepted: each QP has its own memory regions anyway")
+    if not bench:
+        add("--perform_warm_up", action="store_true",
+            help="accepted: lat always runs --warmup iterations first (perftest's latency tests ignore this flag)")
     refused = _refuse(parser, REFUSED + (BENCH_REFUSED if bench else LAT_REFUSED))
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog as wrapped here: whole flags per line
     parser.epilog = textwrap.fill("perftest options refused, naming why (aiofabric does not do them): "

@@ -1,5 +1,5 @@
 """Latency samples summarised by perftest's rules (its print_report_lat), for `bench` and `lat` alike; and lat's
-histogram of them (-H).
+histogram of them (--histogram).
 
 One percentile definition everywhere: the sample at index ceil(n * p / 100) of the n sorted samples (0-based, clamped
 to the last), which is perftest's `delta[ceil(measure_cnt * 0.99)]`. A latency summary counts n without the TAIL
@@ -26,11 +26,17 @@ def percentile(ordered: list[float], p: float, count: int | None = None) -> floa
     return ordered[min(index, len(ordered) - 1)]
 
 
+def counted(samples: int) -> int:
+    """How many of `samples` sorted ones a summary counts: all but the TAIL largest (all of them when there are no
+    more than TAIL + 1). perftest's -H lists these."""
+    return samples - TAIL if samples > TAIL + 1 else samples
+
+
 def summarize(samples: list[float]) -> dict[str, float]:
-    """perftest's latency fields of `samples` (in their unit), counting all but the TAIL largest (all of them when
-    there are no more than TAIL + 1): t_min <= t_typical <= p99 <= p99.9 <= t_max always holds."""
+    """perftest's latency fields of `samples` (in their unit), counting all but the TAIL largest (`counted`):
+    t_min <= t_typical <= p99 <= p99.9 <= t_max always holds."""
     ordered = sorted(samples)
-    count = len(ordered) - TAIL if len(ordered) > TAIL + 1 else len(ordered)
+    count = counted(len(ordered))
     kept = ordered[:count]
     return {"t_min_us": kept[0], "t_max_us": ordered[min(count, len(ordered) - 1)],
             "t_typical_us": statistics.median(kept), "t_avg_us": statistics.fmean(kept),

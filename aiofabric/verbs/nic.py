@@ -80,8 +80,11 @@ class NIC:
                                       max_inline_data=max_inline_data)
 
     async def register_mr(self, memory: DmaBuffer | int, access: Access = ALL_ACCESS) -> MemoryRegion:
-        """Register `memory` (a DMA buffer, or a size in bytes to allocate) for local and remote access."""
+        """Register `memory` (a DMA buffer, or a size in bytes to allocate) for local and remote access. Remote
+        atomics (Access.REMOTE_ATOMIC) raise UnsupportedError on a NIC without atomics (`info()["atomic_cap"]`)."""
         self.device.check_open()
+        if Access.REMOTE_ATOMIC in Access(access):
+            self.device.atomic_ops.check(f"{self.pci.address}: a region open to remote atomics")
         if not isinstance(memory, DmaBuffer):  # a size: an int, not a bool, a float or a string of digits
             check_range("size", memory, 1, self.caps.get("max_mr_size") or 1 << 40)
             return await MemoryRegion.register(self.device, self.pci.alloc_dma(memory), access, owns_buffer=True)
@@ -184,7 +187,9 @@ class NIC:
                 "mac": self.mac, "port": self.port_id, "ip": self.ip, "gid": _gid_text(self.gid),
                 "gid_index": self.gid_index, "hw_retransmit": self.hw_retransmit,
                 "link": "up" if link.up else "down", "link_speed_mbps": link.speed_mbps,
-                "port_mtu": self.device.port_mtu, "caps": dict(self.caps)}
+                "port_mtu": self.device.port_mtu, "caps": dict(self.caps),
+                "atomic_cap": "global" if self.device.atomic_ops.enabled else "none",
+                "atomic_path": self.device.atomic_ops.detail}
 
 
 def _gid_text(gid: bytes) -> str:
@@ -223,10 +228,11 @@ async def open_nic(spec: str = "sim", *, ip: str | None = None, hwrm_timeout: fl
     Extra `options` configure an emulated NIC (every one is in aiofabric/sim/options.py; docs/emulator.md says what
     each does): `mac`, `fw_latency_us`, `transport` ("udp" or "raw"), `loss`, `dup`, `reorder`, `corrupt`, `seed`
     (wire faults), `pcap` (a file to write every packet to) and `pcap_max_bytes`, `port_mtu`, `profile` (the chip
-    and firmware it plays), `link_delay_ms` (how long its link trains), `netns` (a network namespace to run in) and
-    `process` (a name: NICs opened with the same one share an emulator process). `dma_budget` caps the DMA memory
-    (rings, registered memory, the NIC's own) this NIC and any others sharing the budget may hold: past it, what
-    would allocate raises MemoryError.
+    and firmware it plays), `pcie_path` (the PCIe path to the root complex, which decides whether atomics work),
+    `link_delay_ms` (how long its link trains), `netns` (a network namespace to run in) and `process` (a name: NICs
+    opened with the same one share an emulator process). `dma_budget` caps the DMA memory (rings, registered memory,
+    the NIC's own) this NIC and any others sharing the budget may hold: past it, what would allocate raises
+    MemoryError.
 
     The open brings the port's link up but does not wait for it (`NIC.wait_for_link` does). An exception raised in
     the block leaves it as itself. The close runs even when the block is cancelled from outside, shielded and

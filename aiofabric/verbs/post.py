@@ -318,7 +318,9 @@ class QueuePair(QueuePairLife):
                            local_offset: int, remote_offset: int, signaled: bool, *, swap: int,
                            compare: int = 0) -> Completion:
         """An atomic on the ATOMIC_SIZE bytes at `remote`: one local SGE of exactly that size takes the original
-        value. The remote address's alignment is left to the responder, as hardware leaves it."""
+        value. The remote address's alignment is left to the responder, as hardware leaves it. A NIC whose PCIe path
+        does not complete AtomicOps refuses it at once (UnsupportedError)."""
+        self.device.atomic_ops.check(f"{verb.name} on QP {self.qpn:#x} of {self.device.pci.address}")
         if not isinstance(local, (MemoryRegion, LocalBuffer)):
             raise TypeError(f"{verb.name}: local must be a MemoryRegion or a LocalBuffer (mr.sge()), not "
                             f"{type(local).__name__}")

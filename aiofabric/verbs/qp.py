@@ -55,7 +55,9 @@ class QueuePairLife:
         if device.variable_wqes:
             size = power_of_two(-(-sq_depth * wqe_slots // SQ_SLOT_ALIGN) * SQ_SLOT_ALIGN)
         else:
-            size, wqe_slots = power_of_two(sq_depth), SQ_STATIC_WQE_SLOTS
+            # one WQE more than asked for: sq_depth in flight leaves one free (SendQueueCodec.max_wqes), as Linux's
+            # bnxt_re_init_sq_attr adds 1
+            size, wqe_slots = power_of_two(sq_depth + 1), SQ_STATIC_WQE_SLOTS
         self.geometry = SqGeometry(device.variable_wqes, size, device.host_msn_table)
         if self.geometry.slots > MAX_SQ_SLOTS:
             most = MAX_SQ_SLOTS // wqe_slots
@@ -203,7 +205,8 @@ class QueuePairLife:
 
     # -- completions (from the CQs' poll) ------------------------------------------------------------------------------
     def send_completed(self, consumer: int, status: int) -> None:
-        """A requester CQE: every WQE before `consumer` (WQE units, mod 2^16) is done; the last one has `status`."""
+        """A requester CQE: every WQE up to the one `consumer` names (SendQueueCodec.retire) is done; the last one
+        has `status`."""
         done, named = self.send_queue.retire(consumer, status)
         if done:
             Completion.finish_many(done)

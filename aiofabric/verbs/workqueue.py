@@ -2,11 +2,12 @@
 which work requests a completion retires.
 
 `SendQueueCodec` owns the SQ ring's memory and its accounting: the producer and consumer in 16-byte slots
-(free-running), the WQEs posted and retired (free-running; CQEs name them modulo 2^16), the next PSN and message
-number, and the search-table entry of every message (hw.wqe.SqGeometry says which table and where). Each posted WQE
-may carry a token (the caller's: a `Completion`); `retire` maps a requester CQE's `sq_cons_idx` to the tokens it
-completes. WQEs without a token (unsignaled ones inside a `post_run`) cost no bookkeeping beyond one list store: the
-slot a WQE ends at is kept by WQE number, so a CQE releases the ring up to any WQE, signaled or not.
+(free-running), the WQEs posted and retired (free-running; CQEs name them modulo the SQ's size, or by slot:
+`retire`), the next PSN and message number, and the search-table entry of every message (hw.wqe.SqGeometry says which
+table and where). Each posted WQE may carry a token (the caller's: a `Completion`); `retire` maps a requester CQE's
+`sq_cons_idx` to the tokens it completes. WQEs without a token (unsignaled ones inside a `post_run`) cost no
+bookkeeping beyond one list store: the slot a WQE ends at is kept by WQE number, so a CQE releases the ring up to any
+WQE, signaled or not, and the slot a WQE starts at is where the one before it ends.
 
 `RecvQueueCodec` does the same for the RQ: one WQE per receive, tagged with its producer count, and completions
 matched in order.
@@ -24,7 +25,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..autogen import bnxt
-from ..hw.cqe import SQ_CONS_IDX_MASK
 from ..hw.verbs import PSN_MASK, psn_count
 from ..hw.wqe import (ATOMIC_WQE_TYPES, MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS,
                       SGE, SQ_ATOMIC_HEADER, SQ_RDMA_HEADER, SQ_RDMA_HEADER_AND_SGE, SQ_SEND_HEADER, SQ_SLOT,
@@ -32,7 +32,6 @@ from ..hw.wqe import (ATOMIC_WQE_TYPES, MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TY
 
 SIGNAL = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP
 INLINE = bnxt.SQ_SEND_FLAGS_INLINE
-HALF_WINDOW = (SQ_CONS_IDX_MASK + 1) >> 1  # WQEs in flight at most: more and a 16-bit sq_cons_idx is ambiguous
 SLOT_SHIFT = SQ_SLOT.bit_length() - 1
 RECV_TAG_MASK = bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
 Sge = tuple[int, int, int]  # (address, lkey, length): one scatter/gather element
@@ -74,7 +73,9 @@ class SendQueueCodec:
         self.host_msn = geometry.host_msn
         self.table_mask = geometry.table_entries - 1
         self.max_unsignaled = max_unsignaled
-        self.max_wqes = min(HALF_WINDOW, self.slots // (self.static_slots or SQ_WQE_HEADER_SLOTS))
+        self.size, self.variable = geometry.size, geometry.variable  # what a CQE's sq_cons_idx counts modulo
+        # fewer WQEs in flight than sq_size: a CQE that retires them all must not name the WQE retired last
+        self.max_wqes = min(self.size - 1, self.slots // (self.static_slots or SQ_WQE_HEADER_SLOTS))
         self.ends = [0] * (1 << self.max_wqes.bit_length())  # by WQE number: the slot after it
         self.ends_mask = len(self.ends) - 1
         self.mtu = 1024
@@ -312,16 +313,24 @@ class SendQueueCodec:
 
     # -- completions -----------------------------------------------------------------------------------------------
     def retire(self, sq_cons_idx: int, status: int) -> tuple[list[Any], Any]:
-        """A requester CQE: every WQE before `sq_cons_idx` (WQEs, mod 2^16) is done, the last with `status`.
+        """A requester CQE: every WQE up to the one `sq_cons_idx` names is done, that one with `status`.
         Returns (the tokens completed without error, the token `status` belongs to or None). A CQE that names no
         outstanding WQE (stale, duplicated, after a drain) retires nothing.
 
+        As Linux's bnxt_qplib_cq_process_req reads it: the index of the WQE after the last completed one, modulo
+        CREATE_QP's sq_size (WQEs, or slots with variable WQEs: either way one count per WQE); but an error CQE of a
+        variable-WQE QP names the slot the failed WQE starts at (bnxt_qplib_get_cqe_sq_cons).
         The status belongs to the named WQE's token; when that WQE had none (an unsignaled WQE that failed), it
         belongs to the next token, which a run always has after it."""
-        distance = (sq_cons_idx - self.retired) & SQ_CONS_IDX_MASK
-        if distance == 0 or distance > self.posted - self.retired:
-            return [], None
-        target = self.retired + distance
+        if status and self.variable:
+            target = self._starting_at(sq_cons_idx)
+            if not target:
+                return [], None
+        else:
+            distance = (sq_cons_idx - self.retired) % self.size
+            if distance == 0 or distance > self.posted - self.retired:
+                return [], None
+            target = self.retired + distance
         self.retired = target
         self.consumer = self.ends[(target - 1) & self.ends_mask]
         done, pending = [], self.pending
@@ -331,6 +340,15 @@ class SendQueueCodec:
         if pending and (pending[0][0] == target or status):
             named = pending.popleft()[1]
         return done, named
+
+    def _starting_at(self, slot: int) -> int:
+        """The number (from 1) of the outstanding WQE that starts at ring slot `slot`, 0 if none does."""
+        ends, mask, start = self.ends, self.ends_mask, self.consumer
+        for number in range(self.retired + 1, self.posted + 1):
+            if start % self.slots == slot:
+                return number
+            start = ends[(number - 1) & mask]
+        return 0
 
     def drain(self) -> list[Any]:
         """Everything outstanding, as if completed: the tokens still pending, in order (to flush them)."""

@@ -274,7 +274,7 @@ def test_a_dma_buffers_last_byte_has_a_bus_address_and_the_byte_past_it_none():
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 async def test_a_dma_budget_counts_odd_sizes_in_whole_pages_and_takes_exactly_its_limit():
-    budget = DmaBudget(64 << 20, "test budget")
+    budget = DmaBudget(256 << 20, "test budget")
     async with open_nic(dma_budget=budget) as nic:
         before = budget.in_use
         odd = nic.pci.alloc_dma(100)
@@ -288,7 +288,7 @@ async def test_a_dma_budget_counts_odd_sizes_in_whole_pages_and_takes_exactly_it
                                               rf"{before + 2 * PAGE_SIZE}$"):
             nic.pci.alloc_dma(1)
         exact.free()
-        budget.limit = 64 << 20
+        budget.limit = 256 << 20
 
 
 # -- servers' policy -------------------------------------------------------------------------------------------------

@@ -2,21 +2,30 @@
 the driver uses each feature only where Linux finds it (bnxt_en: VER_GET chip_num and dev_caps_cfg, FUNC_QCAPS
 flags_ext; bnxt_re: QUERY_FUNC dev_cap_flags and dev_cap_ext_flags_2) and refuses in one line what it does not
 support; the emulator's go-backs retransmit from the search table the driver writes, so a wrong entry fails a
-transfer under loss."""
+transfer under loss. Atomics are offered only where the PCIe path to the root port completes AtomicOps (bnxt_re:
+bnxt_qplib_determine_atomics, bnxt_qplib_is_atomic_cap), on each path the emulator can play (its pcie_path)."""
 import contextlib
+import dataclasses
 import random
+from types import SimpleNamespace
 
 import anyio
 import pytest
 
 from aiofabric import PCIError, open_nic
-from aiofabric.driver import device
+from aiofabric.autogen import bnxt
+from aiofabric.driver import backing_store, device
 from aiofabric.hw.firmware import CONFIGURED_CONTEXT_TYPES, THOR2_CHIPS
+from aiofabric.hw.firmware import BackingStoreType as BS
+from aiofabric.hw.pci import PCI_EXP_DEVCTL2_ATOMIC_REQ
+from aiofabric.pci import PAGE_SIZE, DmaBuffer
 from aiofabric.sim.function import CONTEXT_TYPES
+from aiofabric.sim.pcie import DEVCTL2, PCIE_PATHS
 from aiofabric.sim.profiles import PROFILES
-from aiofabric.verbs import workqueue
-from aiofabric.errors import CompletionError
-from tests.support.nics import connected_qps, tag
+from aiofabric.verbs import ATOMIC_ACCESS, workqueue
+from aiofabric.errors import CompletionError, UnsupportedError
+from tests.support.firmware import Driver
+from tests.support.nics import connect, connected_qps, stats, tag
 
 pytestmark = pytest.mark.anyio
 BOOTING = [name for name, profile in PROFILES.items() if profile.backing_store_v2]
@@ -51,8 +60,9 @@ async def test_a_chip_that_is_neither_thor_nor_thor2_is_refused_in_one_line(monk
 
 @pytest.mark.loop_agnostic
 async def test_backing_store_v1_firmware_is_refused_in_one_line():
-    with pytest.raises(PCIError, match=r"backing store v1 \(pre-Thor2 firmware\) is not supported \(FUNC_QCAPS "
-                                       r"flags_ext has no BS_V2_SUPPORTED\)$"):
+    with pytest.raises(PCIError, match=r"the firmware offers only backing store v1 \(FUNC_QCAPS flags_ext has no "
+                                       r"BS_V2_SUPPORTED: older Thor firmware\), which this driver does not speak; "
+                                       r"update the NIC firmware to one with backing store v2$"):
         async with open_nic("sim", profile="thor"):
             pass
 
@@ -94,6 +104,52 @@ async def test_the_backing_store_leaves_the_firmware_trace_buffers_out():
     async with open_nic("sim") as nic:
         assert nic.pci.debug({"op": "objects"})["objects"]["backing_store"] == configured
 
+
+
+@pytest.mark.loop_agnostic
+async def test_the_backing_store_is_sized_as_bnxt_en_sizes_it():
+    """bnxt_alloc_ctx_mem on the emulated Thor2's capabilities (sim/function.py): the L2 share 256 + QP1s 2 + 64 Ki
+    RoCE QPs (65856 rounded up to 64, held to the maximum 65794); SRQs 128 + 8 Ki; CQs 256 + 2 x 64 Ki; VNICs and
+    statistics contexts at their maximum; MRAV 256 Ki MRs + 128 Ki address handles (split 0); timers as many as QPs;
+    the slow-path TQM ring 128 VNICs + 256 + 2 x (64 Ki + 2) + its minimum 64 = 131524 and each of the 8 fast-path
+    ones 256 + 2 x (64 Ki + 2) = 131332, rounded up to 64. PBL depth 2 where Linux asks for it, else 1."""
+    expected = {BS.QP: (65794, 2, [256, 2, 0]), BS.SRQ: (8320, 2, [128]), BS.CQ: (131328, 2, [256]),
+                BS.VNIC: (1024, 1, [128]), BS.STAT: (1024, 1, []), BS.SP_TQM_RING: (131584, 2, []),
+                BS.FP_TQM_RING: (131392, 2, []), BS.MRAV: (393216, 2, [131072]), BS.TIM: (65794, 1, [])}
+    async with open_nic("sim") as nic:
+        configured = nic.pci.debug({"op": "backing_store"})["backing_store"]
+        assert nic.caps["max_qp"] == 65538  # QP1s and RoCE QPs: what bnxt_re gets (min(64 Ki, max_qp) there)
+    assert {(area["type"], area["instance"]): (area["entries"], area["level"], area["splits"])
+            for area in configured} == {(kind, instance): expected[kind]
+                                        for kind in expected for instance in CONTEXT_TYPES[kind].instances}
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("kind, change, reason", [
+    (BS.STAT, dict(max_entries=0), "has max_num_entries 0"),
+    (BS.MRAV, dict(flags=0), r"is not offered \(no TYPE_VALID type in the FUNC_BACKING_STORE_QCAPS_V2 walk\)"),
+])
+async def test_a_type_the_firmware_gives_nothing_of_fails_the_boot_naming_it(kind, change, reason, monkeypatch):
+    """Linux cannot size it and fails its probe (bnxt_setup_ctxm_pg_tbls: -EINVAL); so does the driver, before it
+    configures anything. Against the firmware in-process: the emulated NIC's own offers every type."""
+    monkeypatch.setitem(CONTEXT_TYPES, kind, dataclasses.replace(CONTEXT_TYPES[kind], **change))
+    host = Driver(memory=64 << 20)
+
+    async def hwrm(name, **fields):
+        return host.hwrm(name, **fields)
+
+    def alloc_dma(size):
+        pages = -(-size // PAGE_SIZE)
+        start = host.alloc(pages)
+        return DmaBuffer(host.mem.view(start, pages * PAGE_SIZE), [start + i * PAGE_SIZE for i in range(pages)], True)
+
+    flags_ext = bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_SUPPORTED
+    with pytest.raises(PCIError, match=rf"^in-process: backing-store type {kind.name} \({kind:#x}\) {reason}: "
+                                       r"bnxt_en cannot size it either and fails its probe \(bnxt_setup_ctxm_pg_tbls: "
+                                       r"-EINVAL\)$"):
+        await backing_store.configure(SimpleNamespace(address="in-process", alloc_dma=alloc_dma), hwrm, flags_ext, 0,
+                                      lambda free: None)
+    assert not host.fw.backing_store
 
 SIZES = [random.Random(5).randrange(1, 12000) for _ in range(32)]  # unequal: a misnumbered message cannot pass
 
@@ -147,3 +203,62 @@ async def test_a_driver_that_swaps_the_search_entrys_psns_fails_under_loss(profi
     monkeypatch.setattr(workqueue, "_SP", next_shift)
     monkeypatch.setattr(workqueue, "_NP", start_shift)
     assert not await writes_under_loss(profile)
+
+
+# -- PCIe AtomicOps: bnxt_qplib_determine_atomics, then what bnxt_qplib_is_atomic_cap offers -------------------------
+def atomic_req(nic) -> bool:
+    return bool(nic.pci.read_config(DEVCTL2, 2) & PCI_EXP_DEVCTL2_ATOMIC_REQ)
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("path", PCIE_PATHS)
+async def test_atomics_are_offered_exactly_where_the_pcie_path_completes_them(path):
+    """Each emulated path to the root complex (the pcie_path option): ATOMIC_REQ set and atomics offered where the
+    walk passes; elsewhere neither, and the info names the port that lacks them."""
+    completes = PCIE_PATHS[path].completes
+    async with open_nic("sim", pcie_path=path) as nic:
+        info = nic.info()
+        assert (atomic_req(nic), nic.device.atomic_ops.enabled) == (completes, completes), info["atomic_path"]
+        assert info["atomic_cap"] == ("global" if completes else "none")
+        lacking = {"no-completer": "root port 0000:00:01.0 does not complete 32-bit",
+                   "comp32-only": "root port 0000:00:01.0 does not complete 64-bit",
+                   "no-routing": "switch downstream port 0000:02:00.0 does not route",
+                   "egress-blocked": "switch upstream port 0000:01:00.0 blocks PCIe AtomicOps on egress",
+                   "hidden": "no root port is visible above"}
+        assert lacking.get(path, "reaches root port" if not PCIE_PATHS[path].preset else "by the hypervisor") in \
+            info["atomic_path"]
+
+
+@pytest.mark.loop_agnostic
+async def test_on_a_path_that_completes_atomicops_atomic_req_is_set_and_atomics_work():
+    name = tag()
+    async with open_nic(f"sim:a{name}") as a, open_nic(f"sim:b{name}") as b:
+        assert atomic_req(a) and atomic_req(b)
+        qa, qb = await a.create_qp(await a.create_cq(64)), await b.create_qp(await b.create_cq(64))
+        await qb.to_init(ATOMIC_ACCESS)
+        await connect(qa, qb, timeout=14)
+        source, counter = await a.register_mr(4096), await b.register_mr(4096, ATOMIC_ACCESS)
+        with anyio.fail_after(20):
+            assert await qa.fetch_add(source, counter, 5) == 0
+            assert await qa.compare_swap(source, counter, 5, 9) == 5
+        assert int.from_bytes(counter.view[:8], "little") == 9
+
+
+@pytest.mark.loop_agnostic
+async def test_without_atomicops_on_the_path_atomics_fail_at_once_naming_the_root_port():
+    """The requester's path lacks completer support: its fetch-add and compare-swap fail before anything is posted
+    (bnxt_re would report IB_ATOMIC_NONE); a region open to remote atomics is refused where the responder's does."""
+    name = tag()
+    async with open_nic(f"sim:a{name}", pcie_path="no-completer") as a, open_nic(f"sim:b{name}") as b:
+        qa, qb = await connected_qps(a, b, mtu=1024, timeout=14)
+        counter, source = await b.register_mr(4096, ATOMIC_ACCESS), await a.register_mr(4096)
+        producer, sent = qa.send_queue.producer, stats(a).get("packets_sent", 0)
+        why = "this NIC offers no atomics .*: root port 0000:00:01.0 does not complete 32-bit PCIe AtomicOps"
+        with pytest.raises(UnsupportedError, match=f"^fetch_add on QP {qa.qpn:#x} of {a.pci.address}: {why}"):
+            await qa.post_fetch_add(source, counter, 1)
+        with pytest.raises(UnsupportedError, match=f"^compare_swap on QP {qa.qpn:#x} of {a.pci.address}: {why}"):
+            await qa.compare_swap(source, counter, 0, 1)
+        assert (qa.send_queue.producer, stats(a).get("packets_sent", 0)) == (producer, sent)
+        with pytest.raises(UnsupportedError, match=f"^{a.pci.address}: a region open to remote atomics: {why}"):
+            await a.register_mr(4096, ATOMIC_ACCESS)
+        await qa.write(source, counter, 8)  # the rest of the NIC works

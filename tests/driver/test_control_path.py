@@ -9,8 +9,12 @@ import pytest
 
 from aiofabric import Access, DeviceLostError, FirmwareError, FirmwareTimeoutError, QPState, open_nic
 from aiofabric.autogen import bnxt
-from aiofabric.driver import rcfw_channel
+from aiofabric.driver import device, rcfw_channel
+from aiofabric.driver.hwrm_channel import HwrmChannel
 from aiofabric.driver.interrupts import CREQ_VECTOR
+from aiofabric.driver.rings import Ring
+from aiofabric.errors import PCIError
+from aiofabric.sim.profiles import PROFILES
 from tests.support.nics import command_counters, connect, object_counts, until_posted
 
 pytestmark = pytest.mark.anyio
@@ -37,6 +41,55 @@ async def test_boot_reports_identity_and_frees_everything_on_close():
         left = {k: v for k, v in object_counts(nic).items() if isinstance(v, int) and v}
         assert left == {}, f"firmware objects leaked: {left}"
         assert nic.pci.dma_bytes_in_use == 0  # and every ring, page table and buffer went back
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("profile", ["thor2", "short-cmd"])
+async def test_boot_reserves_what_it_allocates_before_the_first_ring_and_no_ring_more_is_granted(profile, monkeypatch):
+    """Linux's order (bnxt_fw_init_one_p2, bnxt_set_dflt_rings): the backing store and FUNC_RESOURCE_QCAPS before
+    FUNC_DRV_RGTR, FUNC_CFG's reservation before the first RING_ALLOC, read back from FUNC_QCFG. The reservation equals
+    what boot allocates, so one more of anything is refused. FUNC_CFG's 160 bytes go in the short format where
+    VER_GET's max_ext_req_len takes them (short-cmd), else cut to the 128-byte window (thor2)."""
+    sent = []
+    command = HwrmChannel.command
+
+    async def recording(self, name, **fields):
+        sent.append(name)
+        return await command(self, name, **fields)
+    monkeypatch.setattr(HwrmChannel, "command", recording)
+    async with open_nic("sim:reserve", profile=profile) as nic:
+        assert sent.index("func_backing_store_cfg_v2") < sent.index("func_resource_qcaps") < \
+            sent.index("func_drv_rgtr") < sent.index("func_cfg") < sent.index("func_qcfg", sent.index("func_cfg")) \
+            < sent.index("ring_alloc")
+        qcfg = await nic.hwrm("func_qcfg", fid=0xFFFF)
+        assert {name: getattr(qcfg, f"alloc_{field}") for name, field in (
+            ("num_msix", "msix"), ("num_cmpl_rings", "cmpl_rings"), ("num_tx_rings", "tx_rings"),
+            ("num_rx_rings", "rx_rings"), ("num_stat_ctxs", "stat_ctx"), ("num_vnics", "vnics"),
+            ("num_rsscos_ctxs", "rsscos_ctx"))} == device.RESERVATION
+        stats = nic.pci.debug({"op": "stats"})["stats"]
+        assert bool(stats.get("short_commands")) == PROFILES[profile].short_commands  # thor2: FUNC_CFG cut, in BAR0
+        ring = Ring(nic.pci, 64, 16)
+        on_nq = dict(enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID, nq_ring_id=nic.device.nq_id)
+        try:
+            for kind, fields in ((bnxt.RING_ALLOC_REQ_RING_TYPE_NQ, {}),
+                                 (bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, on_nq)):
+                with pytest.raises(FirmwareError, match="RESOURCE_ALLOC_ERROR"):
+                    await nic.hwrm("ring_alloc", ring_type=kind, page_tbl_addr=ring.base, length=64, **fields)
+            with pytest.raises(FirmwareError, match="RESOURCE_ALLOC_ERROR"):
+                await nic.hwrm("stat_ctx_alloc")
+            with pytest.raises(FirmwareError, match="RESOURCE_ALLOC_ERROR"):
+                await nic.hwrm("vnic_alloc")
+        finally:
+            ring.free()
+
+
+@pytest.mark.loop_agnostic
+async def test_a_reservation_past_the_firmwares_maximum_is_refused_naming_the_resource(monkeypatch):
+    monkeypatch.setitem(device.RESERVATION, "num_msix", 65)
+    with pytest.raises(PCIError, match=r"the driver needs 65 MSI-X vectors \(NQ rings\) \(FUNC_CFG num_msix\) and the "
+                       r"firmware allows this function at most 64 \(FUNC_RESOURCE_QCAPS max_msix\)"):
+        async with open_nic("sim:too-many"):
+            pass
 
 
 @pytest.mark.loop_agnostic

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from aiofabric.autogen import bnxt
+from aiofabric.hw.pci import pcie_config
 from aiofabric.pci import PCI_COMMAND, PCI_COMMAND_MASTER, PCIError, preflight
 from aiofabric.pci.device_lock import DeviceLock, check_lock, claim
 from aiofabric.pci.doctor import doctor
 from aiofabric.pci.preflight import (CAP_IPC_LOCK, CAP_SYS_ADMIN, PCI_COMMAND_INTX_DISABLE, SUPPORTED_CHIPS, Host, Target,
                                      check_memlock)
 from aiofabric.pci.sysfs import SysfsPCIDevice
-from tests.support.sysfs import ADDR, PEER, make_tree
+from tests.support.sysfs import ADDR, PEER, ROOT, make_path, make_tree
 
 ALL_CAPS = (1 << 41) - 1
 
@@ -54,7 +55,7 @@ def iommu_group(host: Host, device: Path, number: int, kind: str) -> Path:
 def host(tmp_path) -> Host:
     """A machine where a BCM57508 at ADDR passes every check for the sysfs path."""
     host = Host.under(str(tmp_path))
-    device = make_tree(Path(host.devices))
+    device = make_path(Path(host.devices), [ROOT])  # below a root port that completes AtomicOps
     write(device / "driver_override", "vfio-pci\n")
     write(device / "power_state", "D0\n")
     write(device / "enable", "0\n")
@@ -81,7 +82,7 @@ def test_a_supported_unbound_function_passes_every_check(host):
     report = doctor(ADDR, host, "sysfs")
     assert [f.name for f in report.findings] == [
         "present", "device_id", "driver", "driver_override", "iommu", "iommu_group", "lockdown", "power", "intx",
-        "privileges", "memlock", "hugepages", "compaction", "lock", "quiesced"]
+        "privileges", "memlock", "hugepages", "compaction", "atomic_ops", "lock", "quiesced"]
     assert all(f.ok and f.address == ADDR for f in report.findings), report.format()
     assert report.error == "" and "error" not in report.as_dict()
     assert "Broadcom BCM57508 (Thor)" in report.findings[1].detail
@@ -121,6 +122,12 @@ def vfio_without_hugepages(host: Host, device: Path) -> None:
     for name in ("vfio", "7"):
         write(Path(host.vfio) / name, "")
     write(Path(host.hugepages) / "free_hugepages", "0\n")
+
+
+def root_port_config(device: Path, config: bytes) -> None:
+    """The config space of the root port above the function (make_path's tree): 64 bytes is what Linux lets a
+    process without CAP_SYS_ADMIN read."""
+    device.resolve().parent.joinpath("config").write_bytes(config)
 
 
 # (check, how the machine breaks it, access, what the finding says (a regex), its fix, whether the failure blocks)
@@ -166,6 +173,14 @@ FAILURES = [
     ("compaction", lambda host, device: write(Path(host.vm) / "compact_unevictable_allowed", "1\n"), "sysfs",
      "compact_unevictable_allowed = 1: compaction may move the mlocked DMA pages",
      "sysctl -w vm.compact_unevictable_allowed=0", True),
+    ("atomic_ops", lambda host, device: root_port_config(device, pcie_config(0x1B36, 0xC, ROOT.kind)), "sysfs",
+     rf"the NIC will offer no atomics .*: root port {ROOT.address} does not complete 32-bit and 64-bit PCIe AtomicOps",
+     "put the NIC in a slot whose root port completes AtomicOps", False),
+    ("atomic_ops", lambda host, device: (device / "config").write_bytes((device / "config").read_bytes()[:64]),
+     "sysfs", rf"cannot read the config space of {ADDR} past byte 64 .*; run as root", "sudo aiofabric doctor", False),
+    ("atomic_ops", lambda host, device: root_port_config(device, pcie_config(0x1B36, 0xC, *ROOT[1:])[:64]), "sysfs",
+     rf"cannot read the config space of {ROOT.address} past byte 64 .*; run as root", "sudo aiofabric doctor",
+     False),
     ("quiesced", lambda host, device: set_command(device, PCI_COMMAND_INTX_DISABLE | PCI_COMMAND_MASTER), "sysfs",
      "bus mastering is on with no process holding the function", f"echo 1 > {{devices}}/{ADDR}/reset", False),
 ]

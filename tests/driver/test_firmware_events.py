@@ -10,6 +10,7 @@ import pytest
 from aiofabric import open_nic
 from aiofabric.autogen import bnxt
 from aiofabric.driver import firmware_events
+from aiofabric.driver.device import Device
 from aiofabric.driver.link import IF_CHANGE_RETRY_INTERVAL, IF_CHANGE_TRIES, PortLink, phy_settings
 from aiofabric.errors import CompletionError, DeviceLostError, FirmwareError, LinkDownError
 from aiofabric.hw.firmware import LINK_SPEED_MBPS
@@ -34,12 +35,16 @@ async def wait_for(condition, seconds=5.0):
 
 
 # -- the emulated firmware, without I/O ---------------------------------------------------------------------------
-def registered(driver, events=EventId):
-    """A driver registered for `events`, with an event ring (the NQ the firmware sends them to): its ring id."""
+def registered(driver, events=EventId, name=True):
+    """A driver registered for `events`, with an event ring (an NQ, named to the firmware with FUNC_CFG
+    async_event_cr unless not `name`): its ring id."""
     driver.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
                 | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD, os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
                 async_event_fwd=forwarding(events))
-    return driver.ring(NQ, 4, logical_id=firmware_events.EVENT_VECTOR)
+    ring_id = driver.ring(NQ, 4, logical_id=firmware_events.EVENT_VECTOR)
+    if name:
+        driver.hwrm("func_cfg", fid=0xFFFF, enables=bnxt.FUNC_CFG_REQ_ENABLES_ASYNC_EVENT_CR, async_event_cr=ring_id)
+    return ring_id
 
 
 def ring_entries(driver, ring_id, count):
@@ -78,15 +83,30 @@ def test_events_wait_for_room_and_interrupt_only_an_armed_ring():
         == [True, True]  # the second lap's valid bit
 
 
-def test_the_event_ring_is_an_nq_the_function_uses_for_nothing_else():
+def test_events_go_to_the_creq_until_func_cfg_names_the_event_ring():
+    """The HSI's default completion ring, taken to be the CREQ (where bnxt_qplib_service_creq accepts HWRM async
+    event completions), until async_event_cr names a ring (bnxt_hwrm_set_async_event_cr); an event waits while
+    neither is there. FUNC_CFG refuses to name a ring that is no NQ, and FUNC_RESET forgets the name."""
     driver = Driver()
-    driver.open_rcfw()  # the CREQ is an NQ too
-    nq = driver.ring(NQ, 64, logical_id=2)
-    driver.ring(bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, 64, enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID,
-                nq_ring_id=nq)  # nq now carries a completion ring
-    ring_id = registered(driver)
-    driver.fw.post_event("link_up")
-    assert driver.fw.rings[ring_id].produced == 1 and driver.fw.rings[nq].produced == 0
+    ring_id = registered(driver, name=False)
+    driver.fw.post_event("link_down")
+    assert len(driver.fw.async_events) == 1  # no CREQ yet: it waits
+    driver.open_rcfw()
+    driver.post("query_version")  # the first command latches the CREQ
+    driver.fw.post_event("link_up")  # the first event lands with it
+    entries = driver.drain()
+    assert [ASYNC_EVENT.unpack(entry)[:2] for entry in entries] == [(ASYNC_EVENT_TYPE, EventId.LINK_STATUS_CHANGE)] * 2
+    assert driver.fw.rings[ring_id].produced == 0
+    cmpl = driver.ring(bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, 64,
+                       enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID, nq_ring_id=ring_id)
+    driver.hwrm("func_cfg", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, fid=0xFFFF,
+                enables=bnxt.FUNC_CFG_REQ_ENABLES_ASYNC_EVENT_CR, async_event_cr=cmpl)
+    assert f"async_event_cr {cmpl} is not an allocated NQ ring" in driver.fw.last_error
+    driver.hwrm("func_cfg", fid=0xFFFF, enables=bnxt.FUNC_CFG_REQ_ENABLES_ASYNC_EVENT_CR, async_event_cr=ring_id)
+    driver.fw.post_event("link_down")
+    assert driver.fw.rings[ring_id].produced == 1 and not driver.drain()
+    driver.hwrm("func_reset")
+    assert driver.fw.async_event_cr is None
 
 
 def test_the_link_and_mtu_as_the_firmware_reports_them():
@@ -323,6 +343,32 @@ async def test_reset_notice_and_fatal_error_fail_everything_at_once_naming_the_e
         with pytest.raises(DeviceLostError, match=reason):
             await nic.create_cq(64)
         assert nic.events[-1].kind == ("fatal" if kind == "fatal" else "reset")
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("kind", ["reset_notify", "link_down"])
+async def test_an_event_before_the_event_ring_is_named_comes_on_the_creq_and_is_handled(kind, monkeypatch):
+    """Until FUNC_CFG names the event ring, the firmware sends events to the CREQ: a reset notice there loses the device
+    at once, failing the boot's stalled command with its name (not after its 30 s timeout), and a link change is
+    handled as one from the event ring."""
+    open_events = Device._open_events
+
+    async def event_first(self, task_group):
+        self.pci.debug({"op": "event", "event": {"kind": kind}})
+        if kind == "reset_notify":
+            self.pci.debug({"op": "stall", "channel": "hwrm"})  # the event ring's RING_ALLOC goes unanswered
+        await open_events(self, task_group)
+    monkeypatch.setattr(Device, "_open_events", event_first)
+    started = time.monotonic()
+    if kind == "reset_notify":
+        with pytest.raises(DeviceLostError, match=r"RESET_NOTIFY \(MANAGEMENT_RESET_REQUEST\)"):
+            async with open_nic("sim:creq-event", hwrm_timeout=30):
+                pass
+        assert time.monotonic() - started < 10
+        return
+    async with open_nic("sim:creq-event") as nic:
+        await wait_for(lambda: nic.events)
+        assert nic.events[0].kind == "link" and not nic.device.link.up
 
 
 async def test_an_idle_nic_with_the_event_reader_wakes_nobody(monkeypatch):

@@ -1,4 +1,5 @@
-"""SysfsPCIDevice against a fake sysfs tree (tests/support/sysfs.py); DMA against the real pagemap (root only)."""
+"""SysfsPCIDevice against a fake sysfs tree (tests/support/sysfs.py); DMA against the real pagemap (root only); the
+PCIe AtomicOps walk over the bridges a fake tree nests the function below, each of its rules at its boundary."""
 from __future__ import annotations
 
 import os
@@ -11,9 +12,13 @@ import pytest
 
 from aiofabric.errors import FabricError
 from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER, DmaBuffer, PCIError, barrier
+from aiofabric.hw.pci import (PCI_EXP_DEVCAP2_ATOMIC_COMP32, PCI_EXP_DEVCAP2_ATOMIC_COMP64,
+                              PCI_EXP_DEVCAP2_ATOMIC_ROUTE, PCI_EXP_DEVCTL2, PCI_EXP_DEVCTL2_ATOMIC_EGRESS_BLOCK,
+                              PCI_EXP_DEVCTL2_ATOMIC_REQ)
+from aiofabric.pci.atomic_ops import determine_atomics
 from aiofabric.pci.linux import phys_addr
 from aiofabric.pci.sysfs import SysfsPCIDevice
-from tests.support.sysfs import ADDR, BAR_SIZE, make_tree
+from tests.support.sysfs import ADDR, BAR_SIZE, CAPABILITY, DOWN, ROOT, UP, make_path, make_tree
 
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="pagemap only gives physical addresses to root")
@@ -286,3 +291,77 @@ def test_barrier_code_is_what_it_says(machine, triple, source):
     encoded = bytes(int(b, 16) for line in listing.splitlines() if "encoding: [" in line
                     for b in line.split("encoding: [")[1].rstrip("]").split(","))
     assert barrier.BARRIER_CODE[machine] == encoded
+
+
+# -- PCIe AtomicOps: Linux's pci_enable_atomic_ops_to_root over the bridges sysfs shows -------------------------------
+ROUTE, COMP32, COMP64 = PCI_EXP_DEVCAP2_ATOMIC_ROUTE, PCI_EXP_DEVCAP2_ATOMIC_COMP32, PCI_EXP_DEVCAP2_ATOMIC_COMP64
+BLOCK, REQ = PCI_EXP_DEVCTL2_ATOMIC_EGRESS_BLOCK, PCI_EXP_DEVCTL2_ATOMIC_REQ
+UP_BLOCKING = UP._replace(devctl2=BLOCK)
+
+
+def devctl2(link) -> int:
+    config = (link / "config").read_bytes()
+    return int.from_bytes(config[CAPABILITY + PCI_EXP_DEVCTL2:CAPABILITY + PCI_EXP_DEVCTL2 + 2], "little")
+
+
+def walked(tmp_path, ports, preset=0, virtfn=False):
+    """Open ADDR through sysfs below `ports`, run the walk as the driver's boot does: (AtomicOps, DEVCTL2 after)."""
+    link = make_path(tmp_path / "devices", ports, preset, virtfn)
+    pci = SysfsPCIDevice(ADDR, sysfs_root=str(link.parent))
+    try:
+        return determine_atomics(pci, pci.upstream_path()), devctl2(link)
+    finally:
+        pci.close()
+
+
+@pytest.mark.parametrize("ports, says", [
+    ([ROOT], f"{ADDR} reaches root port {ROOT.address}, which completes its PCIe AtomicOps"),
+    ([ROOT, UP, DOWN], f"reaches root port {ROOT.address} through {DOWN.address}, {UP.address}, which completes"),
+    ([ROOT, UP, DOWN._replace(devctl2=BLOCK)], "which completes"),  # egress blocking is an upstream port's only
+], ids=["root port", "switch", "downstream port's egress block ignored"])
+def test_a_path_that_completes_atomicops_gets_atomic_req_set(tmp_path, ports, says):
+    atomics, control = walked(tmp_path, ports)
+    assert atomics.enabled and says in atomics.detail, atomics
+    assert control == REQ
+
+
+@pytest.mark.parametrize("ports, says", [
+    ([ROOT._replace(devcap2=0)], f"root port {ROOT.address} does not complete 32-bit PCIe AtomicOps"),
+    ([ROOT._replace(devcap2=COMP64)], f"root port {ROOT.address} does not complete 32-bit"),
+    ([ROOT._replace(devcap2=COMP32)], f"root port {ROOT.address} does not complete 64-bit PCIe AtomicOps (its "
+                                      "DEVCAP2 0x80 lacks 0x100)"),
+    ([ROOT, UP, DOWN._replace(devcap2=0)], f"switch downstream port {DOWN.address} does not route PCIe AtomicOps"),
+    ([ROOT, UP._replace(devcap2=0), DOWN], f"switch upstream port {UP.address} does not route PCIe AtomicOps"),
+    ([ROOT, UP_BLOCKING, DOWN], f"switch upstream port {UP.address} blocks PCIe AtomicOps on egress"),
+    ([UP, DOWN], f"no root port is visible above {ADDR} (bridges {DOWN.address}, {UP.address}: a virtual machine?)"),
+    ([], f"no root port is visible above {ADDR} (no bridge"),
+], ids=["no completer", "64-bit only", "32-bit only", "downstream port without routing",
+        "upstream port without routing", "upstream port blocking egress", "switch without root port", "no bridge"])
+def test_a_path_that_does_not_leaves_atomic_req_clear_and_names_the_port(tmp_path, ports, says):
+    atomics, control = walked(tmp_path, ports)
+    assert not atomics.enabled and says in atomics.detail, atomics
+    assert control == 0  # the 32-bit-only root port too: Linux would have set the bit after the 32-bit check
+
+
+def test_with_no_root_port_visible_a_preset_atomic_req_is_taken_and_left_alone(tmp_path):
+    atomics, control = walked(tmp_path, [], preset=REQ | 0x1)
+    assert atomics.enabled and "already set, by the hypervisor" in atomics.detail
+    assert control == REQ | 0x1
+
+
+def test_a_virtual_function_is_refused_whatever_its_path(tmp_path):
+    atomics, control = walked(tmp_path, [ROOT], virtfn=True)
+    assert not atomics.enabled and f"{ADDR} is a virtual function" in atomics.detail and control == 0
+
+
+def test_a_bridge_read_short_without_privileges_says_to_run_as_root(tmp_path):
+    link = make_path(tmp_path / "devices", [ROOT])
+    root_config = link.resolve().parent / "config"
+    root_config.write_bytes(root_config.read_bytes()[:64])  # what Linux shows a process without CAP_SYS_ADMIN
+    pci = SysfsPCIDevice(ADDR, sysfs_root=str(link.parent))
+    try:
+        atomics = determine_atomics(pci, pci.upstream_path())
+    finally:
+        pci.close()
+    assert not atomics.enabled and f"cannot read the config space of {ROOT.address} past byte 64" in atomics.detail
+    assert "run as root" in atomics.detail and devctl2(link) == 0

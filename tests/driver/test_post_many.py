@@ -1,5 +1,6 @@
 """Many work requests per call, SGE lists and inline data, end to end on emulated NICs: what lands, what completes,
 and what is refused (the codec itself is tested without an emulator in tests/unit/test_workqueue.py)."""
+import collections
 import contextlib
 import random
 
@@ -15,10 +16,10 @@ pytestmark = pytest.mark.anyio
 
 
 @contextlib.asynccontextmanager
-async def pair(sq_depth=64, **qp_options):
-    """Two emulated NICs with one connected RC QP each, and a 64 KiB MR on each."""
+async def pair(sq_depth=64, profile="thor2", **qp_options):
+    """Two emulated NICs (of firmware `profile`) with one connected RC QP each, and a 64 KiB MR on each."""
     name = tag()
-    async with open_nic(f"sim:a{name}") as a, open_nic(f"sim:b{name}") as b:
+    async with open_nic(f"sim:a{name}", profile=profile) as a, open_nic(f"sim:b{name}", profile=profile) as b:
         qa, qb = await connected_qps(a, b, 1024, {"sq_depth": sq_depth, "rq_depth": 256, **qp_options},
                                      timeout=14)  # ~67 ms: a loaded 2-core machine never times an ACK out
         source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
@@ -78,7 +79,8 @@ async def test_a_failure_inside_a_batch_fails_the_completion_after_it_and_flushe
 
 async def test_post_many_waits_for_room_and_crosses_the_16_bit_wqe_index():
     """70,000 writes in batches of 32 through a 64-deep send queue: batches wait for room, completions keep coming
-    after sq_cons_idx wraps at 65,536, every byte of the last round lands."""
+    after the WQE count passes 65,536 (sq_cons_idx wraps at sq_size, hundreds of times), every byte of the last round
+    lands."""
     async with pair(sq_depth=64) as (qa, qb, source, target):
         offsets = range(0, 32 * 64, 64)
         pending = []
@@ -92,6 +94,74 @@ async def test_post_many_waits_for_room_and_crosses_the_16_bit_wqe_index():
                 await completion
         assert qa.send_queue.posted > 65_536 and qa.send_queue.outstanding == 0
         assert bytes(target.view[:2048]) == bytes(source.view[:2048])
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("profile", ["thor2", "thor-bs-v2"])  # variable WQEs; static ones
+@pytest.mark.parametrize("sq_depth", [100, 3000])
+async def test_completions_name_their_work_requests_through_many_wraps_of_the_index(profile, sq_depth):
+    """Signaled writes, twice the send queue's sq_size and more (the index CQEs carry wraps at sq_size: 128 or 4096
+    static WQEs, 512 or 16384 slots with variable ones, as Linux's bnxt_qplib_cq_process_req reads it), through a
+    queue whose depth is no power of two: every completion arrives, in order, once its own write landed, and none is
+    left over."""
+    async with pair(sq_depth=sq_depth, profile=profile) as (qa, qb, source, target):
+        sq = qa.send_queue
+        total, batch = 2 * sq.geometry.size + 77, min(128, sq.max_wqes // 4)
+        in_flight: collections.deque = collections.deque()
+        posted = 0
+        with anyio.fail_after(120):
+            while posted < total or in_flight:
+                if posted < total:
+                    numbers = range(posted, min(total, posted + batch))
+                    offsets = [8 * (k % 4096) for k in numbers]  # 3 batches in flight never share an offset
+                    for k, offset in zip(numbers, offsets):
+                        source.view[offset:offset + 8] = k.to_bytes(8, "little")
+                    in_flight.append((numbers, offsets, await qa.post_many("write", source, target, 8, offsets,
+                                                                          signal=range(len(numbers)))))
+                    posted += len(numbers)
+                if len(in_flight) == 3 or posted == total:
+                    numbers, offsets, done = in_flight.popleft()
+                    for k, offset, completion in zip(numbers, offsets, done, strict=True):
+                        await completion
+                        assert int.from_bytes(target.view[offset:offset + 8], "little") == k
+        assert sq.posted == total and sq.outstanding == 0 and qa.send_cq.outstanding == 0
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("profile", ["thor2", "thor-bs-v2"])
+async def test_an_error_completion_blames_its_own_work_request_among_wqes_of_many_sizes(profile):
+    """Writes of 1 to 4 SGEs, and inline ones, run past the send queue's sq_size (128 static WQEs; with variable WQEs
+    1024 slots, which they wrap), then a write of 2 SGEs to a bad rkey goes between two good ones. Its completion
+    fails REMOTE_ACCESS_ERR: with variable WQEs the error CQE names the slot the WQE starts at, not its index
+    (Linux bnxt_qplib_get_cqe_sq_cons). The write before it succeeds, the one after flushes."""
+    async with pair(sq_depth=100, profile=profile, max_send_sge=4, max_inline_data=48) as (qa, qb, source, target):
+        def write(i, remote=target):
+            if i % 5 == 2:
+                return qa.post_write(source, remote, 1 + i % 48, local_offset=64 * i, remote_offset=64 * i,
+                                     inline=True)
+            sges = [source.sge(64 * i + 16 * k, 8) for k in range(1 + i % 4)]
+            return qa.post_write(sges, remote, remote_offset=64 * i)
+
+        sq = qa.send_queue
+        pending = []
+        with anyio.fail_after(60):
+            for i in range(400):
+                pending.append(await write(i))
+                if len(pending) > 20:
+                    await pending.pop(0)
+            for completion in pending:
+                await completion
+            assert sq.posted > sq.geometry.size or sq.producer > sq.slots
+            before = await write(400)
+            bad = await write(401, RemoteRegion(target.addr, target.rkey ^ 0x100, 1 << 16))
+            after = await write(402)
+            await before
+            with pytest.raises(CompletionError, match="REMOTE_ACCESS_ERR"):
+                await bad
+            with pytest.raises(CompletionError, match="FLUSH"):
+                await after
+        assert bytes(target.view[64 * 400:64 * 400 + 8]) == bytes(source.view[64 * 400:64 * 400 + 8])
+        assert qa.send_cq.outstanding == 0
 
 
 async def test_post_many_refuses_what_it_cannot_post():

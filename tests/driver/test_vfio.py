@@ -22,6 +22,8 @@ from aiofabric.errors import PCIError
 from aiofabric.pci import PAGE_SIZE, PCI_COMMAND, PCI_COMMAND_MASTER
 from aiofabric.pci import vfio_api as vfio_module
 from aiofabric.pci import vfio_abi as abi
+from aiofabric.hw.pci import PCI_EXP_DEVCTL2_ATOMIC_REQ
+from aiofabric.pci.atomic_ops import determine_atomics
 from aiofabric.pci.dma_pool import SLAB_SIZE, DmaPool
 from aiofabric.pci.emulated_vfio import EmulatedVfio, IommuFault
 from aiofabric.pci.iommu import IovaSpace
@@ -30,10 +32,11 @@ from aiofabric.pci.sysfs import SysfsPCIDevice
 from aiofabric.pci.vfio import MappedBar, RegionBar, VfioPCIDevice
 from aiofabric.pci.vfio_api import LinuxVfio
 from aiofabric.sim.memory import BUS_BASE
+from aiofabric.sim.pcie import DEVCTL2
 from aiofabric.verbs import nic as nic_module
 from tests.support.backends import on
 from tests.support.nics import connected_qps
-from tests.support.sysfs import ADDR, PEER
+from tests.support.sysfs import ADDR, PEER, ROOT, Port, make_path
 
 GROUP = "7"
 MSIX = abi.VFIO_PCI_MSIX_IRQ_INDEX
@@ -42,13 +45,16 @@ VFIO_H = "/usr/include/linux/vfio.h"
 
 
 def make_machine(root: Path, driver: str | None = "vfio-pci", group: str | None = GROUP,
-                 others: dict[str, str | None] | None = None) -> Host:
-    """A fake machine under `root`: ADDR (a BCM57608, bound to `driver`, in IOMMU `group`) and `others` (address:
-    driver) in the same group; no /dev/vfio."""
+                 others: dict[str, str | None] | None = None, ports: list[Port] | None = None) -> Host:
+    """A fake machine under `root`: ADDR (a BCM57608, bound to `driver`, in IOMMU `group`; nested below `ports`,
+    the root port first, when they are given) and `others` (address: driver) in the same group; no /dev/vfio."""
     host = Host.under(str(root))
     for address, bound in {ADDR: driver, **(others or {})}.items():
         device = Path(host.devices) / address
-        device.mkdir(parents=True)
+        if address == ADDR and ports is not None:
+            make_path(Path(host.devices), ports)
+        else:
+            device.mkdir(parents=True)
         (device / "vendor").write_text("0x14e4\n")
         (device / "device").write_text("0x1760\n")
         if bound:
@@ -164,6 +170,20 @@ def test_bars_and_config_go_through_the_device_fd(device):
         pci.map_bar(1)
     with pytest.raises(ValueError, match="BAR0"):
         bar0.read32(2)
+
+
+@pytest.mark.parametrize("ports", [[ROOT], None], ids=["below a root port", "no root port visible"])
+def test_the_atomicops_walk_reads_the_bridges_from_sysfs_and_sets_devctl2_through_the_config_region(
+        tmp_path, emulated, ports):
+    fake = emulated()  # its own path (pcie_path) is not read: VFIO shows the function, sysfs the bridges
+    pci = VfioPCIDevice(ADDR, host=make_machine(tmp_path, ports=ports), api=fake)
+    try:
+        atomics = determine_atomics(pci, pci.upstream_path())
+    finally:
+        pci.close()
+    enabled = ports is not None
+    assert atomics.enabled is enabled and (f"reaches root port {ROOT.address}" in atomics.detail) is enabled
+    assert bool(fake.sim.read_config(DEVCTL2, 2) & PCI_EXP_DEVCTL2_ATOMIC_REQ) is enabled
 
 
 def test_msix_vectors_and_the_device_request_are_wired_to_the_emulator(device):

@@ -1,7 +1,8 @@
 """RDMA atomics (FETCH_AND_ADD, COMPARE_AND_SWAP): the WQE the driver's codec writes, the packets on the wire, the
 results against a model, exactly-once execution when packets are lost and duplicated (and that this check fails for
 a responder that executes a duplicate again), and what is refused where: bad arguments by the driver before anything
-is posted, a misaligned address or missing REMOTE_ATOMIC access by the responder.
+is posted, a misaligned address or missing REMOTE_ATOMIC access by the responder, and an atomic the responding
+function may not issue on PCIe (AtomicOp Requester Enable clear, or a path that does not complete AtomicOps).
 
 The protocol tests run the emulator's data path in-process (tests/support/emulator.py's hosts and wire, with the
 driver's SendQueueCodec writing the WQEs), so a test can lose one chosen packet or tamper with the responder; the
@@ -14,13 +15,16 @@ import pytest
 
 from aiofabric import open_nic
 from aiofabric.autogen import bnxt
+from aiofabric.driver import device
 from aiofabric.hw.verbs import PSN_MASK, MRAccess, QPAccess, QPState
 from aiofabric.hw.wqe import ATOMIC_SIZE, MSN_ENTRY, SqGeometry, msn_fields
 from aiofabric.sim import codec
 from aiofabric.sim import packets as pk
 from aiofabric.sim.atomics import execute
+from aiofabric.sim.pcie import PCIE_PATHS
 from aiofabric.sim.responder import Responder
 from aiofabric.errors import CompletionError
+from aiofabric.pci.atomic_ops import AtomicOps
 from aiofabric.verbs.types import ALL_ACCESS, Access
 from aiofabric.verbs.workqueue import SIGNAL, SendQueueCodec
 from tests.support import emulator
@@ -264,9 +268,14 @@ def test_the_exactly_once_check_sees_a_responder_that_executes_duplicates_again(
     ("misaligned", pk.NAK_INVALID_REQUEST, bnxt.CQ_REQ_STATUS_REMOTE_INVALID_REQUEST_ERR),
     ("beyond the region", pk.NAK_REMOTE_ACCESS, bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR),
     ("region without REMOTE_ATOMIC", pk.NAK_REMOTE_ACCESS, bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR),
-    ("QP without REMOTE_ATOMIC", pk.NAK_REMOTE_ACCESS, bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR)])
+    ("QP without REMOTE_ATOMIC", pk.NAK_REMOTE_ACCESS, bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR),
+    ("ATOMIC_REQ clear", pk.NAK_INVALID_REQUEST, bnxt.CQ_REQ_STATUS_REMOTE_INVALID_REQUEST_ERR),
+    ("a path without AtomicOps", pk.NAK_REMOTE_OPERATIONAL, bnxt.CQ_REQ_STATUS_REMOTE_OPERATION_ERR)])
 def test_what_the_responder_refuses_is_nakked_and_fails_the_atomic(case, syndrome, status):
     a, b, wire, driver, (results, lkey), (counter, rkey) = atomic_pair()
+    b.fw.pcie.atomic_requests = case != "ATOMIC_REQ clear"  # the function may issue no PCIe AtomicOp
+    if case == "a path without AtomicOps":  # ATOMIC_REQ set by a driver that did not walk the path
+        b.fw.pcie.path = PCIE_PATHS["no-completer"]
     remote = {"misaligned": counter + 4, "beyond the region": counter + 4096}.get(case, counter)
     if case == "region without REMOTE_ATOMIC":
         counter, rkey = b.register(4096)
@@ -279,6 +288,11 @@ def test_what_the_responder_refuses_is_nakked_and_fails_the_atomic(case, syndrom
     assert [p.syndrome for p in wire.log if p.src_ip == b.ip] == [syndrome]
     assert u64(b.mem.read(counter, 8)) == 0 and executed(b) == 0
     assert b.fw.rcfw.qps[b.qpn].state == QPState.ERR  # a class C error, as rxe's
+    if case == "ATOMIC_REQ clear":
+        assert b.fw.last_error == "atomic refused: AtomicOp Requester Enable (DEVCTL2 ATOMIC_REQ) is clear: the " \
+                                  "function may issue no PCIe AtomicOp"
+    if case == "a path without AtomicOps":
+        assert b.fw.last_error.startswith("atomic refused: the PCIe path (no-completer: ")
 
 
 # -- through the driver and the emulator processes ------------------------------------------------------------------
@@ -453,3 +467,18 @@ async def test_bad_arguments_are_refused_before_anything_is_posted():
         with anyio.fail_after(10):
             assert await qa.fetch_add(results.sge(8, 8), counter, 5) == 0  # still usable
         assert u64(results.view, 8) == 0 and u64(counter.view) == 5
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_driver_that_offers_atomics_without_setting_atomic_req_meets_a_nak(monkeypatch):
+    """A driver that skips the AtomicOps walk (it offers atomics, ATOMIC_REQ stays clear in DEVCTL2): the responding
+    NIC may not issue the PCIe AtomicOp, so it NAKs the request and the counter is never touched."""
+    monkeypatch.setattr(device, "determine_atomics", lambda pci, path: AtomicOps(True, "not walked"))
+    async with nics(2) as (a, b):
+        qa, _ = await connected(a, b)
+        results, counter = await a[0].register_mr(4096), await b[0].register_mr(4096, ATOMIC_ACCESS)
+        with anyio.fail_after(10), pytest.raises(CompletionError) as failed:
+            await qa.fetch_add(results, counter, 1)
+        assert failed.value.reason == "REMOTE_INVALID_REQUEST_ERR" and u64(counter.view) == 0
+        assert b[0].pci.debug({"op": "stats"})["stats"]["atomics_refused_pcie"] == 1

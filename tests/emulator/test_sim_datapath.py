@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
 from aiofabric.hw.verbs import PSN_MASK, QPState
-from aiofabric.hw.wqe import msn_entry, psn_search_values
+from aiofabric.hw.wqe import SQ_STATIC_WQE_SLOTS, msn_entry, psn_search_values
 from aiofabric.sim import codec, packets as pk
 from tests.support.emulator import (FLUSHED, MASK, READ, REQ_OK, RES_FLUSHED, SEND, SEND_IMM, WRITE, WRITE_IMM, Host,
                                     Wire, fill, pair)
@@ -173,15 +173,59 @@ def test_wqe_straddling_the_sq_ring_end():
         assert b.mem.read(dst + 100 * i, size) == data[100 * i:100 * i + size]
 
 
-def test_sq_cons_idx_is_free_running_mod_2_16():
-    a, b, wire = pair(sq_slots=256)
+@pytest.mark.parametrize("variable, sq_slots", [(False, 100 * SQ_STATIC_WQE_SLOTS), (True, 768)])
+def test_sq_cons_idx_counts_wqes_modulo_sq_size(variable, sq_slots):
+    """A requester CQE names the WQE after the one it completes modulo CREATE_QP's sq_size: 100 static WQEs, or 768
+    slots with variable WQEs (still one count per WQE), sizes Linux gives (not powers of two), as
+    bnxt_qplib_cq_process_req reduces it. Through several wraps of the index, and past 2^16 WQEs."""
+    a, b, wire = pair(sq_slots=sq_slots, variable=variable)
+    size = a.geometry.size
     src, lkey = a.register(4096)
     dst, rkey = b.register(4096)
+    got = []
+    for _ in range(-(-(size + 150) // 50)):  # batches of 50 WQEs of 3 slots, one doorbell each
+        for _ in range(50):
+            a.post(WRITE, [(src, lkey, 8)], remote=dst, rkey=rkey, ring=False)
+        a.ring_sq()
+        wire.run()
+        got += [c[2] for c in a.poll()]
+    assert got == [i % size for i in range(1, a.wqe_count + 1)]
     a.dp.context(a.qpn).requester.sq.fetched = 0xFFFE  # as if 65534 WQEs had gone before
     for _ in range(3):
         a.post(WRITE, [(src, lkey, 8)], remote=dst, rkey=rkey)
     wire.run()
-    assert [c[2] for c in a.poll()] == [0xFFFF, 0, 1]
+    assert [c[2] for c in a.poll()] == [0xFFFF % size, 0x10000 % size, 0x10001 % size]
+
+
+@pytest.mark.parametrize("variable, sq_slots", [(False, 100 * SQ_STATIC_WQE_SLOTS), (True, 768)])
+def test_an_error_cqe_names_the_failed_wqe_by_its_slot_with_variable_wqes(variable, sq_slots):
+    """WQEs of 1 to 4 SGEs wrap the ring, then a WRITE of 2 SGEs to a bad rkey fails and two more flush. With
+    variable WQEs every error CQE (the failure and the flushes) names the slot its WQE starts at, modulo the ring's
+    slots (bnxt_qplib_get_cqe_sq_cons matches it against each WQE's slot_idx); static WQEs keep the WQE index."""
+    a, b, wire = pair(sq_slots=sq_slots, variable=variable)
+    src, lkey = a.register(4096)
+    dst, rkey = b.register(4096)
+    sges = [[(src + 64 * k, lkey, 8) for k in range(1 + i % 4)] for i in range(4)]
+    while a.sq_producer < sq_slots + 40:
+        for i in range(20):
+            a.post(WRITE, sges[i % 4], remote=dst, rkey=rkey, ring=False)
+        a.ring_sq()
+        wire.run()
+        assert [c[1:3] for c in a.poll()] == [(REQ_OK, a.sq_cons_idx(n)) for n in range(a.wqe_count - 19,
+                                                                                         a.wqe_count + 1)]
+    bad = a.post(WRITE, sges[1], remote=dst, rkey=rkey ^ 0x100)
+    a.post(WRITE, sges[2], remote=dst, rkey=rkey)
+    a.post(WRITE, sges[0], remote=dst, rkey=rkey)
+    wire.run()
+    error = bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR
+    assert [c[1:3] for c in a.poll()] == [(error, a.sq_cons_idx(bad, error)),
+                                          (FLUSHED, a.sq_cons_idx(bad + 1, FLUSHED)),
+                                          (FLUSHED, a.sq_cons_idx(bad + 2, FLUSHED))]
+    if variable:
+        assert a.sq_cons_idx(bad, error) == a.starts[bad - 1] != bad % sq_slots  # a slot, not a WQE index
+        assert a.sq_producer > sq_slots  # the slots wrapped before
+    else:
+        assert a.sq_cons_idx(bad, error) == bad % 100
 
 
 # -- errors ----------------------------------------------------------------------------------------------------------
@@ -194,8 +238,9 @@ def test_bad_rkey_fails_the_wqe_and_flushes_the_rest():
     a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)
     a.post(READ, [(src, lkey, 64)], remote=dst, rkey=rkey)
     wire.run()
-    assert [c[1:3] for c in a.poll()] == [(REQ_OK, 1), (bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR, 2), (FLUSHED, 3),
-                                          (FLUSHED, 4)]
+    # error CQEs name the slot their (3-slot) WQE starts at
+    assert [c[1:3] for c in a.poll()] == [(REQ_OK, 1), (bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR, 3), (FLUSHED, 6),
+                                          (FLUSHED, 9)]
     assert a.fw.rcfw.qps[a.qpn].state == QPState.ERR
     (event,) = a.creq_events()
     assert bnxt.creq_qp_error_notification.from_buffer_copy(event).xid == a.qpn
@@ -203,7 +248,7 @@ def test_bad_rkey_fails_the_wqe_and_flushes_the_rest():
     # WQEs posted to a QP in ERR complete FLUSHED at once
     a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)
     wire.run()
-    assert [c[1:3] for c in a.poll()] == [(FLUSHED, 5)]
+    assert [c[1:3] for c in a.poll()] == [(FLUSHED, 12)]
     assert [p.syndrome for p in wire.log if p.src_ip == b.ip][-1] == pk.NAK_REMOTE_ACCESS
 
 
@@ -225,7 +270,7 @@ def test_bad_lkey_is_a_local_protection_error():
     a.post(WRITE, [(src, lkey + 0x100, 64)], remote=dst, rkey=rkey)
     a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey)
     wire.run()
-    assert [c[1:3] for c in a.poll()] == [(bnxt.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, 2), (FLUSHED, 3)]
+    assert [c[1:3] for c in a.poll()] == [(bnxt.CQ_REQ_STATUS_LOCAL_PROTECTION_ERR, 3), (FLUSHED, 6)]  # slots
     assert a.fw.rcfw.qps[a.qpn].state == QPState.ERR
     assert b.fw.rcfw.qps[b.qpn].state == QPState.RTS
 
@@ -383,7 +428,7 @@ def test_modify_qp_to_err_flushes_everything():
     a.post(WRITE, [(src, lkey, 64)], remote=dst, rkey=rkey, signaled=False)  # still on the ring
     a.modify(QPState.ERR)
     flushed = a.poll()
-    assert sorted(c[1:3] for c in flushed if c[0] == "req") == [(FLUSHED, 1), (FLUSHED, 2), (FLUSHED, 3)]
+    assert sorted(c[1:3] for c in flushed if c[0] == "req") == [(FLUSHED, 0), (FLUSHED, 3), (FLUSHED, 6)]  # slots
     assert [c for c in flushed if c[0] == "res"] == [("res", RES_FLUSHED, 0, 0, 0, 5)]
     assert a.creq_events() == []  # the driver asked for ERR: no error event
     a.post_recv([(src, lkey, 64)], tag=6)

@@ -13,6 +13,7 @@ from aiofabric.hw.cqe import (CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY, NQ_ENTRY
                               notification_fields)
 from aiofabric.hw.firmware import (CMDQ_INIT, HWRM_SHORT_REQUEST, LINK_SPEED_MBPS, SHORT_REQUEST_SIGNATURE,
                                    host_msn_table, hw_retx_supported, short_commands_required)
+from aiofabric.hw.firmware import BackingStoreType as BS
 from aiofabric.hw.ring import phase, position, slot
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim.function import CONTEXT_TYPES
@@ -68,7 +69,7 @@ def test_unknown_hwrm_opcode_is_not_supported_and_unanswerable_requests_get_noth
     ("port_phy_cfg", dict(port_id=3)),
     ("func_qcaps", dict(fid=0x22)),
     ("func_backing_store_qcaps_v2", dict(type=7)),
-    ("func_backing_store_cfg_v2", dict(type=0, entry_size=704, num_entries=256)),  # before its QCAPS_V2
+    ("func_backing_store_cfg_v2", dict(type=0, entry_size=704, num_entries=300)),  # before its QCAPS_V2
     ("stat_ctx_free", dict(stat_ctx_id=3)),
     ("stat_ctx_alloc", dict(stats_dma_addr=0x1000, stats_dma_length=176)),  # DmaFault inside the handler
 ])
@@ -79,12 +80,13 @@ def test_invalid_hwrm_input_gets_invalid_params(name, fields):
 
 
 @pytest.mark.parametrize("fields", [dict(instance=1), dict(entry_size=64), dict(num_entries=100_000),
+                                    dict(num_entries=257),  # below the L2 share (256) and the QP1s (2)
                                     dict(page_size_pbl_level=3), dict(page_size_pbl_level=0x70),
                                     dict(page_dir=0x1000)])
 def test_backing_store_cfg_validation(fields):
     host = Driver()
     host.hwrm("func_backing_store_qcaps_v2", type=0)
-    request = dict(type=0, instance=0, entry_size=704, num_entries=256, page_dir=host.alloc(44),
+    request = dict(type=0, instance=0, entry_size=704, num_entries=300, page_dir=host.alloc(52),
                    page_size_pbl_level=0) | fields
     host.hwrm("func_backing_store_cfg_v2", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, **request)
 
@@ -131,6 +133,57 @@ def test_trace_buffers_are_optional_and_accepted():
     assert (trace, 0) in with_trace.backing_store(trace=True) and with_trace.fw.backing_store_missing() is None
     without = Driver()
     assert (trace, 0) not in without.backing_store() and without.fw.backing_store_missing() is None
+
+
+def test_a_required_type_left_out_keeps_initialize_fw_refused():
+    host = Driver()
+    host.backing_store(leave_out=frozenset({BS.MRAV}))  # ALL_DONE on the last, TIM
+    host.open_rcfw()
+    stat = host.hwrm("stat_ctx_alloc", stats_dma_addr=host.alloc(), stats_dma_length=176).stat_ctx_id
+    host.rcfw("initialize_fw", expect=FAIL, stat_ctx_id=stat)
+    assert host.fw.last_error == "RCFW initialize_fw: backing-store type 0xe instances [0] not configured"
+
+
+@pytest.mark.parametrize("sizes", [
+    {},  # the QP entries: the L2 share (256), the QP1s (2) and 6 more
+    {BS.TIM: 256 + 8},  # a timer context for every QP, L2 ones included
+    {BS.SP_TQM_RING: 128 + 256 + 2 * 8 + 64},  # the slow-path ring: VNICs, L2 QPs, two per RoCE QP, its minimum
+    {BS.FP_TQM_RING: 256 + 8},  # each fast-path ring: every QP
+], ids=["qp", "tim", "sp-tqm", "fp-tqm"])
+def test_exactly_the_qps_the_backing_store_holds_can_be_created(sizes):
+    """8 RoCE QPs backed: the eighth is created, the ninth refused with RESOURCES, and one destroyed makes room."""
+    host = Driver()
+    host.boot(store=dict(extra_qps=64 if sizes else 6, sizes=sizes))
+    assert host.rcfw("query_func").max_qp == 8
+    cq = host.create_cq()
+    qps = [host.create_qp(cq) for _ in range(8)]
+    host.create_qp(cq, expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES)
+    assert host.fw.last_error == "RCFW create_qp: the backing store holds 8 QP contexts; all are in use"
+    host.rcfw("destroy_qp", qp_cid=qps[3])
+    assert host.create_qp(cq) == qps[3]
+
+
+def test_cqs_mrs_statistics_contexts_and_vnics_fit_the_backing_store():
+    """Each as many as configured, less the firmware's own share: L2 CQs (256), address handles (MRAV's split 0 as
+    the driver sent it), RSS ring tables (VNIC entries past split 0)."""
+    host = Driver()
+    host.boot(store=dict(extra_qps=2, sizes={BS.MRAV: 3, BS.STAT: 2, BS.VNIC: 1}))  # CQs: 256 + 2 x 2
+    cqs = [host.create_cq() for _ in range(4)]
+    host.rcfw("create_cq", expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES, cq_handle=1, cq_size=64,
+              cq_fco_cnq_id=host.nq_id, pg_size_lvl=0, pbl=host.alloc())
+    assert "holds 4 CQ contexts" in host.fw.last_error and len(cqs) == 4
+    for _ in range(3):
+        host.rcfw("allocate_mrw", pd_id=1, mrw_flags=bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
+    host.rcfw("allocate_mrw", expect=bnxt.CREQ_QP_EVENT_STATUS_RESOURCES, pd_id=1,
+              mrw_flags=bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
+    assert "holds 3 MR contexts" in host.fw.last_error
+    host.hwrm("stat_ctx_alloc", stats_dma_addr=host.alloc(), stats_dma_length=176)  # boot() took the first
+    host.hwrm("stat_ctx_alloc", expect=bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR, stats_dma_addr=host.alloc(),
+              stats_dma_length=176)
+    assert host.fw.last_error == "HWRM stat_ctx_alloc: all 2 statistics contexts are allocated"
+    host.hwrm("vnic_alloc")
+    host.hwrm("vnic_alloc", expect=bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR)
+    assert host.fw.last_error == "HWRM vnic_alloc: all 1 VNICs are allocated"
 
 
 def test_context_init_at_a_byte_offset_is_noted_not_refused():
@@ -271,7 +324,9 @@ def test_each_profile_reports_its_chip_and_capabilities_where_linux_reads_them(p
     assert hw_retx_supported(caps.dev_cap_flags) == profile.hw_retx
     assert host_msn_table(caps.dev_cap_ext_flags_2) == profile.host_msn_table
     areas = {kind: area.entries for (kind, _), area in host.fw.backing_store.items()}
-    assert (caps.max_qp, caps.max_cq, caps.max_mr, caps.max_gid) == (areas[0], areas[2], areas[0xE] // 2, 256)
+    l2_qps, l2_cqs = CONTEXT_TYPES[0].splits[0], CONTEXT_TYPES[2].splits[0]  # the firmware's own share: not RoCE's
+    assert (caps.max_qp, caps.max_cq, caps.max_mr, caps.max_gid) == (areas[0] - l2_qps, areas[2] - l2_cqs,
+                                                                     areas[0xE], 256)
 
 
 @pytest.mark.parametrize("profile", ["thor2", "no-hw-retx"])
@@ -304,6 +359,98 @@ def test_short_commands_are_read_from_host_memory_and_required_where_asked():
     assert host.fw.stats["short_commands"] == 1
     nowhere = HWRM_SHORT_REQUEST.pack(bnxt.HWRM_FUNC_QCAPS, SHORT_REQUEST_SIGNATURE, 0, len(request), 1 << 60)
     assert host.fw.hwrm(nowhere.ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0")) is None  # no request there: nothing to answer
+
+
+# -- the reservation (sim/resources.py; Linux __bnxt_hwrm_reserve_pf_rings, bnxt_hwrm_get_rings) ---------------------
+ALLOC_ERROR = bnxt.HWRM_ERR_CODE_RESOURCE_ALLOC_ERROR
+TX, RX_AGG = bnxt.RING_ALLOC_REQ_RING_TYPE_TX, bnxt.RING_ALLOC_REQ_RING_TYPE_RX_AGG
+
+
+def test_nothing_can_be_allocated_before_func_cfg_reserves_it():
+    host = Driver(reserve=False)
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
+    assert "0 MSI-X vectors (NQ rings) in use and FUNC_CFG num_msix reserved 0" in host.fw.last_error
+    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR)
+    assert "FUNC_CFG num_stat_ctxs reserved 0" in host.fw.last_error
+    host.hwrm("vnic_alloc", expect=ALLOC_ERROR)
+    assert "FUNC_CFG num_vnics reserved 0" in host.fw.last_error
+    assert not any(host.fw.objects().values())
+
+
+def test_each_allocation_counts_against_its_reservation_up_to_the_grant_and_not_one_past():
+    host = Driver(reserve=False)
+    host.reserve(num_msix=2, num_cmpl_rings=1, num_tx_rings=1, num_rx_rings=2, num_stat_ctxs=1, num_vnics=1)
+    qcfg = host.hwrm("func_qcfg", fid=0xFFFF)
+    assert (qcfg.alloc_msix, qcfg.alloc_cmpl_rings, qcfg.alloc_tx_rings, qcfg.alloc_rx_rings, qcfg.alloc_stat_ctx,
+            qcfg.alloc_vnics, qcfg.alloc_rsscos_ctx) == (2, 1, 1, 2, 1, 1, 0)
+    nq = [host.ring(NQ, 16), host.ring(NQ, 16)]
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
+    assert "RING_ALLOC type 5: 2 MSI-X vectors (NQ rings) in use and FUNC_CFG num_msix reserved 2" \
+        in host.fw.last_error
+    on_nq = dict(enables=bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID, nq_ring_id=nq[0])
+    cmpl = host.ring(L2_CMPL, 16, **on_nq)
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=L2_CMPL, length=16, **on_nq)
+    host.ring(TX, 16, cmpl_ring_id=cmpl)
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=TX, length=16, cmpl_ring_id=cmpl)
+    rx = host.ring(RX, 16, **on_nq)
+    host.ring(RX_AGG, 16, **on_nq)  # an aggregation ring is an RX ring too
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=RX, length=16, **on_nq)
+    host.hwrm("stat_ctx_alloc")
+    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR)
+    host.hwrm("vnic_alloc")
+    host.hwrm("vnic_alloc", expect=ALLOC_ERROR)
+    host.hwrm("ring_free", ring_type=RX, ring_id=rx)  # freeing gives the reservation back
+    host.ring(RX, 16, **on_nq)
+    host.hwrm("func_reset")  # and FUNC_RESET forgets it (Linux reserves again after one)
+    assert host.hwrm("func_qcfg", fid=0xFFFF).alloc_msix == 0
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
+
+
+def test_an_nqs_vector_is_one_of_the_msix_vectors_reserved():
+    host = Driver(reserve=False)
+    host.reserve(num_msix=2)
+    host.hwrm("ring_alloc", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, ring_type=NQ, length=16, logical_id=2)
+    assert "RING_ALLOC NQ logical_id 2: the vector is not among the 2 FUNC_CFG num_msix reserved" in host.fw.last_error
+    host.ring(NQ, 16, logical_id=1)
+
+
+def test_func_cfg_takes_each_count_with_its_enable_bit_and_refuses_past_the_resource_maxima():
+    host = Driver(reserve=False)
+    limits = host.hwrm("func_resource_qcaps", fid=0xFFFF)
+    caps = host.hwrm("func_qcaps", fid=0xFFFF)
+    assert (limits.max_msix, limits.min_msix, limits.max_stat_ctx, limits.max_vnics) == \
+        (64, 0, CONTEXT_TYPES[4].max_entries, CONTEXT_TYPES[3].splits[0])  # VNIC entries past split 0: ring tables
+    assert (caps.max_cmpl_rings, caps.max_rx_rings, caps.max_stat_ctx) == \
+        (limits.max_cmpl_rings, limits.max_rx_rings, limits.max_stat_ctx)
+    host.hwrm("func_cfg", fid=0xFFFF, enables=bnxt.FUNC_CFG_REQ_ENABLES_NUM_MSIX, num_msix=3, num_vnics=9)
+    qcfg = host.hwrm("func_qcfg", fid=0xFFFF)
+    assert (qcfg.alloc_msix, qcfg.alloc_vnics) == (3, 0)  # no enable bit: not asked for
+    host.hwrm("func_cfg", expect=ALLOC_ERROR, fid=0xFFFF, num_msix=4, num_stat_ctxs=limits.max_stat_ctx + 1,
+              enables=bnxt.FUNC_CFG_REQ_ENABLES_NUM_MSIX | bnxt.FUNC_CFG_REQ_ENABLES_NUM_STAT_CTXS)
+    assert f"num_stat_ctxs {limits.max_stat_ctx + 1}: this function may reserve at most" in host.fw.last_error
+    host.hwrm("func_cfg", fid=0xFFFF, enables=bnxt.FUNC_CFG_REQ_ENABLES_NUM_MSIX, num_msix=10,
+              flags=bnxt.FUNC_CFG_REQ_FLAGS_NQ_ASSETS_TEST)  # a test reserves nothing
+    assert host.hwrm("func_qcfg", fid=0xFFFF).alloc_msix == 3  # the refused request changed nothing either
+
+
+@pytest.mark.parametrize("profile", ["thor2", "short-cmd"])
+def test_func_cfg_is_taken_cut_to_the_window_and_whole_in_the_short_format(profile):
+    """160 bytes: in the short format where max_ext_req_len allows it, else cut to 128 bytes in the window (Linux
+    bnxt_hwrm_func_cfg_short_req_init, __hwrm_send); every field a driver sets lies below byte 86."""
+    firmware = PROFILES[profile]
+    assert ctypes.sizeof(bnxt.hwrm_func_cfg_input) == 160 and bnxt.hwrm_func_cfg_input.options.offset < 86
+    host = Driver(reserve=False, profile=firmware)
+    ver = host.hwrm("ver_get")
+    host.short_commands = short_commands_required(ver.dev_caps_cfg)
+    assert ver.max_ext_req_len == firmware.max_ext_req_len == (256 if firmware.short_commands else 128)
+    host.reserve(num_msix=1)
+    assert host.fw.reservation.granted["num_msix"] == 1 and host.fw.stats["short_commands"] == host.short_commands
+    request = bytes(bnxt.hwrm_func_cfg_input(req_type=bnxt.HWRM_FUNC_CFG, cmpl_ring=0xFFFF, resp_addr=host.response,
+                                             fid=0xFFFF))
+    host.mem.write(host.requests, request)
+    window = HWRM_SHORT_REQUEST.pack(bnxt.HWRM_FUNC_CFG, SHORT_REQUEST_SIGNATURE, 0, len(request), host.requests)
+    answered = host.fw.hwrm(window.ljust(bnxt.HWRM_MAX_REQ_LEN, b"\0"))
+    assert (answered is not None) == (len(request) <= firmware.max_ext_req_len)  # longer than it takes: unanswered
 
 
 def test_add_gid_stores_the_plain_gid_and_mac(driver):

@@ -47,6 +47,7 @@ class Host:
         self.next_page = BUS_BASE
         self.fw = Firmware(self.mem, FirmwareConfig(mac=bytes(6), profile=PROFILES[profile]))
         self.fw.rcfw.initialized, self.fw.rcfw.hw_retx = True, hw_retx  # what INITIALIZE_FW would have granted
+        self.fw.pcie.atomic_requests = True  # DEVCTL2 as the driver's AtomicOps walk leaves it on the default path
         self.dp = Datapath(self.fw, ip)
         self.bar2 = Doorbells(self.fw, self.dp)
         self.cookie = 0
@@ -109,6 +110,7 @@ class Host:
                            rcq_cid=cq, pd_id=1)
         self.qpn, self.cq = qpn, cq
         self.sq_producer = self.wqe_count = self.rq_producer = 0
+        self.starts: list[int] = []  # the ring slot each WQE posted starts at
         self.psn, self.mtu = 0, 256  # the next message's first PSN and the path MTU, from connect() on
         return qpn
 
@@ -159,11 +161,19 @@ class Host:
         self.mem.write(self.sq + geometry.table_offset + geometry.table_index(self.wqe_count, start)
                        * geometry.table_entry.size, geometry.table_entry.pack(*values))
         self.psn = next_psn
+        self.starts.append(start)
         self.sq_producer += slots if geometry.variable else SQ_STATIC_WQE_SLOTS
         self.wqe_count += 1
         if ring:
             self.ring_sq()
         return self.wqe_count
+
+    def sq_cons_idx(self, number: int, status: int = REQ_OK) -> int:
+        """The sq_cons_idx of the CQE completing WQE `number` (from 1) with `status`: the next WQE's index modulo
+        sq_size, or (an error with variable WQEs) the slot WQE `number` starts at (Linux bnxt_qplib_cq_process_req)."""
+        if status != REQ_OK and self.geometry.variable:
+            return self.starts[number - 1]
+        return number % self.geometry.size
 
     def ring_sq(self) -> None:
         unit = self.geometry.slot_unit  # the doorbell names a slot, or a static WQE

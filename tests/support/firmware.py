@@ -18,6 +18,7 @@ from aiofabric.sim.hwrm import Firmware
 from aiofabric.sim.memory import BUS_BASE, PAGE, BusMemory
 from aiofabric.sim.mmio import Doorbells
 from aiofabric.sim.objects import PageList
+from aiofabric.sim.resources import RESOURCES
 
 MAC = bytes.fromhex("020af0123456")
 GID = bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 7])
@@ -32,6 +33,7 @@ INVALID_PARAMETER = bnxt.CREQ_QP_EVENT_STATUS_INVALID_PARAMETER
 VALID, LAST, NEXT_TO_LAST = bnxt.PTU_PTE_VALID, bnxt.PTU_PTE_LAST, bnxt.PTU_PTE_NEXT_TO_LAST
 ALL_QP_ACCESS = QPAccess.LOCAL_WRITE | QPAccess.REMOTE_WRITE | QPAccess.REMOTE_READ
 RQ_WQE_SIZE = RQ_WQE_HEADER.size + 2 * SGE.size  # the QPs here take two receive SGEs
+ALLOCATIONS = {"ring_alloc", "stat_ctx_alloc", "vnic_alloc"}  # what counts against FUNC_CFG's reservation
 
 
 def dbc(xid: int, kind: int, index: int, epoch: int = 0, path: int = bnxt.DBC_DBC_PATH_ROCE, valid: bool = True,
@@ -46,9 +48,11 @@ def cookie_of(entry: bytes) -> int:
 
 
 class Driver:
-    """Just enough of a driver: host memory, page tables, the HWRM window, a CMDQ and a CREQ."""
+    """Just enough of a driver: host memory, page tables, the HWRM window, a CMDQ and a CREQ. Like Linux's bnxt_en it
+    reserves (FUNC_CFG, `reserve`) before its first allocation, here every resource at its maximum, unless `reserve`
+    is False; a FUNC_RESET forgets the reservation."""
 
-    def __init__(self, memory: int = 16 << 20, **config) -> None:
+    def __init__(self, memory: int = 16 << 20, reserve: bool = True, **config) -> None:
         self.mem = BusMemory(bytearray(memory))
         self.next_page = BUS_BASE
         self.fw = Firmware(self.mem, FirmwareConfig(mac=MAC, **config))
@@ -56,6 +60,7 @@ class Driver:
         self.seq = self.cookie = 0
         self.response, self.requests = self.alloc(), self.alloc()
         self.short_commands = False  # what VER_GET asks for
+        self.auto_reserve, self.reserved = reserve, False
         self.side_buffers: dict[int, int] = {}  # cookie -> where a query's result lands
 
     def alloc(self, pages: int = 1) -> int:
@@ -87,11 +92,14 @@ class Driver:
 
     # -- HWRM -------------------------------------------------------------------------------------------------------
     def hwrm(self, name: str, expect: int = 0, **fields) -> ctypes.Structure:
+        if name in ALLOCATIONS and self.auto_reserve and not self.reserved:
+            self.reserve()
+        self.reserved &= name != "func_reset"
         self.seq = (self.seq + 1) & 0xFFFF
         request = getattr(bnxt, f"hwrm_{name}_input")(
             req_type=getattr(bnxt, f"HWRM_{name.upper()}"), cmpl_ring=0xFFFF, seq_id=self.seq, target_id=0xFFFF,
             resp_addr=self.response, **fields)
-        window = bytes(request)
+        window = bytes(request)[:self.fw.config.profile.max_ext_req_len]  # FUNC_CFG as Linux cuts it to fit
         if self.short_commands:
             self.mem.write(self.requests, window)
             window = HWRM_SHORT_REQUEST.pack(request.req_type, SHORT_REQUEST_SIGNATURE, 0, len(window), self.requests)
@@ -114,6 +122,13 @@ class Driver:
         self.fw.phy.tick(self.fw.phy.delay)
         assert self.fw.port.up, self.fw.last_error
 
+    def reserve(self, **counts: int) -> None:
+        """FUNC_CFG reserving `counts` (FUNC_CFG field names; default: every resource at its maximum), each with its
+        enable bit."""
+        counts = counts or {name: r.maximum for name, r in RESOURCES.items()}
+        self.hwrm("func_cfg", fid=0xFFFF, enables=sum(RESOURCES[name].enable for name in counts), **counts)
+        self.reserved = True
+
     def ring(self, kind: int, length: int, logical_id: int = 0, level: int | None = None, **fields) -> int:
         pages = self.scattered(max(1, -(-length * RING_ENTRY_SIZES[kind] // PAGE)))
         level = (0 if len(pages) == 1 else 1) if level is None else level
@@ -123,20 +138,34 @@ class Driver:
                          page_size=12, page_tbl_depth=level, length=length, logical_id=logical_id,
                          int_mode=bnxt.RING_ALLOC_REQ_INT_MODE_MSIX, **fields).ring_id
 
-    def backing_store(self, init_offset_units: int = 4, all_done: bool = True,
-                      trace: bool = False) -> list[tuple[int, int]]:
+    def backing_store(self, init_offset_units: int = 4, all_done: bool = True, trace: bool = False,
+                      extra_qps: int = 64, sizes: dict[int, int] | None = None,
+                      leave_out: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """Linux's walk: next_valid_type, skip invalid types, one CFG_V2 per instance of the types bnxt_en sizes (and
-        the trace buffers when `trace`), ALL_DONE on the very last."""
-        steps, kind = [], 0
+        the trace buffers when `trace`), but those in `leave_out`, ALL_DONE on the very last. Sized as bnxt_en sizes
+        them (bnxt_alloc_ctx_mem) but for `extra_qps` RoCE QPs, not 64 Ki: the firmware's L2 share and QP1s, then the
+        RoCE QPs and what they need of CQs, timers and TQM rings; VNICs and statistics contexts whole; `sizes`
+        overrides the entries of a type."""
+        steps, kind, offered = [], 0, {}
         while kind != BackingStoreType.INVALID:
             caps = self.hwrm("func_backing_store_qcaps_v2", type=kind)
             wanted = kind in CONFIGURED_CONTEXT_TYPES or trace and kind in TRACE_CONTEXT_TYPES
-            if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID and wanted:
+            if caps.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID and wanted and kind not in leave_out:
+                offered[kind] = caps
                 instances = [i for i in range(32) if caps.instance_bit_map >> i & 1] or [0]
                 steps += [(caps, instance) for instance in instances]
             kind = caps.next_valid_type
+        bs = BackingStoreType
+        offered |= {kind: self.hwrm("func_backing_store_qcaps_v2", type=kind) for kind in leave_out}
+        qp = offered[bs.QP]
+        l2, roce = qp.split_entry_0, extra_qps + qp.split_entry_1
+        asked = {bs.QP: l2 + roce, bs.SRQ: offered[bs.SRQ].split_entry_0 + extra_qps,
+                 bs.CQ: offered[bs.CQ].split_entry_0 + 2 * extra_qps, bs.VNIC: offered[bs.VNIC].max_num_entries,
+                 bs.STAT: offered[bs.STAT].max_num_entries, bs.MRAV: 4 * extra_qps, bs.TIM: l2 + roce,
+                 bs.SP_TQM_RING: offered[bs.VNIC].split_entry_0 + l2 + 2 * roce
+                 + offered[bs.SP_TQM_RING].min_num_entries, bs.FP_TQM_RING: l2 + 2 * roce} | (sizes or {})
         for number, (caps, instance) in enumerate(steps):
-            entries = min(max(caps.min_num_entries, caps.split_entry_0 + 100), caps.max_num_entries)
+            entries = min(max(caps.min_num_entries, asked.get(caps.type, 100)), caps.max_num_entries)
             size = entries * caps.entry_size
             npages = -(-size // PAGE)
             level = 0 if npages == 1 else 1 if npages <= 512 else 2
@@ -231,13 +260,14 @@ class Driver:
     def doorbell(self, xid: int, kind: int, index: int, epoch: int = 0, toggle: int = 0) -> None:
         self.bar2.doorbell(self.fw.roce_db_offset, dbc(xid, kind, index, epoch, toggle=toggle))
 
-    def boot(self, **rcfw) -> None:
+    def boot(self, store: dict | None = None, **rcfw) -> None:
+        """Linux's bring-up, the backing store configured as `backing_store(**store)` says."""
         self.short_commands = short_commands_required(self.hwrm("ver_get").dev_caps_cfg)
         self.hwrm("func_reset")
         self.hwrm("func_qcaps", fid=0xFFFF)
         self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE,
                   os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX)
-        self.backing_store()
+        self.backing_store(**(store or {}))
         self.open_rcfw(**rcfw)
         self.stat_ctx = self.hwrm("stat_ctx_alloc", stats_dma_addr=self.alloc(), stats_dma_length=176).stat_ctx_id
         self.rcfw("initialize_fw", stat_ctx_id=self.stat_ctx)

@@ -13,7 +13,7 @@ from typing import Callable
 
 CLI = [sys.executable, "-m", "aiofabric"]
 IDLE = 2.0  # seconds: the idle timeout of LIMITS
-LIMITS = ["--idle-timeout", str(IDLE), "--max-memory", "64M", "--max-requests", "8", "--max-line", "64K",
+LIMITS = ["--idle-timeout", str(IDLE), "--max-memory", "192M", "--max-requests", "8", "--max-line", "64K",
           "--max-depth", "16", "--max-nics", "1"]
 
 
@@ -25,15 +25,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`aiofabric bench write --server` (or `lat write --server`) with `flags`, as a process in `workdir` on 127.0.0.1
-    and a port the OS picks: its port, log (stderr) and output (stdout)."""
+    """`aiofabric bench write --server` (or `lat`, another `test`) with `flags` (a bench client must run with the same
+    symmetric ones), as a process in `workdir` on 127.0.0.1 and a port the OS picks: its port, log (stderr) and
+    output (stdout)."""
 
-    def __init__(self, workdir: Path, *flags: str, command: str = "bench",
+    def __init__(self, workdir: Path, *flags: str, command: str = "bench", test: str = "write",
                  preexec_fn: Callable[[], None] | None = None) -> None:
         self.workdir = workdir
         self.log, self.out = workdir / "server.log", workdir / "server.out"
         with open(self.log, "w") as log, open(self.out, "w") as out:
-            self.process = subprocess.Popen([*CLI, command, "write", "--server", "--bind", "127.0.0.1", "--port", "0",
+            self.process = subprocess.Popen([*CLI, command, test, "--server", "--bind", "127.0.0.1", "--port", "0",
                                              *flags], cwd=workdir, stdout=out, stderr=log, preexec_fn=preexec_fn)
         deadline = time.monotonic() + 30
         while not (found := re.search(r"TCP port (\d+)", self.log.read_text())):

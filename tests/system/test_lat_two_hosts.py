@@ -105,7 +105,7 @@ async def test_bench_atomic_with_the_counters_on_a_peer(server, kind):
                                            *server.cli_flags(), "-q", "2", "-n", "200", "--json"], check=False)
     result = last_json(process.stdout.decode())
     assert process.returncode == 0 and result["ok"] and result["verified"], process.stderr.decode()[-3000:]
-    assert result["iterations"] == 200 and result["remote_host"] == f"127.0.0.1:{server.port}"
+    assert result["iterations"] == 2 * 200 and result["remote_host"] == f"127.0.0.1:{server.port}"  # -n x -q
     await assert_no_leftovers(server.port)
 
 

@@ -265,7 +265,7 @@ def test_the_server_writes_at_most_its_file_limit_of_captures(caplog):
 def test_a_forever_server_bounds_its_captures_end_to_end(tmp_path):
     capture = tmp_path / "server.pcap"
     server = ServerProcess(tmp_path, *LIMITS, "--forever", "--pcap", str(capture), "--pcap-max-files", "1",
-                           "--pcap-max-bytes", "4K")
+                           "--pcap-max-bytes", "4K", "--iters", "20", "--size", "4K", test="read")
     try:
         for _ in range(2):  # the second client's NIC is past the file limit
             run = subprocess.run([*CLI, "bench", "read", "127.0.0.1", "--port", str(server.port), "--iters", "20",

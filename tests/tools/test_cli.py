@@ -370,10 +370,11 @@ def test_bad_input_for_every_new_flag_is_one_line(args, code, message):
 
 @pytest.mark.parametrize("test", ["write", "read", "send"])
 def test_lat_reports_perftest_latency_fields(test):
-    code, result, process = run("lat", test, "--iters", "60", "-s", "64", "-H", "--json")
+    code, result, process = run("lat", test, "--iters", "60", "-s", "64", "--histogram", "-H", "--json")
     assert code == 0 and result["ok"] and result["verified"], process.stderr
     assert result["t_min_us"] <= result["t_typical_us"] <= result["p99_us"] <= result["p99_9_us"] <= result["t_max_us"]
     assert result["iters"] == 60 and sum(count for _, count in result["histogram"]) == 60
+    assert len(result["samples"]) == 60  # -H: every sample (the table lists them sorted)
     code, _, process = run("lat", test, "--iters", "20")
     assert code == 0 and "t_typical[usec]" in process.stdout and "99.9% percentile[usec]" in process.stdout
 
@@ -394,8 +395,8 @@ def test_bench_server_and_client_on_one_host():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    server = subprocess.Popen([*CLI, "bench", "read", "--server", "--bind", "127.0.0.1", "--port", port],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen([*CLI, "bench", "read", "--server", "--bind", "127.0.0.1", "--port", port, "-s", "4K",
+                               "-n", "100"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert "waiting for a client" in server.stderr.readline()
         code, result, process = run("bench", "read", "127.0.0.1", "--port", port, "-s", "4K", "--iters", "100",
@@ -409,17 +410,49 @@ def test_bench_server_and_client_on_one_host():
             server.wait(10)
 
 
+@pytest.mark.parametrize("server_args,client_args,what", [
+    (["write", "-s", "4K", "-n", "20"], ["write", "-s", "8K", "-n", "20"],
+     "the client runs size 8192, the server size 4096"),
+    (["write", "-n", "20"], ["read", "-n", "20"], "the client runs test read, the server test write"),
+    (["write", "-n", "20", "-q", "2", "-t", "8"], ["write", "-n", "20", "-t", "16"],
+     "the client runs qps 1, depth 16, the server qps 2, depth 8"),
+    (["write", "-n", "20", "-m", "1024"], ["write", "-n", "30", "-m", "2048"],
+     "the client runs mtu 2048, iters 30, the server mtu 1024, iters 20"),
+], ids=["size", "test", "qps-and-depth", "mtu-and-iters"])
+def test_a_bench_server_refuses_a_client_whose_symmetric_flags_differ(server_args, client_args, what):
+    """As `lat --server`: perftest's symmetric flags (and -t) must agree; both sides exit 1 naming the difference."""
+    server = subprocess.Popen([*CLI, "bench", *server_args, "--server", "--bind", "127.0.0.1", "--port", "0",
+                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = re.search(r"TCP port (\d+)", server.stderr.readline())[1]
+        code, mine, process = run("bench", *client_args, "127.0.0.1", "--port", port, "--json")
+        out, _ = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+    theirs = json.loads(out.strip().splitlines()[-1])
+    assert code == 1 and not mine["ok"] and what in mine["error"] and "\n" not in mine["error"], process.stderr
+    assert server.returncode == 1 and not theirs["ok"] and what in theirs["error"]
+    assert theirs["error"].startswith("the two sides' parameters differ") and \
+        theirs["error"].endswith("start both with the same test, -s, -a (sizes), -A, -b, -D, -f, -m, -n, -q, -t and "
+                                 "--run_infinitely")
+
+
 def test_run_infinitely_reports_until_ctrl_c_then_prints_the_result():
     process = subprocess.Popen([*CLI, "bench", "write", "-s", "4K", "-D", "0.5", "--run-infinitely", "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
-        reports = []
-        while len(reports) < 2 and time.monotonic() < deadline:  # interval lines on stderr (stdout is the JSON)
+        reports, head = [], []
+        while len(reports) < 2 and time.monotonic() < deadline:  # perftest's table on stderr (stdout is the JSON)
             line = process.stderr.readline()
-            if "(last" in line:
-                reports.append(line)
-        assert len(reports) == 2
+            if line.startswith(" 4096 "):
+                reports.append(line.split())
+            else:
+                head.append(line.rstrip("\n"))
+        assert len(reports) == 2 and all(len(row) == 5 and row[2] == "0.00" for row in reports)  # perftest's rows
+        assert head[-1].startswith(" #bytes     #iterations    BW peak[MiB/sec]")  # its header first
         process.send_signal(signal.SIGINT)  # a terminal's Ctrl-C: ends the run, not the program
         out, err = process.communicate(timeout=30)
     finally:

@@ -1,12 +1,14 @@
-"""perftest's command line on `aiofabric bench` / `lat`: aliases, refused flags, meanings (#iterations per QP,
-warm-up excluded), errors under the spelling typed, bounded sweeps, --output and --out_json."""
+"""perftest's command line on `aiofabric bench` / `lat`: aliases, refused flags, defaults and meanings (#iterations
+of every QP, warm-up excluded), errors under the spelling typed, bounded sweeps, --output and --out_json."""
+import functools
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from aiofabric.tools import cli, perftest_flags
+from aiofabric.tools import cli, perftest_flags, runs
 from aiofabric.tools.bench_config import BenchConfig
 from aiofabric.tools.lat_config import LatConfig
 from aiofabric.tools.sweeps import sweep_iterations
@@ -46,7 +48,7 @@ def test_every_bench_alias_parses_to_its_long_form(theirs, ours):
     assert config_of("bench", test, *theirs) != config_of("bench", test)  # the flag changed something
 
 
-@pytest.mark.parametrize("theirs,ours", [(["-n", "9"], ["--iters", "9"]), (["-H"], ["--histogram"]),
+@pytest.mark.parametrize("theirs,ours", [(["-n", "9"], ["--iters", "9"]), (["-H"], ["--report-histogram"]),
                                          (["--report-histogrm"], ["-H"]), (["-u", "3"], ["--timeout", "3"]),
                                          (["-d", "sim:y"], ["--nic", "sim:y"]), (["-U"], ["--report-unsorted"]),
                                          (["-I", "8"], ["--inline-size", "8"]), (["-m", "512"], ["--mtu", "512"])])
@@ -95,12 +97,13 @@ def test_perftest_readme_command_lines_run_or_name_what_is_refused(capsys):
     (["bench", "write", "-t", "0"], "-t 0: must be at least 1"),
     (["bench", "write", "--tx-depth", "8", "-l", "9"], "-l 9: must be in [1, --tx-depth 8]"),
     (["bench", "write", "-u", "40"], "-u 40: must be in [0, 31]"),
-    (["bench", "write", "-Q", "99"], "-Q 99: must be in [1, --tx-depth 32]"),
+    (["bench", "write", "-Q", "200"], "-Q 200: must be in [1, --tx-depth 128]"),
     (["bench", "read", "-I", "8"], "-I 8: inline data goes with write and send"),
     (["bench", "write", "-o", "2"], "-o 2: applies to read and atomic only"),
     (["lat", "write", "-d", "0000:41:00.0", "--ip", "10.0.0.1", "--loss", "0.1"],
      "--loss 0.1: --loss applies to the emulated wire only, not to the PCI NIC 0000:41:00.0"),
-    (["bench", "send", "-r", "4"], "-r 4: sizes the send test's receive queue: at least --tx-depth 32"),
+    (["bench", "send", "-r", "4"], "-r 4: sizes the send test's receive queue: at least --tx-depth 128"),
+    (["bench", "send", "-r", "4", "-n", "8"], "-r 4: sizes the send test's receive queue: at least --tx-depth 8"),
     (["bench", "write", "-f", "1"], "-f 1.0: is the warm-up of a -D run"),
     (["lat", "write", "-n", "0"], "-n 0: must be an integer of at least 1"),
     (["bench", "write", "--output", "latency"], "--output latency: bench reports bandwidth or message_rate"),
@@ -111,12 +114,27 @@ def test_out_of_range_values_exit_2_under_the_spelling_typed(capsys, argv, messa
 
 
 def test_limits_the_nic_sets_are_usage_errors_under_the_spelling_typed(capsys):
-    """What only the booted NIC knows (max_qp 1216, max_inline_data 96 on the emulated NIC) still exits 2."""
+    """What only the booted NIC knows (max_qp 65538, max_inline_data 96 on the emulated NIC) still exits 2."""
     assert usage(capsys, "bench", "write", "-q", "100000", "-n", "2").startswith("usage: -q 100000: 100000 QPs on a NIC")
-    assert usage(capsys, "bench", "write", "-q", "700", "-b", "-n", "2").startswith("usage: -q 700: 1400 QPs on a NIC")
+    assert usage(capsys, "bench", "write", "-q", "40000", "-b", "-n", "2").startswith(
+        "usage: -q 40000: 80000 QPs on a NIC")
     assert "--inline-size 200: bytes of inline data exceed what" in usage(capsys, "bench", "write", "--inline-size",
                                                                          "200", "-n", "2")
     assert "-x 3: " in usage(capsys, "bench", "write", "-x", "3", "-n", "2")
+
+
+def test_lat_takes_perform_warm_up_and_the_nics_gid_index_and_refuses_duration_saying_why(capsys):
+    assert config_of("lat", "write", "--perform_warm_up") == config_of("lat", "write")  # lat always warms up
+    assert usage(capsys, "lat", "write", "-D", "2") == (
+        "usage: -D: not supported by aiofabric lat: lat runs -n iterations: both halves of its ping-pong, the "
+        "server's on another host too, are started with their count (bench runs for a duration)")
+    assert usage(capsys, "bench", "write", "--perform_warm_up") == (
+        "usage: --perform_warm_up: not supported by aiofabric bench: -n runs are measured whole (and verified "
+        "whole); with -D the first -f seconds are the warm-up")
+    process = bench("lat", "write", "-x", "0", "-n", "10", "--perform_warm_up")
+    assert process.returncode == 0 and " GID index       : 0" in process.stdout.splitlines(), process.stderr
+    error = usage(capsys, "lat", "write", "-x", "1", "-n", "10")
+    assert re.fullmatch(r"usage: -x 1: sim:\S+'s GID ::ffff:127\.0\.0\.\d+ is at index 0", error), error
 
 
 def test_device_names_resolve_through_sysfs(tmp_path, monkeypatch):
@@ -144,36 +162,47 @@ def json_of(process):
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
-def test_iterations_are_per_qp_as_perftest_prints_them():
+def test_iterations_are_every_qps_as_perftest_prints_them():
+    """perftest's print_report_bw: #iterations is -n times the QPs (num_of_calculated_iters *= num_of_qps), and the
+    averages are of all of them; -b: each side reports its own direction's."""
     process = bench("bench", "write", "-q", "8", "-n", "10", "-s", "64", "--json")
     result = json_of(process)
-    assert result["ok"] and result["iterations"] == 10 and result["ops"] == 80, process.stderr
+    assert result["ok"] and result["iterations"] == 80 == result["ops"] == result["measured_ops"], process.stderr
+    assert result["msg_rate"] == pytest.approx(80 / result["seconds"])
+    assert result["bw_MiBps"] == pytest.approx(80 * 64 / result["seconds"] / 2**20)
     process = bench("bench", "write", "-b", "-n", "100", "-s", "64", "--json")
     result = json_of(process)
     assert result["ok"] and result["iterations"] == 100 and result["ops"] == 200
     process = bench("bench", "write", "-q", "4", "-n", "25", "-s", "64")
     row = process.stdout.split("#iterations")[1].splitlines()[1].split()
-    assert process.returncode == 0 and row[:2] == ["64", "25"], process.stdout
+    assert process.returncode == 0 and row[:2] == ["64", "100"], process.stdout
 
 
 def test_the_warm_up_of_a_duration_run_is_not_counted():
+    """-D: #iterations counts every QP's completions after the warm-up (perftest's duration mode), and no peak."""
     result = json_of(bench("bench", "write", "-D", "1.5", "-f", "0.5", "-s", "64", "-q", "2", "--json"))
-    assert result["ok"] and result["warmup_seconds"] == 0.5
-    assert result["iterations"] * 2 == result["measured_ops"] < result["ops"]  # what ran in the warm-up is left out
+    assert result["ok"] and result["warmup_seconds"] == 0.5 and result["bw_peak_MiBps"] == 0
+    assert result["iterations"] == result["measured_ops"] < result["ops"]  # what ran in the warm-up is left out
     assert abs(result["seconds"] - 1.5) < 0.5
 
 
 def test_output_prints_only_the_number_and_out_json_has_perftests_keys(tmp_path):
     process = subprocess.run([sys.executable, "-m", "aiofabric.tools.cli", "bench", "write", "-n", "50", "-s", "4K",
-                              "--output", "bandwidth", "--report_gbits", "--out_json"], capture_output=True,
-                             text=True, timeout=120, cwd=tmp_path)
+                              "-q", "2", "--output", "bandwidth", "--report_gbits", "--out_json"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert process.returncode == 0 and len(process.stdout.split()) == 1, process.stdout
+    assert len(process.stdout.split(".")[1].strip()) == 6  # perftest's "%lf"
     report = json.loads((tmp_path / perftest_flags.DEFAULT_JSON_FILE).read_text())
     assert report["ok"] and report["test_info"]["test"] == "RDMA_Write_BW_Test"
-    results = report["results"]
-    assert results["MsgSize"] == 4096 and results["n_iterations"] == 50
-    assert float(process.stdout) == pytest.approx(results["BW_average"], abs=0.01)  # the same number, in Gb/sec
-    assert results["BW_average"] == pytest.approx(report["bw_Gbps"], abs=0.01)
+    assert report["results"] == {"bw_avg": pytest.approx(float(process.stdout), abs=1e-6)}  # as perftest writes it
+    assert report["results"]["bw_avg"] == pytest.approx(report["bw_Gbps"])  # the same number, in Gb/sec
+    process = subprocess.run([sys.executable, "-m", "aiofabric.tools.cli", "bench", "write", "-n", "50", "-s", "4K",
+                              "-q", "2", "--out_json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    report = json.loads((tmp_path / perftest_flags.DEFAULT_JSON_FILE).read_text())
+    assert process.returncode == 0 and report["results"]["MsgSize"] == 4096
+    assert report["results"]["n_iterations"] == 100 == report["iterations"]  # -n x -q
+    assert report["test_info"]["Number_of_qps"] == 2 and report["test_info"]["TX_depth"] == 50
+    assert report["test_info"]["CQ_Moderation"] == 50 == report["cq_mod"]  # 100, at most the depth
     rate = bench("bench", "write", "-n", "50", "-s", "64", "--output", "message_rate")
     assert rate.returncode == 0 and 0 < float(rate.stdout) < 100  # Mpps
 
@@ -184,7 +213,7 @@ def test_events_inline_cq_mod_and_outs_run_verified():
         process = bench("bench", *argv, "-n", "40", "--json")
         result = json_of(process)
         assert result["ok"] and result["verified"], (argv, process.stdout, process.stderr)
-    assert result["cq_mod"] == 16 and json_of(bench("bench", "write", "-Q", "4", "-n", "8", "--json"))["cq_mod"] == 4
+    assert result["cq_mod"] == 40 and json_of(bench("bench", "write", "-Q", "4", "-n", "8", "--json"))["cq_mod"] == 4
 
 
 def test_a_default_sweep_runs_about_a_second_per_size():
@@ -210,8 +239,9 @@ def test_sweep_iterations_follow_the_measured_cost():
 def test_lat_unsorted_cycles_and_sweep():
     process = bench("lat", "write", "-n", "20", "-U", "-C")
     lines = process.stdout.splitlines()
-    assert process.returncode == 0 and lines[0] == "#, cycles" and lines[1].startswith("1, "), process.stdout
-    assert "t_min[cycles]" in process.stdout and len([line for line in lines if line[:1].isdigit()]) == 20
+    first = lines.index("#, cycles")  # after perftest's banner and the table's title, as perftest prints them
+    assert process.returncode == 0 and lines[first + 1].startswith("1, ") and first > 10, process.stdout
+    assert len([line for line in lines if line[:1].isdigit()]) == 20 and "in CPU cycles at" in process.stdout
     result = json_of(bench("lat", "send", "-a", "--json", "-n", "10", "--warmup", "2"))
     assert result["ok"] and len(result["rows"]) == 23 and all(row["iterations"] == 10 for row in result["rows"])
     process = bench("lat", "read", "-n", "30", "--output", "latency")
@@ -227,7 +257,7 @@ def test_bench_atomic_runs_verified(argv):
     process = bench("bench", "atomic", "-n", "300", *argv, "--json")
     result = json_of(process)
     assert process.returncode == 0 and result["ok"] and result["verified"], process.stdout + process.stderr[-2000:]
-    assert result["size"] == 8 and result["iterations"] == 300 and result["bytes"] == 8 * result["ops"]
+    assert result["size"] == 8 and result["iterations"] == 300 * result["qps"] and result["bytes"] == 8 * result["ops"]
     assert result["verification"] == "the counter and every atomic's original value and the NIC's placement counts"
     if "--loss" in argv:  # the wire lost and duplicated packets, and still every atomic ran exactly once
         assert result["retransmits"] > 0 and result["dropped"] > 0
@@ -238,7 +268,7 @@ def test_lat_atomic_runs_verified_and_the_table_names_the_operation():
         result = json_of(bench("lat", "atomic", "-A", kind, "-n", "60", "--json"))
         assert result["ok"] and result["verified"] and result["latency"] == "ATOMIC completion", result
     process = bench("bench", "atomic", "-n", "20")
-    assert "Atomic type     : FETCH_AND_ADD" in process.stdout and "Atomic BW Test" in process.stdout
+    assert "Atomic FETCH_AND_ADD BW Test" in process.stdout and "Outstand reads  : 16" in process.stdout
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -384,3 +414,16 @@ def test_a_pci_nic_gets_no_emulator_option_unless_one_was_asked():
     assert WireOptions().nic_options() == {}
     assert WireOptions(loss=0.1, seed=3).nic_options() == {"loss": 0.1, "seed": 3}
     assert WireOptions(pcap="x.pcap").nic_options() == {"pcap": "x.pcap"}
+
+
+@pytest.mark.parametrize("tool", ["bench", "lat"])
+def test_atomic_on_a_nic_whose_pcie_path_lacks_atomicops_exits_1_naming_the_port(tool, monkeypatch, capsys):
+    """The NICs boot (it is the NIC, not the command line, that cannot): the run stops before any QP, with exit 1
+    and why in one line."""
+    monkeypatch.setattr(runs, "open_nic", functools.partial(runs.open_nic, pcie_path="no-completer"))
+    code = cli.main([tool, "atomic", "-n", "10", "--json"])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert code == 1 and result["ok"] is False, result
+    assert re.fullmatch(r"UnsupportedError: the atomic test on sim:\S+: this NIC offers no atomics \(Linux's bnxt_re "
+                        r"reports IB_ATOMIC_NONE\): root port 0000:00:01.0 does not complete 32-bit PCIe AtomicOps "
+                        r"\(its DEVCAP2 0x0 lacks 0x80\)", result["error"]), result["error"]

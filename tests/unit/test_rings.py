@@ -1,10 +1,15 @@
-"""Ring arithmetic and page tables (pure logic; the seam is a bytearray-backed fake). The doorbell and entry formats
-are hw/'s, checked against the bindings in tests/unit/test_hw.py."""
+"""Ring arithmetic, page tables and the backing store's sizes (pure logic; the seam is a bytearray-backed fake). The
+doorbell and entry formats are hw/'s, checked against the bindings in tests/unit/test_hw.py."""
+import dataclasses
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
+from aiofabric.driver.context_sizes import TypeCaps, TypePlan, plan
 from aiofabric.driver.rings import Ring, page_table
+from aiofabric.hw.firmware import BackingStoreType as BS
 from aiofabric.hw.firmware import PTE_FLAGS, PTE_SIZE, unpack_ptes
 from aiofabric.pci import PAGE_SIZE, DmaBuffer, PCIDevice
 from aiofabric.sim.memory import PageAllocator
@@ -52,6 +57,73 @@ def test_page_table_levels_and_queue_flags():
     second_leaf = seam.read_entry(level2.base + PTE_SIZE) & ~PTE_FLAGS
     per_leaf = PAGE_SIZE // PTE_SIZE
     assert seam.read_entry(second_leaf + PTE_SIZE * 10) == many[per_leaf + 10] | bnxt.PTU_PTE_VALID
+
+
+def test_context_memory_page_tables_are_never_below_the_level_linux_asks_for():
+    """bnxt_alloc_ctx_pg_tbls: context memory is always indirect; depth 2 asked gives a directory even for one page."""
+    seam = FakeSeam()
+    one = page_table(seam, [0x1000], queue=False, min_level=1)
+    assert one.level == 1 and seam.read_entry(one.base) == 0x1000 | bnxt.PTU_PTE_VALID
+    deep = page_table(seam, [0x1000, 0x3000], queue=False, min_level=2)
+    leaf = seam.read_entry(deep.base)
+    assert deep.level == 2 and leaf & PTE_FLAGS == bnxt.PTU_PTE_VALID
+    assert [seam.read_entry((leaf & ~PTE_FLAGS) + PTE_SIZE * i) for i in range(2)] == [0x1001, 0x3001]
+
+
+# Thor2-like capabilities (the emulator's, written out here): entry size, multiple, min, max, splits
+THOR2 = {BS.QP: TypeCaps(704, 64, 0, 65794, (256, 2, 0)), BS.SRQ: TypeCaps(192, 64, 0, 8320, (128,)),
+         BS.CQ: TypeCaps(128, 64, 0, 131328, (256,)), BS.VNIC: TypeCaps(256, 1, 0, 1024, (128,)),
+         BS.STAT: TypeCaps(256, 1, 0, 1024), BS.SP_TQM_RING: TypeCaps(64, 64, 64, 262144),
+         BS.FP_TQM_RING: TypeCaps(32, 64, 64, 262144), BS.MRAV: TypeCaps(128, 64, 0, 524288),
+         BS.TIM: TypeCaps(16, 1, 0, 65794)}
+
+
+def test_backing_store_sizes_follow_bnxt_alloc_ctx_mem():
+    """64 Ki RoCE QPs beyond the L2 share and QP1s (rounded to 64, then held to the maximum); 8 Ki extra SRQs; two CQs
+    per RoCE QP; VNICs and statistics contexts at their maximum; MRAV half the maximum for MRs (at most 256 Ki) and
+    128 Ki address handles, split 0 saying so; TIM as many as QPs; the slow-path TQM ring VNICs + L2 QPs + 2 x (extra
+    + QP1) + its minimum, each fast-path ring the same without VNICs and minimum, both rounded up to 64. Depth 2 where
+    Linux asks for it, else depth 1 up to 512 pages."""
+    assert plan(THOR2, sw_max_limits=False) == {
+        BS.QP: TypePlan(65794, 2, (256, 2, 0)), BS.SRQ: TypePlan(8320, 2, (128,)),
+        BS.CQ: TypePlan(256 + 2 * 65536, 2, (256,)), BS.VNIC: TypePlan(1024, 1, (128,)),
+        BS.STAT: TypePlan(1024, 1, ()), BS.MRAV: TypePlan(256 * 1024 + 128 * 1024, 2, (128 * 1024,)),
+        BS.TIM: TypePlan(65794, 1, ()),
+        BS.SP_TQM_RING: TypePlan(131584, 2, ()),  # 128 + 256 + 2 * (65536 + 2) + 64 = 131524, rounded up
+        BS.FP_TQM_RING: TypePlan(131392, 2, ())}  # 256 + 2 * (65536 + 2) = 131332, rounded up
+
+
+def test_backing_store_sizes_with_sw_max_resource_limits_take_every_qp_and_the_firmwares_mrav_split():
+    caps = THOR2 | {BS.QP: TypeCaps(704, 64, 0, 200_000, (256, 2, 8)), BS.TIM: TypeCaps(16, 1, 0, 200_000),
+                    BS.MRAV: TypeCaps(128, 64, 0, 524288, (1000,)), BS.CQ: TypeCaps(128, 64, 0, 1 << 20, (256,))}
+    limited = plan(caps, sw_max_limits=True)  # every QP the firmware allows; split 2 (fast destroy) is not added
+    assert (limited[BS.QP].entries, limited[BS.CQ].entries) == (200_000, -(-(256 + 2 * (200_000 - 258)) // 64) * 64)
+    assert limited[BS.MRAV] == TypePlan(524288, 2, (1000,))  # MRs are the rest of the maximum
+    unlimited = plan(caps, sw_max_limits=False)  # at most 64 Ki extra, plus the fast-destroy entries (split 2)
+    assert unlimited[BS.QP].entries == -(-(258 + 65536 + 8) // 64) * 64
+    assert unlimited[BS.MRAV] == TypePlan(256 * 1024 + 128 * 1024, 2, (1000,))  # the firmware's smaller split stays
+
+
+def test_a_small_type_still_gets_the_page_table_depth_linux_asks_for():
+    caps = THOR2 | {BS.QP: TypeCaps(704, 1, 0, 260, (256, 2, 0)), BS.TIM: TypeCaps(16, 1, 0, 65794 * 8)}
+    sizes = plan(caps, sw_max_limits=False)
+    assert (sizes[BS.QP].entries, sizes[BS.QP].level) == (260, 2)  # 45 pages, depth 2 asked
+    assert sizes[BS.TIM].level == 1 and sizes[BS.VNIC].level == 1  # depth 1 asked, within 512 pages
+    assert plan(THOR2 | {BS.TIM: TypeCaps(4096, 1, 0, 65794)}, False)[BS.TIM].level == 2  # past 512 pages
+
+
+@pytest.mark.parametrize("kind, caps, reason", [
+    (BS.STAT, TypeCaps(256, 1, 0, 0), "has max_num_entries 0"),
+    (BS.VNIC, TypeCaps(0, 1, 0, 1024, (128,)), "has entry_size 0"),
+    (BS.MRAV, None, "is not offered"),
+    (BS.CQ, TypeCaps(128, 64, 0, 131328), "comes to 0 entries"),  # no L2 split and no RoCE QPs: 0 + 2 x 0
+])
+def test_a_type_bnxt_en_cannot_size_fails_naming_it(kind, caps, reason):
+    offered = {k: v for k, v in (THOR2 | {kind: caps}).items() if v is not None}
+    if kind == BS.CQ:
+        offered[BS.QP] = dataclasses.replace(THOR2[BS.QP], max_entries=258)
+    with pytest.raises(ValueError, match=rf"^backing-store type {kind.name} \({kind:#x}\) {reason}.*-EINVAL\)$"):
+        plan(offered, sw_max_limits=False)
 
 
 @given(depth_log=st.integers(0, 12), laps=st.integers(0, 40), step=st.integers(1, 17))

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
 from aiofabric.hw import ring
-from aiofabric.hw.cqe import SQ_CONS_IDX_MASK
 from aiofabric.hw.verbs import PSN_MASK, psn_count
 from aiofabric.hw.wqe import (RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SLOT, SQ_WQE_HEADER_SLOTS,
                               SqGeometry)
@@ -89,6 +88,14 @@ class Model:
             assert geometry.entry_fields(values) == (
                 w.psn, (w.psn + psn_count(w.length, sq.mtu)) & PSN_MASK, w.start % sq.slots & 0xFFFF)
 
+    def sq_cons_idx(self, target: int, status: int) -> int:
+        """What the CQE naming WQE `target` carries: the next WQE's index modulo sq_size, or (an error with variable
+        WQEs) the slot WQE `target` starts at (Linux bnxt_qplib_cq_process_req)."""
+        geometry = self.sq.geometry
+        if status and geometry.variable:
+            return next(w.start for w in self.live if w.number == target) % geometry.slots
+        return target % geometry.size
+
     def retire(self, target: int, status: int) -> tuple[list[object], object]:
         """What a CQE naming WQE `target` must give back; the WQEs before it leave the ring."""
         done = [w.token for w in self.live if w.number < target and w.token is not None]
@@ -160,50 +167,84 @@ def test_the_codec_matches_the_model(layout, data):
         elif action == "retire" and model.posted > model.retired:
             target = data.draw(st.integers(model.retired + 1, model.posted))
             status = data.draw(st.sampled_from([0, 0, 0, FLUSHED, bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR]))
+            sq_cons_idx = model.sq_cons_idx(target, status)
             expected = model.retire(target, status)
-            assert sq.retire(target & SQ_CONS_IDX_MASK, status) == expected
+            assert sq.retire(sq_cons_idx, status) == expected
             if status:  # the QP is in error: everything else is flushed
                 assert sq.drain() == [w.token for w in model.live if w.token is not None]
                 model.live, model.retired = [], model.posted
-        elif action == "stale":  # a CQE for WQEs already retired (or none posted) changes nothing
-            consumer = data.draw(st.integers(model.retired - 3, model.retired)) & SQ_CONS_IDX_MASK
-            assert sq.retire(consumer, 0) == ([], None)
+        elif action == "stale":  # a CQE for WQEs already retired (or none posted) changes nothing, as long as the
+            # index cannot also name an outstanding WQE (modulo sq_size)
+            back = data.draw(st.integers(0, min(3, sq.geometry.size - 1 - (model.posted - model.retired))))
+            assert sq.retire((model.retired - back) % sq.geometry.size, 0) == ([], None)
         assert sq.consumer == (model.live[0].start if model.live else sq.producer)  # the ring frees in order
         free = sq.slots - (sq.producer - sq.consumer)
         assert sq.room(free, 0) and not sq.room(free + 1, 0)
         model.check()
 
 
-def test_retirement_survives_the_16_bit_index_wrap():
-    """70,000 WQEs through a small ring, a CQE per run naming the last WQE modulo 2^16: every run's token comes
-    back once, in order, and the ring never fills up for good."""
-    sq = codec(GEOMETRIES["variable+msn"], max_unsignaled=64)
-    offsets = range(0, 30 * 64, 64)
+@pytest.mark.parametrize("layout", ["variable+msn", "static+psn"])
+def test_retirement_survives_many_wraps_of_the_index(layout):
+    """70,000 WQEs through a small ring, a CQE per run naming the WQE after the run modulo sq_size (256 slots, or 32
+    static WQEs; not 2^16): every run's token comes back once, in order, and the ring never fills up for good."""
+    sq = codec(GEOMETRIES[layout], max_unsignaled=64)
+    count = min(30, sq.max_wqes // 2)
+    offsets = range(0, count * 64, 64)
     tokens, runs = [], 0
     while sq.posted < 70_000:
-        assert sq.room(3 * 30, 30)
-        sq.post_run(WRITE, 0x1000, 5, 0x2000, 6, 64, offsets, offsets, 0, {29: runs})
-        done, named = sq.retire(sq.posted & SQ_CONS_IDX_MASK, 0)
+        assert sq.room(sq.taken(3) * count, count)
+        sq.post_run(WRITE, 0x1000, 5, 0x2000, 6, 64, offsets, offsets, 0, {count - 1: runs})
+        done, named = sq.retire(sq.posted % sq.geometry.size, 0)
         tokens += done + [named]
         runs += 1
     assert tokens == list(range(runs)) and sq.consumer == sq.producer and sq.outstanding == 0
+
+
+@pytest.mark.parametrize("layout", GEOMETRIES)
+def test_an_error_cqe_blames_the_work_request_it_names(layout):
+    """WQEs of 1 to 6 SGEs or inline data wrap the ring many times, then the middle one of three fails. Its error
+    CQE names the slot it starts at with variable WQEs (Linux bnxt_qplib_get_cqe_sq_cons), the next WQE's index
+    modulo sq_size with static ones: either way the one before succeeds, the one named fails, the one after is
+    left to flush."""
+    geometry = GEOMETRIES[layout]
+    sq, starts = codec(geometry), []
+    total = 2 * sq.max_wqes + 3
+    for i in range(total):
+        inline = b"x" * (1 + i % 90) if i % 7 == 3 else None
+        sge_list = [(0x1000 + 64 * k, 5, 8) for k in range(1 + i % 6)]
+        starts.append(sq.producer)
+        sq.post(WRITE, sge_list, len(inline) if inline is not None else 8 * len(sge_list), 0x2000, 6, 0, True, i,
+                inline)
+        if i < total - 3:  # the last three stay outstanding
+            assert sq.retire((i + 1) % geometry.size, 0) == ([], i)
+    assert sq.producer > 2 * sq.slots  # wrapped twice at least
+    middle = total - 2
+    if geometry.variable:
+        assert len({starts[i] - starts[i - 1] for i in range(1, total)}) > 3  # WQEs of many sizes
+        index = starts[middle] % sq.slots
+    else:
+        index = (middle + 1) % geometry.size
+    assert sq.retire(index, bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR) == ([total - 3], middle)
+    assert sq.drain() == [total - 1]
 
 
 def test_an_unsignaled_wqe_that_fails_fails_the_run_it_belongs_to():
     sq = codec(GEOMETRIES["variable+msn"], max_unsignaled=64)
     offsets = range(0, 8 * 64, 64)
     sq.post_run(WRITE, 0x1000, 5, 0x2000, 6, 64, offsets, offsets, 0, {2: "third", 7: "batch"})
-    assert sq.retire(5, bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR) == (["third"], "batch")  # WQE 5 (unsignaled) failed
+    # WQE 5 (unsignaled, starting at slot 4 * 3) failed: the error CQE names its slot
+    assert sq.retire(4 * 3, bnxt.CQ_REQ_STATUS_REMOTE_ACCESS_ERR) == (["third"], "batch")
     assert sq.consumer == 5 * 3 and sq.drain() == [] and sq.outstanding == 0
 
 
 def test_room_counts_slots_and_the_wqe_window():
     sq = codec(GEOMETRIES["static+msn"])
-    assert sq.max_wqes == 32 and sq.room(8 * 32, 32) and not sq.room(8 * 33, 33) and not sq.fits(8 * 33, 33)
-    for i in range(32):
+    # 32 static WQEs fill the ring, but 31 at most are in flight: a CQE retiring 32 would name the WQE retired last
+    assert sq.max_wqes == 31 and sq.room(8 * 31, 31) and not sq.room(8 * 32, 32) and not sq.fits(8 * 32, 32)
+    for i in range(31):
         assert sq.post_one(WRITE, 0x1000, 5, 64, 0x2000, 6, 0, True, i)
     assert not sq.room(8) and sq.fits(8) and not sq.post_one(WRITE, 0x1000, 5, 64, 0x2000, 6, 0, True, "no room")
-    assert sq.retire(1, 0) == ([], 0) and sq.room(8) and not sq.room(16)
+    assert sq.retire(1, 0) == ([], 0) and sq.room(8) and not sq.room(16, 2) and not sq.room(24)
 
 
 class Twin:
@@ -238,8 +279,8 @@ class Twin:
 def test_the_fast_paths_write_what_post_writes(layout, steps):
     twin = Twin(GEOMETRIES[layout])
     for one, kind, length, offsets, signaled in steps:
-        for sq in (twin.fast, twin.slow):  # retire everything: the ring always has room
-            sq.retire(sq.posted & SQ_CONS_IDX_MASK, 0)
+        for sq in (twin.fast, twin.slow):  # retire everything (a run may outgrow the ring): it always has room
+            sq.drain()
         if one and length:
             twin.post_one(offsets[0], length, signaled, "one")
         else:

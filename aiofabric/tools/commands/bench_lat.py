@@ -18,14 +18,15 @@ from ..bench_report import bandwidth_unit, format_table, perftest_report
 from ..lat_config import WARMUP, LatConfig
 from ..lat_report import format_latency_table, perftest_latency_report
 from ..latency import run_latency
-from ..options import ATOMIC_SIZE, DEFAULT_ITERS, TESTS
+from ..options import ATOMIC_SIZE, TESTS
 from ..perftest import run_bench
+from ..perftest_defaults import default_inline, default_iters
 from ..perftest_flags import BENCH_OUTPUTS, DEFAULT_JSON_FILE, LAT_OUTPUTS, add_perftest_flags, usage_message
 from ..units import SWEEP_MAX, SWEEP_MIN, sweep
 from ...errors import BadOption
 from ...verbs import NIC
 
-SWEEP_SECONDS = 1.0  # -a without -n: each size runs about this long
+SWEEP_SECONDS = 1.0  # bench --min-size/--max-size without -n: each size runs about this long
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,20 +36,32 @@ class Perftest:
     config: Callable[[argparse.Namespace], BenchConfig | LatConfig]  # the engine's options from the command line
     run: Callable[[Any], Awaitable[dict[str, Any]]]  # here, or with the server side on --peer's host
     run_as_client: Callable[[Any, list[NIC]], Awaitable[dict[str, Any]]]  # SERVER_HOST's client, on the NIC here
-    table: Callable[[dict[str, Any], Any], str]
-    report: Callable[[dict[str, Any], Any], dict[str, Any]]  # perftest's --out_json keys
+    table: Callable[[dict[str, Any], Any], str]  # the whole table (a server prints its client's with it)
+    printed: Callable[[dict[str, Any], Any], str]  # what the command prints at the end of its own run
+    report: Callable[[dict[str, Any], Any, str | None], dict[str, Any]]  # perftest's --out_json keys
     number: Callable[[dict[str, Any], Any, str], str]  # --output's number
     expect: tuple[str, ...]  # the parameters a --server's clients must match (the server refuses others)
 
 
 def _bench_number(result: dict[str, Any], config: BenchConfig, output: str) -> str:
-    if output == "bandwidth":  # in the table's unit
-        return f"{result['bw_MiBps'] * bandwidth_unit(config.report_gbits)[1]:.2f}"
-    return f"{result['msg_rate'] / 1e6:.6f}"
+    if output == "bandwidth":  # in the table's unit, printed as perftest prints it (%lf)
+        return f"{result['bw_MiBps'] * bandwidth_unit(config.report_gbits)[1]:f}"
+    return f"{result['msg_rate'] / 1e6:f}"
 
 
 def _lat_number(result: dict[str, Any], config: LatConfig, output: str) -> str:
-    return f"{result['t_avg_us'] * (config.cpu_mhz or 1):.2f}"  # t_avg, in the table's unit
+    return f"{result['t_avg_us'] * (config.cpu_mhz or 1):f}"  # t_avg, in the table's unit
+
+
+def _bench_printed(result: dict[str, Any], config: BenchConfig) -> str:
+    """--run_infinitely printed perftest's banner and its rows as it ran: the closing dashes and our lines remain."""
+    return format_table(result, config, head=not config.run_infinitely)
+
+
+async def _bench_as_client(config: BenchConfig, nics: list[NIC]) -> dict[str, Any]:
+    """bench's client of a --server: the server checks the symmetric parameters against its own first."""
+    await config.remote.request("bench_params", params=symmetric(config, BENCH))
+    return await run_bench(config, nics)
 
 
 async def _lat_as_client(config: LatConfig, nics: list[NIC]) -> dict[str, Any]:
@@ -58,10 +71,19 @@ async def _lat_as_client(config: LatConfig, nics: list[NIC]) -> dict[str, Any]:
     return await run_latency(config, nics[0])
 
 
-BENCH = Perftest(BENCH_OUTPUTS, BenchConfig.from_args, run_bench, run_bench, format_table, perftest_report,
-                 _bench_number, ())
+# bench's symmetric parameters: perftest's flags its --help marks SYMMETRIC (-a, -A, -b, -D, -f, -m, -n, -q, -s,
+# --run_infinitely), and -t
+BENCH = Perftest(BENCH_OUTPUTS, BenchConfig.from_args, run_bench, _bench_as_client, format_table, _bench_printed,
+                 perftest_report, _bench_number,
+                 ("test", "size", "sizes", "atomic_type", "bidirectional", "duration", "margin", "mtu", "iters", "qps",
+                  "depth", "run_infinitely"))
 LAT = Perftest(LAT_OUTPUTS, LatConfig.from_args, run_latency, _lat_as_client, format_latency_table,
-               perftest_latency_report, _lat_number, ("test", "size", "mtu"))
+               format_latency_table, perftest_latency_report, _lat_number, ("test", "size", "mtu"))
+
+
+def symmetric(config: BenchConfig | LatConfig, tool: Perftest) -> dict[str, Any]:
+    """The parameters of `config` both sides of a --server run must share, as JSON values."""
+    return {name: getattr(config, name) for name in tool.expect}
 
 
 def add_bench(sub: Subcommands) -> None:
@@ -72,8 +94,10 @@ def add_bench(sub: Subcommands) -> None:
                        help="run as perftest's client: the server side is `aiofabric bench --server` on this host")
     add_perftest_flags(bench, "bench")
     group = _add_two_host_flags(bench)
-    group.add_argument("--min-size", type=size, help="sweep from this size (default 2; implies a sweep)")
-    group.add_argument("--max-size", type=size, help="sweep up to this size (default 8M; implies a sweep)")
+    group.add_argument("--min-size", type=size, help="sweep from this size (default 2; implies a sweep, of about a "
+                                                      "second per size without -n)")
+    group.add_argument("--max-size", type=size, help="sweep up to this size (default 8M; implies a sweep, of about a "
+                                                      "second per size without -n)")
     group.add_argument("--factor", type=int, default=2, help="sweep step: each size is the last times this (2)")
     group.add_argument("--nics", type=int, default=2, help="emulated NICs, paired up (default 2)")
     add_wire_flags(group)
@@ -100,6 +124,8 @@ def add_lat(sub: Subcommands) -> None:
     group = _add_two_host_flags(lat)
     group.add_argument("--warmup", type=int, default=WARMUP,
                        help=f"iterations run first and not measured (default {WARMUP})")
+    group.add_argument("--histogram", action="store_true",
+                       help="print an ASCII histogram of the samples after the table (perftest's -H lists them)")
     add_wire_flags(group)
     _add_emulator_flag(group, shared=True)
     _add_peer_flags(group)
@@ -147,7 +173,7 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
             except ValueError as exc:
                 parser.error(str(exc))
         _check_modes(parser, args)
-        _perftest_common(parser, args, bool(getattr(args, "sizes", None)), BENCH)
+        _perftest_common(parser, args, args.min_size is not None or args.max_size is not None, BENCH)
         if args.plot and not getattr(args, "sizes", None):
             parser.error("--plot draws a sweep: add -a or --min-size/--max-size")
         if args.run_infinitely:
@@ -166,7 +192,7 @@ def _check_lat(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace]
         if args.server_host is not None and not args.nic.startswith("sim") and args.ip is None:
             parser.error(f"--nic {args.nic}: give the NIC's address with --ip (the server's QP talks to it)")
         args.sizes = sweep(SWEEP_MIN, SWEEP_MAX) if args.all else None
-        _perftest_common(parser, args, args.all, LAT)
+        _perftest_common(parser, args, False, LAT)
         if args.output is not None and args.all:
             parser.error("--output prints one number: it goes with one size, not a sweep (-a)")
         if args.cycles:
@@ -203,10 +229,11 @@ def _check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                          "client's report): give them to the client")
 
 
-def _perftest_common(parser: argparse.ArgumentParser, args: argparse.Namespace, sweeping: bool, tool: Perftest
+def _perftest_common(parser: argparse.ArgumentParser, args: argparse.Namespace, timed_sweep: bool, tool: Perftest
                      ) -> None:
-    """What bench and lat check alike: -A with the atomic test only, --output's choice, -n's default (with a sweep
-    and no -n: about SWEEP_SECONDS per size), --out_json's file."""
+    """What bench and lat check alike: -A with the atomic test only, --output's choice, perftest's defaults of -n
+    (`timed_sweep`, bench's --min-size/--max-size without -n: about SWEEP_SECONDS per size) and -I, --out_json's
+    file."""
     if args.atomic_type is not None and args.test != "atomic":
         parser.error(f"-A/--atomic_type {args.atomic_type}: goes with the atomic test, not {args.test}")
     if args.test == "atomic":  # perftest's ib_atomic_*: FETCH_AND_ADD of 8-byte words unless told otherwise
@@ -218,8 +245,10 @@ def _perftest_common(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     if args.output is not None and args.json:
         parser.error("--output prints one number, --json one object: choose one")
     if args.iters is None:
-        args.iters = DEFAULT_ITERS
-        args.sweep_seconds = SWEEP_SECONDS if sweeping else None
+        args.iters = default_iters(args.command, args.test)
+        args.sweep_seconds = SWEEP_SECONDS if timed_sweep else None
+    if args.inline_size is None:
+        args.inline_size = default_inline(args.command, args.test)
     if args.out_json and args.json_file is None:
         args.json_file = DEFAULT_JSON_FILE
 
@@ -264,15 +293,16 @@ async def _perftest_command(args: argparse.Namespace, tool: Perftest) -> dict[st
     config = tool.config(args)
     config.progress = not args.json and args.output is None and sys.stderr.isatty()
     if args.server:
-        return await serve(args, config, tool.table, {name: getattr(config, name) for name in tool.expect})
+        return await serve(args, config, tool.table, symmetric(config, tool))
     result = await _run_where_asked(args, config, tool)
     if args.output is not None and "error" not in result:
         print(tool.number(result, config, args.output))
     elif not args.json:
-        print(tool.table(result, config))
+        print(tool.printed(result, config))
     if args.json_file:
         with open(args.json_file, "w") as file:
-            json.dump({"ok": "error" not in result, **result, **tool.report(result, config)}, file, indent=1)
+            json.dump({"ok": "error" not in result, **result, **tool.report(result, config, args.output)}, file,
+                      indent=1)
     return result
 
 

@@ -68,7 +68,7 @@ async def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
         info = nic.info()
     if not args.json:
         for key in ("nic", "fw_version", "hwrm_version", "mac", "port", "ip", "gid", "gid_index", "hw_retransmit",
-                    "link", "link_speed_mbps", "port_mtu"):
+                    "link", "link_speed_mbps", "port_mtu", "atomic_cap", "atomic_path"):
             print(f"{key:<16} {info[key]}")
         print(f"{'caps':<16} " + ", ".join(f"{k}={v}" for k, v in info["caps"].items()))
     return info

@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ..arguments import positive_int, seconds, size, sized
+from ..perftest_flags import PARAMETER_FLAGS
 from ..runs import open_nics
 from ...verbs import NIC
 
@@ -45,7 +46,7 @@ def add_server_limits(parser: argparse.ArgumentParser) -> None:
     captures = parser.add_argument_group("server captures (with --server --pcap FILE, for the whole server)")
     captures.add_argument("--pcap-max-bytes", type=pcap_bytes, default=PCAP_MAX_BYTES, metavar="BYTES",
                           help="size limit of each capture file: the packets past it are not recorded (default "
-                               f"{PCAP_MAX_BYTES >> 30}G; a default bench run takes about 70M)")
+                               f"{PCAP_MAX_BYTES >> 30}G; a default bench write run takes about 350M)")
     captures.add_argument("--pcap-max-files", type=positive_int, default=PCAP_MAX_FILES, metavar="N",
                           help="capture files to write, one per client NIC (FILE, FILE.1, ...); later NICs are not "
                                f"captured (default {PCAP_MAX_FILES}; the captures take at most N x BYTES)")
@@ -88,14 +89,15 @@ async def serve(args: argparse.Namespace, config: BenchConfig | LatConfig,
     """perftest's server: wait for `aiofabric <command> ... SERVER_HOST` clients over TCP (one at a time; --forever:
     one after another), let each drive the server side through the command's exchange under this server's policy
     (its NIC, address, capture file and limits; `expect`: the parameters a client must match, lat's test, size and
-    MTU), and print each one's table. Without --forever, a client whose session failed makes the server fail too."""
+    MTU, bench's symmetric flags), and print each one's table. Without --forever, a client whose session failed
+    makes the server fail too."""
     from ...peer.policy import Limits, ServerPolicy
     from ...peer.tcp import DEFAULT_PORT, serve_tcp
     limits = Limits(nics=args.max_nics, memory=args.max_memory, in_flight=args.max_requests, line=args.max_line,
                     depth=args.max_depth, idle=args.idle_timeout)
     policy = ServerPolicy(nic=args.nic, ip=args.ip, pcap=args.pcap, allow_peers=tuple(args.allow_peer or ()),
                           pcap_max_bytes=args.pcap_max_bytes, pcap_max_files=args.pcap_max_files,
-                          limits=limits, tool=args.command, expect=expect)
+                          limits=limits, tool=args.command, expect=expect, flags=PARAMETER_FLAGS)
 
     shown: list[str] = []  # the client whose report was printed last: one table per session (clients come in turn)
 
