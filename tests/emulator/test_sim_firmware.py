@@ -686,12 +686,15 @@ INVALID_PARAMS = bnxt.HWRM_ERR_CODE_INVALID_PARAMS
 
 
 def registered(host: Driver) -> int:
-    """Register `host` for every link event, with an event ring (the NQ events go to): the ring's id."""
+    """Register `host` for every link event, with an event ring (an NQ named with FUNC_CFG async_event_cr): the
+    ring's id."""
     answer = host.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE
                        | bnxt.FUNC_DRV_RGTR_REQ_ENABLES_ASYNC_EVENT_FWD, os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX,
                        async_event_fwd=forwarding(EventId))
     assert answer.flags == bnxt.FUNC_DRV_RGTR_RESP_FLAGS_IF_CHANGE_SUPPORTED  # else Linux never sends IF_CHANGE
-    return host.ring(NQ, 8, logical_id=3)
+    ring_id = host.ring(NQ, 8, logical_id=3)
+    host.hwrm("func_cfg", fid=0xFFFF, enables=bnxt.FUNC_CFG_REQ_ENABLES_ASYNC_EVENT_CR, async_event_cr=ring_id)
+    return ring_id
 
 
 def link_events(host: Driver, ring_id: int) -> list[bool]:
