@@ -2,6 +2,7 @@
 driver would drive them (tests/support/firmware.py's `Driver`: requests built with the bindings, page tables in a
 bytearray of host memory)."""
 import ctypes
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
@@ -97,11 +98,11 @@ def test_a_crashing_handler_becomes_fail_not_an_exception(monkeypatch):
 
 
 def test_identity_and_doorbell_page():
-    host = Driver(roce_db_page_kb=128)
+    host = Driver(profile=dataclasses.replace(PROFILES["thor2"], legacy_l2_db_size_kb=126))
     caps = host.hwrm("func_qcaps", fid=0xFFFF)
     assert bytes(caps.mac_address) == MAC and caps.flags & bnxt.FUNC_QCAPS_RESP_FLAGS_ROCE_V2_SUPPORTED
     assert caps.flags_ext & bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_REQUIRED
-    assert host.hwrm("func_qcfg", fid=0xFFFF).legacy_l2_db_size_kb == 128 and host.fw.roce_db_offset == 128 << 10
+    assert host.hwrm("func_qcfg", fid=0xFFFF).legacy_l2_db_size_kb == 126 and host.fw.roce_db_offset == 128 << 10
 
 
 def test_backing_store_walk_gates_initialize_fw():
@@ -112,7 +113,7 @@ def test_backing_store_walk_gates_initialize_fw():
     assert any(not ctx.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID for ctx in CONTEXT_TYPES.values())
     assert host.fw.objects()["backing_store"] == len(configured) and host.fw.ctx_init_ok
     host.open_rcfw()
-    stat = host.hwrm("stat_ctx_alloc").stat_ctx_id
+    stat = host.hwrm("stat_ctx_alloc", stats_dma_length=176).stat_ctx_id
     host.rcfw("initialize_fw", expect=FAIL, stat_ctx_id=stat)
     assert "ALL_DONE" in host.fw.last_error
     host.rcfw("create_cq", expect=FAIL)  # nothing but queries before INITIALIZE_FW
@@ -347,7 +348,7 @@ def test_create_qp_validates_its_queues_and_cqs(driver):
     driver.rcfw("create_qp", expect=INVALID_PARAMETER, type=bnxt.CMDQ_CREATE_QP_TYPE_RC, sq_size=16, scq_cid=cq,
                 rcq_cid=cq, sq_pbl=0x1000)  # the SQ is not in host memory
     gsi = driver.rcfw("create_qp", type=bnxt.CMDQ_CREATE_QP_TYPE_GSI, sq_size=16, scq_cid=cq, rcq_cid=cq,
-                      sq_pbl=driver.alloc()).xid
+                      sq_fwo_sq_sge=6, sq_pbl=driver.alloc()).xid
     assert gsi == 1 and driver.create_qp(cq) == 2
     assert driver.fw.rcfw.qps[2].variable_wqe and len(driver.fw.rcfw.qps[2].sq.pages) == 2  # ring + MSN area
 
