@@ -212,3 +212,12 @@ async def test_a_refused_registration_frees_the_key_allocate_mrw_made():
         with pytest.raises(FirmwareError, match="register_mr"):
             await nic.register_mr(8192)
         assert nic.pci.debug({"op": "objects"})["objects"]["mrs"] == 0
+
+
+@pytest.mark.loop_agnostic
+async def test_the_l2_filter_asks_for_the_outermost_header_as_linux_does():
+    """bnxt_hwrm_l2_filter_alloc asks for PATH_RX | OUTERMOST on these chips; the emulated firmware refuses a filter
+    without OUTERMOST (inferred: docs/hardware-conformance.md)."""
+    async with open_nic(f"sim:{tag()}") as nic:
+        objects = nic.pci.debug({"op": "objects"})["objects"]
+        assert (objects["vnics"], objects["l2_filters"]) == (1, 1)
