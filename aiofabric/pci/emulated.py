@@ -38,7 +38,7 @@ from ..sim.memory import ARENA_SIZE, BAR0_SIZE, BAR2_SIZE, BUS_BASE, PAGE, PageA
 from ..sim.netns import NETNS_DIR
 from ..sim.options import check_options
 from ..sim.options import FAULTS as FAULTS  # the wire faults, for the tools (which do not import sim/)
-from ..sim.profiles import DEFAULT_PROFILE, PROFILES
+from ..sim.profiles import DEFAULT_PROFILE as DEFAULT_PROFILE, PROFILES as PROFILES  # and for the tools' --profile
 
 if TYPE_CHECKING:
     from .emulated_debug import DebugClient

@@ -11,8 +11,7 @@ from typing import Any, Callable, TypeAlias
 
 from .units import parse_size
 from ..pci import ADDRESS
-from ..pci.emulated import FAULTS
-from ..sim.profiles import DEFAULT_PROFILE, PROFILES
+from ..pci.emulated import DEFAULT_PROFILE, FAULTS, PROFILES
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[Any]"  # where a command adds its parser (cli.Parser's)
 
