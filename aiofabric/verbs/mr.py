@@ -9,9 +9,9 @@ import anyio
 from .types import Access, LocalBuffer, RemoteRegion, check_range
 from .workqueue import ADDRESS_MAX, KEY_MAX, Sge
 from ..autogen import bnxt
+from ..driver import log
 from ..driver.device import Device
 from ..driver.rings import page_table
-from ..driver import log
 from ..errors import ClosedError, DeviceLostError, FabricError
 from ..pci import DmaBuffer
 
