@@ -33,7 +33,8 @@ RANKS_WHY = (": each rank of --ranks is an emulator process (or a PCI function) 
 RANK_FLAGS = (("minbytes", "-b"), ("maxbytes", "-e"), ("stepfactor", "-f"), ("iters", "-n"), ("warmup_iters", "-w"),
               ("datatype", "-d"), ("op", "-o"), ("root", "-r"), ("verify", "-c"), ("piece", "--piece"),
               ("timeout", "--timeout"), ("rendezvous_timeout", "--rendezvous-timeout"), ("size", "--size"),
-              *((fault, f"--{fault}") for fault in FAULTS), ("seed", "--seed"), ("pcap", "--pcap"))
+              *((fault, f"--{fault}") for fault in FAULTS), ("seed", "--seed"), ("pcap", "--pcap"),
+              ("profile", "--profile"))
 
 
 def add_collectives(sub: Subcommands) -> None:
