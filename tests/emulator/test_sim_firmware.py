@@ -426,7 +426,7 @@ def test_nothing_can_be_allocated_before_func_cfg_reserves_it():
     host = Driver(reserve=False)
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
     assert "0 MSI-X vectors (NQ rings) in use and FUNC_CFG num_msix reserved 0" in host.fw.last_error
-    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR)
+    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR, stats_dma_length=176)
     assert "FUNC_CFG num_stat_ctxs reserved 0" in host.fw.last_error
     host.hwrm("vnic_alloc", expect=ALLOC_ERROR)
     assert "FUNC_CFG num_vnics reserved 0" in host.fw.last_error
@@ -448,15 +448,16 @@ def test_each_allocation_counts_against_its_reservation_up_to_the_grant_and_not_
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=L2_CMPL, length=16, **on_nq)
     host.ring(TX, 16, cmpl_ring_id=cmpl)
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=TX, length=16, cmpl_ring_id=cmpl)
-    rx = host.ring(RX, 16, **on_nq)
-    host.ring(RX_AGG, 16, **on_nq)  # an aggregation ring is an RX ring too
-    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=RX, length=16, **on_nq)
-    host.hwrm("stat_ctx_alloc")
-    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR)
+    rx_fields = dict(enables=RX_BUF_SIZE, rx_buf_size=2048)
+    rx = host.ring(RX, 16, **rx_fields)
+    host.ring(RX_AGG, 16, **rx_fields)  # an aggregation ring is an RX ring too
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=RX, length=16, **rx_fields)
+    host.hwrm("stat_ctx_alloc", stats_dma_length=176)
+    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR, stats_dma_length=176)
     host.hwrm("vnic_alloc")
     host.hwrm("vnic_alloc", expect=ALLOC_ERROR)
     host.hwrm("ring_free", ring_type=RX, ring_id=rx)  # freeing gives the reservation back
-    host.ring(RX, 16, **on_nq)
+    host.ring(RX, 16, **rx_fields)
     host.hwrm("func_reset")  # and FUNC_RESET forgets it (Linux reserves again after one)
     assert host.hwrm("func_qcfg", fid=0xFFFF).alloc_msix == 0
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
