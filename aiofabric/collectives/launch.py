@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
 
-from .communicator import MAX_PIECES, PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
+from .communicator import PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
+from .steps import MAX_PIECES
 from .rendezvous import FAREWELL, RendezvousClient, RendezvousError, RendezvousServer
 from .world import World
 from ..sched import receive_pool

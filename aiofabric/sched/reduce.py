@@ -23,7 +23,8 @@ from .kernels import CKernel, check_flat
 from ..errors import CompilerNotFoundError
 
 OPS = ("sum", "prod", "min", "max")
-DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
+DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64, np.int8, np.uint8,
+                                      np.uint32, np.uint64))
 UFUNCS: dict[str, np.ufunc] = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 # -O3: GCC's -O2 (very-cheap cost model) will not version a loop for possible aliasing, so without `restrict` (out
 # may be a or b) it would stay scalar. IEEE semantics are kept: no -ffast-math.
@@ -78,7 +79,10 @@ _C_OPS: dict[str, dict[str, tuple[str, str]]] = {
     "float64": {op: ("double", expr) for op, expr in _FLOAT_OPS.items()},
     **{name: {"sum": (f"uint{bits}_t", "x + y"), "prod": (f"uint{bits}_t", "x * y"),
               "min": (f"int{bits}_t", "x < y ? x : y"), "max": (f"int{bits}_t", "x > y ? x : y")}
-       for name, bits in (("int32", 32), ("int64", 64))},
+       for name, bits in (("int8", 8), ("int32", 32), ("int64", 64))},
+    **{f"uint{bits}": {op: (f"uint{bits}_t", expr) for op, expr in (("sum", "x + y"), ("prod", "x * y"),
+                                                                   ("min", "x < y ? x : y"), ("max", "x > y ? x : y"))}
+       for bits in (8, 32, 64)},
     "float16": {"sum": ("uint16_t", "f2h(h2f(x) + h2f(y))"), "prod": ("uint16_t", "f2h(h2f(x) * h2f(y))"),
                 "min": ("uint16_t", "(h2f(x) <= h2f(y) || h2f(x) != h2f(x)) ? x : y"),
                 "max": ("uint16_t", "(h2f(x) >= h2f(y) || h2f(x) != h2f(x)) ? x : y")},

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from aiofabric import collectives
-from aiofabric.collectives import launch, layout
+from aiofabric.collectives import launch, layout, reference
 from aiofabric.collectives.communicator import CollectiveError
-from aiofabric.collectives.perf import ring_reference
+from aiofabric.collectives.reference import ring_reference
 from aiofabric.sched.reduce import DTYPES, OPS
 from tests.support.backends import on
 
@@ -84,6 +84,49 @@ async def test_every_collective_dtype_and_op_matches_numpy_bit_for_bit(ranks):
                 await all_ranks(comms, "broadcast", xs, root=root)
                 assert all(same_bits(x, source) for x in xs), (dtype, count, root)
         await all_ranks(comms, "barrier")
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+async def test_reduce_gather_scatter_sendrecv_and_avg_match_numpy_bit_for_bit(ranks):
+    """Every root, out of place and in place (nccl-tests' layouts), counts that are 0, 1 and cut into pieces; a
+    reduce's non-root ranks and a gather's keep their out as it was; avg is the ring's sum divided once."""
+    rng = np.random.default_rng(ranks)
+    async with collectives.local(ranks, buffer_bytes=1 << 16, piece_bytes=PIECE) as comms:
+        for kind, dtype, op, count, root in [
+                *(("reduce", d, op, c, root) for d, op, c in [(np.float32, "sum", 1001), (np.float16, "avg", 1001),
+                                                               (np.int32, "avg", 333), (np.uint8, "prod", 5),
+                                                               (np.int64, "max", 0)] for root in range(ranks)),
+                *((kind, d, None, c, root) for kind in ("gather", "scatter") for d, c in
+                  [(np.float64, 700), (np.int8, 1)] for root in range(ranks)),
+                ("sendrecv", np.int64, None, 1001, 0), ("sendrecv", np.uint8, None, 1, 0),
+                *(("allreduce", d, "avg", 1001, 0) for d in (np.float32, np.int64, np.uint32)),
+                ("reduce_scatter", np.float64, "avg", 333, 0)]:
+            for inplace in (False, True):
+                size_in = count * ranks if kind in ("scatter", "reduce_scatter") else count
+                size_out = count * ranks if kind == "gather" else count
+                xs = [data(rng, dtype, size_in) for _ in range(ranks)]
+                want = reference.expected(kind, [x.copy() for x in xs], op or "sum", root)
+                if inplace and kind == "gather":
+                    outs = [np.zeros(size_out, dtype) for _ in range(ranks)]
+                    for r, (out, x) in enumerate(zip(outs, xs)):
+                        out[r * count:(r + 1) * count] = x
+                    xs = [out[r * count:(r + 1) * count] for r, out in enumerate(outs)]
+                elif inplace and kind in ("scatter", "reduce_scatter"):
+                    outs = [x[r * count:(r + 1) * count] for r, x in enumerate(xs)]
+                elif inplace:
+                    outs = xs
+                else:
+                    outs = [data(rng, dtype, size_out) for _ in range(ranks)]
+                before = [out.copy() for out in outs]
+                options = {"op": op} if op else {}
+                options |= {"root": root} if kind in ("reduce", "gather", "scatter") else {}
+                await collectives.run_ranks([functools.partial(getattr(c, kind), x, None if inplace and kind in (
+                    "reduce", "sendrecv", "allreduce") else out, **options) for c, x, out in zip(comms, xs, outs)])
+                for rank, (out, expected) in enumerate(zip(outs, want)):
+                    assert same_bits(out, before[rank] if expected is None else expected), (
+                        kind, dtype, op, count, root, inplace, rank)
 
 
 @pytest.mark.anyio
@@ -266,8 +309,8 @@ async def test_an_allreduce_inside_a_users_batch_is_ordered_between_its_kernels_
             assert all(np.all(result == 2 * sum(10.0 * round_ + r for r in range(3)) + 1) for result in results)
         with pytest.raises(ValueError, match="move nothing"):
             comms[0].calls("allreduce", np.zeros(0, np.float32))
-        with pytest.raises(ValueError, match="unknown collective 'gather'"):
-            comms[0].calls("gather", np.zeros(4, np.float32))
+        with pytest.raises(ValueError, match="unknown collective 'scan'"):
+            comms[0].calls("scan", np.zeros(4, np.float32))
 
 
 @pytest.mark.anyio
