@@ -19,6 +19,11 @@ BUS_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
                "allgather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "barrier": lambda n: 0.0,
                "reduce": lambda n: 1.0, "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
                "sendrecv": lambda n: 1.0}
+# nccl-tests' algbw = the bytes of `paramcount` elements x this, per second: the per-rank count's collectives count
+# every rank's part (each collective's *GetBw)
+ALG_FACTORS = {"allgather": lambda n: n, "reduce_scatter": lambda n: n, "gather": lambda n: n,
+               "scatter": lambda n: n}
+PER_RANK = ("allgather", "reduce_scatter", "gather", "scatter")  # nccl-tests counts these per rank, aligned
 # nccl-tests' type names (and numpy's) -> numpy's, and back for the table
 DTYPE_NAMES = {"float": "float32", "half": "float16", "double": "float64", "int": "int32", "int32": "int32",
                "int64": "int64", "float32": "float32", "float16": "float16", "float64": "float64", "int8": "int8",
@@ -87,3 +92,19 @@ def digest(*parts: object) -> int:
 
 def bus_bandwidth(kind: str, ranks: int, algbw: float) -> float:
     return algbw * BUS_FACTORS[kind](ranks)
+
+
+def alg_bandwidth(kind: str, ranks: int, count: int, itemsize: int, seconds: float) -> float:
+    """nccl-tests' algbw in GB/s of `count` elements (its paramcount) moved in `seconds` (0 for no time)."""
+    return count * itemsize * ALG_FACTORS.get(kind, lambda n: 1)(ranks) / 1e9 / seconds if seconds > 0 else 0.0
+
+
+def nccl_counts(kind: str, size: int, itemsize: int, ranks: int) -> tuple[int, int, int]:
+    """(send, receive, per-call) element counts of a rank for nccl-tests' `size` bytes, as its *GetCollByteCount
+    has them: the per-rank collectives (allgather, reduce-scatter, gather, scatter) take size / ranks rounded down
+    to whole 16-byte units; the per-call count is what nccl-tests prints as `count`."""
+    count = size // itemsize
+    if kind not in PER_RANK:
+        return count, count, count
+    base = (count // ranks) & ~(16 // itemsize - 1)
+    return (base, base * ranks, base) if kind in ("allgather", "gather") else (base * ranks, base, base)
