@@ -53,6 +53,8 @@ def test_three_processes_started_like_torchrun_run_a_checked_sweep():
         assert code == 0 and result["ok"] is True, (rank, stderr)
         assert result["ranks"] == 3 and result["local_ranks"] == [rank] and result["launcher"] == "torchrun"
         assert [row["wrong"] for row in result["rows"]] == [0] * 6  # 3 sizes x 2 placements, summed over ranks
+        devices = result["devices"]  # nccl-tests' "# Using devices": every rank's, gathered from the processes
+        assert [device["rank"] for device in devices] == [0, 1, 2] and len({d["pid"] for d in devices}) == 3
 
 
 @pytest.mark.parametrize("variables,launcher", [(MPIRUN, "mpirun"), (SRUN, "srun")])
