@@ -4,6 +4,7 @@ against nccl-tests' own format strings (src/util.cu, copied below), as its log p
 import json
 import os
 import re
+import signal
 import subprocess
 
 import numpy as np
@@ -231,3 +232,22 @@ def test_hosts_set_the_number_of_ranks_and_an_unreachable_host_is_named():
     assert code == 1 and "--root" not in result["error"] and "127.0.0.1" in result["error"], result
     code, result, _ = run("allreduce", "--hosts", "a,b", "--ranks", "2", "--json")
     assert code == 2 and "--ranks and --hosts both say where the ranks run" in result["error"]
+
+
+def test_run_cycles_0_repeats_until_interrupted_printing_each_row():
+    """-N 0: nccl-tests' endless cycles; each row is printed as it is measured, and Ctrl-C ends the run (130)."""
+    process = subprocess.Popen([*CLI, "sendrecv", "--ranks", "2", "--size", "1K", "-n", "1", "-N", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        rows = []
+        while len(rows) < 3:
+            line = process.stdout.readline()
+            assert line, process.stderr.read()
+            if not line.startswith("#"):
+                rows.append(line)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130
+        assert all(row.split()[:2] == ["1024", "256"] for row in rows)
+    finally:
+        process.kill()
+        process.communicate()

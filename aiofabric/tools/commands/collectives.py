@@ -78,16 +78,16 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
     from ...collectives import join, local
     from ...collectives.devices import LINE_BYTES
     world, sizes, ranks = args.world, args.sizes, args.rank_count  # _check_collective's
-    if args.hosts:
-        return await _collective_over_ssh(args)
-    nics = args.nics.split(",") if args.nics else None
-    options = {} if nics else WireOptions.from_args(args).nic_options()
     leader = world is None or world.rank == 0  # prints the table, as nccl-tests' rank 0 does
     started = time.strftime(TIME_FORMAT)
     json_file = _open_json(args.output_file) if leader and args.output_file else None
+    nics = args.nics.split(",") if args.nics else None
+    options = {} if nics or args.hosts else WireOptions.from_args(args).nic_options()
     buffer_bytes = max(*sizes, LINE_BYTES * ranks)  # the device lines are gathered through the buffers too
     try:
-        if world is not None:
+        if args.hosts:
+            result = await _collective_over_ssh(args)
+        elif world is not None:
             async with join(world, nic=args.nic, ip=args.ip, buffer_bytes=buffer_bytes, piece_bytes=args.piece,
                             timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout, **options) as comm:
                 result = await _sweep(args, [comm], [0], leader)
