@@ -20,6 +20,7 @@ import numpy as np
 from . import layout
 from .layout import PIECE_BYTES
 from .. import sched
+from .alltoall import alltoall_calls
 from .gather import gather_calls
 from .reduce import reduce_calls
 from .scatter import scatter_calls
@@ -29,14 +30,16 @@ from ..errors import CallError, FabricError
 from ..sched.reduce import DTYPES, OPS as SCHED_OPS
 from ..verbs import NIC, MemoryRegion
 
-PUBLIC_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "sendrecv")
+PUBLIC_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "sendrecv",
+                "alltoall")
 OPS = (*SCHED_OPS, "avg")  # avg: the sum, divided once by the number of ranks where it is whole (steps.divide)
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 GATHERING = ("allgather", "gather")  # x is count elements, out size x count: in place, x is out's part `rank`
 SCATTERING = ("reduce_scatter", "scatter")  # x is size x count elements, out count: in place, out is x's part
-ROOTED_BUILDERS: dict[str, Callable[..., list[sched.Call]]] = {
-    "reduce": reduce_calls, "gather": gather_calls, "scatter": scatter_calls, "sendrecv": sendrecv_calls}
+BUILDERS: dict[str, Callable[..., list[sched.Call]]] = {  # the collectives built in their own modules
+    "reduce": reduce_calls, "gather": gather_calls, "scatter": scatter_calls, "sendrecv": sendrecv_calls,
+    "alltoall": alltoall_calls}
 MAX_BATCHES = 32  # compiled collectives kept per communicator (least recently used dropped)
 RUN_TIMEOUT = 60.0  # seconds a collective may take before it fails naming the calls still pending
 
@@ -57,6 +60,7 @@ class Communicator:
         self.next, self.prev = next_link, prev_link
         self.piece_bytes, self.timeout = piece_bytes, timeout
         self.capacity = work.length if work is not None else 0
+        self.landing_capacity = landing.length if landing is not None else 0
         self.compute = sched.ComputeQueue(f"rank {rank} reduce")
         self.copies = sched.CopyQueue(f"rank {rank} copy")
         self._batches: dict[tuple[Any, ...], tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]] = {}
@@ -114,6 +118,12 @@ class Communicator:
         """out = the previous rank's x (rank - 1, mod size): every rank sends to the next at once, as nccl-tests'
         sendrecv_perf does."""
         return await self._collective("sendrecv", x, out)
+
+    async def alltoall(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x and out of size * count elements: part d of x (`x[d * count:(d + 1) * count]`) goes to rank d, as
+        part `rank` of its out. Along the ring a part for the rank h hops on is passed on h times, so the landing
+        MR must hold layout.alltoall_landing(size, count) elements (launch's landing_bytes)."""
+        return await self._collective("alltoall", x, out)
 
     async def barrier(self) -> None:
         """Return once every rank has entered the barrier: an allreduce of one element, which no rank can finish
@@ -189,9 +199,10 @@ class Communicator:
         if result.dtype != x.dtype:
             raise TypeError(f"{kind}: out is {result.dtype}, x is {x.dtype}")
         expected = x.size // self.size if kind in SCATTERING else x.size * self.size if kind in GATHERING else x.size
-        if result.size != expected or kind in SCATTERING and x.size % self.size:
+        if result.size != expected or kind in SCATTERING + ("alltoall",) and x.size % self.size:
             raise ValueError(f"{kind}: x has {x.size} elements and out {result.size}; "
                              + (f"x needs size ({self.size}) x out's" if kind in SCATTERING else
+                                f"both need size ({self.size}) x the elements per rank" if kind == "alltoall" else
                                 f"out needs size ({self.size}) x x's" if kind in GATHERING else
                                 "they must be equal"))
         reduces = kind in REDUCING
@@ -215,7 +226,11 @@ class Communicator:
         if buffer_bytes > self.capacity:
             raise ValueError(f"{kind}: {buffer_bytes} bytes exceed the communicator's {self.capacity}-byte buffers "
                              "(its buffer_bytes)")
-        count = result.size if kind in SCATTERING else x.size
+        count = result.size if kind in SCATTERING else x.size // self.size if kind == "alltoall" else x.size
+        landing = layout.alltoall_landing(self.size, count) * x.itemsize
+        if kind == "alltoall" and self.size > 1 and landing > self.landing_capacity:
+            raise ValueError(f"alltoall: {count} elements per rank along a ring of {self.size} take {landing} bytes "
+                             f"of landing memory; the communicator's has {self.landing_capacity} (its landing_bytes)")
         return count, inplace, result, op if reduces else None
 
     def _blame(self, error: BaseException) -> str:
@@ -231,12 +246,12 @@ class Communicator:
 
     def _compile(self, kind: str, count: int, dtype: np.dtype[Any], op: str | None, root: int,
                  inplace: bool) -> tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]:
-        total = count * self.size if kind in GATHERING + SCATTERING else count
+        total = count * self.size if kind in GATHERING + SCATTERING + ("alltoall",) else count
         # compile-time stand-ins, rebound every run; in place, one is a view of the other (views follow their input)
         mine = layout.chunks(total, self.size)[self.rank]
-        x = np.zeros(total if kind in SCATTERING else count, dtype)
+        x = np.zeros(total if kind in SCATTERING + ("alltoall",) else count, dtype)
         if not inplace:
-            out = np.zeros(total if kind in GATHERING else count, dtype)
+            out = np.zeros(total if kind in GATHERING + ("alltoall",) else count, dtype)
         elif kind in GATHERING:
             out = np.zeros(total, dtype)
             x = out[mine.start:mine.start + mine.length]
@@ -263,7 +278,7 @@ class Communicator:
     def _calls(self, kind: str, x: np.ndarray, out: np.ndarray, count: int, op: str | None,
                root: int) -> list[sched.Call]:
         """This rank's calls: x and out are flat (in place, out is x or a view of it)."""
-        builder = ROOTED_BUILDERS.get(kind)
+        builder = BUILDERS.get(kind)
         if builder is not None:
             return builder(self, x, out, count, op, root)
         return self._ring_calls(kind, x, out, count, op, root)

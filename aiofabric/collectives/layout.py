@@ -12,18 +12,18 @@ from typing import NamedTuple
 
 # every kind a message's immediate can name (4 bits): the order is the wire's, so new kinds go at the end
 KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "reduce", "gather", "scatter",
-         "sendrecv")
+         "sendrecv", "alltoall")
 # nccl-tests' busbw = algbw * factor (its doc/PERFORMANCE.md and each collective's *GetBw): what each rank's link
 # carries, per byte of the result
 BUS_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                "allgather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "barrier": lambda n: 0.0,
                "reduce": lambda n: 1.0, "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
-               "sendrecv": lambda n: 1.0}
+               "sendrecv": lambda n: 1.0, "alltoall": lambda n: (n - 1) / n}
 # nccl-tests' algbw = the bytes of `paramcount` elements x this, per second: the per-rank count's collectives count
 # every rank's part (each collective's *GetBw)
 ALG_FACTORS = {"allgather": lambda n: n, "reduce_scatter": lambda n: n, "gather": lambda n: n,
-               "scatter": lambda n: n}
-PER_RANK = ("allgather", "reduce_scatter", "gather", "scatter")  # nccl-tests counts these per rank, aligned
+               "scatter": lambda n: n, "alltoall": lambda n: n}
+PER_RANK = ("allgather", "reduce_scatter", "gather", "scatter", "alltoall")  # nccl-tests counts these per rank
 # nccl-tests' type names (and numpy's) -> numpy's, and back for the table
 DTYPE_NAMES = {"float": "float32", "half": "float16", "double": "float64", "int": "int32", "int32": "int32",
                "int64": "int64", "float32": "float32", "float16": "float16", "float64": "float64", "int8": "int8",
@@ -94,6 +94,13 @@ def bus_bandwidth(kind: str, ranks: int, algbw: float) -> float:
     return algbw * BUS_FACTORS[kind](ranks)
 
 
+def alltoall_landing(ranks: int, count: int) -> int:
+    """Elements of landing memory an alltoall of `count` elements per peer takes along a ring of `ranks`: a part
+    from every rank (at its origin's slot), and the parts passing through, never reused within a run: hop h brings
+    ranks - h - 1 of them (h = 1 .. ranks - 2)."""
+    return count * (ranks + (ranks - 1) * (ranks - 2) // 2)
+
+
 def alg_bandwidth(kind: str, ranks: int, count: int, itemsize: int, seconds: float) -> float:
     """nccl-tests' algbw in GB/s of `count` elements (its paramcount) moved in `seconds` (0 for no time)."""
     return count * itemsize * ALG_FACTORS.get(kind, lambda n: 1)(ranks) / 1e9 / seconds if seconds > 0 else 0.0
@@ -101,10 +108,12 @@ def alg_bandwidth(kind: str, ranks: int, count: int, itemsize: int, seconds: flo
 
 def nccl_counts(kind: str, size: int, itemsize: int, ranks: int) -> tuple[int, int, int]:
     """(send, receive, per-call) element counts of a rank for nccl-tests' `size` bytes, as its *GetCollByteCount
-    has them: the per-rank collectives (allgather, reduce-scatter, gather, scatter) take size / ranks rounded down
-    to whole 16-byte units; the per-call count is what nccl-tests prints as `count`."""
+    has them: the per-rank collectives (allgather, reduce-scatter, gather, scatter, alltoall) take size / ranks
+    rounded down to whole 16-byte units; the per-call count is what nccl-tests prints as `count`."""
     count = size // itemsize
     if kind not in PER_RANK:
         return count, count, count
     base = (count // ranks) & ~(16 // itemsize - 1)
+    if kind == "alltoall":
+        return base * ranks, base * ranks, base
     return (base, base * ranks, base) if kind in ("allgather", "gather") else (base * ranks, base, base)

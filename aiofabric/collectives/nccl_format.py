@@ -12,7 +12,7 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 # our commands -> nccl-tests' binaries (the program its lines name)
 PROGRAMS = {"allreduce": "all_reduce_perf", "reduce_scatter": "reduce_scatter_perf", "allgather": "all_gather_perf",
             "broadcast": "broadcast_perf", "reduce": "reduce_perf", "gather": "gather_perf",
-            "scatter": "scatter_perf", "sendrecv": "sendrecv_perf"}
+            "scatter": "scatter_perf", "sendrecv": "sendrecv_perf", "alltoall": "alltoall_perf"}
 BLOCKING = {1: "# Blocking Enabled: wait and barrier after each inner iteration (-m) ",
             2: "# Blocking Enabled: wait after each inner iteration (-m), no barrier ",
             3: "# Blocking Enabled: wait and barrier after each outer iteration (-n); time excludes barrier "}

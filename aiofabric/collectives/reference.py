@@ -55,4 +55,7 @@ def expected(kind: str, xs: Sequence[np.ndarray], op: str, root: int) -> list[np
         return [xs[root][r * part:(r + 1) * part] for r in range(n)]
     if kind == "sendrecv":
         return [xs[(r - 1) % n] for r in range(n)]
+    if kind == "alltoall":
+        part = xs[0].size // n
+        return [np.concatenate([x[r * part:(r + 1) * part] for x in xs]) for r in range(n)]
     raise ValueError(f"no reference for {kind!r}")

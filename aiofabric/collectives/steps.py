@@ -86,10 +86,12 @@ class Steps:
         if self.wait_ready is not None:
             self.calls.append(self.wait_ready)
 
-    def write(self, where: RemoteRegion, at: layout.Piece, remote_offset: int, label: str) -> None:
-        """Work buffer elements `at` into the next rank's `where` at `remote_offset` bytes."""
+    def write(self, where: RemoteRegion, at: layout.Piece, remote_offset: int, label: str, *,
+              local: MemoryRegion | None = None) -> None:
+        """Elements `at` of our work buffer (or of `local`: the landing MR) into the next rank's `where` at
+        `remote_offset` bytes."""
         assert self.wait_ready is not None, f"{self.kind}: a rank that sends nothing wrote"
-        call = sched.write_with_imm(self.next.qp, self.work, where, self._send.next(), at.length * self.isz,
+        call = sched.write_with_imm(self.next.qp, local or self.work, where, self._send.next(), at.length * self.isz,
                                     local_offset=at.start * self.isz, remote_offset=remote_offset, name=label)
         if self._first_write is None:
             self._first_write = call.after(self.wait_ready)

@@ -76,6 +76,7 @@ def test_allreduce_json_rows_are_checked_and_busbw_uses_nccl_tests_factor():
     ("gather", ["-d", "int8", "-r", "2"], lambda elements: elements // 3 & ~15, 3, 2 / 3),
     ("scatter", ["-d", "uint32"], lambda elements: elements // 3 & ~3, 3, 2 / 3),
     ("sendrecv", ["-d", "uint64"], lambda elements: elements, 1, 1.0),
+    ("alltoall", ["-d", "float"], lambda elements: elements // 3 & ~3, 3, 2 / 3),
 ])
 def test_each_collective_prints_nccl_tests_lines_counts_and_factors(command, flags, count, algbw_factor,
                                                                    busbw_factor):
@@ -196,13 +197,14 @@ def test_two_runs_at_once_both_pass():
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
 @pytest.mark.parametrize("kind,messages", [("allreduce", 8), ("reduce", 4), ("gather", 2), ("scatter", 2),
-                                           ("sendrecv", 4)])
+                                           ("sendrecv", 4), ("alltoall", 6)])
 async def test_the_check_counts_elements_a_faulty_nic_did_not_place(kind, messages):
     """Tamper: rank 2's NIC acknowledges the data messages of the out-of-place runs (the untimed one and the
-    checked one: `messages` each, 256-element pieces of 1008 floats, or of a rank's 336) and of the allreduce of the
+    checked one: `messages` each, 256-element pieces of 1008 floats, or of a rank's 336; an alltoall's rank 2 gets
+    3 parts of 336) and of the allreduce of the
     time between them (2) without placing them; rank 2 receives data in each of these collectives with root 0. That run's result then differs from numpy's, and the
     check says how many elements, so a broken transfer is never reported as a pass; the in-place runs, placed, pass."""
-    async with collectives.local(3, buffer_bytes=1 << 16, piece_bytes=1024) as comms:
+    async with collectives.local(3, buffer_bytes=1 << 16, landing_bytes=1 << 17, piece_bytes=1024) as comms:
         config = PerfConfig(kind, [4032], iters=0, warmup=0)
         clean = await run_perf(comms, config)
         assert clean["wrong"] == 0 and clean["out_of_bounds"] == 0 and "error" not in clean

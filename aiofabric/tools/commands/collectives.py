@@ -1,7 +1,7 @@
-"""nccl-tests' collectives (allreduce, reducescatter, allgather, broadcast, reduce, gather, scatter, sendrecv): a
-size sweep over a ring of NICs, one rank each, every element checked, printed as nccl-tests prints it; the ranks in
-this process (--ranks), one per process under a launcher (torchrun, mpirun, srun), or one per host started over SSH
-(--hosts). nccl-tests' flags are in nccl_flags.py."""
+"""nccl-tests' collectives (allreduce, reducescatter, allgather, broadcast, reduce, gather, scatter, sendrecv,
+alltoall): a size sweep over a ring of NICs, one rank each, every element checked, printed as nccl-tests prints it;
+the ranks in this process (--ranks), one per process under a launcher (torchrun, mpirun, srun), or one per host
+started over SSH (--hosts). nccl-tests' flags are in nccl_flags.py."""
 from __future__ import annotations
 
 import argparse
@@ -21,14 +21,14 @@ from ..arguments import Subcommands, add_wire_flags, integer, ipv4, ipv4_or_ssh,
 from ..bench_config import MAX_NICS, MAX_SIZE
 from ..nccl_flags import add_nccl_flags, check_nccl_flags, nccl_config
 from ..options import WireOptions
-from ...collectives.layout import PIECE_BYTES
+from ...collectives.layout import PIECE_BYTES, alltoall_landing
 from ...pci.emulated import FAULTS
 from ...version import __version__
 
 # nccl-tests' binaries, without _perf: the collective each runs
 COLLECTIVE_COMMANDS = {"allreduce": "allreduce", "reducescatter": "reduce_scatter", "allgather": "allgather",
                        "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
-                       "sendrecv": "sendrecv"}
+                       "sendrecv": "sendrecv", "alltoall": "alltoall"}
 DEFAULT_RANKS = 2
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # nccl-tests' -J start and end times
 ENV_PREFIXES = ("NCCL_", "AIOFABRIC_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_", "SLURM_",
@@ -84,17 +84,20 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
     nics = args.nics.split(",") if args.nics else None
     options = {} if nics or args.hosts else WireOptions.from_args(args).nic_options()
     buffer_bytes = max(*sizes, LINE_BYTES * ranks)  # the device lines are gathered through the buffers too
+    # an alltoall's parts passing through each rank (the most elements: 1-byte ones)
+    landing_bytes = max(alltoall_landing(ranks, size // ranks) for size in sizes) if args.kind == "alltoall" else 0
     try:
         if args.hosts:
             result = await _collective_over_ssh(args)
         elif world is not None:
-            async with join(world, nic=args.nic, ip=args.ip, buffer_bytes=buffer_bytes, piece_bytes=args.piece,
-                            timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout, **options) as comm:
+            async with join(world, nic=args.nic, ip=args.ip, buffer_bytes=buffer_bytes, landing_bytes=landing_bytes,
+                            piece_bytes=args.piece, timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout,
+                            **options) as comm:
                 result = await _sweep(args, [comm], [0], leader)
             result["launcher"] = world.launcher
         else:
-            async with local(ranks, nics=nics, buffer_bytes=buffer_bytes, piece_bytes=args.piece,
-                             timeout=args.timeout, **options) as comms:
+            async with local(ranks, nics=nics, buffer_bytes=buffer_bytes, landing_bytes=landing_bytes,
+                             piece_bytes=args.piece, timeout=args.timeout, **options) as comms:
                 result = await _sweep(args, comms, list(range(ranks)), leader)
         if json_file is not None:
             _write_json(json_file, args, result, started)
