@@ -27,9 +27,9 @@ PER_RANK = ("allgather", "reduce_scatter", "gather", "scatter", "alltoall")  # n
 # nccl-tests' type names (and numpy's) -> numpy's, and back for the table
 DTYPE_NAMES = {"float": "float32", "half": "float16", "double": "float64", "int": "int32", "int32": "int32",
                "int64": "int64", "float32": "float32", "float16": "float16", "float64": "float64", "int8": "int8",
-               "uint8": "uint8", "uint32": "uint32", "uint64": "uint64"}
+               "uint8": "uint8", "uint32": "uint32", "uint64": "uint64", "bfloat16": "bfloat16"}  # ml_dtypes'
 NCCL_NAMES = {"float32": "float", "float16": "half", "float64": "double", "int32": "int32", "int64": "int64",
-              "int8": "int8", "uint8": "uint8", "uint32": "uint32", "uint64": "uint64"}
+              "int8": "int8", "uint8": "uint8", "uint32": "uint32", "uint64": "uint64", "bfloat16": "bfloat16"}
 PIECE_BYTES = 512 << 10  # a message: small enough to pipeline reductions with transfers, large enough to amortise
 MAX_SEQ = 0xFFFF
 

@@ -17,6 +17,7 @@ import numpy as np
 from . import layout, nccl_format, reference
 from .communicator import GATHERING, REDUCING, ROOTED, SCATTERING, Communicator
 from .launch import run_ranks
+from .steps import floating
 
 PLACEMENTS = ("out-of-place", "in-place")
 AVERAGES = {0: "rank 0", 1: "avg", 2: "min", 3: "max"}  # -a: how the ranks' times make the reported one
@@ -40,7 +41,7 @@ class PerfConfig:
 
 
 def _inputs(rng: np.random.Generator, dtype: np.dtype[Any], count: int, ranks: int) -> list[np.ndarray]:
-    if dtype.kind == "f":  # small integers in floating point: sums stay exact-ish and finite, like nccl-tests' data
+    if floating(dtype):  # small integers in floating point: sums stay exact-ish and finite, like nccl-tests' data
         return [rng.integers(-8, 8, count).astype(dtype) for _ in range(ranks)]
     return [rng.integers(-1000, 1000, count).astype(dtype) for _ in range(ranks)]
 

@@ -14,6 +14,7 @@ import numpy as np
 from . import layout
 from .. import sched
 from ..sched.calls import host_span
+from ..sched.reduce import BFLOAT16
 from ..verbs import MemoryRegion, QueuePair, RemoteRegion
 
 MAX_PIECES = 32  # per chunk (the piece grows past the communicator's piece_bytes above this): a run's messages fit
@@ -118,15 +119,20 @@ class Steps:
 
 
 def divide(x: np.ndarray, ranks: int) -> np.ndarray:
-    """An average's last step, as NCCL's ncclAvg for each type: floating point divides (float16 in float32, rounded
-    once); integers divide truncating toward zero, as C does."""
-    if x.dtype.kind == "f":
+    """An average's last step, as NCCL's ncclAvg for each type: floating point divides (float16 and bfloat16 in
+    float32, rounded once); integers divide truncating toward zero, as C does."""
+    if floating(x.dtype):
         with np.errstate(all="ignore"):
             return np.asarray(x / x.dtype.type(ranks), x.dtype)
     quotient = x // ranks  # floors: one up for a negative x with a remainder
     if x.dtype.kind == "i":
         quotient += ((x % ranks) != 0) & (x < 0)
     return quotient.astype(x.dtype)
+
+
+def floating(dtype: np.dtype[Any]) -> bool:
+    """Whether `dtype` is a floating-point type (bfloat16, ml_dtypes', is not numpy's kind "f")."""
+    return dtype.kind == "f" or dtype == BFLOAT16
 
 
 def _divider(ranks: int) -> Any:

@@ -4,6 +4,7 @@ but nccl-tests' default is refused (exit 2). And NCCL_TESTS_MIN_BW."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 from typing import Any
@@ -11,8 +12,11 @@ from typing import Any
 from .arguments import integer, sized
 from ..collectives.layout import DTYPE_NAMES
 
-# nccl-tests' -d all and -o all, in its order (test_typenames, test_opnames); bfloat16 and mulsum are refused below
-ALL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double")
+# nccl-tests' -d all and -o all, in its order (test_typenames, test_opnames): bfloat16 where ml_dtypes is installed
+# (numpy has no such type; nccl-tests too leaves out what its CUDA lacks), mulsum is refused below
+HAVE_BFLOAT16 = importlib.util.find_spec("ml_dtypes") is not None
+ALL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double",
+             *(("bfloat16",) if HAVE_BFLOAT16 else ()))
 ALL_OPS = ("sum", "prod", "max", "min", "avg")
 MAX_SWEEP = 4096  # sizes in one sweep: -i 1 from 1 byte to 1G would never end
 # flag, long name, the value nccl-tests defaults to (the only one taken), why another is refused
@@ -60,7 +64,7 @@ def add_nccl_flags(parser: argparse.ArgumentParser) -> None:
         help="untimed runs of every size first, doubling from -b (default 1)")
     add("-N", "--run_cycles", type=integer(0), default=1, help="run the sweep this many times (default 1; 0: until "
                                                                "interrupted)")
-    add("-d", "--datatype", default="float", choices=[*sorted(DTYPE_NAMES), "bfloat16", "all"],
+    add("-d", "--datatype", default="float", choices=[*sorted(DTYPE_NAMES), "all"],
         help="element type, or all of them (default float)")
     add("-o", "--op", default="sum", choices=(*ALL_OPS, "mulsum", "all"),
         help="reduction, or all of them (default sum)")
@@ -90,8 +94,9 @@ def check_nccl_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         if value is not None and value != default:
             parser.error(f"{flag}/{name} {value}: not taken here: {why}" + (
                 f" (only its default, {default})" if default is not None else ""))
-    if args.datatype == "bfloat16":
-        parser.error("-d bfloat16: numpy has no bfloat16 type, so neither the reductions nor the check can hold one")
+    if args.datatype == "bfloat16" and not HAVE_BFLOAT16:
+        parser.error("-d bfloat16: numpy has no bfloat16 type; it takes the ml_dtypes package (pip install "
+                     "'aiofabric[bf16]')")
     if args.op == "mulsum":
         parser.error("-o mulsum: NCCL's ncclRedOpCreatePreMulSum (each input scaled before the sum) is not "
                      "implemented here")

@@ -269,6 +269,25 @@ async def test_bad_arguments_are_refused_naming_them():
 
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
+async def test_bfloat16_reductions_match_ml_dtypes_in_the_rings_order():
+    """bfloat16 (ml_dtypes' type; numpy has none): NaNs, rounding at every step, bit for bit against ml_dtypes'
+    ufuncs in the ring's order, for a ring allreduce and a chain reduce."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(11)
+    async with collectives.local(3, buffer_bytes=1 << 16, piece_bytes=PIECE) as comms:
+        for kind, op in (("allreduce", "sum"), ("allreduce", "max"), ("reduce", "prod"), ("allreduce", "avg")):
+            xs = [data(rng, np.float32, 1001).astype(ml_dtypes.bfloat16) for _ in range(3)]
+            want = reference.expected(kind, [x.copy() for x in xs], op, 2)
+            outs = [np.zeros(1001, ml_dtypes.bfloat16) for _ in range(3)]
+            options = {"root": 2} if kind == "reduce" else {}
+            await collectives.run_ranks([functools.partial(getattr(c, kind), x, out, op=op, **options)
+                                         for c, x, out in zip(comms, xs, outs)])
+            for out, expected in zip(outs, want):
+                assert expected is None or same_bits(out, expected), (kind, op)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_an_alltoall_is_refused_past_its_landing_memory_and_taken_at_it():
     """Along a ring of 3 an alltoall lands 4 parts per rank (a slot per origin, and one part passing through): for
     a full 1 MiB buffer that is 4/3 MiB, more than the landing MR holds (1 MiB and a page), unless landing_bytes

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import aiofabric
-from aiofabric.tools import cli, perftest_flags
+from aiofabric.tools import cli, nccl_flags, perftest_flags
 from aiofabric.tools.commands.perftest_server import MAX_REPORT_ROWS
 from tests.support.nics import connected_qps
 
@@ -164,6 +164,12 @@ def test_a_root_is_a_rank_of_the_launchers_job(capsys, monkeypatch):
                                                              "all (-1)")
     assert parsed("broadcast", "-r", "1").roots == [1]  # the last rank is one
     assert parsed("broadcast", "-r", "all").roots == parsed("broadcast", "-r", "-1").roots == [0, 1]
+
+
+def test_bfloat16_without_ml_dtypes_is_refused_saying_what_to_install(capsys, monkeypatch):
+    monkeypatch.setattr(nccl_flags, "HAVE_BFLOAT16", False)
+    assert usage_error(capsys, ["allreduce", "-d", "bfloat16"]) == (
+        "-d bfloat16: numpy has no bfloat16 type; it takes the ml_dtypes package (pip install 'aiofabric[bf16]')")
 
 
 def test_the_values_at_each_boundary_are_accepted():
