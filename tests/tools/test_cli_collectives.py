@@ -82,15 +82,16 @@ def test_allreduce_json_rows_are_checked_and_busbw_uses_nccl_tests_factor():
 def test_each_collective_prints_nccl_tests_lines_counts_and_factors(command, flags, count, algbw_factor,
                                                                    busbw_factor):
     """Sizes, counts and bandwidths as each nccl-tests collective's GetCollByteCount and GetBw have them: the
-    per-rank collectives count one rank's part, in whole 16-byte units (3K on 3 ranks: 1008 bytes a rank, not
-    1024), and their algbw counts every rank's."""
-    code, _, process = run(command, "--ranks", "3", "-b", "3K", "-e", "12K", "-f", "2", "-n", "2", "-w", "1", *flags)
+    per-rank collectives count one rank's part, in whole 16-byte units (1000 bytes of int8 on 3 ranks: 320 a rank,
+    not 333), and their algbw counts every rank's."""
+    code, _, process = run(command, "--ranks", "3", "-b", "1000", "-e", "4000", "-f", "2", "-n", "2", "-w", "1",
+                           *flags)
     assert code == 0, process.stderr
     lines = process.stdout.splitlines()
     program = nccl_format.PROGRAMS[{"reducescatter": "reduce_scatter"}.get(command, command)]
     assert lines[0] == "# nccl-tests version aiofabric-0.1.0 nccl-headers=0 nccl-library=0"
     assert lines[1] == f"# Collective test starting: {program}"
-    assert lines[2] == PREAMBLE % (1, 1, 3072, 12288, 2, "factor", 1, 2, 1, 1, 0, 0)
+    assert lines[2] == PREAMBLE % (1, 1, 1000, 4000, 2, "factor", 1, 2, 1, 1, 0, 0)
     assert lines[3:5] == ["#", "# Using devices"]
     devices = [DEVICE.fullmatch(line).groups() for line in lines[5:8]]
     assert [(int(rank), int(group), int(device)) for rank, group, _, _, device, _, _ in devices] == [
@@ -99,7 +100,8 @@ def test_each_collective_prints_nccl_tests_lines_counts_and_factors(command, fla
     assert lines[8:12] == HEADER
     itemsize = np.dtype(layout.DTYPE_NAMES[flags[1]]).itemsize
     rows = parse(process.stdout)
-    assert [row[1] for row in rows] == [count(size // itemsize) for size in (3072, 6144, 12288)]
+    assert [row[1] for row in rows] == [count(size // itemsize) for size in (1000, 2000, 4000)]
+    assert [row[0] for row in rows] == [row[1] * algbw_factor * itemsize for row in rows]  # the larger buffer
     for size, elements, _, redop, root, *cells in rows:
         assert redop == {"reduce": "avg", "reducescatter": "max", "sendrecv": "sum"}.get(command, "none")
         assert root == (int(flags[-1]) if "-r" in flags else 0 if command in ("scatter",) else -1)
