@@ -25,7 +25,7 @@ from .gather import gather_calls
 from .reduce import reduce_calls
 from .scatter import scatter_calls
 from .sendrecv import sendrecv_calls
-from .steps import MAX_PIECES, Link, Steps
+from .steps import Link, Steps
 from ..errors import CallError, FabricError
 from ..sched.reduce import DTYPES, OPS as SCHED_OPS
 from ..verbs import NIC, MemoryRegion

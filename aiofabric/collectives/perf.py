@@ -20,7 +20,6 @@ from .launch import run_ranks
 from .steps import floating
 
 PLACEMENTS = ("out-of-place", "in-place")
-AVERAGES = {0: "rank 0", 1: "avg", 2: "min", 3: "max"}  # -a: how the ranks' times make the reported one
 
 
 @dataclasses.dataclass

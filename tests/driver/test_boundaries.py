@@ -13,7 +13,7 @@ import pytest
 
 from aiofabric import DmaBudget, QPState, collectives, open_nic, sched
 from aiofabric.collectives import launch, layout
-from aiofabric.collectives.communicator import MAX_PIECES
+from aiofabric.collectives.steps import MAX_PIECES
 from aiofabric.errors import ImmediateMismatchError
 from aiofabric.pci import PAGE_SIZE, PCIError
 from aiofabric.pci.dma_pool import SLAB_SIZE, DmaPool

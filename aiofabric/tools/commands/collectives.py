@@ -22,6 +22,7 @@ from ..bench_config import MAX_NICS, MAX_SIZE
 from ..nccl_flags import add_nccl_flags, check_nccl_flags, nccl_config
 from ..options import WireOptions
 from ...collectives.layout import PIECE_BYTES, alltoall_landing
+from ...collectives.nccl_format import TIME_FORMAT
 from ...pci.emulated import FAULTS
 from ...version import __version__
 
@@ -30,7 +31,6 @@ COLLECTIVE_COMMANDS = {"allreduce": "allreduce", "reducescatter": "reduce_scatte
                        "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
                        "sendrecv": "sendrecv", "alltoall": "alltoall"}
 DEFAULT_RANKS = 2
-TIME_FORMAT = "%Y-%m-%d %H:%M:%S"  # nccl-tests' -J start and end times
 ENV_PREFIXES = ("NCCL_", "AIOFABRIC_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_", "SLURM_",
                 "PMI_")  # what -J records of the environment (nccl-tests records all of it)
 MAX_LOCAL_RANKS = MAX_NICS  # each rank of --ranks is an emulator process with its own DMA arena on this host
