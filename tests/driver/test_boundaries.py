@@ -156,6 +156,26 @@ async def test_a_runs_messages_on_a_link_fit_the_receive_pool_whatever_the_count
 
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
+async def test_every_collectives_messages_on_a_link_fit_the_receive_pool():
+    """reduce, gather, scatter, sendrecv and alltoall grow their pieces too: with 4-byte pieces, counts just past a
+    multiple of the pool's share, no rank's run sends more messages on its link than the receive pool holds (beside
+    the ready)."""
+    async with collectives.local(3, buffer_bytes=1 << 16, landing_bytes=1 << 18, piece_bytes=4) as comms:
+        depth = launch.pool_depth(3)
+        for kind, count in (("reduce", 4 * MAX_PIECES * 3 + 1), ("sendrecv", 4 * MAX_PIECES * 5 + 3),
+                            ("gather", 2 * MAX_PIECES * 7 + 1), ("scatter", 2 * MAX_PIECES * 3 + 1),
+                            ("alltoall", 4 * MAX_PIECES + 1), ("alltoall", 4 * MAX_PIECES * 9 // 3 + 2)):
+            for comm in comms:
+                x = np.zeros(count * (3 if kind in ("scatter", "alltoall") else 1), np.float32)
+                out = np.zeros(count * (3 if kind in ("gather", "alltoall") else 1), np.float32)
+                options = {"root": 1} if kind in ("reduce", "gather", "scatter") else {}
+                calls = comm.calls(kind, x, out, **options)
+                data = [c for c in calls if c.kind == "write_with_imm" and c.name != "ready to prev"]
+                assert len(data) + 1 <= depth, (kind, count, comm.rank, len(data), depth)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_a_run_that_times_out_names_the_rank_it_waits_for():
     """Rank 2 never comes. Alone, rank 0 waits first to send to rank 1 (its ready is missing); with rank 1 running,
     ranks 0 and 1 both wait on a receive from rank 2: each names the rank it waits for, as a timeout, not as a failed
