@@ -148,13 +148,16 @@ async def _placement(case: _Case, placement: str, config: PerfConfig) -> tuple[f
 
 async def run_perf(comms: list[Communicator], config: PerfConfig,
                    emit: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The sweep, as nccl-tests' TimeTest per type, op and root; `emit` gets each row's text line."""
+    """The sweep, as nccl-tests' TimeTest per type, op and root; `emit` gets each row's text line. Ops loop for the
+    reductions (and sendrecv, which prints them, as nccl-tests'), roots for the rooted collectives."""
     n, rng = comms[0].size, np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
     failed = 0  # nccl-tests' "Out of bounds values": sizes x placements with a wrong element
+    ops = config.ops if config.kind in REDUCING or config.kind == "sendrecv" else config.ops[:1]
+    roots = config.roots if config.kind in ROOTED else config.roots[:1]
     for dtype in config.dtypes:
-        for op in config.ops:
-            for root in config.roots:
+        for op in ops:
+            for root in roots:
                 for size in config.warmup_sizes:
                     case = _Case(comms, config.kind, size, dtype, op, root, rng)
                     case.fill("out-of-place")

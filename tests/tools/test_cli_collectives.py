@@ -184,6 +184,9 @@ def test_sweeps_agg_cycles_blocking_and_all_roots_as_nccl_tests():
         (op, root, size) for op in ("sum", "prod", "max", "min", "avg") for root in range(3) for _ in range(2)
         for size in (1024, 2048, 3072)]
     assert all(row["wrong"] == 0 for row in result["rows"])
+    code, result, process = run("allgather", "--ranks", "2", "--size", "1K", "-n", "1", "-r", "all", "-o", "all",
+                                "--json")  # neither an op nor a root: one row, as nccl-tests' all_gather_perf
+    assert code == 0 and [(row["op"], row["root"]) for row in result["rows"]] == [("none", -1)] * 2, process.stderr
 
 
 def test_two_runs_at_once_both_pass():
