@@ -137,12 +137,13 @@ def test_json_file_is_nccl_tests_document_and_never_overwritten(tmp_path):
     assert "NCCL_TESTS_MIN_BW=0" in document["env"]
 
 
-def test_nccl_tests_min_bw_fails_a_slow_run_as_nccl_tests_does():
-    code, result, process = run("sendrecv", "--ranks", "2", "--size", "4K", "-n", "1",
+def test_nccl_tests_min_bw_fails_a_slow_run_as_nccl_tests_does(tmp_path):
+    code, result, process = run("sendrecv", "--ranks", "2", "--size", "4K", "-n", "1", "-J", str(tmp_path / "r.json"),
                                 env={"NCCL_TESTS_MIN_BW": "1000"})
     assert code == 1 and "# Avg bus bandwidth    : " in process.stdout and process.stdout.splitlines()[-5].endswith(
         " FAILED")
     assert "below 90% of NCCL_TESTS_MIN_BW=1000" in process.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["average_bus_bandwidth"]["okay"] == "false"
 
 
 def test_usage_errors_name_the_flag_and_why_with_exit_2():
@@ -232,11 +233,13 @@ def test_nccl_tests_reference_is_the_ring_order_and_agrees_with_exact_sums():
         assert np.array_equal(ring_reference(xs, "avg"), np.trunc(np.sum(xs, axis=0) / n).astype(np.int64))
 
 
-def test_hosts_set_the_number_of_ranks_and_an_unreachable_host_is_named():
-    """Found by review: --root was checked against the default 2 ranks, not the 3 hosts."""
+def test_hosts_set_the_number_of_ranks_and_an_unreachable_host_is_named(tmp_path):
+    """Found by review: --root was checked against the default 2 ranks, not the 3 hosts. A run that fails leaves no
+    -J document behind (an empty one would read as a run)."""
     code, result, _ = run("broadcast", "--hosts", "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", "-r", "2",
-                          "--connect-timeout", "3", "--json")
+                          "--connect-timeout", "3", "-J", str(tmp_path / "r.json"), "--json")
     assert code == 1 and "--root" not in result["error"] and "127.0.0.1" in result["error"], result
+    assert list(tmp_path.iterdir()) == []
     code, result, _ = run("allreduce", "--hosts", "a,b", "--ranks", "2", "--json")
     assert code == 2 and "--ranks and --hosts both say where the ranks run" in result["error"]
 

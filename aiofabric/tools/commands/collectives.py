@@ -21,8 +21,8 @@ from ..arguments import Subcommands, add_wire_flags, integer, ipv4, ipv4_or_ssh,
 from ..bench_config import MAX_NICS, MAX_SIZE
 from ..nccl_flags import add_nccl_flags, check_nccl_flags, nccl_config
 from ..options import WireOptions
+from ...collectives import nccl_format
 from ...collectives.layout import PIECE_BYTES, alltoall_landing
-from ...collectives.nccl_format import TIME_FORMAT
 from ...pci.emulated import FAULTS
 from ...version import __version__
 
@@ -79,8 +79,8 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
     from ...collectives.devices import LINE_BYTES
     world, sizes, ranks = args.world, args.sizes, args.rank_count  # _check_collective's
     leader = world is None or world.rank == 0  # prints the table, as nccl-tests' rank 0 does
-    started = time.strftime(TIME_FORMAT)
-    json_file = _open_json(args.output_file) if leader and args.output_file else None
+    started = time.strftime(nccl_format.TIME_FORMAT)
+    json_path, json_file = _open_json(args.output_file) if leader and args.output_file else ("", None)
     nics = args.nics.split(",") if args.nics else None
     options = {} if nics or args.hosts else WireOptions.from_args(args).nic_options()
     buffer_bytes = max(*sizes, LINE_BYTES * ranks)  # the device lines are gathered through the buffers too
@@ -101,6 +101,10 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
                 result = await _sweep(args, comms, list(range(ranks)), leader)
         if json_file is not None:
             _write_json(json_file, args, result, started)
+    except BaseException:
+        if json_file is not None:  # ours (created new): no empty document is left behind
+            os.unlink(json_path)
+        raise
     finally:
         if json_file is not None:
             json_file.close()
@@ -110,7 +114,6 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
 async def _sweep(args: argparse.Namespace, comms: list[Any], devices: list[int], leader: bool) -> dict[str, Any]:
     """The devices' lines, the preamble and header (on the leader's stdout, unless --json), the sweep with each row
     printed as it is measured, the closing lines; the minimum bandwidth checked."""
-    from ...collectives import nccl_format
     from ...collectives.devices import job_devices
     from ...collectives.perf import PerfConfig, run_perf
     config = nccl_config(args, f"aiofabric-{__version__}", nccl_format.PROGRAMS[args.kind])
@@ -144,7 +147,7 @@ def _print(*lines: str) -> None:
         print(line, flush=True)
 
 
-def _open_json(path: str) -> TextIO:
+def _open_json(path: str) -> tuple[str, TextIO]:
     """nccl-tests' -J file, created new: FILE, else FILE.0, FILE.1, ... (never overwritten, no symlink followed)."""
     candidates = [path, *(f"{path}.{n}" for n in range(1000))]
     for candidate in candidates:
@@ -155,15 +158,14 @@ def _open_json(path: str) -> TextIO:
         except OSError as exc:
             raise OSError(f"-J {candidate}: cannot create it: {exc.strerror or exc}") from None
         print(f"# Writing JSON output to {candidate}", flush=True)
-        return os.fdopen(fd, "w")
+        return candidate, os.fdopen(fd, "w")
     raise OSError(f"-J {path}: it and {path}.0 to .999 all exist")
 
 
 def _write_json(file: TextIO, args: argparse.Namespace, result: dict[str, Any], started: str) -> None:
-    from ...collectives import nccl_format
     env = sorted(f"{name}={value}" for name, value in os.environ.items() if name.startswith(ENV_PREFIXES))
     document = nccl_format.json_document(result["nccl"], result["devices"], result, args=sys.argv, env=env,
-                                         start_time=started, end_time=time.strftime(TIME_FORMAT))
+                                         start_time=started, end_time=time.strftime(nccl_format.TIME_FORMAT))
     json.dump(document, file, indent=1)
     file.write("\n")
 
@@ -212,7 +214,6 @@ def _check_resolvable(parser: argparse.ArgumentParser, host: str, port: int) -> 
 
 def _format(result: dict[str, Any]) -> str:
     """A result's text as nccl-tests prints it (a remote rank 0's: --hosts)."""
-    from ...collectives import nccl_format
     rows = result["rows"]
     lines = [nccl_format.row_start(row["size"], row["count"], row["type"], row["op"], row["root"])
              + nccl_format.row_body(row["time_us"], row["algbw_GBps"], row["busbw_GBps"], row["wrong"])
