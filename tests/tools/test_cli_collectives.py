@@ -163,6 +163,8 @@ def test_usage_errors_name_the_flag_and_why_with_exit_2():
         (["allreduce", "-z", "4"], "argument -z/--blocking: must be in [0, 3], not 4"),
         (["allreduce", "-a", "4"], "argument -a/--average: must be in [0, 3], not 4"),
         (["allreduce", "-m", "0"], "argument -m/--agg_iters: must be at least 1, not 0"),
+        (["hypercube", "-b", "8", "-e", "128M", "-f", "2", "-g", "1"],
+         "hypercube_perf is not here: its exchanges are between rank and rank ^ 2^k"),
     ]
     for args, message in cases:
         code, result, _ = run(*args, "--json")

@@ -31,6 +31,8 @@ COLLECTIVE_COMMANDS = {"allreduce": "allreduce", "reducescatter": "reduce_scatte
                        "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
                        "sendrecv": "sendrecv", "alltoall": "alltoall"}
 DEFAULT_RANKS = 2
+HYPERCUBE_WHY = ("hypercube_perf is not here: its exchanges are between rank and rank ^ 2^k, and the ring links each "
+                 "rank to its neighbours only; allgather computes the same result")
 ENV_PREFIXES = ("NCCL_", "AIOFABRIC_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_", "SLURM_",
                 "PMI_")  # what -J records of the environment (nccl-tests records all of it)
 MAX_LOCAL_RANKS = MAX_NICS  # each rank of --ranks is an emulator process with its own DMA arena on this host
@@ -46,9 +48,10 @@ RANK_FLAGS = (("minbytes", "-b"), ("maxbytes", "-e"), ("stepbytes", "-i"), ("ste
 
 
 def add_collectives(sub: Subcommands) -> None:
-    for command, kind in COLLECTIVE_COMMANDS.items():
+    for command, kind in {**COLLECTIVE_COMMANDS, "hypercube": "hypercube"}.items():  # hypercube: refused, saying why
         coll = sub.add_parser(command, help=f"nccl-tests' {kind}_perf over a ring of emulated (or PCI) NICs in this "
-                                            "process: a size sweep, every element checked")
+                                            "process: a size sweep, every element checked" if kind != "hypercube" else
+                              "nccl-tests' hypercube_perf: refused, saying why")
         coll.add_argument("--ranks", type=integer(1, MAX_LOCAL_RANKS, RANKS_WHY),
                           help="ranks in this process, one NIC each (default 2; under torchrun, mpirun or srun: this "
                                "process is one rank of their job, rendezvous at MASTER_ADDR:MASTER_PORT)")
@@ -71,7 +74,8 @@ def add_collectives(sub: Subcommands) -> None:
                           help="with --hosts: each host's NIC address ('ssh': the address SSH reached)")
         add_ssh_flags(coll)
         coll.add_argument("--json", action="store_true", help="print one JSON object")
-        coll.set_defaults(run=cmd_collective, kind=kind, check=_check_collective(coll))
+        coll.set_defaults(run=cmd_collective, kind=kind,
+                          check=_check_collective(coll) if kind != "hypercube" else _refuse(coll, HYPERCUBE_WHY))
 
 
 async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,6 +172,12 @@ def _write_json(file: TextIO, args: argparse.Namespace, result: dict[str, Any], 
                                          start_time=started, end_time=time.strftime(nccl_format.TIME_FORMAT))
     json.dump(document, file, indent=1)
     file.write("\n")
+
+
+def _refuse(parser: argparse.ArgumentParser, why: str) -> Callable[[argparse.Namespace], None]:
+    def check(args: argparse.Namespace) -> None:
+        parser.error(why)
+    return check
 
 
 def _check_collective(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
