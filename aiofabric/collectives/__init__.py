@@ -8,8 +8,8 @@ its links, buffers and compiled collectives; the ring's), `steps` (what every co
 `gather`, `scatter`, `sendrecv` (those collectives along the ring), `reference` (what each computes, in numpy),
 `launch` (N ranks in one process, one rank of a job, and running ranks together), `world` (the launchers'
 variables), `rendezvous` (rank 0's TCP rendezvous), `perf` (the nccl-tests sweep behind `aiofabric allreduce ...`),
-`nccl_format` (nccl-tests' lines and JSON document), `devices` (its "# Using devices" lines). The names below load on first use (PEP 562), so the command line
-reads `layout` without the scheduler.
+`nccl_format` (nccl-tests' lines and JSON document), `devices` (its "# Using devices" lines). The names below load
+on first use (PEP 562), so the command line reads `layout` without the scheduler.
 """
 from __future__ import annotations
 
