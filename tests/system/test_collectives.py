@@ -15,6 +15,7 @@ from aiofabric import collectives
 from aiofabric.collectives import launch, layout, reference
 from aiofabric.collectives.communicator import CollectiveError
 from aiofabric.collectives.reference import ring_reference
+from aiofabric.collectives.steps import floating
 from aiofabric.sched.reduce import DTYPES, OPS
 from tests.support.backends import on
 
@@ -29,7 +30,7 @@ def ring_reduce(xs, op, chunk_list):
 
 
 def data(rng, dtype, count):
-    if np.dtype(dtype).kind == "f":
+    if floating(np.dtype(dtype)):  # bfloat16 (ml_dtypes') too
         values = rng.standard_normal(count) * 8
         values[rng.random(count) < 0.02] = np.nan
         return values.astype(dtype)
