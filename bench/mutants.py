@@ -60,7 +60,8 @@ SUMMARY = ("tests/unit/test_samples.py",)
 B = "tests/driver/test_boundaries.py::"
 POOL, CALLS, WORKERS, BINDING = ("aiofabric/sched/pool.py", "aiofabric/sched/calls.py", "aiofabric/sched/workers.py",
                                  "aiofabric/sched/binding.py")
-COMM, LAYOUT = "aiofabric/collectives/communicator.py", "aiofabric/collectives/layout.py"
+COMM, LAYOUT, STEPS = ("aiofabric/collectives/communicator.py", "aiofabric/collectives/layout.py",
+                       "aiofabric/collectives/steps.py")
 FREED, IOMMU, PCI = "aiofabric/sim/freed.py", "aiofabric/pci/iommu.py", "aiofabric/pci/seam.py"
 FLAGS, POLICY = "aiofabric/tools/perftest_flags.py", "aiofabric/peer/policy.py"
 DATAPATH_SIM, UDP, RCFW, PCAP = ("aiofabric/sim/datapath.py", "aiofabric/sim/udp.py", "aiofabric/sim/rcfw.py",
@@ -166,10 +167,8 @@ MUTANTS = [
     Mutant("collective: a buffer of exactly the communicator's capacity is refused", COMM,
            "if buffer_bytes > self.capacity:", "if buffer_bytes >= self.capacity:",
            (B + "test_a_collective_of_exactly_the_buffers_capacity_runs",)),
-    Mutant("collective: pieces per chunk rounded down (one more message than the pool holds)", COMM,
-           "-(-largest // MAX_PIECES)", "largest // MAX_PIECES", PIECES),
-    Mutant("collective: a broadcast's pieces rounded down", COMM,
-           "-(-total // (MAX_PIECES * 2 * (size - 1)))", "total // (MAX_PIECES * 2 * (size - 1))", PIECES),
+    Mutant("collective: pieces per chunk rounded down (one more message than the pool holds)", STEPS,
+           "-(-elements_per_message_group // share)", "elements_per_message_group // share", PIECES),
     Mutant("collective: a timeout on a receive queue blames no rank", COMM,
            'queue.removesuffix(" recv") ==', "queue ==", BLAME),
     Mutant("collective: a timeout blames the rank as a failed link", COMM,

@@ -75,6 +75,11 @@ BNXT_GRCPF_REG_KONG_COMM_TRIGGER = 0xb00
 BNXT_HWRM_NO_CMPL_RING = -1
 BNXT_HWRM_REQ_MAX_SIZE = 0x80
 BNXT_HWRM_TARGET = 0xffff
+BNXT_NUM_RX_RING_STATS = 0x8
+BNXT_NUM_TPA_RING_STATS = 0x4
+BNXT_NUM_TPA_RING_STATS_P5 = 0x5
+BNXT_NUM_TPA_RING_STATS_P7 = 0x6
+BNXT_NUM_TX_RING_STATS = 0x8
 BNXT_QPLIB_CMDQE_MAX_CNT = 0x2000
 BNXT_QPLIB_CREQE_MAX_CNT = 0x10000
 BNXT_QPLIB_CREQE_UNITS = 0x10
@@ -4621,6 +4626,37 @@ VNIC_CFG_REQ_RX_CSUM_V2_MODE_ALL_OK = 0x1
 VNIC_CFG_REQ_RX_CSUM_V2_MODE_DEFAULT = 0x0
 VNIC_CFG_REQ_RX_CSUM_V2_MODE_LAST = 0x2
 VNIC_CFG_REQ_RX_CSUM_V2_MODE_MAX = 0x2
+VNIC_QCAPS_RESP_FLAGS_BD_STALL_CAP = 0x4
+VNIC_QCAPS_RESP_FLAGS_COS_ASSIGNMENT_CAP = 0x100
+VNIC_QCAPS_RESP_FLAGS_HW_TUNNEL_TPA_CAP = 0x20000000
+VNIC_QCAPS_RESP_FLAGS_L2_CQE_MODE_CAP = 0x100000
+VNIC_QCAPS_RESP_FLAGS_METADATA_FORMAT_CAP = 0x1000
+VNIC_QCAPS_RESP_FLAGS_OUTERMOST_RSS_CAP = 0x80
+VNIC_QCAPS_RESP_FLAGS_OUTERMOST_RSS_TRUSTED_VF_CAP = 0x2000000
+VNIC_QCAPS_RESP_FLAGS_PORTCOS_MAPPING_MODE = 0x4000000
+VNIC_QCAPS_RESP_FLAGS_RE_FLUSH_CAP = 0x40000000
+VNIC_QCAPS_RESP_FLAGS_RING_SELECT_MODE_TOEPLITZ_CAP = 0x8000
+VNIC_QCAPS_RESP_FLAGS_RING_SELECT_MODE_TOEPLITZ_CHKSM_CAP = 0x20000
+VNIC_QCAPS_RESP_FLAGS_RING_SELECT_MODE_XOR_CAP = 0x10000
+VNIC_QCAPS_RESP_FLAGS_ROCE_DUAL_VNIC_CAP = 0x8
+VNIC_QCAPS_RESP_FLAGS_ROCE_MIRRORING_CAPABLE_VNIC_CAP = 0x40
+VNIC_QCAPS_RESP_FLAGS_ROCE_ONLY_VNIC_CAP = 0x10
+VNIC_QCAPS_RESP_FLAGS_RSS_DFLT_CR_CAP = 0x20
+VNIC_QCAPS_RESP_FLAGS_RSS_HASH_TYPE_DELTA_CAP = 0x4000
+VNIC_QCAPS_RESP_FLAGS_RSS_IPSEC_AH_SPI_IPV4_CAP = 0x200000
+VNIC_QCAPS_RESP_FLAGS_RSS_IPSEC_AH_SPI_IPV6_CAP = 0x800000
+VNIC_QCAPS_RESP_FLAGS_RSS_IPSEC_ESP_SPI_IPV4_CAP = 0x400000
+VNIC_QCAPS_RESP_FLAGS_RSS_IPSEC_ESP_SPI_IPV6_CAP = 0x1000000
+VNIC_QCAPS_RESP_FLAGS_RSS_IPV6_FLOW_LABEL_CAP = 0x40000
+VNIC_QCAPS_RESP_FLAGS_RSS_PROF_TCAM_MODE_ENABLED = 0x8000000
+VNIC_QCAPS_RESP_FLAGS_RSS_STRICT_HASH_TYPE_CAP = 0x2000
+VNIC_QCAPS_RESP_FLAGS_RX_CMPL_V2_CAP = 0x200
+VNIC_QCAPS_RESP_FLAGS_RX_CMPL_V3_CAP = 0x80000
+VNIC_QCAPS_RESP_FLAGS_UNUSED = 0x1
+VNIC_QCAPS_RESP_FLAGS_VIRTIO_NET_VNIC_ALLOC_CAP = 0x800
+VNIC_QCAPS_RESP_FLAGS_VLAN_STRIP_CAP = 0x2
+VNIC_QCAPS_RESP_FLAGS_VNIC_RSS_HASH_MODE_CAP = 0x10000000
+VNIC_QCAPS_RESP_FLAGS_VNIC_STATE_CAP = 0x400
 XRRQ_IRRQ_CREDITS_MASK = 0xf800
 XRRQ_IRRQ_CREDITS_SFT = 0xb
 XRRQ_IRRQ_MSN_MASK = 0xffffff
@@ -5533,6 +5569,35 @@ class hwrm_vnic_cfg_output(ctypes.LittleEndianStructure):
         ('seq_id', ctypes.c_uint16),
         ('resp_len', ctypes.c_uint16),
         ('unused_0', ctypes.c_uint8 * 7),
+        ('valid', ctypes.c_uint8),
+    ]
+
+
+class hwrm_vnic_qcaps_input(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('req_type', ctypes.c_uint16),
+        ('cmpl_ring', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('target_id', ctypes.c_uint16),
+        ('resp_addr', ctypes.c_uint64),
+        ('enables', ctypes.c_uint32),
+        ('unused_0', ctypes.c_uint8 * 4),
+    ]
+
+
+class hwrm_vnic_qcaps_output(ctypes.LittleEndianStructure):
+    _pack_ = 1
+    _fields_ = [
+        ('error_code', ctypes.c_uint16),
+        ('req_type', ctypes.c_uint16),
+        ('seq_id', ctypes.c_uint16),
+        ('resp_len', ctypes.c_uint16),
+        ('mru', ctypes.c_uint16),
+        ('unused_0', ctypes.c_uint8 * 2),
+        ('flags', ctypes.c_uint32),
+        ('max_aggs_supported', ctypes.c_uint16),
+        ('unused_1', ctypes.c_uint8 * 5),
         ('valid', ctypes.c_uint8),
     ]
 
@@ -8179,6 +8244,8 @@ STRUCT_SIZES = {
     'hwrm_vnic_free_output': 16,
     'hwrm_vnic_cfg_input': 48,
     'hwrm_vnic_cfg_output': 16,
+    'hwrm_vnic_qcaps_input': 24,
+    'hwrm_vnic_qcaps_output': 24,
     'hwrm_ring_alloc_input': 96,
     'hwrm_ring_alloc_output': 16,
     'hwrm_ring_free_input': 32,

@@ -26,13 +26,15 @@ BNXT_EN = ["drivers/net/ethernet/broadcom/bnxt/bnxt.h", "drivers/net/ethernet/br
 HWRM_COMMANDS = (
     "ver_get|func_reset|func_qcaps|func_qcfg|func_cfg|func_resource_qcaps|func_drv_rgtr|func_drv_unrgtr"
     "|func_drv_if_change|func_backing_store_qcaps_v2|func_backing_store_cfg_v2|stat_ctx_alloc|stat_ctx_free"
-    "|ring_alloc|ring_free|vnic_alloc|vnic_cfg|vnic_free"
+    "|ring_alloc|ring_free|vnic_alloc|vnic_cfg|vnic_free|vnic_qcaps"
     "|cfa_l2_filter_alloc|cfa_l2_filter_free|port_phy_cfg|port_phy_qcfg|port_phy_qcaps")
 HWRM_STRUCTS = re.compile(
     rf"hwrm_(({HWRM_COMMANDS})_(input|output)|cmd_hdr|resp_hdr|err_output|short_input|cmpl|async_event_cmpl)|dbc_dbc")
 BNXT_EN_DEFINES = {"BNXT_GRCPF_REG_CHIMP_COMM", "BNXT_GRCPF_REG_CHIMP_COMM_TRIGGER", "BNXT_GRCPF_REG_KONG_COMM",
                    "BNXT_GRCPF_REG_KONG_COMM_TRIGGER", "BNXT_HWRM_TARGET", "BNXT_HWRM_NO_CMPL_RING",
-                   "BNXT_HWRM_REQ_MAX_SIZE", "DFLT_HWRM_CMD_TIMEOUT", "HWRM_RESET_TIMEOUT"}
+                   "BNXT_HWRM_REQ_MAX_SIZE", "DFLT_HWRM_CMD_TIMEOUT", "HWRM_RESET_TIMEOUT", "BNXT_NUM_RX_RING_STATS",
+                   "BNXT_NUM_TX_RING_STATS", "BNXT_NUM_TPA_RING_STATS", "BNXT_NUM_TPA_RING_STATS_P5",
+                   "BNXT_NUM_TPA_RING_STATS_P7"}
 # Size comments the kernel left stale when fields were added (checked by hand: the slot counts Linux derives from
 # sizeof, 4 for CREATE_CQ and 9 for MODIFY_QP, agree with the field sums).
 STALE_SIZE_COMMENTS = {"cmdq_create_cq": 64, "cmdq_modify_qp": 144}

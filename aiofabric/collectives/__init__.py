@@ -3,11 +3,13 @@
     async with collectives.local(4) as comms:             # 4 ranks in this process, an emulated NIC each
         await collectives.run_ranks([functools.partial(c.allreduce, x) for c, x in zip(comms, xs)])
 
-Modules: `layout` (pure ring arithmetic, nccl-tests' names and bus factors), `communicator` (a rank: its links,
-buffers and compiled collectives), `launch` (N ranks in one process, one rank of a job, and running ranks
-together), `world` (the launchers' variables), `rendezvous` (rank 0's TCP rendezvous), `perf` (the nccl-tests sweep
-behind `aiofabric allreduce ...`). The names below load on first use (PEP 562), so the command line
-reads `layout` without the scheduler.
+Modules: `layout` (pure ring arithmetic, nccl-tests' names, counts and bandwidth factors), `communicator` (a rank:
+its links, buffers and compiled collectives; the ring's), `steps` (what every collective's run is made of), `reduce`,
+`gather`, `scatter`, `sendrecv` (those collectives along the ring), `reference` (what each computes, in numpy),
+`launch` (N ranks in one process, one rank of a job, and running ranks together), `world` (the launchers'
+variables), `rendezvous` (rank 0's TCP rendezvous), `perf` (the nccl-tests sweep behind `aiofabric allreduce ...`),
+`nccl_format` (nccl-tests' lines and JSON document), `devices` (its "# Using devices" lines). The names below load
+on first use (PEP 562), so the command line reads `layout` without the scheduler.
 """
 from __future__ import annotations
 

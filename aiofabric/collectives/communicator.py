@@ -7,7 +7,8 @@ its neighbour still reads, and never gets more than one run's messages ahead of 
 holds more than a run's messages): no RNR NAK, whatever the ranks' speeds. Every message's immediate names the
 collective, a digest of its arguments and its sequence number on the link (`layout.tag`), and the receiver checks
 it. Within a run no landing memory is reused: reduce-scatter lands step s in its own slot of the landing MR, and
-allgather and broadcast write the final bytes in place.
+allgather and broadcast write the final bytes in place. The ring's collectives are built here; reduce, gather,
+scatter and sendrecv in their own modules, of the same steps (steps.py).
 """
 from __future__ import annotations
 
@@ -19,26 +20,32 @@ import numpy as np
 from . import layout
 from .layout import PIECE_BYTES
 from .. import sched
+from .alltoall import alltoall_calls
+from .gather import gather_calls
+from .reduce import reduce_calls
+from .scatter import scatter_calls
+from .sendrecv import sendrecv_calls
+from .steps import Link, Steps
 from ..errors import CallError, FabricError
-from ..sched.calls import host_span
-from ..sched.reduce import DTYPES, OPS
-from ..verbs import NIC, MemoryRegion, QueuePair, RemoteRegion
+from ..sched.reduce import DTYPES, OPS as SCHED_OPS
+from ..verbs import NIC, MemoryRegion
 
-PUBLIC_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+PUBLIC_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "gather", "scatter", "sendrecv",
+                "alltoall")
+OPS = (*SCHED_OPS, "avg")  # avg: the sum, divided once by the number of ranks where it is whole (steps.divide)
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+GATHERING = ("allgather", "gather")  # x is count elements, out size x count: in place, x is out's part `rank`
+SCATTERING = ("reduce_scatter", "scatter")  # x is size x count elements, out count: in place, out is x's part
+BUILDERS: dict[str, Callable[..., list[sched.Call]]] = {  # the collectives built in their own modules
+    "reduce": reduce_calls, "gather": gather_calls, "scatter": scatter_calls, "sendrecv": sendrecv_calls,
+    "alltoall": alltoall_calls}
 MAX_BATCHES = 32  # compiled collectives kept per communicator (least recently used dropped)
-MAX_PIECES = 32  # per chunk (the piece grows past PIECE_BYTES above this), so a run's messages fit the pool
 RUN_TIMEOUT = 60.0  # seconds a collective may take before it fails naming the calls still pending
 
 
 class CollectiveError(FabricError):
     """A collective failed at a rank (its own failure, or a peer's); the communicator is unusable afterwards."""
-
-
-class Link:
-    """One direction of the ring as this rank sees it: the QP, and the peer's buffers as RemoteRegions."""
-
-    def __init__(self, qp: QueuePair, peer_rank: int, work: RemoteRegion, landing: RemoteRegion) -> None:
-        self.qp, self.peer_rank, self.work, self.landing = qp, peer_rank, work, landing
 
 
 class Communicator:
@@ -53,6 +60,7 @@ class Communicator:
         self.next, self.prev = next_link, prev_link
         self.piece_bytes, self.timeout = piece_bytes, timeout
         self.capacity = work.length if work is not None else 0
+        self.landing_capacity = landing.length if landing is not None else 0
         self.compute = sched.ComputeQueue(f"rank {rank} reduce")
         self.copies = sched.CopyQueue(f"rank {rank} copy")
         self._batches: dict[tuple[Any, ...], tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]] = {}
@@ -89,6 +97,33 @@ class Communicator:
     async def broadcast(self, x: np.ndarray, out: np.ndarray | None = None, *, root: int = 0) -> np.ndarray:
         """out = the root's x at every rank."""
         return await self._collective("broadcast", x, out, root=root)
+
+    async def reduce(self, x: np.ndarray, out: np.ndarray | None = None, *, op: str = "sum",
+                     root: int = 0) -> np.ndarray:
+        """out at the root = x reduced over the ranks, elementwise (the other ranks' out is left as it was)."""
+        return await self._collective("reduce", x, out, op=op, root=root)
+
+    async def gather(self, x: np.ndarray, out: np.ndarray, *, root: int = 0) -> np.ndarray:
+        """out at the root (size * count elements) = every rank's x (count elements), in rank order; the other
+        ranks' out is left as it was. In place: x is this rank's part of out (`out[rank * count:(rank + 1) *
+        count]`)."""
+        return await self._collective("gather", x, out, root=root)
+
+    async def scatter(self, x: np.ndarray, out: np.ndarray, *, root: int = 0) -> np.ndarray:
+        """out (count elements) = chunk `rank` of the root's x (size * count elements; read at the root only). In
+        place: out is that chunk of x (`x[rank * count:(rank + 1) * count]`)."""
+        return await self._collective("scatter", x, out, root=root)
+
+    async def sendrecv(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """out = the previous rank's x (rank - 1, mod size): every rank sends to the next at once, as nccl-tests'
+        sendrecv_perf does."""
+        return await self._collective("sendrecv", x, out)
+
+    async def alltoall(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x and out of size * count elements: part d of x (`x[d * count:(d + 1) * count]`) goes to rank d, as
+        part `rank` of its out. Along the ring a part for the rank h hops on is passed on h times, so the landing
+        MR must hold layout.alltoall_landing(size, count) elements (launch's landing_bytes)."""
+        return await self._collective("alltoall", x, out)
 
     async def barrier(self) -> None:
         """Return once every rank has entered the barrier: an allreduce of one element, which no rank can finish
@@ -133,7 +168,7 @@ class Communicator:
 
     def calls(self, kind: str, x: np.ndarray, out: np.ndarray | None = None, *, op: str = "sum",
               root: int = 0) -> list[sched.Call]:
-        """The calls of collective `kind` ("allreduce", "reduce_scatter", "allgather", "broadcast") on `x` and `out`
+        """The calls of collective `kind` (one of PUBLIC_KINDS: "allreduce", "reduce_scatter", ...) on `x` and `out`
         (arguments as the methods take them), to put in a batch of your own: `sched.compile([*step, *comm.calls(
         "allreduce", grads), *update])` plans the reduction between the kernels that write and read `grads`, and
         overlaps it with whatever else the batch does. Every rank's batch must hold the same collectives in the
@@ -156,41 +191,46 @@ class Communicator:
         if self.broken is not None:
             raise CollectiveError(f"rank {self.rank}: the communicator failed earlier ({self.broken}); make a new "
                                   "one") from self.broken
-        if out is None and kind in ("reduce_scatter", "allgather"):
+        if out is None and kind in GATHERING + SCATTERING:
             raise ValueError(f"{kind}: needs out (its size differs from x's)")
         result = x if out is None else out
         _check_array(kind, "x", x)
         _check_array(kind, "out", result)
         if result.dtype != x.dtype:
             raise TypeError(f"{kind}: out is {result.dtype}, x is {x.dtype}")
-        expected = {"reduce_scatter": x.size // self.size, "allgather": x.size * self.size}.get(kind, x.size)
-        if result.size != expected or kind == "reduce_scatter" and x.size % self.size:
-            raise ValueError(f"{kind}: x has {x.size} elements and out {result.size}; " + {
-                "reduce_scatter": f"x needs size ({self.size}) x out's",
-                "allgather": f"out needs size ({self.size}) x x's"}.get(kind, "they must be equal"))
-        reduces = kind in ("allreduce", "reduce_scatter")
+        expected = x.size // self.size if kind in SCATTERING else x.size * self.size if kind in GATHERING else x.size
+        if result.size != expected or kind in SCATTERING + ("alltoall",) and x.size % self.size:
+            raise ValueError(f"{kind}: x has {x.size} elements and out {result.size}; "
+                             + (f"x needs size ({self.size}) x out's" if kind in SCATTERING else
+                                f"both need size ({self.size}) x the elements per rank" if kind == "alltoall" else
+                                f"out needs size ({self.size}) x x's" if kind in GATHERING else
+                                "they must be equal"))
+        reduces = kind in REDUCING
         if reduces and op not in OPS:
             raise ValueError(f"{kind}: unknown op {op!r}; the ops are {', '.join(OPS)}")
         if reduces and x.dtype not in DTYPES:
             raise TypeError(f"{kind}: reductions take {', '.join(d.name for d in DTYPES)}, not {x.dtype}")
-        if kind == "broadcast" and (not isinstance(root, int) or isinstance(root, bool)
-                                    or not 0 <= root < self.size):
-            raise ValueError(f"broadcast: root must be a rank in [0, {self.size - 1}], not {root!r}")
+        if kind in ROOTED and (not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.size):
+            raise ValueError(f"{kind}: root must be a rank in [0, {self.size - 1}], not {root!r}")
         inplace = out is None or out is x
         if out is not None and not inplace and np.may_share_memory(x, out):
-            if kind == "allgather" and _is_part(x, out, self.rank):
+            if kind in GATHERING and _is_part(x, out, self.rank):
                 inplace = True
-            elif kind == "reduce_scatter" and _is_part(out, x, self.rank):
+            elif kind in SCATTERING and _is_part(out, x, self.rank):
                 inplace = True
             else:
-                raise ValueError(f"{kind}: out overlaps x; in place is " + {
-                    "allgather": "x = out[rank * count:(rank + 1) * count]",
-                    "reduce_scatter": "out = x[rank * count:(rank + 1) * count]"}.get(kind, "out=None"))
+                raise ValueError(f"{kind}: out overlaps x; in place is " + (
+                    "x = out[rank * count:(rank + 1) * count]" if kind in GATHERING else
+                    "out = x[rank * count:(rank + 1) * count]" if kind in SCATTERING else "out=None"))
         buffer_bytes = max(x.nbytes, result.nbytes)
         if buffer_bytes > self.capacity:
             raise ValueError(f"{kind}: {buffer_bytes} bytes exceed the communicator's {self.capacity}-byte buffers "
                              "(its buffer_bytes)")
-        count = result.size if kind == "reduce_scatter" else x.size
+        count = result.size if kind in SCATTERING else x.size // self.size if kind == "alltoall" else x.size
+        landing = layout.alltoall_landing(self.size, count) * x.itemsize
+        if kind == "alltoall" and self.size > 1 and landing > self.landing_capacity:
+            raise ValueError(f"alltoall: {count} elements per rank along a ring of {self.size} take {landing} bytes "
+                             f"of landing memory; the communicator's has {self.landing_capacity} (its landing_bytes)")
         return count, inplace, result, op if reduces else None
 
     def _blame(self, error: BaseException) -> str:
@@ -206,25 +246,28 @@ class Communicator:
 
     def _compile(self, kind: str, count: int, dtype: np.dtype[Any], op: str | None, root: int,
                  inplace: bool) -> tuple[sched.Batch, Callable[..., dict[str, np.ndarray]]]:
-        total = count * self.size if kind in ("reduce_scatter", "allgather") else count
+        total = count * self.size if kind in GATHERING + SCATTERING + ("alltoall",) else count
         # compile-time stand-ins, rebound every run; in place, one is a view of the other (views follow their input)
         mine = layout.chunks(total, self.size)[self.rank]
-        x = np.zeros(count if kind != "reduce_scatter" else total, dtype)
+        x = np.zeros(total if kind in SCATTERING + ("alltoall",) else count, dtype)
         if not inplace:
-            out = np.zeros(count if kind != "allgather" else total, dtype)
-        elif kind == "allgather":
+            out = np.zeros(total if kind in GATHERING + ("alltoall",) else count, dtype)
+        elif kind in GATHERING:
             out = np.zeros(total, dtype)
             x = out[mine.start:mine.start + mine.length]
-        elif kind == "reduce_scatter":
+        elif kind in SCATTERING:
             out = x[mine.start:mine.start + mine.length]
         else:
             out = x
         calls = self._calls(kind, x, out, count, op, root)
         names: tuple[str, ...]
         if inplace:  # one input, the other a view of it
-            names = ("out",) if kind == "allgather" else ("x",)
-        else:  # a broadcast's x is read at the root only
-            names = ("x", "out") if kind != "broadcast" or self.rank == root else ("out",)
+            names = ("out",) if kind in GATHERING else ("x",)
+        else:  # the inputs this rank's calls touch: x is read at the root only (broadcast, scatter), out written
+            # there only (reduce, gather)
+            names = tuple(name for name, used in (("x", kind not in ("broadcast", "scatter") or self.rank == root),
+                                                  ("out", kind not in ("reduce", "gather") or self.rank == root))
+                          if used)
         batch = sched.compile(calls, inputs={name: {"x": x, "out": out}[name] for name in names})
 
         def bindings(new_x: np.ndarray, new_out: np.ndarray) -> dict[str, np.ndarray]:
@@ -234,110 +277,67 @@ class Communicator:
 
     def _calls(self, kind: str, x: np.ndarray, out: np.ndarray, count: int, op: str | None,
                root: int) -> list[sched.Call]:
-        """The ring's calls for this rank: x and out are flat (in place, out is x or a view of it)."""
-        assert self.work is not None and self.landing is not None and self.next is not None and self.prev is not None
-        size, rank, dtype = self.size, self.rank, x.dtype
-        isz = dtype.itemsize
+        """This rank's calls: x and out are flat (in place, out is x or a view of it)."""
+        builder = BUILDERS.get(kind)
+        if builder is not None:
+            return builder(self, x, out, count, op, root)
+        return self._ring_calls(kind, x, out, count, op, root)
+
+    def _ring_calls(self, kind: str, x: np.ndarray, out: np.ndarray, count: int, op: str | None,
+                    root: int) -> list[sched.Call]:
+        """Allreduce, reduce-scatter, allgather and broadcast: every rank both sends to the next and receives from
+        the previous (but a broadcast's root receives nothing, and the rank before it sends nothing)."""
+        size, rank, next_link = self.size, self.rank, self.next
+        assert next_link is not None
         total = count * size if kind in ("reduce_scatter", "allgather") else count
-        w = np.frombuffer(self.work.view, dtype, total)
-        lands = np.frombuffer(self.landing.view, dtype, self.landing.length // isz)
+        run = Steps(self, kind, count, x.dtype, op, root, sends=kind != "broadcast" or (rank + 1) % size != root,
+                    receives=kind != "broadcast" or rank != root)
+        w, lands, isz = run.w[:total], run.lands, run.isz
         mine = layout.chunks(total, size)[rank]
-        digest = layout.digest(kind, count, dtype.str, op, root)
-        send = _Messages(kind, digest)
-        receive = _Messages(kind, digest)
         chunk_list = layout.chunks(total, size)
         largest = max(c.length for c in chunk_list)
         # whole elements per message, and at most MAX_PIECES per chunk (2 (size - 1) MAX_PIECES per broadcast), so a
         # run's messages on a link fit its receive pool
-        per = max(self.piece_bytes // isz, -(-largest // MAX_PIECES) if kind != "broadcast" else
-                  -(-total // (MAX_PIECES * 2 * (size - 1))))
-        piece = per * isz
-        calls: list[sched.Call] = []
-        nq, pq = self.next.qp, self.prev.qp
-        sends_data = kind != "broadcast" or (rank + 1) % size != root
-        receives_data = kind != "broadcast" or rank != root
+        piece = run.piece(largest, 2 * (size - 1)) if kind != "broadcast" else run.piece(total, 1)
 
-        # 1. this run's input into the registered buffer
+        # 1. this run's input into the registered buffer; 2. our turn, the ready messages
         if kind == "allgather":
-            calls.append(sched.copy(w[mine.start:mine.start + mine.length], x, queue=self.copies, name="copy in"))
+            run.copy_in(w[mine.start:mine.start + mine.length], x)
         elif kind != "broadcast" or rank == root:
-            calls.append(sched.copy(w, x, queue=self.copies, name="copy in"))
-        # 2. our turn: a no-op on the copy queue that claims both buffers, so it runs after every earlier access to
-        # them, in this batch (the planner) and in earlier runs of any batch (the copy queue's timeline: their copy
-        # out is their last access); then the ready: the previous rank may write into our memory
-        turn = sched.copy(w[:0], w[:0], queue=self.copies, name="our turn")
-        turn.writes = (host_span(self.work), host_span(self.landing))
-        calls.append(turn)
-        if receives_data:
-            calls.append(sched.write_with_imm(pq, self.work, self.prev.work, receive.ready(), 0,
-                                              name="ready to prev").after(turn))
-        if sends_data:
-            wait_ready = sched.wait_imm(nq, imm=send.ready(), name="next is ready")
-            calls.append(wait_ready)
-        first_write: list[sched.Call] = []
-
-        work = self.work
-
-        def write(where: RemoteRegion, at: layout.Piece, remote_offset: int, label: str) -> None:
-            call = sched.write_with_imm(nq, work, where, send.next(), at.length * isz,
-                                        local_offset=at.start * isz, remote_offset=remote_offset, name=label)
-            if not first_write:
-                first_write.append(call.after(wait_ready))
-            calls.append(call)
-
+            run.copy_in(w, x)
+        run.start()
         # 3. reduce-scatter: step s lands in landing slot s and is reduced into the work buffer
         if kind in ("allreduce", "reduce_scatter"):
-            assert op is not None
             slot = largest * isz
             for step in range(size - 1):
                 sent, got = layout.reduce_scatter_chunks(rank, size, step)
-                for at in layout.pieces(chunk_list[sent], isz, piece):
-                    write(self.next.landing, at, step * slot + (at.start - chunk_list[sent].start) * isz,
-                          f"rs {step} chunk {sent}")
-                for at in layout.pieces(chunk_list[got], isz, piece):
+                for at in layout.pieces(chunk_list[sent], isz, piece * isz):
+                    run.write(next_link.landing, at, step * slot + (at.start - chunk_list[sent].start) * isz,
+                              f"rs {step} chunk {sent}")
+                for at in layout.pieces(chunk_list[got], isz, piece * isz):
                     low = step * slot // isz + at.start - chunk_list[got].start
                     landed = lands[low:low + at.length]
-                    calls.append(sched.wait_imm(pq, landed, imm=receive.next(), name=f"rs {step} landed {got}"))
-                    acc = w[at.start:at.start + at.length]
-                    calls.append(sched.reduce.reduce(acc, acc, landed, op=op, queue=self.compute,
-                                                     name=f"rs {step} reduce {got}"))
+                    run.wait(landed, f"rs {step} landed {got}")
+                    run.reduce(w[at.start:at.start + at.length], landed, f"rs {step} reduce {got}")
+            run.average(w[mine.start:mine.start + mine.length])  # chunk `rank` is whole here
         # 4. allgather: every chunk in place at every rank
         if kind in ("allreduce", "allgather"):
             for step in range(size - 1):
                 sent, got = layout.allgather_chunks(rank, size, step)
-                for at in layout.pieces(chunk_list[sent], isz, piece):
-                    write(self.next.work, at, at.start * isz, f"ag {step} chunk {sent}")
-                for at in layout.pieces(chunk_list[got], isz, piece):
-                    calls.append(sched.wait_imm(pq, w[at.start:at.start + at.length], imm=receive.next(),
-                                                name=f"ag {step} landed {got}"))
+                for at in layout.pieces(chunk_list[sent], isz, piece * isz):
+                    run.write(next_link.work, at, at.start * isz, f"ag {step} chunk {sent}")
+                for at in layout.pieces(chunk_list[got], isz, piece * isz):
+                    run.wait(w[at.start:at.start + at.length], f"ag {step} landed {got}")
         # 5. broadcast: a pipeline from the root along the ring
         if kind == "broadcast":
-            for at in layout.pieces(layout.Piece(0, total), isz, piece):
-                if receives_data:
-                    calls.append(sched.wait_imm(pq, w[at.start:at.start + at.length], imm=receive.next(),
-                                                name=f"bcast landed {at.start}"))
-                if sends_data:
-                    write(self.next.work, at, at.start * isz, f"bcast {at.start}")
+            for at in layout.pieces(layout.Piece(0, total), isz, piece * isz):
+                if run.receives:
+                    run.wait(w[at.start:at.start + at.length], f"bcast landed {at.start}")
+                if run.wait_ready is not None:
+                    run.write(next_link.work, at, at.start * isz, f"bcast {at.start}")
         # 6. the result out of the registered buffer
-        if kind == "reduce_scatter":
-            calls.append(sched.copy(out, w[mine.start:mine.start + mine.length], queue=self.copies, name="copy out"))
-        else:
-            calls.append(sched.copy(out, w, queue=self.copies, name="copy out"))
-        return calls
-
-
-class _Messages:
-    """The immediates of one link in one run: the ready message, then data messages numbered from 1."""
-
-    def __init__(self, kind: str, digest: int) -> None:
-        self.kind, self.digest, self.seq = kind, digest, 0
-
-    def ready(self) -> int:
-        return layout.ready_tag(self.kind, self.digest)
-
-    def next(self) -> int:
-        self.seq += 1
-        return layout.tag(self.kind, self.digest, self.seq)
+        run.copy_out(out, w[mine.start:mine.start + mine.length] if kind == "reduce_scatter" else w)
+        return run.calls
 
 
 def _is_part(part: np.ndarray, whole: np.ndarray, rank: int) -> bool:

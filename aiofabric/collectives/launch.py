@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
 
-from .communicator import MAX_PIECES, PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
+from .communicator import PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
+from .steps import MAX_PIECES
 from .rendezvous import FAREWELL, RendezvousClient, RendezvousError, RendezvousServer
 from .world import World
 from ..sched import receive_pool
@@ -29,23 +30,26 @@ def pool_depth(size: int) -> int:
 
 @contextlib.asynccontextmanager
 async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: int = DEFAULT_BUFFER,
-                piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
+                landing_bytes: int = 0, piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
                 **nic_options: Any) -> AsyncIterator[list[Communicator]]:
     """`size` communicators, rank r on its own NIC: emulated ones (`nic_options` are open_nic's: wire faults,
     pcap...), or the PCI functions `nics` (one per rank). Each rank registers two buffers of `buffer_bytes` (the
-    largest collective it will run, in bytes of its largest array). Everything is closed when the block exits."""
+    largest collective it will run, in bytes of its largest array), the landing one at least `landing_bytes` (what
+    an alltoall passes through: layout.alltoall_landing). Everything is closed when the block exits."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size must be a positive integer, not {size!r}")
     if nics is not None and len(nics) != size:
         raise ValueError(f"nics names {len(nics)} NICs for {size} ranks")
-    if not isinstance(buffer_bytes, int) or buffer_bytes < 0:
-        raise ValueError(f"buffer_bytes must be a non-negative integer, not {buffer_bytes!r}")
+    for name, value in (("buffer_bytes", buffer_bytes), ("landing_bytes", landing_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
     async with contextlib.AsyncExitStack() as stack:
         opened: list[NIC] = []
         for rank in range(size):
             spec = nics[rank] if nics is not None else "sim"
             opened.append(await stack.enter_async_context(open_nic(spec, **rank_capture(nic_options, rank))))
-        yield await connect_ring(opened, buffer_bytes=buffer_bytes, piece_bytes=piece_bytes, timeout=timeout)
+        yield await connect_ring(opened, buffer_bytes=buffer_bytes, landing_bytes=landing_bytes,
+                                 piece_bytes=piece_bytes, timeout=timeout)
 
 
 def rank_capture(nic_options: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -66,12 +70,13 @@ class Endpoint:
         self.to_next, self.from_prev = to_next, from_prev
 
     @classmethod
-    async def create(cls, nic: NIC, size: int, buffer_bytes: int) -> Endpoint:
+    async def create(cls, nic: NIC, size: int, buffer_bytes: int, landing_bytes: int = 0) -> Endpoint:
         depth = pool_depth(size)
         cq = await nic.create_cq(4 * depth + 1024)
         # the landing MR holds size - 1 chunks of at most ceil(count / size) elements: a little more than the work MR
+        # (an alltoall's parts passing through take more: landing_bytes)
         work = await nic.register_mr(max(buffer_bytes, 64))
-        landing = await nic.register_mr(max(buffer_bytes, 64) + 16 * size)
+        landing = await nic.register_mr(max(max(buffer_bytes, 64) + 16 * size, landing_bytes))
         qps = [await nic.create_qp(cq, sq_depth=256, rq_depth=2 * depth) for _ in range(2)]
         for qp in qps:
             await receive_pool(qp, depth)
@@ -99,13 +104,13 @@ class Endpoint:
                             nic=self.nic, piece_bytes=piece_bytes, timeout=timeout)
 
 
-async def connect_ring(nics: Sequence[NIC], *, buffer_bytes: int = DEFAULT_BUFFER, piece_bytes: int = PIECE_BYTES,
-                       timeout: float = RUN_TIMEOUT) -> list[Communicator]:
+async def connect_ring(nics: Sequence[NIC], *, buffer_bytes: int = DEFAULT_BUFFER, landing_bytes: int = 0,
+                       piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT) -> list[Communicator]:
     """Communicators over open NICs of this process, rank r on nics[r]. The NICs' close frees it all."""
     size = len(nics)
     if size == 1:
         return [Communicator(0, 1, None, None, None, None, nic=nics[0], piece_bytes=piece_bytes, timeout=timeout)]
-    endpoints = [await Endpoint.create(nic, size, buffer_bytes) for nic in nics]
+    endpoints = [await Endpoint.create(nic, size, buffer_bytes, landing_bytes) for nic in nics]
     cards = [endpoint.card() for endpoint in endpoints]
     return [await endpoint.connect(rank, cards, piece_bytes=piece_bytes, timeout=timeout)
             for rank, endpoint in enumerate(endpoints)]
@@ -113,7 +118,7 @@ async def connect_ring(nics: Sequence[NIC], *, buffer_bytes: int = DEFAULT_BUFFE
 
 @contextlib.asynccontextmanager
 async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_bytes: int = DEFAULT_BUFFER,
-               piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
+               landing_bytes: int = 0, piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
                rendezvous_timeout: float = RENDEZVOUS_TIMEOUT, **nic_options: Any) -> AsyncIterator[Communicator]:
     """This process's rank of `world` (`World(rank, size, addr, port)`, or `world.from_environment(os.environ)`
     under torchrun, mpirun or srun), on NIC `nic`. Rank 0 serves the rendezvous at addr:port; every rank publishes
@@ -162,7 +167,7 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
         stack.push_async_callback(client.goodbye)  # after the NIC's close: the last thing this rank does
         try:
             opened = await stack.enter_async_context(open_nic(nic, ip=ip, **rank_capture(nic_options, rank)))
-            endpoint = await Endpoint.create(opened, size, buffer_bytes) if size > 1 else None
+            endpoint = await Endpoint.create(opened, size, buffer_bytes, landing_bytes) if size > 1 else None
             cards = await client.allgather(endpoint.card() if endpoint is not None else {})
             if endpoint is None:
                 comm = Communicator(0, 1, None, None, None, None, nic=opened, piece_bytes=piece_bytes,

@@ -39,7 +39,8 @@ from ..errors import ClosedError, DeviceLostError, FabricError, FirmwareError, P
 from ..hw.async_event import ASYNC_EVENT_ENTRY, EventId, forwarding
 from ..hw.cqe import CREQ_ENTRY, NQ_ENTRY
 from ..hw.firmware import (RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, add_gid_fields, host_msn_table, hw_retx_supported,
-                           short_commands_required)
+                           mr_register_alloc, ring_stats_size, roce_doorbell_offset, short_commands_required)
+from ..hw.wqe import STATIC_WQE_SGES
 from ..pci import PAGE_SIZE, PCIDevice
 from ..pci.atomic_ops import AtomicOps, determine_atomics
 from ..version import __version__
@@ -103,8 +104,10 @@ class Device:
         self.gid_index = -1
         self.caps: dict[str, int] = {}
         self.chip_num = 0  # VER_GET's
+        self.stats_length = 0  # a statistics context's block, from VNIC_QCAPS on (hw.firmware.ring_stats_size)
         self.variable_wqes = self.hw_retransmit = self.host_msn_table = False  # what boot finds the device offers
         self.atomic_ops = AtomicOps(False, f"{pci.address} has not booted")  # whether its PCIe path takes atomics
+        self.mr_register_alloc = False
 
     @property
     def link(self) -> Link:
@@ -149,7 +152,7 @@ class Device:
         return await self.rcfw_channel.command(name, command_timeout=command_timeout, **fields)
 
     async def rcfw_release(self, name: str, **fields: Any) -> bool:
-        """An RCFW command that frees a firmware object (destroy_qp, deregister_mr, ...): unlike `rcfw`, it runs
+        """An RCFW command that frees a firmware object (destroy_qp, deallocate_key, ...): unlike `rcfw`, it runs
         while the device closes too (bounded by the close's budget). False if the device is gone (the command not
         run, or cut short): then nothing holds the object's memory any more, and it is freed all the same."""
         try:
@@ -278,7 +281,8 @@ class Device:
         self.port_link.registered(registered.flags, self.port_id)
         self.teardown.on_close("HWRM func_drv_if_change (down)", self.port_link.interface_down)  # after every free
         qcfg = await self.hwrm("func_qcfg", fid=OWN_FID)
-        self.db_offset = -(-qcfg.legacy_l2_db_size_kb * 1024 // PAGE_SIZE) * PAGE_SIZE
+        self.db_offset = roce_doorbell_offset(self.chip_num, qcfg.legacy_l2_db_size_kb, PAGE_SIZE)
+        self.stats_length = ring_stats_size(self.chip_num, (await self.hwrm("vnic_qcaps")).max_aggs_supported)
         await resources.reserve(self.pci.address, self.hwrm, RESERVATION, limits)  # Linux bnxt_set_dflt_rings
         self.atomic_ops = determine_atomics(self.pci, self.pci.upstream_path())  # bnxt_re, before its RCFW channel
         log.info("%s: atomics %s: %s", self.pci.address, "on" if self.atomic_ops.enabled else "off",
@@ -310,13 +314,16 @@ class Device:
         function = await self.rcfw("query_func")
         self.hw_retransmit = hw_retx_supported(function.dev_cap_flags)
         self.host_msn_table = host_msn_table(function.dev_cap_ext_flags_2)
+        self.mr_register_alloc = mr_register_alloc(function.dev_cap_flags)  # else ALLOCATE_MRW first (verbs/mr.py)
         self.caps.update(max_qp=function.max_qp, max_cq=function.max_cq, max_mr=function.max_mr,
-                         max_qp_wr=function.max_qp_wr, max_sge=function.max_sge, max_cqe=function.max_cqe,
+                         max_qp_wr=function.max_qp_wr, max_cqe=function.max_cqe,
+                         max_sge=function.max_sge if self.variable_wqes else STATIC_WQE_SGES,
                          max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data)
         self._stats = self.pci.alloc_dma(PAGE_SIZE)
         self.teardown.on_quiesced(self._stats.free)
-        stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr, stats_dma_length=176,
-                               update_period_ms=1000, stat_ctx_flags=bnxt.STAT_CTX_ALLOC_REQ_STAT_CTX_FLAGS_ROCE)
+        stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr,
+                               stats_dma_length=self.stats_length, update_period_ms=1000,
+                               stat_ctx_flags=bnxt.STAT_CTX_ALLOC_REQ_STAT_CTX_FLAGS_ROCE)
         self._stat_ctx_id = stat.stat_ctx_id
         self.teardown.on_close("HWRM stat_ctx_free",
                                lambda: self.hwrm_channel.command("stat_ctx_free", stat_ctx_id=self._stat_ctx_id))
@@ -349,10 +356,11 @@ class Device:
         vnic = (await self.hwrm("vnic_alloc")).vnic_id
         self.teardown.on_close("HWRM vnic_free", lambda: self.hwrm_channel.command("vnic_free", vnic_id=vnic))
         await self.hwrm("vnic_cfg", vnic_id=vnic, mru=9018, default_rx_ring_id=rx_id, default_cmpl_ring_id=cmpl_id,
-                        enables=bnxt.VNIC_CFG_REQ_ENABLES_MRU | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_RX_RING_ID
-                        | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_CMPL_RING_ID)
+                        enables=bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_RX_RING_ID  # and the mru without its enable:
+                        | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_CMPL_RING_ID)  # Linux bnxt_hwrm_vnic_cfg on P5+
         l2_filter = await self.hwrm(
-            "cfa_l2_filter_alloc", flags=bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_PATH_RX, l2_addr=tuple(self.mac_address),
+            "cfa_l2_filter_alloc", l2_addr=tuple(self.mac_address),
+            flags=bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_PATH_RX | bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_OUTERMOST,
             l2_addr_mask=(0xFF,) * 6, dst_id=vnic,
             enables=bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR_MASK
             | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID)

@@ -31,7 +31,7 @@ from .rings import Ring
 from ..autogen import bnxt
 from ..hw.async_event import ASYNC_EVENT, ASYNC_EVENT_ENTRY, ASYNC_EVENT_TYPE, EventId, ResetReason, reset_reason
 from ..hw.cqe import CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, creq_type
-from ..pci import Bar
+from ..pci import Bar, read_barrier
 
 EVENT_VECTOR = 2  # RING_ALLOC's logical_id for the event ring (interrupts.py has the others)
 EVENT_RING_DEPTH = 64
@@ -177,6 +177,7 @@ class EventRing:
         (an NQ that fired is disarmed)."""
         ring, view, events = self.ring, self.ring.view, []
         while ASYNC_EVENT_ENTRY.is_new(view, ring.offset(ring.consumer), ring.consumer, ring.depth):
+            read_barrier()  # the entry's body after its valid bit (Linux dma_rmb in bnxt_poll_p5)
             kind, event_id, data2, data1 = ASYNC_EVENT.unpack_from(view, ring.offset(ring.consumer))
             if kind & bnxt.ASYNC_EVENT_CMPL_TYPE_MASK == ASYNC_EVENT_TYPE:
                 events.append((event_id, data1, data2))

@@ -22,7 +22,7 @@ from .liveness import Liveness
 from ..autogen import bnxt
 from ..errors import FirmwareError, FirmwareTimeoutError
 from ..hw.firmware import HWRM_RESPONSE_HEADER, HWRM_SHORT_REQUEST, NO_COMPLETION_RING, SHORT_REQUEST_SIGNATURE
-from ..pci import PAGE_SIZE, Bar, DmaBuffer, PCIDevice
+from ..pci import PAGE_SIZE, Bar, DmaBuffer, PCIDevice, read_barrier
 
 HWRM_TIMEOUT = 2.0  # Linux: 500 ms default; generous for loaded CI machines
 CMD_ERR_OFFSET = bnxt.hwrm_err_output.cmd_err.offset  # the firmware's detail, in an error answer of that size
@@ -96,6 +96,7 @@ class HwrmChannel:
                 raise self._unanswered(f"HWRM {name}: the answer's valid byte stayed 0 for {VALID_DELAY:g} s after "
                                        "its length landed")
             self.answering = True
+            read_barrier()  # the answer's body after its valid byte (Linux dma_rmb in __hwrm_send)
             raw = bytes(answer[:length])
             answer[length - 1] = 0  # clear the valid byte, as Linux does, so a stale answer never looks new
         if error:

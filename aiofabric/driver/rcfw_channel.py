@@ -18,7 +18,7 @@ from ..autogen import bnxt
 from ..errors import DeviceLostError, FirmwareError, FirmwareTimeoutError
 from ..hw.cqe import CREQ_COMMAND_EVENT, CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, creq_type
 from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT
-from ..pci import Bar, DmaBuffer, PCIDevice, memory_barrier
+from ..pci import Bar, DmaBuffer, PCIDevice, memory_barrier, read_barrier
 
 RCFW_TIMEOUT = 20.0  # Linux RCFW_CMD_WAIT_TIME_MS
 CMDQ_DEPTH = 4096  # slots; Linux uses 8192 (256 on old firmware)
@@ -207,6 +207,7 @@ class RcfwChannel:
             offset = creq.offset(creq.consumer)
             if not CREQ_ENTRY.is_new(view, offset, creq.consumer, creq.depth):
                 break
+            read_barrier()  # the entry's body after its valid bit (Linux dma_rmb in bnxt_qplib_service_creq)
             entry = bytes(view[offset:offset + CREQ_ENTRY.size])
             creq.consumer += 1
             freed += self._dispatch(entry)

@@ -16,11 +16,12 @@ producer write after cmdq_init carries `CMDQ_FIRST_PRODUCER` (FIRMWARE_FIRST_FLA
 
 Function-level: the chips by generation (`THOR_CHIPS`, P5; `THOR2_CHIPS`, P7), backing-store context types
 (`BackingStoreType`; `CONFIGURED_CONTEXT_TYPES` are the ones a driver sizes, `TRACE_CONTEXT_TYPES` hold firmware
-logs), QUERY_FUNC's retransmission capabilities (`hw_retx_supported`, `host_msn_table`), the page-size codes of
-page-table fields (`PAGE_SIZE_CODES`), PORT_PHY_QCFG's link speed codes in Mb/s (`LINK_SPEED_MBPS`), the entry size of
-each HWRM ring type (`RING_ENTRY_SIZES`), and page tables: arrays of `PTE_SIZE`-byte entries (`ptu_pte`, `ptu_pde`)
-holding a page address with flag bits below it (`PTE_FLAGS`: PTU_PTE_VALID, _LAST, _NEXT_TO_LAST), packed and read by
-`pack_ptes` / `unpack_ptes`.
+logs), QUERY_FUNC's retransmission and MR capabilities (`hw_retx_supported`, `host_msn_table`, `mr_register_alloc`),
+the statistics block's length (`ring_stats_size`), where the RoCE doorbells are (`roce_doorbell_offset`), the
+page-size codes of page-table fields (`PAGE_SIZE_CODES`), PORT_PHY_QCFG's link speed codes in Mb/s
+(`LINK_SPEED_MBPS`), the entry size of each HWRM ring type (`RING_ENTRY_SIZES`), and page tables: arrays of
+`PTE_SIZE`-byte entries (`ptu_pte`, `ptu_pde`) holding a page address with flag bits below it (`PTE_FLAGS`:
+PTU_PTE_VALID, _LAST, _NEXT_TO_LAST), packed and read by `pack_ptes` / `unpack_ptes`.
 """
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ def hw_retx_supported(dev_cap_flags: int) -> bool:
     return bool(dev_cap_flags & _HW_RETX)
 
 
+def mr_register_alloc(dev_cap_flags: int) -> bool:
+    """QUERY_FUNC's dev_cap_flags let REGISTER_MR allocate the MR's key itself (ALLOC_MR, the key field carrying the
+    PD); without MR_REGISTER_ALLOC, ALLOCATE_MRW makes the key first (Linux bnxt_re _is_alloc_mr_unified)."""
+    return bool(dev_cap_flags & bnxt.CREQ_QUERY_FUNC_RESP_SB_MR_REGISTER_ALLOC)
+
+
 def host_msn_table(dev_cap_ext_flags_2: int) -> bool:
     """QUERY_FUNC's dev_cap_ext_flags_2 want the host MSN table after each SQ (sq_msn_search); otherwise the PSN
     search table (sq_psn_search_ext) (Linux bnxt_re _is_host_msn_table)."""
@@ -92,6 +99,25 @@ class BackingStoreType(enum.IntEnum):
 CONFIGURED_CONTEXT_TYPES = frozenset(kind for kind in BackingStoreType if kind <= BackingStoreType.TIM)
 TRACE_CONTEXT_TYPES = frozenset(kind for name, kind in constants("FUNC_BACKING_STORE_QCAPS_V2_REQ_TYPE_").items()
                                 if name.endswith("_TRACE"))
+
+
+def ring_stats_size(chip_num: int, max_aggs_supported: int) -> int:
+    """STAT_CTX_ALLOC's stats_dma_length: the counters of `ctx_hw_stats` (160 bytes), or, when VNIC_QCAPS reports
+    TPA v2 (`max_aggs_supported`), the chip's longer block: 168 bytes on Thor (BNXT_RING_STATS_SIZE_P5), 176 on Thor2
+    (BNXT_RING_STATS_SIZE_P7, ctx_hw_stats_ext) (Linux bnxt_hwrm_vnic_qcaps; bnxt_re uses the same length)."""
+    tpa = bnxt.BNXT_NUM_TPA_RING_STATS
+    if max_aggs_supported:
+        tpa = bnxt.BNXT_NUM_TPA_RING_STATS_P5 if chip_num in THOR_CHIPS else bnxt.BNXT_NUM_TPA_RING_STATS_P7
+    return (bnxt.BNXT_NUM_RX_RING_STATS + bnxt.BNXT_NUM_TX_RING_STATS + tpa) * 8
+
+
+def roce_doorbell_offset(chip_num: int, legacy_l2_db_size_kb: int, page_size: int) -> int:
+    """Where BAR2's RoCE doorbell page starts for a PF: on Thor at BNXT_QPLIB_DBR_PF_DB_OFFSET (0x10000) whatever
+    FUNC_QCFG says; on Thor2 after the legacy L2 doorbells, FUNC_QCFG's legacy_l2_db_size_kb rounded up to a page
+    (Linux bnxt_re_set_db_offset, bnxt_en bnxt_hwrm_func_qcfg)."""
+    if chip_num in THOR_CHIPS:
+        return bnxt.BNXT_QPLIB_DBR_PF_DB_OFFSET
+    return -(-legacy_l2_db_size_kb * 1024 // page_size) * page_size
 
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -4,10 +4,11 @@ Send queue: 16-byte slots (`SQ_SLOT`, the size of `sq_sge`). A WQE is a 32-byte 
 `sq_rdma_hdr` for WRITE, WRITE_W_IMMEAD and READ, `sq_send_hdr` for SEND and SEND_W_IMMEAD, `sq_atomic_hdr` for
 ATOMIC_CS and ATOMIC_FA) followed by `wqe_size - 2` SGE slots (`sq_sge`) or inline data. In variable-WQE mode
 (CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED) WQEs are packed slot by slot, every slot wrapping on its own, and
-the SQ doorbell names a slot; in static mode every WQE takes `SQ_STATIC_WQE_SLOTS` (the size of `sq_send`) and the
-doorbell names a WQE. The RDMA and SEND headers keep wqe_type, flags, wqe_size, the immediate and the length at the
-same offsets (tests/unit/test_hw.py holds them to it), so a device reads any WQE's first three slots with
-`SQ_RDMA_HEADER_AND_SGE` and lets wqe_type say which fields count. An atomic WQE is its header and one SGE of
+the SQ doorbell names a slot; in static mode every WQE takes `SQ_STATIC_WQE_SLOTS` (the size of `sq_send`, 128
+bytes: room for `STATIC_WQE_SGES` SGEs; RQ WQEs are as large) and the doorbell names a WQE. The RDMA and SEND headers
+keep wqe_type, flags, wqe_size, the immediate and the length at the same offsets (tests/unit/test_hw.py holds them to
+it), so a device reads any WQE's first three slots with `SQ_RDMA_HEADER_AND_SGE` and lets wqe_type say which fields
+count. An atomic WQE is its header and one SGE of
 `ATOMIC_SIZE` bytes, where the original remote value lands; its header keeps wqe_type, flags and wqe_size there too,
 then the remote key and address, the swap (or add) value and the compare value (`SQ_ATOMIC_HEADER`).
 
@@ -31,6 +32,8 @@ from ..autogen import bnxt
 SQ_SLOT = ctypes.sizeof(bnxt.sq_sge)
 SQ_WQE_HEADER_SLOTS = ctypes.sizeof(bnxt.sq_rdma_hdr) // SQ_SLOT
 SQ_STATIC_WQE_SLOTS = ctypes.sizeof(bnxt.sq_send) // SQ_SLOT
+STATIC_WQE_SGES = SQ_STATIC_WQE_SLOTS - SQ_WQE_HEADER_SLOTS  # 6 (Linux BNXT_STATIC_MAX_SGE): SQ and RQ WQEs alike
+STATIC_SQ_RESERVED_WQES = 128  # kept free in a static SQ beyond what is posted (Linux BNXT_QPLIB_RESERVED_QP_WRS)
 RQ_WQE_HEADER_SLOTS = ctypes.sizeof(bnxt.rq_wqe_hdr) // SQ_SLOT
 RDMA_WQE_TYPES = frozenset({bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_WQE, bnxt.SQ_RDMA_HDR_WQE_TYPE_WRITE_W_IMMEAD,
                             bnxt.SQ_RDMA_HDR_WQE_TYPE_READ_WQE})  # the WQE types whose header is sq_rdma_hdr

@@ -1,4 +1,5 @@
-"""The barrier before a doorbell."""
+"""The barriers between the CPU and the device's DMA: before a doorbell (`memory_barrier`), and between a ring entry's
+valid bit and the rest of it (`read_barrier`)."""
 from __future__ import annotations
 
 import ctypes
@@ -25,6 +26,16 @@ BARRIER_CODE: dict[str, bytes] = {
     "riscv64": bytes.fromhex("0f00f00f" "67800000"),  # fence iorw,iorw; ret
     "x86_64": bytes.fromhex("0faef0" "c3"),  # mfence; ret: never needed on x86, kept so the mechanism is testable
 }
+# The barrier after a valid bit. The device writes an entry's body, then its valid bit; a CPU that sees the bit must
+# not have read the body before it (Linux's dma_rmb() after each CQE, NQE, CREQ entry and HWRM answer). x86 never
+# reorders loads with loads (dma_rmb() is a compiler barrier there); weakly ordered CPUs take rdma-core's
+# udma_from_device_barrier() instruction.
+READ_BARRIER_CODE: dict[str, bytes] = {
+    "aarch64": bytes.fromhex("bf3103d5" "c0035fd6"),  # dmb oshld; ret
+    "ppc64le": bytes.fromhex("ac04207c" "2000804e"),  # lwsync; blr
+    "riscv64": bytes.fromhex("0f00a00a" "67800000"),  # fence ir,ir; ret
+    "x86_64": bytes.fromhex("0faee8" "c3"),  # lfence; ret: never needed on x86, kept so the mechanism is testable
+}
 _PROT_READ_EXEC = mmap.PROT_READ | mmap.PROT_EXEC
 
 
@@ -32,12 +43,13 @@ def _no_barrier() -> None:
     """Nothing: this CPU keeps stores to memory and to MMIO in program order."""
 
 
-def machine_code_barrier(machine: str) -> Callable[[], None]:
-    """A callable that runs the full store fence of CPU `machine` (a `platform.machine()` name).
+def machine_code_barrier(machine: str, codes: dict[str, bytes] = BARRIER_CODE) -> Callable[[], None]:
+    """A callable that runs the fence `codes` holds for CPU `machine` (a `platform.machine()` name): by default the
+    full store fence before a doorbell, READ_BARRIER_CODE's after a valid bit.
 
     Raises KeyError for an unknown CPU and OSError where the system forbids executable anonymous memory.
     """
-    code = BARRIER_CODE[machine]
+    code = codes[machine]
     page = mmap.mmap(-1, PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     page[:len(code)] = code
     address = virt_addr(page)
@@ -50,11 +62,11 @@ def machine_code_barrier(machine: str) -> Callable[[], None]:
     return fence
 
 
-def _choose_barrier(machine: str) -> Callable[[], None]:
+def _choose_barrier(machine: str, codes: dict[str, bytes], risk: str) -> Callable[[], None]:
     if machine in _STRONGLY_ORDERED:
         return _no_barrier
     try:
-        return machine_code_barrier(machine)
+        return machine_code_barrier(machine, codes)
     except (KeyError, OSError) as exc:
         reason = f"no barrier instruction known for {machine}" if isinstance(exc, KeyError) else str(exc)
         warned: list[bool] = []
@@ -62,12 +74,18 @@ def _choose_barrier(machine: str) -> Callable[[], None]:
         def unordered() -> None:
             if not warned:
                 warned.append(True)
-                warnings.warn(f"aiofabric: doorbells are not fenced on this CPU ({reason}); a real NIC may read "
-                              "stale work requests", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"aiofabric: {risk.format(reason=reason)}", RuntimeWarning, stacklevel=3)
 
         return unordered
 
 
 # memory_barrier(): every earlier store to DMA memory is ordered before the next MMIO write; call it before a doorbell
 # (Bar.write64_doorbell does). Chosen once at import: _no_barrier on x86, the machine-code fence elsewhere.
-memory_barrier: Callable[[], None] = _choose_barrier(platform.machine())
+memory_barrier: Callable[[], None] = _choose_barrier(
+    platform.machine(), BARRIER_CODE, "doorbells are not fenced on this CPU ({reason}); a real NIC may read stale work "
+                                      "requests")
+# read_barrier(): the reads of a ring entry after it are not satisfied before the read of its valid bit that came
+# before; call it between the two. Free on x86 (a call to nothing), the machine-code fence elsewhere.
+read_barrier: Callable[[], None] = _choose_barrier(
+    platform.machine(), READ_BARRIER_CODE, "ring entries are not fenced on this CPU ({reason}); the driver may read an "
+                                           "entry's body from before its valid bit")

@@ -38,7 +38,7 @@ from ..sim.netns import NETNS_DIR
 from ..sim.options import check_options
 from ..sim.options import FAULTS as FAULTS  # the wire faults, for the tools (which do not import sim/)
 from ..sim.pcie import DEFAULT_PCIE_PATH, function_config, port_configs
-from ..sim.profiles import DEFAULT_PROFILE, PROFILES
+from ..sim.profiles import DEFAULT_PROFILE as DEFAULT_PROFILE, PROFILES as PROFILES  # and for the tools' --profile
 
 if TYPE_CHECKING:
     from .emulated_debug import DebugClient

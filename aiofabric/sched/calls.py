@@ -93,7 +93,8 @@ def host_address(buffer: np.ndarray | MemoryRegion) -> tuple[int, int]:
         return np.frombuffer(buffer.view, np.uint8).ctypes.data, buffer.length
     nbytes = buffer.nbytes
     if nbytes and buffer.flags.c_contiguous:  # the common case, without numpy's general byte_bounds (2 µs)
-        if buffer.flags.writeable:  # ctypes reads the address in 0.3 µs, __array_interface__ takes 1 µs
+        if buffer.flags.writeable and buffer.dtype.isbuiltin == 1:  # ctypes reads the address in 0.3 µs,
+            # __array_interface__ takes 1 µs; a dtype numpy does not build in (ml_dtypes') has no buffer format
             return ctypes.addressof(ctypes.c_char.from_buffer(buffer)), nbytes  # type: ignore[arg-type]
         return buffer.__array_interface__["data"][0], nbytes
     if nbytes == 0:

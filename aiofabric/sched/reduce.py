@@ -8,11 +8,14 @@ batch computes the same numbers on every host whichever it got: NaN propagation 
 np.minimum/np.maximum, wrap-around of signed integers, float16 computed in float32 and rounded to nearest even.
 One exception: the sum or product of two NaNs is a's NaN here, where numpy's float32/float64 loops give a's or b's
 depending on the element's position (its SIMD and scalar paths differ); both are a quiet NaN of one operand.
+bfloat16 is there when the ml_dtypes package is (numpy has no such type): its ufuncs compute in float32 and round to
+nearest even, a NaN result being the quiet NaN of its sign (of either operand's sign, for two NaNs).
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib
 import threading
 from typing import Any
 
@@ -22,8 +25,16 @@ from .calls import Call, ComputeQueue, kernel
 from .kernels import CKernel, check_flat
 from ..errors import CompilerNotFoundError
 
+try:
+    importlib.import_module("ml_dtypes")  # registers bfloat16 with numpy
+    BFLOAT16: np.dtype[Any] | None = np.dtype("bfloat16")
+except ImportError:  # optional (aiofabric[bf16]): without it there is no bfloat16 array to reduce
+    BFLOAT16 = None
+
 OPS = ("sum", "prod", "min", "max")
-DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64))
+DTYPES: tuple[np.dtype[Any], ...] = (*(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int32, np.int64,
+                                                               np.int8, np.uint8, np.uint32, np.uint64)),
+                                      *([BFLOAT16] if BFLOAT16 is not None else []))
 UFUNCS: dict[str, np.ufunc] = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 # -O3: GCC's -O2 (very-cheap cost model) will not version a loop for possible aliasing, so without `restrict` (out
 # may be a or b) it would stay scalar. IEEE semantics are kept: no -ffast-math.
@@ -68,6 +79,18 @@ static inline uint16_t f2h(float f) {
 }
 """
 
+# bfloat16 <-> float32: a bfloat16 is a float's top half. ml_dtypes rounds to nearest even, and makes a NaN the quiet
+# NaN of its sign (its min and max return an operand, NaN payload and all, as these do).
+_BFLOAT = r"""
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
+static inline float b2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, sizeof f); return f; }
+static inline uint16_t f2b(float f) {
+    uint32_t u = bits_of(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  /* the carry may bump the exponent, up to inf */
+}
+"""
+
 # (C element type, expression of x = a[i] and y = b[i]) per dtype and op.
 # Signed sum/prod run on the unsigned type of the same width: they wrap as numpy's do, where signed overflow would
 # be undefined behaviour in C. Float min/max are np.minimum/np.maximum's: a NaN in a wins, then a NaN in b, and for
@@ -78,10 +101,16 @@ _C_OPS: dict[str, dict[str, tuple[str, str]]] = {
     "float64": {op: ("double", expr) for op, expr in _FLOAT_OPS.items()},
     **{name: {"sum": (f"uint{bits}_t", "x + y"), "prod": (f"uint{bits}_t", "x * y"),
               "min": (f"int{bits}_t", "x < y ? x : y"), "max": (f"int{bits}_t", "x > y ? x : y")}
-       for name, bits in (("int32", 32), ("int64", 64))},
+       for name, bits in (("int8", 8), ("int32", 32), ("int64", 64))},
+    **{f"uint{bits}": {op: (f"uint{bits}_t", expr) for op, expr in (("sum", "x + y"), ("prod", "x * y"),
+                                                                   ("min", "x < y ? x : y"), ("max", "x > y ? x : y"))}
+       for bits in (8, 32, 64)},
     "float16": {"sum": ("uint16_t", "f2h(h2f(x) + h2f(y))"), "prod": ("uint16_t", "f2h(h2f(x) * h2f(y))"),
                 "min": ("uint16_t", "(h2f(x) <= h2f(y) || h2f(x) != h2f(x)) ? x : y"),
                 "max": ("uint16_t", "(h2f(x) >= h2f(y) || h2f(x) != h2f(x)) ? x : y")},
+    "bfloat16": {"sum": ("uint16_t", "f2b(b2f(x) + b2f(y))"), "prod": ("uint16_t", "f2b(b2f(x) * b2f(y))"),
+                 "min": ("uint16_t", "(b2f(x) < b2f(y) || b2f(x) != b2f(x)) ? x : y"),
+                 "max": ("uint16_t", "(b2f(x) > b2f(y) || b2f(x) != b2f(x)) ? x : y")},
 }
 
 
@@ -95,7 +124,7 @@ def c_source(op: str, dtype: Any) -> str:
     ctype, expr = _C_OPS[dtype.name][op]
     return (f"/* aiofabric.sched.reduce: out[i] = a[i] {op} b[i] for {dtype.name}, bit for bit numpy's "
             f"np.{UFUNCS[op].__name__} */\n#include <stdint.h>\n#include <string.h>\n"
-            + (_HALF if dtype.name == "float16" else "")
+            + {"float16": _HALF, "bfloat16": _BFLOAT}.get(dtype.name, "")
             + f"\nvoid {function_name(op, dtype)}({ctype} *out, const {ctype} *a, const {ctype} *b, int64_t n) {{\n"
             f"    for (int64_t i = 0; i < n; i++) {{\n        {ctype} x = a[i], y = b[i];\n"
             f"        out[i] = {expr};\n    }}\n}}\n")

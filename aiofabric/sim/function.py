@@ -18,6 +18,7 @@ from .objects import BackingStoreArea, CommandError, L2Filter, PageTableError, R
 from .pcie import DEFAULT_PCIE_PATH, PcieFunction
 from .profiles import DEFAULT_PROFILE, PROFILES, FirmwareProfile
 from ..autogen import bnxt
+from ..hw.firmware import THOR_CHIPS
 from ..hw.firmware import BackingStoreType as BS
 
 TYPE_VALID = bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID
@@ -31,7 +32,6 @@ class FirmwareConfig:
     mac: bytes  # 6 bytes
     port_id: int = 0
     fw_version: tuple[int, int, int, int] = (230, 0, 150, 0)  # major, minor, build, reserved
-    roce_db_page_kb: int = 64  # func_qcfg.legacy_l2_db_size_kb: the RoCE doorbell page is at BAR2 + this * 1024
     profile: FirmwareProfile = PROFILES[DEFAULT_PROFILE]  # the chip and what its firmware offers (profiles.py)
     pcie_path: str = DEFAULT_PCIE_PATH  # the path to the root complex (pcie.py): whether atomics reach memory
 
@@ -155,7 +155,20 @@ class FunctionState:
     # -- what the function offers ------------------------------------------------------------------------------------
     @property
     def roce_db_offset(self) -> int:
-        return -(-self.config.roce_db_page_kb * 1024 // PAGE) * PAGE
+        """Where BAR2's RoCE doorbell page starts: on Thor2 after the legacy L2 doorbells FUNC_QCFG sizes (page
+        aligned), on Thor at 0x10000 for a PF (Linux bnxt_re_set_db_offset; this emulated function is a PF)."""
+        if self.config.profile.chip_num in THOR_CHIPS:
+            return bnxt.BNXT_QPLIB_DBR_PF_DB_OFFSET
+        return -(-self.config.profile.legacy_l2_db_size_kb * 1024 // PAGE) * PAGE
+
+    @property
+    def stats_length(self) -> int:
+        """The statistics block a STAT_CTX_ALLOC must make room for: ctx_hw_stats (160 bytes), or with TPA v2 the
+        chip's longer one, 168 bytes on Thor and 176 (ctx_hw_stats_ext) on Thor2 (Linux bnxt_hwrm_vnic_qcaps)."""
+        profile = self.config.profile
+        if not profile.tpa_v2:
+            return 160
+        return 168 if profile.chip_num in THOR_CHIPS else 176
 
     @property
     def ctx_init_ok(self) -> bool:

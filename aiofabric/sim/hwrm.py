@@ -47,6 +47,8 @@ BACKING_STORE_V2_COMMANDS = {bnxt.HWRM_FUNC_BACKING_STORE_QCAPS_V2, bnxt.HWRM_FU
 
 L2_CMPL, TX, RX, ROCE_CMPL, RX_AGG, NQ = (getattr(bnxt, f"RING_ALLOC_REQ_RING_TYPE_{name}") for name in
                                           ("L2_CMPL", "TX", "RX", "ROCE_CMPL", "RX_AGG", "NQ"))
+MAX_AGGS = 64  # VNIC_QCAPS max_aggs_supported with TPA v2 (Inferred: any non-zero value does)
+L2_FILTER_FLAGS = bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_PATH_RX | bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_OUTERMOST
 PORT_EVENTS: dict[str, tuple[EventId, Callable[[Firmware], int]]] = {  # post_event's: (event id, its event_data1)
     "link_down": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(fw.port.up, fw.config.port_id)),
     "link_up": (EventId.LINK_STATUS_CHANGE, lambda fw: link_event_data(fw.port.up, fw.config.port_id)),
@@ -69,9 +71,9 @@ class Firmware(FunctionState):
 
     COMMANDS = ("ver_get", "func_reset", "func_qcaps", "func_qcfg", "func_drv_rgtr", "func_drv_unrgtr",
                 "func_backing_store_qcaps_v2", "func_backing_store_cfg_v2", "stat_ctx_alloc", "stat_ctx_free",
-                "ring_alloc", "ring_free", "vnic_alloc", "vnic_cfg", "vnic_free", "cfa_l2_filter_alloc",
-                "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg", "func_resource_qcaps", "func_cfg",
-                "port_phy_qcaps", "func_drv_if_change")
+                "ring_alloc", "ring_free", "vnic_alloc", "vnic_cfg", "vnic_free", "vnic_qcaps",
+                "cfa_l2_filter_alloc", "cfa_l2_filter_free", "port_phy_cfg", "port_phy_qcfg", "func_resource_qcaps",
+                "func_cfg", "port_phy_qcaps", "func_drv_if_change")
 
     def __init__(self, mem: BusMemory, config: FirmwareConfig) -> None:
         super().__init__(mem, config)
@@ -192,8 +194,8 @@ class Firmware(FunctionState):
                 "admin_mtu": self.port.mtu, "mru": self.port.mtu, "max_mtu_configured": self.port.mtu,
                 "host_mtu": self.port.mtu, "port_pf_cnt": 1,
                 **self.reservation.qcfg(),
-                "legacy_l2_db_size_kb": self.config.roce_db_page_kb,
-                "l2_doorbell_bar_size_kb": 2 * self.config.roce_db_page_kb,
+                "legacy_l2_db_size_kb": self.config.profile.legacy_l2_db_size_kb,
+                "l2_doorbell_bar_size_kb": 2 * self.config.profile.legacy_l2_db_size_kb,
                 "db_page_size": bnxt.FUNC_QCFG_RESP_DB_PAGE_SIZE_4KB, "always_1": 1}
 
     def _func_resource_qcaps(self, request: Any) -> dict[str, Any]:
@@ -306,6 +308,9 @@ class Firmware(FunctionState):
 
     # -- statistics contexts, rings, VNICs, filters, port ------------------------------------------------------------
     def _stat_ctx_alloc(self, request: Any) -> dict[str, Any]:
+        if request.stats_dma_length != self.stats_length:  # the block the chip DMAs: a shorter buffer would overflow
+            raise CommandError(INVALID_PARAMS, f"stats_dma_length {request.stats_dma_length}: this chip's statistics "
+                                               f"block is {self.stats_length} bytes (see VNIC_QCAPS)")
         if request.stats_dma_addr:  # where the firmware would DMA the counters: it must exist
             self.mem.view(request.stats_dma_addr, request.stats_dma_length)
         self.reservation.check("num_stat_ctxs", len(self.stat_ctxs), "STAT_CTX_ALLOC")
@@ -337,8 +342,12 @@ class Firmware(FunctionState):
             nq_ring_id = request.nq_ring_id
             if not isinstance(self.rings.get(nq_ring_id), NotificationQueue):
                 raise CommandError(INVALID_PARAMS, f"nq_ring_id {nq_ring_id} is not an NQ ring")
-        elif kind in (L2_CMPL, RX, RX_AGG):  # on P5+ these hang off an NQ (bnxt.c hwrm_ring_alloc_send_msg)
+        elif kind == L2_CMPL:  # on P5+ a completion ring hangs off an NQ (bnxt.c hwrm_ring_alloc_send_msg)
             raise CommandError(INVALID_PARAMS, f"a ring of type {kind} needs an NQ: set NQ_RING_ID_VALID")
+        # An RX ring's NQ is optional: Linux has named it since 2025 (bnxt_set_rx_ring_params_p5), older Linux and
+        # DPDK do not, and firmware takes both; its buffer size it always names.
+        if kind in (RX, RX_AGG) and not request.enables & bnxt.RING_ALLOC_REQ_ENABLES_RX_BUF_SIZE_VALID:
+            raise CommandError(INVALID_PARAMS, f"a ring of type {kind} needs its buffer size: set RX_BUF_SIZE_VALID")
         pages = map_memory(self.mem, request.page_tbl_depth, request.page_tbl_addr,
                            request.length * RING_ENTRY_SIZES[kind], 1 << (request.page_size or 12), queue=True)
         ring_id = self._new_id(self.rings, 0xFFFE, "rings")  # 0xFFFF means "no ring"
@@ -379,6 +388,9 @@ class Firmware(FunctionState):
             vnic.mru = request.mru
         return {}
 
+    def _vnic_qcaps(self, request: Any) -> dict[str, Any]:
+        return {"mru": self.port.mtu, "max_aggs_supported": MAX_AGGS if self.config.profile.tpa_v2 else 0}
+
     def _ring_of_type(self, ring_id: int, kind: int) -> int:
         ring = self.rings.get(ring_id)
         if ring is None or ring.ring_type != kind:
@@ -390,6 +402,10 @@ class Firmware(FunctionState):
         return {}
 
     def _cfa_l2_filter_alloc(self, request: Any) -> dict[str, Any]:
+        missing = L2_FILTER_FLAGS & ~request.flags
+        if missing:  # Inferred: Linux and DPDK always ask for both on these chips; what firmware does without, unknown
+            raise CommandError(INVALID_PARAMS, f"flags {request.flags:#x} lack {missing:#x}: an RX filter on the "
+                                               "outermost L2 header (PATH_RX | OUTERMOST)")
         vnic_id = None
         if request.enables & bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID:
             vnic_id = request.dst_id

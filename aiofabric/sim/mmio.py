@@ -46,10 +46,13 @@ class Doorbells:
         self.stats, self.rings, self.qps, self.cqs = fw.stats, fw.rings, fw.rcfw.qps, fw.rcfw.cqs
 
     def doorbell(self, offset: int, value: int) -> None:
-        """A 64-bit write to BAR2. Below the RoCE doorbell page are legacy L2 doorbells: counted, ignored."""
+        """A 64-bit write to BAR2. Below the RoCE doorbell page are legacy L2 doorbells: counted, ignored. On a Thor
+        that page is at 0x10000, so RoCE doorbells at Thor2's place (after legacy_l2_db_size_kb) land there too."""
         stats = self.stats
         if offset < self.roce_page:
             stats["legacy_doorbells"] += 1
+            self.fw.last_error = (f"doorbell at BAR2 + {offset:#x}: below the RoCE doorbell page at "
+                                  f"{self.roce_page:#x}, ignored")
             return
         xid, kind, index, epoch, toggle, path, valid = decode(value)
         if not valid:

@@ -24,7 +24,7 @@ from ..hw.firmware import BackingStoreType as BS
 from ..hw.firmware import add_gid_values
 from ..hw.layout import field_type
 from ..hw.verbs import PATH_MTU_BYTES, QUERY_QP_PATH_MTU_CODES, QPState, legal_transition
-from ..hw.wqe import RQ_WQE_HEADER_SLOTS, SQ_SLOT, SqGeometry
+from ..hw.wqe import RQ_WQE_HEADER_SLOTS, SQ_SLOT, SQ_STATIC_WQE_SLOTS, STATIC_WQE_SGES, SqGeometry
 
 QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT
 SUCCESS, FAIL, RESOURCES, INVALID_CMD, NOT_IMPLEMENTED, INVALID_PARAMETER = (
@@ -34,6 +34,7 @@ BEFORE_INITIALIZE_FW = {"query_func", "query_version", "initialize_fw", "deiniti
 QP_TYPES = {bnxt.CMDQ_CREATE_QP_TYPE_RC, bnxt.CMDQ_CREATE_QP_TYPE_UD, bnxt.CMDQ_CREATE_QP_TYPE_RAW_ETHERTYPE,
             bnxt.CMDQ_CREATE_QP_TYPE_GSI}
 MAX_GIDS, MAX_CQES, MAX_MR_SIZE, MAX_SGES = 256, (1 << 22) - 1, 1 << 40, 6
+STATIC_WQE_BYTES = SQ_STATIC_WQE_SLOTS * SQ_SLOT  # a static QP's SQ and RQ WQEs (bnxt_re_setup_swqe_size, _rwqe_size)
 M = "CMDQ_MODIFY_QP_MODIFY_MASK_"
 # MODIFY_QP mask bits whose field is copied to the QueuePair attribute of the same name (lower case); VLAN_ID's field
 # is vlan_pcp_vlan_dei_vlan_id. STATE and PATH_MTU are decoded separately.
@@ -158,7 +159,7 @@ class Rcfw(CommandQueue):
             max_inline_data=MAX_SGES * SQ_SLOT, max_gid=MAX_GIDS,
             l2_db_space_size=self.fw.roce_db_offset // PAGE - 1, max_dpi=(BAR2_SIZE - self.fw.roce_db_offset) // PAGE,
             max_sge_var_wqe=13, max_inline_data_var_wqe=13 * SQ_SLOT,
-            dev_cap_flags=bnxt.CREQ_QUERY_FUNC_RESP_SB_MR_REGISTER_ALLOC
+            dev_cap_flags=(bnxt.CREQ_QUERY_FUNC_RESP_SB_MR_REGISTER_ALLOC if profile.mr_register_alloc else 0)
             | (bnxt.CREQ_QUERY_FUNC_RESP_SB_HW_REQUESTER_RETX_ENABLED if profile.hw_retx else 0),
             dev_cap_ext_flags_2=bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_MSN_TABLE
             if profile.host_msn_table else bnxt.CREQ_QUERY_FUNC_RESP_SB_REQ_RETRANSMISSION_SUPPORT_HOST_PSN_TABLE)
@@ -230,12 +231,16 @@ class Rcfw(CommandQueue):
             raise CommandError(INVALID_PARAMETER, "sq_size 0")
         geometry = SqGeometry(bool(request.qp_flags & bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED),
                               request.sq_size, self.fw.config.profile.host_msn_table)
+        sq_sge = request.sq_fwo_sq_sge & bnxt.CMDQ_CREATE_QP_SQ_SGE_MASK
+        rq_sge = request.rq_fwo_rq_sge & bnxt.CMDQ_CREATE_QP_RQ_SGE_MASK
+        if not geometry.variable and (sq_sge != STATIC_WQE_SGES or request.rq_size and rq_sge != STATIC_WQE_SGES):
+            raise CommandError(INVALID_PARAMETER, f"static WQEs are {STATIC_WQE_BYTES} bytes, {STATIC_WQE_SGES} SGEs: "
+                                                  f"sq_sge {sq_sge}, rq_sge {rq_sge}")
         sq_pages = request.sq_pg_size_sq_lvl
         sq = self._queue_pages("SQ", sq_pages & bnxt.CMDQ_CREATE_QP_SQ_LVL_MASK,
                                (sq_pages & bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_MASK) >> bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_SFT,
                                request.sq_pbl, geometry.table_offset + geometry.table_entries
                                * geometry.table_entry.size)  # the ring, then the search table
-        rq_sge = request.rq_fwo_rq_sge & bnxt.CMDQ_CREATE_QP_RQ_SGE_MASK
         rq_wqe_size = (RQ_WQE_HEADER_SLOTS + rq_sge) * SQ_SLOT  # rq_wqe_hdr, then the SGEs
         rq_pages = request.rq_pg_size_rq_lvl
         rq = self._queue_pages("RQ", rq_pages & bnxt.CMDQ_CREATE_QP_RQ_LVL_MASK,
@@ -249,7 +254,7 @@ class Rcfw(CommandQueue):
             qpn = self._new_id(self.qps, self.fw.context_capacity(BS.QP), "QP", first=2)
         self.qps[qpn] = QueuePair(
             qpn, request.qp_handle, request.type, request.qp_flags, request.pd_id, scq, rcq, sq, geometry,
-            request.sq_fwo_sq_sge & bnxt.CMDQ_CREATE_QP_SQ_SGE_MASK, rq, request.rq_size, rq_wqe_size, rq_sge,
+            sq_sge, rq, request.rq_size, rq_wqe_size, rq_sge,
             request.irrq_addr, request.orrq_addr, hw_retx=self.hw_retx)
         return {"xid": qpn}
 
@@ -342,6 +347,9 @@ class Rcfw(CommandQueue):
         page_size = 1 << page_shift
         pages = map_memory(self.mem, level, request.pbl, (request.va & page_size - 1) + request.mr_size, page_size)
         if request.flags & bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR:  # unified MR: `key` carries the PD
+            if not self.fw.config.profile.mr_register_alloc:  # Linux asks for it only where offered
+                raise CommandError(INVALID_PARAMETER, "ALLOC_MR: QUERY_FUNC's dev_cap_flags do not offer "
+                                                      "MR_REGISTER_ALLOC (ALLOCATE_MRW the key first)")
             mr = self._new_key(request.key, bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)
             mr.allocated_by_register = True
         else:

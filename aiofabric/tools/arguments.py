@@ -1,6 +1,7 @@
 """argparse value types every command shares: each refuses, naming the value and the range, whatever its flag cannot
 hold, so a usage error exits 2 before anything runs ("argument --ranks: must be in [1, 16], not 0"). And the flags of
-the emulated wire, which bench, lat and the collectives take alike (options.WireOptions holds their values)."""
+the emulated wire and NICs, which bench, lat and the collectives take alike (options.WireOptions holds their
+values)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ from typing import Any, Callable, TypeAlias
 
 from .units import parse_size
 from ..pci import ADDRESS
-from ..pci.emulated import FAULTS
+from ..pci.emulated import DEFAULT_PROFILE, FAULTS, PROFILES
 
 Subcommands: TypeAlias = "argparse._SubParsersAction[Any]"  # where a command adds its parser (cli.Parser's)
 
@@ -134,3 +135,5 @@ def add_wire_flags(parser: Any) -> None:
                             help=f"probability of {fault} per packet on the emulated wire")
     parser.add_argument("--seed", type=int, default=0, help="seed of the wire faults (default 0)")
     parser.add_argument("--pcap", metavar="FILE", help="write every packet NIC 0 sends and receives (NIC N: FILE.N)")
+    parser.add_argument("--profile", choices=PROFILES, help=f"the chip and firmware this host's emulated NICs play "
+                                                           f"(default {DEFAULT_PROFILE}; see docs/emulator.md)")

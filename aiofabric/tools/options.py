@@ -39,14 +39,15 @@ Need = tuple[str, Any, int, str, str]
 
 @dataclasses.dataclass(kw_only=True)
 class WireOptions:
-    """The emulated wire's faults (FAULTS: a probability per packet each), their seed and the capture file
-    (arguments.add_wire_flags)."""
+    """The emulated wire's faults (FAULTS: a probability per packet each), their seed, the capture file and the
+    emulated NICs' firmware profile (arguments.add_wire_flags)."""
     loss: float = 0.0
     reorder: float = 0.0
     dup: float = 0.0
     corrupt: float = 0.0
     seed: int = 0
     pcap: str | None = None  # capture NIC 0's packets in FILE, NIC N's in FILE.N
+    profile: str | None = None  # the firmware profile this host's emulated NICs play (None: the emulator's default)
 
     @classmethod
     def from_args(cls: type[Options], args: argparse.Namespace) -> Options:
@@ -56,16 +57,22 @@ class WireOptions:
     def nic_options(self) -> dict[str, Any]:
         """open_nic's keywords for what was asked: the faults that are on (with the seed) and the capture. Nothing
         when nothing was: a PCI NIC takes no emulator option, not even a fault that is off."""
-        return {**self.faults(), **({"pcap": self.pcap} if self.pcap else {})}
+        return {**self.faults(), **self.chip(), **({"pcap": self.pcap} if self.pcap else {})}
 
     def faults(self, seed: int = 0) -> dict[str, Any]:
         """open_nic's keywords for the faults that are on, with the seed `seed` past ours (each NIC its own)."""
         faults: dict[str, Any] = {name: getattr(self, name) for name in FAULTS if getattr(self, name)}
         return dict(faults, seed=self.seed + seed) if faults else {}
 
+    def chip(self) -> dict[str, Any]:
+        """open_nic's keyword for the firmware profile this host's emulated NICs play, if one was asked (a peer's
+        NICs play what its server chose)."""
+        return {"profile": self.profile} if self.profile else {}
+
     def wire_flags(self) -> list[str]:
-        """The options given that act on the emulated wire: the faults that are on, and the capture."""
-        return [name for name in (*FAULTS, "pcap") if getattr(self, name)]
+        """The options given that act on the emulated wire and NICs: the faults that are on, the capture, the
+        profile."""
+        return [name for name in (*FAULTS, "pcap", "profile") if getattr(self, name)]
 
     def check_faults(self) -> None:
         for name in FAULTS:

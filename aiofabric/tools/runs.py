@@ -52,7 +52,7 @@ async def open_nics(options: PerftestOptions, count: int) -> AsyncIterator[list[
             if not options.emulated:  # a real NIC: no emulator options
                 nics.append(await stack.enter_async_context(open_nic(options.nic, ip=options.ip)))
                 continue
-            emulator = options.faults(seed=i)
+            emulator = {**options.faults(seed=i), **options.chip()}
             if options.shared_emulator:
                 emulator["process"] = shared
             if options.pcap:

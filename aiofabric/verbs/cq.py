@@ -13,6 +13,7 @@ from ..driver.rings import Ring
 from ..errors import ClosedError, DeviceLostError
 from ..hw.cqe import CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, cqe_type
 from ..hw.doorbell import arm_enable
+from ..pci import read_barrier
 
 __all__ = ["CompletionQueue", "CompletionTarget", "handles"]
 CQE_KIND_REQ, CQE_KIND_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
@@ -74,12 +75,13 @@ class CompletionQueue:
 
     def poll(self, budget: int = 512) -> int:
         """Consume up to `budget` new CQEs, completing their work requests; return the CQ credit to the NIC."""
-        ring, view, depth = self.ring, self.ring.view, self.ring.depth
+        ring, view, depth, ordered = self.ring, self.ring.view, self.ring.depth, read_barrier
         count = 0
         while count < budget:
             offset = ring.offset(ring.consumer)
             if not CQ_ENTRY.is_new(view, offset, ring.consumer, depth):
                 break
+            ordered()  # the CQE's body after its valid bit (Linux dma_rmb in bnxt_qplib_poll_cq)
             kind = cqe_type(view[offset + CQE_TYPE_OFFSET])
             if kind == CQE_KIND_REQ:
                 handle, consumer, _, status = CQE_REQ.unpack_from(view, offset)

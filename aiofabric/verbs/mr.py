@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import weakref
 
+import anyio
+
 from .types import Access, LocalBuffer, RemoteRegion, check_range
 from .workqueue import ADDRESS_MAX, KEY_MAX, Sge
 from ..autogen import bnxt
+from ..driver import log
 from ..driver.device import Device
 from ..driver.rings import page_table
-from ..errors import ClosedError, DeviceLostError
+from ..errors import ClosedError, DeviceLostError, FabricError
 from ..pci import DmaBuffer
 
 __all__ = ["MemoryRegion", "local_sge", "remote_address"]
+PD = 0  # the one protection domain every region and QP of a NIC shares
 
 
 class MemoryRegion:
@@ -37,17 +41,26 @@ class MemoryRegion:
         return mr
 
     async def _register(self) -> None:
+        """REGISTER_MR, its key allocated by it (ALLOC_MR, the key field naming the PD) where QUERY_FUNC offers
+        MR_REGISTER_ALLOC, else by ALLOCATE_MRW first (Linux bnxt_re_reg_user_mr, bnxt_qplib_alloc_mrw)."""
+        allocated = -1
         try:
+            if not self.device.mr_register_alloc:
+                allocated = (await self.device.rcfw("allocate_mrw", pd_id=PD,
+                                                    mrw_flags=bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR)).xid
             reply = await self.device.rcfw(
-                "register_mr", flags=bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR, access=self.access.for_mr(),
-                log2_pg_size_lvl=self.table.level << bnxt.CMDQ_REGISTER_MR_LVL_SFT
+                "register_mr", flags=bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR if allocated < 0 else 0,
+                access=self.access.for_mr(), log2_pg_size_lvl=self.table.level << bnxt.CMDQ_REGISTER_MR_LVL_SFT
                 | 12 << bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_SFT, log2_pbl_pg_size=12,
-                key=0, pbl=self.table.base, va=self.addr, mr_size=self.length)
+                key=PD if allocated < 0 else allocated, pbl=self.table.base, va=self.addr, mr_size=self.length)
         except BaseException:
+            if allocated >= 0:  # the key ALLOCATE_MRW made goes again, as Linux frees it (free_mrw)
+                with anyio.CancelScope(shield=True):
+                    await self._deallocate(allocated, quiet=True)
             self._free_memory()
             raise
-        self.lkey = self.rkey = reply.xid  # no checkpoint from the reply to here (see QueuePairLife._create)
-        self.device.attach(self)
+        self.lkey = self.rkey = reply.xid if allocated < 0 else allocated  # no checkpoint from the reply to here
+        self.device.attach(self)  # (see QueuePairLife._create)
         _registered[self.device.gid, self.rkey] = self
 
     def check_open(self) -> None:
@@ -82,17 +95,28 @@ class MemoryRegion:
             self._unregistered()
 
     async def deregister(self) -> None:
-        """DEREGISTER_MR and free what the registration allocated; every later use raises ClosedError."""
+        """DEALLOCATE_KEY, which deregisters the region and frees its key however it was made (Linux
+        bnxt_re_dereg_mr, bnxt_qplib_free_mrw), and free its memory; every later use raises ClosedError."""
         if self.closed:
             return
         self.closed = True
         try:
-            await self.device.rcfw_release("deregister_mr", lkey=self.lkey)
+            await self._deallocate(self.lkey)
         except BaseException:  # refused, timed out or cancelled: still registered, so still ours (a retry works)
             self.closed = False
             raise
         self.device.detach(self)
         self._unregistered()
+
+    async def _deallocate(self, key: int, quiet: bool = False) -> None:
+        """DEALLOCATE_KEY of `key` (an MR's); `quiet`: a failure is logged, not raised (a key left behind is the
+        firmware's to drop at the next reset)."""
+        try:
+            await self.device.rcfw_release("deallocate_key", mrw_flags=bnxt.CMDQ_DEALLOCATE_KEY_MRW_FLAGS_MR, key=key)
+        except FabricError as exc:
+            if not quiet:
+                raise
+            log.warning("%s: MR key %#x: %s", self.device.pci.address, key, exc)
 
     def _unregistered(self) -> None:
         """The firmware let go of the region (or the device is quiesced): forget its key, free its memory."""

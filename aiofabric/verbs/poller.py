@@ -19,6 +19,7 @@ from ..autogen import bnxt
 from ..driver.device import Device
 from ..driver.interrupts import NQ_VECTOR, wait_for_interrupt, wake
 from ..hw.cqe import NQ_CQ_NOTIFICATION, NQ_ENTRY, notification_fields
+from ..pci import read_barrier
 
 SPIN_SECONDS = 80e-6
 SAFETY_POLL = 0.1  # the first safety poll after an interrupt or a completion ...
@@ -126,6 +127,7 @@ class Poller:
             offset = nq.offset(nq.consumer)
             if not NQ_ENTRY.is_new(view, offset, nq.consumer, nq.depth):
                 break
+            read_barrier()  # the entry's body after its valid bit (Linux dma_rmb in bnxt_qplib_service_nq)
             entry_type, low, _, high = NQ_CQ_NOTIFICATION.unpack_from(view, offset)
             kind, toggle, handle = notification_fields(entry_type, low, high)
             if kind == CQ_NOTIFICATION:

@@ -22,7 +22,8 @@ from ..errors import ClosedError, CompletionError, DeviceLostError, FabricError,
 from ..hw.cqe import QP_ERROR_REASON_NAMES, RECV_STATUS_NAMES, SEND_STATUS_NAMES
 from ..hw.layout import field_type
 from ..hw.verbs import PATH_MTU_CODES, PSN_MASK
-from ..hw.wqe import RQ_WQE_HEADER, SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry
+from ..hw.wqe import (RQ_WQE_HEADER, SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, STATIC_SQ_RESERVED_WQES,
+                      STATIC_WQE_SGES, SqGeometry)
 from ..pci import DmaBuffer
 
 __all__ = ["QueuePairLife"]
@@ -53,24 +54,24 @@ class QueuePairLife:
         self.max_send_sge, self.max_recv_sge, self.max_inline_data = max_send_sge, max_recv_sge, max_inline_data
         wqe_slots = SQ_WQE_HEADER_SLOTS + max(max_send_sge, -(-max_inline_data // SQ_SLOT))
         if device.variable_wqes:
-            size = power_of_two(-(-sq_depth * wqe_slots // SQ_SLOT_ALIGN) * SQ_SLOT_ALIGN)
-        else:
-            # one WQE more than asked for: sq_depth in flight leaves one free (SendQueueCodec.max_wqes), as Linux's
-            # bnxt_re_init_sq_attr adds 1
-            size, wqe_slots = power_of_two(sq_depth + 1), SQ_STATIC_WQE_SLOTS
+            size, reserved = power_of_two(-(-sq_depth * wqe_slots // SQ_SLOT_ALIGN) * SQ_SLOT_ALIGN), 0
+        else:  # 128-byte WQEs of 6 SGEs, 128 + 1 more than asked for (Linux bnxt_re_init_sq_attr, in powers of two)
+            reserved, wqe_slots = STATIC_SQ_RESERVED_WQES + 1, SQ_STATIC_WQE_SLOTS
+            size = power_of_two(sq_depth + reserved)
         self.geometry = SqGeometry(device.variable_wqes, size, device.host_msn_table)
         if self.geometry.slots > MAX_SQ_SLOTS:
-            most = MAX_SQ_SLOTS // wqe_slots
+            most = MAX_SQ_SLOTS // wqe_slots - reserved
             raise ValueError(f"sq_depth {sq_depth} needs {self.geometry.slots} send-queue slots: the search table names "
                              f"a WQE's slot in 16 bits, so at most {MAX_SQ_SLOTS} ({most} work requests of "
                              f"{wqe_slots} slots)")
         self.sq_slots, entries = self.geometry.slots, self.geometry.table_entries
         self.msn_entries = entries if device.host_msn_table else 0  # the MSN table's; 0 with the PSN search table
         self.sq = Ring(device.pci, self.sq_slots, SQ_SLOT, extra=entries * self.geometry.table_entry.size)
-        self.rq_wqe_size = RQ_WQE_HEADER.size + max_recv_sge * SGE.size
+        self.rq_sges = max_recv_sge if device.variable_wqes else STATIC_WQE_SGES  # what CREATE_QP names
+        self.rq_wqe_size = RQ_WQE_HEADER.size + self.rq_sges * SGE.size  # static: 128 bytes (bnxt_re_setup_rwqe_size)
         self.rq = Ring(device.pci, power_of_two(rq_depth), self.rq_wqe_size)
-        self.send_queue = SendQueueCodec(self.geometry, self.sq.view,
-                                         max_unsignaled=max(1, self.sq_slots // wqe_slots // 2))
+        self.send_queue = SendQueueCodec(self.geometry, self.sq.view, reserved_wqes=reserved,
+                                         max_unsignaled=max(1, (self.sq_slots // wqe_slots - reserved) // 2))
         self.recv_queue = RecvQueueCodec(self.rq.view, self.rq.depth, self.rq_wqe_size)
         self.send_queue.psn = random_psn()
         self.read_queues: list[DmaBuffer] = [device.pci.alloc_dma(0x1000), device.pci.alloc_dma(0x1000)]
@@ -109,8 +110,9 @@ class QueuePairLife:
                 qp_flags=bnxt.CMDQ_CREATE_QP_QP_FLAGS_VARIABLE_SIZED_WQE_ENABLED if self.geometry.variable else 0,
                 sq_pg_size_sq_lvl=self.sq.level | bnxt.CMDQ_CREATE_QP_SQ_PG_SIZE_PG_4K,
                 rq_pg_size_rq_lvl=self.rq.level | bnxt.CMDQ_CREATE_QP_RQ_PG_SIZE_PG_4K,
-                sq_size=self.geometry.size, rq_size=self.rq.depth, sq_fwo_sq_sge=self.max_send_sge,
-                rq_fwo_rq_sge=self.max_recv_sge, scq_cid=self.send_cq.id, rcq_cid=self.recv_cq.id,
+                sq_size=self.geometry.size, rq_size=self.rq.depth,
+                sq_fwo_sq_sge=self.max_send_sge if self.geometry.variable else STATIC_WQE_SGES,
+                rq_fwo_rq_sge=self.rq_sges, scq_cid=self.send_cq.id, rcq_cid=self.recv_cq.id,
                 sq_pbl=self.sq.base, rq_pbl=self.rq.base, irrq_addr=irrq.bus_addr, orrq_addr=orrq.bus_addr)
         except BaseException:
             self._free_memory()

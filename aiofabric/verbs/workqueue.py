@@ -61,9 +61,10 @@ class SendQueueCodec:
 
     Posting writes WQEs at the producer and never checks room: the caller asks `room(slots, wqes)` first (and waits
     for completions when there is none). `max_unsignaled` bounds a run of unsignaled WQEs, so that completions keep
-    releasing the ring however the caller signals."""
+    releasing the ring however the caller signals. `reserved_wqes` of the ring are never filled (static WQEs: Linux
+    keeps BNXT_QPLIB_RESERVED_QP_WRS + 1 free, q_full_delta)."""
 
-    def __init__(self, geometry: SqGeometry, view: memoryview, *, max_unsignaled: int) -> None:
+    def __init__(self, geometry: SqGeometry, view: memoryview, *, max_unsignaled: int, reserved_wqes: int = 0) -> None:
         self.geometry, self.view = geometry, view
         self.slots = geometry.slots
         self.ring_bytes = self.slots * SQ_SLOT
@@ -75,7 +76,7 @@ class SendQueueCodec:
         self.max_unsignaled = max_unsignaled
         self.size, self.variable = geometry.size, geometry.variable  # what a CQE's sq_cons_idx counts modulo
         # fewer WQEs in flight than sq_size: a CQE that retires them all must not name the WQE retired last
-        self.max_wqes = min(self.size - 1, self.slots // (self.static_slots or SQ_WQE_HEADER_SLOTS))
+        self.max_wqes = min(self.size - 1, self.slots // (self.static_slots or SQ_WQE_HEADER_SLOTS) - reserved_wqes)
         self.ends = [0] * (1 << self.max_wqes.bit_length())  # by WQE number: the slot after it
         self.ends_mask = len(self.ends) - 1
         self.mtu = 1024

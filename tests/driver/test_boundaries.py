@@ -13,7 +13,7 @@ import pytest
 
 from aiofabric import DmaBudget, QPState, collectives, open_nic, sched
 from aiofabric.collectives import launch, layout
-from aiofabric.collectives.communicator import MAX_PIECES
+from aiofabric.collectives.steps import MAX_PIECES
 from aiofabric.errors import ImmediateMismatchError
 from aiofabric.pci import PAGE_SIZE, PCIError
 from aiofabric.pci.dma_pool import SLAB_SIZE, DmaPool
@@ -152,6 +152,26 @@ async def test_a_runs_messages_on_a_link_fit_the_receive_pool_whatever_the_count
             bound = MAX_PIECES * (2 if kind == "allreduce" else 2 * (comm.size - 1))
             assert len(data) <= bound, (kind, count, len(data))
             assert len(data) + 1 <= depth, (kind, count, len(data), depth)  # and the ready
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_every_collectives_messages_on_a_link_fit_the_receive_pool():
+    """reduce, gather, scatter, sendrecv and alltoall grow their pieces too: with 4-byte pieces, counts just past a
+    multiple of the pool's share, no rank's run sends more messages on its link than the receive pool holds (beside
+    the ready)."""
+    async with collectives.local(3, buffer_bytes=1 << 16, landing_bytes=1 << 18, piece_bytes=4) as comms:
+        depth = launch.pool_depth(3)
+        for kind, count in (("reduce", 4 * MAX_PIECES * 3 + 1), ("sendrecv", 4 * MAX_PIECES * 5 + 3),
+                            ("gather", 2 * MAX_PIECES * 7 + 1), ("scatter", 2 * MAX_PIECES * 3 + 1),
+                            ("alltoall", 4 * MAX_PIECES + 1), ("alltoall", 4 * MAX_PIECES * 9 // 3 + 2)):
+            for comm in comms:
+                x = np.zeros(count * (3 if kind in ("scatter", "alltoall") else 1), np.float32)
+                out = np.zeros(count * (3 if kind in ("gather", "alltoall") else 1), np.float32)
+                options = {"root": 1} if kind in ("reduce", "gather", "scatter") else {}
+                calls = comm.calls(kind, x, out, **options)
+                data = [c for c in calls if c.kind == "write_with_imm" and c.name != "ready to prev"]
+                assert len(data) + 1 <= depth, (kind, count, comm.rank, len(data), depth)
 
 
 @pytest.mark.anyio

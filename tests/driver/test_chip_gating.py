@@ -23,7 +23,7 @@ from aiofabric.sim.function import CONTEXT_TYPES
 from aiofabric.sim.pcie import DEVCTL2, PCIE_PATHS
 from aiofabric.sim.profiles import PROFILES
 from aiofabric.verbs import ATOMIC_ACCESS, workqueue
-from aiofabric.errors import CompletionError, UnsupportedError
+from aiofabric.errors import CompletionError, FirmwareError, UnsupportedError
 from tests.support.firmware import Driver
 from tests.support.nics import connect, connected_qps, stats, tag
 
@@ -262,3 +262,76 @@ async def test_without_atomicops_on_the_path_atomics_fail_at_once_naming_the_roo
         with pytest.raises(UnsupportedError, match=f"^{a.pci.address}: a region open to remote atomics: {why}"):
             await a.register_mr(4096, ATOMIC_ACCESS)
         await qa.write(source, counter, 8)  # the rest of the NIC works
+
+
+THOR = "thor-bs-v2"  # the Thor (P5) profile the driver boots
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("profile, stats_length", [("thor2", 176), (THOR, 168)])
+async def test_thor_rings_its_roce_doorbells_at_0x10000_and_sizes_statistics_by_chip(profile, stats_length):
+    """bnxt_re_set_db_offset: on P5 the RoCE doorbells are at BAR2 + 0x10000 whatever FUNC_QCFG's
+    legacy_l2_db_size_kb says (the Thor profile says 0); bnxt_hwrm_vnic_qcaps: with TPA v2 a statistics context is
+    176 bytes on Thor2, 168 on Thor (the emulated firmware refuses any other length)."""
+    async with pair(profile) as (a, b, qa, qb):
+        for nic in (a, b):  # the CREQ's, NQs' and CQs' doorbells so far all reached the RoCE doorbell page
+            assert nic.pci.debug({"op": "stats"})["stats"].get("legacy_doorbells", 0) == 0
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        source.view[:] = random.Random(1).randbytes(4096)
+        with anyio.fail_after(10):
+            await qa.write(source, target, 4096)
+        assert bytes(target.view) == bytes(source.view)
+        assert (a.device.db_offset, a.device.stats_length) == (0x10000, stats_length)
+
+
+@pytest.mark.loop_agnostic
+async def test_a_thor_qp_has_static_128_byte_wqes_and_128_spare_send_entries():
+    """bnxt_re_setup_swqe_size / _rwqe_size: static WQEs are 128 bytes, 6 SGEs, in the SQ and the RQ, whatever the
+    QP asked for; bnxt_re_init_sq_attr: the SQ holds 128 + 1 more than asked for (rounded up to a power of two here,
+    as bnxt_re_init_depth does for user QPs), and the driver never fills those."""
+    async with pair(THOR, sq_depth=200) as (a, b, qa, qb):
+        sq_size = 512  # 200 + 129, rounded up
+        query = await qa.query()
+        assert (query.sq_size, query.sq_sge, query.rq_sge) == (sq_size, 6, 6)
+        assert (qa.rq_wqe_size, qa.send_queue.max_wqes) == (128, sq_size - 129)
+        sq = qa.send_queue
+        assert sq.room(8 * (sq_size - 129), sq_size - 129) and not sq.room(8 * (sq_size - 128), sq_size - 128)
+        source, target = await a.register_mr(1 << 16), await b.register_mr(1 << 16)
+        source.view[:] = random.Random(2).randbytes(1 << 16)
+        with anyio.fail_after(20):
+            writes = [await qa.post_write(source, target, 64, local_offset=64 * i, remote_offset=64 * i)
+                      for i in range(sq_size - 129)]
+            for write in writes:
+                await write
+        assert bytes(target.view[:64 * (sq_size - 129)]) == bytes(source.view[:64 * (sq_size - 129)])
+
+
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("profile", ["thor2", THOR])
+async def test_an_mr_key_is_allocated_as_query_func_says_and_freed_with_deallocate_key(profile):
+    """bnxt_re_reg_user_mr: REGISTER_MR allocates the key itself only where QUERY_FUNC has MR_REGISTER_ALLOC (Thor2);
+    elsewhere ALLOCATE_MRW makes it first. bnxt_re_dereg_mr frees either with DEALLOCATE_KEY: nothing is left."""
+    async with open_nic(f"sim:{tag()}", profile=profile) as nic:
+        assert nic.device.mr_register_alloc == (profile == "thor2")
+        mr = await nic.register_mr(8192)
+        assert nic.pci.debug({"op": "objects"})["objects"]["mrs"] == 1
+        await mr.deregister()
+        assert nic.pci.debug({"op": "objects"})["objects"]["mrs"] == 0
+
+
+@pytest.mark.loop_agnostic
+async def test_a_refused_registration_frees_the_key_allocate_mrw_made():
+    async with open_nic(f"sim:{tag()}", profile=THOR) as nic:
+        nic.pci.debug({"op": "inject", "command": "register_mr", "status": bnxt.CREQ_QP_EVENT_STATUS_RESOURCES})
+        with pytest.raises(FirmwareError, match="register_mr"):
+            await nic.register_mr(8192)
+        assert nic.pci.debug({"op": "objects"})["objects"]["mrs"] == 0
+
+
+@pytest.mark.loop_agnostic
+async def test_the_l2_filter_asks_for_the_outermost_header_as_linux_does():
+    """bnxt_hwrm_l2_filter_alloc asks for PATH_RX | OUTERMOST on these chips; the emulated firmware refuses a filter
+    without OUTERMOST (inferred: docs/hardware-conformance.md)."""
+    async with open_nic(f"sim:{tag()}") as nic:
+        objects = nic.pci.debug({"op": "objects"})["objects"]
+        assert (objects["vnics"], objects["l2_filters"]) == (1, 1)

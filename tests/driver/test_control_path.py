@@ -76,7 +76,7 @@ async def test_boot_reserves_what_it_allocates_before_the_first_ring_and_no_ring
                 with pytest.raises(FirmwareError, match="RESOURCE_ALLOC_ERROR"):
                     await nic.hwrm("ring_alloc", ring_type=kind, page_tbl_addr=ring.base, length=64, **fields)
             with pytest.raises(FirmwareError, match="RESOURCE_ALLOC_ERROR"):
-                await nic.hwrm("stat_ctx_alloc")
+                await nic.hwrm("stat_ctx_alloc", stats_dma_length=nic.device.stats_length)
             with pytest.raises(FirmwareError, match="RESOURCE_ALLOC_ERROR"):
                 await nic.hwrm("vnic_alloc")
         finally:

@@ -241,7 +241,7 @@ async def test_an_mr_whose_deregister_times_out_stays_an_mr_that_can_be_retried(
         try:  # a retry is sent; the firmware may have done the first one (only its answer was lost): it says so
             await mr.deregister()
         except FirmwareError as error:
-            assert "deregister_mr failed: INVALID_PARAMETER" in str(error)
+            assert "deallocate_key failed: INVALID_PARAMETER" in str(error)
 
 
 def _fds():

@@ -268,29 +268,34 @@ def test_freeing_a_buffer_whose_view_is_exported_still_frees_it():
 def test_memory_barrier_costs_nothing_on_x86():
     if platform.machine() not in ("x86_64", "amd64", "i386", "i686"):
         pytest.skip("x86 only")
-    assert barrier.memory_barrier is barrier._no_barrier
+    assert barrier.memory_barrier is barrier.read_barrier is barrier._no_barrier
 
 
 @pytest.mark.skipif(platform.machine() not in barrier.BARRIER_CODE, reason="no barrier code for this CPU")
-def test_machine_code_barrier_runs():
-    fence = barrier.machine_code_barrier(platform.machine())
+@pytest.mark.parametrize("codes", [barrier.BARRIER_CODE, barrier.READ_BARRIER_CODE], ids=["store", "read"])
+def test_machine_code_barrier_runs(codes):
+    fence = barrier.machine_code_barrier(platform.machine(), codes)
     for _ in range(3):
         assert fence() is None
 
 
 @pytest.mark.skipif(not shutil.which("llvm-mc"), reason="llvm-mc (LLVM's assembler) is not installed")
-@pytest.mark.parametrize("machine, triple, source", [
-    ("aarch64", "aarch64", "dsb st; ret"),
-    ("ppc64le", "powerpc64le", "sync; blr"),
-    ("riscv64", "riscv64", "fence iorw, iorw; ret"),
-    ("x86_64", "x86_64", "mfence; ret"),
+@pytest.mark.parametrize("codes, machine, triple, source", [
+    (barrier.BARRIER_CODE, "aarch64", "aarch64", "dsb st; ret"),
+    (barrier.BARRIER_CODE, "ppc64le", "powerpc64le", "sync; blr"),
+    (barrier.BARRIER_CODE, "riscv64", "riscv64", "fence iorw, iorw; ret"),
+    (barrier.BARRIER_CODE, "x86_64", "x86_64", "mfence; ret"),
+    (barrier.READ_BARRIER_CODE, "aarch64", "aarch64", "dmb oshld; ret"),  # rdma-core's udma_from_device_barrier
+    (barrier.READ_BARRIER_CODE, "ppc64le", "powerpc64le", "lwsync; blr"),
+    (barrier.READ_BARRIER_CODE, "riscv64", "riscv64", "fence ir, ir; ret"),
+    (barrier.READ_BARRIER_CODE, "x86_64", "x86_64", "lfence; ret"),
 ])
-def test_barrier_code_is_what_it_says(machine, triple, source):
+def test_barrier_code_is_what_it_says(codes, machine, triple, source):
     listing = subprocess.run(["llvm-mc", f"-triple={triple}", "-show-encoding"], input=source.replace("; ", "\n"),
                              capture_output=True, text=True, check=True).stdout
     encoded = bytes(int(b, 16) for line in listing.splitlines() if "encoding: [" in line
                     for b in line.split("encoding: [")[1].rstrip("]").split(","))
-    assert barrier.BARRIER_CODE[machine] == encoded
+    assert codes[machine] == encoded
 
 
 # -- PCIe AtomicOps: Linux's pci_enable_atomic_ops_to_root over the bridges sysfs shows -------------------------------

@@ -2,12 +2,14 @@
 driver would drive them (tests/support/firmware.py's `Driver`: requests built with the bindings, page tables in a
 bytearray of host memory)."""
 import ctypes
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
+from aiofabric.hw import doorbell
 from aiofabric.hw.async_event import ASYNC_EVENT, ASYNC_EVENT_ENTRY, LINK_UP, EventId, forwarding
 from aiofabric.hw.cqe import (CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY, NQ_ENTRY, RequesterErrorReason, creq_type,
                               notification_fields)
@@ -23,6 +25,9 @@ from aiofabric.sim.objects import CompletionQueue, MemoryProtectionError, Notifi
 from aiofabric.sim.profiles import PROFILES
 from tests.support.firmware import (FAIL, GID, INIT_MASK, INVALID_PARAMETER, L2_CMPL, MAC, NQ, RX, SUCCESS, Driver,
                                     dbc)
+
+RX_BUF_SIZE = bnxt.RING_ALLOC_REQ_ENABLES_RX_BUF_SIZE_VALID
+PATH_RX, OUTERMOST = bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_PATH_RX, bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_OUTERMOST
 
 
 @pytest.fixture
@@ -101,11 +106,11 @@ def test_a_crashing_handler_becomes_fail_not_an_exception(monkeypatch):
 
 
 def test_identity_and_doorbell_page():
-    host = Driver(roce_db_page_kb=128)
+    host = Driver(profile=dataclasses.replace(PROFILES["thor2"], legacy_l2_db_size_kb=126))
     caps = host.hwrm("func_qcaps", fid=0xFFFF)
     assert bytes(caps.mac_address) == MAC and caps.flags & bnxt.FUNC_QCAPS_RESP_FLAGS_ROCE_V2_SUPPORTED
     assert caps.flags_ext & bnxt.FUNC_QCAPS_RESP_FLAGS_EXT_BS_V2_REQUIRED
-    assert host.hwrm("func_qcfg", fid=0xFFFF).legacy_l2_db_size_kb == 128 and host.fw.roce_db_offset == 128 << 10
+    assert host.hwrm("func_qcfg", fid=0xFFFF).legacy_l2_db_size_kb == 126 and host.fw.roce_db_offset == 128 << 10
 
 
 def test_backing_store_walk_gates_initialize_fw():
@@ -116,7 +121,7 @@ def test_backing_store_walk_gates_initialize_fw():
     assert any(not ctx.flags & bnxt.FUNC_BACKING_STORE_QCAPS_V2_RESP_FLAGS_TYPE_VALID for ctx in CONTEXT_TYPES.values())
     assert host.fw.objects()["backing_store"] == len(configured) and host.fw.ctx_init_ok
     host.open_rcfw()
-    stat = host.hwrm("stat_ctx_alloc").stat_ctx_id
+    stat = host.hwrm("stat_ctx_alloc", stats_dma_length=176).stat_ctx_id
     host.rcfw("initialize_fw", expect=FAIL, stat_ctx_id=stat)
     assert "ALL_DONE" in host.fw.last_error
     host.rcfw("create_cq", expect=FAIL)  # nothing but queries before INITIALIZE_FW
@@ -204,6 +209,59 @@ def test_ring_alloc_and_free():
     host.hwrm("ring_free", ring_type=NQ, ring_id=nq)
     assert host.ring(NQ, 16) == nq  # ids are reused lowest-first
     assert host.fw.objects()["rings"] == 2
+
+
+
+@pytest.mark.parametrize("enables", [RX_BUF_SIZE, RX_BUF_SIZE | bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID,
+                                     RX_BUF_SIZE | bnxt.RING_ALLOC_REQ_ENABLES_STAT_CTX_ID_VALID])
+def test_an_rx_ring_names_its_buffer_size_and_may_name_an_nq(enables):
+    """Linux 7.2 names the NQ (bnxt_set_rx_ring_params_p5), older Linux and DPDK do not: firmware takes both."""
+    host = Driver()
+    nq = host.ring(NQ, 64, logical_id=3)
+    host.ring(RX, 64, enables=enables, rx_buf_size=2048, nq_ring_id=nq, stat_ctx_id=0)
+    host.hwrm("ring_alloc", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, ring_type=RX, length=64,
+              page_tbl_addr=host.alloc(), enables=enables & ~RX_BUF_SIZE, rx_buf_size=2048, nq_ring_id=nq)
+    assert "RX_BUF_SIZE_VALID" in host.fw.last_error
+
+
+@pytest.mark.parametrize("flags, expect", [(PATH_RX | OUTERMOST, 0), (PATH_RX, bnxt.HWRM_ERR_CODE_INVALID_PARAMS),
+                                           (OUTERMOST, bnxt.HWRM_ERR_CODE_INVALID_PARAMS)])
+def test_the_l2_filter_is_an_rx_filter_on_the_outermost_header(flags, expect):
+    host = Driver()
+    vnic = host.hwrm("vnic_alloc").vnic_id
+    host.hwrm("cfa_l2_filter_alloc", expect=expect, flags=flags, dst_id=vnic, l2_addr=tuple(MAC),
+              l2_addr_mask=(0xFF,) * 6, enables=bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID)
+    assert not expect or "PATH_RX | OUTERMOST" in host.fw.last_error
+
+
+@pytest.mark.parametrize("profile, tpa_v2, length", [("thor2", True, 176), ("thor-bs-v2", True, 168),
+                                                     ("thor2", False, 160), ("thor-bs-v2", False, 160)])
+def test_a_statistics_context_is_the_length_of_the_chips_block(profile, tpa_v2, length):
+    """VNIC_QCAPS reports TPA v2 (max_aggs_supported) and with it Linux sizes the block by chip
+    (bnxt_hwrm_vnic_qcaps): a driver that names another length is refused, one byte either side."""
+    host = Driver(profile=dataclasses.replace(PROFILES[profile], tpa_v2=tpa_v2))
+    assert bool(host.hwrm("vnic_qcaps").max_aggs_supported) == tpa_v2
+    for wrong in (length - 1, length + 1, 176 if length != 176 else 168):
+        host.hwrm("stat_ctx_alloc", expect=bnxt.HWRM_ERR_CODE_INVALID_PARAMS, stats_dma_length=wrong)
+        assert f"block is {length} bytes" in host.fw.last_error
+    host.hwrm("stat_ctx_alloc", stats_dma_length=length, stats_dma_addr=host.alloc())
+
+
+def test_thor_roce_doorbells_are_at_0x10000_whatever_func_qcfg_says():
+    """bnxt_re_set_db_offset: P5 takes BNXT_QPLIB_DBR_PF_DB_OFFSET; a driver that reads FUNC_QCFG's
+    legacy_l2_db_size_kb as Thor2's does rings below it, where nothing answers."""
+    host = Driver(profile=PROFILES["thor-bs-v2"])
+    host.boot()
+    assert host.hwrm("func_qcfg", fid=0xFFFF).legacy_l2_db_size_kb == 0 and host.fw.roce_db_offset == 0x10000
+    cq = host.create_cq(arm_enable=False)
+    host.bar2.doorbell(0, doorbell.arm_enable(cq, 0))  # Thor2's place for this FUNC_QCFG
+    host.bar2.doorbell(0xFFF8, doorbell.arm_enable(cq, 0))  # the last doorbell before the page
+    assert host.fw.stats["legacy_doorbells"] == 2 and "below the RoCE doorbell page at 0x10000" in host.fw.last_error
+    host.doorbell(cq, bnxt.DBC_DBC_TYPE_CQ_ARMALL, 0)
+    assert host.fw.stats["cq_doorbells_ignored"] == 1  # never enabled for arming
+    host.bar2.doorbell(0x10000, doorbell.arm_enable(cq, 0))
+    host.doorbell(cq, bnxt.DBC_DBC_TYPE_CQ_ARMALL, 0)
+    assert host.fw.stats["cq_doorbells_ignored"] == 1 and host.fw.stats["legacy_doorbells"] == 2
 
 
 # -- RCFW channel --------------------------------------------------------------------------------------------------
@@ -370,7 +428,7 @@ def test_nothing_can_be_allocated_before_func_cfg_reserves_it():
     host = Driver(reserve=False)
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
     assert "0 MSI-X vectors (NQ rings) in use and FUNC_CFG num_msix reserved 0" in host.fw.last_error
-    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR)
+    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR, stats_dma_length=176)
     assert "FUNC_CFG num_stat_ctxs reserved 0" in host.fw.last_error
     host.hwrm("vnic_alloc", expect=ALLOC_ERROR)
     assert "FUNC_CFG num_vnics reserved 0" in host.fw.last_error
@@ -392,15 +450,16 @@ def test_each_allocation_counts_against_its_reservation_up_to_the_grant_and_not_
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=L2_CMPL, length=16, **on_nq)
     host.ring(TX, 16, cmpl_ring_id=cmpl)
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=TX, length=16, cmpl_ring_id=cmpl)
-    rx = host.ring(RX, 16, **on_nq)
-    host.ring(RX_AGG, 16, **on_nq)  # an aggregation ring is an RX ring too
-    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=RX, length=16, **on_nq)
-    host.hwrm("stat_ctx_alloc")
-    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR)
+    rx_fields = dict(enables=RX_BUF_SIZE, rx_buf_size=2048)
+    rx = host.ring(RX, 16, **rx_fields)
+    host.ring(RX_AGG, 16, **rx_fields)  # an aggregation ring is an RX ring too
+    host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=RX, length=16, **rx_fields)
+    host.hwrm("stat_ctx_alloc", stats_dma_length=176)
+    host.hwrm("stat_ctx_alloc", expect=ALLOC_ERROR, stats_dma_length=176)
     host.hwrm("vnic_alloc")
     host.hwrm("vnic_alloc", expect=ALLOC_ERROR)
     host.hwrm("ring_free", ring_type=RX, ring_id=rx)  # freeing gives the reservation back
-    host.ring(RX, 16, **on_nq)
+    host.ring(RX, 16, **rx_fields)
     host.hwrm("func_reset")  # and FUNC_RESET forgets it (Linux reserves again after one)
     assert host.hwrm("func_qcfg", fid=0xFFFF).alloc_msix == 0
     host.hwrm("ring_alloc", expect=ALLOC_ERROR, ring_type=NQ, length=16)
@@ -496,7 +555,7 @@ def test_create_qp_validates_its_queues_and_cqs(driver):
     driver.rcfw("create_qp", expect=INVALID_PARAMETER, type=bnxt.CMDQ_CREATE_QP_TYPE_RC, sq_size=16, scq_cid=cq,
                 rcq_cid=cq, sq_pbl=0x1000)  # the SQ is not in host memory
     gsi = driver.rcfw("create_qp", type=bnxt.CMDQ_CREATE_QP_TYPE_GSI, sq_size=16, scq_cid=cq, rcq_cid=cq,
-                      sq_pbl=driver.alloc()).xid
+                      sq_fwo_sq_sge=6, sq_pbl=driver.alloc()).xid
     assert gsi == 1 and driver.create_qp(cq) == 2
     assert driver.fw.rcfw.qps[2].variable_wqe and len(driver.fw.rcfw.qps[2].sq.pages) == 2  # ring + MSN area
 
@@ -563,6 +622,37 @@ def test_two_step_memory_registration(driver):
     assert not driver.fw.rcfw.mrs[key].registered  # the key stays until DEALLOCATE_KEY
     driver.rcfw("deallocate_key", key=key)
     driver.rcfw("deallocate_key", expect=INVALID_PARAMETER, key=key)
+
+
+
+@pytest.mark.parametrize("sq_sge, rq_sge, expect", [(6, 6, SUCCESS), (5, 6, INVALID_PARAMETER),
+                                                    (7, 6, INVALID_PARAMETER), (6, 5, INVALID_PARAMETER),
+                                                    (6, 7, INVALID_PARAMETER)])
+def test_a_static_qps_wqes_are_128_bytes(driver, sq_sge, rq_sge, expect):
+    """Static WQEs (no VARIABLE_SIZED_WQE_ENABLED) are 128 bytes, 6 SGEs, in the SQ and in the RQ
+    (bnxt_re_setup_swqe_size, bnxt_re_setup_rwqe_size, BNXT_STATIC_MAX_SGE); variable ones take any count."""
+    cq = driver.create_cq()
+    driver.rcfw("create_qp", expect=expect, type=bnxt.CMDQ_CREATE_QP_TYPE_RC, sq_size=16, sq_fwo_sq_sge=sq_sge,
+                sq_pbl=driver.alloc(4), rq_size=8, rq_fwo_rq_sge=rq_sge, rq_pbl=driver.alloc(), scq_cid=cq, rcq_cid=cq)
+    assert expect == SUCCESS or "static WQEs are 128 bytes, 6 SGEs" in driver.fw.last_error
+    driver.create_qp(cq)  # variable WQEs of 2 SGEs
+
+
+def test_without_mr_register_alloc_the_key_comes_from_allocate_mrw():
+    """Thor firmware lacks MR_REGISTER_ALLOC: REGISTER_MR may not allocate (ALLOC_MR), it registers a key
+    ALLOCATE_MRW made (bnxt_re_reg_user_mr); DEALLOCATE_KEY frees a registered MR (bnxt_re_dereg_mr)."""
+    host = Driver(profile=PROFILES["thor-bs-v2"])
+    host.boot()
+    assert not host.rcfw("query_func").dev_cap_flags & bnxt.CREQ_QUERY_FUNC_RESP_SB_MR_REGISTER_ALLOC
+    page = host.alloc()
+    register = dict(va=page, mr_size=PAGE, log2_pg_size_lvl=12 << bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_SFT, pbl=page)
+    host.rcfw("register_mr", expect=INVALID_PARAMETER, flags=bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR, key=0, **register)
+    assert "MR_REGISTER_ALLOC" in host.fw.last_error and not host.fw.rcfw.mrs
+    host.rcfw("register_mr", expect=INVALID_PARAMETER, key=0x100, **register)  # no key allocated
+    key = host.rcfw("allocate_mrw", pd_id=0, mrw_flags=bnxt.CMDQ_ALLOCATE_MRW_MRW_FLAGS_MR).xid
+    assert host.rcfw("register_mr", key=key, **register).xid == key and host.fw.rcfw.mrs[key].registered
+    host.rcfw("deallocate_key", key=key)
+    assert not host.fw.rcfw.mrs
 
 
 def test_completion_queue_post_toggle_full_and_notification(driver):

@@ -13,7 +13,8 @@ from aiofabric.hw.layout import field_type
 from aiofabric.hw.ring import position, slot
 from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState, psn_count
 from aiofabric.hw.wqe import (RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
-                              SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, SqGeometry, msn_entry, psn_search_values)
+                              SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, STATIC_WQE_SGES, SqGeometry, msn_entry,
+                              psn_search_values)
 from aiofabric.sim import codec
 from aiofabric.sim import packets as pk
 from aiofabric.sim.cmdq import PendingCommand
@@ -96,7 +97,9 @@ class Host:
 
     def create_qp(self, cq: int, sq_slots: int = 256, rq_size: int = 64, rq_sge: int = 2,
                   variable: bool = True) -> int:
-        """An RC QP of `sq_slots` slots: variable WQEs, or static ones (sq_slots / SQ_STATIC_WQE_SLOTS of them)."""
+        """An RC QP of `sq_slots` slots: variable WQEs, or static ones (sq_slots / SQ_STATIC_WQE_SLOTS of them, and
+        128-byte receive WQEs of STATIC_WQE_SGES SGEs)."""
+        rq_sge = rq_sge if variable else STATIC_WQE_SGES
         self.geometry = geometry = SqGeometry(variable, sq_slots if variable else sq_slots // SQ_STATIC_WQE_SLOTS,
                                               self.fw.config.profile.host_msn_table)
         self.sq_slots, self.rq_size, self.rq_sge = sq_slots, rq_size, rq_sge

@@ -7,7 +7,8 @@ from aiofabric.hw import doorbell
 from aiofabric.hw.cqe import CQ_ENTRY, CREQ_COMMAND_EVENT, CREQ_ENTRY
 from aiofabric.hw.firmware import (CMDQ_FIRST_PRODUCER, CMDQ_INIT, CMDQ_SLOT, CONFIGURED_CONTEXT_TYPES,
                                    HWRM_RESPONSE_HEADER, HWRM_SHORT_REQUEST, RING_ENTRY_SIZES, SHORT_REQUEST_SIGNATURE,
-                                   TRACE_CONTEXT_TYPES, BackingStoreType, pack_ptes, short_commands_required)
+                                   TRACE_CONTEXT_TYPES, BackingStoreType, pack_ptes, ring_stats_size,
+                                   short_commands_required)
 from aiofabric.hw.layout import field_type
 from aiofabric.hw.ring import position, slot
 from aiofabric.hw.verbs import QPAccess, QPState
@@ -262,14 +263,17 @@ class Driver:
 
     def boot(self, store: dict | None = None, **rcfw) -> None:
         """Linux's bring-up, the backing store configured as `backing_store(**store)` says."""
-        self.short_commands = short_commands_required(self.hwrm("ver_get").dev_caps_cfg)
+        ver = self.hwrm("ver_get")
+        self.short_commands = short_commands_required(ver.dev_caps_cfg)
         self.hwrm("func_reset")
         self.hwrm("func_qcaps", fid=0xFFFF)
         self.hwrm("func_drv_rgtr", enables=bnxt.FUNC_DRV_RGTR_REQ_ENABLES_OS_TYPE,
                   os_type=bnxt.FUNC_DRV_RGTR_REQ_OS_TYPE_LINUX)
+        self.stats_length = ring_stats_size(ver.chip_num, self.hwrm("vnic_qcaps").max_aggs_supported)
         self.backing_store(**(store or {}))
         self.open_rcfw(**rcfw)
-        self.stat_ctx = self.hwrm("stat_ctx_alloc", stats_dma_addr=self.alloc(), stats_dma_length=176).stat_ctx_id
+        self.stat_ctx = self.hwrm("stat_ctx_alloc", stats_dma_addr=self.alloc(),
+                                  stats_dma_length=self.stats_length).stat_ctx_id
         self.rcfw("initialize_fw", stat_ctx_id=self.stat_ctx)
         self.nq_id = self.ring(NQ, 64, logical_id=2)
         # ADD_GID wants the GID fully byte-reversed and the MAC byte-swapped within each 16-bit word

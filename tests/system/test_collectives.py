@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from aiofabric import collectives
-from aiofabric.collectives import launch, layout
+from aiofabric.collectives import launch, layout, reference
 from aiofabric.collectives.communicator import CollectiveError
-from aiofabric.collectives.perf import ring_reference
+from aiofabric.collectives.reference import ring_reference
+from aiofabric.collectives.steps import floating
 from aiofabric.sched.reduce import DTYPES, OPS
 from tests.support.backends import on
 
@@ -29,7 +30,7 @@ def ring_reduce(xs, op, chunk_list):
 
 
 def data(rng, dtype, count):
-    if np.dtype(dtype).kind == "f":
+    if floating(np.dtype(dtype)):  # bfloat16 (ml_dtypes') too
         values = rng.standard_normal(count) * 8
         values[rng.random(count) < 0.02] = np.nan
         return values.astype(dtype)
@@ -84,6 +85,50 @@ async def test_every_collective_dtype_and_op_matches_numpy_bit_for_bit(ranks):
                 await all_ranks(comms, "broadcast", xs, root=root)
                 assert all(same_bits(x, source) for x in xs), (dtype, count, root)
         await all_ranks(comms, "barrier")
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+async def test_reduce_gather_scatter_sendrecv_alltoall_and_avg_match_numpy_bit_for_bit(ranks):
+    """Every root, out of place and in place (nccl-tests' layouts), counts that are 0, 1 and cut into pieces; a
+    reduce's non-root ranks and a gather's keep their out as it was; avg is the ring's sum divided once."""
+    rng = np.random.default_rng(ranks)
+    async with collectives.local(ranks, buffer_bytes=1 << 16, landing_bytes=1 << 17, piece_bytes=PIECE) as comms:
+        for kind, dtype, op, count, root in [
+                *(("reduce", d, op, c, root) for d, op, c in [(np.float32, "sum", 1001), (np.float16, "avg", 1001),
+                                                               (np.int32, "avg", 333), (np.uint8, "prod", 5),
+                                                               (np.int64, "max", 0)] for root in range(ranks)),
+                *((kind, d, None, c, root) for kind in ("gather", "scatter") for d, c in
+                  [(np.float64, 700), (np.int8, 1)] for root in range(ranks)),
+                ("sendrecv", np.int64, None, 1001, 0), ("sendrecv", np.uint8, None, 1, 0),
+                ("alltoall", np.float64, None, 700, 0), ("alltoall", np.int8, None, 1, 0),
+                *(("allreduce", d, "avg", 1001, 0) for d in (np.float32, np.int64, np.uint32)),
+                ("reduce_scatter", np.float64, "avg", 333, 0)]:
+            for inplace in (False, True):
+                size_in = count * ranks if kind in ("scatter", "reduce_scatter", "alltoall") else count
+                size_out = count * ranks if kind in ("gather", "alltoall") else count
+                xs = [data(rng, dtype, size_in) for _ in range(ranks)]
+                want = reference.expected(kind, [x.copy() for x in xs], op or "sum", root)
+                if inplace and kind == "gather":
+                    outs = [np.zeros(size_out, dtype) for _ in range(ranks)]
+                    for r, (out, x) in enumerate(zip(outs, xs)):
+                        out[r * count:(r + 1) * count] = x
+                    xs = [out[r * count:(r + 1) * count] for r, out in enumerate(outs)]
+                elif inplace and kind in ("scatter", "reduce_scatter"):
+                    outs = [x[r * count:(r + 1) * count] for r, x in enumerate(xs)]
+                elif inplace:
+                    outs = xs
+                else:
+                    outs = [data(rng, dtype, size_out) for _ in range(ranks)]
+                before = [out.copy() for out in outs]
+                options = {"op": op} if op else {}
+                options |= {"root": root} if kind in ("reduce", "gather", "scatter") else {}
+                await collectives.run_ranks([functools.partial(getattr(c, kind), x, None if inplace and kind in (
+                    "reduce", "sendrecv", "allreduce", "alltoall") else out, **options) for c, x, out in zip(comms, xs, outs)])
+                for rank, (out, expected) in enumerate(zip(outs, want)):
+                    assert same_bits(out, before[rank] if expected is None else expected), (
+                        kind, dtype, op, count, root, inplace, rank)
 
 
 @pytest.mark.anyio
@@ -223,6 +268,47 @@ async def test_bad_arguments_are_refused_naming_them():
         assert comm.broken is None  # refusals do not break it
 
 
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_bfloat16_reductions_match_ml_dtypes_in_the_rings_order():
+    """bfloat16 (ml_dtypes' type; numpy has none): NaNs, rounding at every step, bit for bit against ml_dtypes'
+    ufuncs in the ring's order, for a ring allreduce and a chain reduce."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(11)
+    async with collectives.local(3, buffer_bytes=1 << 16, piece_bytes=PIECE) as comms:
+        for kind, op in (("allreduce", "sum"), ("allreduce", "max"), ("reduce", "prod"), ("allreduce", "avg")):
+            xs = [data(rng, np.float32, 1001).astype(ml_dtypes.bfloat16) for _ in range(3)]
+            want = reference.expected(kind, [x.copy() for x in xs], op, 2)
+            outs = [np.zeros(1001, ml_dtypes.bfloat16) for _ in range(3)]
+            options = {"root": 2} if kind == "reduce" else {}
+            await collectives.run_ranks([functools.partial(getattr(c, kind), x, out, op=op, **options)
+                                         for c, x, out in zip(comms, xs, outs)])
+            for out, expected in zip(outs, want):
+                assert expected is None or same_bits(out, expected), (kind, op)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_an_alltoall_is_refused_past_its_landing_memory_and_taken_at_it():
+    """Along a ring of 3 an alltoall lands 4 parts per rank (a slot per origin, and one part passing through): for
+    a full 1 MiB buffer that is 4/3 MiB, more than the landing MR holds (1 MiB and a page), unless landing_bytes
+    says so."""
+    count = (1 << 20) // 4 // 3  # floats per rank: x is 1048572 bytes
+    xs = [np.full(3 * count, float(r), np.float32) for r in range(3)]
+    need = layout.alltoall_landing(3, count) * 4
+    async with collectives.local(3, buffer_bytes=1 << 20) as comms:
+        assert need == 4 * count * 4 > comms[0].landing_capacity == (1 << 20) + 4096
+        with pytest.raises(ValueError, match=rf"^alltoall: {count} elements per rank along a ring of 3 take {need} "
+                                             r"bytes of landing memory; the communicator's has 1052672 \(its "
+                                             r"landing_bytes\)$"):
+            await comms[0].alltoall(xs[0])
+        with pytest.raises(ValueError, match="x has 1021 elements and out 1021; both need size \\(3\\) x the"):
+            await comms[0].alltoall(np.ones(1021, np.float32))
+    async with collectives.local(3, buffer_bytes=1 << 20, landing_bytes=need) as comms:
+        await all_ranks(comms, "alltoall", xs)
+        assert all(np.array_equal(x, np.repeat(np.arange(3, dtype=np.float32), count)) for x in xs)
+
+
 def test_ring_layout_covers_every_element_once_and_ends_with_chunk_r_at_rank_r():
     for n, count in itertools.product(range(1, 7), (0, 1, 5, 6, 7, 100)):
         chunk_list = layout.chunks(count, n)
@@ -266,8 +352,8 @@ async def test_an_allreduce_inside_a_users_batch_is_ordered_between_its_kernels_
             assert all(np.all(result == 2 * sum(10.0 * round_ + r for r in range(3)) + 1) for result in results)
         with pytest.raises(ValueError, match="move nothing"):
             comms[0].calls("allreduce", np.zeros(0, np.float32))
-        with pytest.raises(ValueError, match="unknown collective 'gather'"):
-            comms[0].calls("gather", np.zeros(4, np.float32))
+        with pytest.raises(ValueError, match="unknown collective 'scan'"):
+            comms[0].calls("scan", np.zeros(4, np.float32))
 
 
 @pytest.mark.anyio

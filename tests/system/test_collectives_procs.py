@@ -53,11 +53,15 @@ def test_three_processes_started_like_torchrun_run_a_checked_sweep():
         assert code == 0 and result["ok"] is True, (rank, stderr)
         assert result["ranks"] == 3 and result["local_ranks"] == [rank] and result["launcher"] == "torchrun"
         assert [row["wrong"] for row in result["rows"]] == [0] * 6  # 3 sizes x 2 placements, summed over ranks
+        devices = result["devices"]  # nccl-tests' "# Using devices": every rank's, gathered from the processes
+        assert [device["rank"] for device in devices] == [0, 1, 2] and len({d["pid"] for d in devices}) == 3
 
 
-@pytest.mark.parametrize("variables,launcher", [(MPIRUN, "mpirun"), (SRUN, "srun")])
-def test_mpirun_and_srun_variables_work_too(variables, launcher):
-    results = finish(launch(2, variables, "allgather", "--size", "8K", "-n", "2", "-d", "int64"))
+@pytest.mark.parametrize("variables,launcher,ranks,command", [(MPIRUN, "mpirun", 2, "allgather"),
+                                                              (SRUN, "srun", 3, "alltoall")])
+def test_mpirun_and_srun_variables_work_too(variables, launcher, ranks, command):
+    """An alltoall of 3 processes lands more than its buffer (its landing memory is sized for it)."""
+    results = finish(launch(ranks, variables, command, "--size", "8K", "-n", "2", "-d", "int64"))
     assert all(code == 0 and result["launcher"] == launcher and result["wrong"] == 0
                for code, result, _ in results.values()), results
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import aiofabric
-from aiofabric.tools import cli, perftest_flags
+from aiofabric.tools import cli, nccl_flags, perftest_flags
 from aiofabric.tools.commands.perftest_server import MAX_REPORT_ROWS
 from tests.support.nics import connected_qps
 
@@ -59,15 +59,17 @@ CASES = [
     (["allreduce", "--ranks", "two"], "argument --ranks: 'two' is not an integer"),
     (["allreduce", "--piece", "0"], "argument --piece: must be a size in [1, 1073741824], not 0"),
     (["allreduce", "--piece=0"], "argument --piece: must be a size in [1, 1073741824], not 0"),
-    (["broadcast", "--ranks", "9", "-r", "9"], "-r/--root 9: must be a rank in [0, 8] (9 ranks)"),
-    (["broadcast", "--ranks", "3", "-r3"], "-r/--root 3: must be a rank in [0, 2] (3 ranks)"),
-    (["broadcast", "-r", "-1"], "argument -r/--root: must be at least 0, not -1"),
+    (["broadcast", "--ranks", "9", "-r", "9"], "-r/--root 9: must be a rank in [0, 8] (9 ranks), or all (-1)"),
+    (["broadcast", "--ranks", "3", "-r3"], "-r/--root 3: must be a rank in [0, 2] (3 ranks), or all (-1)"),
+    (["broadcast", "-r", "-2"], "-r/--root -2: must be a rank in [0, 1] (2 ranks), or all (-1)"),
+    (["broadcast", "-r", "x"], "-r/--root 'x': a rank, or all (-1)"),
     (["allreduce", "--timeout", "nan"], "argument --timeout: must be a positive, finite number of seconds, not nan"),
     (["allreduce", "--timeout", "0"], "argument --timeout: must be a positive, finite number of seconds, not 0"),
     (["allreduce", "--rendezvous-timeout", "inf"],
      "argument --rendezvous-timeout: must be a positive, finite number of seconds, not inf"),
-    (["allreduce", "-f", "1"], "argument -f/--stepfactor: must be at least 2, not 1"),
-    (["allreduce", "-f1"], "argument -f/--stepfactor: must be at least 2, not 1"),
+    (["allreduce", "-f", "0"], "argument -f/--stepfactor: must be at least 1, not 0"),
+    (["allreduce", "-f0"], "argument -f/--stepfactor: must be at least 1, not 0"),
+    (["allreduce", "-i", "0"], "argument -i/--stepbytes: must be a size of at least 1, not 0"),
     (["allreduce", "-n", "-1"], "argument -n/--iters: must be at least 0, not -1"),
     (["allreduce", "-w", "-1"], "argument -w/--warmup_iters: must be at least 0, not -1"),
     (["allreduce", "--loss", "2"], "argument --loss: must be a probability in [0, 1), not 2"),
@@ -158,8 +160,16 @@ def test_an_unresolvable_master_addr_is_a_usage_error_at_once(capsys, monkeypatc
 def test_a_root_is_a_rank_of_the_launchers_job(capsys, monkeypatch):
     for name, value in {"RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
-    assert usage_error(capsys, ["broadcast", "-r", "2"]) == "-r/--root 2: must be a rank in [0, 1] (2 ranks)"
-    assert parsed("broadcast", "-r", "1").root == 1  # the last rank is one
+    assert usage_error(capsys, ["broadcast", "-r", "2"]) == ("-r/--root 2: must be a rank in [0, 1] (2 ranks), or "
+                                                             "all (-1)")
+    assert parsed("broadcast", "-r", "1").roots == [1]  # the last rank is one
+    assert parsed("broadcast", "-r", "all").roots == parsed("broadcast", "-r", "-1").roots == [0, 1]
+
+
+def test_bfloat16_without_ml_dtypes_is_refused_saying_what_to_install(capsys, monkeypatch):
+    monkeypatch.setattr(nccl_flags, "HAVE_BFLOAT16", False)
+    assert usage_error(capsys, ["allreduce", "-d", "bfloat16"]) == (
+        "-d bfloat16: numpy has no bfloat16 type; it takes the ml_dtypes package (pip install 'aiofabric[bf16]')")
 
 
 def test_the_values_at_each_boundary_are_accepted():
@@ -167,7 +177,8 @@ def test_the_values_at_each_boundary_are_accepted():
     size, a probability just below 1, and the hosts of --hosts without a port (found by a probe: a TypeError)."""
     args = parsed("broadcast", "--ranks", "16", "-r", "15", "--piece", "1", "-f", "2", "-b", "1", "-e", "1",
                   "--loss", "0.999", "-n", "0", "-w", "0")
-    assert (args.rank_count, args.root, args.piece, args.sizes, args.loss) == (16, 15, 1, [1], 0.999)
+    assert (args.rank_count, args.roots, args.piece, args.sizes, args.loss) == (16, [15], 1, [1], 0.999)
+    assert parsed("allreduce", "-b", "1", "-e", "3", "-i", "1", "-f", "1").sizes == [1, 2, 3]  # -f 1: step by -i
     assert parsed("allreduce", "--ranks=1").rank_count == 1
     assert parsed("loopback", "-s", "1G").size == 1 << 30
     assert parsed("connect", "--hosts", "h1,h2").host_list == [(None, "h1", 22), (None, "h2", 22)]

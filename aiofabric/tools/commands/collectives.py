@@ -1,6 +1,7 @@
-"""nccl-tests' collectives (allreduce, reducescatter, allgather, broadcast): a size sweep over a ring of NICs, one
-rank each, every element checked; the ranks in this process (--ranks), one per process under a launcher (torchrun,
-mpirun, srun), or one per host started over SSH (--hosts)."""
+"""nccl-tests' collectives (allreduce, reducescatter, allgather, broadcast, reduce, gather, scatter, sendrecv,
+alltoall): a size sweep over a ring of NICs, one rank each, every element checked, printed as nccl-tests prints it;
+the ranks in this process (--ranks), one per process under a launcher (torchrun, mpirun, srun), or one per host
+started over SSH (--hosts). nccl-tests' flags are in nccl_flags.py."""
 from __future__ import annotations
 
 import argparse
@@ -9,37 +10,49 @@ import math
 import os
 import socket
 import sys
-from typing import Any, Callable
+import time
+from typing import Any, Callable, TextIO
 
 import anyio
 import anyio.abc
 
 from .ssh import add_ssh_flags, parsed_hosts, ssh_options
-from ..arguments import Subcommands, add_wire_flags, integer, ipv4, ipv4_or_ssh, seconds, size, sized
+from ..arguments import Subcommands, add_wire_flags, integer, ipv4, ipv4_or_ssh, seconds, sized
 from ..bench_config import MAX_NICS, MAX_SIZE
+from ..nccl_flags import add_nccl_flags, check_nccl_flags, nccl_config
 from ..options import WireOptions
-from ..units import sweep
-from ...collectives.layout import DTYPE_NAMES, PIECE_BYTES
+from ...collectives import nccl_format
+from ...collectives.layout import PIECE_BYTES, alltoall_landing
 from ...pci.emulated import FAULTS
+from ...version import __version__
 
 # nccl-tests' binaries, without _perf: the collective each runs
 COLLECTIVE_COMMANDS = {"allreduce": "allreduce", "reducescatter": "reduce_scatter", "allgather": "allgather",
-                       "broadcast": "broadcast"}
+                       "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+                       "sendrecv": "sendrecv", "alltoall": "alltoall"}
 DEFAULT_RANKS = 2
+HYPERCUBE_WHY = ("hypercube_perf is not here: its exchanges are between rank and rank ^ 2^k, and the ring links each "
+                 "rank to its neighbours only; allgather computes the same result")
+ENV_PREFIXES = ("NCCL_", "AIOFABRIC_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_", "SLURM_",
+                "PMI_")  # what -J records of the environment (nccl-tests records all of it)
 MAX_LOCAL_RANKS = MAX_NICS  # each rank of --ranks is an emulator process with its own DMA arena on this host
 RANKS_WHY = (": each rank of --ranks is an emulator process (or a PCI function) of this host, as bench's --nics; more "
              "ranks run one per process (torchrun, mpirun, srun) or per host (--hosts)")
 # the flags a launcher passes on to every rank (dest, flag)
-RANK_FLAGS = (("minbytes", "-b"), ("maxbytes", "-e"), ("stepfactor", "-f"), ("iters", "-n"), ("warmup_iters", "-w"),
-              ("datatype", "-d"), ("op", "-o"), ("root", "-r"), ("verify", "-c"), ("piece", "--piece"),
+RANK_FLAGS = (("minbytes", "-b"), ("maxbytes", "-e"), ("stepbytes", "-i"), ("stepfactor", "-f"), ("iters", "-n"),
+              ("agg_iters", "-m"), ("warmup_iters", "-w"), ("run_cycles", "-N"), ("blocking", "-z"),
+              ("average", "-a"), ("datatype", "-d"), ("op", "-o"), ("root", "-r"), ("verify", "-c"),
+              ("piece", "--piece"),
               ("timeout", "--timeout"), ("rendezvous_timeout", "--rendezvous-timeout"), ("size", "--size"),
-              *((fault, f"--{fault}") for fault in FAULTS), ("seed", "--seed"), ("pcap", "--pcap"))
+              *((fault, f"--{fault}") for fault in FAULTS), ("seed", "--seed"), ("pcap", "--pcap"),
+              ("profile", "--profile"))
 
 
 def add_collectives(sub: Subcommands) -> None:
-    for command, kind in COLLECTIVE_COMMANDS.items():
+    for command, kind in {**COLLECTIVE_COMMANDS, "hypercube": "hypercube"}.items():  # hypercube: refused, saying why
         coll = sub.add_parser(command, help=f"nccl-tests' {kind}_perf over a ring of emulated (or PCI) NICs in this "
-                                            "process: a size sweep, every element checked")
+                                            "process: a size sweep, every element checked" if kind != "hypercube" else
+                              "nccl-tests' hypercube_perf: refused, saying why")
         coll.add_argument("--ranks", type=integer(1, MAX_LOCAL_RANKS, RANKS_WHY),
                           help="ranks in this process, one NIC each (default 2; under torchrun, mpirun or srun: this "
                                "process is one rank of their job, rendezvous at MASTER_ADDR:MASTER_PORT)")
@@ -47,23 +60,7 @@ def add_collectives(sub: Subcommands) -> None:
         coll.add_argument("--ip", type=ipv4,
                           help="with a launcher: this rank's NIC's IPv4 address (emulated: a free 127.0.0.x)")
         coll.add_argument("--nics", metavar="A,B,...", help="PCI NICs, one per rank (default: emulated NICs)")
-        coll.add_argument("-b", "--minbytes", type=sized(1), default=32 << 10,
-                          help="smallest size (default 32K); K/M/G suffixes are powers of 1024")
-        coll.add_argument("-e", "--maxbytes", type=sized(1), default=32 << 20,
-                          help="largest size (default 32M)")
-        coll.add_argument("-f", "--stepfactor", type=integer(2), default=2,
-                          help="multiply the size by this each step (2)")
-        coll.add_argument("--size", type=size, help="one size instead of a sweep")
-        coll.add_argument("-n", "--iters", type=integer(0), default=20, help="timed iterations per size (default 20)")
-        coll.add_argument("-w", "--warmup_iters", type=integer(0), default=5,
-                          help="untimed iterations first (default 5)")
-        coll.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPE_NAMES),
-                          help="element type (default float)")
-        coll.add_argument("-o", "--op", default="sum", choices=("sum", "prod", "min", "max"),
-                          help="reduction (default sum)")
-        coll.add_argument("-r", "--root", type=integer(0), default=0, help="broadcast's root rank (default 0)")
-        coll.add_argument("-c", "--check", dest="verify", type=int, default=1, choices=(0, 1),
-                          help="check every element of one run per size (default 1)")
+        add_nccl_flags(coll)
         coll.add_argument("--timeout", type=seconds, default=60.0, help="seconds one collective may take before every "
                                                                      "rank fails naming what it waited for (60)")
         coll.add_argument("--rendezvous-timeout", type=seconds, default=60.0,
@@ -78,33 +75,110 @@ def add_collectives(sub: Subcommands) -> None:
                           help="with --hosts: each host's NIC address ('ssh': the address SSH reached)")
         add_ssh_flags(coll)
         coll.add_argument("--json", action="store_true", help="print one JSON object")
-        coll.set_defaults(run=cmd_collective, kind=kind, check=_check_collective(coll))
+        coll.set_defaults(run=cmd_collective, kind=kind,
+                          check=_check_collective(coll) if kind != "hypercube" else _refuse(coll, HYPERCUBE_WHY))
 
 
 async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
     from ...collectives import join, local
-    from ...collectives.perf import PerfConfig, run_perf
+    from ...collectives.devices import LINE_BYTES
     world, sizes, ranks = args.world, args.sizes, args.rank_count  # _check_collective's
-    if args.hosts:
-        return await _collective_over_ssh(args)
-    nics = args.nics.split(",") if args.nics else None
-    options = {} if nics else WireOptions.from_args(args).nic_options()
     leader = world is None or world.rank == 0  # prints the table, as nccl-tests' rank 0 does
-    config = PerfConfig(args.kind, sizes, iters=args.iters, warmup=args.warmup_iters, dtype=DTYPE_NAMES[args.datatype],
-                        op=args.op, root=args.root, check=bool(args.verify),
-                        progress=leader and not args.json and sys.stdout.isatty())
-    if world is not None:
-        async with join(world, nic=args.nic, ip=args.ip, buffer_bytes=max(sizes), piece_bytes=args.piece,
-                        timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout, **options) as comm:
-            result = await run_perf([comm], config)
-        result["launcher"] = world.launcher
-    else:
-        async with local(ranks, nics=nics, buffer_bytes=max(sizes), piece_bytes=args.piece, timeout=args.timeout,
-                         **options) as comms:
-            result = await run_perf(comms, config)
-    if not args.json and leader:
-        print(_format(result))
+    started = time.strftime(nccl_format.TIME_FORMAT)
+    json_path, json_file = _open_json(args.output_file) if leader and args.output_file else ("", None)
+    nics = args.nics.split(",") if args.nics else None
+    options = {} if nics or args.hosts else WireOptions.from_args(args).nic_options()
+    buffer_bytes = max(*sizes, LINE_BYTES * ranks)  # the device lines are gathered through the buffers too
+    # an alltoall's parts passing through each rank (the most elements: 1-byte ones)
+    landing_bytes = max(alltoall_landing(ranks, size // ranks) for size in sizes) if args.kind == "alltoall" else 0
+    try:
+        if args.hosts:
+            result = await _collective_over_ssh(args)
+        elif world is not None:
+            async with join(world, nic=args.nic, ip=args.ip, buffer_bytes=buffer_bytes, landing_bytes=landing_bytes,
+                            piece_bytes=args.piece, timeout=args.timeout, rendezvous_timeout=args.rendezvous_timeout,
+                            **options) as comm:
+                result = await _sweep(args, [comm], [0], leader)
+            result["launcher"] = world.launcher
+        else:
+            async with local(ranks, nics=nics, buffer_bytes=buffer_bytes, landing_bytes=landing_bytes,
+                             piece_bytes=args.piece, timeout=args.timeout, **options) as comms:
+                result = await _sweep(args, comms, list(range(ranks)), leader)
+        if json_file is not None:
+            _write_json(json_file, args, result, started)
+    except BaseException:
+        if json_file is not None:  # ours (created new): no empty document is left behind
+            os.unlink(json_path)
+        raise
+    finally:
+        if json_file is not None:
+            json_file.close()
     return result
+
+
+async def _sweep(args: argparse.Namespace, comms: list[Any], devices: list[int], leader: bool) -> dict[str, Any]:
+    """The devices' lines, the preamble and header (on the leader's stdout, unless --json), the sweep with each row
+    printed as it is measured, the closing lines; the minimum bandwidth checked."""
+    from ...collectives.devices import job_devices
+    from ...collectives.perf import PerfConfig, run_perf
+    config = nccl_config(args, f"aiofabric-{__version__}", nccl_format.PROGRAMS[args.kind])
+    text = leader and not args.json
+    devices_seen = await job_devices(comms, devices)
+    if text:
+        _print(*nccl_format.preamble(config, devices_seen), *nccl_format.header())
+    perf = PerfConfig(args.kind, args.sizes, iters=args.iters, warmup=args.warmup_iters, dtypes=args.dtypes,
+                      ops=args.ops, roots=args.roots, check=args.verify, agg=args.agg_iters, cycles=args.run_cycles,
+                      average=args.average, blocking=args.blocking, warmup_sizes=args.warmup_sizes)
+    result = await run_perf(comms, perf, _print if text else None)
+    result |= {"nccl": config, "devices": devices_seen}
+    _check_min_bw(result, args.min_bw)
+    if text:
+        _print(*nccl_format.footer(result["out_of_bounds"], result["avg_busbw_GBps"], args.min_bw, config["program"]))
+    return result
+
+
+def _check_min_bw(result: dict[str, Any], min_bw: float | None) -> None:
+    """NCCL_TESTS_MIN_BW: an average bus bandwidth below 90% of it fails the run, as in nccl-tests."""
+    if min_bw is None:
+        return
+    result["min_bw_GBps"] = min_bw
+    if result["avg_busbw_GBps"] < min_bw * 0.9 and "error" not in result:
+        result["error"] = (f"average bus bandwidth {result['avg_busbw_GBps']:g} GB/s is below 90% of "
+                           f"NCCL_TESTS_MIN_BW={min_bw:g}")
+
+
+def _print(*lines: str) -> None:
+    for line in lines:
+        print(line, flush=True)
+
+
+def _open_json(path: str) -> tuple[str, TextIO]:
+    """nccl-tests' -J file, created new: FILE, else FILE.0, FILE.1, ... (never overwritten, no symlink followed)."""
+    candidates = [path, *(f"{path}.{n}" for n in range(1000))]
+    for candidate in candidates:
+        try:
+            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise OSError(f"-J {candidate}: cannot create it: {exc.strerror or exc}") from None
+        print(f"# Writing JSON output to {candidate}", flush=True)
+        return candidate, os.fdopen(fd, "w")
+    raise OSError(f"-J {path}: it and {path}.0 to .999 all exist")
+
+
+def _write_json(file: TextIO, args: argparse.Namespace, result: dict[str, Any], started: str) -> None:
+    env = sorted(f"{name}={value}" for name, value in os.environ.items() if name.startswith(ENV_PREFIXES))
+    document = nccl_format.json_document(result["nccl"], result["devices"], result, args=sys.argv, env=env,
+                                         start_time=started, end_time=time.strftime(nccl_format.TIME_FORMAT))
+    json.dump(document, file, indent=1)
+    file.write("\n")
+
+
+def _refuse(parser: argparse.ArgumentParser, why: str) -> Callable[[argparse.Namespace], None]:
+    def check(args: argparse.Namespace) -> None:
+        parser.error(why)
+    return check
 
 
 def _check_collective(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], None]:
@@ -133,12 +207,7 @@ def _check_collective(parser: argparse.ArgumentParser) -> Callable[[argparse.Nam
             args.rank_count = args.ranks
         if args.nics and len(args.nics.split(",")) != args.rank_count:
             parser.error(f"--nics names {len(args.nics.split(','))} NICs for {args.rank_count} ranks: one per rank")
-        if not 0 <= args.root < args.rank_count:
-            parser.error(f"-r/--root {args.root}: must be a rank in [0, {args.rank_count - 1}] ({args.rank_count} "
-                         "ranks)")
-        if args.size is None and args.minbytes > args.maxbytes:
-            parser.error(f"-b/--minbytes {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}: a sweep goes up")
-        args.sizes = [args.size] if args.size is not None else sweep(args.minbytes, args.maxbytes, args.stepfactor)
+        check_nccl_flags(parser, args, args.rank_count)
     return check
 
 
@@ -155,8 +224,16 @@ def _check_resolvable(parser: argparse.ArgumentParser, host: str, port: int) -> 
 
 
 def _format(result: dict[str, Any]) -> str:
-    from ...collectives.perf import format_table
-    return format_table(result)
+    """A result's text as nccl-tests prints it (a remote rank 0's: --hosts)."""
+    rows = result["rows"]
+    lines = [nccl_format.row_start(row["size"], row["count"], row["type"], row["op"], row["root"])
+             + nccl_format.row_body(row["time_us"], row["algbw_GBps"], row["busbw_GBps"], row["wrong"])
+             + nccl_format.row_body(other["time_us"], other["algbw_GBps"], other["busbw_GBps"], other["wrong"])
+             for row, other in zip(rows[::2], rows[1::2])]
+    program = result["nccl"]["program"]
+    return "\n".join([*nccl_format.preamble(result["nccl"], result["devices"]), *nccl_format.header(), *lines,
+                      *nccl_format.footer(result["out_of_bounds"], result["avg_busbw_GBps"],
+                                          result.get("min_bw_GBps"), program)])
 
 
 async def _collective_over_ssh(args: argparse.Namespace) -> dict[str, Any]:
