@@ -20,11 +20,12 @@ back, and so does `PortLink`:
   PHY to the firmware, as Linux's BNXT_SINGLE_PF gate does.
 - `interface_down` at close, after every ring is freed and before FUNC_DRV_UNRGTR: FUNC_DRV_IF_CHANGE without UP.
 
-The link is not forced down at close, unlike bnxt_close: that is bnxt_en's policy for an interface taken down by its
-administrator, who expects the port dark. A driver that closes leaves the port for whoever opens the function next:
-bnxt_en brings the link up itself when its interface opens, and a port left up spares the next open the seconds a
-link takes to train (bnxt_en's own comment on shutdown_link: the device is not obliged to take the link down even
-when forced).
+The link is not forced down at close, unlike bnxt_close: that is bnxt_en's policy for an interface its administrator
+takes down (`ip link set down`), who expects the port dark, and even bnxt_en skips it on a port it shares (NPAR,
+multi-host, VFs without firmware-managed link-down). This driver's close leaves the port to whoever opens the
+function next, and no later driver relies on finding the link down: bnxt_en's open brings it up itself when it finds
+it down ("the last close may have shutdown the link"), and so does this one's; a port left up only spares the next
+open the seconds a link takes to train.
 
 Like Linux's open, the boot does not wait for the link: it comes up later, and LINK_STATUS_CHANGE says so
 (firmware_events.py re-reads PORT_PHY_QCFG, `query`). `wait_up` waits for it, bounded.
