@@ -32,17 +32,19 @@ def _cli(namespace: str, *args: str) -> list[str]:
     return ["ip", "netns", "exec", namespace, sys.executable, "-m", "aiofabric", *args]
 
 
+FLAGS = ("--qps", "2", "--iters", "200", "--size", "4K")  # both sides' (the server checks its client's)
+
+
 @pytest.mark.parametrize("test, ip", [("write", ["--ip", ADDRESSES[1]]), ("send", [])])
 def test_bench_server_in_one_namespace_client_in_another(two_hosts, test, ip):
     """perftest's two commands: `aiofabric bench TEST --server` on host A, `aiofabric bench TEST A` on host B (its
     NIC at --ip, or at the address that routes to A: the server's QPs talk only to the client's address)."""
-    server = subprocess.Popen(_cli(NS[0], "bench", test, "--server", "--bind", ADDRESSES[0]), stdout=subprocess.PIPE,
+    server = subprocess.Popen(_cli(NS[0], "bench", test, "--server", "--bind", ADDRESSES[0], *FLAGS), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         line = server.stderr.readline()  # "aiofabric bench server: waiting ..." (or EOF if it failed)
         assert "waiting for a client" in line, line + server.stderr.read()
-        client = subprocess.run(_cli(NS[1], "bench", test, ADDRESSES[0], *ip, "--qps", "2",
-                                     "--iters", "200", "--size", "4K", "--json"),
+        client = subprocess.run(_cli(NS[1], "bench", test, ADDRESSES[0], *ip, *FLAGS, "--json"),
                                 capture_output=True, text=True, timeout=90)
         assert client.returncode == 0, client.stderr[-3000:]
         result = json.loads(client.stdout.strip().splitlines()[-1])

@@ -35,4 +35,4 @@ def test_each_profile_runs_the_tools(profile, command):
 
 def test_the_profile_the_driver_refuses_is_refused_in_one_line():
     code, result, _ = run(RUNS["bench write"], "thor")
-    assert code != 0 and "backing store v1 (pre-Thor2 firmware) is not supported" in result["error"]
+    assert code != 0 and "the firmware offers only backing store v1" in result["error"]
