@@ -88,7 +88,7 @@ class Device:
         self.port_link = PortLink(self.hwrm_channel, pci.address)  # the interface's UP and the link (link.py)
         self._rcfw_channel: RcfwChannel | None = None  # from boot on: its rings need HWRM commands first
         self._rcfw_timeout = rcfw_timeout
-        self.router = EventRouter(pci.address, self._creq_firmware_event)
+        self.router = EventRouter(pci.address, self._firmware_event_heard)
         self._inbox = EventInbox(pci.address)  # firmware events heard on the CREQ, for a task to handle
         self.events = self.router.events  # what no handler took, and the handlers of function events: the NIC's
         self.function_handlers = self.router.function_handlers  # users read and add to them here
@@ -197,12 +197,16 @@ class Device:
             log.warning("%s: %s event %#x: the port could not be queried: %s", self.pci.address, kind, event_id, exc)
         self.router.announce(DeviceEvent(kind, event_id, detail))
 
-    def _creq_firmware_event(self, event_id: int, data1: int, data2: int) -> None:
-        """A firmware event that came on the CREQ, where the firmware sends them until FUNC_CFG names the event ring
-        (_open_events): a reset notice loses the device at once, and the event then waits for the inbox's task (the
-        CREQ's reader must not wait for the HWRM commands a link change needs)."""
+    def _firmware_event_heard(self, event_id: int, data1: int, data2: int) -> None:
+        """A firmware event, from the event ring or the CREQ (where the firmware sends them until FUNC_CFG names the
+        event ring, _open_events): a reset notice loses the device at once, and the event then waits for the inbox's
+        task. Neither reader waits for the HWRM commands a link change needs: a reset notice that follows a link
+        change is heard while the firmware, already resetting, leaves the link query unanswered."""
         self._reset_notice(event_kind(event_id, data1), data1)
         self._inbox.put(event_id, data1, data2)
+
+    async def _event_ring_heard(self, event_id: int, data1: int, data2: int) -> None:
+        self._firmware_event_heard(event_id, data1, data2)
 
     def _reset_notice(self, kind: str, data1: int) -> None:
         """A reset notice or a fatal firmware error loses the device, unless it is lost already."""
@@ -379,7 +383,7 @@ class Device:
             log.warning("%s: HWRM func_cfg async_event_cr %d: %s", self.pci.address, ring_id, exc)
         reader = EventRing(ring, ring_id, self.doorbells, self.db_offset, self.interrupt_fd(EVENT_VECTOR),
                            self.liveness)  # it sleeps without a timeout: a loss wakes it (_on_lost)
-        await task_group.start(self.in_background, functools.partial(reader.serve, self._on_firmware_event))
+        await task_group.start(self.in_background, functools.partial(reader.serve, self._event_ring_heard))
         await self._query_port_mtu()
 
     async def _query_link(self) -> None:

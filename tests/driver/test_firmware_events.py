@@ -432,3 +432,30 @@ async def test_bench_waits_for_the_links_and_a_run_over_a_dead_link_names_it():
         with pytest.raises(LinkDownError, match=r"sim:slow-link-b's link is down \(PORT_PHY_QCFG link NO_LINK, "
                                                 r"link_down_reason CABLE_REMOVED\); what the run saw: CompletionError"):
             await run_bench(BenchConfig(size=4096, iters=8), [a, b])
+
+
+@pytest.mark.loop_agnostic
+async def test_a_reset_notice_behind_a_link_change_whose_query_the_firmware_leaves_unanswered_is_heard_at_once():
+    """A link change is followed by a PORT_PHY_QCFG, which a resetting firmware never answers: the reset notice that
+    comes next still loses the device at once, not after that query's timeout."""
+    async with open_nic("sim:reset-behind-link", hwrm_timeout=30) as nic:
+        await nic.wait_for_link()
+        nic.pci.debug({"op": "stall", "channel": "hwrm", "count": 10})
+        nic.pci.debug({"op": "stall", "channel": "rcfw"})
+        nic.pci.debug({"op": "event", "event": {"kind": "link_down"}})
+        failures = []
+
+        async def command():
+            try:
+                await nic.rcfw("query_version")  # 20 s to its timeout
+            except DeviceLostError as exc:
+                failures.append(exc)
+
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(command)
+                await anyio.sleep(0.2)  # the link event's query is waiting for its answer by now
+                sent = time.monotonic()
+                nic.pci.debug({"op": "event", "event": {"kind": "reset_notify"}})
+        assert time.monotonic() - sent < 10 and len(failures) == 1
+        assert "RESET_NOTIFY (MANAGEMENT_RESET_REQUEST)" in str(failures[0])
