@@ -60,25 +60,27 @@ class ContextType:
         return bool(self.flags & TYPE_VALID) and not self.flags & FW_TRACE
 
 
-# A Thor2-like set, sized so that bnxt_en's sizing (bnxt_alloc_ctx_mem) comes out as on a real RoCE function: 64 Ki
-# RoCE QPs beyond the firmware's L2 share (split 0: one per L2 ring) and QP1s (split 1), two CQs per QP beyond the L2
-# CQs, 8 Ki SRQs, 256 Ki MRs and 128 Ki address handles in MRAV, statistics contexts and VNICs (split 0: VNICs, the
-# rest RSS ring tables) taken whole, timer contexts for every QP. Statistics contexts and the TQM rings have no
-# splits. Only the TQM rings report a minimum: v1's QCAPS has a minimum for them alone (tqm_min_entries_per_ring),
-# and Linux adds it to the slow-path ring. TX_CK is reported but not valid for this function; SRT_TRACE is a firmware
-# log buffer, valid but optional (bnxt_en configures it only to collect logs). Inferred: the numbers themselves (no
-# source gives a real Thor2's); Linux's own caps (64 Ki extra QPs, 256 Ki MRs) and comments shaped them.
+# A Thor2-like set, sized so that bnxt_en's sizing (bnxt_alloc_ctx_mem) comes out at the plausible figures a review
+# of Linux gave for a RoCE function (VNIC and statistics contexts 1024 each, slow-path TQM ring 2500, fast-path 2308
+# entries): 1024 RoCE QPs beyond the firmware's L2 share (split 0: one per L2 ring) and QP1s (split 1), two CQs per QP
+# beyond the L2 CQs, 1 Ki SRQs beyond the L2 share, 8 Ki MRs and 8 Ki address handles in MRAV, statistics contexts
+# and VNICs (split 0: VNICs, the rest RSS ring tables) taken whole, timer contexts for every QP: about 6 MiB, where
+# Linux's own caps (64 Ki extra QPs, 256 Ki MRs) on a larger function would make it ~150 MiB, touched at every open.
+# Statistics contexts and the TQM rings have no splits. Only the TQM rings report a minimum: v1's QCAPS has a minimum
+# for them alone (tqm_min_entries_per_ring), and Linux adds it to the slow-path ring. TX_CK is reported but not valid
+# for this function; SRT_TRACE is a firmware log buffer, valid but optional (bnxt_en configures it only to collect
+# logs). Inferred: the numbers themselves (no source gives a real Thor2's).
 CONTEXT_TYPES = {ctx.kind: ctx for ctx in (
     #           type            size flags                 instances init  offset multiple min  max     splits
-    ContextType(BS.QP,          704, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 2,     64,      0,   65794,  (256, 2, 0)),
-    ContextType(BS.SRQ,         192, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 1,     64,      0,   8320,   (128,)),
+    ContextType(BS.QP,          704, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 2,     64,      0,   1282,   (256, 2, 0)),
+    ContextType(BS.SRQ,         192, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 1,     64,      0,   1152,   (128,)),
     ContextType(BS.CQ,          128, TYPE_VALID | CTX_INIT, 0x00,     0xFF, 3,     64,      0,   131328, (256,)),
     ContextType(BS.VNIC,        256, TYPE_VALID,            0x00,     0,    0,     1,       0,   1024,   (128,)),
     ContextType(BS.STAT,        256, TYPE_VALID,            0x00,     0,    0,     1,       0,   1024),
     ContextType(BS.SP_TQM_RING, 64,  TYPE_VALID,            0x01,     0,    0,     64,      64,  262144),
     ContextType(BS.FP_TQM_RING, 32,  TYPE_VALID,            0xFF,     0,    0,     64,      64,  262144),  # per TC
-    ContextType(BS.MRAV,        128, TYPE_VALID | CTX_INIT, 0x00,     0x80, 1,     64,      0,   524288),
-    ContextType(BS.TIM,         16,  TYPE_VALID,            0x00,     0,    0,     1,       0,   65794),
+    ContextType(BS.MRAV,        128, TYPE_VALID | CTX_INIT, 0x00,     0x80, 1,     64,      0,   16384),
+    ContextType(BS.TIM,         16,  TYPE_VALID,            0x00,     0,    0,     1,       0,   1282),
     ContextType(BS.TX_CK,       0,   0,                     0x00,     0,    0,     0,       0,   0),
     ContextType(SRT_TRACE,      64,  TYPE_VALID | FW_TRACE, 0x00,     0,    0,     1,       16,  256),
 )}

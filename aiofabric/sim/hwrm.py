@@ -293,8 +293,8 @@ class Firmware(FunctionState):
 
     def _contexts_initialised(self, ctx: ContextType, pages: PageList, entries: int) -> bool:
         """The init byte of every entry (at init_offset units of 4 bytes: bnxt_init_ctx_initializer) holds the value,
-        in the first page, the last and every CTX_INIT_SAMPLE-th: reading all of a 150 MiB backing store would cost
-        a boot more than the note is worth."""
+        in the first page, the last and every CTX_INIT_SAMPLE-th: reading all of a large backing store (150 MiB
+        for Linux's own caps) would cost a boot more than the note is worth."""
         offset, end, size = ctx.init_offset * 4, entries * ctx.entry_size, pages.page_size
         last = -(-end // size) - 1
         for index in sorted({*range(0, last, CTX_INIT_SAMPLE), last}):

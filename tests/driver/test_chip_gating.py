@@ -108,17 +108,17 @@ async def test_the_backing_store_leaves_the_firmware_trace_buffers_out():
 
 @pytest.mark.loop_agnostic
 async def test_the_backing_store_is_sized_as_bnxt_en_sizes_it():
-    """bnxt_alloc_ctx_mem on the emulated Thor2's capabilities (sim/function.py): the L2 share 256 + QP1s 2 + 64 Ki
-    RoCE QPs (65856 rounded up to 64, held to the maximum 65794); SRQs 128 + 8 Ki; CQs 256 + 2 x 64 Ki; VNICs and
-    statistics contexts at their maximum; MRAV 256 Ki MRs + 128 Ki address handles (split 0); timers as many as QPs;
-    the slow-path TQM ring 128 VNICs + 256 + 2 x (64 Ki + 2) + its minimum 64 = 131524 and each of the 8 fast-path
-    ones 256 + 2 x (64 Ki + 2) = 131332, rounded up to 64. PBL depth 2 where Linux asks for it, else 1."""
-    expected = {BS.QP: (65794, 2, [256, 2, 0]), BS.SRQ: (8320, 2, [128]), BS.CQ: (131328, 2, [256]),
-                BS.VNIC: (1024, 1, [128]), BS.STAT: (1024, 1, []), BS.SP_TQM_RING: (131584, 2, []),
-                BS.FP_TQM_RING: (131392, 2, []), BS.MRAV: (393216, 2, [131072]), BS.TIM: (65794, 1, [])}
+    """bnxt_alloc_ctx_mem on the emulated Thor2's capabilities (sim/function.py): the L2 share 256 + QP1s 2 + 1024
+    RoCE QPs (1282, rounded up to 64 and held to the maximum 1282); SRQs 128 + 1024; CQs 256 + 2 x 1024; VNICs and
+    statistics contexts at their maximum; MRAV 8 Ki MRs (half the maximum) + as many address handles (split 0);
+    timers as many as QPs; the slow-path TQM ring 128 VNICs + 256 + 2 x (1024 + 2) + its minimum 64 = 2500 and each of
+    the 8 fast-path ones 256 + 2 x (1024 + 2) = 2308, rounded up to 64. PBL depth 2 where Linux asks for it, else 1."""
+    expected = {BS.QP: (1282, 2, [256, 2, 0]), BS.SRQ: (1152, 2, [128]), BS.CQ: (2304, 2, [256]),
+                BS.VNIC: (1024, 1, [128]), BS.STAT: (1024, 1, []), BS.SP_TQM_RING: (2560, 2, []),
+                BS.FP_TQM_RING: (2368, 2, []), BS.MRAV: (16384, 2, [8192]), BS.TIM: (1282, 1, [])}
     async with open_nic("sim") as nic:
         configured = nic.pci.debug({"op": "backing_store"})["backing_store"]
-        assert nic.caps["max_qp"] == 65538  # QP1s and RoCE QPs: what bnxt_re gets (min(64 Ki, max_qp) there)
+        assert nic.caps["max_qp"] == 1026  # QP1s and RoCE QPs: what bnxt_re gets (min(64 Ki, max_qp) there)
     assert {(area["type"], area["instance"]): (area["entries"], area["level"], area["splits"])
             for area in configured} == {(kind, instance): expected[kind]
                                         for kind in expected for instance in CONTEXT_TYPES[kind].instances}

@@ -114,10 +114,10 @@ def test_out_of_range_values_exit_2_under_the_spelling_typed(capsys, argv, messa
 
 
 def test_limits_the_nic_sets_are_usage_errors_under_the_spelling_typed(capsys):
-    """What only the booted NIC knows (max_qp 65538, max_inline_data 96 on the emulated NIC) still exits 2."""
+    """What only the booted NIC knows (max_qp 1026, max_inline_data 96 on the emulated NIC) still exits 2."""
     assert usage(capsys, "bench", "write", "-q", "100000", "-n", "2").startswith("usage: -q 100000: 100000 QPs on a NIC")
-    assert usage(capsys, "bench", "write", "-q", "40000", "-b", "-n", "2").startswith(
-        "usage: -q 40000: 80000 QPs on a NIC")
+    assert usage(capsys, "bench", "write", "-q", "600", "-b", "-n", "2").startswith(
+        "usage: -q 600: 1200 QPs on a NIC")
     assert "--inline-size 200: bytes of inline data exceed what" in usage(capsys, "bench", "write", "--inline-size",
                                                                          "200", "-n", "2")
     assert "-x 3: " in usage(capsys, "bench", "write", "-x", "3", "-n", "2")
