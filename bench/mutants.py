@@ -226,6 +226,19 @@ MUTANTS = [
            (LOCAL_FILES + "test_a_symlink_at_the_capture_path_is_refused_and_its_target_unchanged",)),
     Mutant("server: a request still running counts as its client's idleness", SERVE, "            if unanswered:\n",
            "            if False:\n", ("tests/unit/test_server_idle.py",)),
+    Mutant("reservation: an allocation past FUNC_CFG's grant is taken", "aiofabric/sim/resources.py",
+           "        if in_use >= granted:\n", "        if in_use > granted:\n",
+           ("tests/emulator/test_sim_firmware.py::test_each_allocation_counts_against_its_reservation_up_to_the_grant"
+            "_and_not_one_past",)),
+    Mutant("reservation: an NQ's vector may be the first past num_msix", "aiofabric/sim/hwrm.py",
+           'request.logical_id >= self.reservation.granted["num_msix"]',
+           'request.logical_id > self.reservation.granted["num_msix"]',
+           ("tests/emulator/test_sim_firmware.py::test_an_nqs_vector_is_one_of_the_msix_vectors_reserved",)),
+    Mutant("events: a reset notice from the event ring waits behind a link change's query", "aiofabric/driver/device.py",
+           "functools.partial(reader.serve, self._event_ring_heard)",
+           "functools.partial(reader.serve, self._on_firmware_event)",
+           ("tests/driver/test_firmware_events.py::test_a_reset_notice_behind_a_link_change_whose_query_the_firmware"
+            "_leaves_unanswered_is_heard_at_once",)),
 ]
 
 
