@@ -13,7 +13,7 @@ from typing import Callable
 
 CLI = [sys.executable, "-m", "aiofabric"]
 IDLE = 2.0  # seconds: the idle timeout of LIMITS
-LIMITS = ["--idle-timeout", str(IDLE), "--max-memory", "192M", "--max-requests", "8", "--max-line", "64K",
+LIMITS = ["--idle-timeout", str(IDLE), "--max-memory", "64M", "--max-requests", "8", "--max-line", "64K",
           "--max-depth", "16", "--max-nics", "1"]
 
 

@@ -143,7 +143,7 @@ def test_a_client_stays_within_its_limits(server):
         huge = client.request(3, "register_mr", nic=1, size=1 << 30)
         assert huge["error"]["type"] == "MemoryError" and "--max-memory" in huge["error"]["message"], huge
         rings = client.request(4, "create_cq", nic=1, depth=1 << 21)  # rings count too: 64 MiB of CQEs past the
-        # ~150 MiB the NIC holds of its own (its backing store)
+        # ~5 MiB the NIC holds of its own (mostly its backing store)
         assert rings["error"]["type"] == "MemoryError", rings
         cq = client.request(5, "create_cq", nic=1, depth=64)["result"]["cq"]
         qp = client.request(6, "create_qp", nic=1, cq=cq, rq_depth=1)["result"]["qp"]

@@ -125,7 +125,7 @@ async def test_a_dma_budget_caps_what_a_nic_may_allocate_and_gets_every_byte_bac
     budget = DmaBudget(256 << 20, "test budget")
     async with open_nic(dma_budget=budget) as nic:
         booted = budget.in_use
-        assert 100 << 20 < booted < 256 << 20  # the NIC's own rings and backing store count too (bnxt_en's sizes)
+        assert 1 << 20 < booted < 16 << 20  # the NIC's own rings and backing store count too (bnxt_en's sizes, ~5 MiB)
         budget.limit = booted + (8 << 20)
         mr = await nic.register_mr(1 << 20)
         with_mr = budget.in_use
