@@ -354,16 +354,16 @@ def test_raw_and_udp_transports_interoperate():
 @needs_raw
 def test_bursts_leave_with_ip_id_0_so_the_icrc_holds_on_the_wire():
     """What a capture of the loopback device sees of a sendmmsg burst: DF, IP ID 0, an ICRC valid over that header."""
-    count = 60
+    count = 60  # on 127.0.1.x: emulators of tests running beside bind 127.0.0.x (sim/wire.py)
     with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003)) as tap, \
-            UdpTransport("127.0.0.114") as a, UdpTransport("127.0.0.115") as b:
+            UdpTransport("127.0.1.114") as a, UdpTransport("127.0.1.115") as b:
         try:  # room for everyone's loopback traffic meanwhile (lo shows every frame twice)
             tap.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 16 << 20)
         except PermissionError:
             tap.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
         tap.bind(("lo", 0))
         tap.settimeout(0.2)
-        a.send_all([write(psn, "127.0.0.115", payload=bytes(psn % 97)) for psn in range(count)])
+        a.send_all([write(psn, "127.0.1.115", payload=bytes(psn % 97)) for psn in range(count)])
         assert len(pump(b, received(count))) == count
         seen = []
         for _ in range(50 * count):  # bounded: other loopback traffic is skipped
@@ -372,8 +372,8 @@ def test_bursts_leave_with_ip_id_0_so_the_icrc_holds_on_the_wire():
             except socket.timeout:
                 break
             ip = frame[14:]
-            if address[2] != socket.PACKET_OUTGOING and ip[12:20] == socket.inet_aton("127.0.0.114") + \
-                    socket.inet_aton("127.0.0.115"):
+            if address[2] != socket.PACKET_OUTGOING and ip[12:20] == socket.inet_aton("127.0.1.114") + \
+                    socket.inet_aton("127.0.1.115"):
                 seen.append(ip)
     assert len(seen) == count
     assert all(ip[4:6] == b"\0\0" and ip[6] & 0x40 for ip in seen)  # IP ID 0, DF
