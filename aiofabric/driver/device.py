@@ -89,7 +89,7 @@ class Device:
         self._rcfw_channel: RcfwChannel | None = None  # from boot on: its rings need HWRM commands first
         self._rcfw_timeout = rcfw_timeout
         self.router = EventRouter(pci.address, self._firmware_event_heard)
-        self._inbox = EventInbox(pci.address)  # firmware events heard on the CREQ, for a task to handle
+        self._inbox = EventInbox(pci.address)  # firmware events heard on either ring, for a task to handle
         self.events = self.router.events  # what no handler took, and the handlers of function events: the NIC's
         self.function_handlers = self.router.function_handlers  # users read and add to them here
         self.teardown = Teardown(pci.address)

@@ -107,8 +107,9 @@ class EventRouter:
 
 
 class EventInbox:
-    """Firmware events heard where they cannot be handled at once (the CREQ's reader, which must not wait for the
-    HWRM commands a link change needs): they wait here, in order, for `serve`. It holds as many as the event ring."""
+    """Firmware events heard where they cannot be handled at once (the CREQ's and the event ring's readers, which
+    must not wait for the HWRM commands a link change needs): they wait here, in order, for `serve`. It holds as many
+    as the event ring."""
 
     def __init__(self, address: str) -> None:
         self.address = address  # the device's, for the log
