@@ -472,7 +472,8 @@ def wake_every_vector(nic):
 
 async def test_a_close_destroys_what_is_attached_in_an_order_the_firmware_accepts(caplog):
     """QPs before the CQs they use (the firmware refuses a CQ a QP still uses), every destroy accepted: a clean close
-    logs nothing. (The function reset at the end would free a refused object all the same, so only the log tells.)"""
+    logs nothing of its own. (The function reset at the end would free a refused object all the same, so only the
+    log tells.)"""
     async with open_nic() as nic:
         for _ in range(3):
             cq = await nic.create_cq(16)
@@ -480,7 +481,9 @@ async def test_a_close_destroys_what_is_attached_in_an_order_the_firmware_accept
             await nic.register_mr(4096)
         with caplog.at_level("INFO", logger="aiofabric.driver.device"):
             await nic.close()
-    assert [r.getMessage() for r in caplog.records if r.name == "aiofabric.driver.device"] == []
+    # A firmware event (the link's training, heard late under load) is logged by the event inbox: not the close's.
+    closing = [r for r in caplog.records if r.name == "aiofabric.driver.device" and r.module != "firmware_events"]
+    assert [r.getMessage() for r in closing] == []
 
 
 async def test_close_inside_the_block_stops_the_nics_own_tasks_before_freeing_their_rings():
