@@ -348,7 +348,9 @@ class Rcfw(CommandQueue):
         offset = request.va & page_size - 1  # the region's start within its first page
         pages = map_memory(self.mem, level, request.pbl, offset + request.mr_size, page_size, start=offset)
         misaligned = next((page for page in pages.pages if page & page_size - 1), None)
-        if misaligned is not None:  # Linux lists whole pages of the size it names (bnxt_qplib_reg_mr)
+        # Linux lists whole pages of the size it names (bnxt_qplib_reg_mr). Inferred: the refusal; what the chip does
+        # with a page off its size's alignment (drop the low bits, or add them) no source says
+        if misaligned is not None:
             raise CommandError(INVALID_PARAMETER, f"page {misaligned:#x} of the PBL is not aligned to the "
                                                   f"{page_size:#x}-byte pages log2_pg_size names")
         if request.flags & bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR:  # unified MR: `key` carries the PD
