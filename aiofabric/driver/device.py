@@ -31,6 +31,7 @@ from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, NQ_VECTOR, wake
 from .link import PortLink, single_pf
 from .liveness import Liveness
+from .mr_pages import MAX_MR_SIZE
 from .rcfw_channel import CREQ_DEPTH, RCFW_TIMEOUT, RcfwChannel
 from .rings import Ring
 from .teardown import Teardown
@@ -322,7 +323,8 @@ class Device:
         self.caps.update(max_qp=function.max_qp, max_cq=function.max_cq, max_mr=function.max_mr,
                          max_qp_wr=function.max_qp_wr, max_cqe=function.max_cqe,
                          max_sge=function.max_sge if self.variable_wqes else STATIC_WQE_SGES,
-                         max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data)
+                         max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data,
+                         max_mr_size=MAX_MR_SIZE)  # Linux's, not the firmware's (bnxt_re_query_device)
         self._stats = self.pci.alloc_dma(PAGE_SIZE)
         self.teardown.on_quiesced(self._stats.free)
         stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr,
