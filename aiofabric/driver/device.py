@@ -202,9 +202,15 @@ class Device:
         """A firmware event, from the event ring or the CREQ (where the firmware sends them until FUNC_CFG names the
         event ring, _open_events): a reset notice loses the device at once, and the event then waits for the inbox's
         task. Neither reader waits for the HWRM commands a link change needs: a reset notice that follows a link
-        change is heard while the firmware, already resetting, leaves the link query unanswered."""
-        self._reset_notice(event_kind(event_id, data1), data1)
+        change is heard while the firmware, already resetting, leaves the link query unanswered. The event is put
+        first: what the loss's listeners ask of the inbox (`after_events`) comes after it."""
         self._inbox.put(event_id, data1, data2)
+        self._reset_notice(event_kind(event_id, data1), data1)
+
+    def after_events(self, step: Callable[[], None]) -> None:
+        """Run `step` once every firmware event heard so far has been handled and announced (by the inbox's task,
+        which a close stops: then never)."""
+        self._inbox.then(step)
 
     async def _event_ring_heard(self, event_id: int, data1: int, data2: int) -> None:
         self._firmware_event_heard(event_id, data1, data2)

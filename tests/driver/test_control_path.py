@@ -337,10 +337,10 @@ async def test_error_notifications_are_routed_not_mistaken_for_replies():
             nic.pci.debug({"op": "event", "event": {"kind": "function", "event": 1}})
         assert results[0].status == 0
         with anyio.fail_after(2):
-            while not (qp.errors and cq.errors and nic.events):
+            while not (qp.errors and cq.errors and nic.event_log):
                 await anyio.sleep(0.01)
         assert qp.state == QPState.ERR and qp.errors[0].xid == qp.qpn
-        assert cq.errors[0].kind == "cq_error" and nic.events[-1].kind == "function"
+        assert cq.errors[0].kind == "cq_error" and nic.event_log[-1].kind == "function"
 
 
 async def test_emulator_killed_mid_command_fails_every_waiter_promptly():
