@@ -9,7 +9,6 @@ there, with the Agg backend.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Mapping, Sequence
 
 from .plot import require
@@ -46,16 +45,6 @@ def distributions(samples_by_size: Mapping[int, Sequence[float]], scale: float =
         result.append(Distribution(size, sorted(sample * scale for sample in samples),
                                    {label: figures[key] * scale for label, key in MARKS}))
     return result
-
-
-def check_path(path: str) -> str | None:
-    """Why `path` cannot take the plot, found before the run (None: it can)."""
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        return f"--plot {path}: there is no directory {folder}"
-    if os.path.isdir(path):
-        return f"--plot {path}: is a directory; name a PNG file"
-    return None
 
 
 def draw(data: Sequence[Distribution], path: str, unit: str = "usec", title: str = "") -> None:

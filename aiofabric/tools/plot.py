@@ -6,11 +6,22 @@ Agg backend, so plotting works without a display.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Sequence
 
 from .bench_report import bandwidth_unit
 
 EXTRA_HINT = "plotting needs matplotlib: pip install 'aiofabric[plot]'"
+
+
+def check_path(path: str) -> str | None:
+    """Why `path` cannot take the plot, found before the run (None: it can)."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        return f"--plot {path}: there is no directory {folder}"
+    if os.path.isdir(path):
+        return f"--plot {path}: is a directory; name a PNG file"
+    return None
 
 
 def require() -> None:

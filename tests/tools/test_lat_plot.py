@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from aiofabric.tools import cli, lat_plot
+from aiofabric.tools import cli, lat_plot, plot
 from aiofabric.tools.samples import summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -35,11 +35,11 @@ def test_cycles_scale_samples_and_figures_alike_and_no_samples_is_refused():
 
 
 def test_where_the_plot_cannot_go_is_said_before_the_run(tmp_path):
-    assert lat_plot.check_path(str(tmp_path / "lat.png")) is None
-    assert lat_plot.check_path("lat.png") is None  # the working directory
-    assert lat_plot.check_path(f"{tmp_path}/no/lat.png") == f"--plot {tmp_path}/no/lat.png: there is no directory " \
+    assert plot.check_path(str(tmp_path / "lat.png")) is None
+    assert plot.check_path("lat.png") is None  # the working directory
+    assert plot.check_path(f"{tmp_path}/no/lat.png") == f"--plot {tmp_path}/no/lat.png: there is no directory " \
                                                             f"{tmp_path}/no"
-    assert lat_plot.check_path(str(tmp_path)) == f"--plot {tmp_path}: is a directory; name a PNG file"
+    assert plot.check_path(str(tmp_path)) == f"--plot {tmp_path}: is a directory; name a PNG file"
 
 
 @pytest.mark.parametrize("measured", [{2: [3.0, 1.0, 2.0] * 50}, {2: [1.0, 1.5], 4096: [2.0, 7.0, 3.0]},
@@ -107,3 +107,13 @@ def test_lat_plot_without_matplotlib_names_the_extra_before_running():
     result = json.loads(process.stdout.strip().splitlines()[-1])
     assert process.returncode == 1 and "pip install 'aiofabric[plot]'" in result["error"]
     assert "fw_version" not in result  # refused before any NIC booted
+
+
+@pytest.mark.parametrize("where,message", [
+    ("/nonexistent/dir/bw.png", "--plot /nonexistent/dir/bw.png: there is no directory /nonexistent/dir"),
+    (".", "--plot .: is a directory; name a PNG file"),
+], ids=["no-directory", "a-directory"])
+def test_bench_plot_refuses_a_path_it_cannot_write_before_the_run(capsys, where, message):
+    code = cli.main(["bench", "write", "-a", "--plot", where, "--json"])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert code == 2 and result["ok"] is False and message in result["error"], result

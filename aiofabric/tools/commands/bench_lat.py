@@ -179,6 +179,8 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
         _perftest_common(parser, args, args.min_size is not None or args.max_size is not None, BENCH)
         if args.plot and not getattr(args, "sizes", None):
             parser.error("--plot draws a sweep: add -a or --min-size/--max-size")
+        if args.plot and (unplottable := plot.check_path(args.plot)):
+            parser.error(unplottable)
         if args.run_infinitely:
             if getattr(args, "sizes", None):
                 parser.error("--run-infinitely runs one size: drop the sweep")
@@ -198,7 +200,7 @@ def _check_lat(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace]
         _perftest_common(parser, args, False, LAT)
         if args.output is not None and args.all:
             parser.error("--output prints one number: it goes with one size, not a sweep (-a)")
-        unplottable = lat_plot.check_path(args.plot) if args.plot else None
+        unplottable = plot.check_path(args.plot) if args.plot else None
         if unplottable:
             parser.error(unplottable)
         if args.cycles:
