@@ -373,7 +373,7 @@ def test_lat_reports_perftest_latency_fields(test):
     code, result, process = run("lat", test, "--iters", "60", "-s", "64", "--histogram", "-H", "--json")
     assert code == 0 and result["ok"] and result["verified"], process.stderr
     assert result["t_min_us"] <= result["t_typical_us"] <= result["p99_us"] <= result["p99_9_us"] <= result["t_max_us"]
-    assert result["iters"] == 60 and sum(count for _, count in result["histogram"]) == 60
+    assert result["iterations"] == 60 and sum(count for _, count in result["histogram"]) == 60
     assert len(result["samples"]) == 60  # -H: every sample (the table lists them sorted)
     code, _, process = run("lat", test, "--iters", "20")
     assert code == 0 and "t_typical[usec]" in process.stdout and "99.9% percentile[usec]" in process.stdout
