@@ -120,7 +120,7 @@ def family_of(path: str, result: Mapping[str, Any]) -> Family:
         return LAT
     if "collective" in result:
         return COLLECTIVE
-    raise CompareError(f"{path}: a {command!r} result has no figures to compare (compare takes bench, lat and the "
+    raise CompareError(f"{path}: a result of {command} has no figures to compare (compare takes bench, lat and the "
                        "collectives)")
 
 
@@ -189,8 +189,8 @@ def compare(files: Sequence[str], results: Sequence[Mapping[str, Any]], toleranc
     families = [family_of(path, result) for path, result in zip(files, results)]
     family = families[0]
     if families[1] is not family or base.get("command") != run.get("command"):
-        raise CompareError(f"{base_path} is a {base.get('command')} result, {run_path} a {run.get('command')} "
-                           "result: compare two results of one command")
+        raise CompareError(f"{base_path} is a result of {base.get('command')}, {run_path} of {run.get('command')}: "
+                           "compare two results of one command")
     if base.get("test") != run.get("test"):
         raise CompareError(f"{base_path} is {family.name} {base.get('test')}, {run_path} {family.name} "
                            f"{run.get('test')}: compare two runs of one test")
