@@ -14,6 +14,7 @@ from .result_meta import SCHEMA_VERSION
 KNOWN_SCHEMAS = (SCHEMA_VERSION,)  # the result schemas compare reads
 HIGHER, LOWER = "higher", "lower"  # which way a figure is better
 ABOUT = ("command_line", "host", "time", "aiofabric_version")  # what the report says of each file
+ERROR_FIGURES = 5  # the regressions "error" names (one line); the figures list has them all
 
 
 class CompareError(ValueError):
@@ -112,6 +113,8 @@ def family_of(path: str, result: Mapping[str, Any]) -> Family:
         raise CompareError(f"{path}: schema_version {version!r} is unknown here (this aiofabric reads "
                            f"{', '.join(map(str, KNOWN_SCHEMAS))}): compare with the aiofabric that wrote it")
     command = result.get("command")
+    if command is None:
+        raise CompareError(f"{path}: names no command ({result.get('error', 'the version line')}): nothing to compare")
     if result.get("server") is True:
         raise CompareError(f"{path}: a --server's summary: its client's result has the figures")
     if command == "bench":
@@ -191,7 +194,7 @@ def compare(files: Sequence[str], results: Sequence[Mapping[str, Any]], toleranc
     if families[1] is not family or base.get("command") != run.get("command"):
         raise CompareError(f"{base_path} is a result of {base.get('command')}, {run_path} of {run.get('command')}: "
                            "compare two results of one command")
-    if base.get("test") != run.get("test"):
+    if "test" in base and "test" in run and base["test"] != run["test"]:  # a failure's line may have no test
         raise CompareError(f"{base_path} is {family.name} {base.get('test')}, {run_path} {family.name} "
                            f"{run.get('test')}: compare two runs of one test")
     if base.get("ok") is not True:
@@ -221,8 +224,9 @@ def compare(files: Sequence[str], results: Sequence[Mapping[str, Any]], toleranc
     if report["regressions"]:
         worst = [f"{row_text(f['row'])} {f['title']} {change_text(f['change'], f['base'])}" for f in figures
                  if f["regression"]]
+        more = [f"and {len(worst) - ERROR_FIGURES} more"] if len(worst) > ERROR_FIGURES else []
         problems.append(f"{len(worst)} figure(s) worse than the base by more than {percent_text(tolerance)}: "
-                        + "; ".join(worst))
+                        + "; ".join(worst[:ERROR_FIGURES] + more))
     if problems:
         report["error"] = "; ".join(problems)
     return report

@@ -135,6 +135,16 @@ def test_bench_figures_side_by_side_higher_or_lower_is_better():
     assert_valid(stamped(False, metadata(["compare"], "compare", "2026-12-05T10:00:00Z"), report))
 
 
+def test_the_error_names_the_first_five_regressions():
+    sizes = [2 ** k for k in range(4)]
+    base = bench(*(bench_row(size, 100.0, 1e6) for size in sizes))
+    run = bench(*(bench_row(size, 50.0, 1e6) for size in sizes))
+    report = compare(["b", "r"], [base, run], 0.05)
+    assert report["regressions"] == 8 and report["error"].endswith(
+        "size 1 BW average [MiB/sec] -50.00%; size 1 BW peak [MiB/sec] -50.00%; size 2 BW average [MiB/sec] -50.00%; "
+        "size 2 BW peak [MiB/sec] -50.00%; size 4 BW average [MiB/sec] -50.00%; and 3 more")
+
+
 def test_a_peak_of_0_is_not_measured_and_not_a_regression():
     """perftest prints BW peak 0 where it measures none (-D, -N, past its sample limit)."""
     report = compare(["b", "r"], [bench(bench_row(64, 100.0, 1e6)), bench(bench_row(64, 100.0, 1e6, peak=0.0))], 0.05)
@@ -196,6 +206,13 @@ def test_a_failed_run_is_a_failure_and_its_figures_still_shown():
     assert len(figures(report)) == 5 and report["regressions"] == 0
 
 
+def test_a_run_that_failed_before_its_figures_is_a_failure_listing_every_row(tmp_path, capsys):
+    failed = result("bench", ["write"], error="LinkDownError: sim:x: the link stayed down")
+    code, out, (_, run_path) = cli_compare(tmp_path, bench(bench_row(64, 1.0, 1.0)), failed, capsys=capsys)
+    assert code == 1 and "only in base" in out.out
+    assert out.err == f"aiofabric compare: {run_path}: the run failed: LinkDownError: sim:x: the link stayed down\n"
+
+
 # -- what cannot be compared: exit 2, naming the file --------------------------------------------------------------
 
 @pytest.mark.parametrize("base,run,message", [
@@ -220,6 +237,8 @@ def test_a_failed_run_is_a_failure_and_its_figures_still_shown():
                                                                 "result: compare the --json output"),
     (result("bench", server=True, port=1, refused=0, client_error=None), bench(bench_row(64, 1.0, 1.0)),
      "{base}: a --server's summary: its client's result has the figures"),
+    (bench(bench_row(64, 1.0, 1.0)), {**result("bench", error="usage: x"), "command": None},
+     "{run}: names no command (usage: x): nothing to compare"),
     (result("info", nic="sim"), result("info", nic="sim"), "{base}: a result of info has no figures to compare "
                                                            "(compare takes bench, lat and the collectives)"),
     (bench(bench_row(64, 1.0, 1.0), error="boom"), bench(bench_row(64, 1.0, 1.0)),
@@ -228,7 +247,7 @@ def test_a_failed_run_is_a_failure_and_its_figures_still_shown():
     (bench(bench_row(64, 1.0, 1.0)), {**bench(bench_row(64, 1.0, 1.0)), "rows": {"size": 64}},
      "{run}: 'rows' is not a list"),
 ], ids=["commands", "collectives", "tests", "not-json", "empty", "not-an-object", "no-schema-version",
-        "unknown-schema-version", "schema-version-bool", "nccl-tests-document", "server", "info", "failed-base",
+        "unknown-schema-version", "schema-version-bool", "nccl-tests-document", "server", "no-command", "info", "failed-base",
         "row-without-size", "rows-not-a-list"])
 def test_files_that_cannot_be_compared_are_a_usage_error_naming_them(tmp_path, capsys, base, run, message):
     code, out, (base_path, run_path) = cli_compare(tmp_path, base, run, capsys=capsys)
