@@ -333,6 +333,8 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
         started = time.perf_counter()
         samples = await ENGINES[config.test](config, pair)
         seconds = time.perf_counter() - started
+        if config.sampled is not None:  # --plot's
+            config.sampled(config.size, samples)
         placed = [await placement_counts(nic) if isinstance(nic, NIC) else None
                   for nic in (client_nic, server_nic)]
         mismatch = await _verify(config, pair, server_digest, placed)
