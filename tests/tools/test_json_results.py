@@ -35,9 +35,10 @@ def test_the_schema_is_valid_json_schema_and_ships_in_the_package():
     assert '"tools/schemas/*.json"' in pyproject  # package data: a wheel without it has no schema
 
 
-def test_a_run_says_what_ran_where_and_when():
+@pytest.mark.parametrize("backend", ["asyncio", "trio", "uvloop"])
+def test_a_run_says_what_ran_where_and_when(backend):
     before = int(time.time())
-    argv = ["bench", "write", "-n", "20", "-s", "4096", "-q", "2", "--json"]
+    argv = ["--backend", backend, "bench", "write", "-n", "20", "-s", "4096", "-q", "2", "--json"]
     code, result, process = run(*argv)
     after = time.time()
     assert code == 0 and result["ok"], process.stderr
