@@ -2,8 +2,9 @@
 
 `--json` prints exactly one JSON object as the last line of stdout, with "ok": true|false and the metadata of
 result_meta.py, on every outcome (usage errors and signals included), so a script can always parse the last line; on
-failure "error" names the innermost cause in one line. Without `--json`, failures print that line on stderr. `serve` is the exception: its stdout
-carries the peer protocol (aiofabric/peer/protocol.py), so it has no `--json`; it exits 0 at end of input. Exit codes:
+failure "error" names the innermost cause in one line. Without `--json`, failures print that line on stderr. `serve`
+is the exception: its stdout carries the peer protocol (aiofabric/peer/protocol.py), so it has no `--json`; it exits 0
+at end of input. Exit codes:
 
     0    success
     1    runtime failure (a firmware or completion error, a bad value, destination bytes that differ)

@@ -1,9 +1,10 @@
 """How the command line stops on a signal: SIGTERM, SIGINT and SIGHUP end a command with a JSON line and exit code
 128 + signal, from the first instruction on (imports included); a second signal forces the exit.
 
-Light on purpose (the standard library, and result_meta which needs no more): the entry point installs these handlers before it imports anything
-heavy, so a signal during start-up is reported like one during the run. Once the command's own signal receiver
-runs (it cancels the command cleanly), `command_started()` turns these handlers into the forced exit.
+Light on purpose (the standard library, and result_meta, which needs no more): the entry point installs these
+handlers before it imports anything heavy, so a signal during start-up is reported like one during the run. Once the
+command's own signal receiver runs (it cancels the command cleanly), `command_started()` turns these handlers into
+the forced exit.
 """
 from __future__ import annotations
 

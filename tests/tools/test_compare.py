@@ -130,7 +130,8 @@ def test_bench_figures_side_by_side_higher_or_lower_is_better():
     assert regressed == {(64, "bw_MiBps"), (64, "bw_peak_MiBps"), (64, "lat_us.p99")}  # p50 +4%: within
     rate = figures(report, "msg_rate")[0]
     assert (rate["base"], rate["run"], rate["better"]) == (2.0, pytest.approx(2.2), "higher")  # in Mpps
-    assert report["regressions"] == 3 and report["error"].startswith("3 figure(s) worse than the base by more than 5%: ")
+    assert report["regressions"] == 3
+    assert report["error"].startswith("3 figure(s) worse than the base by more than 5%: ")
     assert "size 64 loaded lat p99 [usec] +50.00%" in report["error"]
     assert_valid(stamped(False, metadata(["compare"], "compare", "2026-12-05T10:00:00Z"), report))
 
@@ -247,7 +248,8 @@ def test_a_run_that_failed_before_its_figures_is_a_failure_listing_every_row(tmp
     (bench(bench_row(64, 1.0, 1.0)), {**bench(bench_row(64, 1.0, 1.0)), "rows": {"size": 64}},
      "{run}: 'rows' is not a list"),
 ], ids=["commands", "collectives", "tests", "not-json", "empty", "not-an-object", "no-schema-version",
-        "unknown-schema-version", "schema-version-bool", "nccl-tests-document", "server", "no-command", "info", "failed-base",
+        "unknown-schema-version", "schema-version-bool", "nccl-tests-document", "server", "no-command", "info",
+        "failed-base",
         "row-without-size", "rows-not-a-list"])
 def test_files_that_cannot_be_compared_are_a_usage_error_naming_them(tmp_path, capsys, base, run, message):
     code, out, (base_path, run_path) = cli_compare(tmp_path, base, run, capsys=capsys)

@@ -44,7 +44,8 @@ def test_a_run_says_what_ran_where_and_when(backend):
     assert code == 0 and result["ok"], process.stderr
     assert_valid(result)
     assert (result["schema_version"], result["aiofabric_version"], result["command"]) == (1, __version__, "bench")
-    assert result["command_line"] == shlex.join(["aiofabric", *argv]) and shlex.split(result["command_line"])[1:] == argv
+    assert result["command_line"] == shlex.join(["aiofabric", *argv])
+    assert shlex.split(result["command_line"])[1:] == argv
     assert result["host"] == socket.gethostname()
     started = calendar.timegm(time.strptime(result["time"], "%Y-%m-%dT%H:%M:%SZ"))  # UTC, to the second
     assert before <= started <= after
@@ -71,7 +72,8 @@ def test_one_key_for_one_fact():
     (["bench", "read", "--min-size", "2", "--max-size", "8", "-n", "10"], 0),
     (["bench", "write", "-D", "0.3", "-f", "0.1", "-s", "64"], 0),
     (["bench", "write", "-n", "10", "-s", "4096", "--inject-fault", "skip_placement:1"], 1),  # figures and an error
-    (["lat", "write", "-n", "20", "-C", "-H", "--histogram"], 0), (["lat", "send", "-a", "-n", "5", "--warmup", "1"], 0),
+    (["lat", "write", "-n", "20", "-C", "-H", "--histogram"], 0),
+    (["lat", "send", "-a", "-n", "5", "--warmup", "1"], 0),
     (["allreduce", "--ranks", "2", "-b", "1K", "-e", "2K", "-f", "2", "-n", "1", "-N", "2"], 0),
     (["broadcast", "--ranks", "3", "--size", "1K", "-n", "1", "-r", "all", "-d", "int8"], 0),
     (["bench", "bogus"], 2), (["--frobnicate"], 2), (["--version"], 0), (["bench", "-V"], 0),
@@ -190,6 +192,7 @@ BENCH_ROW = {
     "verified": True, "test": "write", "qps": 1, "size": 4096, "iterations": 20, "duration": None,
     "warmup_seconds": 0.0, "depth": 20, "post_list": 1, "cq_mod": 20, "inline_size": 0, "events": False, "mtu": 4096,
     "nics": 2, "emulator_processes": 2, "ops": 20, "measured_ops": 20, "bytes": 81920, "seconds": 0.0026,
-    "msg_rate": 7620.4, "bw_MiBps": 29.8, "bw_peak_MiBps": 29.8, "bw_Gbps": 0.25, "lat_us": {"p50": 2624.5, "p99": 2624.5},
+    "msg_rate": 7620.4, "bw_MiBps": 29.8, "bw_peak_MiBps": 29.8, "bw_Gbps": 0.25,
+    "lat_us": {"p50": 2624.5, "p99": 2624.5},
     "driver_cpu_us_per_op": 64.5, "packets": 21, "retransmits": 0, "dropped": 0, "rx_overflow": 0,
     "fw_version": "230.0.150.0", "verification": "every operation's bytes", "mtu_requested": 4096}
