@@ -351,7 +351,7 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
         with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_SECONDS):
             await _release(pair)
     return {
-        **summarize(samples), "iters": len(samples), "iterations": len(samples), "size": config.size,
+        **summarize(samples), "iterations": len(samples), "size": config.size,
         "test": config.test, "mtu": config.mtu, "warmup": config.warmup, "verified": mismatch is None,
         "verification": _verification(config, placed), "emulator_processes": processes,
         "latency": "one-way (RTT/2)" if config.test in pingpong.TESTS else f"{config.test.upper()} completion",

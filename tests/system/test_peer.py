@@ -27,6 +27,7 @@ from aiofabric.peer.protocol import Answer, ClientState, LineBuffer, ProtocolErr
 from tests.support import CHECKOUT, sshd
 from tests.support.backends import on, only
 from tests.support.processes import CLI
+from tests.support.results import assert_valid
 from tests.support.ssh_servers import BOTH_SERVERS, assert_no_leftovers
 
 
@@ -194,10 +195,12 @@ async def test_cli_connect_and_ring_json(server):
     assert code == 0, process.stderr.decode()
     assert result["ok"] and result["verified"] and result["bytes"] == 1048576
     assert result["remote_host"] == f"127.0.0.1:{server.port}" and result["handshake_ms"] > result["transfer_ms"] > 0
+    assert_valid(result)
     hosts = ",".join([f"127.0.0.1:{server.port}"] * 3)
     code, result, process, _ = await _cli("--backend", "uvloop", "connect", "--hosts", hosts, *server.cli_flags(),
                                           "--size", "5000", "--json")
     assert code == 0 and result["verified"] and len(set(result["remote_ips"])) == 3, process.stderr.decode()
+    assert_valid(result)
     await assert_no_leftovers(server.port)
 
 

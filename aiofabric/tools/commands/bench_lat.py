@@ -22,6 +22,7 @@ from ..options import ATOMIC_SIZE, TESTS
 from ..perftest import run_bench
 from ..perftest_defaults import default_inline, default_iters
 from ..perftest_flags import BENCH_OUTPUTS, DEFAULT_JSON_FILE, LAT_OUTPUTS, add_perftest_flags, usage_message
+from ..result_meta import stamped
 from ..units import SWEEP_MAX, SWEEP_MIN, sweep
 from ...errors import BadOption
 from ...verbs import NIC
@@ -318,8 +319,8 @@ async def _perftest_command(args: argparse.Namespace, tool: Perftest) -> dict[st
         print(tool.printed(result, config))
     if args.json_file:
         with open(args.json_file, "w") as file:
-            json.dump({"ok": "error" not in result, **result, **tool.report(result, config, args.output)}, file,
-                      indent=1)
+            report = {**result, **tool.report(result, config, args.output)}
+            json.dump(stamped("error" not in result, args.meta, report), file, indent=1)
     return result
 
 
