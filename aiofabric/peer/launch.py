@@ -7,6 +7,7 @@ is `aiofabric.peer.ssh`.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shlex
 from typing import Iterable, Mapping, Sequence
@@ -16,6 +17,7 @@ from ..errors import PeerError
 PID_MARKER = "aiofabric-endpoint-pid"  # the stderr line of the remote command's wrapper, before it execs python
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MISSING_MODULE = re.compile(r"No module named '?([\w.]+)'?")
+MISSING_NAME = re.compile(r"cannot import name '(\w+)' from '([\w.]+)'")
 
 
 def python_argv(python: str | Sequence[str]) -> list[str]:
@@ -48,17 +50,34 @@ def remote_command(python: str | Sequence[str], pushed_to: str | None = None, ar
 
 def start_error(exc: PeerError, stderr_tail: Sequence[str], where: str, python: str | Sequence[str],
                 push: bool) -> PeerError:
-    """An endpoint that exited before it was ready for want of a module: one line saying what to install where
-    (else `exc` itself)."""
-    module = next((match[1].partition(".")[0] for line in reversed(stderr_tail)
-                   if (match := MISSING_MODULE.search(line))), None)
-    if module is None:
-        return exc
+    """An endpoint that exited before it was ready for want of a module, or of a name in one (another version than
+    this side's): one line saying what to install where (else `exc` itself)."""
     argv = python_argv(python)
+    started = f"{where}: the remote endpoint exited before it was ready: the remote python ({quoted(argv)})"
+    found = next((match for line in reversed(stderr_tail)
+                  if (match := MISSING_MODULE.search(line) or MISSING_NAME.search(line))), None)
+    if found is None:
+        return exc
+    if found.re is MISSING_NAME:
+        module = found[2].partition(".")[0]
+        pin = _this_sides(module)
+        return PeerError(f"{started} has a {module} without {found[1]}, another version than this side's: install "
+                         f"this side's there ({quoted([*argv, '-m', 'pip', 'install', pin])})" +
+                         ("" if push else " or use push=True (connect --push), which copies the versions here"),
+                         host=where)
+    module = found[1].partition(".")[0]
     if module == "aiofabric":
         advice = "install aiofabric there or use push=True (connect --push)"
     else:
         advice = f"install it there ({quoted([*argv, '-m', 'pip', 'install', module])})" + (
             "" if push else " or use push=True (connect --push), which also copies the packages aiofabric needs")
-    return PeerError(f"{where}: the remote endpoint exited before it was ready: the remote python ({quoted(argv)}) "
-                     f"has no module named {module}: {advice}", host=where)
+    return PeerError(f"{started} has no module named {module}: {advice}", host=where)
+
+
+def _this_sides(module: str) -> str:
+    """`distribution==version` of the distribution that installed `module` here, or the module's name."""
+    names = importlib.metadata.packages_distributions().get(module, [])
+    try:
+        return f"{names[0]}=={importlib.metadata.version(names[0])}"
+    except (IndexError, importlib.metadata.PackageNotFoundError):
+        return module

@@ -232,3 +232,18 @@ def test_compiled_packages_go_only_to_the_same_abi_and_else_the_remotes_own_vers
                                  ": install them there: python3 -m pip install 'numpy>=1.24'")
     same_abi = push_plan(_remote(_versions(needed, numpy="1.26.4")), needed, ["python3"], "h:22")
     assert same_abi.shipped == [f"numpy {importlib.metadata.version('numpy')} (remote: 1.26.4)"]
+
+
+def test_a_remote_module_of_another_version_is_named_with_the_version_to_install():
+    """What the remote said when the push kept its old typing_extensions: one line naming the version here."""
+    from aiofabric.peer.launch import start_error
+    tail = ["  File \"/tmp/aiofabric-push.x/anyio/abc/_tasks.py\", line 13, in <module>",
+            "ImportError: cannot import name 'TypeVar' from 'typing_extensions' (/usr/lib/python3/site.py)"]
+    error = start_error(PeerError("h:22: exited"), tail, "h:22", "python3", push=False)
+    here = importlib.metadata.version("typing_extensions")
+    assert str(error) == ("h:22: the remote endpoint exited before it was ready: the remote python (python3) has a "
+                          "typing_extensions without TypeVar, another version than this side's: install this side's "
+                          f"there (python3 -m pip install typing_extensions=={here}) or use push=True (connect "
+                          "--push), which copies the versions here")
+    assert start_error(PeerError("h:22: exited"), ["Traceback", "ValueError: x"], "h:22", "python3", True).args == \
+        ("h:22: exited",)
