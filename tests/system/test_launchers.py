@@ -1,10 +1,12 @@
 """The launcher lines of README.md and docs/collectives.md run as written, each process with the variables its
 launcher gives it (tests/support/launchers.py, from each launcher's source), several processes on this host; every
 MPI launcher's variables make a job whose ranks pick their NICs by local rank; a host's slots over SSH."""
+import contextlib
 import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +79,7 @@ def _launch_line(command: str) -> tuple[list[str], list[dict[str, str]]]:
     nodes = int(options["-N"])
     per_node = int(options.get("--ntasks-per-node", 0)) or -(-int(options["-n"]) // nodes)
     size = int(options.get("-n", 0)) or nodes * per_node
-    nodelist = "vm" if nodes == 1 else f"127.0.0.[1-{nodes}]"  # rank 0's host: this one either way
+    nodelist = "vm" if nodes == 1 else f"127.0.0.[3-{nodes + 2}]"  # this host's 127.0.0.1, or 127.0.0.3
     return words[index:], [launchers.srun(rank, size, per_node, nodelist) for rank in range(size)]
 
 
@@ -85,17 +87,21 @@ def _launch_line(command: str) -> tuple[list[str], list[dict[str, str]]]:
 def test_each_readme_launcher_line_runs_as_written(command, tmp_path):
     """Each process runs the line's command with its launcher's variables; only a PCI NIC (none here) is swapped for
     an emulated one, and the address its subnet gives it for one of this host's loopback addresses. Rank 0 prints
-    nccl-tests' table, every value checked; each rank drives the NIC of its local rank."""
+    nccl-tests' table, every value checked; each rank drives the NIC of its local rank. srun's nodes across hosts
+    are 127.0.0.3 and .4, and another program holds the rendezvous port on 127.0.0.1: only ranks that meet on srun's
+    first node get together."""
     argv, variables = _launch_line(command)
     argv = [word.replace("0000:41:00.0,0000:41:00.1", "sim:port0,sim:port1").replace("--ip 10.0.", "--ip 127.84.")
             for word in argv]
-    port = str(free_port())
+    port = free_port()
     path = _path_with_aiofabric(tmp_path)
-    processes = [subprocess.Popen(argv, env={**os.environ, **extra, "PATH": path, "MASTER_PORT": port,
-                                             "AIOFABRIC_RENDEZVOUS_PORT": port},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for extra in variables]
-    outputs = [process.communicate(timeout=300) for process in processes]
+    across = variables[0].get("SLURM_STEP_NODELIST", "").startswith("127.0.0.")
+    with socket.create_server(("127.0.0.1", port)) if across else contextlib.nullcontext():  # the decoy
+        processes = [subprocess.Popen(argv, env={**os.environ, **extra, "PATH": path, "MASTER_PORT": str(port),
+                                                 "AIOFABRIC_RENDEZVOUS_PORT": str(port)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for extra in variables]
+        outputs = [process.communicate(timeout=300) for process in processes]
     for rank, (process, (stdout, stderr)) in enumerate(zip(processes, outputs)):
         assert process.returncode == 0, (rank, stdout[-2000:], stderr[-3000:])
     table = outputs[0][0]
