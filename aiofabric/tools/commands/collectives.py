@@ -1,7 +1,7 @@
 """nccl-tests' collectives (allreduce, reducescatter, allgather, broadcast, reduce, gather, scatter, sendrecv,
 alltoall): a size sweep over a ring of NICs, one rank each, every element checked, printed as nccl-tests prints it;
-the ranks in this process (--ranks), one per process under a launcher (torchrun, mpirun, srun), or one per host
-started over SSH (--hosts). nccl-tests' flags are in nccl_flags.py."""
+the ranks in this process (--ranks), one per process under a launcher (torchrun, mpirun, mpiexec, srun), or one per
+host (or slot) started over SSH (--hosts). nccl-tests' flags are in nccl_flags.py."""
 from __future__ import annotations
 
 import argparse
