@@ -54,7 +54,7 @@ def launched(environ: Mapping[str, str]) -> Launched | None:
     srun's rank 0 of many are ValueErrors saying what is wrong and what to do."""
     for launcher in LAUNCHERS:
         size_name = next((name for name in launcher.sizes if name in environ), None)
-        if launcher.rank not in environ or (launcher.name == "srun" and _a_pmix_daemons(environ)):
+        if launcher.rank not in environ or (launcher.name == "srun" and _not_this_pmix_ranks(environ)):
             continue
         if size_name is None:
             if launcher.name == "pmix":
@@ -77,7 +77,7 @@ def launched(environ: Mapping[str, str]) -> Launched | None:
     return None
 
 
-def _a_pmix_daemons(environ: Mapping[str, str]) -> bool:
+def _not_this_pmix_ranks(environ: Mapping[str, str]) -> bool:
     """SLURM_* that are not this PMIx rank's own: a batch script's, or those of daemons srun started for a PMIx
     launcher (srun --mpi=pmix gives its tasks the same rank in both)."""
     if "PMIX_RANK" not in environ:

@@ -5,6 +5,7 @@ host (or slot) started over SSH (--hosts). nccl-tests' flags are in nccl_flags.p
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -225,18 +226,16 @@ def _check_collective(parser: argparse.ArgumentParser) -> Callable[[argparse.Nam
 def _check_slots(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A host of several slots runs several ranks: --remote-nic names a NIC for each of them, and no one address
     (--remote-ip) can serve two NICs."""
-    from ...peer.hostfile import local_ranks
-    most = max(local_ranks(args.host_list)) + 1
-    crowded = next(host for host in args.host_list if args.host_list.count(host) == most)[1]
+    crowded, most = collections.Counter(args.host_list).most_common(1)[0]
     nics = args.remote_nic.split(",")
     if "" in (nic.strip() for nic in nics):
         parser.error(f"--remote-nic {args.remote_nic}: an empty name in the list")
     if len(nics) > 1 and len(nics) < most:
-        parser.error(f"--remote-nic {args.remote_nic} names {len(nics)}, one per rank of a host, and {crowded} runs "
-                     f"{most} ranks (its slots): name one for each")
+        parser.error(f"--remote-nic {args.remote_nic} names {len(nics)}, one per rank of a host, and {crowded[1]} "
+                     f"runs {most} ranks (its slots): name one for each")
     if args.remote_ip is not None and most > 1:
-        parser.error(f"--remote-ip {args.remote_ip}: {crowded} runs {most} ranks (its slots), whose NICs cannot share "
-                     "one address: leave --remote-ip out (emulated NICs pick their own)")
+        parser.error(f"--remote-ip {args.remote_ip}: {crowded[1]} runs {most} ranks (its slots), whose NICs cannot "
+                     "share one address: leave --remote-ip out (emulated NICs pick their own)")
 
 
 def _check_resolvable(parser: argparse.ArgumentParser, world: Any) -> None:
@@ -275,7 +274,7 @@ async def _collective_over_ssh(args: argparse.Namespace) -> dict[str, Any]:
     from ...peer.remote_run import run_remote
     from ...peer.hostfile import local_ranks
     hosts = args.host_list  # _check_collective's: a host of N slots N times
-    local = local_ranks(hosts)
+    local, slots = local_ranks(hosts), collections.Counter(hosts)
     ssh = ssh_options(args)
     ssh.pop("command_timeout")
     flags = [word for dest, flag in RANK_FLAGS if getattr(args, dest) is not None
@@ -295,7 +294,7 @@ async def _collective_over_ssh(args: argparse.Namespace) -> dict[str, Any]:
                 host, ssh_port, user=user or args.user, args=[args.command, *flags, "--nic", args.remote_nic,
                                                               *(["--ip", ip] if ip else []), "--json"],
                 env={"RANK": str(index), "WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": str(local[index]),
-                     "LOCAL_WORLD_SIZE": str(hosts.count(hosts[index])), "AIOFABRIC_RENDEZVOUS": "external"},
+                     "LOCAL_WORLD_SIZE": str(slots[hosts[index]]), "AIOFABRIC_RENDEZVOUS": "external"},
                 tunnel=("127.0.0.1", port), timeout=math.inf, **ssh)
             lines = run.stdout.strip().splitlines()
             result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
