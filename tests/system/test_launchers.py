@@ -168,3 +168,17 @@ async def test_the_docs_hostfile_line_runs_a_rank_per_slot_each_on_its_nic(serve
     assert "# Out of bounds values : 0 OK" in table
     assert re.findall(r"#  Rank +(\d+) .* emulated NIC (\S+)", table) == [("0", "sim:a"), ("1", "sim:b"),
                                                                            ("2", "sim:c")]
+
+
+@pytest.mark.anyio
+async def test_rank_0_given_another_hosts_address_says_to_set_master_addr():
+    """srun's first node is not always task 0's (srun -m arbitrary, a hostfile): rank 0 cannot listen there, and says
+    so at once instead of leaving the others to wait."""
+    from aiofabric.collectives import RendezvousError, World, join
+    world = World(0, 2, "192.0.2.1", free_port(), "srun", addr_from="the first host of SLURM_STEP_NODELIST")
+    with anyio.fail_after(10), pytest.raises(RendezvousError) as caught:
+        async with join(world):
+            pass
+    assert str(caught.value).startswith(f"rank 0 cannot serve the rendezvous at 192.0.2.1:{world.port}: ")
+    assert str(caught.value).endswith("; 192.0.2.1 (the first host of SLURM_STEP_NODELIST) is not this host, where "
+                                      "rank 0 runs: set MASTER_ADDR to rank 0's host")
