@@ -1,13 +1,12 @@
 """Which launcher started this process, read from the variables each sets: this process's rank, the job's size, and
 its rank among the job's processes on this host (the local rank, which picks its NIC from a list). Pure.
 
-    launcher  rank / size                                       local rank                      set by
-    torchrun  RANK / WORLD_SIZE                                 LOCAL_RANK                      torchrun
-    mpirun    OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE       OMPI_COMM_WORLD_LOCAL_RANK      Open MPI's mpirun
-    pmi       PMI_RANK / PMI_SIZE                               MPI_LOCALRANKID, PMI_LOCAL_RANK MPICH's and Intel
-              MPI's mpiexec (Hydra), Cray's mpiexec (PALS), srun --mpi=pmi2 or cray_shasta
-    srun      SLURM_PROCID / SLURM_STEP_NUM_TASKS, SLURM_NTASKS SLURM_LOCALID                   Slurm's srun
-    pmix      PMIX_RANK / WORLD_SIZE                            -                               a PMIx launcher
+    torchrun  RANK / WORLD_SIZE; LOCAL_RANK (torchrun)
+    mpirun    OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE; OMPI_COMM_WORLD_LOCAL_RANK (Open MPI's mpirun)
+    pmi       PMI_RANK / PMI_SIZE; MPI_LOCALRANKID or PMI_LOCAL_RANK (MPICH's and Intel MPI's mpiexec, which are
+              Hydra's, with MPI_LOCALRANKID; Cray's mpiexec, PALS, with PMI_LOCAL_RANK; srun --mpi=pmi2 or cray_shasta)
+    srun      SLURM_PROCID / SLURM_STEP_NUM_TASKS or SLURM_NTASKS; SLURM_LOCALID (Slurm's srun)
+    pmix      PMIX_RANK / WORLD_SIZE; none (a PMIx launcher)
 
 The first launcher whose variables are set is the one, in this order: an MPI launcher under Slurm starts its ranks
 through daemons srun started, and those ranks inherit the daemons' SLURM_* (or a batch script's). A launcher that
