@@ -44,7 +44,7 @@ def finish(processes, timeout=120):
 
 TORCHRUN = lambda rank, size: {"RANK": rank, "WORLD_SIZE": size}  # noqa: E731
 MPIRUN = lambda rank, size: {"OMPI_COMM_WORLD_RANK": rank, "OMPI_COMM_WORLD_SIZE": size}  # noqa: E731
-SRUN = lambda rank, size: {"SLURM_PROCID": rank, "SLURM_NTASKS": size}  # noqa: E731
+SRUN = lambda rank, size: {"SLURM_PROCID": rank, "SLURM_NTASKS": size, "SLURM_STEP_ID": 0}  # noqa: E731
 
 
 def test_three_processes_started_like_torchrun_run_a_checked_sweep():
@@ -94,7 +94,8 @@ def test_the_launchers_variables_are_read_and_bad_ones_named():
     assert from_environment({}) is None
     assert from_environment({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}) == \
         World(1, 4, "10.0.0.1", 1234, "torchrun")
-    assert from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}) == World(0, 2, "127.0.0.1", 29500, "srun")
+    assert from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}) == \
+        World(0, 2, "127.0.0.1", 29500, "srun")
     with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE='x' \\(mpirun\\) is not an integer"):
         from_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "x"})
     with pytest.raises(ValueError, match="rank 4 of a job of 4 ranks"):
