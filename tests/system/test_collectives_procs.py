@@ -109,10 +109,14 @@ def test_a_rank_killed_mid_run_fails_the_others_at_once_naming_it(victim, named)
     port = free_port()
     processes = launch(3, TORCHRUN, "allreduce", "--size", "1M", "-n", "100000", "-w", "0", "--timeout", "60",
                        port=port)
-    joined(port, processes)  # not a fixed sleep: under load, start-up alone has taken longer than one
-    processes[victim].send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    results = finish(processes)
+    try:
+        joined(port, processes)  # not a fixed sleep: under load, start-up alone has taken longer than one
+        processes[victim].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        results = finish(processes)
+    finally:  # a failure here must not leave ranks running their 100000 iterations
+        for process in processes.values():
+            process.kill()
     assert results[victim][0] == -signal.SIGKILL
     assert time.monotonic() - killed < 30  # far below the collective's 60 s timeout
     for rank in {0, 1, 2} - {victim}:
