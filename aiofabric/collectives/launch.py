@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 import anyio
 
 from .communicator import PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
+from .oneshot import ONESHOT_BYTES
 from .steps import MAX_PIECES
 from .rendezvous import FAREWELL, RendezvousClient, RendezvousError, RendezvousServer
 from .world import World
@@ -74,9 +75,10 @@ class Endpoint:
         depth = pool_depth(size)
         cq = await nic.create_cq(4 * depth + 1024)
         # the landing MR holds size - 1 chunks of at most ceil(count / size) elements: a little more than the work MR
-        # (an alltoall's parts passing through take more: landing_bytes)
+        # (an alltoall's parts passing through take more: landing_bytes; a one-shot allreduce, every rank's array)
         work = await nic.register_mr(max(buffer_bytes, 64))
-        landing = await nic.register_mr(max(max(buffer_bytes, 64) + 16 * size, landing_bytes))
+        landing = await nic.register_mr(max(max(buffer_bytes, 64) + 16 * size, landing_bytes,
+                                            size * min(buffer_bytes, ONESHOT_BYTES)))
         qps = [await nic.create_qp(cq, sq_depth=256, rq_depth=2 * depth) for _ in range(2)]
         for qp in qps:
             await receive_pool(qp, depth)

@@ -14,6 +14,7 @@ import pytest
 from aiofabric import collectives
 from aiofabric.collectives import launch, layout, reference
 from aiofabric.collectives.communicator import CollectiveError
+from aiofabric.collectives.oneshot import ONESHOT_BYTES
 from aiofabric.collectives.reference import ring_reference
 from aiofabric.collectives.steps import floating
 from aiofabric.sched.reduce import DTYPES, OPS
@@ -53,15 +54,17 @@ async def all_ranks(comms, method, *per_rank, **options):
 async def test_every_collective_dtype_and_op_matches_numpy_bit_for_bit(ranks):
     rng = np.random.default_rng(ranks)
     async with collectives.local(ranks, buffer_bytes=1 << 20, piece_bytes=PIECE) as comms:
-        for dtype, op in itertools.product(DTYPES, OPS):  # allreduce, out of place and in place
+        for oneshot, dtype, op in itertools.product((ONESHOT_BYTES, 0), DTYPES, OPS):  # allreduce (one-shot, then
+            for comm in comms:  # the ring), out of place and in place
+                comm.oneshot_bytes = oneshot
             for count in (0, 1, ranks - 1, 1001):
                 xs = [data(rng, dtype, count) for _ in range(ranks)]
                 expected = ring_reduce(xs, op, layout.chunks(count, ranks))
                 outs = [np.zeros(count, dtype) for _ in range(ranks)]
                 await all_ranks(comms, "allreduce", xs, outs, op=op)
-                assert all(same_bits(out, expected) for out in outs), (dtype, op, count)
+                assert all(same_bits(out, expected) for out in outs), (dtype, op, count, oneshot)
                 await all_ranks(comms, "allreduce", xs, op=op)  # in place
-                assert all(same_bits(x, expected) for x in xs), (dtype, op, count, "in place")
+                assert all(same_bits(x, expected) for x in xs), (dtype, op, count, oneshot, "in place")
         xs = [data(rng, np.float32, 100_003) for _ in range(ranks)]  # large: many pieces per chunk
         expected = ring_reduce(xs, "sum", layout.chunks(100_003, ranks))
         await all_ranks(comms, "allreduce", xs)
@@ -202,6 +205,27 @@ async def test_ranks_that_disagree_fail_at_the_first_message_naming_the_immediat
                                          lambda: comms[1].allreduce(np.ones(200, np.float32))])
         with pytest.raises(CollectiveError, match="failed earlier"):
             await comms[0].allreduce(np.ones(100, np.float32))
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_small_allreduce_takes_one_message_per_rank_and_link_and_a_large_one_the_ring():
+    """Up to ONESHOT_BYTES every rank's whole array goes round the ring (size - 1 messages per link after the ready,
+    not the ring's 2 (size - 1)), even with buffers no larger than the array (the CLI's): the landing MR holds every
+    rank's. Ranks that chose differently (oneshot_bytes) fail at the ready message, naming the immediates."""
+    def messages(comm):
+        (batch, _), = comm._batches.values()
+        return sum(call.kind == "write_with_imm" for call in batch.calls)
+
+    for count, want in ((256, 4), (ONESHOT_BYTES // 4, 4), (ONESHOT_BYTES // 4 + 1, 7)):
+        async with collectives.local(4, buffer_bytes=count * 4) as comms:
+            xs = [np.full(count, r + 1.0, np.float32) for r in range(4)]
+            await all_ranks(comms, "allreduce", xs)
+            assert all(np.all(x == 10.0) for x in xs) and [messages(c) for c in comms] == [want] * 4, count
+    async with collectives.local(2, buffer_bytes=1 << 16, timeout=10) as comms:
+        comms[0].oneshot_bytes = 0
+        with anyio.fail_after(20), pytest.raises(CollectiveError, match=r"rank \d failed: .*expected immediate"):
+            await all_ranks(comms, "allreduce", [np.ones(100, np.float32) for _ in comms])
 
 
 @pytest.mark.anyio
