@@ -5,6 +5,7 @@ one coroutine per rank of this process and, when a rank fails, stops the others 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
@@ -22,6 +23,7 @@ from ..verbs import NIC, MemoryRegion, QPInfo, QueuePair, RemoteRegion, open_nic
 T = TypeVar("T")
 DEFAULT_BUFFER = 16 << 20
 RENDEZVOUS_TIMEOUT = 60.0  # seconds for every rank to come and connect
+_locals = itertools.count()  # local() calls of this process: each names its own emulator process
 
 
 def pool_depth(size: int) -> int:
@@ -32,11 +34,14 @@ def pool_depth(size: int) -> int:
 @contextlib.asynccontextmanager
 async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: int = DEFAULT_BUFFER,
                 landing_bytes: int = 0, piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
-                **nic_options: Any) -> AsyncIterator[list[Communicator]]:
+                shared_emulator: bool = True, **nic_options: Any) -> AsyncIterator[list[Communicator]]:
     """`size` communicators, rank r on its own NIC: emulated ones (`nic_options` are open_nic's: wire faults,
     pcap...), or the PCI functions `nics` (one per rank). Each rank registers two buffers of `buffer_bytes` (the
     largest collective it will run, in bytes of its largest array), the landing one at least `landing_bytes` (what
-    an alltoall passes through: layout.alltoall_landing). Everything is closed when the block exits."""
+    an alltoall passes through: layout.alltoall_landing). The emulated NICs share one emulator process unless
+    `shared_emulator` is off (or open_nic's `process` names one): a message between two ranks then wakes no other
+    process, and on a machine with more busy processes than cores fewer of them wait for a CPU (bench/RESULTS.md,
+    "Collectives without dead time"). Everything is closed when the block exits."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size must be a positive integer, not {size!r}")
     if nics is not None and len(nics) != size:
@@ -44,6 +49,8 @@ async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: i
     for name, value in (("buffer_bytes", buffer_bytes), ("landing_bytes", landing_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+    if nics is None and shared_emulator and "process" not in nic_options:
+        nic_options = {**nic_options, "process": f"ranks{next(_locals)}"}  # this call's NICs, not another's
     async with contextlib.AsyncExitStack() as stack:
         opened: list[NIC] = []
         for rank in range(size):

@@ -10,6 +10,7 @@ so the landing MR holds size arrays (launch sizes it so up to ONESHOT_BYTES).
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from . import layout
 from .steps import Ring, Steps, divide
 from .. import sched
-from ..sched.reduce import reduction
+from ..sched.reduce import check_arguments, reduction
 
 ONESHOT_BYTES = 64 << 10  # the largest array (bytes) an allreduce sends whole along the ring
 
@@ -48,6 +49,7 @@ def oneshot_calls(comm: Ring, x: np.ndarray, out: np.ndarray, count: int, op: st
             start = got * count + at.start
             run.wait(slots[start:start + at.length], f"os {step} landed {got}")
     result = run.w[:count]
+    check_arguments(result, slots[:count], result, "one-shot allreduce")
     run.calls.append(sched.kernel(ring_order(size, count, x.dtype, op), [result], [slots], queue=comm.compute,
                                   name=f"reduce {size} arrays"))
     run.copy_out(out, result)
@@ -57,19 +59,36 @@ def oneshot_calls(comm: Ring, x: np.ndarray, out: np.ndarray, count: int, op: st
 def ring_order(size: int, count: int, dtype: np.dtype[Any], op: str) -> Callable[[np.ndarray, np.ndarray], None]:
     """A kernel `(out, slots)`: out = the arrays in `slots` (size x count elements, rank j's in slot j) reduced as
     the ring reduces them: chunk c is rank c + 1's, then each later rank's applied as `mine OP arrived`, ending with
-    rank c's (divided by size for "avg"), as reference.ring_reference computes it."""
-    apply = reduction("sum" if op == "avg" else op, dtype)
+    rank c's (divided by size for "avg"), as reference.ring_reference computes it. Each step gathers its operands
+    (rank (c + k) % size's chunk c, for every c) into one array and applies the ring's reduction to it whole."""
+    found = reduction("sum" if op == "avg" else op, dtype)
     chunk_of = np.repeat(np.arange(size), [piece.length for piece in layout.chunks(count, size)])
     element = np.arange(count)
-    # the slot element e of the result takes its k-th operand from: rank (chunk + k) % size's
     first, *later = [((chunk_of + k) % size) * count + element for k in range(1, size + 1)]
     operand = np.empty(count, dtype)
+    # the reduction's own function, called without its argument checks: the arrays are the communicator's, checked
+    # by reduce() when compiled (a kernel of a few µs would spend most of its time checking)
+    if found.kernel is not None:
+        function, length = found.kernel.function, ctypes.c_int64(count)
+        source = ctypes.c_void_p(operand.ctypes.data)
+        seen: list[Any] = [None, None]  # the out array of the last call and its address (reading one costs ~2 µs)
+
+        def apply(out: np.ndarray) -> None:
+            if seen[0] is not out:
+                seen[:] = out, ctypes.c_void_p(out.ctypes.data)
+            function(seen[1], source, seen[1], length)  # out = operand OP out
+    else:
+        ufunc = found.ufunc
+
+        def apply(out: np.ndarray) -> None:
+            with np.errstate(all="ignore"):
+                ufunc(operand, out, out=out)
 
     def reduce_in_ring_order(out: np.ndarray, slots: np.ndarray) -> None:
-        np.take(slots, first, out=out)
+        slots.take(first, out=out)
         for index in later:
-            np.take(slots, index, out=operand)
-            apply(out, operand, out)  # mine OP arrived
+            slots.take(index, out=operand)
+            apply(out)  # mine OP arrived
         if op == "avg":
             out[...] = divide(out, size)
     reduce_in_ring_order.__name__ = f"reduce_{size}_in_ring_order"

@@ -230,8 +230,24 @@ async def test_a_small_allreduce_takes_one_message_per_rank_and_link_and_a_large
 
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
+async def test_local_ranks_share_one_emulator_process_unless_told_not_to():
+    """One process for a call's NICs (not another call's), or one per NIC; either way the ring works."""
+    async with collectives.local(3, buffer_bytes=4096) as comms, collectives.local(2, buffer_bytes=4096) as others:
+        assert len({c.nic.pci.pid for c in comms}) == 1 and len({c.nic.pci.pid for c in others}) == 1
+        assert comms[0].nic.pci.pid != others[0].nic.pci.pid
+        await all_ranks(comms, "allreduce", [np.ones(4, np.float32) for _ in comms])
+    async with collectives.local(3, buffer_bytes=4096, shared_emulator=False) as comms:
+        assert len({c.nic.pci.pid for c in comms}) == 3
+        xs = [np.ones(4, np.float32) for _ in comms]
+        await all_ranks(comms, "allreduce", xs)
+        assert all(np.all(x == 3.0) for x in xs)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_a_rank_whose_nic_dies_fails_every_rank_naming_it():
-    async with collectives.local(3, buffer_bytes=4 << 20, piece_bytes=64 << 10, timeout=20) as comms:
+    async with collectives.local(3, buffer_bytes=4 << 20, piece_bytes=64 << 10, timeout=20,
+                                 shared_emulator=False) as comms:  # one NIC dies, not its process's others
         xs = [np.ones(1 << 19, np.float64) for _ in range(3)]
         await all_ranks(comms, "allreduce", xs)
 

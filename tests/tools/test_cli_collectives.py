@@ -67,6 +67,14 @@ def test_allreduce_json_rows_are_checked_and_busbw_uses_nccl_tests_factor():
         assert row["algbw_GBps"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
     assert result["ranks"] == 3 and result["collective"] == "allreduce" and result["wrong"] == 0
     assert result["out_of_bounds"] == 0 and [d["rank"] for d in result["devices"]] == [0, 1, 2]
+    assert result["emulator_processes"] == 1  # the ranks' NICs share one by default
+
+
+def test_no_shared_emulator_gives_each_ranks_nic_its_own_process():
+    code, result, process = run("allreduce", "--ranks", "3", "--size", "1K", "-n", "1", "--no-shared-emulator",
+                                "--json")
+    assert code == 0 and result["ok"] is True and result["wrong"] == 0, process.stderr
+    assert result["emulator_processes"] == 3
 
 
 @pytest.mark.parametrize("command,flags,count,algbw_factor,busbw_factor", [
