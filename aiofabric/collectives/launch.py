@@ -5,6 +5,7 @@ one coroutine per rank of this process and, when a rank fails, stops the others 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import socket
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
@@ -148,12 +149,14 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
                 listener = await anyio.create_tcp_listener(local_host=world.addr, local_port=world.port)
             except socket.gaierror as error:
                 raise RendezvousError(f"rank 0 cannot serve the rendezvous at {world.addr}:{world.port}: the host "
-                                      f"{world.addr!r} (MASTER_ADDR) cannot be resolved: {error.strerror or error}") \
-                    from None
+                                      f"{world.addr!r} ({world.addr_from}) cannot be resolved: "
+                                      f"{error.strerror or error}") from None
             except OSError as error:
+                advice = (f"{world.addr} ({world.addr_from}) is not this host, where rank 0 runs: set MASTER_ADDR "
+                          "to rank 0's host" if error.errno == errno.EADDRNOTAVAIL else
+                          "set AIOFABRIC_RENDEZVOUS_PORT to a free port (the same for every rank)")
                 raise RendezvousError(f"rank 0 cannot serve the rendezvous at {world.addr}:{world.port}: "
-                                      f"{error.strerror or error}; set AIOFABRIC_RENDEZVOUS_PORT to a free port "
-                                      "(the same for every rank)") from None
+                                      f"{error.strerror or error}; {advice}") from None
             server = RendezvousServer(size, rendezvous_timeout)
 
             async def serve(server: RendezvousServer) -> None:

@@ -180,7 +180,7 @@ async def run_perf(comms: list[Communicator], config: PerfConfig,
                             failed += bool(wrong)
                             algbw = layout.alg_bandwidth(config.kind, n, case.count, case.dtype.itemsize, seconds)
                             busbw = layout.bus_bandwidth(config.kind, n, algbw)
-                            rows.append({"size": case.size, "count": case.count, "dtype": dtype,
+                            rows.append({"size": case.size, "count": case.count,
                                          "type": layout.NCCL_NAMES[dtype], "op": _op(config, op),
                                          "root": _root(config, root), "placement": placement,
                                          "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,

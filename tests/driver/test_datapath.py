@@ -275,7 +275,7 @@ async def test_each_ring_entry_is_read_behind_a_read_barrier_after_its_valid_bit
         assert calls["cq"] - before[1] == a.poller.stats["cqes"] - before[0] >= 1  # one per CQE
         a.pci.debug({"op": "event", "event": {"kind": "link_down"}})
         with anyio.fail_after(5):
-            while not any(event.kind == "link" for event in a.events):
+            while not any(event.kind == "link" for event in a.event_log):
                 await anyio.sleep(0.01)
     assert all(calls[name] for name in ("cq", "poller", "rcfw_channel", "firmware_events", "hwrm_channel")), calls
 

@@ -62,7 +62,7 @@ def test_allreduce_json_rows_are_checked_and_busbw_uses_nccl_tests_factor():
     assert [(row["size"], row["placement"]) for row in rows] == [
         (size, placement) for size in (1024, 4096, 16384) for placement in ("out-of-place", "in-place")]
     for row in rows:
-        assert row["wrong"] == 0 and row["count"] == row["size"] // 4 and row["dtype"] == "float32"
+        assert row["wrong"] == 0 and row["count"] == row["size"] // 4 and row["type"] == "float"
         assert row["op"] == "sum" and row["root"] == -1 and row["time_us"] > 0
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 4 / 3)
         assert row["algbw_GBps"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
