@@ -7,9 +7,9 @@
 3. torch.distributed's gloo backend, 4 processes on this machine, float32 all_reduce, when a python with torch is
    given (`--torch-python`; torch is never a dependency of aiofabric);
 4. DMA memory held before and after 100 steady-state replays (the NICs' DmaBudget);
-5. small messages: the 4-rank allreduce of 1 KiB (one-shot, and the ring's 2 (N - 1) steps) against seven one-way
-   hops of `lat write` (its typical one-way latency, 2 bytes), measured by turns in the same run: the ring's six
-   steps and its ready message are seven hops.
+5. small messages: the 4-rank allreduce of 1 KiB (one-shot, and the ring's 2 (N - 1) steps; each rank looping on
+   its own, as `aiofabric allreduce` times it) against seven one-way hops of `lat write` (its typical one-way
+   latency, 2 bytes), measured by turns in the same run: the ring's six steps and its ready message are seven hops.
 
 The ranks' NICs share one emulator process (`collectives.local`'s default); `--no-shared-emulator` gives each its
 own. The load average of the machine is recorded before and after.
@@ -94,9 +94,21 @@ async def plain_allreduce(comm, x, piece_bytes):
     np.copyto(x, w)
 
 
+async def per_rank(comms, fn, reps):
+    """Seconds per collective as `aiofabric allreduce` reports it (nccl-tests' way): each rank runs `reps` of them
+    in a loop of its own (after one warm-up), and the ranks' means are averaged."""
+    async def loop(comm):
+        await fn(comm)
+        started = time.perf_counter()
+        for _ in range(reps):
+            await fn(comm)
+        return (time.perf_counter() - started) / reps
+    return float(np.mean(await collectives.run_ranks([functools.partial(loop, comm) for comm in comms])))
+
+
 async def small_messages(rounds, reps, lat_iters, shared):
-    """Median one-way `lat write` latency and median 4-rank allreduce times of SMALL bytes (one-shot, ring), taken
-    in turns `rounds` times; the ratios to HOPS one-way hops."""
+    """Median one-way `lat write` latency and 4-rank allreduce times of SMALL bytes (one-shot, ring; per_rank),
+    taken in turns `rounds` times; the ratios of their medians to HOPS one-way hops."""
     lat, times = [], {"oneshot": [], "ring": []}
     async with collectives.local(RANKS, buffer_bytes=SMALL, shared_emulator=shared) as comms:
         xs = [np.ones(SMALL // 4, np.float32) for _ in comms]
@@ -105,7 +117,7 @@ async def small_messages(rounds, reps, lat_iters, shared):
             for name, limit in (("oneshot", ONESHOT_BYTES), ("ring", 0)):
                 for comm in comms:
                     comm.oneshot_bytes = limit
-                times[name].append((await timed(comms, lambda comm: comm.allreduce(xs[comm.rank]), reps))[0] * 1e6)
+                times[name].append(await per_rank(comms, lambda comm: comm.allreduce(xs[comm.rank]), reps) * 1e6)
     hop = float(np.median(lat))
     out = {"lat_write_one_way_us": hop, "lat_rounds_us": lat}
     for name, values in times.items():
@@ -191,7 +203,7 @@ def main():
     parser.add_argument("--shared-emulator", action=argparse.BooleanOptionalAction, default=True,
                         help="the ranks' emulated NICs in one emulator process (default), or one each")
     parser.add_argument("--small-rounds", type=int, default=3, help="turns of lat and the 1 KiB allreduce (0: none)")
-    parser.add_argument("--small-reps", type=int, default=50, help="1 KiB allreduces per turn and algorithm")
+    parser.add_argument("--small-reps", type=int, default=100, help="1 KiB allreduces per turn, rank and algorithm")
     parser.add_argument("--lat-iters", type=int, default=1000, help="lat write iterations per turn")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
