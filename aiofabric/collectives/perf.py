@@ -3,7 +3,8 @@
 place) one untimed run, `iters` timed iterations of `agg` collectives each, and `check` runs on fresh inputs checked
 element by element against numpy (reference.py: the ring's order, bit for bit). Sizes, counts and bandwidths are
 nccl-tests' (layout.nccl_counts, alg_bandwidth, bus_bandwidth); the time is each rank's mean over its iterations
-(the ranks of a process loop each on its own, as nccl-tests' threads do), then averaged over the ranks as `-a` says. Each row is handed to `emit` as its text line as soon as it is measured.
+(the ranks of a process loop each on its own, as nccl-tests' threads do), then averaged over the ranks as `-a`
+says. Each row is handed to `emit` as its text line as soon as it is measured.
 """
 from __future__ import annotations
 
