@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import socket
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
 
 from .communicator import PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
+from .oneshot import ONESHOT_BYTES
 from .steps import MAX_PIECES
 from .rendezvous import FAREWELL, RendezvousClient, RendezvousError, RendezvousServer
 from .world import World
@@ -22,6 +24,7 @@ from ..verbs import NIC, MemoryRegion, QPInfo, QueuePair, RemoteRegion, open_nic
 T = TypeVar("T")
 DEFAULT_BUFFER = 16 << 20
 RENDEZVOUS_TIMEOUT = 60.0  # seconds for every rank to come and connect
+_locals = itertools.count()  # local() calls of this process: each names its own emulator process
 
 
 def pool_depth(size: int) -> int:
@@ -32,11 +35,14 @@ def pool_depth(size: int) -> int:
 @contextlib.asynccontextmanager
 async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: int = DEFAULT_BUFFER,
                 landing_bytes: int = 0, piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
-                **nic_options: Any) -> AsyncIterator[list[Communicator]]:
+                shared_emulator: bool = True, **nic_options: Any) -> AsyncIterator[list[Communicator]]:
     """`size` communicators, rank r on its own NIC: emulated ones (`nic_options` are open_nic's: wire faults,
     pcap...), or the PCI functions `nics` (one per rank). Each rank registers two buffers of `buffer_bytes` (the
     largest collective it will run, in bytes of its largest array), the landing one at least `landing_bytes` (what
-    an alltoall passes through: layout.alltoall_landing). Everything is closed when the block exits."""
+    an alltoall passes through: layout.alltoall_landing). The emulated NICs share one emulator process unless
+    `shared_emulator` is off (or open_nic's `process` names one): a message between two ranks then wakes no other
+    process, and on a machine with more busy processes than cores fewer of them wait for a CPU (bench/RESULTS.md,
+    "Collectives without dead time"). Everything is closed when the block exits."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size must be a positive integer, not {size!r}")
     if nics is not None and len(nics) != size:
@@ -44,6 +50,8 @@ async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: i
     for name, value in (("buffer_bytes", buffer_bytes), ("landing_bytes", landing_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+    if nics is None and shared_emulator and "process" not in nic_options:
+        nic_options = {**nic_options, "process": f"ranks{next(_locals)}"}  # this call's NICs, not another's
     async with contextlib.AsyncExitStack() as stack:
         opened: list[NIC] = []
         for rank in range(size):
@@ -75,9 +83,10 @@ class Endpoint:
         depth = pool_depth(size)
         cq = await nic.create_cq(4 * depth + 1024)
         # the landing MR holds size - 1 chunks of at most ceil(count / size) elements: a little more than the work MR
-        # (an alltoall's parts passing through take more: landing_bytes)
+        # (an alltoall's parts passing through take more: landing_bytes; a one-shot allreduce, every rank's array)
         work = await nic.register_mr(max(buffer_bytes, 64))
-        landing = await nic.register_mr(max(max(buffer_bytes, 64) + 16 * size, landing_bytes))
+        landing = await nic.register_mr(max(max(buffer_bytes, 64) + 16 * size, landing_bytes,
+                                            size * min(buffer_bytes, ONESHOT_BYTES)))
         qps = [await nic.create_qp(cq, sq_depth=256, rq_depth=2 * depth) for _ in range(2)]
         for qp in qps:
             await receive_pool(qp, depth)

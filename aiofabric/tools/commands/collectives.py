@@ -20,6 +20,7 @@ import anyio.abc
 from .ssh import add_ssh_flags, parsed_hosts, ssh_options
 from ..arguments import Subcommands, add_wire_flags, integer, ipv4, ipv4_or_ssh, seconds, sized
 from ..bench_config import MAX_NICS, MAX_SIZE
+from ..introspect import emulator_processes
 from ..nccl_flags import add_nccl_flags, check_nccl_flags, nccl_config
 from ..options import WireOptions
 from ...collectives import nccl_format
@@ -63,6 +64,10 @@ def add_collectives(sub: Subcommands) -> None:
         coll.add_argument("--ip", type=ipv4,
                           help="with a launcher: this rank's NIC's IPv4 address (emulated: a free 127.0.0.x)")
         coll.add_argument("--nics", metavar="A,B,...", help="PCI NICs, one per rank (default: emulated NICs)")
+        coll.add_argument("--shared-emulator", action=argparse.BooleanOptionalAction, default=True,
+                          help="with --ranks: run the ranks' emulated NICs in one emulator process (default: yes; a "
+                               "message between two ranks wakes no other process, and fewer processes wait for a CPU); "
+                               "--no-shared-emulator: a process per NIC")
         add_nccl_flags(coll)
         coll.add_argument("--timeout", type=seconds, default=60.0, help="seconds one collective may take before every "
                                                                      "rank fails naming what it waited for (60)")
@@ -108,8 +113,10 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
             result["launcher"] = world.launcher
         else:
             async with local(ranks, nics=nics, buffer_bytes=buffer_bytes, landing_bytes=landing_bytes,
-                             piece_bytes=args.piece, timeout=args.timeout, **options) as comms:
+                             piece_bytes=args.piece, timeout=args.timeout, shared_emulator=args.shared_emulator,
+                             **options) as comms:
                 result = await _sweep(args, comms, list(range(ranks)), leader)
+                result["emulator_processes"] = await emulator_processes([comm.nic for comm in comms])
         if json_file is not None:
             _write_json(json_file, args, result, started)
     except BaseException:
