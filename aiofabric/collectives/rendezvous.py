@@ -368,7 +368,7 @@ class RendezvousClient:
                     if self.round == 0:  # turned away before it knew us: try again
                         await anyio.sleep(CONNECT_RETRY)
                         continue
-                    raise RendezvousError(f"{where} closed the connection ({type(error).__name__})") from None
+                    raise RendezvousError(f"rank {self.rank}: {self.gone()} ({type(error).__name__})") from None
                 except anyio.DelimiterNotFound:
                     await self.aclose()
                     raise RendezvousError(f"{where} answered more than {MAX_LINE * (self.size + 1)} bytes") from None
@@ -394,8 +394,11 @@ class RendezvousClient:
                     return news["error"]
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.DelimiterNotFound,
                 ValueError, OSError):
-            return (f"the rendezvous at {self.host}:{self.port} is gone (rank 0, or the launcher that served it, "
-                    "ended)")
+            return self.gone()
+
+    def gone(self) -> str:
+        """What a rank says when the rendezvous drops its connection mid-job, in a round or between rounds."""
+        return f"the rendezvous at {self.host}:{self.port} is gone (rank 0, or the launcher that served it, ended)"
 
     async def fail(self, reason: str) -> None:
         """Tell the rendezvous this rank failed and why (cut at MAX_REASON characters), wait until it has passed

@@ -6,6 +6,8 @@ import re
 import sys
 
 import anyio
+import anyio.abc
+import anyio.streams.buffered
 import numpy as np
 import pytest
 
@@ -179,3 +181,28 @@ async def test_an_unresolvable_master_addr_is_named_at_once():
         with pytest.raises(RendezvousError, match=r"the host 'no-such-host\.invalid' \(MASTER_ADDR\) cannot be "
                                                   r"resolved"):
             await client.allgather({})
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_a_rendezvous_that_drops_a_rank_mid_round_is_named_gone_as_between_rounds():
+    """Rank 0 dying while another rank waits in a round (not only while it watches between rounds) is reported the
+    same way: the rendezvous is gone, rank 0 or its launcher ended."""
+    async def one_round_then_drop(stream):
+        async with stream:
+            reader = anyio.streams.buffered.BufferedByteReceiveStream(stream)
+            await reader.receive_until(b"\n", 4096)
+            await stream.send(b'{"all": [{}, {}]}\n')
+            await reader.receive_until(b"\n", 4096)  # round 1 asked: the server dies without answering
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with anyio.create_task_group() as group:
+        group.start_soon(listener.serve, one_round_then_drop)
+        client = RendezvousClient("127.0.0.1", port, 1, 2, 10)
+        with anyio.fail_after(5):
+            assert await client.allgather({}) == [{}, {}]
+            with pytest.raises(RendezvousError) as failure:
+                await client.allgather({})
+        group.cancel_scope.cancel()
+    assert str(failure.value) == (f"rank 1: the rendezvous at 127.0.0.1:{port} is gone (rank 0, or the launcher "
+                                  "that served it, ended) (IncompleteRead)"), failure.value
