@@ -11,7 +11,8 @@ from .completions import Completion
 from .mr import MemoryRegion, local_sge, remote_address
 from .qp import QueuePairLife
 from .types import LocalBuffer, QPState, RemoteRegion, check_range
-from .workqueue import ADDRESS_MAX, Sge, span
+from .sq_arrays import span
+from .workqueue import ADDRESS_MAX, Sge
 from ..autogen import bnxt
 from ..errors import ClosedError
 from ..hw import doorbell
@@ -166,7 +167,8 @@ class QueuePair(QueuePairLife):
         kind = VERBS.get(verb)
         if kind is None:
             raise ValueError(f"post_many: verb must be one of {sorted(VERBS)}, not {verb!r}")
-        offsets = _integers("offsets", offsets)
+        if type(offsets) is not range:
+            offsets = _integers("offsets", offsets)
         count = len(offsets)
         if remote_offsets is None:
             remote_offsets = offsets
@@ -185,9 +187,12 @@ class QueuePair(QueuePairLife):
         if not count:
             return []
         check_range("size", size, 0, 1 << 31)
-        if not isinstance(local, (MemoryRegion, LocalBuffer)):
+        if type(local) is MemoryRegion:
+            if local.closed:
+                local.check_open()
+        elif not isinstance(local, (MemoryRegion, LocalBuffer)):
             raise TypeError(f"post_many: local must be a MemoryRegion or a LocalBuffer, not {type(local).__name__}")
-        if isinstance(local, MemoryRegion):
+        elif isinstance(local, MemoryRegion):
             local.check_open()
         lo, hi = span(offsets)
         if lo < 0 or hi + size > local.length:
@@ -201,14 +206,17 @@ class QueuePair(QueuePairLife):
         elif remote is None:
             raise ValueError(f"post_many: {verb} needs a remote region")
         else:
-            lo, hi = span(remote_offsets)
+            lo, hi = (lo, hi) if remote_offsets is offsets else span(remote_offsets)
             if lo < 0:
                 raise ValueError(f"post_many: remote offset {lo} is negative")
             remote_address(remote, hi, size)  # its length and the 64-bit address
             address, rkey = remote.addr, remote.rkey
-        marks = sorted(set(_integers("signal", signal)))
-        if marks and not 0 <= marks[0] <= marks[-1] < count:
-            raise ValueError(f"post_many: signal indexes must be in [0, {count}), not {marks}")
+        if signal:
+            marks = sorted(set(_integers("signal", signal)))
+            if marks and not 0 <= marks[0] <= marks[-1] < count:
+                raise ValueError(f"post_many: signal indexes must be in [0, {count}), not {marks}")
+        else:
+            marks = []
         sq = self.send_queue
         taken = sq.taken(sq.wqe_slots(1 if size else 0)) * count
         if not sq.fits(taken, count):
