@@ -38,6 +38,7 @@ KEY_MAX = (1 << 32) - 1  # a key, an SGE's length (ADDRESS_MAX: an SGE's and an 
 # The one-SGE paths inline msn_entry (a call per WQE is ~10% of a post; tests/unit/test_workqueue.py holds them to it)
 _PACK_ONE = SQ_RDMA_HEADER_AND_SGE.pack_into
 _PACK_MSN = MSN_ENTRY.pack_into
+_PACK_PSN, _PSN_BYTES = PSN_SEARCH_ENTRY.pack_into, PSN_SEARCH_ENTRY.size
 _ONE_BYTES = SQ_RDMA_HEADER_AND_SGE.size
 _ONE_SLOTS = SQ_WQE_HEADER_SLOTS + 1
 _MSN_SHIFT = MSN_ENTRY.size.bit_length() - 1
@@ -170,18 +171,24 @@ class SendQueueCodec:
         if self.slots - (start - self.consumer) < taken or self.posted - self.retired >= self.max_wqes:
             return False
         offset = (start & self.slot_mask) << SLOT_SHIFT
-        if offset > self.ring_bytes - _ONE_BYTES or not self.host_msn:
+        if offset > self.ring_bytes - _ONE_BYTES:  # it wraps
             self.post(wqe_type, ((address, lkey, length),), length, remote_va, rkey, imm, signaled, token)
             return True
         run = self.unsignaled_run
         flags = SIGNAL if signaled or run >= self.max_unsignaled else 0
-        view, psn, mtu, msn = self.view, self.psn, self.mtu, self.msn
+        view, psn, mtu = self.view, self.psn, self.mtu
         _PACK_ONE(view, offset, wqe_type, flags, _ONE_SLOTS, imm, length, remote_va, rkey, 0, address, lkey, length)
         self.unsignaled_run = 0 if flags else run + 1
         self.psn = next_psn = (psn + (length + mtu - 1) // mtu) & PSN_MASK
-        _PACK_MSN(view, self.ring_bytes + ((msn & self.table_mask) << _MSN_SHIFT),
-                  psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
-        self.msn = msn + 1
+        if self.host_msn:
+            msn = self.msn
+            _PACK_MSN(view, self.ring_bytes + ((msn & self.table_mask) << _MSN_SHIFT),
+                      psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
+            self.msn = msn + 1
+        else:  # the PSN search table's entry, where the WQE's start slot says
+            slot = offset >> SLOT_SHIFT
+            _PACK_PSN(view, self.ring_bytes + (slot >> self.unit_shift) * _PSN_BYTES,
+                      *psn_search_values(wqe_type, psn, next_psn, slot))
         self.producer = end = start + taken
         self.posted = number = self.posted + 1
         self.ends[(number - 1) & self.ends_mask] = end
