@@ -21,7 +21,7 @@ import collections
 import itertools
 from typing import Any, Sequence
 
-from .sq_arrays import ADDRESS_MAX, LOCAL_WORD, REMOTE_WORD, SqArrays, addresses
+from .sq_arrays import ADDRESS_MAX, SqArrays, addresses
 from ..autogen import bnxt
 from ..hw.verbs import PSN_MASK, psn_count
 from ..hw.wqe import (ATOMIC_WQE_TYPES, MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS,
@@ -246,22 +246,20 @@ class SendQueueCodec:
     def _post_run_arrays(self, wqe_type: int, address: int, lkey: int, remote_va: int, rkey: int, length: int,
                          offsets: Sequence[int], remote_offsets: Sequence[int], imm: int, tokens: dict[int, Any],
                          rdma: bool) -> None:
-        """post_run as arrays: the WQEs as rows of 64-bit words, the search-table entries likewise, each written with
-        at most two slice copies (the run is consecutive slots, wrapping once)."""
+        """post_run in one step (sq_arrays.py): the run's WQEs, then their search-table entries."""
         arrays = self.arrays
         if arrays is None:
             arrays = self.arrays = SqArrays(self.geometry, self.view)
         count = len(offsets)
         template = arrays.template(wqe_type, imm, length, rkey if rdma else 0, lkey if length else 0)
-        columns = [(LOCAL_WORD, addresses("offset", offsets, address))] if length else []
-        if rdma:
-            columns.append((REMOTE_WORD, addresses("remote offset", remote_offsets, remote_va)))
+        local = addresses("offset", offsets, address) if length else None
+        remote = addresses("remote offset", remote_offsets, remote_va) if rdma else None
         marks = sorted(tokens)
         signaled, run = _signaled(marks, count, self.unsignaled_run, self.max_unsignaled)
         taken = self.static_slots or SQ_WQE_HEADER_SLOTS + (1 if length else 0)
         first, psn, npsn = self.producer, self.psn, psn_count(length, self.mtu)
         start = first & self.slot_mask
-        arrays.write(template, count, columns, signaled, start, taken)
+        arrays.wqes(template, count, local, remote, signaled, start, taken)
         arrays.search_entries(wqe_type, count, psn, npsn, self.msn, start, taken)
         number = self.posted
         self.pending.extend([(number + i + 1, tokens[i]) for i in marks])
