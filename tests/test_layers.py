@@ -120,7 +120,7 @@ def test_asyncssh_only_in_peer_ssh():
 
 
 PURE = ["sched/plan.py", "peer/protocol.py", "tools/units.py", "driver/rings.py", "collectives/layout.py",
-        "verbs/workqueue.py", "verbs/sq_arrays.py", "util/escape.py", "peer/operations.py", "peer/launch.py"]
+        "verbs/workqueue.py", "verbs/sq_runs.py", "util/escape.py", "peer/operations.py", "peer/launch.py"]
 
 
 @pytest.mark.parametrize("pure", PURE)

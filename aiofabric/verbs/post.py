@@ -11,7 +11,7 @@ from .completions import Completion
 from .mr import MemoryRegion, local_sge, remote_address
 from .qp import QueuePairLife
 from .types import LocalBuffer, QPState, RemoteRegion, check_range
-from .sq_arrays import span
+from .sq_runs import span
 from .workqueue import ADDRESS_MAX, Sge
 from ..autogen import bnxt
 from ..errors import ClosedError

@@ -21,7 +21,7 @@ import collections
 import itertools
 from typing import Any, Sequence
 
-from .sq_arrays import ADDRESS_MAX, SqArrays, addresses
+from .sq_runs import ADDRESS_MAX, RunWriter, addresses
 from ..autogen import bnxt
 from ..hw.verbs import PSN_MASK, psn_count
 from ..hw.wqe import (ATOMIC_WQE_TYPES, MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS,
@@ -44,7 +44,7 @@ _ONE_SLOTS = SQ_WQE_HEADER_SLOTS + 1
 _MSN_SHIFT = MSN_ENTRY.size.bit_length() - 1
 _SP, _NP = bnxt.SQ_MSN_SEARCH_START_PSN_SFT, bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT  # PSNs are already 24-bit
 _SI_FROM_OFFSET, _SI_MASK = bnxt.SQ_MSN_SEARCH_START_IDX_SFT - SLOT_SHIFT, bnxt.SQ_MSN_SEARCH_START_IDX_MASK
-VECTOR_RUN = 24  # WQEs from which a run is written as arrays (sq_arrays.py; bench/RESULTS.md)
+VECTOR_RUN = 24  # WQEs from which a run is written at once (sq_runs.py), not one by one (bench/RESULTS.md)
 
 
 class SendQueueCodec:
@@ -72,7 +72,7 @@ class SendQueueCodec:
         self.ends_mask = len(self.ends) - 1
         self.mtu = 1024
         self.pending: collections.deque[tuple[int, Any]] = collections.deque()  # (WQE number + 1, token)
-        self.arrays: SqArrays | None = None  # made at the first run written as arrays
+        self.runs: RunWriter | None = None  # made at the first run written at once
         self.reset(0)
 
     def reset(self, psn: int) -> None:
@@ -201,11 +201,11 @@ class SendQueueCodec:
         `address + offsets[i]` (to or from `remote_va + remote_offsets[i]` for RDMA types). WQE i is signaled, with
         token `tokens[i]`, when `tokens` has it (give the last one a token: its CQE retires the run); the others only
         when the unsignaled run reaches its bound. The caller checked `room`. A value a WQE cannot hold raises
-        struct.error and posts none of them. Short runs are packed one by one, longer ones written as arrays
-        (`VECTOR_RUN`, sq_arrays.py)."""
+        struct.error and posts none of them. Short runs are packed one by one, longer ones written at once
+        (`VECTOR_RUN`, sq_runs.py)."""
         rdma = wqe_type in RDMA_WQE_TYPES
         if len(offsets) >= VECTOR_RUN or not length or not self.host_msn:
-            self._post_run_arrays(wqe_type, address, lkey, remote_va, rkey, length, offsets, remote_offsets, imm,
+            self._post_run_at_once(wqe_type, address, lkey, remote_va, rkey, length, offsets, remote_offsets, imm,
                                   tokens, rdma)
             return
         view, slot_mask, table_mask, cap = self.view, self.slot_mask, self.table_mask, self.max_unsignaled
@@ -243,15 +243,15 @@ class SendQueueCodec:
         self._ends(number, first, taken, count)
         self.producer, self.psn, self.msn, self.posted, self.unsignaled_run = start, psn, msn, number + count, run
 
-    def _post_run_arrays(self, wqe_type: int, address: int, lkey: int, remote_va: int, rkey: int, length: int,
+    def _post_run_at_once(self, wqe_type: int, address: int, lkey: int, remote_va: int, rkey: int, length: int,
                          offsets: Sequence[int], remote_offsets: Sequence[int], imm: int, tokens: dict[int, Any],
                          rdma: bool) -> None:
-        """post_run in one step (sq_arrays.py): the run's WQEs, then their search-table entries."""
-        arrays = self.arrays
-        if arrays is None:
-            arrays = self.arrays = SqArrays(self.geometry, self.view)
+        """post_run in one step (sq_runs.py): the run's WQEs, then their search-table entries."""
+        runs = self.runs
+        if runs is None:
+            runs = self.runs = RunWriter(self.geometry, self.view)
         count = len(offsets)
-        template = arrays.template(wqe_type, imm, length, rkey if rdma else 0, lkey if length else 0)
+        template = runs.template(wqe_type, imm, length, rkey if rdma else 0, lkey if length else 0)
         local = addresses("offset", offsets, address) if length else None
         remote = addresses("remote offset", remote_offsets, remote_va) if rdma else None
         marks = sorted(tokens)
@@ -259,8 +259,8 @@ class SendQueueCodec:
         taken = self.static_slots or SQ_WQE_HEADER_SLOTS + (1 if length else 0)
         first, psn, npsn = self.producer, self.psn, psn_count(length, self.mtu)
         start = first & self.slot_mask
-        arrays.wqes(template, count, local, remote, signaled, start, taken)
-        arrays.search_entries(wqe_type, count, psn, npsn, self.msn, start, taken)
+        runs.wqes(template, count, local, remote, signaled, start, taken)
+        runs.search_entries(wqe_type, count, psn, npsn, self.msn, start, taken)
         number = self.posted
         self.pending.extend([(number + i + 1, tokens[i]) for i in marks])
         self._ends(number, first, taken, count)
@@ -270,10 +270,10 @@ class SendQueueCodec:
         self.psn, self.unsignaled_run = (psn + npsn * count) & PSN_MASK, run
 
     def close(self) -> None:
-        """Drop the arrays over the ring's memory (before it is freed: they hold it mapped)."""
-        if self.arrays is not None:
-            self.arrays.close()
-            self.arrays = None
+        """Drop the numpy arrays over the ring's memory (before it is freed: they hold it mapped)."""
+        if self.runs is not None:
+            self.runs.close()
+            self.runs = None
 
     def _ends(self, number: int, first: int, taken: int, count: int) -> None:
         """Record the end slots of `count` WQEs of `taken` slots each, numbered from `number`, starting at `first`."""

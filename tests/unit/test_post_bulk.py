@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiofabric.verbs.post import QueuePair
-from aiofabric.verbs.sq_arrays import LOCAL_WORD, REMOTE_WORD
+from aiofabric.verbs.sq_runs import LOCAL_WORD, REMOTE_WORD
 from tests.support.bare_qp import MODES, bare_qp, complete, doorbells, region, run, sq_bytes
 
 VERBS = ["write", "read", "send", "write_with_imm", "send_imm"]
@@ -219,10 +219,10 @@ def test_an_empty_batch_posts_nothing_and_rings_nothing():
 def test_freeing_the_queue_pair_lets_go_of_the_ring_s_memory():
     """The arrays over the SQ's memory are dropped when it is freed: nothing exports the device's memory after the QP
     and its regions are gone (the bytearray behind it can be resized; an export would make that a BufferError)."""
-    qp = bare_qp("thor2")
+    qp = bare_qp("thor")  # static WQEs and the PSN search table: written as numpy rows
     local, remote = region(qp), region(qp, key=0x99)
     run(qp.post_many("write", local, remote, 64, range(0, 64 * 30, 64)))
-    assert qp.send_queue.arrays is not None
+    assert qp.send_queue.runs is not None and qp.send_queue.runs.table is not None  # numpy arrays over it
     qp._free_memory()
     for mr in (local, remote):
         mr._free_memory()

@@ -91,7 +91,7 @@ def steps(count: int, step: tuple[int, ...], signal: tuple[int, ...] = ()) -> np
     return block
 
 
-class SqArrays:
+class RunWriter:
     """One SQ's ring and search table in `view` (as SendQueueCodec holds it). The numpy arrays over it hold its
     memory mapped: `close` them before it is freed."""
 
