@@ -58,7 +58,6 @@ MSN_ENTRY = Layout.of(bnxt.sq_msn_search, "start_idx_next_psn_start_psn")
 PSN_SEARCH_ENTRY = Layout.of(bnxt.sq_psn_search_ext, "opcode_start_psn", "flags_next_psn", "start_slot_idx")
 
 
-
 @functools.lru_cache(maxsize=64)
 def repeated(layout: Layout, count: int) -> struct.Struct:
     """`count` entries of `layout` back to back: a run of WQEs (or of MSN entries) packed in one call."""

@@ -40,6 +40,7 @@ RTS = QPState.RTS  # a module global: an Enum member lookup costs ~70 ns on the 
 RECV_STATES = frozenset((QPState.INIT, QPState.RTR, QPState.RTS))  # where ibverbs accepts receives
 ATOMIC_MAX = (1 << 8 * ATOMIC_SIZE) - 1  # atomics take and give unsigned 64-bit values
 IMM_MAX = (1 << 32) - 1  # an immediate is 32 bits
+NO_SIGNAL: tuple[int, ...] = ()  # post_many's default: only the last work request is signaled
 Local = Union[MemoryRegion, LocalBuffer, Sequence[LocalBuffer]]  # what a work request's local side may be
 _batching: contextvars.ContextVar[tuple[QueuePair, ...]] = contextvars.ContextVar("aiofabric_batching", default=())
 
@@ -154,7 +155,7 @@ class QueuePair(QueuePairLife):
     # -- many at once ------------------------------------------------------------------------------------------------
     async def post_many(self, verb: str, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion | None,
                         size: int, offsets: Sequence[int], *, remote_offsets: Sequence[int] | None = None,
-                        imm: int | None = None, signal: Iterable[int] = ()) -> list[Completion]:
+                        imm: int | None = None, signal: Iterable[int] = NO_SIGNAL) -> list[Completion]:
         """Post len(`offsets`) work requests of one kind at once (perftest's post list, ibverbs' chained WRs): the
         i-th moves `size` bytes at `local_offset` `offsets[i]` to (write, write_with_imm) or from (read)
         `remote` at `remote_offsets[i]` (default: `offsets`), or sends them (send, with `imm` if given). They are
@@ -187,12 +188,9 @@ class QueuePair(QueuePairLife):
         if not count:
             return []
         check_range("size", size, 0, 1 << 31)
-        if type(local) is MemoryRegion:
-            if local.closed:
-                local.check_open()
-        elif not isinstance(local, (MemoryRegion, LocalBuffer)):
+        if not isinstance(local, (MemoryRegion, LocalBuffer)):
             raise TypeError(f"post_many: local must be a MemoryRegion or a LocalBuffer, not {type(local).__name__}")
-        elif isinstance(local, MemoryRegion):
+        if isinstance(local, MemoryRegion):
             local.check_open()
         lo, hi = span(offsets)
         if lo < 0 or hi + size > local.length:
@@ -211,12 +209,9 @@ class QueuePair(QueuePairLife):
                 raise ValueError(f"post_many: remote offset {lo} is negative")
             remote_address(remote, hi, size)  # its length and the 64-bit address
             address, rkey = remote.addr, remote.rkey
-        if signal:
-            marks = sorted(set(_integers("signal", signal)))
-            if marks and not 0 <= marks[0] <= marks[-1] < count:
-                raise ValueError(f"post_many: signal indexes must be in [0, {count}), not {marks}")
-        else:
-            marks = []
+        marks = [] if signal is NO_SIGNAL else sorted(set(_integers("signal", signal)))
+        if marks and not 0 <= marks[0] <= marks[-1] < count:
+            raise ValueError(f"post_many: signal indexes must be in [0, {count}), not {marks}")
         sq = self.send_queue
         taken = sq.taken(sq.wqe_slots(1 if size else 0)) * count
         if not sq.fits(taken, count):

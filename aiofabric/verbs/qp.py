@@ -342,7 +342,7 @@ class QueuePairLife:
         self._free_memory()
 
     def _free_memory(self) -> None:
-        self.send_queue.close()  # its arrays over the ring hold the memory mapped
+        self.send_queue.close()  # its numpy arrays over the ring hold the memory mapped
         self.sq.free()
         self.rq.free()
         for buffer in self.read_queues:
