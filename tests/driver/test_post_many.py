@@ -27,7 +27,7 @@ async def pair(sq_depth=64, profile="thor2", **qp_options):
         yield qa, qb, source, target
 
 
-@pytest.mark.parametrize("count", [20, 100])  # 100: a run long enough to be written as arrays (VECTOR_RUN)
+@pytest.mark.parametrize("count", [20, 100])  # 100: a run long enough to be written at once (VECTOR_RUN)
 async def test_post_many_writes_land_and_complete_where_asked(count):
     async with pair(sq_depth=256) as (qa, qb, source, target):
         offsets = range(0, count * 100, 100)  # writes of 100 bytes, remote placed in reverse order
