@@ -2,11 +2,15 @@
 `aiofabric bench write`, for one or more trees of this repository (old against new: a `git worktree` of each).
 
     python bench/post_costs.py warm [--tree DIR ...] [--rounds 3]
+    python bench/post_costs.py poll [--tree DIR ...] [--rounds 3]
     python bench/post_costs.py inside [--tree DIR ...] [--rounds 3] [-- BENCH ARGS]
 
 warm: thread CPU per work request of `post_many` of 32 and of 32 `post_write`s in `batch()`, a completion retiring
 them after each (tests/support/bare_qp.py: no emulator, doorbells recorded), in each send-queue mode. Best of
 `--rounds` repeats; a loop with hot caches, the floor of what the code costs.
+
+poll: thread CPU of one CQ poll that finds 1, 4, 16 or 48 requester CQEs (each completing a post_many of 8 on its
+own QP), in a warm loop: the poll only, not the posts or the CQEs' writing.
 
 inside: `bench write` (default: --size 64 --qps 64 --depth 32 --iters 2000 --post-list 32) with the hot functions
 wrapped, each call's thread CPU added up: per call and per work request, beside the bench's own driver CPU per
@@ -66,6 +70,42 @@ for mode in sys.argv[2].split(","):
 print(json.dumps(result))
 """
 
+POLL = r"""
+import importlib.util, json, sys, time
+spec = importlib.util.spec_from_file_location("bare_qp", sys.argv[1])
+bare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bare)
+from aiofabric.autogen import bnxt
+from aiofabric.hw.cqe import CQ_ENTRY, CQE_REQ
+from aiofabric.verbs.cq import CompletionQueue
+qps = [bare.bare_qp("thor2", sq_depth=64) for _ in range(48)]
+cq = CompletionQueue(qps[0].device, bare.Poller(), 1024)
+cq.id = 3
+for qp in qps:
+    qp.device, qp.send_cq, qp.recv_cq = qps[0].device, cq, cq
+    cq.qps[qp.handle] = qp
+src, dst = bare.region(qps[0], key=0x10), bare.region(qps[0], key=0x20)
+produced, result = 0, {}
+for per in (1, 4, 16, 48):
+    best = None
+    for _ in range(int(sys.argv[2])):
+        spent = 0.0
+        for _ in range(2000):
+            for qp in qps[:per]:
+                bare.run(qp.post_many("write", src, dst, 64, range(0, 8 * 64, 64)))
+                sq = qp.send_queue
+                offset = produced % cq.depth * CQ_ENTRY.size
+                CQ_ENTRY.publish(cq.ring.view[offset:offset + CQ_ENTRY.size], CQE_REQ.pack(
+                    qp.handle, sq.posted % sq.geometry.size, bnxt.CQ_BASE_CQE_TYPE_REQ, 0), produced, cq.depth)
+                produced += 1
+            started = time.thread_time()
+            cq.poll()
+            spent += time.thread_time() - started
+        best = spent if best is None else min(best, spent)
+    result[per] = best / 2000 * 1e6
+print(json.dumps(result))
+"""
+
 INSIDE = r"""
 import collections, contextlib, io, json, runpy, sys, time
 from aiofabric.verbs import cq, poller, post, qp, workqueue
@@ -121,6 +161,14 @@ def warm(trees: list[Path], rounds: int) -> None:
                   f"post_write x32 in batch() {figures[f'{mode}/per_op']:6.2f} us")
 
 
+def poll(trees: list[Path], rounds: int) -> None:
+    for tree in trees:
+        figures = child(tree, POLL, str(ROOT / "tests" / "support" / "bare_qp.py"), str(rounds))
+        print(f"{tree}: thread CPU of a CQ poll, warm loop (best of {rounds})")
+        for per, seconds in figures.items():
+            print(f"  {per:>2} CQEs: {seconds:6.2f} us a poll, {seconds / int(per):5.2f} us a CQE")
+
+
 def inside(trees: list[Path], rounds: int, bench: list[str]) -> None:
     runs: dict[Path, list[dict]] = {tree: [] for tree in trees}
     for round_ in range(rounds):
@@ -142,7 +190,7 @@ def inside(trees: list[Path], rounds: int, bench: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("warm", "inside"))
+    parser.add_argument("what", choices=("warm", "poll", "inside"))
     parser.add_argument("--tree", action="append", type=Path, help="a tree of this repository (default: this one)")
     parser.add_argument("--rounds", type=int, default=3)
     argv = sys.argv[1:]
@@ -151,6 +199,8 @@ def main() -> None:
     trees = [tree.resolve() for tree in args.tree or [ROOT]]
     if args.what == "warm":
         warm(trees, args.rounds)
+    elif args.what == "poll":
+        poll(trees, args.rounds)
     else:
         inside(trees, args.rounds, argv[split + 1:] or BENCH)
 

@@ -82,7 +82,9 @@ class CompletionQueue:
         view, depth, consumer = ring.view, ring.depth, ring.consumer
         if budget <= 0 or not CQ_ENTRY.is_new(view, ring.offset(consumer), consumer, depth):
             return 0  # the common case of a poll while spinning: one byte read
-        count = CQ_ENTRY.new_entries(view, consumer, depth, budget)
+        following = consumer + 1  # a poll often finds one CQE: then the next one's bit is all there is to look at
+        count = CQ_ENTRY.new_entries(view, consumer, depth, budget) if budget > 1 and CQ_ENTRY.is_new(
+            view, ring.offset(following), following, depth) else 1
         read_barrier()  # the CQEs' bodies after their valid bits (Linux dma_rmb in bnxt_qplib_poll_cq)
         slot = consumer % depth
         head = min(count, depth - slot)
