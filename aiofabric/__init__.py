@@ -17,6 +17,7 @@ _HOMES = {
     ".verbs.mr": ("MemoryRegion",),
     ".verbs.post": ("QueuePair",),
     ".verbs.completions": ("Completion",),
+    ".verbs.events": ("EventStream", "DeviceEvent"),
     ".errors": ("FabricError", "FirmwareError", "FirmwareTimeoutError", "DeviceLostError", "ClosedError", "PCIError",
                 "CompletionError", "QPStateError", "OperationTimeoutError", "LinkDownError", "PeerError"),
     ".peer.ssh": ("connect_peer",),
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from .peer.ssh import connect_peer
     from .verbs.completions import Completion
     from .verbs.cq import CompletionQueue
+    from .verbs.events import DeviceEvent, EventStream
     from .verbs.mr import MemoryRegion
     from .verbs.nic import NIC, DmaBudget, open_nic
     from .verbs.post import QueuePair

@@ -6,13 +6,20 @@
    it, await every piece's immediate, reduce), on the same communicators, against the compiled one;
 3. torch.distributed's gloo backend, 4 processes on this machine, float32 all_reduce, when a python with torch is
    given (`--torch-python`; torch is never a dependency of aiofabric);
-4. DMA memory held before and after 100 steady-state replays (the NICs' DmaBudget).
+4. DMA memory held before and after 100 steady-state replays (the NICs' DmaBudget);
+5. small messages: the 4-rank allreduce of 1 KiB (one-shot, and the ring's 2 (N - 1) steps; each rank looping on
+   its own, as `aiofabric allreduce` times it) against seven one-way hops of `lat write` (its typical one-way
+   latency, 2 bytes), measured by turns in the same run: the ring's six steps and its ready message are seven hops.
 
-    python bench/collectives.py [--json] [--sizes 1M,4M,16M,64M] [--torch-python PATH]
+The ranks' NICs share one emulator process (`collectives.local`'s default); `--no-shared-emulator` gives each its
+own. The load average of the machine is recorded before and after.
+
+    python bench/collectives.py [--json] [--sizes 1M,4M,16M,64M] [--torch-python PATH] [--no-shared-emulator]
 """
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,13 +30,18 @@ import numpy as np
 
 from aiofabric import DmaBudget, collectives
 from aiofabric.collectives import layout
+from aiofabric.collectives.oneshot import ONESHOT_BYTES
 from aiofabric.sched import pool
 from aiofabric.sched.reduce import reduction
 from aiofabric.tools.bench_config import BenchConfig
+from aiofabric.tools.lat_config import LatConfig
+from aiofabric.tools.latency import run_latency
 from aiofabric.tools.perftest import run_bench
 from aiofabric.tools.units import parse_size
 
 RANKS = 4
+HOPS = 7  # the ring allreduce's 2 (N - 1) steps and its ready message, one after another
+SMALL = 1024
 
 
 async def p2p_bandwidth(size=1 << 20):
@@ -82,10 +94,46 @@ async def plain_allreduce(comm, x, piece_bytes):
     np.copyto(x, w)
 
 
-async def measure(sizes, reps):
+async def per_rank(comms, fn, reps):
+    """Seconds per collective as `aiofabric allreduce` reports it (nccl-tests' way): each rank runs `reps` of them
+    in a loop of its own (after one warm-up), and the ranks' means are averaged."""
+    async def loop(comm):
+        await fn(comm)
+        started = time.perf_counter()
+        for _ in range(reps):
+            await fn(comm)
+        return (time.perf_counter() - started) / reps
+    return float(np.mean(await collectives.run_ranks([functools.partial(loop, comm) for comm in comms])))
+
+
+async def small_messages(rounds, reps, lat_iters, shared):
+    """Median one-way `lat write` latency and 4-rank allreduce times of SMALL bytes (one-shot, ring; per_rank),
+    taken in turns `rounds` times; the ratios of their medians to HOPS one-way hops."""
+    lat, times = [], {"oneshot": [], "ring": []}
+    async with collectives.local(RANKS, buffer_bytes=SMALL, shared_emulator=shared) as comms:
+        xs = [np.ones(SMALL // 4, np.float32) for _ in comms]
+        for _ in range(rounds):
+            lat.append((await run_latency(LatConfig(test="write", iters=lat_iters)))["t_typical_us"])
+            for name, limit in (("oneshot", ONESHOT_BYTES), ("ring", 0)):
+                for comm in comms:
+                    comm.oneshot_bytes = limit
+                times[name].append(await per_rank(comms, lambda comm: comm.allreduce(xs[comm.rank]), reps) * 1e6)
+    hop = float(np.median(lat))
+    out = {"lat_write_one_way_us": hop, "lat_rounds_us": lat}
+    for name, values in times.items():
+        out[f"allreduce_{SMALL}_{name}_us"] = float(np.median(values))
+        out[f"allreduce_{SMALL}_{name}_vs_{HOPS}_hops"] = float(np.median(values)) / (HOPS * hop)
+        out[f"allreduce_{SMALL}_{name}_rounds_us"] = values
+    return out
+
+
+async def measure(sizes, reps, shared, small):
     budget = DmaBudget(1 << 40, "bench")
-    result = {"p2p_write_GBps": await p2p_bandwidth(), "rows": []}
-    async with collectives.local(RANKS, buffer_bytes=max(sizes), dma_budget=budget) as comms:
+    result = {"load_average_before": os.getloadavg(), "shared_emulator": shared}
+    if small:
+        result["small"] = await small_messages(*small, shared)
+    result |= {"p2p_write_GBps": await p2p_bandwidth(), "rows": []}
+    async with collectives.local(RANKS, buffer_bytes=max(sizes), dma_budget=budget, shared_emulator=shared) as comms:
         for size in sizes:
             count = size // 4
             xs = [np.ones(count, np.float32) for _ in range(RANKS)]
@@ -110,6 +158,7 @@ async def measure(sizes, reps):
         result["dma_bytes_before_after_100_replays"] = [before, budget.in_use]
         expected = np.arange(1 << 16, dtype=np.float32) + RANKS - 1
         result["verified"] = all(np.array_equal(x, expected) for x in xs)
+    result["load_average_after"] = os.getloadavg()
     return result
 
 
@@ -151,10 +200,16 @@ def main():
     parser.add_argument("--sizes", default="1M,4M,16M,64M")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--torch-python", help="a python with torch, for the gloo comparison")
+    parser.add_argument("--shared-emulator", action=argparse.BooleanOptionalAction, default=True,
+                        help="the ranks' emulated NICs in one emulator process (default), or one each")
+    parser.add_argument("--small-rounds", type=int, default=3, help="turns of lat and the 1 KiB allreduce (0: none)")
+    parser.add_argument("--small-reps", type=int, default=100, help="1 KiB allreduces per turn, rank and algorithm")
+    parser.add_argument("--lat-iters", type=int, default=1000, help="lat write iterations per turn")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    result = anyio.run(measure, sizes, args.reps)
+    small = (args.small_rounds, args.small_reps, args.lat_iters) if args.small_rounds else None
+    result = anyio.run(measure, sizes, args.reps, args.shared_emulator, small)
     if args.torch_python:
         times = gloo(args.torch_python, sizes, args.reps)
         for row in result["rows"]:
@@ -165,6 +220,14 @@ def main():
     if args.json:
         print(json.dumps(result))
         return
+    print(f"load average {result['load_average_before'][0]:.1f} before, {result['load_average_after'][0]:.1f} after; "
+          f"emulator: {'one process for the 4 NICs' if result['shared_emulator'] else 'a process per NIC'}")
+    if "small" in result:
+        small = result["small"]
+        print(f"lat write one-way {small['lat_write_one_way_us']:.1f} us; 4-rank allreduce of {SMALL} B: "
+              + ", ".join(f"{name} {small[f'allreduce_{SMALL}_{name}_us']:.0f} us "
+                          f"({small[f'allreduce_{SMALL}_{name}_vs_{HOPS}_hops']:.2f} x {HOPS} hops)"
+                          for name in ("oneshot", "ring")))
     print(f"point-to-point RDMA WRITE (2 NICs, 4 QPs x 8, 1 MiB): {result['p2p_write_GBps']:.3f} GB/s")
     for row in result["rows"]:
         extra = (f"  gloo {row['gloo_ms']:.1f} ms (busbw {row['gloo_busbw_GBps']:.3f}), compiled/gloo "

@@ -261,6 +261,15 @@ MUTANTS = [
            "functools.partial(reader.serve, self._on_firmware_event)",
            ("tests/driver/test_firmware_events.py::test_a_reset_notice_behind_a_link_change_whose_query_the_firmware"
             "_leaves_unanswered_is_heard_at_once",)),
+    Mutant("event stream: a full stream takes one more than its buffer", "aiofabric/verbs/events.py",
+           "        if len(self._held) >= self._buffer:\n", "        if len(self._held) > self._buffer:\n",
+           ("tests/driver/test_event_stream.py::test_a_full_stream_drops_its_oldest_events_and_says_how_many_where_they"
+            "_were",)),
+    Mutant("compare: a figure exactly at the tolerance is a regression", "aiofabric/tools/compare.py",
+           "worse > tolerance * abs(base)", "worse >= tolerance * abs(base)", ("tests/tools/test_compare.py::test_judge",)),
+    Mutant("plot: a path in a missing directory is found only after the run", "aiofabric/tools/plot.py",
+           "    if not os.path.isdir(folder):\n", "    if False:\n",
+           ("tests/tools/test_lat_plot.py::test_where_the_plot_cannot_go_is_said_before_the_run",)),
 ]
 
 

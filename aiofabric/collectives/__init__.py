@@ -6,8 +6,9 @@
 Modules: `layout` (pure ring arithmetic, nccl-tests' names, counts and bandwidth factors), `communicator` (a rank:
 its links, buffers and compiled collectives; the ring's), `steps` (what every collective's run is made of), `reduce`,
 `gather`, `scatter`, `sendrecv` (those collectives along the ring), `reference` (what each computes, in numpy),
-`launch` (N ranks in one process, one rank of a job, and running ranks together), `world` (the launchers'
-variables), `rendezvous` (rank 0's TCP rendezvous), `perf` (the nccl-tests sweep behind `aiofabric allreduce ...`),
+`launch` (N ranks in one process, one rank of a job, and running ranks together), `world` (a rank's job and its
+rendezvous), `env_ranks` (the launchers' variables), `slurm` (srun's steps and node lists), `rendezvous` (rank 0's
+TCP rendezvous), `perf` (the nccl-tests sweep behind `aiofabric allreduce ...`),
 `nccl_format` (nccl-tests' lines and JSON document), `devices` (its "# Using devices" lines). The names below load
 on first use (PEP 562), so the command line reads `layout` without the scheduler.
 """

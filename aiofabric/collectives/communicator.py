@@ -22,6 +22,7 @@ from .layout import PIECE_BYTES
 from .. import sched
 from .alltoall import alltoall_calls
 from .gather import gather_calls
+from .oneshot import ONESHOT_BYTES, fits, oneshot_calls
 from .reduce import reduce_calls
 from .scatter import scatter_calls
 from .sendrecv import sendrecv_calls
@@ -68,6 +69,7 @@ class Communicator:
         self.peer_failure: str | None = None  # news of another rank's end (the rendezvous's watch)
         self._running: anyio.CancelScope | None = None
         self._barrier = np.zeros(1, np.int32)
+        self.oneshot_bytes = ONESHOT_BYTES  # allreduces up to this many bytes go one-shot (oneshot.py; 0: never)
 
     def __repr__(self) -> str:
         return f"Communicator(rank {self.rank} of {self.size})"
@@ -139,7 +141,7 @@ class Communicator:
             if out is not None and x.size:
                 np.copyto(out.reshape(-1), x.reshape(-1))
             return result
-        key = (kind, count, x.dtype.str, op_, root, inplace)
+        key = (kind, count, x.dtype.str, op_, root, inplace, self._oneshot(kind, count, x.dtype.itemsize))
         entry = self._batches.pop(key, None)
         if entry is None:
             entry = self._compile(kind, count, x.dtype, op_, root, inplace)
@@ -278,10 +280,13 @@ class Communicator:
     def _calls(self, kind: str, x: np.ndarray, out: np.ndarray, count: int, op: str | None,
                root: int) -> list[sched.Call]:
         """This rank's calls: x and out are flat (in place, out is x or a view of it)."""
-        builder = BUILDERS.get(kind)
+        builder = oneshot_calls if self._oneshot(kind, count, x.dtype.itemsize) else BUILDERS.get(kind)
         if builder is not None:
             return builder(self, x, out, count, op, root)
         return self._ring_calls(kind, x, out, count, op, root)
+
+    def _oneshot(self, kind: str, count: int, itemsize: int) -> bool:
+        return kind == "allreduce" and fits(self, count, itemsize, self.landing_capacity, self.oneshot_bytes)
 
     def _ring_calls(self, kind: str, x: np.ndarray, out: np.ndarray, count: int, op: str | None,
                     root: int) -> list[sched.Call]:

@@ -5,12 +5,15 @@ one coroutine per rank of this process and, when a rank fails, stops the others 
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import socket
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
 
 from .communicator import PIECE_BYTES, RUN_TIMEOUT, CollectiveError, Communicator, Link
+from .oneshot import ONESHOT_BYTES
 from .steps import MAX_PIECES
 from .rendezvous import FAREWELL, RendezvousClient, RendezvousError, RendezvousServer
 from .world import World
@@ -21,6 +24,7 @@ from ..verbs import NIC, MemoryRegion, QPInfo, QueuePair, RemoteRegion, open_nic
 T = TypeVar("T")
 DEFAULT_BUFFER = 16 << 20
 RENDEZVOUS_TIMEOUT = 60.0  # seconds for every rank to come and connect
+_locals = itertools.count()  # local() calls of this process: each names its own emulator process
 
 
 def pool_depth(size: int) -> int:
@@ -31,11 +35,14 @@ def pool_depth(size: int) -> int:
 @contextlib.asynccontextmanager
 async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: int = DEFAULT_BUFFER,
                 landing_bytes: int = 0, piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
-                **nic_options: Any) -> AsyncIterator[list[Communicator]]:
+                shared_emulator: bool = True, **nic_options: Any) -> AsyncIterator[list[Communicator]]:
     """`size` communicators, rank r on its own NIC: emulated ones (`nic_options` are open_nic's: wire faults,
     pcap...), or the PCI functions `nics` (one per rank). Each rank registers two buffers of `buffer_bytes` (the
     largest collective it will run, in bytes of its largest array), the landing one at least `landing_bytes` (what
-    an alltoall passes through: layout.alltoall_landing). Everything is closed when the block exits."""
+    an alltoall passes through: layout.alltoall_landing). The emulated NICs share one emulator process unless
+    `shared_emulator` is off (or open_nic's `process` names one): a message between two ranks then wakes no other
+    process, and on a machine with more busy processes than cores fewer of them wait for a CPU (bench/RESULTS.md,
+    "Collectives without dead time"). Everything is closed when the block exits."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size must be a positive integer, not {size!r}")
     if nics is not None and len(nics) != size:
@@ -43,6 +50,8 @@ async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: i
     for name, value in (("buffer_bytes", buffer_bytes), ("landing_bytes", landing_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+    if nics is None and shared_emulator and "process" not in nic_options:
+        nic_options = {**nic_options, "process": f"ranks{next(_locals)}"}  # this call's NICs, not another's
     async with contextlib.AsyncExitStack() as stack:
         opened: list[NIC] = []
         for rank in range(size):
@@ -74,9 +83,10 @@ class Endpoint:
         depth = pool_depth(size)
         cq = await nic.create_cq(4 * depth + 1024)
         # the landing MR holds size - 1 chunks of at most ceil(count / size) elements: a little more than the work MR
-        # (an alltoall's parts passing through take more: landing_bytes)
+        # (an alltoall's parts passing through take more: landing_bytes; a one-shot allreduce, every rank's array)
         work = await nic.register_mr(max(buffer_bytes, 64))
-        landing = await nic.register_mr(max(max(buffer_bytes, 64) + 16 * size, landing_bytes))
+        landing = await nic.register_mr(max(max(buffer_bytes, 64) + 16 * size, landing_bytes,
+                                            size * min(buffer_bytes, ONESHOT_BYTES)))
         qps = [await nic.create_qp(cq, sq_depth=256, rq_depth=2 * depth) for _ in range(2)]
         for qp in qps:
             await receive_pool(qp, depth)
@@ -139,12 +149,14 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
                 listener = await anyio.create_tcp_listener(local_host=world.addr, local_port=world.port)
             except socket.gaierror as error:
                 raise RendezvousError(f"rank 0 cannot serve the rendezvous at {world.addr}:{world.port}: the host "
-                                      f"{world.addr!r} (MASTER_ADDR) cannot be resolved: {error.strerror or error}") \
-                    from None
+                                      f"{world.addr!r} ({world.addr_from}) cannot be resolved: "
+                                      f"{error.strerror or error}") from None
             except OSError as error:
+                advice = (f"{world.addr} ({world.addr_from}) is not this host, where rank 0 runs: set MASTER_ADDR "
+                          "to rank 0's host" if error.errno == errno.EADDRNOTAVAIL else
+                          "set AIOFABRIC_RENDEZVOUS_PORT to a free port (the same for every rank)")
                 raise RendezvousError(f"rank 0 cannot serve the rendezvous at {world.addr}:{world.port}: "
-                                      f"{error.strerror or error}; set AIOFABRIC_RENDEZVOUS_PORT to a free port "
-                                      "(the same for every rank)") from None
+                                      f"{error.strerror or error}; {advice}") from None
             server = RendezvousServer(size, rendezvous_timeout)
 
             async def serve(server: RendezvousServer) -> None:

@@ -2,8 +2,9 @@
 `-r all` loop), a warm-up of every size (doubling from the smallest), then per size and placement (out of place, in
 place) one untimed run, `iters` timed iterations of `agg` collectives each, and `check` runs on fresh inputs checked
 element by element against numpy (reference.py: the ring's order, bit for bit). Sizes, counts and bandwidths are
-nccl-tests' (layout.nccl_counts, alg_bandwidth, bus_bandwidth); the time is the mean over iterations, then
-averaged over the ranks as `-a` says. Each row is handed to `emit` as its text line as soon as it is measured.
+nccl-tests' (layout.nccl_counts, alg_bandwidth, bus_bandwidth); the time is each rank's mean over its iterations
+(the ranks of a process loop each on its own, as nccl-tests' threads do), then averaged over the ranks as `-a`
+says. Each row is handed to `emit` as its text line as soon as it is measured.
 """
 from __future__ import annotations
 
@@ -79,9 +80,9 @@ class _Case:
         self.before = [out.copy() for out in self.outs]  # what a rank whose out is not written keeps
 
     async def run(self) -> None:
-        await run_ranks([functools.partial(self._call, comm) for comm in self.comms])
+        await run_ranks([functools.partial(self.call, comm) for comm in self.comms])
 
-    async def _call(self, comm: Communicator) -> np.ndarray:
+    async def call(self, comm: Communicator) -> np.ndarray:
         options: dict[str, Any] = {"op": self.op} if self.kind in REDUCING else {}
         if self.kind in ROOTED:
             options["root"] = self.root
@@ -104,13 +105,10 @@ def _differ(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     return np.asarray(got.view(width) != want.view(width))
 
 
-async def _all(comms: list[Communicator], method: str, *args: Any, **options: Any) -> None:
-    await run_ranks([functools.partial(getattr(c, method), *args, **options) for c in comms])
-
-
-async def _job_seconds(comms: list[Communicator], seconds: float, average: int) -> float:
-    """This process's time made the job's, as nccl-tests' -a: rank 0's, or the mean, least or most of the ranks'."""
-    values = [np.array([seconds], np.float64) for _ in comms]
+async def _job_seconds(comms: list[Communicator], seconds: list[float], average: int) -> float:
+    """The ranks' times (`seconds[i]`: comms[i]'s) made the job's, as nccl-tests' -a: rank 0's, or the mean, least
+    or most of the ranks'."""
+    values = [np.array([value], np.float64) for value in seconds]
     if average == 0:
         await run_ranks([functools.partial(c.broadcast, v, root=0) for c, v in zip(comms, values)])
     else:
@@ -119,23 +117,31 @@ async def _job_seconds(comms: list[Communicator], seconds: float, average: int) 
     return float(values[0][0]) / (comms[0].size if average == 1 else 1)
 
 
+async def _timed(case: _Case, comm: Communicator, config: PerfConfig) -> float:
+    """One rank's timed iterations, as each of nccl-tests' threads times its own: seconds per collective. The ranks
+    of this process loop each on its own, so one that finished a run starts the next while the others finish theirs
+    (the collectives' ready messages keep them in step), as separate processes would."""
+    timed = 0.0
+    for _ in range(config.iters):
+        started = time.perf_counter()
+        for _ in range(config.agg):
+            await case.call(comm)
+            if config.blocking == 1:
+                await comm.barrier()
+        timed += time.perf_counter() - started
+        if config.blocking == 3:
+            await comm.barrier()
+    runs = config.iters * config.agg
+    return timed / runs if runs else 0.0
+
+
 async def _placement(case: _Case, placement: str, config: PerfConfig) -> tuple[float, int | None]:
     """One placement of one size: (seconds per collective, elements wrong or None when unchecked)."""
     comms = case.comms
     case.fill(placement)
     await case.run()  # nccl-tests' untimed first run ("Sync")
-    timed = 0.0
-    for _ in range(config.iters):
-        started = time.perf_counter()
-        for _ in range(config.agg):
-            await case.run()
-            if config.blocking == 1:
-                await _all(comms, "barrier")
-        timed += time.perf_counter() - started
-        if config.blocking == 3:
-            await _all(comms, "barrier")
-    runs = config.iters * config.agg
-    seconds = await _job_seconds(comms, timed / runs if runs else 0.0, config.average)
+    per_rank = await run_ranks([functools.partial(_timed, case, comm, config) for comm in comms])
+    seconds = await _job_seconds(comms, per_rank, config.average)
     wrong = None
     for _ in range(config.check):
         case.fill(placement)
@@ -175,7 +181,7 @@ async def run_perf(comms: list[Communicator], config: PerfConfig,
                             failed += bool(wrong)
                             algbw = layout.alg_bandwidth(config.kind, n, case.count, case.dtype.itemsize, seconds)
                             busbw = layout.bus_bandwidth(config.kind, n, algbw)
-                            rows.append({"size": case.size, "count": case.count, "dtype": dtype,
+                            rows.append({"size": case.size, "count": case.count,
                                          "type": layout.NCCL_NAMES[dtype], "op": _op(config, op),
                                          "root": _root(config, root), "placement": placement,
                                          "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,

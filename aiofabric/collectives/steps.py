@@ -43,17 +43,20 @@ class Ring(Protocol):
 
 class Steps:
     """The calls of one run of collective `kind` at `comm`'s rank. `sends`/`receives`: whether this rank writes to
-    the next rank / is written by the previous one in this run (a rank that does neither waits for no ready)."""
+    the next rank / is written by the previous one in this run (a rank that does neither waits for no ready);
+    `variant` names an algorithm other than the collective's first (oneshot.py's allreduce)."""
 
     def __init__(self, comm: Ring, kind: str, count: int, dtype: np.dtype[Any], op: str | None, root: int,
-                 *, sends: bool = True, receives: bool = True) -> None:
+                 *, sends: bool = True, receives: bool = True, variant: str | None = None) -> None:
         assert comm.work is not None and comm.landing is not None and comm.next is not None and comm.prev is not None
         self.comm, self.kind, self.dtype, self.op = comm, kind, dtype, op
         self.isz = dtype.itemsize
         self.work, self.next, self.prev = comm.work, comm.next, comm.prev
         self.w = np.frombuffer(comm.work.view, dtype, comm.work.length // self.isz)
         self.lands = np.frombuffer(comm.landing.view, dtype, comm.landing.length // self.isz)
-        digest = layout.digest(kind, count, dtype.str, op, root)
+        # another algorithm for the same collective (`variant`) has its own digest: ranks that chose differently
+        # fail at the ready message, before any data moves
+        digest = layout.digest(kind, count, dtype.str, op, root, *([variant] if variant else []))
         self._send, self._receive = _Messages(kind, digest), _Messages(kind, digest)
         self.calls: list[sched.Call] = []
         self._first_write: sched.Call | None = None

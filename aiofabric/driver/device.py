@@ -12,17 +12,15 @@ dev_cap_flags offer it, and the MSN or PSN search table its dev_cap_ext_flags_2 
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import functools
 import socket
-import weakref
 from typing import Any, Callable, Protocol
 
 import anyio
 import anyio.abc
 
-from . import backing_store, log, resources
+from . import backing_store, l2_receive, log, quiesce, resources
 from .close_budget import CLOSE_TIMEOUT, CloseBudget
 from .commands import OWN_FID
 from .firmware_events import (EVENT_RING_DEPTH, EVENT_VECTOR, DeviceEvent, EventInbox, EventRing, EventRouter, Link,
@@ -31,6 +29,7 @@ from .hwrm_channel import HWRM_TIMEOUT, HwrmChannel
 from .interrupts import CREQ_VECTOR, NQ_VECTOR, wake
 from .link import PortLink, single_pf
 from .liveness import Liveness
+from .mr_pages import MAX_MR_SIZE
 from .rcfw_channel import CREQ_DEPTH, RCFW_TIMEOUT, RcfwChannel
 from .rings import Ring
 from .teardown import Teardown
@@ -38,7 +37,7 @@ from ..autogen import bnxt
 from ..errors import ClosedError, DeviceLostError, FabricError, FirmwareError, PCIError
 from ..hw.async_event import ASYNC_EVENT_ENTRY, EventId, forwarding
 from ..hw.cqe import CREQ_ENTRY, NQ_ENTRY
-from ..hw.firmware import (RING_ENTRY_SIZES, THOR2_CHIPS, THOR_CHIPS, add_gid_fields, host_msn_table, hw_retx_supported,
+from ..hw.firmware import (THOR2_CHIPS, THOR_CHIPS, add_gid_fields, host_msn_table, hw_retx_supported,
                            mr_register_alloc, ring_stats_size, roce_doorbell_offset, short_commands_required)
 from ..hw.wqe import STATIC_WQE_SGES
 from ..pci import PAGE_SIZE, PCIDevice
@@ -48,7 +47,7 @@ from ..version import __version__
 NQ_DEPTH = 4096
 VECTORS = (CREQ_VECTOR, NQ_VECTOR, EVENT_VECTOR)  # every MSI-X vector the driver waits on
 # What boot allocates, reserved with FUNC_CFG before the first ring (resources.py): an NQ-type ring per vector (the
-# CREQ, the RoCE NQ, the event ring), the L2 receive path's completion ring, RX ring and VNIC (_open_l2) and the RoCE
+# CREQ, the RoCE NQ, the event ring), the L2 receive path's completion ring, RX ring and VNIC (l2_receive.py) and the RoCE
 # statistics context (_open_rcfw); no TX ring, no RSS context.
 RESERVATION = {"num_msix": len(VECTORS), "num_cmpl_rings": 1, "num_tx_rings": 0, "num_rx_rings": 1,
                "num_stat_ctxs": 1, "num_vnics": 1, "num_rsscos_ctxs": 0}
@@ -201,9 +200,15 @@ class Device:
         """A firmware event, from the event ring or the CREQ (where the firmware sends them until FUNC_CFG names the
         event ring, _open_events): a reset notice loses the device at once, and the event then waits for the inbox's
         task. Neither reader waits for the HWRM commands a link change needs: a reset notice that follows a link
-        change is heard while the firmware, already resetting, leaves the link query unanswered."""
-        self._reset_notice(event_kind(event_id, data1), data1)
+        change is heard while the firmware, already resetting, leaves the link query unanswered. The event is put
+        first: what the loss's listeners ask of the inbox (`after_events`) comes after it."""
         self._inbox.put(event_id, data1, data2)
+        self._reset_notice(event_kind(event_id, data1), data1)
+
+    def after_events(self, step: Callable[[], None]) -> None:
+        """Run `step` once every firmware event heard so far has been handled and announced (by the inbox's task,
+        which a close stops: then never)."""
+        self._inbox.then(step)
 
     async def _event_ring_heard(self, event_id: int, data1: int, data2: int) -> None:
         self._firmware_event_heard(event_id, data1, data2)
@@ -245,7 +250,7 @@ class Device:
     # -- bring-up ------------------------------------------------------------------------------------------------------
     async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
         self.pci.reset()  # first: whatever a previous holder (a crashed driver) left running stops here
-        _open_devices.add(self)
+        quiesce.track(self)
         self.pci.enable_bus_master()
         task_group.start_soon(self.in_background, self.liveness.watch)
         major, minor, update = (int(x) for x in bnxt.HWRM_INTERFACE_VERSION.split(".")[:3])
@@ -293,7 +298,8 @@ class Device:
                  self.atomic_ops.detail)
         await self.port_link.interface_up()  # before the first ring, as bnxt_en's open (link.py)
         await self._open_rcfw(task_group)
-        await self._open_l2()
+        await l2_receive.open_path(self.pci, self.hwrm, self.hwrm_channel.command, self._alloc_ring,
+                                   self.teardown, self.nq_id, self.mac_address)
         await self._open_events(task_group)
         await self.port_link.update_phy_setting(single_pf(qcfg))  # the link comes up later: its event says so
         gid_field, mac_field = add_gid_fields(self.gid, self.mac_address)
@@ -322,7 +328,8 @@ class Device:
         self.caps.update(max_qp=function.max_qp, max_cq=function.max_cq, max_mr=function.max_mr,
                          max_qp_wr=function.max_qp_wr, max_cqe=function.max_cqe,
                          max_sge=function.max_sge if self.variable_wqes else STATIC_WQE_SGES,
-                         max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data)
+                         max_qp_rd_atom=function.max_qp_rd_atom, max_inline_data=function.max_inline_data,
+                         max_mr_size=MAX_MR_SIZE)  # Linux's, not the firmware's (bnxt_re_query_device)
         self._stats = self.pci.alloc_dma(PAGE_SIZE)
         self.teardown.on_quiesced(self._stats.free)
         stat = await self.hwrm("stat_ctx_alloc", stats_dma_addr=self._stats.bus_addr,
@@ -346,31 +353,6 @@ class Device:
         self.teardown.on_close(f"HWRM ring_free {ring_id}",
                                lambda: self.hwrm_channel.command("ring_free", ring_type=ring_type, ring_id=ring_id))
         return ring_id
-
-    async def _open_l2(self) -> None:
-        """The L2 receive path (completion ring, RX ring, VNIC, MAC filter) that RoCE ingress needs."""
-        nq_enable = bnxt.RING_ALLOC_REQ_ENABLES_NQ_RING_ID_VALID
-        completion = Ring(self.pci, 64, RING_ENTRY_SIZES[bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL], queue=False)
-        cmpl_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_L2_CMPL, completion, enables=nq_enable,
-                                         nq_ring_id=self.nq_id)
-        receive = Ring(self.pci, 64, RING_ENTRY_SIZES[bnxt.RING_ALLOC_REQ_RING_TYPE_RX])
-        rx_id = await self._alloc_ring(bnxt.RING_ALLOC_REQ_RING_TYPE_RX, receive, rx_buf_size=2048,
-                                       enables=nq_enable | bnxt.RING_ALLOC_REQ_ENABLES_RX_BUF_SIZE_VALID,
-                                       nq_ring_id=self.nq_id)
-        vnic = (await self.hwrm("vnic_alloc")).vnic_id
-        self.teardown.on_close("HWRM vnic_free", lambda: self.hwrm_channel.command("vnic_free", vnic_id=vnic))
-        await self.hwrm("vnic_cfg", vnic_id=vnic, mru=9018, default_rx_ring_id=rx_id, default_cmpl_ring_id=cmpl_id,
-                        enables=bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_RX_RING_ID  # and the mru without its enable:
-                        | bnxt.VNIC_CFG_REQ_ENABLES_DEFAULT_CMPL_RING_ID)  # Linux bnxt_hwrm_vnic_cfg on P5+
-        l2_filter = await self.hwrm(
-            "cfa_l2_filter_alloc", l2_addr=tuple(self.mac_address),
-            flags=bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_PATH_RX | bnxt.CFA_L2_FILTER_ALLOC_REQ_FLAGS_OUTERMOST,
-            l2_addr_mask=(0xFF,) * 6, dst_id=vnic,
-            enables=bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_L2_ADDR_MASK
-            | bnxt.CFA_L2_FILTER_ALLOC_REQ_ENABLES_DST_ID)
-        filter_id = l2_filter.l2_filter_id
-        self.teardown.on_close("HWRM cfa_l2_filter_free",
-                               lambda: self.hwrm_channel.command("cfa_l2_filter_free", l2_filter_id=filter_id))
 
     async def _open_events(self, task_group: anyio.abc.TaskGroup) -> None:
         """The event ring and its reader (firmware_events.py), then the MTU as it is now."""
@@ -426,7 +408,7 @@ class Device:
             await self._quiesce()
             await self._free_memory()
             self._closed = True
-            _open_devices.discard(self)
+            quiesce.untrack(self)
 
     async def _release_objects(self) -> None:
         """Destroy the attached verbs objects, QPs first (they hold CQs), then the rest, newest first. One the
@@ -447,7 +429,7 @@ class Device:
                 await self.hwrm_channel.command("func_reset")
             except FabricError as exc:  # a firmware that does not answer is stopped below all the same
                 log.info("%s: close: HWRM func_reset: %s", self.pci.address, exc)
-        quiesce_function(self.pci)
+        quiesce.stop_dma(self.pci)
 
     async def _free_memory(self) -> None:
         for obj in list(self.objects.values()):  # what the firmware kept: the device is stopped, it is ours again
@@ -455,24 +437,3 @@ class Device:
         self.objects.clear()
         self.teardown.free_memory()
         await self.hwrm_channel.close()
-
-
-_open_devices: weakref.WeakSet[Device] = weakref.WeakSet()  # booted, not yet closed: the crash path stops them
-
-
-def quiesce_function(pci: PCIDevice) -> None:
-    """Bus mastering off and a function-level reset, best effort (a device already gone takes neither)."""
-    for step in (pci.disable_bus_master, pci.reset):
-        try:
-            step()
-        except (PCIError, OSError) as exc:
-            log.info("%s: %s: %s", pci.address, step.__name__, exc)
-
-
-@atexit.register
-def _stop_at_exit() -> None:
-    """A process that exits with NICs still open (an exception that escaped, sys.exit from a thread) must not leave
-    them writing into memory it no longer owns: stop their DMA. A process killed outright runs nothing; the next open
-    resets the function first, and the kernel's vfio-pci resets it when its file closes."""
-    for device in list(_open_devices):
-        quiesce_function(device.pci)

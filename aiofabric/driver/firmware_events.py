@@ -54,13 +54,15 @@ FirmwareEvent = Callable[[int, int, int], None]  # (event_id, data1, data2) of a
 class EventRouter:
     """Who hears of each event: a QP's or CQ's error notification goes to the handler its object named (`route`), a
     function-wide event to every one of `function_handlers`, an HWRM async event that came on the CREQ to
-    `firmware_event`; what no handler takes is logged and kept in `events`."""
+    `firmware_event`; what no handler takes is logged and kept in `events`. Every one of `taps` hears every QP, CQ
+    and function-wide event, taken or not (the NIC's event streams: they must not block)."""
 
     def __init__(self, address: str, firmware_event: FirmwareEvent) -> None:
         self.address = address  # the device's, for the log
         self.firmware_event = firmware_event
         self.handlers: dict[str, dict[int, Handler]] = {"qp_error": {}, "cq_error": {}}
         self.function_handlers: list[Handler] = []
+        self.taps: list[Handler] = []
         self.events: collections.deque[DeviceEvent] = collections.deque(maxlen=256)
 
     def route(self, kind: str, xid: int, handler: Handler | None) -> None:
@@ -81,6 +83,7 @@ class EventRouter:
             detail = {name: getattr(notice, name) for name, *_ in layout._fields_
                       if not name.startswith(("reserved", "type", "v", "event"))}
             routed = DeviceEvent("qp_error" if event == QP_ERROR else "cq_error", notice.xid, detail)
+            self.tap(routed)
             self.deliver(routed, self.handlers[routed.kind].get(notice.xid))
         elif kind == bnxt.CREQ_BASE_TYPE_FUNC_EVENT:
             self.announce(DeviceEvent("function", event, {}))
@@ -91,8 +94,13 @@ class EventRouter:
             log.warning("%s: unexpected CREQ entry type %#x dropped", self.address, kind)
 
     def announce(self, event: DeviceEvent) -> None:
-        """A function-wide event: to `events` and to every function handler."""
+        """A function-wide event: to the taps, to `events` and to every function handler."""
+        self.tap(event)
         for handler in [None, *self.function_handlers]:
+            self.deliver(event, handler)
+
+    def tap(self, event: DeviceEvent) -> None:
+        for handler in list(self.taps):
             self.deliver(event, handler)
 
     def deliver(self, event: DeviceEvent, handler: Handler | None) -> None:
@@ -109,11 +117,11 @@ class EventRouter:
 class EventInbox:
     """Firmware events heard where they cannot be handled at once (the CREQ's and the event ring's readers, which
     must not wait for the HWRM commands a link change needs): they wait here, in order, for `serve`. It holds as many
-    as the event ring."""
+    as the event ring, and the steps (`then`) to run between them."""
 
     def __init__(self, address: str) -> None:
         self.address = address  # the device's, for the log
-        self.waiting: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.waiting: collections.deque[tuple[int, int, int] | Callable[[], None]] = collections.deque()
         self.arrived = anyio.Event()
 
     def put(self, event_id: int, data1: int, data2: int) -> None:
@@ -124,11 +132,20 @@ class EventInbox:
         self.waiting.append((event_id, data1, data2))
         self.arrived.set()
 
+    def then(self, step: Callable[[], None]) -> None:
+        """Run `step` once every event put before it has been handled (not counted against the bound)."""
+        self.waiting.append(step)
+        self.arrived.set()
+
     async def serve(self, handle: Callable[[int, int, int], Awaitable[None]]) -> None:
         """Hand every event to `handle`, in order; between events, sleep until one is put (no timeout)."""
         while True:
             while self.waiting:
-                await handle(*self.waiting.popleft())
+                item = self.waiting.popleft()
+                if isinstance(item, tuple):
+                    await handle(*item)
+                else:
+                    item()
             await self.arrived.wait()
             self.arrived = anyio.Event()
 

@@ -15,19 +15,30 @@ from .interrupts import COMMAND_POLL, wait_for_interrupt, wake
 from .liveness import Liveness
 from .rings import Ring
 from ..autogen import bnxt
-from ..errors import DeviceLostError, FirmwareError, FirmwareTimeoutError
+from ..errors import DeviceLostError, FirmwareError, FirmwareTimeoutError, PCIError
 from ..hw.cqe import CREQ_COMMAND_EVENT, CREQ_ENTRY, CREQ_EVENT_OFFSET, CREQ_TYPE_OFFSET, creq_type
 from ..hw.firmware import CMDQ_FIRST_PRODUCER, CMDQ_HEADER, CMDQ_INIT, CMDQ_SLOT
 from ..pci import Bar, DmaBuffer, PCIDevice, memory_barrier, read_barrier
 
 RCFW_TIMEOUT = 20.0  # Linux RCFW_CMD_WAIT_TIME_MS
-CMDQ_DEPTH = 4096  # slots; Linux uses 8192 (256 on old firmware)
+CMDQ_DEPTH = 8192  # slots of 16 bytes: 128 KiB, Linux's BNXT_QPLIB_CMDQE_MAX_CNT
 CREQ_DEPTH = 4096
 CREQ_POLL = 4 * COMMAND_POLL  # the reader's safety poll while a command awaits its reply
 QP_EVENT = bnxt.CREQ_BASE_TYPE_QP_EVENT  # the CREQ entry type of replies, and of a QP's or CQ's error notification
 QP_ERROR = bnxt.CREQ_QP_EVENT_EVENT_QP_ERROR_NOTIFICATION
 CQ_ERROR = bnxt.CREQ_QP_EVENT_EVENT_CQ_ERROR_NOTIFICATION
 REPLY_NOT = frozenset((QP_ERROR, CQ_ERROR))  # QP-event entries that are not replies
+
+
+def command_queue(pci: PCIDevice) -> Ring:
+    """The CMDQ as current Linux allocates it (bnxt_qplib_alloc_rcfw_channel): one contiguous area at level 0. Where
+    the platform has no contiguous 128 KiB (no IOMMU and no hugepage), 4 KiB pages behind a page table, as older
+    Linux gave it: cmdq_init names either."""
+    try:
+        return Ring(pci, CMDQ_DEPTH, CMDQ_SLOT, contiguous=True)
+    except PCIError as exc:
+        log.info("%s: %s; the CMDQ is paged instead", pci.address, exc)
+        return Ring(pci, CMDQ_DEPTH, CMDQ_SLOT)
 
 
 @dataclasses.dataclass
@@ -50,7 +61,7 @@ class RcfwChannel:
         self.pci, self.bar0, self.doorbells, self.db_offset, self.fd = pci, bar0, doorbells, db_offset, fd
         self.creq, self.creq_id, self.liveness, self.budget = creq, creq_id, liveness, budget
         self.on_event, self.timeout = on_event, timeout
-        self.cmdq = Ring(pci, CMDQ_DEPTH, CMDQ_SLOT)
+        self.cmdq = command_queue(pci)
         self.pending: dict[int, PendingCommand] = {}
         self.reading = False  # a task is serving the CREQ (only one may wait on its interrupt fd)
         self._idle = False  # ... and sleeps without a safety poll: no command awaits a reply

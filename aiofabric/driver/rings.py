@@ -29,9 +29,9 @@ class PageTable:
 
 
 def page_table(pci: PCIDevice, pages: list[int], *, queue: bool, min_level: int = 0) -> PageTable:
-    """Build the PBL for `pages` (bus addresses of 4 KiB pages), at the lowest level that holds them but not below
-    `min_level` (context memory: Linux asks for 1 or 2, bnxt_alloc_ctx_pg_tbls). Queues mark the last PTEs (LAST,
-    NEXT_TO_LAST)."""
+    """Build the PBL for `pages` (bus addresses of pages of one size: 4 KiB, or a memory region's larger ones), at
+    the lowest level that holds them but not below `min_level` (context memory: Linux asks for 1 or 2,
+    bnxt_alloc_ctx_pg_tbls). The tables themselves are 4 KiB pages. Queues mark the last PTEs (LAST, NEXT_TO_LAST)."""
     if len(pages) == 1 and not min_level:
         return PageTable(0, pages[0], [])
     ptes = [p | bnxt.PTU_PTE_VALID for p in pages]
@@ -52,15 +52,20 @@ def page_table(pci: PCIDevice, pages: list[int], *, queue: bool, min_level: int 
 
 
 class Ring:
-    """`depth` entries of `stride` bytes in DMA memory (plus `extra` bytes after the ring), with its page table."""
+    """`depth` entries of `stride` bytes in DMA memory (plus `extra` bytes after the ring), with its page table.
+    `contiguous`: one area consecutive on the bus, named at level 0 whatever its size (the CMDQ, whose cmdq_init
+    carries no page size: Linux's is one 128 KiB "page", bnxt_qplib_alloc_rcfw_channel); PCIError where the platform
+    has no such memory."""
 
-    def __init__(self, pci: PCIDevice, depth: int, stride: int, *, extra: int = 0, queue: bool = True) -> None:
+    def __init__(self, pci: PCIDevice, depth: int, stride: int, *, extra: int = 0, queue: bool = True,
+                 contiguous: bool = False) -> None:
         if depth <= 0 or depth & (depth - 1):
             raise ValueError(f"ring depth must be a power of two, not {depth}")
         self.depth, self.stride = depth, stride
-        self.memory = pci.alloc_dma(depth * stride + extra)
+        self.memory = pci.alloc_dma(depth * stride + extra, contiguous)
         self.view = self.memory.view
-        self.table = page_table(pci, self.memory.bus_addrs, queue=queue)
+        self.table = PageTable(0, self.memory.bus_addr, []) if contiguous \
+            else page_table(pci, self.memory.bus_addrs, queue=queue)
         self.producer = self.consumer = 0
 
     @property

@@ -68,9 +68,13 @@ class Slab:
         self.used = bytearray(len(bus_addrs))  # 1 per page a buffer holds
         self.pages_in_use = 0
 
-    def take(self, pages: int) -> int | None:
-        """The first page of a free run of `pages` (first fit), marked used; None if there is no such run."""
-        start = self.used.find(bytes(pages))
+    def take(self, pages: int, align: int = 1) -> int | None:
+        """The first page of a free run of `pages` starting at a multiple of `align` pages (first fit), marked used;
+        None if there is no such run."""
+        run = bytes(pages)
+        start = self.used.find(run)
+        while start > 0 and start % align:
+            start = self.used.find(run, start + align - start % align)
         if start < 0:
             return None
         self.used[start:start + pages] = b"\1" * pages
@@ -93,18 +97,21 @@ class DmaPool:
         self._hugepages = True  # until the system has none to give
 
     def alloc(self, size: int, contiguous: bool) -> DmaBuffer:
-        """`size` rounded up to whole pages, zeroed; PCIError if `contiguous` and its pages are not contiguous on
-        the bus (only without an IOMMU, past one hugepage)."""
+        """`size` rounded up to whole pages, zeroed. `contiguous`: its pages consecutive on the bus, the first aligned
+        to the size rounded up to a power of two (slabs are aligned to theirs); PCIError where they are not (only
+        without an IOMMU, past one hugepage)."""
         if size <= 0:
             raise ValueError(f"DMA size must be positive, not {size}")
         pages = -(-size // PAGE_SIZE)
-        slab, start = self._place(pages)
+        align = 1 << (pages - 1).bit_length() if contiguous else 1
+        slab, start = self._place(pages, align)
         bus_addrs = slab.bus_addrs[start:start + pages]
         is_contiguous = all(b - a == PAGE_SIZE for a, b in zip(bus_addrs, bus_addrs[1:]))
-        if contiguous and not is_contiguous:
+        if contiguous and (not is_contiguous or bus_addrs[0] % (align * PAGE_SIZE)):
             self._give(slab, start, pages)
-            raise PCIError(f"{self.owner}: no physically contiguous {pages * PAGE_SIZE:#x} bytes for a DMA buffer "
-                           f"(one 2 MiB hugepage at most, without an IOMMU): reserve some with `{RESERVE_HUGEPAGES}`")
+            raise PCIError(f"{self.owner}: no physically contiguous {pages * PAGE_SIZE:#x} bytes (aligned to their "
+                           f"size) for a DMA buffer (one 2 MiB hugepage at most, without an IOMMU): reserve some with "
+                           f"`{RESERVE_HUGEPAGES}`")
         offset, length = start * PAGE_SIZE, pages * PAGE_SIZE
         buffer = DmaBuffer(view=memoryview(slab.memory)[offset:offset + length], bus_addrs=bus_addrs,
                            contiguous=is_contiguous)
@@ -122,12 +129,12 @@ class DmaPool:
         for buffer in list(self._buffers):
             buffer.free()
 
-    def _place(self, pages: int) -> tuple[Slab, int]:
+    def _place(self, pages: int, align: int) -> tuple[Slab, int]:
         if pages * PAGE_SIZE > SLAB_SIZE:
             slab = self._new_slab(pages * PAGE_SIZE)
         else:
             for slab in self.slabs:
-                start = slab.take(pages)
+                start = slab.take(pages, align)
                 if start is not None:  # pages a buffer had: they hold its bytes (a new slab's are the kernel's zeros)
                     ctypes.memset(slab.address + start * PAGE_SIZE, 0, pages * PAGE_SIZE)
                     return slab, start

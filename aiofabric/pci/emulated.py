@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .linux import MAP_NORESERVE, map_at, virt_addr
+from .linux import HUGE_PAGE_SIZE, MAP_NORESERVE, map_at, virt_addr
 from .seam import Bar, DmaBuffer, PCIDevice
 from .upstream import ConfigImage, UpstreamPath
 from ..errors import PCIError
@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from .emulated_debug import DebugClient
 
 START_TIMEOUT = 20.0
+# Buffers are placed as the VFIO pool's IOVAs are (pci/dma_pool.py, iommu.py): one past a hugepage, or asked contiguous,
+# starts at a multiple of its size rounded up to a power of two, so a memory region gets the large pages it would get
+# through VFIO. Up to 1 GiB, the largest page a region has: beyond, alignment buys nothing but arena.
+ALIGNED_FROM, MAX_ALIGNMENT = HUGE_PAGE_SIZE, 1 << 30
 PLACEMENT = ("netns", "process")  # options the driver side keeps
 
 log = logging.getLogger("aiofabric.sim")
@@ -314,7 +318,8 @@ class SimPCIDevice(PCIDevice):
         if self._closed:
             raise PCIError(f"{self.address} is closed")
         length = -(-max(size, 1) // PAGE) * PAGE
-        start = self._allocator.alloc(length)
+        aligned = contiguous or length > ALIGNED_FROM
+        start = self._allocator.alloc(length, min(1 << (length - 1).bit_length(), MAX_ALIGNMENT) if aligned else PAGE)
         view = self._arena_view[start:start + length]
         try:  # zeroed by punching a hole (free for pages already punched), then one byte per page touches it all
             self._arena.madvise(mmap.MADV_REMOVE, start, length)

@@ -139,7 +139,10 @@ class PCIDevice(abc.ABC):
     dma_budget: DmaBudget | None = None  # shared by the devices one budget caps (open_nic(dma_budget=...))
 
     def alloc_dma(self, size: int, contiguous: bool = False) -> DmaBuffer:
-        """Allocate zeroed, pinned DMA memory rounded up to whole 4 KiB pages; MemoryError past `dma_budget`."""
+        """Allocate zeroed, pinned DMA memory rounded up to whole 4 KiB pages; MemoryError past `dma_budget`.
+        `contiguous`: its pages are consecutive on the bus and the first is aligned to the size rounded up to a power
+        of two, as dma_alloc_coherent gives Linux's drivers (the CMDQ); PCIError where the platform has no such
+        memory (no IOMMU, and no hugepage that holds it)."""
         budget = self.dma_budget
         if budget is None:
             return self._alloc_dma(size, contiguous)

@@ -4,7 +4,8 @@ The protocol, pure: `protocol` (JSON-lines messages, their framing, the client's
 (each op's fields, and which a TCP client may send). The endpoint: `endpoint` (the handler of each op), `serve` (the
 session around it, `aiofabric serve`) and `policy` (what an unauthenticated client may make it do). The client side:
 `client` (the carrier-agnostic `Peer`), `ssh` (`connect_peer`, the only module that imports asyncssh), `launch` (what
-runs on the remote host, and what a push copies there), `remote_run` (`run_remote`, one command to its end) and
+runs on the remote host), `push` (what a push copies there), `hostfile` (`--hosts`' hosts and their MPI slots),
+`remote_run` (`run_remote`, one command to its end) and
 `tcp` (`serve_tcp`/`connect_tcp`: the same protocol over TCP, for `bench --server` and `bench SERVER_HOST`). Also:
 `connect` (the flows of `aiofabric connect`: two hosts, a ring) and `pingpong` (the two halves of the latency
 ping-pong). Names here load lazily, so importing this package costs nothing and never imports asyncssh.

@@ -1,7 +1,8 @@
 """`connect_peer`: a remote endpoint started over SSH (asyncssh). The only module that imports asyncssh.
 
 Here are the SSH connection (`connect`), the peer object over its session channel (`SSHPeer`), `connect_peer`, and
-the SFTP half of a push; what the remote side runs, and what a push copies, is `aiofabric.peer.launch`.
+the SFTP half of a push; what the remote side runs is `aiofabric.peer.launch`, what a push copies
+`aiofabric.peer.push`.
 
 asyncssh runs on asyncio only (uvloop included); on trio, `connect_peer` raises `PeerError` saying so, before
 asyncssh is even imported.
@@ -30,8 +31,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 import anyio
 
 from .client import Peer
-from .launch import (PID_MARKER, endpoint_distributions, probe_answer, probe_command, push_files, python_argv,
-                     remote_command, start_error)
+from .launch import PID_MARKER, python_argv, remote_command, start_error
+from .push import endpoint_distributions, probe_answer, probe_command, push_plan
 from ..errors import PeerError
 from ..util.taskgroups import own_task_group, run_in
 from ..verbs import CLOSE_TIMEOUT
@@ -257,18 +258,22 @@ async def _remove(connection: asyncssh.SSHClientConnection, remote_dir: str) -> 
 
 async def push(connection: asyncssh.SSHClientConnection, python: str | Sequence[str] = "python3",
                where: str = "") -> str:
-    """Copy this aiofabric package and the distributions it needs that the remote `python` lacks (`push_files`)
-    into a new private (0700) temp dir on the remote host over SFTP; the dir, to put on PYTHONPATH. The caller
-    removes the dir (`connect_peer` does)."""
+    """Copy this aiofabric package and the distributions it needs that the remote `python` lacks or has in another
+    version (`push_plan`) into a new private (0700) temp dir on the remote host over SFTP; the dir, to put on
+    PYTHONPATH. The caller removes the dir (`connect_peer` does)."""
     argv = python_argv(python)
     needed = endpoint_distributions()
     result = await connection.run(probe_command(argv, needed), check=False)
     remote = probe_answer(result.stdout, result.stderr, result.exit_status, argv, where)
     remote_dir = remote["dir"]
     try:
-        files = push_files(remote, needed, argv, where)
+        plan = push_plan(remote, needed, argv, where)
+        log.info("%s: push: aiofabric%s", where, "".join(f", {named}" for named in plan.shipped))
+        if plan.kept:
+            log.warning("%s: push: %s: the remote's own version runs (compiled packages built here for another "
+                        "Python or platform cannot be copied)", where, ", ".join(plan.kept))
         async with connection.start_sftp_client() as sftp:
-            await _upload(sftp, remote_dir, files)
+            await _upload(sftp, remote_dir, plan.files)
     except BaseException:
         await _remove(connection, remote_dir)
         raise
@@ -308,7 +313,7 @@ async def connect_peer(host: str, port: int = 22, *, user: str | None = None,
     interpreter, a command or argv (quoted word by word). `connect_timeout` bounds the SSH connection and the
     endpoint's start (and a push); `command_timeout` each request. `push=True` copies this package over SFTP into a
     private temp dir on the host and runs it from there, for hosts that cannot import aiofabric, with the packages it
-    needs that the remote python lacks (see `push`).
+    needs that the remote python lacks or has in another version (see `push`).
 
     Leaving the block, or cancelling it, closes the endpoint's stdin (it closes its NICs and exits), signals it if
     it does not exit (over the channel and by pid), closes the connection and removes a pushed dir: no process

@@ -77,6 +77,9 @@ class CommandQueue:
                 raise CommandError(fail, f"creq_ring_id {creq_ring_id} is not an allocated NQ ring")
             if not depth:
                 raise CommandError(fail, "CMDQ depth 0")
+            # level 0: one area of depth slots consecutive on the bus (current Linux: 8192 in 128 KiB), levels 1-2:
+            # 4 KiB pages behind a PBL (older Linux). Inferred: the area need not be aligned (Linux's is aligned to
+            # its size, by dma_alloc_coherent; no source says the firmware needs that)
             self.cmdq = map_memory(self.mem, size_level & bnxt.CMDQ_INIT_CMDQ_LVL_MASK, pbl, depth * CMDQ_SLOT,
                                    queue=True)
         except (CommandError, DmaFault, PageTableError) as exc:

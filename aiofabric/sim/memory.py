@@ -56,17 +56,22 @@ class PageAllocator:
         self.starts, self.lengths = [0], [size]  # free extents sorted by start
         self.used: dict[int, int] = {}
 
-    def alloc(self, size: int) -> int:
+    def alloc(self, size: int, align: int = PAGE) -> int:
+        """The offset of `size` bytes (whole pages) starting at a multiple of `align` (a power of two)."""
         length = -(-max(size, 1) // self.page) * self.page
         for i, free in enumerate(self.lengths):
-            if free >= length:
-                start = self.starts[i]
-                if free == length:
-                    del self.starts[i], self.lengths[i]
-                else:
-                    self.starts[i], self.lengths[i] = start + length, free - length
-                self.used[start] = length
-                return start
+            extent = self.starts[i]
+            start = -(-extent // align) * align
+            if start + length > extent + free:
+                continue
+            after = extent + free - start - length
+            del self.starts[i], self.lengths[i]
+            for piece, piece_length in ((start + length, after), (extent, start - extent)):  # what stays free
+                if piece_length:
+                    self.starts.insert(i, piece)
+                    self.lengths.insert(i, piece_length)
+            self.used[start] = length
+            return start
         raise MemoryError(f"DMA arena exhausted: no {length:#x} bytes free")
 
     def free(self, start: int) -> None:

@@ -100,18 +100,23 @@ class PageList:
 
 
 def map_memory(mem: BusMemory, level: int, base: int, size: int, page_size: int = PAGE, *,
-               queue: bool = False) -> PageList:
-    """The pages holding `size` bytes behind a page table, each checked to exist in host memory (DmaFault if not).
+               queue: bool = False, start: int = 0) -> PageList:
+    """The pages holding `size` bytes behind a page table, the bytes from `start` on checked to exist in host memory
+    (DmaFault if not): a memory region starts `start` bytes into its first page, and its last page may run past host
+    memory where the region does not (an IOMMU faults only what is reached).
 
     Level 0 means one contiguous range at `base`. Queues (`queue=True`) also keep the trailing pages their PBL marks
     VALID up to the LAST entry, where drivers put auxiliary tables such as the MSN/PSN search area.
     """
     if level == 0:
-        mem.view(base, size)
+        mem.view(base + start, size - start)
         return PageList([base], page_size, contiguous=True)
-    pages = walk_pbl(mem, level, base, max(1, -(-size // page_size)), page_size, through_last=queue)
-    for page in (min(pages), max(pages)):  # host memory is one range: its lowest and highest page bound the rest
-        mem.view(page, page_size)
+    count = max(1, -(-size // page_size))
+    pages = walk_pbl(mem, level, base, count, page_size, through_last=queue)
+    ends = [page + page_size for page in pages]
+    ends[count - 1] = pages[count - 1] + size - (count - 1) * page_size
+    low = min(pages[0] + start, min(pages[1:], default=pages[0] + start))
+    mem.view(low, max(ends) - low)  # host memory is one range: the lowest and highest byte reached bound the rest
     return PageList(pages, page_size)
 
 

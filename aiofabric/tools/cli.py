@@ -1,9 +1,10 @@
 """The `aiofabric` command line (docs/command-line.md).
 
-`--json` prints exactly one JSON object as the last line of stdout, with "ok": true|false, on every outcome (usage
-errors and signals included), so a script can always parse the last line; on failure "error" names the innermost
-cause in one line. Without `--json`, failures print that line on stderr. `serve` is the exception: its stdout
-carries the peer protocol (aiofabric/peer/protocol.py), so it has no `--json`; it exits 0 at end of input. Exit codes:
+`--json` prints exactly one JSON object as the last line of stdout, with "ok": true|false and the metadata of
+result_meta.py, on every outcome (usage errors and signals included), so a script can always parse the last line; on
+failure "error" names the innermost cause in one line. Without `--json`, failures print that line on stderr. `serve`
+is the exception: its stdout carries the peer protocol (aiofabric/peer/protocol.py), so it has no `--json`; it exits 0
+at end of input. Exit codes:
 
     0    success
     1    runtime failure (a firmware or completion error, a bad value, destination bytes that differ)
@@ -28,8 +29,8 @@ from typing import Any, Awaitable, Callable, Mapping, NoReturn
 import anyio
 from anyio.abc import TaskStatus
 
-from . import signals
-from .commands import bench_lat, collectives, local, peer
+from . import result_meta, signals
+from .commands import bench_lat, collectives, compare, local, peer
 from .perftest_flags import ShowVersion, VersionAction, typed_flags, usage_message
 from .runs import error_text, one_line
 from .signals import Signalled
@@ -84,7 +85,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     parser.commands = sub.choices
     for add in (local.add_info, local.add_loopback, bench_lat.add_bench, bench_lat.add_lat, collectives.add_collectives,
-                peer.add_serve, peer.add_connect, local.add_plot, local.add_doctor):
+                peer.add_serve, peer.add_connect, local.add_plot, local.add_doctor, compare.add_compare):
         add(sub)
     return parser
 
@@ -148,10 +149,11 @@ def execute(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     return result, EXIT_FAILURE if "error" in result else EXIT_OK
 
 
-def usage_error(error: UsageError, json_output: bool) -> int:
-    """Report a usage error: as JSON with `--json`, else argparse's usage and message on stderr."""
-    if json_output:
-        print(json.dumps({"ok": False, "error": f"usage: {one_line(error.message)}"}))
+def usage_error(error: UsageError, meta: dict[str, Any] | None) -> int:
+    """Report a usage error: as JSON with `--json` (`meta`, the line's metadata), else argparse's usage and message
+    on stderr."""
+    if meta is not None:
+        print(json.dumps(result_meta.stamped(False, meta, {"error": f"usage: {one_line(error.message)}"})))
     else:
         error.parser.print_usage(sys.stderr)
         print(f"{error.parser.prog}: error: {error.message}", file=sys.stderr)
@@ -160,9 +162,12 @@ def usage_error(error: UsageError, json_output: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    started = result_meta.now()
     try:
+        parser = build_parser()
+        # the first word naming a command is the command (the top-level flags take no such word)
+        meta = result_meta.metadata(argv, result_meta.command_of(argv, parser.commands), started)
         try:
-            parser = build_parser()
             args, unknown = parser.parse_known_args(argv)
             if len(unknown) == 1 and not unknown[0].startswith("-") and getattr(args, "server_host", "") is None:
                 args.server_host, unknown = unknown[0], []  # perftest's `-s 4K HOST`: argparse took the positionals
@@ -170,12 +175,14 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:  # argparse would name them under the top-level usage: say it under the command's
                 parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
             args.typed = typed_flags(parser, argv)
+            args.meta = meta  # the --out_json file's too
             if getattr(args, "check", None) is not None:
                 args.check(args)
         except UsageError as error:
-            return usage_error(error, "--json" in argv)
+            return usage_error(error, meta if "--json" in argv else None)
         except ShowVersion as shown:
-            print(json.dumps({"ok": True, "version": str(shown)}) if "--json" in argv else f"aiofabric {shown}")
+            version = {**meta, "command": None}  # no command's result (`bench -V` too): the metadata alone
+            print(json.dumps(result_meta.stamped(True, version, {})) if "--json" in argv else f"aiofabric {shown}")
             return EXIT_OK
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                             format="%(name)s: %(message)s", stream=sys.stderr)
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return signals.report(stopped, argv)
     result, code = execute(args)
     if args.json:
-        print(json.dumps({"ok": code == EXIT_OK, **result}))
+        print(json.dumps(result_meta.stamped(code == EXIT_OK, args.meta, result)))
     elif code != EXIT_OK:
         print(f"aiofabric {args.command}: {result['error']}", file=sys.stderr)
     return code

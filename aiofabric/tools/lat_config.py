@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from .options import TESTS, PerftestOptions, queue_needs
 from ..errors import BadOption
@@ -25,6 +26,7 @@ class LatConfig(PerftestOptions):
     unsorted: bool = False  # -U: the samples in the order measured, in the result ("samples") and the table
     sorted_samples: bool = False  # -H: the samples in the result ("samples") and, sorted, in the table
     cpu_mhz: float | None = None  # -C: report in CPU cycles at this clock instead of microseconds
+    sampled: Callable[[int, list[float]], None] | None = None  # given each size and its samples (us), as measured
 
     def check(self) -> None:
         """Refuse a bad value before any NIC boots: errors.BadOption naming the option, the value and what it allows.

@@ -333,6 +333,8 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
         started = time.perf_counter()
         samples = await ENGINES[config.test](config, pair)
         seconds = time.perf_counter() - started
+        if config.sampled is not None:  # --plot's
+            config.sampled(config.size, samples)
         placed = [await placement_counts(nic) if isinstance(nic, NIC) else None
                   for nic in (client_nic, server_nic)]
         mismatch = await _verify(config, pair, server_digest, placed)
@@ -349,7 +351,7 @@ async def _run_size(config: LatConfig, client_nic: NIC, server_nic: Any) -> dict
         with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_SECONDS):
             await _release(pair)
     return {
-        **summarize(samples), "iters": len(samples), "iterations": len(samples), "size": config.size,
+        **summarize(samples), "iterations": len(samples), "size": config.size,
         "test": config.test, "mtu": config.mtu, "warmup": config.warmup, "verified": mismatch is None,
         "verification": _verification(config, placed), "emulator_processes": processes,
         "latency": "one-way (RTT/2)" if config.test in pingpong.TESTS else f"{config.test.upper()} completion",

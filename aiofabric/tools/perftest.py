@@ -121,7 +121,7 @@ async def _run_size(config: BenchConfig, nics: list[NIC], fw_version: str) -> di
     iterations = measured_ops // (2 if config.bidirectional else 1)
     result = {
         "verified": mismatch is None, "test": config.test, "qps": config.qps, "size": config.size,
-        "iterations": iterations, "iters": config.iters if not config.duration else iterations,
+        "iterations": iterations,
         "duration": config.duration, "warmup_seconds": warmup, "depth": config.tx_depth,
         "post_list": config.post_list, "cq_mod": config.chunk,
         **({"outs": config.outs or DEFAULT_OUTS} if config.test in ORDERED_TESTS else {}),

@@ -51,8 +51,10 @@ REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("-L", "--hop_limit"), True, "the QPs send the driver's fixed hop limit"),
     (("--pkey_index",), True, "RoCE QPs use P_Key index 0"),
     (("-X", "--vector"), True, "a NIC has one notification queue: there is no completion vector to choose"),
-    (("-w", "--limit_bw"), True, "no pass/fail limits: compare the JSON's bw_MiBps or bw_Gbps in a script"),
-    (("-y", "--limit_msgrate"), True, "no pass/fail limits: compare the JSON's msg_rate in a script"),
+    (("-w", "--limit_bw"), True, "no pass/fail limits: `aiofabric compare BASE.json RUN.json` judges a --json "
+                                 "result against a saved one, or read its bw_MiBps in a script"),
+    (("-y", "--limit_msgrate"), True, "no pass/fail limits: `aiofabric compare BASE.json RUN.json` judges a --json "
+                                      "result against a saved one, or read its msg_rate in a script"),
     (("-W", "--report-counters"), True, "sysfs counters are not read; the report's packet, retransmit and drop "
                                          "counts come from the emulated NIC"),
     (("--cpu_util",), False, "CPU utilisation is not sampled; the report's driver_cpu_us_per_op is the driver's CPU"),

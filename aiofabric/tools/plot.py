@@ -5,12 +5,23 @@ Agg backend, so plotting works without a display.
 """
 from __future__ import annotations
 
-import json
+import os
 from typing import Any, Sequence
 
+from . import compare
 from .bench_report import bandwidth_unit
 
 EXTRA_HINT = "plotting needs matplotlib: pip install 'aiofabric[plot]'"
+
+
+def check_path(path: str) -> str | None:
+    """Why `path` cannot take the plot, found before the run (None: it can)."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        return f"--plot {path}: there is no directory {folder}"
+    if os.path.isdir(path):
+        return f"--plot {path}: is a directory; name a PNG file"
+    return None
 
 
 def require() -> None:
@@ -22,21 +33,11 @@ def require() -> None:
 
 
 def load(paths: Sequence[str]) -> list[dict[str, Any]]:
-    """Saved bench results: a `--json-file`, or captured `--json` output (its last line)."""
-    runs = []
-    for path in paths:
-        with open(path) as file:
-            text = file.read().strip()
-        try:
-            run = json.loads(text)
-        except json.JSONDecodeError:
-            try:
-                run = json.loads(text.splitlines()[-1]) if text else None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: not a bench result (JSON): {exc}") from None
-        if not isinstance(run, dict) or ("rows" not in run and "bw_MiBps" not in run):
+    """Saved bench results: a `--json-file`, or captured `--json` output (its last line), as compare reads them."""
+    runs = [compare.load(path) for path in paths]
+    for path, run in zip(paths, runs):
+        if "rows" not in run and "bw_MiBps" not in run:
             raise ValueError(f"{path}: not a bench result: no 'rows' or 'bw_MiBps'")
-        runs.append(run)
     return runs
 
 

@@ -10,14 +10,16 @@ from ..autogen import bnxt
 from ..driver.device import Device
 from ..driver.firmware_events import DeviceEvent
 from ..driver.rings import Ring
-from ..errors import ClosedError, DeviceLostError
-from ..hw.cqe import CQ_ENTRY, CQE_REQ, CQE_RES_RC
+from ..errors import ClosedError, DeviceLostError, FabricError
+from ..hw.cqe import CQ_ENTRY, CQ_ERROR_REASON_NAMES, CQE_REQ, CQE_RES_RC
 from ..hw.doorbell import arm_enable
 from ..pci import read_barrier
 
 __all__ = ["CompletionQueue", "CompletionTarget", "handles"]
 CQE_KIND_REQ, CQE_KIND_RES_RC = bnxt.CQ_BASE_CQE_TYPE_REQ, bnxt.CQ_BASE_CQE_TYPE_RES_RC
 CQE_TYPE_MASK = bnxt.CQ_BASE_CQE_TYPE_MASK
+OVERFLOWS = (bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_REQ_CQ_OVERFLOW_ERROR,
+             bnxt.CREQ_CQ_ERROR_NOTIFICATION_CQ_ERR_REASON_RES_CQ_OVERFLOW_ERROR)
 handles = itertools.count(1)  # cq_handle and qp_handle: how notifications and CQEs name our CQs and QPs
 
 
@@ -29,6 +31,8 @@ class CompletionTarget(Protocol):
     def recv_completed(self, wr_id: int, status: int, length: int, imm: int | None) -> None: ...  # a responder CQE
 
     def fail_outstanding(self, error: BaseException | None) -> None: ...
+
+    def cq_failed(self, error: FabricError) -> None: ...  # a CQ it uses lost completions
 
 
 class CompletionQueue:
@@ -65,7 +69,7 @@ class CompletionQueue:
             self.ring.free()
             raise
         self.id = reply.xid  # no checkpoint from the reply to here: a cancelled create still registers the CQ
-        self.device.router.route("cq_error", self.id, self.errors.append)
+        self.device.router.route("cq_error", self.id, self._on_error)
         self.device.attach(self)
         # without it the CQ never notifies (Linux bnxt_qplib_create_cq); db_offset is the privileged doorbell page
         self.device.doorbells.write64_doorbell(self.device.db_offset, arm_enable(self.id, self.toggle))
@@ -121,6 +125,22 @@ class CompletionQueue:
         it be armed again, to ring with others (Linux bnxt_qplib_service_nq)."""
         self.armed, self.toggle = False, toggle
         return arm_enable(self.id, toggle)
+
+    def _on_error(self, event: DeviceEvent) -> None:
+        """CQ error notification: the NIC found the CQ full (it drops the CQE: more completions were outstanding than
+        the CQ holds) or could not use its context. Linux's bnxt_re_handle_cq_async_error reports each of these
+        reasons as IB_EVENT_CQ_ERR and leaves the rest to the consumer; here, completions lost never come, so the CQEs
+        already written are delivered and every QP using the CQ moves to ERR, flushing what is outstanding with this
+        error as the cause rather than leaving it to wait forever."""
+        self.errors.append(event)
+        reason = event.detail.get("cq_err_reason", 0)
+        name = CQ_ERROR_REASON_NAMES.get(reason, f"reason {reason}")
+        hint = (f": more completions were outstanding than its {self.depth} entries hold" if reason in OVERFLOWS
+                else "")
+        error = FabricError(f"CQ {self.id:#x} lost completions ({name}){hint}")
+        self.poll(self.depth)
+        for qp in list(self.qps.values()):
+            qp.cq_failed(error)
 
     def fail_all(self, error: BaseException) -> None:
         for qp in list(self.qps.values()):

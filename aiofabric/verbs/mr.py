@@ -9,11 +9,11 @@ import anyio
 from .types import Access, LocalBuffer, RemoteRegion, check_range
 from .workqueue import ADDRESS_MAX, KEY_MAX, Sge
 from ..autogen import bnxt
-from ..driver import log
+from ..driver import log, mr_pages
 from ..driver.device import Device
 from ..driver.rings import page_table
 from ..errors import ClosedError, DeviceLostError, FabricError
-from ..pci import DmaBuffer
+from ..pci import PAGE_SIZE, DmaBuffer
 
 __all__ = ["MemoryRegion", "local_sge", "remote_address"]
 PD = 0  # the one protection domain every region and QP of a NIC shares
@@ -28,7 +28,8 @@ class MemoryRegion:
     def __init__(self, device: Device, buffer: DmaBuffer, access: Access, owns_buffer: bool = False) -> None:
         self.device, self.buffer, self.access, self.owns_buffer = device, buffer, access, owns_buffer
         self.addr, self.length = buffer.bus_addr, buffer.size
-        self.table = page_table(device.pci, buffer.bus_addrs, queue=False)
+        self.page_size = mr_pages.page_size(buffer)  # the largest its bus addresses allow, as Linux picks it
+        self.table = page_table(device.pci, mr_pages.pages(buffer, self.page_size), queue=False)
         self.lkey = self.rkey = -1
         self.closed = False
 
@@ -36,7 +37,12 @@ class MemoryRegion:
     async def register(cls, device: Device, buffer: DmaBuffer, access: Access,
                        owns_buffer: bool = False) -> MemoryRegion:
         """REGISTER_MR of `buffer` (freed with the region if `owns_buffer`)."""
-        mr = cls(device, buffer, access, owns_buffer)
+        try:
+            mr = cls(device, buffer, access, owns_buffer)
+        except BaseException:  # its pages cannot be listed: nothing was registered
+            if owns_buffer:
+                buffer.free()
+            raise
         await mr._register()
         return mr
 
@@ -51,7 +57,8 @@ class MemoryRegion:
             reply = await self.device.rcfw(
                 "register_mr", flags=bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR if allocated < 0 else 0,
                 access=self.access.for_mr(), log2_pg_size_lvl=self.table.level << bnxt.CMDQ_REGISTER_MR_LVL_SFT
-                | 12 << bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_SFT, log2_pbl_pg_size=12,
+                | self.page_size.bit_length() - 1 << bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_SFT,
+                log2_pbl_pg_size=PAGE_SIZE.bit_length() - 1,
                 key=PD if allocated < 0 else allocated, pbl=self.table.base, va=self.addr, mr_size=self.length)
         except BaseException:
             if allocated >= 0:  # the key ALLOCATE_MRW made goes again, as Linux frees it (free_mrw)

@@ -15,6 +15,7 @@ import anyio.lowlevel
 
 from .poller import Poller
 from .cq import CompletionQueue
+from .events import DEFAULT_BUFFER, EventHub, EventStream
 from .mr import MemoryRegion
 from .post import QueuePair
 from .types import ALL_ACCESS, Access, check_range
@@ -42,6 +43,7 @@ class NIC:
     def __init__(self, device: Device) -> None:
         self.device = device
         self.poller = Poller(device)
+        self._events = EventHub(device)
 
     async def boot(self, task_group: anyio.abc.TaskGroup) -> None:
         await self.device.boot(task_group)
@@ -109,8 +111,18 @@ class NIC:
         self.device.check_open()
         return await self.device.port_link.wait_up(timeout)
 
+    def events(self, buffer: int = DEFAULT_BUFFER) -> EventStream:
+        """Every asynchronous event from now on (QP and CQ errors, link, MTU, reset, fatal and function events), as an
+        async stream: `async for event in nic.events(): ...`. It holds up to `buffer` events for a reader that is
+        behind, then drops the oldest and says how many (a `missed` event); it ends when the NIC closes, or after a
+        `lost` event when the device is lost (events.py has the rules)."""
+        self.device.check_open()
+        return self._events.subscribe(buffer)
+
     async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
-        """Destroy every verbs object (QPs first), then free the device's own firmware objects (see `Device.close`)."""
+        """Destroy every verbs object (QPs first), then free the device's own firmware objects (see `Device.close`).
+        Event streams end first."""
+        self._events.end()
         await self.device.close(timeout)
 
     @property
@@ -164,8 +176,9 @@ class NIC:
         return self.device.alive
 
     @property
-    def events(self) -> collections.deque[DeviceEvent]:
-        """Asynchronous events no handler took (function events, errors of objects gone)."""
+    def event_log(self) -> collections.deque[DeviceEvent]:
+        """The last 256 asynchronous events no handler took (function events, errors of objects gone), to look at
+        after the fact; `events()` streams every event as it comes."""
         return self.device.events
 
     @property

@@ -2,10 +2,12 @@
 
 Adaptive, like a NAPI loop: while completions keep coming it polls; when they stop it spins a bounded time (yielding
 to other tasks between polls), then arms the busy CQs (CQ_ARMALL), re-checks to close the race, and sleeps on the
-notification queue's interrupt eventfd, with a slow safety poll in case an interrupt is ever lost. The safety poll
-backs off while sleeps keep ending without an interrupt (work outstanding but quiet, like posted receives); once one
-ended so with nothing outstanding, there is nothing to lose: the poller sleeps without one (an idle NIC wakes
-nobody) until the next post wakes it. Work posted while completions keep coming wakes nobody.
+notification queue's interrupt eventfd (interrupt_wait.py), with a slow safety poll in case an interrupt is ever
+lost. The safety poll backs off while sleeps keep ending without an interrupt (work outstanding but quiet, like
+posted receives); once one ended so with nothing outstanding, there is nothing to lose: the poller sleeps without
+one (an idle NIC wakes nobody) until the next post wakes it. Work posted while completions keep coming wakes nobody.
+A wake-up's NQ doorbells (CQ_ARMENA for each notified CQ, the NQ's re-arm) wait for the next sleep's arms: one kick
+to the NIC per sleep, not two (no CQ can notify before its CQ_ARMENA, so none is missed meanwhile).
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import anyio.lowlevel
 
 from ..autogen import bnxt
 from ..driver.device import Device
-from ..driver.interrupts import NQ_VECTOR, wait_for_interrupt, wake
+from ..driver.interrupts import NQ_VECTOR, wake
 from ..hw.cqe import NQ_CQ_NOTIFICATION, NQ_ENTRY, notification_fields
 from ..pci import read_barrier
+from .interrupt_wait import InterruptWait
 
 SPIN_SECONDS = 80e-6
 SAFETY_POLL = 0.1  # the first safety poll after an interrupt or a completion ...
@@ -47,6 +50,7 @@ class Poller:
         self.sleeping = False
         self.safety: float | None = SAFETY_POLL  # the safety poll of the next (or this) sleep; None: none
         self.nq_armed = False
+        self.due: list[int] = []  # doorbells of the last wake-up's notifications, rung with the next sleep's arms
         self.stats = {"wakeups": 0, "polls": 0, "cqes": 0, "spins_found": 0}
 
     def add(self, cq: Pollable) -> None:
@@ -78,33 +82,37 @@ class Poller:
             wake(self.device.interrupt_fd(NQ_VECTOR))
 
     async def run(self) -> None:
-        nq, fd = self.device.nq, self.device.interrupt_fd(NQ_VECTOR)
-        while self.device.alive:
-            if self.poll_all():
-                await anyio.lowlevel.checkpoint()
-                continue
-            if any(cq.busy for cq in self.cqs.values()) and await self._spin():
-                continue
-            self.sleeping = True
-            try:
-                arms = []
-                for cq in self.cqs.values():
-                    if cq.busy and not cq.armed:  # new work, or work whose notification came: the short poll
-                        arms.append(cq.arm_doorbell())
-                        self.safety = SAFETY_POLL
-                self._drain_nq(nq, arms)  # the CQ and NQ arms in one kick
+        nq, waiter = self.device.nq, InterruptWait(self.device.interrupt_fd(NQ_VECTOR))
+        try:
+            while self.device.alive:
                 if self.poll_all():
+                    await anyio.lowlevel.checkpoint()
                     continue
-                if self.safety != SAFETY_POLL and not any(cq.busy for cq in self.cqs.values()):
-                    self.safety = None  # quiet and nothing outstanding: no interrupt to lose
-                if await wait_for_interrupt(fd, self.safety):
-                    self.safety = SAFETY_POLL
-                elif self.safety is not None:  # quiet: the next safety poll waits longer
-                    self.safety = min(2 * self.safety, QUIET_SAFETY_POLL)
-                self.stats["wakeups"] += 1
-                self._drain_nq(nq, [])
-            finally:
-                self.sleeping = False
+                if any(cq.busy for cq in self.cqs.values()) and await self._spin():
+                    continue
+                self.sleeping = True
+                try:
+                    arms, self.due = self.due, []
+                    self._drain_nq(nq, arms)  # a CQ's CQ_ARMENA before its arm
+                    for cq in self.cqs.values():
+                        if cq.busy and not cq.armed:  # new work, or work whose notification came: the short poll
+                            arms.append(cq.arm_doorbell())
+                            self.safety = SAFETY_POLL
+                    self._ring(arms)  # the CQ and NQ arms in one kick
+                    if self.poll_all():
+                        continue
+                    if self.safety != SAFETY_POLL and not any(cq.busy for cq in self.cqs.values()):
+                        self.safety = None  # quiet and nothing outstanding: no interrupt to lose
+                    if await waiter.sleep(self.safety):
+                        self.safety = SAFETY_POLL
+                    elif self.safety is not None:  # quiet: the next safety poll waits longer
+                        self.safety = min(2 * self.safety, QUIET_SAFETY_POLL)
+                    self.stats["wakeups"] += 1
+                    self._drain_nq(nq, self.due)
+                finally:
+                    self.sleeping = False
+        finally:
+            waiter.close()
         error = self.device.lost
         assert error is not None  # the loop runs while the device is alive
         for cq in self.cqs.values():
@@ -120,9 +128,9 @@ class Poller:
         return False
 
     def _drain_nq(self, nq, doorbells: list[int]) -> None:
-        """Consume CQ notifications (each one disarms its CQ, which CQ_ARMENA lets be armed again) and re-arm the NQ,
-        ringing `doorbells` (CQ arms) with those in one write."""
-        view, consumed = nq.view, False
+        """Consume CQ notifications (each one disarms its CQ, which CQ_ARMENA lets be armed again), adding those
+        doorbells to `doorbells`; one consumed leaves the NQ disarmed."""
+        view = nq.view
         while True:
             offset = nq.offset(nq.consumer)
             if not NQ_ENTRY.is_new(view, offset, nq.consumer, nq.depth):
@@ -135,9 +143,12 @@ class Poller:
                 if cq is not None:
                     doorbells.append(cq.notified(toggle))
             nq.consumer += 1
-            consumed = True
-        if consumed or not self.nq_armed:  # an NQ that fired is disarmed; one that did not is still armed
-            doorbells.append(nq.doorbell(self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM))
+            self.nq_armed = False  # an NQ that fired is disarmed; one that did not is still armed
+
+    def _ring(self, doorbells: list[int]) -> None:
+        """Ring `doorbells` (CQ_ARMENAs before the arms that need them) and the NQ's re-arm in one write."""
+        if not self.nq_armed:
+            doorbells.append(self.device.nq.doorbell(self.device.nq_id, bnxt.DBC_DBC_TYPE_NQ_ARM))
             self.nq_armed = True
         if doorbells:
             self.device.doorbells.write64_doorbells(self.device.db_offset, doorbells)

@@ -268,6 +268,16 @@ class QueuePairLife:
             self.error = FabricError(f"QP {self.qpn:#x} moved to ERR by the firmware ({reasons or 'no reason given'})")
         self._flush()
 
+    def cq_failed(self, error: FabricError) -> None:
+        """A CQ this QP uses reported an error (CompletionQueue._on_error): completions were lost, so the QP is in
+        ERR, what is outstanding flushes naming `error`, and nothing more is written to its rings (the NIC may still
+        be reading them) until it is reset or destroyed."""
+        self._poll_cqs()
+        if self.error is None:
+            self.error = error
+        self.state = QPState.ERR
+        self._flush()
+
     def _failed(self, error: CompletionError) -> None:
         """A work request failed with a real (non-flush) status: the QP is in ERR, everything after it flushes."""
         if self.error is None:

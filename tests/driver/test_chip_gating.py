@@ -32,13 +32,15 @@ BOOTING = [name for name, profile in PROFILES.items() if profile.backing_store_v
 
 
 @contextlib.asynccontextmanager
-async def pair(profile, sq_depth=64, loss=0.0, timeout=8):
-    """Two emulated NICs of `profile`, one connected RC QP each (ACK timeout exponent `timeout`); `a` loses `loss`
-    of what it sends (seeded)."""
+async def pair(profile, sq_depth=64, loss=0.0, timeout=14, cq_depth=256):
+    """Two emulated NICs of `profile`, one connected RC QP each (ACK timeout exponent `timeout`: 14 is 67 ms, long
+    enough that a loaded machine's pauses are no loss) on a CQ of `cq_depth`; `a` loses `loss` of what it sends
+    (seeded)."""
     name = tag()
     async with open_nic(f"sim:a{name}", profile=profile, loss=loss, seed=11) as a, \
             open_nic(f"sim:b{name}", profile=profile) as b:
-        qa, qb = await connected_qps(a, b, qp={"sq_depth": sq_depth, "rq_depth": 64}, mtu=1024, timeout=timeout)
+        qa, qb = await connected_qps(a, b, cq_depth, qp={"sq_depth": sq_depth, "rq_depth": 64}, mtu=1024,
+                                     timeout=timeout)
         yield a, b, qa, qb
 
 
@@ -157,7 +159,7 @@ SIZES = [random.Random(5).randrange(1, 12000) for _ in range(32)]  # unequal: a 
 async def writes_under_loss(profile):
     """Thirty-two WRITEs of 1 B .. 12 KB from a NIC losing 5% of what it sends: True if all land intact. The ACK
     timeout (~67 ms) is long enough that only a loss sends the requester back, never a slow ACK."""
-    async with pair(profile, loss=0.05, timeout=14) as (a, b, qa, qb):
+    async with pair(profile, loss=0.05) as (a, b, qa, qb):
         source, target = await a.register_mr(1 << 19), await b.register_mr(1 << 19)
         source.view[:] = random.Random(7).randbytes(1 << 19)
         writes = [await qa.post_write(source, target, size, local_offset=16384 * i, remote_offset=16384 * i)
@@ -285,13 +287,13 @@ async def test_thor_rings_its_roce_doorbells_at_0x10000_and_sizes_statistics_by_
 
 
 @pytest.mark.loop_agnostic
-@pytest.mark.xfail(strict=False, raises=TimeoutError, reason="known defect, not yet found: under load, on trio, the "
-                   "383 writes that fill a static SQ to its reserve sometimes do not all complete within 20 s")
 async def test_a_thor_qp_has_static_128_byte_wqes_and_128_spare_send_entries():
     """bnxt_re_setup_swqe_size / _rwqe_size: static WQEs are 128 bytes, 6 SGEs, in the SQ and the RQ, whatever the
     QP asked for; bnxt_re_init_sq_attr: the SQ holds 128 + 1 more than asked for (rounded up to a power of two here,
-    as bnxt_re_init_depth does for user QPs), and the driver never fills those."""
-    async with pair(THOR, sq_depth=200) as (a, b, qa, qb):
+    as bnxt_re_init_depth does for user QPs), and the driver never fills those. The CQ holds a completion for each
+    of the 383 writes: on one of 256 the NIC may complete them all before the poller drains any (a loaded machine),
+    overflowing it (test_cq_errors.py); the ACK timeout is perftest's, as the wire loses nothing."""
+    async with pair(THOR, sq_depth=200, cq_depth=512) as (a, b, qa, qb):
         sq_size = 512  # 200 + 129, rounded up
         query = await qa.query()
         assert (query.sq_size, query.sq_sge, query.rq_sge) == (sq_size, 6, 6)

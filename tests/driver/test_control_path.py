@@ -14,6 +14,9 @@ from aiofabric.driver.hwrm_channel import HwrmChannel
 from aiofabric.driver.interrupts import CREQ_VECTOR
 from aiofabric.driver.rings import Ring
 from aiofabric.errors import PCIError
+from aiofabric.hw.firmware import CMDQ_INIT
+from aiofabric.pci import PAGE_SIZE, DmaBuffer
+from aiofabric.pci.emulated import SimPCIDevice
 from aiofabric.sim.profiles import PROFILES
 from tests.support.nics import command_counters, connect, object_counts, until_posted
 
@@ -220,18 +223,97 @@ async def test_qp_lifecycle_and_query():
         assert object_counts(nic)["qps"] == 0 and object_counts(nic)["cqs"] == 0
 
 
+def scattered(nic, pages: int) -> tuple[DmaBuffer, DmaBuffer]:
+    """(a buffer of `pages` 4 KiB pages no two adjacent on the bus: the even pages of a new buffer twice its size,
+    that new buffer). Its view is not its memory: read the other's even pages."""
+    backing = nic.pci.alloc_dma(2 * pages * PAGE_SIZE)
+    return DmaBuffer(backing.view[:pages * PAGE_SIZE], backing.bus_addrs[::2], False), backing
+
+
 @pytest.mark.loop_agnostic
-async def test_memory_regions_with_every_page_table_level():
+async def test_memory_regions_in_the_largest_pages_their_bus_addresses_allow_at_every_pbl_level():
+    """As bnxt_re_reg_user_mr registers them (ib_umem_find_best_pgsz over 4 KiB..1 GiB): memory contiguous on the
+    bus is one page at level 0 whatever its size; memory in scattered 4 KiB pages takes a PBL of 1 or 2 levels, and
+    a WRITE into the last page lands where that PBL says."""
     async with open_nic("sim:mr") as nic:
-        small = await nic.register_mr(4096, Access.LOCAL_WRITE)
-        medium = await nic.register_mr(64 << 10)
-        large = await nic.register_mr(4 << 20, Access.LOCAL_WRITE | Access.REMOTE_READ)
-        assert (small.table.level, medium.table.level, large.table.level) == (0, 1, 2)
-        assert len({small.lkey, medium.lkey, large.lkey}) == 3 and medium.rkey == medium.lkey
+        contiguous = [await nic.register_mr(size) for size in (4096, 64 << 10, 4 << 20)]
+        assert [(mr.table.level, mr.page_size >= mr.length) for mr in contiguous] == [(0, True)] * 3
+        assert contiguous[2].page_size == 4 << 20  # a buffer past a hugepage starts on a multiple of its size
+        cq = await nic.create_cq(depth=64)
+        qa, qb = await nic.create_qp(cq), await nic.create_qp(cq)
+        await connect(qa, qb)
+        source = contiguous[0]
+        for pages, level in ((3, 1), (600, 2)):
+            buffer, backing = scattered(nic, pages)
+            mr = await nic.register_mr(buffer, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+            assert (mr.page_size, mr.table.level) == (PAGE_SIZE, level)
+            source.view[:] = bytes([pages & 0xFF]) * PAGE_SIZE
+            await qa.write(source, mr, PAGE_SIZE, remote_offset=(pages - 1) * PAGE_SIZE)
+            last = 2 * (pages - 1) * PAGE_SIZE
+            assert bytes(backing.view[last:last + PAGE_SIZE]) == bytes(source.view)
+            await mr.deregister()
+            backing.free()
         assert object_counts(nic)["mrs"] == 3
-        for mr in (small, medium, large):
+        for mr in contiguous:
             await mr.deregister()
         assert object_counts(nic)["mrs"] == 0
+
+
+@pytest.mark.loop_agnostic
+async def test_a_region_of_1_gib_is_one_page_and_4_kib_more_is_two():
+    """The boundary of the 1 GiB page (BNXT_RE_PAGE_SIZE_SUPPORTED's largest): exactly 1 GiB is one page at level 0,
+    1 GiB + 4 KiB two 1 GiB pages at level 1 (4 KiB pages and a 2-level PBL held 1 GiB at most); the NIC reaches its
+    last 4 KiB through the second page. Past BNXT_RE_MAX_MR_SIZE (2^39) is refused before anything is allocated."""
+    async with open_nic("sim:gib") as nic:
+        cq = await nic.create_cq(depth=64)
+        qa, qb = await nic.create_qp(cq), await nic.create_qp(cq)
+        await connect(qa, qb)
+        exact = await nic.register_mr(1 << 30)
+        assert (exact.page_size, exact.table.level, exact.table.base) == (1 << 30, 0, exact.addr)
+        await exact.deregister()
+        past = await nic.register_mr((1 << 30) + PAGE_SIZE)
+        assert (past.page_size, past.table.level) == (1 << 30, 1)
+        source = await nic.register_mr(PAGE_SIZE)
+        source.view[:] = b"\x5a" * PAGE_SIZE
+        await qa.write(source, past, PAGE_SIZE, remote_offset=1 << 30)
+        assert bytes(past.view[1 << 30:]) == bytes(source.view)
+        await past.deregister()
+        with pytest.raises(ValueError, match=r"^size must be an integer in \[1, 549755813888\], not 549755813889$"):
+            await nic.register_mr((1 << 39) + 1)
+
+
+@pytest.mark.loop_agnostic
+async def test_the_cmdq_is_one_contiguous_level_0_area_of_8192_slots_as_linux_gives_it():
+    """bnxt_qplib_alloc_rcfw_channel: 8192 slots of 16 bytes in one 128 KiB "page" (dma_alloc_coherent: contiguous,
+    aligned to its size), cmdq_init naming size 8192 at level 0; commands go on past its first 4 KiB."""
+    async with open_nic("sim:cmdq") as nic:
+        channel = nic.device.rcfw_channel
+        pbl, size_level, _, _ = CMDQ_INIT.unpack(channel.init_block())
+        assert size_level == 8192 << bnxt.CMDQ_INIT_CMDQ_SIZE_SFT | 0
+        memory = channel.cmdq.memory
+        assert (pbl, memory.size, memory.contiguous, pbl % (128 << 10)) == (memory.bus_addr, 128 << 10, True, 0)
+        async with anyio.create_task_group() as tasks:
+            for _ in range(300):  # past slot 256, the end of the first 4 KiB
+                tasks.start_soon(nic.rcfw, "query_version")
+        assert channel.cmdq.producer > PAGE_SIZE // 16
+
+
+@pytest.mark.loop_agnostic
+async def test_without_contiguous_memory_the_cmdq_is_paged_as_older_linux_had_it(monkeypatch):
+    """A platform with no contiguous 128 KiB (no IOMMU, no hugepage): the same 8192 slots in 4 KiB pages behind a
+    level-1 PBL, which cmdq_init also names."""
+    original = SimPCIDevice._alloc_dma
+
+    def no_contiguous(self, size, contiguous):
+        if contiguous:
+            raise PCIError(f"{self.address}: no contiguous {size:#x} bytes")
+        return original(self, size, contiguous)
+    monkeypatch.setattr(SimPCIDevice, "_alloc_dma", no_contiguous)
+    async with open_nic("sim:paged") as nic:
+        channel = nic.device.rcfw_channel
+        assert CMDQ_INIT.unpack(channel.init_block())[1] == 8192 << bnxt.CMDQ_INIT_CMDQ_SIZE_SFT | 1
+        assert channel.cmdq.pages == 32
+        await nic.rcfw("query_version")
 
 
 @pytest.mark.loop_agnostic
@@ -255,10 +337,10 @@ async def test_error_notifications_are_routed_not_mistaken_for_replies():
             nic.pci.debug({"op": "event", "event": {"kind": "function", "event": 1}})
         assert results[0].status == 0
         with anyio.fail_after(2):
-            while not (qp.errors and cq.errors and nic.events):
+            while not (qp.errors and cq.errors and nic.event_log):
                 await anyio.sleep(0.01)
         assert qp.state == QPState.ERR and qp.errors[0].xid == qp.qpn
-        assert cq.errors[0].kind == "cq_error" and nic.events[-1].kind == "function"
+        assert cq.errors[0].kind == "cq_error" and nic.event_log[-1].kind == "function"
 
 
 async def test_emulator_killed_mid_command_fails_every_waiter_promptly():

@@ -234,6 +234,30 @@ async def test_a_completion_wakes_the_sleeping_poller_through_its_cqs_notificati
 
 
 
+async def test_a_wake_up_and_the_next_sleep_kick_the_nic_once(monkeypatch):
+    """A poller woken by a notification enables its CQ again (CQ_ARMENA) and re-arms its NQ with the next sleep's
+    CQ arm, in one kick: each kick wakes the emulator, and a ring of small messages sleeps once per hop. The arms
+    still count (none ignored: the CQ_ARMENA goes first) and every completion is heard."""
+    async with connected_pair() as (a, b, qa, qb):
+        source, target = await a.register_mr(4096), await b.register_mr(4096)
+        a.poller.spin = 0.0  # sleep at once: each completion comes as a notification
+        with anyio.fail_after(5):
+            await qa.write(source, target, 64)
+        rung: list[list[int]] = []
+        original = a.device.doorbells.write64_doorbells
+        monkeypatch.setattr(a.device.doorbells, "write64_doorbells",
+                            lambda offset, values: (rung.append(list(values)), original(offset, values))[1])
+        woke = a.poller.stats["wakeups"]
+        with anyio.fail_after(30):
+            for _ in range(20):
+                await qa.write(source, target, 64)
+        wakeups = a.poller.stats["wakeups"] - woke
+        ignored = a.pci.debug({"op": "stats"})["stats"].get("cq_doorbells_ignored", 0)
+    assert wakeups >= 1
+    assert len(rung) <= wakeups + 1, f"{len(rung)} kicks of the poller's for {wakeups} wake-ups"
+    assert ignored == 0, "CQ arms the emulated chip ignored: a CQ_ARMENA came after its arm, or not at all"
+
+
 async def test_each_ring_entry_is_read_behind_a_read_barrier_after_its_valid_bit(monkeypatch):
     """Linux reads a CQE, NQE, CREQ entry, event or HWRM answer's body only after dma_rmb() behind its valid bit; on a
     weakly ordered CPU the body could otherwise be read from before the device wrote it. Every reader calls
@@ -251,7 +275,7 @@ async def test_each_ring_entry_is_read_behind_a_read_barrier_after_its_valid_bit
         assert calls["cq"] - before[1] == a.poller.stats["cqes"] - before[0] >= 1  # one per CQE
         a.pci.debug({"op": "event", "event": {"kind": "link_down"}})
         with anyio.fail_after(5):
-            while not any(event.kind == "link" for event in a.events):
+            while not any(event.kind == "link" for event in a.event_log):
                 await anyio.sleep(0.01)
     assert all(calls[name] for name in ("cq", "poller", "rcfw_channel", "firmware_events", "hwrm_channel")), calls
 

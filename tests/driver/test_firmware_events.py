@@ -173,7 +173,7 @@ async def test_the_driver_brings_up_the_link_bnxt_ens_unbind_left_forced_down():
         assert bytes(target.view) == bytes(source.view)
         for nic in (a, b):
             assert await nic.wait_for_link(5) == firmware_events.Link(up=True, speed_mbps=400000)
-            assert nic.info()["link"] == "up" and nic.events[0].kind == "link" and nic.events[0].detail["up"]
+            assert nic.info()["link"] == "up" and nic.event_log[0].kind == "link" and nic.event_log[0].detail["up"]
             assert not (await nic.pci.debug_client().stats())["errors"]
 
 
@@ -284,7 +284,7 @@ async def test_link_down_and_up_arrive_as_events_and_the_port_drops_packets_mean
         await wait_for(lambda: heard)
         assert heard[0].kind == "link" and heard[0].xid == EventId.LINK_STATUS_CHANGE and not heard[0].detail["up"]
         assert a.device.link == firmware_events.Link(up=False, speed_mbps=0) and a.info()["link"] == "down"
-        assert a.events[-1] is heard[0]
+        assert a.event_log[-1] is heard[0]
         write = await qa.post_write(source, target, 4096)
         await anyio.sleep(0.2)  # retransmissions go nowhere while the link is down
         assert not write.done and (await a.pci.debug_client().stats())["dropped_link_down"] > 0
@@ -303,8 +303,8 @@ async def test_an_mtu_change_arrives_as_an_event_and_port_mtu_follows():
         assert nic.device.port_mtu == 9000
         await nic.wait_for_link()  # its event comes first
         nic.pci.debug({"op": "event", "event": {"kind": "mtu", "mtu": 1500}})
-        await wait_for(lambda: nic.events[-1].kind == "mtu")
-        event = nic.events[-1]
+        await wait_for(lambda: nic.event_log[-1].kind == "mtu")
+        event = nic.event_log[-1]
         assert (event.kind, event.xid, event.detail["port_mtu"]) == ("mtu", EventId.LINK_MTU_CHANGE, 1500)
         assert nic.device.port_mtu == 1500 and nic.info()["port_mtu"] == 1500
 
@@ -342,7 +342,7 @@ async def test_reset_notice_and_fatal_error_fail_everything_at_once_naming_the_e
             assert f"RESET_NOTIFY ({reason})" in str(failure), failure
         with pytest.raises(DeviceLostError, match=reason):
             await nic.create_cq(64)
-        assert nic.events[-1].kind == ("fatal" if kind == "fatal" else "reset")
+        assert nic.event_log[-1].kind == ("fatal" if kind == "fatal" else "reset")
 
 
 @pytest.mark.loop_agnostic
@@ -367,8 +367,8 @@ async def test_an_event_before_the_event_ring_is_named_comes_on_the_creq_and_is_
         assert time.monotonic() - started < 10
         return
     async with open_nic("sim:creq-event") as nic:
-        await wait_for(lambda: nic.events)
-        assert nic.events[0].kind == "link" and not nic.device.link.up
+        await wait_for(lambda: nic.event_log)
+        assert nic.event_log[0].kind == "link" and not nic.device.link.up
 
 
 async def test_an_idle_nic_with_the_event_reader_wakes_nobody(monkeypatch):
@@ -388,9 +388,9 @@ async def test_an_idle_nic_with_the_event_reader_wakes_nobody(monkeypatch):
         before = counts(), len(reader_waits)
         await anyio.sleep(1.0)
         assert (counts(), len(reader_waits)) == before  # no timer anywhere, the event reader's included
-        heard = len(a.events)  # the link's coming up, at the open
+        heard = len(a.event_log)  # the link's coming up, at the open
         a.pci.debug({"op": "event", "event": {"kind": "link_up"}})
-        await wait_for(lambda: len(a.events) == heard + 1)  # its interrupt is heard: one wake-up, then sleep again
+        await wait_for(lambda: len(a.event_log) == heard + 1)  # its interrupt is heard: one wake-up, then sleep again
         assert reader_waits[before[1]:] == [None]
 
 

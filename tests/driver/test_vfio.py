@@ -412,6 +412,16 @@ def test_a_buffer_larger_than_a_slab_has_its_own_window_and_close_frees_everythi
         small.view[0]
 
 
+def test_a_contiguous_buffer_starts_on_a_multiple_of_its_size_rounded_up_to_a_power_of_two():
+    """What dma_alloc_coherent gives Linux's drivers (the CMDQ's 128 KiB area): first fit skips to the next such
+    multiple, and the pages skipped serve other buffers."""
+    pool = DmaPool(Windows(), "test")
+    pool.alloc(PAGE_SIZE, False)
+    cmdq, odd = pool.alloc(32 * PAGE_SIZE, True), pool.alloc(3 * PAGE_SIZE, True)
+    assert (cmdq.bus_addr - BUS_BASE, odd.bus_addr - BUS_BASE) == (32 * PAGE_SIZE, 4 * PAGE_SIZE)
+    assert cmdq.contiguous and pool.alloc(2 * PAGE_SIZE, False).bus_addr == BUS_BASE + PAGE_SIZE
+
+
 def test_contiguous_is_refused_where_the_pages_are_not():
     pool = DmaPool(Windows(contiguous=False), "nic0")
     assert not pool.alloc(2 * PAGE_SIZE, False).contiguous

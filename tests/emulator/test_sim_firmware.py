@@ -19,7 +19,7 @@ from aiofabric.hw.firmware import BackingStoreType as BS
 from aiofabric.hw.ring import phase, position, slot
 from aiofabric.hw.verbs import QPState
 from aiofabric.sim.function import CONTEXT_TYPES
-from aiofabric.sim.memory import PAGE
+from aiofabric.sim.memory import BUS_BASE, PAGE
 from aiofabric.sim.packets import Op, Packet
 from aiofabric.sim.objects import CompletionQueue, MemoryProtectionError, NotificationQueue, PageList, walk_pbl
 from aiofabric.sim.profiles import PROFILES
@@ -265,8 +265,10 @@ def test_thor_roce_doorbells_are_at_0x10000_whatever_func_qcfg_says():
 
 
 # -- RCFW channel --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("depth, level", [(32, 0), (512, 1), (512, 2)])
+@pytest.mark.parametrize("depth, level", [(32, 0), (8192, 0), (512, 1), (512, 2)])
 def test_a_nine_slot_command_wraps_across_the_cmdq_end(depth, level):
+    """Current Linux's CMDQ is 8192 slots in one contiguous 128 KiB area at level 0 (bnxt_qplib_alloc_rcfw_channel);
+    older Linux paged it behind a PBL: both are read slot by slot across the end."""
     host = Driver()
     host.boot(cmdq_depth=depth, cmdq_level=level)
     cq = host.create_cq()
@@ -275,6 +277,29 @@ def test_a_nine_slot_command_wraps_across_the_cmdq_end(depth, level):
         host.rcfw("query_version")
     host.rcfw("modify_qp", qp_cid=qp, modify_mask=INIT_MASK, network_type_en_sqd_async_notify_new_state=QPState.INIT)
     assert host.cmdq_producer % depth == 5 and host.fw.rcfw.qps[qp].state == QPState.INIT
+
+
+def latch_cmdq(host: Driver, pbl: int, depth: int) -> None:
+    """A new cmdq_init naming a level-0 CMDQ of `depth` slots at `pbl`; the next command restarts both rings."""
+    init = CMDQ_INIT.pack(pbl, depth << bnxt.CMDQ_INIT_CMDQ_SIZE_SFT, host.creq_id, 0)
+    for offset in range(0, CMDQ_INIT.size, 4):
+        host.fw.rcfw.mailbox_write(offset, int.from_bytes(init[offset:offset + 4], "little"))
+    host.cmdq, host.cmdq_depth, host.cmdq_producer, host.first = PageList([pbl], contiguous=True), depth, 0, True
+    host.creq_consumer = 0
+    host.mem.write(host.fw.rings[host.creq_id].pages.address(0), bytes(CREQ_ENTRY.size * host.creq_length))
+
+
+def test_a_level_0_cmdq_is_one_area_of_the_size_cmdq_init_names_all_in_host_memory():
+    """Level 0 names no page size: the whole CMDQ is the area at cmdq_pbl (Linux's one 128 KiB "page"), so all of it
+    must be host memory: 4 KiB past the end leaves the channel deaf; ending exactly at the end serves."""
+    host = Driver(memory=4 << 20)
+    host.boot()
+    end, size = BUS_BASE + (4 << 20), 8192 * 16
+    latch_cmdq(host, end - size + PAGE, 8192)
+    host.post("query_version")
+    assert host.run() == 0 and "RCFW cmdq_init" in host.fw.last_error and "outside host memory" in host.fw.last_error
+    latch_cmdq(host, end - size, 8192)
+    host.rcfw("query_version")
 
 
 def test_several_commands_per_trigger_are_all_answered_by_cookie(driver):
@@ -607,6 +632,55 @@ def test_memory_regions_at_every_pbl_level(driver, pages, level):
         mr.translate(va, 4, pd=6)
     driver.rcfw("deregister_mr", lkey=key)
     assert key not in driver.fw.rcfw.mrs
+
+
+MIB2 = 2 << 20
+
+
+def test_memory_regions_in_2_mib_pages_translate_by_them_and_their_pbl_must_be_aligned_to_them():
+    """REGISTER_MR's log2_pg_size names the size of the pages its PBL lists. Linux lists whole pages of that size,
+    each aligned to it, the region starting anywhere in the first (bnxt_qplib_reg_mr over ib_umem_find_best_pgsz's
+    blocks): a PBL page or a level-0 base off that alignment is refused."""
+    host = Driver(memory=16 << 20)
+    host.boot()
+    base, va = BUS_BASE + (8 << 20), 0x7F00_0000_0000 + PAGE  # the region starts 4 KiB into its first page
+    assert host.next_page <= base
+
+    def register(pbl: int, level: int, expect: int = SUCCESS, size: int = 2 * MIB2 - PAGE - 100):
+        return host.rcfw("register_mr", expect=expect, flags=bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR, key=1, va=va,
+                         mr_size=size, log2_pg_size_lvl=level | bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_PG_2M,
+                         log2_pbl_pg_size=12, pbl=pbl).xid
+
+    mr = host.fw.rcfw.mrs[register(host.page_table([base + (4 << 20), base], 1), 1)]
+    assert mr.translate(va, 8) == [(base + (4 << 20) + PAGE, 8)]
+    assert mr.translate(va + MIB2 - PAGE - 8, 16) == [(base + (4 << 20) + MIB2 - 8, 8), (base, 8)]
+    register(host.page_table([base + (4 << 20) + PAGE, base], 1), 1, INVALID_PARAMETER)
+    assert "not aligned to the 0x200000-byte pages" in host.fw.last_error
+    register(host.page_table([base + (4 << 20), base + PAGE], 1), 1, INVALID_PARAMETER)
+    register(base + PAGE, 0, INVALID_PARAMETER, size=PAGE)
+    assert host.fw.rcfw.mrs[register(base, 0, size=PAGE)].translate(va, 8) == [(base + PAGE, 8)]
+
+
+@pytest.mark.parametrize("shift, expect", [(11, INVALID_PARAMETER), (12, SUCCESS), (30, SUCCESS),
+                                           (31, INVALID_PARAMETER)])
+def test_a_regions_pages_are_4_kib_to_1_gib(driver, shift, expect):
+    """BNXT_RE_PAGE_SIZE_SUPPORTED: Linux names no page size outside 4 KiB..1 GiB."""
+    driver.rcfw("register_mr", expect=expect, flags=bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR, key=1, va=BUS_BASE,
+                mr_size=PAGE, log2_pg_size_lvl=shift << bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_SFT, log2_pbl_pg_size=12,
+                pbl=BUS_BASE)
+
+
+@pytest.mark.parametrize("size, expect", [(MIB2 + PAGE, SUCCESS), (MIB2 + MIB2 // 2 + PAGE, INVALID_PARAMETER)])
+def test_a_regions_last_page_may_run_past_host_memory_where_the_region_does_not(size, expect):
+    """The NIC reaches only the region's bytes (an IOMMU faults nothing else): Linux's last page of a region often
+    ends past its memory."""
+    host = Driver(memory=15 << 20)
+    host.boot()
+    pages = [BUS_BASE + (12 << 20), BUS_BASE + (14 << 20)]  # the second ends 1 MiB past host memory
+    host.rcfw("register_mr", expect=expect, flags=bnxt.CMDQ_REGISTER_MR_FLAGS_ALLOC_MR, key=1, va=0x7F00_0000_0000,
+              mr_size=size, log2_pg_size_lvl=1 | bnxt.CMDQ_REGISTER_MR_LOG2_PG_SIZE_PG_2M, log2_pbl_pg_size=12,
+              pbl=host.page_table(pages, 1))
+    assert expect == SUCCESS or "outside host memory" in host.fw.last_error
 
 
 def test_two_step_memory_registration(driver):

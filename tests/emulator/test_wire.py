@@ -1,4 +1,6 @@
-"""Transports on 127.0.0.0/8: real sockets, seeded faults, pcap captures (checked by scapy and, if present, tshark)."""
+"""Transports on 127.0.0.0/8: real sockets, seeded faults, pcap captures (checked by scapy and, if present, tshark).
+
+Fixed addresses are on 127.0.1.x: the emulators of tests running beside these take 127.0.0.x (sim/wire.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +29,7 @@ from aiofabric.sim.wire import open_transport
 scapy_all = pytest.importorskip("scapy.all")
 roce = pytest.importorskip("scapy.contrib.roce")
 
-A, B = "127.0.0.101", "127.0.0.102"
+A, B = "127.0.1.101", "127.0.1.102"
 N = 200
 
 
@@ -94,8 +96,8 @@ def test_send_stamps_the_addressing_the_udp_wire_uses(pair: tuple[UdpTransport, 
 def test_send_all_keeps_order_across_bursts_and_loses_only_what_the_socket_refuses(monkeypatch, batched: bool):
     if not batched:
         monkeypatch.setattr(mmsg, "available", lambda: False)
-    with UdpTransport("127.0.0.112") as a, UdpTransport("127.0.0.113") as b:
-        packets = [write(psn, "127.0.0.113", payload=bytes([psn % 256]) * (psn % 4097))
+    with UdpTransport("127.0.1.112") as a, UdpTransport("127.0.1.113") as b:
+        packets = [write(psn, "127.0.1.113", payload=bytes([psn % 256]) * (psn % 4097))
                    for psn in range(3 * BATCH + 5)]
         packets[7].dst_ip = "255.255.255.255"  # EACCES: a UDP socket without SO_BROADCAST may not send there
         packets[BATCH + 1].tos = 0x68  # DSCP 26, as RoCE is marked: a socket option, so that burst is split there
@@ -203,7 +205,7 @@ def test_a_held_packet_goes_out_alone_after_the_hold_time():
 
 def test_corruption_makes_the_receiver_drop_on_the_icrc(pair: tuple[UdpTransport, UdpTransport]):
     _, b = pair
-    with UdpTransport("127.0.0.103", Faults(corrupt=1.0, seed=3)) as a:
+    with UdpTransport("127.0.1.103", Faults(corrupt=1.0, seed=3)) as a:
         for psn in range(N):
             a.send(write(psn, B))
         assert pump(b, lambda _: b.counters["dropped_icrc"] >= N) == []
@@ -213,7 +215,7 @@ def test_corruption_makes_the_receiver_drop_on_the_icrc(pair: tuple[UdpTransport
 def test_malformed_datagrams_are_counted_not_raised(pair: tuple[UdpTransport, UdpTransport]):
     _, b = pair
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
-        stranger.bind(("127.0.0.104", ROCE_PORT))  # as an emulator sends: from another port it is refused first
+        stranger.bind(("127.0.1.104", ROCE_PORT))  # as an emulator sends: from another port it is refused first
         stranger.sendto(b"\0" * 5, (B, ROCE_PORT))  # shorter than a BTH
         stranger.sendto(b"\0" * 64, (B, ROCE_PORT))  # long enough, but the ICRC cannot match
     pump(b, lambda _: b.counters["dropped_malformed"] + b.counters["dropped_icrc"] >= 2)
@@ -224,27 +226,27 @@ def test_udp_receive_assumes_ip_id_0_like_an_unconnected_df_socket_sends(pair: t
     _, b = pair
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as foreign:
         foreign.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-        foreign.bind(("127.0.0.104", ROCE_PORT))
+        foreign.bind(("127.0.1.104", ROCE_PORT))
         good = write(1, B)
-        good.src_ip, good.src_port = "127.0.0.104", ROCE_PORT
+        good.src_ip, good.src_port = "127.0.1.104", ROCE_PORT
         foreign.sendto(encode_ipv4(good)[28:], (B, ROCE_PORT))
         (packet,) = pump(b, received(1))
-        assert (packet.src_ip, packet.src_port, packet.psn) == ("127.0.0.104", ROCE_PORT, 1)
+        assert (packet.src_ip, packet.src_port, packet.psn) == ("127.0.1.104", ROCE_PORT, 1)
 
 
 def test_a_loopback_sender_not_on_4791_is_dropped_for_its_port(pair: tuple[UdpTransport, UdpTransport]):
-    """Any local user can send from a peer's 127.0.0.x on another port; only the emulator holding it sends from
+    """Any local user can send from a peer's loopback address on another port; only the emulator holding it sends from
     4791. The same packet from 4791 is taken, so the port alone decides."""
     _, b = pair
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as emulator:
         for sock in (other, emulator):
             sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-        other.bind(("127.0.0.104", 0))
-        emulator.bind(("127.0.0.104", ROCE_PORT))
+        other.bind(("127.0.1.104", 0))
+        emulator.bind(("127.0.1.104", ROCE_PORT))
         for sock, psn in ((other, 1), (emulator, 2)):
             packet = write(psn, B)
-            packet.src_ip, packet.src_port = "127.0.0.104", sock.getsockname()[1]
+            packet.src_ip, packet.src_port = "127.0.1.104", sock.getsockname()[1]
             sock.sendto(encode_ipv4(packet)[28:], (B, ROCE_PORT))
         assert [p.psn for p in pump(b, received(1))] == [2]
     assert (b.counters["dropped_source_port"], b.counters["dropped_malformed"], b.counters["received"]) == (1, 0, 1)
@@ -265,7 +267,7 @@ def test_pcap_capture_of_both_directions_decodes(tmp_path: Path, pair: tuple[Udp
     opcodes = [Op.RDMA_WRITE_ONLY, Op.ACKNOWLEDGE, Op.RDMA_READ_REQUEST, Op.RDMA_READ_RESPONSE_ONLY]
     assert [frame[roce.BTH].opcode for frame in frames] == opcodes
     assert [frame[scapy_all.IP].src for frame in frames] == [A, B, A, B]
-    assert frames[0][scapy_all.Ether].src == "02:00:7f:00:00:65"
+    assert frames[0][scapy_all.Ether].src == "02:00:7f:00:01:65"
     for frame in frames:
         assert decode_ipv4(scapy_all.raw(frame)[14:]).dst_port == ROCE_PORT  # the ICRC checks out
     # What the capture says went on the wire is what arrived.
@@ -305,15 +307,15 @@ needs_raw = pytest.mark.skipif(not _raw_sockets_allowed(), reason="raw sockets n
 
 @needs_raw
 def test_raw_transport_checks_the_icrc_over_a_real_nonzero_ip_id():
-    packet = write(9, "127.0.0.105")
-    packet.src_ip, packet.ip_id = "127.0.0.106", 0x1234
-    with RawTransport("127.0.0.105") as port, \
+    packet = write(9, "127.0.1.105")
+    packet.src_ip, packet.ip_id = "127.0.1.106", 0x1234
+    with RawTransport("127.0.1.105") as port, \
             socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as injector:
-        injector.sendto(encode_ipv4(packet), ("127.0.0.105", 0))
-        scapy_built = (scapy_all.IP(src="127.0.0.106", dst="127.0.0.105", id=0xBEEF, flags="DF")
+        injector.sendto(encode_ipv4(packet), ("127.0.1.105", 0))
+        scapy_built = (scapy_all.IP(src="127.0.1.106", dst="127.0.1.105", id=0xBEEF, flags="DF")
                        / scapy_all.UDP(sport=udp_source_port(3, 4), dport=ROCE_PORT, chksum=0)
                        / roce.BTH(opcode=Op.SEND_ONLY, dqpn=3, psn=10) / scapy_all.Raw(b"scapy!!!"))
-        injector.sendto(scapy_all.raw(scapy_built), ("127.0.0.105", 0))
+        injector.sendto(scapy_all.raw(scapy_built), ("127.0.1.105", 0))
         first, second = pump(port, received(2))
     assert (first.ip_id, first.src_port, first.psn) == (0x1234, packet.src_port, 9)
     assert (second.ip_id, second.src_port, bytes(second.payload)) == (0xBEEF, udp_source_port(3, 4), b"scapy!!!")
@@ -323,28 +325,28 @@ def test_raw_transport_checks_the_icrc_over_a_real_nonzero_ip_id():
 @needs_raw
 def test_raw_transport_sends_real_per_qp_source_ports():
     source_port = udp_source_port(0x11, 0x12)
-    with RawTransport("127.0.0.107") as sender, RawTransport("127.0.0.108") as receiver:
-        sender.send(write(3, "127.0.0.108"))
+    with RawTransport("127.0.1.107") as sender, RawTransport("127.0.1.108") as receiver:
+        sender.send(write(3, "127.0.1.108"))
         (packet,) = pump(receiver, received(1))
-        assert (packet.src_ip, packet.src_port, packet.ip_id) == ("127.0.0.107", source_port, 0)
+        assert (packet.src_ip, packet.src_port, packet.ip_id) == ("127.0.1.107", source_port, 0)
     # A plain socket at the destination sees the same port, and the datagram checks out assuming IP ID 0.
-    with RawTransport("127.0.0.107") as sender, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as plain:
-        plain.bind(("127.0.0.109", ROCE_PORT))
+    with RawTransport("127.0.1.107") as sender, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as plain:
+        plain.bind(("127.0.1.109", ROCE_PORT))
         plain.settimeout(5)
-        sender.send(write(4, "127.0.0.109"))
+        sender.send(write(4, "127.0.1.109"))
         data, (src_ip, src_port) = plain.recvfrom(65536)
-        assert (src_ip, src_port) == ("127.0.0.107", source_port)
-        assert decode(data, src_ip, "127.0.0.109", src_port).psn == 4
+        assert (src_ip, src_port) == ("127.0.1.107", source_port)
+        assert decode(data, src_ip, "127.0.1.109", src_port).psn == 4
 
 
 @needs_raw
 def test_raw_and_udp_transports_interoperate():
-    with RawTransport("127.0.0.110") as raw, UdpTransport("127.0.0.111") as udp:
-        per_qp = write(1, "127.0.0.111")
+    with RawTransport("127.0.1.110") as raw, UdpTransport("127.0.1.111") as udp:
+        per_qp = write(1, "127.0.1.111")
         raw.send(per_qp)  # a per-QP source port on loopback: the UDP transport takes only 4791 there
         per_qp.src_port = ROCE_PORT
         raw.send(per_qp)
-        udp.send(write(2, "127.0.0.110"))
+        udp.send(write(2, "127.0.1.110"))
         assert [p.psn for p in pump(udp, received(1))] == [1]
         assert [p.psn for p in pump(raw, received(1))] == [2]
         assert raw.counters["dropped_icrc"] == udp.counters["dropped_icrc"] == 0
@@ -354,7 +356,7 @@ def test_raw_and_udp_transports_interoperate():
 @needs_raw
 def test_bursts_leave_with_ip_id_0_so_the_icrc_holds_on_the_wire():
     """What a capture of the loopback device sees of a sendmmsg burst: DF, IP ID 0, an ICRC valid over that header."""
-    count = 60  # on 127.0.1.x: emulators of tests running beside bind 127.0.0.x (sim/wire.py)
+    count = 60
     with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003)) as tap, \
             UdpTransport("127.0.1.114") as a, UdpTransport("127.0.1.115") as b:
         try:  # room for everyone's loopback traffic meanwhile (lo shows every frame twice)
@@ -393,6 +395,6 @@ def test_one_ports_capture_shows_both_directions(tmp_path: Path, pair: tuple[Udp
     frames = scapy_all.rdpcap(str(capture))
     assert [(f[scapy_all.IP].src, f[roce.BTH].opcode) for f in frames] == [(A, Op.RDMA_WRITE_ONLY),
                                                                           (B, Op.ACKNOWLEDGE)]
-    assert frames[1][scapy_all.IP].id == 0 and frames[1][scapy_all.Ether].dst == "02:00:7f:00:00:65"
+    assert frames[1][scapy_all.IP].id == 0 and frames[1][scapy_all.Ether].dst == "02:00:7f:00:01:65"
     for frame in frames:
         decode_ipv4(scapy_all.raw(frame)[14:])  # the ICRC of the arrival holds over the reconstructed header

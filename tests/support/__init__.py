@@ -8,7 +8,8 @@
 - processes.py: the command line as a process, a free port, a `bench|lat --server` process;
 - rendezvous.py: a collectives rendezvous in this process, and ranks that meet there;
 - sshd.py, openssh.py, ssh_servers.py: the SSH servers the peer tests run against, and what a run leaves behind;
-- netns.py: hosts in network namespaces.
+- netns.py: hosts in network namespaces;
+- results.py: a --json line checked against the schema the package ships.
 """
 from pathlib import Path
 

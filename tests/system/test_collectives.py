@@ -14,6 +14,7 @@ import pytest
 from aiofabric import collectives
 from aiofabric.collectives import launch, layout, reference
 from aiofabric.collectives.communicator import CollectiveError
+from aiofabric.collectives.oneshot import ONESHOT_BYTES
 from aiofabric.collectives.reference import ring_reference
 from aiofabric.collectives.steps import floating
 from aiofabric.sched.reduce import DTYPES, OPS
@@ -53,15 +54,17 @@ async def all_ranks(comms, method, *per_rank, **options):
 async def test_every_collective_dtype_and_op_matches_numpy_bit_for_bit(ranks):
     rng = np.random.default_rng(ranks)
     async with collectives.local(ranks, buffer_bytes=1 << 20, piece_bytes=PIECE) as comms:
-        for dtype, op in itertools.product(DTYPES, OPS):  # allreduce, out of place and in place
+        for oneshot, dtype, op in itertools.product((ONESHOT_BYTES, 0), DTYPES, OPS):  # allreduce (one-shot, then
+            for comm in comms:  # the ring), out of place and in place
+                comm.oneshot_bytes = oneshot
             for count in (0, 1, ranks - 1, 1001):
                 xs = [data(rng, dtype, count) for _ in range(ranks)]
                 expected = ring_reduce(xs, op, layout.chunks(count, ranks))
                 outs = [np.zeros(count, dtype) for _ in range(ranks)]
                 await all_ranks(comms, "allreduce", xs, outs, op=op)
-                assert all(same_bits(out, expected) for out in outs), (dtype, op, count)
+                assert all(same_bits(out, expected) for out in outs), (dtype, op, count, oneshot)
                 await all_ranks(comms, "allreduce", xs, op=op)  # in place
-                assert all(same_bits(x, expected) for x in xs), (dtype, op, count, "in place")
+                assert all(same_bits(x, expected) for x in xs), (dtype, op, count, oneshot, "in place")
         xs = [data(rng, np.float32, 100_003) for _ in range(ranks)]  # large: many pieces per chunk
         expected = ring_reduce(xs, "sum", layout.chunks(100_003, ranks))
         await all_ranks(comms, "allreduce", xs)
@@ -156,6 +159,11 @@ async def test_a_lossy_reordering_wire_still_gives_exact_results():
             expected = ring_reduce(xs, "sum", layout.chunks(50_001, 3))
             await all_ranks(comms, "allreduce", xs)
             assert all(np.array_equal(x, expected) for x in xs)
+        for _ in range(3):  # one-shot: whole arrays passed on piece by piece, reduced in the ring's order
+            xs = [data(rng, np.float32, 3000) for _ in range(3)]
+            expected = ring_reduce(xs, "sum", layout.chunks(3000, 3))
+            await all_ranks(comms, "allreduce", xs)
+            assert all(same_bits(x, expected) for x in xs)
         stats = [await c.nic.pci.debug_client().stats() for c in comms]
         assert sum(s["dropped"] for s in stats) > 0 and sum(s["retransmits"] for s in stats) > 0
 
@@ -206,8 +214,45 @@ async def test_ranks_that_disagree_fail_at_the_first_message_naming_the_immediat
 
 @pytest.mark.anyio
 @pytest.mark.loop_agnostic
+async def test_a_small_allreduce_takes_one_message_per_rank_and_link_and_a_large_one_the_ring():
+    """Up to ONESHOT_BYTES every rank's whole array goes round the ring (size - 1 messages per link after the ready,
+    not the ring's 2 (size - 1)), even with buffers no larger than the array (the CLI's): the landing MR holds every
+    rank's. Ranks that chose differently (oneshot_bytes) fail at the ready message, naming the immediates."""
+    def messages(comm):
+        (batch, _), = comm._batches.values()
+        return sum(call.kind == "write_with_imm" for call in batch.calls)
+
+    for count, want in ((256, 4), (ONESHOT_BYTES // 4, 4), (ONESHOT_BYTES // 4 + 1, 7)):
+        async with collectives.local(4, buffer_bytes=count * 4) as comms:
+            xs = [np.full(count, r + 1.0, np.float32) for r in range(4)]
+            await all_ranks(comms, "allreduce", xs)
+            assert all(np.all(x == 10.0) for x in xs) and [messages(c) for c in comms] == [want] * 4, count
+    async with collectives.local(2, buffer_bytes=1 << 16, timeout=10) as comms:
+        comms[0].oneshot_bytes = 0
+        with anyio.fail_after(20), pytest.raises(CollectiveError, match=r"rank \d failed: .*expected immediate"):
+            await all_ranks(comms, "allreduce", [np.ones(100, np.float32) for _ in comms])
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_local_ranks_share_one_emulator_process_unless_told_not_to():
+    """One process for a call's NICs (not another call's), or one per NIC; either way the ring works."""
+    async with collectives.local(3, buffer_bytes=4096) as comms, collectives.local(2, buffer_bytes=4096) as others:
+        assert len({c.nic.pci.pid for c in comms}) == 1 and len({c.nic.pci.pid for c in others}) == 1
+        assert comms[0].nic.pci.pid != others[0].nic.pci.pid
+        await all_ranks(comms, "allreduce", [np.ones(4, np.float32) for _ in comms])
+    async with collectives.local(3, buffer_bytes=4096, shared_emulator=False) as comms:
+        assert len({c.nic.pci.pid for c in comms}) == 3
+        xs = [np.ones(4, np.float32) for _ in comms]
+        await all_ranks(comms, "allreduce", xs)
+        assert all(np.all(x == 3.0) for x in xs)
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
 async def test_a_rank_whose_nic_dies_fails_every_rank_naming_it():
-    async with collectives.local(3, buffer_bytes=4 << 20, piece_bytes=64 << 10, timeout=20) as comms:
+    async with collectives.local(3, buffer_bytes=4 << 20, piece_bytes=64 << 10, timeout=20,
+                                 shared_emulator=False) as comms:  # one NIC dies, not its process's others
         xs = [np.ones(1 << 19, np.float64) for _ in range(3)]
         await all_ranks(comms, "allreduce", xs)
 

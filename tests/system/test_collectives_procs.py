@@ -1,5 +1,6 @@
 """One rank per process, started the way torchrun, mpirun and srun start them (their variables), meeting at rank 0's
 TCP rendezvous; ranks that never come or die mid-run; the rendezvous against clients that misbehave."""
+import glob
 import json
 import os
 import re
@@ -42,9 +43,36 @@ def finish(processes, timeout=120):
     return results
 
 
+def parents():
+    """The pids that have a child process now."""
+    found = set()
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as file:
+                found.add(int(file.read().rsplit(")", 1)[1].split()[1]))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            pass
+    return found
+
+
+def joined(port, processes, timeout=90):
+    """Wait until every rank holds its rendezvous connection (rank 0's server has one per rank) and has started its
+    emulated NIC (a child process): from then on, a rank's death is news to the others."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in processes.values()), "a rank exited before the others joined"
+        with open("/proc/net/tcp") as table:  # server side: local port `port`, state 01 (ESTABLISHED)
+            connections = sum(1 for line in table.readlines()[1:]
+                              if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "01")
+        if connections >= len(processes) and {p.pid for p in processes.values()} <= parents():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the ranks did not all join within {timeout} s")
+
+
 TORCHRUN = lambda rank, size: {"RANK": rank, "WORLD_SIZE": size}  # noqa: E731
 MPIRUN = lambda rank, size: {"OMPI_COMM_WORLD_RANK": rank, "OMPI_COMM_WORLD_SIZE": size}  # noqa: E731
-SRUN = lambda rank, size: {"SLURM_PROCID": rank, "SLURM_NTASKS": size}  # noqa: E731
+SRUN = lambda rank, size: {"SLURM_PROCID": rank, "SLURM_NTASKS": size, "SLURM_STEP_ID": 0}  # noqa: E731
 
 
 def test_three_processes_started_like_torchrun_run_a_checked_sweep():
@@ -78,11 +106,17 @@ def test_a_rank_that_never_comes_fails_the_others_naming_it():
 def test_a_rank_killed_mid_run_fails_the_others_at_once_naming_it(victim, named):
     """Every rank, not only the dead one's neighbours, names it, within a second or two instead of at its timeout:
     the rendezvous connection stays open while the ranks work, and its dropping is news (rank 0 serves it)."""
-    processes = launch(3, TORCHRUN, "allreduce", "--size", "1M", "-n", "100000", "-w", "0", "--timeout", "60")
-    time.sleep(5)  # set up and running (the rendezvous and three emulated NICs take ~2 s)
-    processes[victim].send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    results = finish(processes)
+    port = free_port()
+    processes = launch(3, TORCHRUN, "allreduce", "--size", "1M", "-n", "100000", "-w", "0", "--timeout", "60",
+                       port=port)
+    try:
+        joined(port, processes)  # not a fixed sleep: under load, start-up alone has taken longer than one
+        processes[victim].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        results = finish(processes)
+    finally:  # a failure here must not leave ranks running their 100000 iterations
+        for process in processes.values():
+            process.kill()
     assert results[victim][0] == -signal.SIGKILL
     assert time.monotonic() - killed < 30  # far below the collective's 60 s timeout
     for rank in {0, 1, 2} - {victim}:
@@ -94,7 +128,8 @@ def test_the_launchers_variables_are_read_and_bad_ones_named():
     assert from_environment({}) is None
     assert from_environment({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}) == \
         World(1, 4, "10.0.0.1", 1234, "torchrun")
-    assert from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}) == World(0, 2, "127.0.0.1", 29500, "srun")
+    assert from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}) == \
+        World(0, 2, "127.0.0.1", 29500, "srun")
     with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE='x' \\(mpirun\\) is not an integer"):
         from_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "x"})
     with pytest.raises(ValueError, match="rank 4 of a job of 4 ranks"):

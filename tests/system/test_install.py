@@ -48,14 +48,17 @@ def test_every_module_imports_and_the_cli_runs_with_the_runtime_dependencies_onl
             "extra = [name for name in ('pytest', 'trio', 'uvloop') if importlib.util.find_spec(name)]\n"
             "assert not extra, f'test extra installed: {extra}'\n"
             "for name in sys.argv[1:]:\n"
-            "    importlib.import_module(name)\n")
+            "    importlib.import_module(name)\n"
+            "from importlib.resources import files\n"  # package data: the --json lines' schema
+            "assert files('aiofabric.tools').joinpath('schemas/result.schema.json').is_file(), 'no schema'\n")
     process = subprocess.run([str(venv / "bin" / "python"), "-c", code, "aiofabric", *modules], capture_output=True,
                              text=True, timeout=120, cwd=venv)  # not the checkout's directory: the installed copy
     assert process.returncode == 0, process.stderr[-3000:]
     assert "aiofabric.peer.ssh" in modules
     process = subprocess.run([str(venv / "bin" / "aiofabric"), "info", "--json"], capture_output=True, text=True,
                              timeout=120, cwd=venv)
-    assert process.returncode == 0 and json.loads(process.stdout)["ok"], process.stderr[-3000:]
+    line = json.loads(process.stdout)
+    assert process.returncode == 0 and line["ok"] and line["schema_version"] == 1, process.stderr[-3000:]
 
 
 @BOTH_SERVERS

@@ -27,6 +27,7 @@ from aiofabric.peer.protocol import Answer, ClientState, LineBuffer, ProtocolErr
 from tests.support import CHECKOUT, sshd
 from tests.support.backends import on, only
 from tests.support.processes import CLI
+from tests.support.results import assert_valid
 from tests.support.ssh_servers import BOTH_SERVERS, assert_no_leftovers
 
 
@@ -194,10 +195,12 @@ async def test_cli_connect_and_ring_json(server):
     assert code == 0, process.stderr.decode()
     assert result["ok"] and result["verified"] and result["bytes"] == 1048576
     assert result["remote_host"] == f"127.0.0.1:{server.port}" and result["handshake_ms"] > result["transfer_ms"] > 0
+    assert_valid(result)
     hosts = ",".join([f"127.0.0.1:{server.port}"] * 3)
     code, result, process, _ = await _cli("--backend", "uvloop", "connect", "--hosts", hosts, *server.cli_flags(),
                                           "--size", "5000", "--json")
     assert code == 0 and result["verified"] and len(set(result["remote_ips"])) == 3, process.stderr.decode()
+    assert_valid(result)
     await assert_no_leftovers(server.port)
 
 
@@ -384,6 +387,46 @@ async def test_push_to_a_python_without_the_dependencies_copies_them_too(server,
     assert code == 0 and result["verified"] and result["pushed"], process.stderr.decode()[-3000:]
     await assert_no_new_pushed_dirs(before)
     await assert_no_leftovers(server.port)
+
+
+def _python_with_an_old_typing_extensions(directory: Path) -> str:
+    """A remote `python` with aiofabric's dependencies but anyio, and a typing_extensions 4.1.0 (as far as anyio can
+    tell: without `sentinel`, which anyio 4.16 imports): a push used to copy anyio there but keep that
+    typing_extensions, and the remote endpoint failed importing anyio."""
+    import site
+    mirror = directory / "site-packages-old-typing-extensions"
+    mirror.mkdir(exist_ok=True)
+    for packages in map(Path, site.getsitepackages()):
+        for entry in packages.iterdir():
+            if not entry.name.lower().startswith(("aiofabric", "__editable__", "anyio", "typing_extensions")) and \
+                    not (mirror / entry.name).exists():
+                (mirror / entry.name).symlink_to(entry)
+    (mirror / "typing_extensions.py").write_text('"""An old typing_extensions: no sentinel."""\n')
+    info = mirror / "typing_extensions-4.1.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: typing_extensions\nVersion: 4.1.0\n")
+    (info / "RECORD").write_text("typing_extensions.py,,\n")
+    return _python_with(directory, str(mirror))
+
+
+@ASYNCIO_ONLY
+async def test_push_ships_the_versions_installed_here_where_the_remote_has_others(server, caplog):
+    """The remote lacks anyio and has an older typing_extensions than anyio needs: both are copied (the versions
+    here), and what the remote has in the same version (numpy, idna, ...) is not."""
+    import importlib.metadata
+    python = _python_with_an_old_typing_extensions(server.directory)
+    caplog.set_level(logging.INFO, logger="aiofabric.peer")
+    before = _pushed_dirs()
+    from aiofabric import connect_peer
+    async with connect_peer("127.0.0.1", server.port, **server.options(python=python, push=True)) as peer:
+        nic = await peer.open_nic()
+        mr = await peer.register_mr(nic, 4096)
+        assert await peer.fill(mr, seed=1, length=4096) == protocol.sha256_hex(protocol.pattern(1, 4096))
+    version = importlib.metadata.version
+    assert f"127.0.0.1:{server.port}: push: aiofabric, anyio {version('anyio')} (remote: none), typing_extensions " \
+           f"{version('typing_extensions')} (remote: 4.1.0)" in caplog.messages
+    await assert_no_new_pushed_dirs(before)
+    await assert_no_leftovers(server.port, [os.getpid()])
 
 
 @ASYNCIO_ONLY

@@ -97,6 +97,14 @@ CASES = [
     (["connect", "127.0.0.1:65536"], "HOST: bad host '127.0.0.1:65536': use host, host:port or user@host:port"),
     (["connect", "--hosts", "h1,h2:0"], "--hosts h1,h2:0: bad host 'h2:0': use host, host:port or user@host:port"),
     (["connect", "--hosts", "h1"], "--hosts h1: a ring needs at least 2 hosts, not 1"),
+    (["connect", "--hosts", "h1 slots=x,h2"], "--hosts h1 slots=x,h2: h1: 'slots=x': slots is a whole number, 0 or "
+                                              "more"),
+    (["allreduce", "--hosts", "h1 slots=0"], "--hosts h1 slots=0: names no host"),
+    (["allreduce", "--hosts", "h1 slots=3,h2", "--remote-nic", "sim:a,sim:b"],
+     "--remote-nic sim:a,sim:b names 2, one per rank of a host, and h1 runs 3 ranks (its slots): name one for each"),
+    (["allreduce", "--hosts", "h1,h2 slots=2", "--remote-ip", "ssh"],
+     "--remote-ip ssh: h2 runs 2 ranks (its slots), whose NICs cannot share one address: leave --remote-ip out "
+     "(emulated NICs pick their own)"),
     (["connect", "127.0.0.1", "--identity", "/nonexistent"],
      "argument --identity: /nonexistent: cannot read it: No such file or directory"),
     (["connect", "--hosts", "h1,h2", "--identity", "/nonexistent"],
@@ -136,7 +144,18 @@ LAUNCHED = [
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "65535", "TORCHELASTIC_USE_AGENT_STORE": "True"},
      "MASTER_PORT=65535 (torchrun's agent store): the rendezvous takes the next port, and there is none; set "
      "AIOFABRIC_RENDEZVOUS_PORT"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": ""}, "MASTER_ADDR is empty: set it to rank 0's host"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "MASTER_ADDR": ""},
+     "MASTER_ADDR is empty: set it to rank 0's host"),
+    # a plain run in a batch script (sbatch -n 4): its Slurm variables are not a task's of srun
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "node[01-02]"},
+     "SLURM_PROCID=0 and SLURM_NTASKS=4 do not come from srun (no SLURM_STEP_ID: sbatch's batch script): this "
+     "process is alone and ranks 1-3 would never come; start every rank with srun (srun aiofabric ...), or run the "
+     "ranks in this process with --ranks N"),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "node[01-"},
+     "SLURM_STEP_NODELIST: host list entry 'node[01-': a '[' without its ']'"),
+    ({"PMIX_RANK": "0", "PMIX_NAMESPACE": "prterun-vm-1@1"},
+     "PMIX_RANK=0 is set (a PMIx launcher: prterun, mpirun) but not the job's size, which PMIx keeps in its library: "
+     "export WORLD_SIZE (the number of ranks) to every rank, or launch with Open MPI's mpirun or srun, which set it"),
 ]
 
 
@@ -155,6 +174,40 @@ def test_an_unresolvable_master_addr_is_a_usage_error_at_once(capsys, monkeypatc
     assert re.fullmatch(r"MASTER_ADDR=no-such-host\.invalid: cannot be resolved \(.+\)",
                         usage_error(capsys, ["allreduce"]))
     assert time.monotonic() - started < 20  # the resolver's answer, not the rendezvous timeout (60 s)
+
+
+def test_srun_nodes_that_do_not_resolve_are_a_usage_error_saying_to_set_master_addr(capsys, monkeypatch):
+    for name, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+                        "SLURM_STEP_NODELIST": "no-such-node[1-2].invalid"}.items():
+        monkeypatch.setenv(name, value)
+    assert re.fullmatch(r"no-such-node1\.invalid \(the first host of SLURM_STEP_NODELIST\): cannot be resolved "
+                        r"\(.+\); set MASTER_ADDR to rank 0's host", usage_error(capsys, ["allreduce"]))
+
+
+@pytest.mark.parametrize("variables,nic,message", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "sim:a,sim:b",
+     "--nic sim:a,sim:b names one per local rank, but torchrun sets no local rank (none of LOCAL_RANK, "
+     "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PMI_LOCAL_RANK, SLURM_LOCALID is set): name one"),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_LOCALID": "2", "SLURM_STEP_ID": "0"}, "sim:a,sim:b",
+     "--nic sim:a,sim:b names 2, one per local rank, and this process is local rank 2: name one for each rank of a "
+     "host"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}, "sim:a,,sim:b",
+     "--nic sim:a,,sim:b: an empty name in the list"),
+])
+def test_a_nic_list_is_one_per_local_rank(capsys, monkeypatch, variables, nic, message):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert usage_error(capsys, ["allreduce", "--nic", nic]) == message
+
+
+def test_a_nic_list_gives_each_local_rank_its_own(monkeypatch):
+    for name, value in {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                        "OMPI_COMM_WORLD_LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert parsed("allreduce", "--nic", "0000:41:00.0,0000:41:00.1").nic == "0000:41:00.1"
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    assert parsed("allreduce", "--nic", "0000:41:00.0,0000:41:00.1").nic == "0000:41:00.0"
+    assert parsed("allreduce", "--nic", "0000:41:00.0").nic == "0000:41:00.0"  # one NIC: every local rank's
 
 
 def test_a_root_is_a_rank_of_the_launchers_job(capsys, monkeypatch):
@@ -187,6 +240,8 @@ def test_the_values_at_each_boundary_are_accepted():
     assert parsed("connect", "127.0.0.1:65535").target == (None, "127.0.0.1", 65535)
     assert parsed("connect", "h", "--remote-ip", "ssh").remote_ip == "ssh"
     assert parsed("allreduce", "--hosts", "a,b,c", "-r", "2").rank_count == 3
+    assert parsed("allreduce", "--hosts", "a slots=2,b", "-r", "2", "--remote-nic", "sim:x,sim:y").rank_count == 3
+    assert parsed("connect", "--hosts", "a slots=2").host_list == [(None, "a", 22)] * 2  # a ring of two there
 
 
 # -- the API ------------------------------------------------------------------------------------------------------

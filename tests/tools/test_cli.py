@@ -11,6 +11,7 @@ import pytest
 
 from aiofabric.tools.cli import describe
 from tests.support import CHECKOUT
+from tests.support.results import without_metadata
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup, ExceptionGroup
@@ -107,7 +108,7 @@ def test_bench_refuses_an_ack_timeout_outside_its_5_bit_field(timeout):
 ])
 def test_usage_errors_print_json_and_exit_2(args, message):
     code, result, process = run(*args, "--json", timeout=30)
-    assert code == 2 and set(result) == {"ok", "error"} and result["ok"] is False
+    assert code == 2 and set(without_metadata(result)) == {"ok", "error"} and result["ok"] is False
     assert result["error"].startswith("usage: ") and message in result["error"] and "\n" not in result["error"]
     assert process.stdout.count("\n") == 1
 
@@ -193,7 +194,7 @@ def test_a_signal_closes_cleanly_and_prints_json(backend, signum, code, message,
         process.kill()
         process.wait()
     assert process.returncode == code, stderr
-    assert last_json(stdout) == {"ok": False, "error": message}, stdout + stderr
+    assert without_metadata(last_json(stdout)) == {"ok": False, "error": message}, stdout + stderr
     assert "close:" not in stderr, stderr  # every firmware object was freed
     assert not [pid for pid in emulators if is_running(pid)]
 
@@ -224,7 +225,7 @@ def test_a_signal_during_start_up_still_prints_json(signum, code, message):
         process.wait()
     assert not any(path.endswith(".so") and "numpy" in path for path in imported)  # still importing, as meant
     assert process.returncode == code, stderr
-    assert last_json(stdout) == {"ok": False, "error": message}, stdout + stderr
+    assert without_metadata(last_json(stdout)) == {"ok": False, "error": message}, stdout + stderr
 
 
 def test_concurrent_runs_each_get_their_own_nics():
@@ -373,7 +374,7 @@ def test_lat_reports_perftest_latency_fields(test):
     code, result, process = run("lat", test, "--iters", "60", "-s", "64", "--histogram", "-H", "--json")
     assert code == 0 and result["ok"] and result["verified"], process.stderr
     assert result["t_min_us"] <= result["t_typical_us"] <= result["p99_us"] <= result["p99_9_us"] <= result["t_max_us"]
-    assert result["iters"] == 60 and sum(count for _, count in result["histogram"]) == 60
+    assert result["iterations"] == 60 and sum(count for _, count in result["histogram"]) == 60
     assert len(result["samples"]) == 60  # -H: every sample (the table lists them sorted)
     code, _, process = run("lat", test, "--iters", "20")
     assert code == 0 and "t_typical[usec]" in process.stdout and "99.9% percentile[usec]" in process.stdout

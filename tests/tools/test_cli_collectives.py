@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 
+import anyio
 import numpy as np
 import pytest
 
@@ -61,12 +62,20 @@ def test_allreduce_json_rows_are_checked_and_busbw_uses_nccl_tests_factor():
     assert [(row["size"], row["placement"]) for row in rows] == [
         (size, placement) for size in (1024, 4096, 16384) for placement in ("out-of-place", "in-place")]
     for row in rows:
-        assert row["wrong"] == 0 and row["count"] == row["size"] // 4 and row["dtype"] == "float32"
+        assert row["wrong"] == 0 and row["count"] == row["size"] // 4 and row["type"] == "float"
         assert row["op"] == "sum" and row["root"] == -1 and row["time_us"] > 0
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 4 / 3)
         assert row["algbw_GBps"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
     assert result["ranks"] == 3 and result["collective"] == "allreduce" and result["wrong"] == 0
     assert result["out_of_bounds"] == 0 and [d["rank"] for d in result["devices"]] == [0, 1, 2]
+    assert result["emulator_processes"] == 1  # the ranks' NICs share one by default
+
+
+def test_no_shared_emulator_gives_each_ranks_nic_its_own_process():
+    code, result, process = run("allreduce", "--ranks", "3", "--size", "1K", "-n", "1", "--no-shared-emulator",
+                                "--json")
+    assert code == 0 and result["ok"] is True and result["wrong"] == 0, process.stderr
+    assert result["emulator_processes"] == 3
 
 
 @pytest.mark.parametrize("command,flags,count,algbw_factor,busbw_factor", [
@@ -221,6 +230,35 @@ async def test_the_check_counts_elements_a_faulty_nic_did_not_place(kind, messag
         assert [row["wrong"] > 0 for row in broken["rows"]] == [True, False] and "elements differ" in broken["error"]
         assert broken["out_of_bounds"] == 1
         assert nccl_format.footer(broken["out_of_bounds"], 1.0, None, "x")[0] == "# Out of bounds values : 1 FAILED"
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+async def test_each_rank_times_its_own_iterations_without_waiting_for_the_others_between_them(monkeypatch):
+    """As nccl-tests' threads: a rank that finished an iteration starts the next while a slower one is still busy
+    with its previous (the collectives' ready messages, not the harness, keep the ranks in step), and each rank's
+    time is its own, which -a then averages (0: rank 0's, 2: the least, 3: the most)."""
+    from aiofabric.collectives.communicator import Communicator
+    events = []
+    original = Communicator.allreduce
+
+    async def allreduce(self, *args, **kwargs):
+        events.append((self.rank, "start"))
+        result = await original(self, *args, **kwargs)
+        if self.rank == 1:
+            await anyio.sleep(0.05)  # a slow rank: busy after each collective
+        events.append((self.rank, "end"))
+        return result
+    async with collectives.local(2, buffer_bytes=4096) as comms:
+        monkeypatch.setattr(Communicator, "allreduce", allreduce)
+        rows = {}
+        for average in (0, 2, 3):
+            config = PerfConfig("allreduce", [1024], iters=3, warmup=0, check=0, average=average)
+            events.clear()
+            rows[average] = (await run_perf(comms, config))["rows"][0]["time_us"]
+            timed = events[4:4 + 12]  # after the untimed run's start and end at each rank
+            assert timed.index((0, "start"), 2) < timed.index((1, "end")), timed  # rank 0 went on before rank 1 ended
+    assert rows[2] < rows[3], rows  # rank 0's time (without rank 1's last 50 ms) is the least, rank 1's the most
 
 
 def test_nccl_tests_reference_is_the_ring_order_and_agrees_with_exact_sums():

@@ -194,7 +194,7 @@ async def test_lat_runs_on_one_pci_nic_in_phy_loopback_without_the_debug_channel
     config = LatConfig(test=test, nic=ADDR, ip=pci_nics(ADDR), iters=30)
     with anyio.fail_after(60):
         result = await run_latency(config)
-    assert result["verified"] and "error" not in result and result["iters"] == 30, result
+    assert result["verified"] and "error" not in result and result["iterations"] == 30, result
     assert 0 < result["t_min_us"] <= result["t_max_us"]
     assert (result["packets"], result["retransmits"], result["dropped"]) == (None, None, None)
     assert result["verification"].endswith(f"({NOT_COUNTED})")

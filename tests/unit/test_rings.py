@@ -1,12 +1,14 @@
 """Ring arithmetic, page tables and the backing store's sizes (pure logic; the seam is a bytearray-backed fake). The
 doorbell and entry formats are hw/'s, checked against the bindings in tests/unit/test_hw.py."""
 import dataclasses
+import mmap
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
+from aiofabric.driver import mr_pages
 from aiofabric.driver.context_sizes import TypeCaps, TypePlan, plan
 from aiofabric.driver.rings import Ring, page_table
 from aiofabric.hw.firmware import BackingStoreType as BS
@@ -143,23 +145,74 @@ def test_ring_slot_and_epoch_over_many_laps(depth_log, laps, step):
             expected_epoch ^= 1
 
 
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * PAGE_SIZE)), max_size=60))
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * PAGE_SIZE), st.sampled_from([1, 2, 8, 64])),
+                max_size=60))
 def test_page_allocator_never_overlaps_and_coalesces(ops):
     pages = PageAllocator(256 * PAGE_SIZE)
     live = {}
-    for is_free, size in ops:
+    for is_free, size, align in ops:
         if is_free and live:
             start = next(iter(live))
             pages.free(start)
             del live[start]
         else:
             try:
-                start = pages.alloc(size)
+                start = pages.alloc(size, align * PAGE_SIZE)
             except MemoryError:
                 continue
+            assert start % (align * PAGE_SIZE) == 0
             live[start] = -(-size // PAGE_SIZE) * PAGE_SIZE
         spans = sorted(live.items())
         assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
     for start in list(live):
         pages.free(start)
     assert pages.starts == [0] and pages.lengths == [256 * PAGE_SIZE]
+
+
+# -- a memory region's pages (driver/mr_pages.py) ---------------------------------------------------------------------
+GIB, MIB2 = 1 << 30, 2 << 20
+
+
+def region(bus_addrs: list[int], contiguous: bool = False) -> DmaBuffer:
+    """A DMA buffer with these 4 KiB pages on the bus (its view untouched anonymous memory: never read here)."""
+    return DmaBuffer(memoryview(mmap.mmap(-1, len(bus_addrs) * PAGE_SIZE)), bus_addrs, contiguous)
+
+
+def run(start: int, size: int) -> list[int]:
+    return list(range(start, start + size, PAGE_SIZE))
+
+
+@pytest.mark.parametrize("start, size, page, count", [
+    (0x40_0000_0000, GIB, GIB, 1),  # exactly 1 GiB, aligned: one page, level 0
+    (0x40_0000_0000, GIB + PAGE_SIZE, GIB, 2),  # 4 KiB past: the largest page still, two of them
+    (0x40_4000_0000, GIB + PAGE_SIZE, GIB, 2),  # ... wherever the 1 GiB boundary falls
+    (0x40_0000_4000, 3 * PAGE_SIZE, 4 * PAGE_SIZE, 1),  # no larger than the one page that holds it
+    (0x40_0000_3000, 2 * PAGE_SIZE, 8 * PAGE_SIZE, 1),  # which may start before the region
+    (0x40_0000_0000, PAGE_SIZE, PAGE_SIZE, 1),
+])
+def test_memory_contiguous_on_the_bus_is_registered_in_the_fewest_largest_pages(start, size, page, count):
+    """ib_umem_find_best_pgsz over 4 KiB..1 GiB (BNXT_RE_PAGE_SIZE_SUPPORTED), as bnxt_re_reg_user_mr calls it."""
+    buffer = region(run(start, size), contiguous=True)
+    assert mr_pages.page_size(buffer) == page
+    assert mr_pages.pages(buffer, page) == [(start & -page) + i * page for i in range(count)]
+
+
+def test_hugepages_give_2_mib_pages_where_every_jump_is_2_mib_aligned_on_both_sides():
+    first, second = 0x7_0000_0000, 0x3_0020_0000  # two hugepages, far apart
+    misaligned_start = region(run(first + PAGE_SIZE, MIB2 - PAGE_SIZE) + run(second, MIB2))
+    assert mr_pages.page_size(misaligned_start) == MIB2  # the first page starts before the region
+    assert mr_pages.pages(misaligned_start, MIB2) == [first, second]
+    misaligned_jump = region(run(first, MIB2) + run(second + PAGE_SIZE, MIB2))
+    assert mr_pages.page_size(misaligned_jump) == PAGE_SIZE
+    half = region(run(first, MIB2) + run(second + MIB2 // 2, MIB2 // 2))
+    assert mr_pages.page_size(half) == MIB2 // 2
+    assert mr_pages.pages(half, MIB2 // 2) == [first, first + MIB2 // 2, second + MIB2 // 2]
+
+
+def test_scattered_4_kib_pages_list_up_to_what_two_levels_hold_and_say_so_past_it():
+    scattered = [0x10_0000_0000 + 2 * i * PAGE_SIZE for i in range(mr_pages.MAX_PAGES + 1)]
+    exactly = region(scattered[:-1])  # 1 GiB
+    assert mr_pages.page_size(exactly) == PAGE_SIZE and mr_pages.pages(exactly, PAGE_SIZE) == scattered[:-1]
+    with pytest.raises(ValueError, match=r"contiguous on the bus only in 0x1000-byte pages needs 262145 page-table "
+                                         r"entries, more than a 2-level table holds \(262144\)"):
+        mr_pages.pages(region(scattered), PAGE_SIZE)

@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable
 
 from .perftest_server import add_server_limits, client, serve
 from .ssh import SSH_PORT, add_ssh_flags, ssh_options
-from .. import plot
+from .. import lat_plot, plot
 from ..arguments import Subcommands, add_wire_flags, ipv4, ipv4_or_ssh, size
 from ..bench_config import BenchConfig
 from ..bench_report import bandwidth_unit, format_table, perftest_report
@@ -22,6 +22,7 @@ from ..options import ATOMIC_SIZE, TESTS
 from ..perftest import run_bench
 from ..perftest_defaults import default_inline, default_iters
 from ..perftest_flags import BENCH_OUTPUTS, DEFAULT_JSON_FILE, LAT_OUTPUTS, add_perftest_flags, usage_message
+from ..result_meta import stamped
 from ..units import SWEEP_MAX, SWEEP_MIN, sweep
 from ...errors import BadOption
 from ...verbs import NIC
@@ -131,6 +132,9 @@ def add_lat(sub: Subcommands) -> None:
     _add_peer_flags(group)
     add_server_limits(lat)
     group.add_argument("--json", action="store_true", help="print one JSON object")
+    group.add_argument("--plot", metavar="PNG", help="plot the latency distribution with perftest's figures marked "
+                                                     "(with -a: each figure against size); needs the plot extra: "
+                                                     "pip install 'aiofabric[plot]'")
     lat.set_defaults(run=cmd_lat, check=_check_lat(lat))
 
 
@@ -176,6 +180,8 @@ def _check_bench(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespac
         _perftest_common(parser, args, args.min_size is not None or args.max_size is not None, BENCH)
         if args.plot and not getattr(args, "sizes", None):
             parser.error("--plot draws a sweep: add -a or --min-size/--max-size")
+        if args.plot and (unplottable := plot.check_path(args.plot)):
+            parser.error(unplottable)
         if args.run_infinitely:
             if getattr(args, "sizes", None):
                 parser.error("--run-infinitely runs one size: drop the sweep")
@@ -195,6 +201,9 @@ def _check_lat(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace]
         _perftest_common(parser, args, False, LAT)
         if args.output is not None and args.all:
             parser.error("--output prints one number: it goes with one size, not a sweep (-a)")
+        unplottable = plot.check_path(args.plot) if args.plot else None
+        if unplottable:
+            parser.error(unplottable)
         if args.cycles:
             try:
                 args.cpu_mhz = cpu_mhz()
@@ -284,7 +293,16 @@ async def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
-    return await _perftest_command(args, LAT)
+    measured: dict[int, list[float]] = {}  # each size's samples, for --plot (--server refuses it)
+    if args.plot:
+        plot.require()  # before the run, not after it
+        args.sampled = measured.__setitem__  # LatConfig.sampled
+    result = await _perftest_command(args, LAT)
+    if args.plot:
+        mhz = getattr(args, "cpu_mhz", None)
+        lat_plot.draw(lat_plot.distributions(measured, mhz or 1.0), args.plot, "cycles" if mhz else "usec",
+                      f"aiofabric lat {args.test}")
+    return result
 
 
 async def _perftest_command(args: argparse.Namespace, tool: Perftest) -> dict[str, Any]:
@@ -301,8 +319,8 @@ async def _perftest_command(args: argparse.Namespace, tool: Perftest) -> dict[st
         print(tool.printed(result, config))
     if args.json_file:
         with open(args.json_file, "w") as file:
-            json.dump({"ok": "error" not in result, **result, **tool.report(result, config, args.output)}, file,
-                      indent=1)
+            report = {**result, **tool.report(result, config, args.output)}
+            json.dump(stamped("error" not in result, args.meta, report), file, indent=1)
     return result
 
 

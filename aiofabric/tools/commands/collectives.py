@@ -1,10 +1,11 @@
 """nccl-tests' collectives (allreduce, reducescatter, allgather, broadcast, reduce, gather, scatter, sendrecv,
 alltoall): a size sweep over a ring of NICs, one rank each, every element checked, printed as nccl-tests prints it;
-the ranks in this process (--ranks), one per process under a launcher (torchrun, mpirun, srun), or one per host
-started over SSH (--hosts). nccl-tests' flags are in nccl_flags.py."""
+the ranks in this process (--ranks), one per process under a launcher (torchrun, mpirun, mpiexec, srun), or one per
+host (or slot) started over SSH (--hosts). nccl-tests' flags are in nccl_flags.py."""
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import anyio.abc
 from .ssh import add_ssh_flags, parsed_hosts, ssh_options
 from ..arguments import Subcommands, add_wire_flags, integer, ipv4, ipv4_or_ssh, seconds, sized
 from ..bench_config import MAX_NICS, MAX_SIZE
+from ..introspect import emulator_processes
 from ..nccl_flags import add_nccl_flags, check_nccl_flags, nccl_config
 from ..options import WireOptions
 from ...collectives import nccl_format
@@ -34,7 +36,7 @@ DEFAULT_RANKS = 2
 HYPERCUBE_WHY = ("hypercube_perf is not here: its exchanges are between rank and rank ^ 2^k, and the ring links each "
                  "rank to its neighbours only; allgather computes the same result")
 ENV_PREFIXES = ("NCCL_", "AIOFABRIC_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_", "SLURM_",
-                "PMI_")  # what -J records of the environment (nccl-tests records all of it)
+                "PMI_", "PMIX_RANK", "MPI_LOCAL")  # what -J records of the environment (nccl-tests records all of it)
 MAX_LOCAL_RANKS = MAX_NICS  # each rank of --ranks is an emulator process with its own DMA arena on this host
 RANKS_WHY = (": each rank of --ranks is an emulator process (or a PCI function) of this host, as bench's --nics; more "
              "ranks run one per process (torchrun, mpirun, srun) or per host (--hosts)")
@@ -56,10 +58,16 @@ def add_collectives(sub: Subcommands) -> None:
         coll.add_argument("--ranks", type=integer(1, MAX_LOCAL_RANKS, RANKS_WHY),
                           help="ranks in this process, one NIC each (default 2; under torchrun, mpirun or srun: this "
                                "process is one rank of their job, rendezvous at MASTER_ADDR:MASTER_PORT)")
-        coll.add_argument("--nic", default="sim", help="with a launcher: this rank's NIC (default sim)")
+        coll.add_argument("--nic", default="sim", metavar="NIC|A,B,...",
+                          help="with a launcher: this rank's NIC (default sim); a list names one per local rank "
+                               "(the rank on its host: LOCAL_RANK, SLURM_LOCALID, ...)")
         coll.add_argument("--ip", type=ipv4,
                           help="with a launcher: this rank's NIC's IPv4 address (emulated: a free 127.0.0.x)")
         coll.add_argument("--nics", metavar="A,B,...", help="PCI NICs, one per rank (default: emulated NICs)")
+        coll.add_argument("--shared-emulator", action=argparse.BooleanOptionalAction, default=True,
+                          help="with --ranks: run the ranks' emulated NICs in one emulator process (default: yes; a "
+                               "message between two ranks wakes no other process, and fewer processes wait for a CPU); "
+                               "--no-shared-emulator: a process per NIC")
         add_nccl_flags(coll)
         coll.add_argument("--timeout", type=seconds, default=60.0, help="seconds one collective may take before every "
                                                                      "rank fails naming what it waited for (60)")
@@ -68,9 +76,12 @@ def add_collectives(sub: Subcommands) -> None:
         coll.add_argument("--piece", type=sized(1, MAX_SIZE), default=PIECE_BYTES,
                           help="bytes per RDMA message (default 512K): pieces pipeline transfers with reductions")
         add_wire_flags(coll)
-        coll.add_argument("--hosts", metavar="FILE|h1,h2", help="one rank per host, started over SSH (`python -m "
-                                                              "aiofabric` there); the rendezvous is relayed over SSH")
-        coll.add_argument("--remote-nic", default="sim", help="with --hosts: each host's NIC (default sim)")
+        coll.add_argument("--hosts", metavar="FILE|h1,h2", help="one rank per host (slots=N: N), started over SSH "
+                                                              "(`python -m aiofabric` there); the rendezvous is "
+                                                              "relayed over SSH")
+        coll.add_argument("--remote-nic", default="sim", metavar="NIC|A,B,...",
+                          help="with --hosts: each host's NIC (default sim); a list names one per rank of a host "
+                               "(slots=N)")
         coll.add_argument("--remote-ip", type=ipv4_or_ssh,
                           help="with --hosts: each host's NIC address ('ssh': the address SSH reached)")
         add_ssh_flags(coll)
@@ -102,8 +113,10 @@ async def cmd_collective(args: argparse.Namespace) -> dict[str, Any]:
             result["launcher"] = world.launcher
         else:
             async with local(ranks, nics=nics, buffer_bytes=buffer_bytes, landing_bytes=landing_bytes,
-                             piece_bytes=args.piece, timeout=args.timeout, **options) as comms:
+                             piece_bytes=args.piece, timeout=args.timeout, shared_emulator=args.shared_emulator,
+                             **options) as comms:
                 result = await _sweep(args, comms, list(range(ranks)), leader)
+                result["emulator_processes"] = await emulator_processes([comm.nic for comm in comms])
         if json_file is not None:
             _write_json(json_file, args, result, started)
     except BaseException:
@@ -186,6 +199,7 @@ def _check_collective(parser: argparse.ArgumentParser) -> Callable[[argparse.Nam
     on it (-r, --nics), checked before anything starts; the sweep's sizes. Sets args.world, rank_count, sizes,
     host_list."""
     def check(args: argparse.Namespace) -> None:
+        from ...collectives.env_ranks import local_choice
         from ...collectives.world import from_environment
         args.world, args.host_list = None, None
         if args.hosts is not None and args.ranks is not None:
@@ -195,13 +209,18 @@ def _check_collective(parser: argparse.ArgumentParser) -> Callable[[argparse.Nam
             if not args.host_list:
                 parser.error(f"--hosts {args.hosts}: names no host")
             args.rank_count = len(args.host_list)
+            _check_slots(parser, args)
         elif args.ranks is None:
             try:
                 args.world = from_environment(os.environ)
             except ValueError as exc:
                 parser.error(str(exc))
             if args.world is not None:
-                _check_resolvable(parser, args.world.addr, args.world.port)
+                _check_resolvable(parser, args.world)
+                try:
+                    args.nic = local_choice(args.nic, "--nic", args.world.launcher, args.world.local_rank)
+                except ValueError as exc:
+                    parser.error(str(exc))
             args.rank_count = args.world.size if args.world is not None else DEFAULT_RANKS
         else:
             args.rank_count = args.ranks
@@ -211,16 +230,34 @@ def _check_collective(parser: argparse.ArgumentParser) -> Callable[[argparse.Nam
     return check
 
 
-def _check_resolvable(parser: argparse.ArgumentParser, host: str, port: int) -> None:
-    """MASTER_ADDR names a host: one the resolver does not know is a usage error now, not a rendezvous that
-    never answers (a busy resolver, EAI_AGAIN, is left to the rendezvous's retries)."""
+def _check_slots(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A host of several slots runs several ranks: --remote-nic names a NIC for each of them, and no one address
+    (--remote-ip) can serve two NICs."""
+    crowded, most = collections.Counter(args.host_list).most_common(1)[0]
+    nics = args.remote_nic.split(",")
+    if "" in (nic.strip() for nic in nics):
+        parser.error(f"--remote-nic {args.remote_nic}: an empty name in the list")
+    if len(nics) > 1 and len(nics) < most:
+        parser.error(f"--remote-nic {args.remote_nic} names {len(nics)}, one per rank of a host, and {crowded[1]} "
+                     f"runs {most} ranks (its slots): name one for each")
+    if args.remote_ip is not None and most > 1:
+        parser.error(f"--remote-ip {args.remote_ip}: {crowded[1]} runs {most} ranks (its slots), whose NICs cannot "
+                     "share one address: leave --remote-ip out (emulated NICs pick their own)")
+
+
+def _check_resolvable(parser: argparse.ArgumentParser, world: Any) -> None:
+    """Rank 0's host (MASTER_ADDR, or srun's first node): one the resolver does not know is a usage error now, not
+    a rendezvous that never answers (a busy resolver, EAI_AGAIN, is left to the rendezvous's retries)."""
+    host, given = world.addr, world.addr_from == "MASTER_ADDR"
+    named, advice = (f"MASTER_ADDR={host}", "") if given else (f"{host} ({world.addr_from})",
+                                                              "; set MASTER_ADDR to rank 0's host")
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        socket.getaddrinfo(host, world.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         if exc.errno != socket.EAI_AGAIN:
-            parser.error(f"MASTER_ADDR={host}: cannot be resolved ({exc.strerror or exc})")
+            parser.error(f"{named}: cannot be resolved ({exc.strerror or exc}){advice}")
     except UnicodeError as exc:  # a label too long for IDNA
-        parser.error(f"MASTER_ADDR={host!r}: not a host name ({exc})")
+        parser.error(f"{named}: not a host name ({exc}){advice}")
 
 
 def _format(result: dict[str, Any]) -> str:
@@ -242,7 +279,9 @@ async def _collective_over_ssh(args: argparse.Namespace) -> dict[str, Any]:
     from ...collectives.communicator import CollectiveError
     from ...collectives.rendezvous import RendezvousServer
     from ...peer.remote_run import run_remote
-    hosts = args.host_list  # _check_collective's
+    from ...peer.hostfile import local_ranks
+    hosts = args.host_list  # _check_collective's: a host of N slots N times
+    local, slots = local_ranks(hosts), collections.Counter(hosts)
     ssh = ssh_options(args)
     ssh.pop("command_timeout")
     flags = [word for dest, flag in RANK_FLAGS if getattr(args, dest) is not None
@@ -261,7 +300,8 @@ async def _collective_over_ssh(args: argparse.Namespace) -> dict[str, Any]:
             run = await run_remote(
                 host, ssh_port, user=user or args.user, args=[args.command, *flags, "--nic", args.remote_nic,
                                                               *(["--ip", ip] if ip else []), "--json"],
-                env={"RANK": str(index), "WORLD_SIZE": str(len(hosts)), "AIOFABRIC_RENDEZVOUS": "external"},
+                env={"RANK": str(index), "WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": str(local[index]),
+                     "LOCAL_WORLD_SIZE": str(slots[hosts[index]]), "AIOFABRIC_RENDEZVOUS": "external"},
                 tunnel=("127.0.0.1", port), timeout=math.inf, **ssh)
             lines = run.stdout.strip().splitlines()
             result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None

@@ -112,8 +112,10 @@ async def serve(args: argparse.Namespace, config: BenchConfig | LatConfig,
             return
         try:
             first = result.get("rows", [result])[0]
-            names = ("test", "qps", "size", "iters", "depth", "mtu", "nics", "warmup")
+            names = ("test", "qps", "size", "depth", "mtu", "nics", "warmup")
             fields = {name: first[name] for name in names if name in first and hasattr(config, name)}
+            if args.command == "lat":  # its -n, the samples (bench's must be the server's: a symmetric flag)
+                fields["iters"] = first["iterations"]
             table = format_report(result, dataclasses.replace(config, **fields))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise ValueError(f"report: not a {args.command} result ({type(exc).__name__}: {exc})") from None

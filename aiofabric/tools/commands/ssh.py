@@ -22,7 +22,8 @@ def add_ssh_flags(parser: Any, short_port: bool = False) -> None:
     parser.add_argument("--known-hosts", metavar="FILE|none",
                         help="known_hosts file (default ~/.ssh/known_hosts); 'none' skips the check (insecure)")
     parser.add_argument("--push", action="store_true",
-                        help="copy this aiofabric over SFTP to a private temp dir on the host and run it from there")
+                        help="copy this aiofabric over SFTP to a private temp dir on the host and run it from there, "
+                             "with the packages it needs in the versions installed here")
     parser.add_argument("--python", default="python3", help="the remote interpreter (default python3)")
     parser.add_argument("--connect-timeout", type=seconds, default=20.0, metavar="S",
                         help="seconds for SSH connect + endpoint start (default 20)")
@@ -39,7 +40,7 @@ def ssh_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parsed_hosts(parser: argparse.ArgumentParser, text: str, port: int | None) -> list[tuple[str | None, str, int]]:
-    """--hosts' [user@]host[:port] entries (SSH's port by default), a usage error naming a bad one."""
+    """--hosts' hosts, one per slot (SSH's port by default), a usage error naming a bad one."""
     try:
         return _hosts(text, SSH_PORT if port is None else port)
     except (ValueError, OSError) as exc:
@@ -47,11 +48,10 @@ def parsed_hosts(parser: argparse.ArgumentParser, text: str, port: int | None) -
 
 
 def _hosts(text: str, port: int) -> list[tuple[str | None, str, int]]:
-    """`--hosts`: a file with one `[user@]host[:port]` per line (# comments), or a comma-separated list."""
-    from ...peer.client import parse_host
+    """`--hosts`: a file with one `[user@]host[:port] [slots=N]` per line, as an MPI hostfile (peer/hostfile.py), or
+    a comma-separated list of them."""
+    from ...peer.hostfile import host_slots
     if "," not in text and os.path.isfile(text):
         with open(text) as file:
-            specs = [line.split("#")[0].strip() for line in file]
-    else:
-        specs = text.split(",")
-    return [parse_host(spec, port) for spec in specs if spec.strip()]
+            return host_slots(file.read().splitlines(), port, numbered=True)
+    return host_slots(text.split(","), port, numbered=False)
