@@ -34,6 +34,7 @@ class Mutant:
 
 
 ICRC, RESPONDER, WORKQUEUE = "aiofabric/sim/icrc.py", "aiofabric/sim/responder.py", "aiofabric/verbs/workqueue.py"
+RUNS = "aiofabric/verbs/sq_runs.py"
 PLAN, OPERATIONS = "aiofabric/sched/plan.py", "aiofabric/peer/operations.py"
 DEVICE, SAMPLES = "aiofabric/driver/device.py", "aiofabric/tools/samples.py"
 SCAPY_ICRC = ("tests/unit/test_packets.py::test_scapy_parses_our_packets_and_computes_the_same_icrc",
@@ -50,6 +51,10 @@ RETIRE = (DATAPATH + "test_unsignaled_work_before_a_failing_request_completes_wi
 PLANNING = ("tests/unit/test_sched_plan.py",)
 CODEC_MODEL = "tests/unit/test_workqueue.py::test_the_codec_matches_the_model"
 CODEC_FAST = "tests/unit/test_workqueue.py::test_the_fast_paths_write_what_post_writes"
+POST_BULK = "tests/unit/test_post_bulk.py"
+BULK_UNDER_LOSS = ("tests/driver/test_post_many.py::test_batches_under_loss_are_retransmitted_intact_from_the_search_"
+                   "entries_they_wrote")
+CQ_BULK = "tests/unit/test_cq_bulk.py"
 PEER_REQUESTS = ("tests/system/test_peer.py::test_bad_requests_name_what_is_wrong_and_keep_their_id",)
 LIFETIMES = "tests/driver/test_lifetimes.py::"
 CLOSE = (LIFETIMES + "test_a_close_destroys_what_is_attached_in_an_order_the_firmware_accepts",
@@ -98,15 +103,32 @@ MUTANTS = [
            "SQ_RDMA_HEADER.pack(wqe_type, flags, size, imm, length,",
            "SQ_RDMA_HEADER.pack(wqe_type, flags, size, length, imm,", (CODEC_MODEL,)),
     Mutant("msn: start PSN and next PSN swapped in the MSN entry", WORKQUEUE,
-           "<< _MSN_SHIFT),\n                  psn << _SP | next_psn << _NP",
-           "<< _MSN_SHIFT),\n                  next_psn << _SP | psn << _NP", MSN + (CODEC_FAST,)),
+           "self.table_mask) << _MSN_SHIFT),\n                      psn << _SP | next_psn << _NP",
+           "self.table_mask) << _MSN_SHIFT),\n                      next_psn << _SP | psn << _NP", MSN + (CODEC_FAST,)),
     Mutant("msn: start PSN and next PSN swapped in the MSN entry of any WQE", WORKQUEUE,
            "msn_entry(psn, next_psn, start_slot)", "msn_entry(next_psn, psn, start_slot)", (CODEC_MODEL,)),
     Mutant("msn: every message writes the same MSN entry", WORKQUEUE,
            "        self.msn = msn + 1\n", "        self.msn = msn + 0\n", MSN),
     Mutant("psn search: start PSN and next PSN swapped in the search entry", WORKQUEUE,
-           "psn_search_values(wqe_type, psn, next_psn,", "psn_search_values(wqe_type, next_psn, psn,",
-           (UNDER_LOSS, CODEC_MODEL)),
+           "psn_search_values(wqe_type, psn, next_psn, start_slot)",
+           "psn_search_values(wqe_type, next_psn, psn, start_slot)", (UNDER_LOSS, CODEC_MODEL)),
+    Mutant("psn search: start PSN and next PSN swapped in the one-SGE WQE's search entry", WORKQUEUE,
+           "psn_search_values(wqe_type, psn, next_psn, slot)", "psn_search_values(wqe_type, next_psn, psn, slot)",
+           (UNDER_LOSS, CODEC_FAST)),
+    Mutant("runs: start PSN and next PSN swapped in a run's MSN entries", RUNS,
+           "first = psn << _SP | (psn + npsn) << _NP | start << _SI",
+           "first = (psn + npsn) << _SP | psn << _NP | start << _SI", (POST_BULK, BULK_UNDER_LOSS)),
+    Mutant("runs: a run's PSN search entries give the next PSN as the first", RUNS,
+           "(self._opcode(wqe_type) | psn, psn + npsn, start)", "(self._opcode(wqe_type) | (psn + npsn), psn, start)",
+           (POST_BULK, BULK_UNDER_LOSS)),
+    Mutant("runs: a static WQE's local address lands in the remote's word", RUNS,
+           "columns = [(LOCAL_WORD, local), (REMOTE_WORD, remote)]",
+           "columns = [(REMOTE_WORD, local), (LOCAL_WORD, remote)]", (POST_BULK,)),
+    Mutant("runs: variable WQEs that wrap are written from slot 0 again", RUNS,
+           "self.view[:run.size - head] = packed[head:]", "self.view[:run.size - head] = packed[:run.size - head]",
+           (POST_BULK,)),
+    Mutant("cq: a poll takes the CQEs after the first stale one", "aiofabric/hw/ring.py",
+           "                return found + stale\n", "                return found + len(bits)\n", (CQ_BULK,)),
     Mutant("retire: unsignaled work before a failing request gets its error", WORKQUEUE,
            "while pending and pending[0][0] < target:", "while pending and pending[0][0] < target - 1:",
            RETIRE + (CODEC_MODEL,)),

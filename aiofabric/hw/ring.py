@@ -13,6 +13,7 @@ bit equals `phase(c, depth)`. `RingEntry` knows where that bit lives in one kind
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 
 def slot(count: int, depth: int) -> int:
@@ -78,6 +79,26 @@ class RingEntry:
         """Driver side: whether the entry at byte `offset` of `view`, the ring's entry at `count`, was written on
         this lap (read its body only after this says so)."""
         return view[offset + self.valid_offset] & self.valid_bit == (self.valid_bit if count // depth & 1 == 0 else 0)
+
+    def new_entries(self, view: memoryview, count: int, depth: int, limit: int) -> int:
+        """Driver side: how many entries from `count` on were written on their lap, at most `limit`: each one's own
+        valid bit is read (all at once, up to the ring's end and then from slot 0), none of their bodies (read them
+        after a read barrier)."""
+        found, window = 0, 16  # looked at in growing windows: a strided copy costs per byte, and most polls find few
+        while found < limit:
+            slot, lap = (count + found) % depth, (count + found) // depth
+            last = min(depth, slot + limit - found, slot + window)
+            bits = view[slot * self.size + self.valid_offset:last * self.size:self.size].tobytes()
+            stale = bits.translate(self._set).find(lap & 1)  # the bit is set on even laps, clear on odd ones
+            if stale >= 0:
+                return found + stale
+            found, window = found + last - slot, window * 4
+        return found
+
+    @functools.cached_property
+    def _set(self) -> bytes:
+        """A translation table: 1 for a valid byte with the valid bit set, else 0."""
+        return bytes(1 if value & self.valid_bit else 0 for value in range(256))
 
     def publish(self, view: memoryview, entry: bytes, count: int, depth: int) -> None:
         """Device side: write `entry` into `view` (the entry's `size` bytes of ring memory) with the valid bit of

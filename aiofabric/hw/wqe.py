@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
+import struct
 
 from .layout import Layout
 from .ring import power_of_two
@@ -54,6 +56,13 @@ SQ_ATOMIC_HEADER = Layout.of(bnxt.sq_atomic_hdr, "wqe_type", "flags", "reserved1
 RQ_WQE_HEADER = Layout.of(bnxt.rq_wqe_hdr, "wqe_type", "flags", "wqe_size", "wr_id")  # wr_id unpacks as 2 values
 MSN_ENTRY = Layout.of(bnxt.sq_msn_search, "start_idx_next_psn_start_psn")
 PSN_SEARCH_ENTRY = Layout.of(bnxt.sq_psn_search_ext, "opcode_start_psn", "flags_next_psn", "start_slot_idx")
+
+
+@functools.lru_cache(maxsize=64)
+def repeated(layout: Layout, count: int) -> struct.Struct:
+    """`count` entries of `layout` back to back: a run of WQEs (or of MSN entries) packed in one call."""
+    return struct.Struct("<" + layout.format.lstrip("<") * count)
+
 
 _START_PSN = bnxt.SQ_MSN_SEARCH_START_PSN_SFT, bnxt.SQ_MSN_SEARCH_START_PSN_MASK
 _NEXT_PSN = bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT, bnxt.SQ_MSN_SEARCH_NEXT_PSN_MASK

@@ -11,7 +11,8 @@ from .completions import Completion
 from .mr import MemoryRegion, local_sge, remote_address
 from .qp import QueuePairLife
 from .types import LocalBuffer, QPState, RemoteRegion, check_range
-from .workqueue import ADDRESS_MAX, Sge, span
+from .sq_runs import span
+from .workqueue import ADDRESS_MAX, Sge
 from ..autogen import bnxt
 from ..errors import ClosedError
 from ..hw import doorbell
@@ -39,6 +40,7 @@ RTS = QPState.RTS  # a module global: an Enum member lookup costs ~70 ns on the 
 RECV_STATES = frozenset((QPState.INIT, QPState.RTR, QPState.RTS))  # where ibverbs accepts receives
 ATOMIC_MAX = (1 << 8 * ATOMIC_SIZE) - 1  # atomics take and give unsigned 64-bit values
 IMM_MAX = (1 << 32) - 1  # an immediate is 32 bits
+NO_SIGNAL: tuple[int, ...] = ()  # post_many's default: only the last work request is signaled
 Local = Union[MemoryRegion, LocalBuffer, Sequence[LocalBuffer]]  # what a work request's local side may be
 _batching: contextvars.ContextVar[tuple[QueuePair, ...]] = contextvars.ContextVar("aiofabric_batching", default=())
 
@@ -153,7 +155,7 @@ class QueuePair(QueuePairLife):
     # -- many at once ------------------------------------------------------------------------------------------------
     async def post_many(self, verb: str, local: MemoryRegion | LocalBuffer, remote: RemoteRegion | MemoryRegion | None,
                         size: int, offsets: Sequence[int], *, remote_offsets: Sequence[int] | None = None,
-                        imm: int | None = None, signal: Iterable[int] = ()) -> list[Completion]:
+                        imm: int | None = None, signal: Iterable[int] = NO_SIGNAL) -> list[Completion]:
         """Post len(`offsets`) work requests of one kind at once (perftest's post list, ibverbs' chained WRs): the
         i-th moves `size` bytes at `local_offset` `offsets[i]` to (write, write_with_imm) or from (read)
         `remote` at `remote_offsets[i]` (default: `offsets`), or sends them (send, with `imm` if given). They are
@@ -166,7 +168,8 @@ class QueuePair(QueuePairLife):
         kind = VERBS.get(verb)
         if kind is None:
             raise ValueError(f"post_many: verb must be one of {sorted(VERBS)}, not {verb!r}")
-        offsets = _integers("offsets", offsets)
+        if type(offsets) is not range:
+            offsets = _integers("offsets", offsets)
         count = len(offsets)
         if remote_offsets is None:
             remote_offsets = offsets
@@ -201,12 +204,12 @@ class QueuePair(QueuePairLife):
         elif remote is None:
             raise ValueError(f"post_many: {verb} needs a remote region")
         else:
-            lo, hi = span(remote_offsets)
+            lo, hi = (lo, hi) if remote_offsets is offsets else span(remote_offsets)
             if lo < 0:
                 raise ValueError(f"post_many: remote offset {lo} is negative")
             remote_address(remote, hi, size)  # its length and the 64-bit address
             address, rkey = remote.addr, remote.rkey
-        marks = sorted(set(_integers("signal", signal)))
+        marks = [] if signal is NO_SIGNAL else sorted(set(_integers("signal", signal)))
         if marks and not 0 <= marks[0] <= marks[-1] < count:
             raise ValueError(f"post_many: signal indexes must be in [0, {count}), not {marks}")
         sq = self.send_queue

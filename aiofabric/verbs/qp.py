@@ -352,6 +352,7 @@ class QueuePairLife:
         self._free_memory()
 
     def _free_memory(self) -> None:
+        self.send_queue.close()  # its numpy arrays over the ring hold the memory mapped
         self.sq.free()
         self.rq.free()
         for buffer in self.read_queues:

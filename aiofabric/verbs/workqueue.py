@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import collections
 import itertools
-import struct
 from typing import Any, Sequence
 
-import numpy as np
-
+from .sq_runs import ADDRESS_MAX, RunWriter, addresses
 from ..autogen import bnxt
 from ..hw.verbs import PSN_MASK, psn_count
 from ..hw.wqe import (ATOMIC_WQE_TYPES, MSN_ENTRY, PSN_SEARCH_ENTRY, RDMA_WQE_TYPES, RQ_WQE_HEADER, RQ_WQE_HEADER_SLOTS,
@@ -35,25 +33,18 @@ INLINE = bnxt.SQ_SEND_FLAGS_INLINE
 SLOT_SHIFT = SQ_SLOT.bit_length() - 1
 RECV_TAG_MASK = bnxt.CQ_RES_RC_SRQ_OR_RQ_WR_ID_MASK
 Sge = tuple[int, int, int]  # (address, lkey, length): one scatter/gather element
-ADDRESS_MAX, KEY_MAX = (1 << 64) - 1, (1 << 32) - 1  # an SGE's and an RETH's address; a key, an SGE's length
+KEY_MAX = (1 << 32) - 1  # a key, an SGE's length (ADDRESS_MAX: an SGE's and an RETH's address)
 
 # The one-SGE paths inline msn_entry (a call per WQE is ~10% of a post; tests/unit/test_workqueue.py holds them to it)
 _PACK_ONE = SQ_RDMA_HEADER_AND_SGE.pack_into
 _PACK_MSN = MSN_ENTRY.pack_into
+_PACK_PSN, _PSN_BYTES = PSN_SEARCH_ENTRY.pack_into, PSN_SEARCH_ENTRY.size
 _ONE_BYTES = SQ_RDMA_HEADER_AND_SGE.size
 _ONE_SLOTS = SQ_WQE_HEADER_SLOTS + 1
 _MSN_SHIFT = MSN_ENTRY.size.bit_length() - 1
 _SP, _NP = bnxt.SQ_MSN_SEARCH_START_PSN_SFT, bnxt.SQ_MSN_SEARCH_NEXT_PSN_SFT  # PSNs are already 24-bit
 _SI_FROM_OFFSET, _SI_MASK = bnxt.SQ_MSN_SEARCH_START_IDX_SFT - SLOT_SHIFT, bnxt.SQ_MSN_SEARCH_START_IDX_MASK
-# Long runs are written as arrays of the WQE's 64-bit words: where the two addresses and the flags byte sit, read
-# off the layout by packing probes
-VECTOR_RUN = 24  # WQEs from which a run is written as arrays (~15 us a run of 32; one by one, ~0.7 us a WQE)
-_WORD = np.dtype("<u8")
-_PROBE = np.frombuffer(SQ_RDMA_HEADER_AND_SGE.pack(0, 0, 0, 0, 0, 1, 0, 0, 2, 0, 0), _WORD)
-_REMOTE_WORD, _LOCAL_WORD = int(np.flatnonzero(_PROBE == 1)[0]), int(np.flatnonzero(_PROBE == 2)[0])
-_FLAGS_PROBE = np.frombuffer(SQ_RDMA_HEADER_AND_SGE.pack(0, SIGNAL, 0, 0, 0, 0, 0, 0, 0, 0, 0), _WORD)
-_FLAGS_WORD = int(np.flatnonzero(_FLAGS_PROBE)[0])
-_SIGNAL_BITS = _FLAGS_PROBE[_FLAGS_WORD]
+VECTOR_RUN = 24  # WQEs from which a run is written at once (sq_runs.py), not one by one (bench/RESULTS.md)
 
 
 class SendQueueCodec:
@@ -81,6 +72,7 @@ class SendQueueCodec:
         self.ends_mask = len(self.ends) - 1
         self.mtu = 1024
         self.pending: collections.deque[tuple[int, Any]] = collections.deque()  # (WQE number + 1, token)
+        self.runs: RunWriter | None = None  # made at the first run written at once
         self.reset(0)
 
     def reset(self, psn: int) -> None:
@@ -179,18 +171,24 @@ class SendQueueCodec:
         if self.slots - (start - self.consumer) < taken or self.posted - self.retired >= self.max_wqes:
             return False
         offset = (start & self.slot_mask) << SLOT_SHIFT
-        if offset > self.ring_bytes - _ONE_BYTES or not self.host_msn:
+        if offset > self.ring_bytes - _ONE_BYTES:  # it wraps
             self.post(wqe_type, ((address, lkey, length),), length, remote_va, rkey, imm, signaled, token)
             return True
         run = self.unsignaled_run
         flags = SIGNAL if signaled or run >= self.max_unsignaled else 0
-        view, psn, mtu, msn = self.view, self.psn, self.mtu, self.msn
+        view, psn, mtu = self.view, self.psn, self.mtu
         _PACK_ONE(view, offset, wqe_type, flags, _ONE_SLOTS, imm, length, remote_va, rkey, 0, address, lkey, length)
         self.unsignaled_run = 0 if flags else run + 1
         self.psn = next_psn = (psn + (length + mtu - 1) // mtu) & PSN_MASK
-        _PACK_MSN(view, self.ring_bytes + ((msn & self.table_mask) << _MSN_SHIFT),
-                  psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
-        self.msn = msn + 1
+        if self.host_msn:
+            msn = self.msn
+            _PACK_MSN(view, self.ring_bytes + ((msn & self.table_mask) << _MSN_SHIFT),
+                      psn << _SP | next_psn << _NP | (offset << _SI_FROM_OFFSET & _SI_MASK))
+            self.msn = msn + 1
+        else:  # the PSN search table's entry, where the WQE's start slot says
+            slot = offset >> SLOT_SHIFT
+            _PACK_PSN(view, self.ring_bytes + (slot >> self.unit_shift) * _PSN_BYTES,
+                      *psn_search_values(wqe_type, psn, next_psn, slot))
         self.producer = end = start + taken
         self.posted = number = self.posted + 1
         self.ends[(number - 1) & self.ends_mask] = end
@@ -199,28 +197,15 @@ class SendQueueCodec:
 
     def post_run(self, wqe_type: int, address: int, lkey: int, remote_va: int, rkey: int, length: int,
                  offsets: Sequence[int], remote_offsets: Sequence[int], imm: int, tokens: dict[int, Any]) -> None:
-        """len(`offsets`) WQEs of one SGE each in one pass: the i-th moves `length` bytes at `address + offsets[i]`
-        (to or from `remote_va + remote_offsets[i]` for RDMA types). WQE i is signaled, with token `tokens[i]`, when
-        `tokens` has it (give the last one a token: its CQE retires the run); the others only when the unsignaled
-        run reaches its bound. The caller checked `room`. A value a WQE cannot hold raises struct.error and posts
-        none of them."""
+        """len(`offsets`) WQEs of one SGE each (none if `length` is 0) in one pass: the i-th moves `length` bytes at
+        `address + offsets[i]` (to or from `remote_va + remote_offsets[i]` for RDMA types). WQE i is signaled, with
+        token `tokens[i]`, when `tokens` has it (give the last one a token: its CQE retires the run); the others only
+        when the unsignaled run reaches its bound. The caller checked `room`. A value a WQE cannot hold raises
+        struct.error and posts none of them. Short runs are packed one by one, longer ones written at once
+        (`VECTOR_RUN`, sq_runs.py)."""
         rdma = wqe_type in RDMA_WQE_TYPES
-        if not length or not self.host_msn:  # the rarer WQEs: one at a time
-            saved = (self.producer, self.posted, self.psn, self.msn, self.unsignaled_run, len(self.pending))
-            try:
-                for i, local in enumerate(offsets):
-                    token = tokens.get(i)
-                    sges = ((address + local, lkey, length),) if length else ()
-                    self.post(wqe_type, sges, length, remote_va + remote_offsets[i] if rdma else 0, rkey, imm,
-                              token is not None, token)
-            except BaseException:
-                self.producer, self.posted, self.psn, self.msn, self.unsignaled_run, kept = saved
-                while len(self.pending) > kept:
-                    self.pending.pop()
-                raise
-            return
-        if len(offsets) >= VECTOR_RUN and not self.static_slots:
-            self._post_run_vector(wqe_type, address, lkey, remote_va, rkey, length, offsets, remote_offsets, imm,
+        if len(offsets) >= VECTOR_RUN or not length or not self.host_msn:
+            self._post_run_at_once(wqe_type, address, lkey, remote_va, rkey, length, offsets, remote_offsets, imm,
                                   tokens, rdma)
             return
         view, slot_mask, table_mask, cap = self.view, self.slot_mask, self.table_mask, self.max_unsignaled
@@ -258,45 +243,37 @@ class SendQueueCodec:
         self._ends(number, first, taken, count)
         self.producer, self.psn, self.msn, self.posted, self.unsignaled_run = start, psn, msn, number + count, run
 
-    def _post_run_vector(self, wqe_type: int, address: int, lkey: int, remote_va: int, rkey: int, length: int,
+    def _post_run_at_once(self, wqe_type: int, address: int, lkey: int, remote_va: int, rkey: int, length: int,
                          offsets: Sequence[int], remote_offsets: Sequence[int], imm: int, tokens: dict[int, Any],
                          rdma: bool) -> None:
-        """post_run's long runs (variable WQEs, MSN table): the run's WQEs as rows of 64-bit words and its MSN entries
-        as one array, each written with at most two slice copies (the run is consecutive slots, wrapping once).
-        About as costly as 20 WQEs one by one whatever the run's length (bench/RESULTS.md)."""
+        """post_run in one step (sq_runs.py): the run's WQEs, then their search-table entries."""
+        runs = self.runs
+        if runs is None:
+            runs = self.runs = RunWriter(self.geometry, self.view)
         count = len(offsets)
-        local = _words("offset", offsets, address)
-        remote = _words("remote offset", remote_offsets, remote_va) if rdma else None
-        row = np.frombuffer(SQ_RDMA_HEADER_AND_SGE.pack(wqe_type, 0, _ONE_SLOTS, imm, length, 0, rkey if rdma else 0,
-                                                        0, 0, lkey, length), _WORD)  # struct.error: nothing changed
-        signaled, run = _signaled(sorted(tokens), count, self.unsignaled_run, self.max_unsignaled)
-        rows = np.empty((count, len(row)), _WORD)
-        rows[:] = row
-        rows[:, _LOCAL_WORD] = local
-        if remote is not None:
-            rows[:, _REMOTE_WORD] = remote
-        for i in signaled:  # a few: cheaper one by one than by a fancy index
-            rows[i, _FLAGS_WORD] |= _SIGNAL_BITS
+        template = runs.template(wqe_type, imm, length, rkey if rdma else 0, lkey if length else 0)
+        local = addresses("offset", offsets, address) if length else None
+        remote = addresses("remote offset", remote_offsets, remote_va) if rdma else None
+        marks = sorted(tokens)
+        signaled, run = _signaled(marks, count, self.unsignaled_run, self.max_unsignaled)
+        taken = self.static_slots or SQ_WQE_HEADER_SLOTS + (1 if length else 0)
         first, psn, npsn = self.producer, self.psn, psn_count(length, self.mtu)
         start = first & self.slot_mask
-        ring = np.frombuffer(self.view, _WORD, self.slots * SQ_SLOT // 8)  # made per run: no export outlives it
-        _copy_wrapping(ring, start * (SQ_SLOT // 8), rows.reshape(-1))
-        psns = np.arange(psn, psn + count * npsn, npsn, dtype=_WORD)
-        nexts = psns + npsn
-        if psn + count * npsn > PSN_MASK:  # the run's PSNs wrap
-            psns &= PSN_MASK
-            nexts &= PSN_MASK
-        starts = np.arange(start, start + count * _ONE_SLOTS, _ONE_SLOTS, dtype=_WORD)
-        if start + count * _ONE_SLOTS > self.slots:  # the run's slots wrap
-            starts &= self.slot_mask
-        entries = psns << _SP | nexts << _NP | (starts << _SI_FROM_OFFSET + SLOT_SHIFT) & _SI_MASK
-        table = np.frombuffer(self.view, _WORD, self.table_mask + 1, self.ring_bytes)
-        _copy_wrapping(table, self.msn & self.table_mask, entries)
+        runs.wqes(template, count, local, remote, signaled, start, taken)
+        runs.search_entries(wqe_type, count, psn, npsn, self.msn, start, taken)
         number = self.posted
-        self.pending.extend((number + i + 1, tokens[i]) for i in sorted(tokens))
-        self._ends(number, first, _ONE_SLOTS, count)
-        self.producer, self.posted, self.msn = first + _ONE_SLOTS * count, number + count, self.msn + count
+        self.pending.extend([(number + i + 1, tokens[i]) for i in marks])
+        self._ends(number, first, taken, count)
+        self.producer, self.posted = first + taken * count, number + count
+        if self.host_msn:
+            self.msn += count
         self.psn, self.unsignaled_run = (psn + npsn * count) & PSN_MASK, run
+
+    def close(self) -> None:
+        """Drop the numpy arrays over the ring's memory (before it is freed: they hold it mapped)."""
+        if self.runs is not None:
+            self.runs.close()
+            self.runs = None
 
     def _ends(self, number: int, first: int, taken: int, count: int) -> None:
         """Record the end slots of `count` WQEs of `taken` slots each, numbered from `number`, starting at `first`."""
@@ -359,23 +336,6 @@ class SendQueueCodec:
         return tokens
 
 
-def span(values: Sequence[int]) -> tuple[int, int]:
-    """(smallest, largest) of a non-empty sequence; a range's without walking it."""
-    if isinstance(values, range):
-        return (values[0], values[-1]) if values.step > 0 else (values[-1], values[0])
-    return min(values), max(values)
-
-
-def _words(name: str, offsets: Sequence[int], base: int) -> np.ndarray:
-    """`base + offsets` as 64-bit words; struct.error (what packing them would raise) when one does not fit."""
-    low, high = span(offsets)
-    if base + low < 0 or base + high > ADDRESS_MAX:
-        raise struct.error(f"an address ({name} {low} or {high} from {base:#x}) does not fit 64 bits")
-    if isinstance(offsets, range):
-        return np.arange(base + offsets.start, base + offsets.stop, offsets.step, dtype=_WORD)
-    return np.array(offsets, dtype=_WORD) + np.uint64(base)
-
-
 def _signaled(marks: list[int], count: int, run: int, cap: int) -> tuple[list[int], int]:
     """Which of `count` WQEs are signaled: the marked ones, and one whenever `cap` unsignaled ones ran (the rule
     post_one and post apply one by one); and the unsignaled run after the last."""
@@ -390,13 +350,6 @@ def _signaled(marks: list[int], count: int, run: int, cap: int) -> tuple[list[in
             signaled.append(mark)
             run, i = 0, mark + 1
     return signaled, run
-
-
-def _copy_wrapping(ring: np.ndarray, at: int, words: np.ndarray) -> None:
-    """Copy `words` into `ring` from index `at`, going on at 0 past the end."""
-    head = min(len(words), len(ring) - at)
-    ring[at:at + head] = words[:head]
-    ring[:len(words) - head] = words[head:]
 
 
 class RecvQueueCodec:

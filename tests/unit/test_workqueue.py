@@ -275,7 +275,7 @@ class Twin:
 @settings(max_examples=40, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(0, 1), st.sampled_from([WRITE, READ, SEND]), st.integers(0, 5000),
                                 st.lists(st.integers(0, 1 << 30), min_size=1, max_size=60), st.booleans()),
-                      min_size=1, max_size=12))  # runs of 24 and more are written as arrays (VECTOR_RUN)
+                      min_size=1, max_size=12))  # runs of 24 and more are written at once (VECTOR_RUN)
 def test_the_fast_paths_write_what_post_writes(layout, steps):
     twin = Twin(GEOMETRIES[layout])
     for one, kind, length, offsets, signaled in steps:
