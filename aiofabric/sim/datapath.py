@@ -58,11 +58,14 @@ from typing import Any, Callable
 from . import packets as pk
 from .hwrm import Firmware
 from .objects import CompletionQueue, QueuePair
-from .packets import ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, RESPONSE_FIRST
+from .native import core
+from .nativeio import Arrivals
+from .packets import ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, RESPONSE_FIRST, WRITE_FIRST, WRITE_ONLY
 from .placement import PlacedCounts, PlacementFaults
 from .qpport import Address, Outgoing
 from .requester import Requester
 from .responder import Responder
+from .writeruns import place_run
 from ..autogen import bnxt
 from ..hw.cqe import CQE_TYPE_OFFSET, cqe_type
 from ..hw.verbs import QPState
@@ -161,6 +164,7 @@ class Datapath:
         self.last_error = ""
         self.placed: dict[int, PlacedCounts] = {}  # by QPN; an entry whose qp is not the live one is stale
         self.faults = PlacementFaults(self.stats)  # deliberate bugs for tests that prove a verification can fail
+        self.core = core()  # the compiled core receive_arrivals places WRITE runs with, if it can be had
 
     # -- contexts ----------------------------------------------------------------------------------------------------
     def context(self, qpn: int) -> QpContext | None:
@@ -269,47 +273,88 @@ class Datapath:
 
     def receive(self, packets: list[pk.Packet], now: float) -> None:
         """Process a batch of received packets, then send the ACKs it earned (one per QP)."""
-        contexts, qps, stats, ip = self.contexts, self.rcfw.qps, self.stats, self.ip
-        stats["packets_received"] += len(packets)
+        self.stats["packets_received"] += len(packets)
         i, count = 0, len(packets)
         while i < count:
             p = packets[i]
             i += 1
             try:
-                qpn = p.dest_qp
-                ctx = contexts.get(qpn)
-                if ctx is None or ctx.qp is not qps.get(qpn):
-                    ctx = self.context(qpn)
-                    if ctx is None:
-                        stats["dropped"] += 1
-                        stats["dropped_no_qp"] += 1
-                        continue
+                ctx = self._addressed(p.dest_qp, p.opcode, p.src_ip, p.dst_ip)
+                if ctx is None:
+                    continue
                 op = p.opcode
-                state = ctx.qp.state
-                request = not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE  # for the responder; else the requester
-                # rxe_recv.c check_type_state: requests need a receiving QP (RTR, RTS, SQD), responses a sending one
-                if not (state == RTS or state == SQD or request and state == RTR):
-                    stats["dropped"] += 1
-                    stats["dropped_qp_state"] += 1
-                # check_addr: a connected QP takes packets only from the peer it was connected to (the DGID of
-                # MODIFY_QP), addressed to us; anything else is dropped without an answer, before its PSN is looked at
-                elif p.src_ip != ctx.peer_ip or p.dst_ip != ip:
-                    stats["dropped"] += 1
-                    stats["dropped_bad_source"] += 1
-                elif request:
+                if not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE:
                     i = ctx.responder.on_requests(packets, i - 1, now)
-                elif op == ACKNOWLEDGE:
-                    ctx.requester.on_acknowledge(p, now)
-                    ctx.wake()
-                elif op == ATOMIC_ACKNOWLEDGE:
-                    ctx.requester.on_atomic_acknowledge(p, now)
-                    ctx.wake()
                 else:
-                    ctx.requester.on_read_response(p, now)
-                    ctx.wake()
+                    self._answer(ctx, p, op, now)
             except Exception as exc:
                 self._internal_error(exc)
         self.flush_acks()
+
+    def receive_arrivals(self, batch: Arrivals, now: float) -> None:
+        """receive() for datagrams as the compiled core parsed them: runs of RDMA WRITE packets are placed by the
+        core (writeruns.py), every other packet as receive() handles it, made a Packet first."""
+        self.stats["packets_received"] += batch.good
+        core, ip, i, count = self.core, self.ip, 0, batch.count
+        while i < count:
+            r = batch.record(i)
+            if r[18]:  # dropped by the transport's checks
+                i += 1
+                continue
+            try:
+                op = r[0]
+                ctx = self._addressed(r[1], op, batch.receiver.source(r[19]), ip)
+                if ctx is None:
+                    i += 1
+                    continue
+                if not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE:
+                    if core is not None and WRITE_FIRST <= op <= WRITE_ONLY:
+                        end = place_run(core, ctx.responder, batch, i, r)
+                        if end > i:
+                            i = end
+                            continue
+                    ctx.responder.on_request(batch.packet(i, r), now)
+                else:
+                    self._answer(ctx, batch.packet(i, r), op, now)
+            except Exception as exc:
+                self._internal_error(exc)
+            i += 1
+        self.flush_acks()
+
+    def _addressed(self, qpn: int, op: int, src_ip: str, dst_ip: str) -> QpContext | None:
+        """The context of the QP a packet is for, if it may take the packet (else the drop is counted)."""
+        ctx = self.contexts.get(qpn)
+        if ctx is None or ctx.qp is not self.rcfw.qps.get(qpn):
+            ctx = self.context(qpn)
+            if ctx is None:
+                self.stats["dropped"] += 1
+                self.stats["dropped_no_qp"] += 1
+                return None
+        state = ctx.qp.state
+        request = not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE  # for the responder; else the requester
+        # rxe_recv.c check_type_state: requests need a receiving QP (RTR, RTS, SQD), responses a sending one
+        if not (state == RTS or state == SQD or request and state == RTR):
+            self.stats["dropped"] += 1
+            self.stats["dropped_qp_state"] += 1
+            return None
+        # check_addr: a connected QP takes packets only from the peer it was connected to (the DGID of MODIFY_QP),
+        # addressed to us; anything else is dropped without an answer, before its PSN is looked at
+        if src_ip != ctx.peer_ip or dst_ip != self.ip:
+            self.stats["dropped"] += 1
+            self.stats["dropped_bad_source"] += 1
+            return None
+        return ctx
+
+    @staticmethod
+    def _answer(ctx: QpContext, p: pk.Packet, op: int, now: float) -> None:
+        """A response to the QP's requester: an ACK or NAK, an atomic's acknowledgement, READ data."""
+        if op == ACKNOWLEDGE:
+            ctx.requester.on_acknowledge(p, now)
+        elif op == ATOMIC_ACKNOWLEDGE:
+            ctx.requester.on_atomic_acknowledge(p, now)
+        else:
+            ctx.requester.on_read_response(p, now)
+        ctx.wake()
 
     def flush_acks(self) -> None:
         for flush_ack in self.acks_due:

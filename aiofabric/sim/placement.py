@@ -8,6 +8,7 @@ from typing import Union
 
 from .dma import ACCESS_ERRORS, Buffer, map_remote
 from .memory import BusMemory
+from .native import address
 from .objects import MemoryRegion, QueuePair
 from .packets import Packet
 from ..hw.verbs import MRAccess
@@ -24,6 +25,37 @@ class _Discard:
 
 DISCARD = _Discard()
 Target = Union[Buffer, _Discard]  # where a message's payload lands
+
+
+class KnownRegion:
+    """A region a responder writes through, as the compiled core takes it (writeruns.py): one piece of host memory
+    the QP's PD may write, its address in this process, and what it was when learned."""
+
+    __slots__ = ("rkey", "region", "pages", "access", "pd", "va", "size", "whole", "at")
+
+    def __init__(self, rkey: int, region: MemoryRegion, whole: memoryview) -> None:
+        self.rkey, self.region, self.whole, self.at = rkey, region, whole, address(whole)
+        self.pages, self.access, self.pd, self.va, self.size = (region.pages, region.access, region.pd, region.va,
+                                                                 region.size)
+
+    @classmethod
+    def learn(cls, mrs: dict[int, MemoryRegion], mem: BusMemory, rkey: int, pd: int) -> KnownRegion | None:
+        """The region `rkey` names, if `pd` may write all of it and it is one piece of host memory (what map_remote
+        finds for a WRITE into it, a slice of `whole`)."""
+        region = mrs.get(rkey)
+        if region is None or region.pages is None or not region.size:
+            return None
+        whole = region.view(region.va, region.size, MR_REMOTE_WRITE, pd)
+        if whole is None:
+            region.views(mem, region.va, 0)  # its first use works out whether it is one piece (map_remote does too)
+            whole = region.view(region.va, region.size, MR_REMOTE_WRITE, pd)
+        return cls(rkey, region, whole) if whole is not None else None
+
+    def holds(self, mrs: dict[int, MemoryRegion]) -> bool:
+        """The region is still what map_remote would find under this key, unchanged."""
+        region = self.region
+        return (mrs.get(self.rkey) is region and region.pages is self.pages and region.access == self.access
+                and region.pd == self.pd and region.va == self.va and region.size == self.size)
 
 
 class PlacedCounts:

@@ -46,6 +46,11 @@ class Port:
     up: bool = False  # the one attribute the data path reads per batch of packets
     speed: int = 0  # PORT_PHY_QCFG's link_speed code while the link is up
 
+    @property
+    def carries_all(self) -> bool:
+        """carried() would return whatever it is given: the link is up and no packet is too long for the port."""
+        return self.up and self.mtu >= _LARGEST_FRAME
+
     def carried(self, items: list[Item]) -> list[Item]:
         """What of `items` (packets sent or received) the port carries."""
         if not self.up:
