@@ -60,9 +60,9 @@ from .hwrm import Firmware
 from .objects import CompletionQueue, QueuePair
 from .native import core
 from .nativeio import Arrivals
-from .packets import ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, RESPONSE_FIRST, WRITE_FIRST, WRITE_ONLY
+from .packets import ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, RESPONSE_FIRST, WRITE_FIRST, WRITE_ONLY, Outgoing
 from .placement import PlacedCounts, PlacementFaults
-from .qpport import Address, Outgoing
+from .qpport import Address
 from .requester import Requester
 from .responder import Responder
 from .writeruns import place_run
@@ -84,7 +84,7 @@ class QpContext:
         self.dp, self.qp = dp, qp
         self.mem, self.mrs, self.stats, self.outbox, self.faults = dp.mem, dp.mrs, dp.stats, dp.outbox, dp.faults
         self.pcie = dp.pcie
-        self.post_cqe, self.acks_due = dp.post_cqe, dp.acks_due
+        self.post_cqe, self.acks_due, self.core = dp.post_cqe, dp.acks_due, dp.core
         self.address: Address = (0, 0, "", "", 0, 0, 0)
         self.peer_ip = ""  # the only source address this QP accepts packets from (receive(): check_addr)
         self.refresh()
@@ -411,6 +411,7 @@ class Datapath:
         report = {}
         for qpn, ctx in self.contexts.items():
             r, s = ctx.requester, ctx.responder
+            r.materialise()  # the block's WQEs counted as the SendWqes they stand for
             report[str(qpn)] = {
                 "state": ctx.qp.state.name, "timeout": ctx.qp.timeout, "retry_cnt": ctx.qp.retry_cnt,
                 "wqes_outstanding": len(r.wqes) - r.done, "unsent": len(r.wqes) - r.send,

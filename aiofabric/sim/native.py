@@ -40,6 +40,7 @@ log = logging.getLogger("aiofabric.sim")
 TX_SIZE = 128
 TX_SEGMENTS = struct.Struct("<5BIIIIQIQII?IIQHIIHHHQ")
 TX_PACKET = struct.Struct("<7BIIHQIIBIIQQQQIIIHHHQ")
+TX_BURST = struct.Struct("<BQIIIIIIHIIHHHQ")  # kind 2, rows, packet, count, noack, ack_every, mtu, dest QP, P_Key, ...
 # A received datagram, parsed (wirecore.c `struct record`): Packet's fields up to `immediate` in its order, then
 # migreq, swap_add, compare, original, status (RX_DROPS), source IPv4 address and port, where the payload is in the
 # datagram and its length.
@@ -83,6 +84,18 @@ class Core:
         self.place_writes = library.wc_place_writes
         self.place_writes.argtypes = [p, p, i32, i32, p, u32]
         self.place_writes.restype = i32
+        self.sq_format = library.wc_sq_format
+        self.sq_format.argtypes = [ctypes.c_char_p]
+        self.sq_format.restype = None
+        self.sq_parse = library.wc_sq_parse
+        self.sq_parse.argtypes = [p]
+        self.sq_parse.restype = None
+        self.pump = library.wc_pump
+        self.pump.argtypes = [p]
+        self.pump.restype = None
+        self.retire = library.wc_retire
+        self.retire.argtypes = [p, i32, i32, u32, p, p]
+        self.retire.restype = i32
         self.crc32 = library.wc_crc32
         self.crc32.argtypes = [u32, ctypes.c_char_p, ctypes.c_uint64]
         self.crc32.restype = u32

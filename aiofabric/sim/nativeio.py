@@ -12,8 +12,9 @@ import struct
 from typing import Any
 
 from . import mmsg
-from .native import RECORD, RX_DROPS, TX_PACKET, TX_SEGMENTS, TX_SIZE, WRITE_RUN, Core, address
-from .packets import ROCE_PORT, Packet, Segments
+from .native import RECORD, RX_DROPS, TX_BURST, TX_PACKET, TX_SEGMENTS, TX_SIZE, WRITE_RUN, Core, address
+from .packets import ROCE_PORT, Outgoing, Packet, Segments, expand
+from .wqeblock import Burst
 
 DESCRIPTORS = 256  # descriptors packed before the core encodes them
 MALFORMED = frozenset(i for i, name in enumerate(RX_DROPS) if name not in ("", "dropped_source_port", "dropped_icrc"))
@@ -38,7 +39,7 @@ class NativeSender:
         self.descriptors_at = address(self.descriptors)
         self.cursor = (ctypes.c_int32 * 3)()  # descriptor, its packet, and 1 when the core refused that descriptor
         self.cursor_at = ctypes.addressof(self.cursor)
-        self.items: list[Packet | Segments] = []  # what the descriptors stand for
+        self.items: list[Outgoing] = []  # what the descriptors stand for
         self.words: dict[str, int] = {}
         self.source = ip_word(ip, self.words)
 
@@ -46,20 +47,24 @@ class NativeSender:
     def full(self) -> bool:
         return len(self.items) == DESCRIPTORS
 
-    def add(self, item: Packet | Segments) -> bool:
+    def add(self, item: Outgoing) -> bool:
         """Stamp `item` with the addressing the UDP wire carries and describe it for the core; False (nothing
         described) when its bytes are not in writable memory the core can read or a field does not fit."""
         item.src_ip, item.src_port, item.dst_port, item.ip_id = self.ip, ROCE_PORT, ROCE_PORT, 0  # as _stamp does
         try:
             name = self.sender.destination(item.dst_ip, ROCE_PORT)
             words, at = self.words, len(self.items) * TX_SIZE
-            if isinstance(item, Segments):
+            if isinstance(item, Burst):
+                TX_BURST.pack_into(self.descriptors, at, 2, address(item.rows), item.pkt, item.count, item.noack,
+                                   item.ack_every, item.mtu, item.dest_qp, item.pkey, self.source,
+                                   ip_word(item.dst_ip, words), ROCE_PORT, ROCE_PORT, 0, name)
+            elif isinstance(item, Segments):
                 data = address(item.data) if item.dma_length else 0
                 TX_SEGMENTS.pack_into(self.descriptors, at, 0, *item.opcodes, item.dest_qp, item.first_psn,
                                       item.npkts, item.mtu, data, item.dma_length, item.remote_addr, item.rkey,
                                       item.immediate, item.solicited, item.start, item.count, item.acks, item.pkey,
                                       self.source, ip_word(item.dst_ip, words), ROCE_PORT, ROCE_PORT, 0, name)
-            else:
+            elif isinstance(item, Packet):
                 payload = item.payload
                 data = address(payload) if len(payload) else 0
                 TX_PACKET.pack_into(self.descriptors, at, 1, item.opcode, item.ack_req, item.solicited, item.migreq,
@@ -67,6 +72,8 @@ class NativeSender:
                                     item.rkey, item.dma_length, item.syndrome, item.msn, item.immediate,
                                     item.swap_add, item.compare, item.original, data, len(payload), self.source,
                                     ip_word(item.dst_ip, words), ROCE_PORT, ROCE_PORT, 0, name)
+            else:  # a MessageRun of another kind: the Python path
+                return False
         except (TypeError, ValueError, struct.error, OSError):  # ScatterGather or bytes data; a field out of range
             return False
         self.items.append(item)
@@ -82,10 +89,10 @@ class NativeSender:
         refused: list[Packet] = []
         if cursor[2]:  # never for what the data path makes; the codec raises for it, as it always did
             item = self.items[cursor[0]]
-            if isinstance(item, Segments):
-                refused = [item.packet(k) for k in range(item.start + cursor[1], item.start + item.count)]
-            else:
+            if isinstance(item, Packet):
                 refused = [item]
+            else:
+                refused = expand([item])[cursor[1]:]
             cursor[0], cursor[1] = cursor[0] + 1, 0
         return filled, refused
 

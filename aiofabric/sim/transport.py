@@ -28,7 +28,7 @@ from typing import Any
 from .codec import BadPacket, IcrcMismatch, encode, encode_ipv4_header
 from .faults import FaultInjector, Faults
 from .nativeio import Arrivals
-from .packets import Packet, Segments, expand
+from .packets import Outgoing, Packet, expand
 from .pcap import PcapWriter
 
 log = logging.getLogger("aiofabric.sim")
@@ -100,7 +100,7 @@ class Transport:
         else:
             self._put(packet, udp_payload)
 
-    def send_all(self, packets: list[Packet | Segments]) -> None:
+    def send_all(self, packets: list[Outgoing]) -> None:
         """Send `packets` in order. One the socket refuses (unreachable, too big for DF, ...) is lost and counted."""
         for packet in expand(packets):
             try:
@@ -170,7 +170,7 @@ class Transport:
 
     # What subclasses provide.
 
-    def _stamp(self, packet: Packet | Segments) -> None:
+    def _stamp(self, packet: Outgoing) -> None:
         """Set the header fields this transport's wire will actually carry, which the ICRC covers."""
         packet.src_ip = self.ip
 

@@ -11,7 +11,7 @@ from . import mmsg, native
 from .codec import decode, encode_into, encode_ipv4_header, encode_segments_into
 from .faults import Faults
 from .nativeio import Arrivals, NativeReceiver, NativeSender
-from .packets import ROCE_PORT, Packet, Segments
+from .packets import ROCE_PORT, Outgoing, Packet, Segments, segmented
 from .pcap import PcapWriter
 from .transport import MAX_DATAGRAM, TX_HEADROOM, ForeignSource, Transport
 
@@ -123,7 +123,7 @@ class UdpTransport(Transport):
         super().close()
         self._socket.close()
 
-    def _stamp(self, packet: Packet | Segments) -> None:
+    def _stamp(self, packet: Outgoing) -> None:
         packet.src_ip, packet.src_port, packet.dst_port, packet.ip_id = self.ip, ROCE_PORT, ROCE_PORT, 0
         # TOS and TTL are the socket's: set them when a packet asks for others (DSCP marking), so captures are true.
         if packet.tos != self._tos:
@@ -133,7 +133,7 @@ class UdpTransport(Transport):
             self._socket.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, packet.ttl)
             self._ttl = packet.ttl
 
-    def send_all(self, packets: list[Packet | Segments]) -> None:
+    def send_all(self, packets: list[Outgoing]) -> None:
         """Encode packets straight into the sender's slots and send each burst with one system call.
 
         Faults and the pcap tap need each packet on its own, and so does a packet larger than a slot or one asking for
@@ -150,7 +150,7 @@ class UdpTransport(Transport):
         ip, tos, ttl = self.ip, self._tos, self._ttl
         run: list[int] = []  # the lengths of the last slots filled, all for `destination`
         staged, destination = 0, ""
-        for item in packets:
+        for item in segmented(packets):
             if item.tos != tos or item.ttl != ttl \
                     or (len(item.payload) if isinstance(item, Packet) else item.mtu) > room:
                 staged, run = self._send_slots(sender, staged, run, destination), []
@@ -179,7 +179,7 @@ class UdpTransport(Transport):
                 staged, run = self._send_slots(sender, staged, run, destination), []
         self._send_slots(sender, staged, run, destination)
 
-    def _send_native(self, packets: list[Packet | Segments], out: NativeSender) -> None:
+    def _send_native(self, packets: list[Outgoing], out: NativeSender) -> None:
         """send_all through the compiled core: the packets described, then encoded into the slots and sent a slotful
         at a time. What the core cannot take (socket options other than the burst's, a packet larger than a slot,
         bytes not in writable memory) goes the one-at-a-time way, in order."""

@@ -22,6 +22,19 @@ static uint32_t crc_table[8][256]; /* slice-by-8, otherwise */
 static uint8_t layout[256], header_size[256];
 static uint8_t write_first, write_middle, write_last, write_only; /* RDMA WRITE opcodes without immediate */
 
+/* The send queue's format (hw/wqe.py, sendqueue.py), as wqeblock.py tells wc_sq_format. */
+#pragma pack(push, 1)
+struct sq_format {
+    uint32_t slot, header_slots, static_slots; /* SQ_SLOT, SQ_WQE_HEADER_SLOTS, SQ_STATIC_WQE_SLOTS */
+    /* byte offsets in a WQE's first three slots: type, flags, size, immediate, length, remote VA and key, SGE */
+    uint32_t type_at, flags_at, size_at, imm_at, length_at, remote_va_at, rkey_at, va_at, lkey_at, sge_size_at;
+    uint8_t signal, fence, solicit, inline_data; /* flag bits */
+    uint8_t rdma[256]; /* WQE type -> 1: a WRITE (has a remote address and key), 2: a SEND, 0: neither */
+    uint8_t opcodes[256][4]; /* WQE type -> its packets' opcodes: middle, last, first, only */
+};
+#pragma pack(pop)
+static struct sq_format sq;
+
 static uint32_t table_crc(uint32_t crc, const uint8_t *p, uint64_t n) {
     crc = ~crc;
     while (n >= 8) {
@@ -51,6 +64,8 @@ static size_t extension_size(uint8_t l) {
 
 /* The opcode table, the RDMA WRITE opcodes (FIRST, MIDDLE, LAST, ONLY) and the CRC: 0, or -1 - the first opcode
  * whose header size disagrees with the table's rule. */
+void wc_sq_format(const struct sq_format *format) { sq = *format; }
+
 int wc_init(crc32_fn crc, const uint8_t *layouts, const uint8_t *sizes, const uint8_t *writes) {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
@@ -111,8 +126,165 @@ uint32_t wc_icrc(const uint8_t *packet, uint32_t n, uint32_t src, uint32_t dst, 
     return icrc(packet, n, src, dst, src_port, dst_port, ip_id);
 }
 
-/* A transmit descriptor (native.TX_SEGMENTS, native.TX_PACKET): packets.Segments or packets.Packet, field for field,
- * plus the sockaddr its datagrams go to. Both are TX_SIZE bytes, little-endian, packed. */
+static int32_t psn_diff(uint32_t a, uint32_t b) { return (int32_t)(((a - b + 0x800000u) & PSN_MASK)) - 0x800000; }
+
+/* A WQE fetched into a block (wqeblock.py `ROW`): what sendqueue.SendWqe holds of a one-SGE WRITE or SEND. */
+#pragma pack(push, 1)
+struct row {
+    uint64_t index, data, remote_va, va; /* data: the message's bytes here; va: its SGE's, in the local region */
+    uint32_t slot, length, rkey, imm, first_psn, npkts, sge_size;
+    uint8_t type, signaled, solicited, fence, region, pad[3];
+};
+#pragma pack(pop)
+
+/* One SQ's fetch into a block (wqeblock.py `SQ_PARSE`). */
+#pragma pack(push, 1)
+struct sq_parse {
+    uint64_t pages; /* the ring's pages (u64 addresses here); slot s is in page s >> page_shift */
+    uint64_t page_mask;
+    uint32_t page_shift, ring_slots, unit, largest; /* unit: slots per doorbell step (1, or static) */
+    uint64_t fetched, produced, index; /* free-running slots fetched and published; the next WQE's number */
+    uint32_t next_psn, mtu;
+    uint8_t force_completion;
+    uint32_t lkey; /* the local region known: key, VA, size, address here (0: none), and its number */
+    uint64_t region_va, region_size, region_at;
+    uint8_t region;
+    uint64_t rows; /* where the rows go, and how many fit */
+    uint32_t capacity, parsed; /* out: rows written */
+    uint8_t stop; /* out: why it stopped: FETCHED_ALL, ROWS_FULL, OTHER_REGION, OTHER_WQE */
+};
+enum { FETCHED_ALL, ROWS_FULL, OTHER_REGION, OTHER_WQE };
+#pragma pack(pop)
+
+static const uint8_t *sq_slot(const struct sq_parse *q, uint64_t s) {
+    uint32_t slot = (uint32_t)(s % q->ring_slots);
+    const uint64_t *pages = (const uint64_t *)(uintptr_t)q->pages;
+    return (const uint8_t *)(uintptr_t)pages[slot >> q->page_shift] + (((uint64_t)slot * sq.slot) & q->page_mask);
+}
+
+static uint32_t le32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t le64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* Fetch the WQEs published after q->fetched as sendqueue.SendQueue fetches them, as long as each is a one-SGE WRITE or
+ * SEND (with or without immediate, not inline) whose bytes are in the known region and fit its SGE: PSNs from
+ * q->next_psn on, one row each. Stops at the end of what was published, when the rows are full, at a WQE naming
+ * another local key than the region's (the caller may learn that region) or at any other WQE (the caller's Python
+ * path takes it). */
+void wc_sq_parse(struct sq_parse *q) {
+    struct row *rows = (struct row *)(uintptr_t)q->rows;
+    q->parsed = 0, q->stop = OTHER_WQE;
+    for (;; q->parsed++) {
+        if (q->fetched >= q->produced) {
+            q->stop = FETCHED_ALL;
+            return;
+        }
+        if (q->parsed == q->capacity) {
+            q->stop = ROWS_FULL;
+            return;
+        }
+        uint64_t available = q->produced - q->fetched;
+        uint8_t wqe[48];
+        memcpy(wqe, sq_slot(q, q->fetched), 16);
+        memcpy(wqe + 16, sq_slot(q, q->fetched + 1), 16);
+        memcpy(wqe + 32, sq_slot(q, q->fetched + sq.header_slots), 16);
+        uint8_t type = wqe[sq.type_at], flags = wqe[sq.flags_at], size = wqe[sq.size_at];
+        if (size != sq.header_slots + 1 || size > available || size > q->largest || !sq.rdma[type]
+            || flags & sq.inline_data)
+            return;
+        uint32_t length = le32(wqe + sq.length_at), lkey = le32(wqe + sq.lkey_at), sge_size = le32(wqe + sq.sge_size_at);
+        uint64_t va = le64(wqe + sq.va_at), data = 0, within = va - q->region_va;
+        if (!q->region_at || lkey != q->lkey) {
+            q->stop = OTHER_REGION;
+            return;
+        }
+        if (sge_size) {
+            if (va < q->region_va || within > q->region_size || sge_size > q->region_size - within)
+                return;
+            data = q->region_at + within;
+        }
+        if (sge_size < length)
+            return;
+        struct row *w = rows + q->parsed;
+        memset(w, 0, sizeof *w);
+        w->index = q->index, w->data = data, w->va = va, w->slot = (uint32_t)(q->fetched % q->ring_slots);
+        w->length = length, w->imm = le32(wqe + sq.imm_at), w->sge_size = sge_size, w->type = type;
+        if (sq.rdma[type] == 1)
+            w->remote_va = le64(wqe + sq.remote_va_at), w->rkey = le32(wqe + sq.rkey_at);
+        w->signaled = (flags & sq.signal) || q->force_completion;
+        w->solicited = (flags & sq.solicit) != 0, w->fence = (flags & sq.fence) != 0;
+        w->region = q->region;
+        w->first_psn = q->next_psn;
+        w->npkts = length ? (length + q->mtu - 1) / q->mtu : 1;
+        q->next_psn = (q->next_psn + w->npkts) & PSN_MASK;
+        q->fetched += q->unit == 1 ? size : q->unit;
+        q->index++;
+    }
+}
+
+/* One requester turn over a block's rows (wqeblock.py `PUMP`), as requester.Requester.pump goes over WQEs. */
+#pragma pack(push, 1)
+struct pump {
+    uint64_t rows;
+    uint32_t send, send_pkt, count; /* the row being sent and its next packet; rows held */
+    uint32_t una, budget, reads, noack, window, ack_every; /* window, ack_every: requester.WINDOW, ACK_EVERY */
+    uint32_t sent, first_psn, first_noack; /* out: packets queued, the first one's PSN, noack before it */
+};
+#pragma pack(pop)
+
+/* AckReq of the packet after `*noack` packets without one: every ack_every-th, and a message's last (requester's
+ * _ack_requests, one packet at a time). */
+static int ack_request(uint32_t *noack, int last, uint32_t ack_every) {
+    int asked = *noack == ack_every - 1 || last;
+    *noack = asked ? 0 : *noack + 1;
+    return asked;
+}
+
+void wc_pump(struct pump *u) {
+    const struct row *rows = (const struct row *)(uintptr_t)u->rows;
+    u->sent = 0, u->first_noack = u->noack;
+    while (u->send < u->count && u->sent < u->budget) {
+        const struct row *w = rows + u->send;
+        uint32_t k = u->send_pkt;
+        if (k == 0 && w->fence && u->reads)
+            break;
+        uint32_t psn = (w->first_psn + k) & PSN_MASK;
+        int32_t room = (int32_t)u->window - psn_diff(psn, u->una);
+        if (room <= 0)
+            break;
+        uint32_t count = w->npkts - k;
+        if ((int64_t)count > room)
+            count = room;
+        if (count > u->budget - u->sent)
+            count = u->budget - u->sent;
+        if (!u->sent)
+            u->first_psn = psn;
+        for (uint32_t j = 0; j < count; j++)
+            ack_request(&u->noack, k + j == w->npkts - 1, u->ack_every);
+        u->sent += count;
+        if (k + count == w->npkts)
+            u->send++, u->send_pkt = 0;
+        else
+            u->send_pkt = k + count;
+    }
+}
+
+/* The rows from..count-1 an acknowledgement of `psn` retires (requester's acked_through: every WQE whose last PSN is
+ * at or before it); the numbers of the signaled ones among them go to `signaled`. */
+int wc_retire(const struct row *rows, int from, int count, uint32_t psn, uint32_t *signaled, int *signaled_count) {
+    int i = from;
+    *signaled_count = 0;
+    for (; i < count; i++) {
+        const struct row *w = rows + i;
+        if (psn_diff((w->first_psn + w->npkts - 1) & PSN_MASK, psn) > 0)
+            break;
+        if (w->signaled)
+            signaled[(*signaled_count)++] = i;
+    }
+    return i;
+}
+
+/* A transmit descriptor (native.TX_SEGMENTS, TX_PACKET, TX_BURST): packets.Segments, packets.Packet or
+ * wqeblock.Burst, field for field, plus the sockaddr its datagrams go to. TX_SIZE bytes each, little-endian. */
 #define TX_SIZE 128
 #pragma pack(push, 1)
 struct segments {
@@ -143,6 +315,16 @@ struct packet {
     uint64_t swap_add, compare, original;
     uint64_t payload;
     uint32_t payload_length;
+    uint32_t src_ip, dst_ip;
+    uint16_t src_port, dst_port, ip_id;
+    uint64_t name;
+};
+struct burst {
+    uint8_t kind; /* 2 */
+    uint64_t rows; /* a copy of the rows the burst's packets come from */
+    uint32_t pkt, count, noack, ack_every; /* the first row's first packet; packets; noack before the first */
+    uint32_t mtu, dest_qp;
+    uint16_t pkey;
     uint32_t src_ip, dst_ip;
     uint16_t src_port, dst_port, ip_id;
     uint64_t name;
@@ -196,71 +378,125 @@ static uint32_t put_packet(uint8_t *out, struct fields *f, const uint8_t *payloa
     return n + ICRC_SIZE;
 }
 
+/* Where packet `filled` of a call goes: its slot, and its iovec's length and mmsghdr's destination once written. */
+struct out {
+    uint8_t *slots, *messages, *iovecs;
+    uint32_t slot_size, message_size, name_at;
+    int filled, capacity;
+};
+
+static uint8_t *next_slot(const struct out *o) { return o->slots + (size_t)o->filled * o->slot_size; }
+
+static void filled(struct out *o, uint32_t length, uint64_t name) {
+    *(size_t *)(o->iovecs + (size_t)o->filled * 2 * sizeof(size_t) + sizeof(size_t)) = length;
+    *(uint64_t *)(o->messages + (size_t)o->filled * o->message_size + o->name_at) = name;
+    o->filled++;
+}
+
+static int fits(const struct out *o, uint8_t opcode, uint64_t size) {
+    return header_size[opcode] + size + 3 + ICRC_SIZE <= o->slot_size;
+}
+
+/* Packets of a Segments from its packet *done on, as codec.encode_segments_into makes them; 0, or -1 if refused. */
+static int encode_segments(const struct segments *s, int32_t *done, struct out *o) {
+    for (; *done < (int32_t)s->count && o->filled < o->capacity; ++*done) {
+        uint32_t k = s->start + *done;
+        int first = k == 0, last = k == s->npkts - 1;
+        uint32_t begin = k * s->mtu, end = last ? s->dma_length : begin + s->mtu;
+        struct fields f = {0};
+        f.opcode = s->opcodes[first << 1 | last];
+        uint8_t l = layout[f.opcode];
+        if (!(l & L_KNOWN) || end < begin || (end > begin && !(l & L_PAYLOAD)) || !fits(o, f.opcode, end - begin))
+            return -1;
+        f.flags = last && s->solicited ? 0x80 : 0;
+        f.pkey = s->pkey;
+        f.qpn_word = s->dest_qp & QPN_MASK;
+        f.psn_word = (uint32_t)((s->acks >> *done) & 1) << 31 | ((s->first_psn + k) & PSN_MASK);
+        f.remote_addr = s->remote_addr, f.rkey = s->rkey, f.dma_length = s->dma_length, f.immediate = s->immediate;
+        filled(o, put_packet(next_slot(o), &f, (const uint8_t *)(uintptr_t)s->data + begin, end - begin, s->src_ip,
+                             s->dst_ip, s->src_port, s->dst_port, s->ip_id), s->name);
+    }
+    return 0;
+}
+
+/* One Packet, as codec.encode_into makes it; 0, or -1 if refused. */
+static int encode_packet(const struct packet *p, int32_t *done, struct out *o) {
+    uint8_t l = layout[p->opcode];
+    if (!(l & L_KNOWN) || (p->payload_length && !(l & L_PAYLOAD)) || !fits(o, p->opcode, p->payload_length))
+        return -1;
+    struct fields f = {0};
+    f.opcode = p->opcode;
+    f.flags = p->solicited << 7 | p->migreq << 6;
+    f.pkey = p->pkey;
+    f.qpn_word = (uint32_t)p->fecn << 31 | (uint32_t)p->becn << 30 | (p->dest_qp & QPN_MASK);
+    f.psn_word = (uint32_t)p->ack_req << 31 | (p->psn & PSN_MASK);
+    f.remote_addr = p->remote_addr, f.rkey = p->rkey, f.dma_length = p->dma_length;
+    f.aeth = (uint32_t)p->syndrome << 24 | (p->msn & 0xFFFFFFu);
+    f.immediate = p->immediate;
+    f.swap_add = p->swap_add, f.compare = p->compare, f.original = p->original;
+    filled(o, put_packet(next_slot(o), &f, (const uint8_t *)(uintptr_t)p->payload, p->payload_length, p->src_ip,
+                         p->dst_ip, p->src_port, p->dst_port, p->ip_id), p->name);
+    *done = 1;
+    return 0;
+}
+
+/* Packets of a Burst from its packet *done on, as the Segments its rows stand for (wqeblock.Burst.segments). */
+static int encode_burst(const struct burst *b, int32_t *done, struct out *o) {
+    const struct row *rows = (const struct row *)(uintptr_t)b->rows;
+    uint32_t row = 0, k = b->pkt, noack = b->noack;
+    for (int32_t skip = *done; skip > 0; skip--) { /* to packet *done of the burst */
+        ack_request(&noack, k == rows[row].npkts - 1, b->ack_every);
+        if (++k == rows[row].npkts)
+            row++, k = 0;
+    }
+    for (; *done < (int32_t)b->count && o->filled < o->capacity; ++*done) {
+        const struct row *w = rows + row;
+        int first = k == 0, last = k == w->npkts - 1;
+        uint32_t begin = k * b->mtu, end = last ? w->length : begin + b->mtu;
+        struct fields f = {0};
+        f.opcode = sq.opcodes[w->type][first << 1 | last];
+        if (!fits(o, f.opcode, end - begin))
+            return -1;
+        f.flags = last && w->solicited ? 0x80 : 0;
+        f.pkey = b->pkey;
+        f.qpn_word = b->dest_qp & QPN_MASK;
+        f.psn_word = (uint32_t)ack_request(&noack, last, b->ack_every) << 31 | ((w->first_psn + k) & PSN_MASK);
+        f.remote_addr = w->remote_va, f.rkey = w->rkey, f.dma_length = w->length, f.immediate = w->imm;
+        filled(o, put_packet(next_slot(o), &f, (const uint8_t *)(uintptr_t)w->data + begin, end - begin, b->src_ip,
+                             b->dst_ip, b->src_port, b->dst_port, b->ip_id), b->name);
+        if (++k == w->npkts)
+            row++, k = 0;
+    }
+    return 0;
+}
+
 /* Encode the packets the descriptors stand for, from cursor[0] (descriptor) and cursor[1] (its packet, counted from
- * a Segments' start) on, into `slots` (slot i at slots + i * slot_size), at most `capacity` of them; for each, set its
- * iovec's length and its mmsghdr's destination (`name_at` bytes into each `message_size`-byte message). Moves the
- * cursor; the number of slots filled. A descriptor this cannot encode (an opcode outside the table, a payload its
- * opcode does not carry, a packet longer than a slot) stops it with cursor[2] = 1, untouched. */
+ * its first) on, into `slots` (slot i at slots + i * slot_size), at most `capacity` of them; for each, set its iovec's
+ * length and its mmsghdr's destination (`name_at` bytes into each `message_size`-byte message). Moves the cursor;
+ * the number of slots filled. A descriptor this cannot encode (an opcode outside the table, a payload its opcode does
+ * not carry, a packet longer than a slot) stops it with cursor[2] = 1, at the packet refused. */
 int wc_encode(const uint8_t *descriptors, int count, int32_t *cursor, uint8_t *slots, uint32_t slot_size, int capacity,
               uint8_t *messages, uint32_t message_size, uint32_t name_at, uint8_t *iovecs) {
-    int filled = 0;
+    struct out o = {slots, messages, iovecs, slot_size, message_size, name_at, 0, capacity};
     cursor[2] = 0;
-    while (cursor[0] < count && filled < capacity) {
+    while (cursor[0] < count && o.filled < capacity) {
         const uint8_t *d = descriptors + (size_t)cursor[0] * TX_SIZE;
-        uint8_t *out = slots + (size_t)filled * slot_size;
-        uint32_t length;
-        uint64_t name;
-        struct fields f = {0};
-        if (d[0] == 0) {
-            const struct segments *s = (const struct segments *)d;
-            uint32_t k = s->start + cursor[1];
-            int first = k == 0, last = k == s->npkts - 1;
-            uint32_t begin = k * s->mtu, end = last ? s->dma_length : begin + s->mtu;
-            f.opcode = s->opcodes[first << 1 | last];
-            uint8_t l = layout[f.opcode];
-            if (!(l & L_KNOWN) || (end > begin && !(l & L_PAYLOAD)) || end < begin
-                || header_size[f.opcode] + (end - begin) + 3 + ICRC_SIZE > slot_size) {
-                cursor[2] = 1;
-                break;
-            }
-            f.flags = last && s->solicited ? 0x80 : 0;
-            f.pkey = s->pkey;
-            f.qpn_word = s->dest_qp & QPN_MASK;
-            f.psn_word = (uint32_t)((s->acks >> cursor[1]) & 1) << 31 | ((s->first_psn + k) & PSN_MASK);
-            f.remote_addr = s->remote_addr, f.rkey = s->rkey, f.dma_length = s->dma_length;
-            f.immediate = s->immediate;
-            length = put_packet(out, &f, (const uint8_t *)(uintptr_t)s->data + begin, end - begin, s->src_ip,
-                                s->dst_ip, s->src_port, s->dst_port, s->ip_id);
-            name = s->name;
-            if (++cursor[1] == (int32_t)s->count)
-                cursor[0]++, cursor[1] = 0;
-        } else {
-            const struct packet *p = (const struct packet *)d;
-            uint8_t l = layout[p->opcode];
-            if (!(l & L_KNOWN) || (p->payload_length && !(l & L_PAYLOAD))
-                || header_size[p->opcode] + (uint64_t)p->payload_length + 3 + ICRC_SIZE > slot_size) {
-                cursor[2] = 1;
-                break;
-            }
-            f.opcode = p->opcode;
-            f.flags = p->solicited << 7 | p->migreq << 6;
-            f.pkey = p->pkey;
-            f.qpn_word = (uint32_t)p->fecn << 31 | (uint32_t)p->becn << 30 | (p->dest_qp & QPN_MASK);
-            f.psn_word = (uint32_t)p->ack_req << 31 | (p->psn & PSN_MASK);
-            f.remote_addr = p->remote_addr, f.rkey = p->rkey, f.dma_length = p->dma_length;
-            f.aeth = (uint32_t)p->syndrome << 24 | (p->msn & 0xFFFFFFu);
-            f.immediate = p->immediate;
-            f.swap_add = p->swap_add, f.compare = p->compare, f.original = p->original;
-            length = put_packet(out, &f, (const uint8_t *)(uintptr_t)p->payload, p->payload_length, p->src_ip,
-                                p->dst_ip, p->src_port, p->dst_port, p->ip_id);
-            name = p->name;
-            cursor[0]++;
+        int refused, total;
+        if (d[0] == 0)
+            refused = encode_segments((const struct segments *)d, &cursor[1], &o),
+            total = ((const struct segments *)d)->count;
+        else if (d[0] == 1)
+            refused = encode_packet((const struct packet *)d, &cursor[1], &o), total = 1;
+        else
+            refused = encode_burst((const struct burst *)d, &cursor[1], &o), total = ((const struct burst *)d)->count;
+        if (refused) {
+            cursor[2] = 1;
+            break;
         }
-        *(size_t *)(iovecs + (size_t)filled * 2 * sizeof(size_t) + sizeof(size_t)) = length;
-        *(uint64_t *)(messages + (size_t)filled * message_size + name_at) = name;
-        filled++;
+        if (cursor[1] >= total)
+            cursor[0]++, cursor[1] = 0;
     }
-    return filled;
+    return o.filled;
 }
 
 /* A received datagram, checked and parsed (native.RECORD): the fields of packets.Packet in its order, then what the

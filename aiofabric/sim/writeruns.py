@@ -44,11 +44,11 @@ def place_run(core: Core, responder: Responder, batch: Arrivals, i: int, head: t
     if known is not None and not known.holds(r.mrs):
         known = r.known_region = None
     op, rkey = head[0], head[9]
-    if (op == WRITE_FIRST or op == WRITE_ONLY) and head[10] and (known is None or known.rkey != rkey):
+    if (op == WRITE_FIRST or op == WRITE_ONLY) and head[10] and (known is None or known.key != rkey):
         known = r.known_region = KnownRegion.learn(r.mrs, r.mem, rkey, qp.pd)
     state = receiver.run_state
     WRITE_RUN.pack_into(state, 0, qp.qpn, ip_word(r.port.peer_ip, receiver.words), qp.path_mtu,
-                        qp.access & QP_REMOTE_WRITE != 0, known.rkey if known else 0, known.va if known else 0,
+                        qp.access & QP_REMOTE_WRITE != 0, known.key if known else 0, known.va if known else 0,
                         known.size if known else 0, known.at if known else 0, r.epsn, was_writing, target,
                         r.offset if was_writing else 0, r.msg_length if was_writing else 0, 0, 0, 0, False, 0)
     slots = receiver.receiver
