@@ -98,7 +98,6 @@ class WqeBlock:
             views, shift, mask = sq.ring()
             self.pages = array.array("Q", [address(view) for view in views])
             self.page_shift, self.page_mask = shift, mask
-        learned = False
         while True:
             known = self.known
             if known is not None and not known.holds(sq.mrs):
@@ -122,13 +121,13 @@ class WqeBlock:
                 return True
             if stop == ROWS_FULL:
                 continue
-            if stop == OTHER_REGION and not learned:  # a WQE in another region: learn it, once per WQE
-                learned = True
+            if stop == OTHER_REGION:  # a WQE in a region not known: learn it, if the core may read it
                 first, ring = sq.fetched_slots % qp.sq_slots, qp.sq_slots
                 key = SQ_RDMA_HEADER_AND_SGE.unpack(sq.slot(first) + sq.slot((first + 1) % ring)
                                                     + sq.slot((first + SQ_WQE_HEADER_SLOTS) % ring))[9]
-                self.known = KnownRegion.learn(sq.mrs, sq.mem, key, qp.pd, 0)
-                if self.known is not None:
+                learned = KnownRegion.learn(sq.mrs, sq.mem, key, qp.pd, 0)
+                if learned is not None and (known is None or learned.key != known.key):
+                    self.known = learned
                     continue
             return False
 
