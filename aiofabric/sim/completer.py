@@ -280,9 +280,8 @@ class Completer:
                 self._retry(now, timeout=True)
 
     # -- responses ---------------------------------------------------------------------------------------------------
-    def on_acknowledge(self, p: pk.Packet, now: float) -> None:
-        """An ACKNOWLEDGE: ACK, RNR NAK or NAK with the PSN it refers to."""
-        psn, syndrome = p.psn, p.syndrome
+    def on_acknowledge(self, psn: int, syndrome: int, now: float) -> None:
+        """An ACKNOWLEDGE: ACK, RNR NAK or NAK (its AETH syndrome) with the PSN it refers to."""
         if psn_diff(psn, self.sent_hi) >= 0:
             self.stats["dropped_unexpected"] += 1  # acknowledges something never sent
             return

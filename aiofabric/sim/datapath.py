@@ -314,6 +314,9 @@ class Datapath:
                             i = end
                             continue
                     ctx.responder.on_request(batch.packet(i, r), now)
+                elif op == ACKNOWLEDGE:  # all an ACK says is its PSN and syndrome: no Packet needed
+                    ctx.requester.on_acknowledge(r[2], r[11], now)
+                    ctx.wake()
                 else:
                     self._answer(ctx, batch.packet(i, r), op, now)
             except Exception as exc:
@@ -349,7 +352,7 @@ class Datapath:
     def _answer(ctx: QpContext, p: pk.Packet, op: int, now: float) -> None:
         """A response to the QP's requester: an ACK or NAK, an atomic's acknowledgement, READ data."""
         if op == ACKNOWLEDGE:
-            ctx.requester.on_acknowledge(p, now)
+            ctx.requester.on_acknowledge(p.psn, p.syndrome, now)
         elif op == ATOMIC_ACKNOWLEDGE:
             ctx.requester.on_atomic_acknowledge(p, now)
         else:

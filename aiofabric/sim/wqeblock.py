@@ -57,7 +57,8 @@ _told: list[Core] = []  # the cores told the send queue's format
 
 class WqeBlock:
     """One send queue's plain WQEs not yet retired, as rows: [done, count) held, [done, send) sent (send_pkt packets
-    of row `send` too). `regions` are the local regions the rows' bytes are in."""
+    of row `send` too). `regions` are the local regions the rows' bytes are in: a list only ever appended to (a new
+    one replaces it), which the bursts out share."""
 
     def __init__(self, core: Core, sq: SendQueue) -> None:
         if core not in _told:
@@ -154,7 +155,7 @@ class WqeBlock:
         if not sent:
             return None, 0, noack
         last = send + 1 if send_pkt else send  # one past the last row the burst takes packets from
-        burst = Burst(bytearray(self.rows[self.send * ROW.size:last * ROW.size]), self.regions, self.send_pkt, sent,
+        burst = Burst(self.rows[self.send * ROW.size:last * ROW.size], self.regions, self.send_pkt, sent,
                       first_noack, ack_every, mtu, address_fields)
         self.send, self.send_pkt = send, send_pkt
         return burst, first_psn, noack_after
@@ -172,7 +173,7 @@ class WqeBlock:
         self.done = end
         if end == self.count and self.send == end:  # all retired: start over at the first row
             self.count = self.done = self.send = 0
-            del self.regions[:-1]
+            self.regions = self.regions[-1:]  # a new list: bursts still out keep theirs
         return numbers
 
     def first_psn(self, i: int) -> int:
@@ -213,7 +214,7 @@ class Burst:
 
     def __init__(self, rows: bytearray, regions: list[KnownRegion], pkt: int, count: int, noack: int, ack_every: int,
                  mtu: int, address_fields: tuple[int, int, str, str, int, int, int]) -> None:
-        self.rows, self.regions, self.pkt, self.count, self.noack = rows, list(regions), pkt, count, noack
+        self.rows, self.regions, self.pkt, self.count, self.noack = rows, regions, pkt, count, noack
         self.ack_every, self.mtu = ack_every, mtu
         self.dest_qp, self.pkey, self.src_ip, self.dst_ip, self.src_port, self.tos, self.ttl = address_fields
         self.dst_port, self.ip_id = pk.ROCE_PORT, 0
