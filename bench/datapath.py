@@ -105,7 +105,7 @@ def _drain(conn: multiprocessing.connection.Connection) -> None:
         sock.bind((PAIR_ADDRESSES[0], 0))
         conn.send(sock.getsockname())
         receiver, received, started = mmsg.Receiver(sock, 64), 0, None
-        # (an older tree, run with --old-style A/B, has no receive_into_slots: the tuples then cost a little more)
+        # (a tree from before receive_into_slots, measured with this script for an A/B, counts receive()'s tuples)
         receive = getattr(receiver, "receive_into_slots", lambda budget: len(receiver.receive(budget)))
         sock.settimeout(1.0)
         while True:
