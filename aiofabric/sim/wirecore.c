@@ -140,12 +140,14 @@ struct row {
 /* One SQ's fetch into a block (wqeblock.py `SQ_PARSE`). */
 #pragma pack(push, 1)
 struct sq_parse {
+    /* the send queue, as it stays: */
     uint64_t pages; /* the ring's pages (u64 addresses here); slot s is in page s >> page_shift */
     uint64_t page_mask;
     uint32_t page_shift, ring_slots, unit, largest; /* unit: slots per doorbell step (1, or static) */
+    uint8_t force_completion;
+    /* this fetch: */
     uint64_t fetched, produced, index; /* free-running slots fetched and published; the next WQE's number */
     uint32_t next_psn, mtu;
-    uint8_t force_completion;
     uint32_t lkey; /* the local region known: key, VA, size, address here (0: none), and its number */
     uint64_t region_va, region_size, region_at;
     uint8_t region;

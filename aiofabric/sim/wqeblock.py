@@ -26,10 +26,13 @@ from ..hw.wqe import SQ_RDMA_HEADER_AND_SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQ
 # A WQE as wirecore.c's `struct row`: index, data address, remote VA, SGE VA; slot, length, rkey, immediate, first
 # PSN, packets, SGE size; WQE type, signaled, solicited, fence, local region (its number in the block).
 ROW = struct.Struct("<4Q7I5B3x")
-# wirecore.c `struct sq_parse`: the ring's page table, page mask, shift, slots, slots per doorbell step, largest WQE;
-# slots fetched, slots published, next WQE number; next PSN, path MTU, force completion; the local region known
-# (key, VA, size, address, number); rows and room; out: rows parsed, why it stopped (STOPS).
-SQ_PARSE = struct.Struct("<QQIIIIQQQII?IQQQBQIIB")
+NUMBER = struct.Struct("<Q")  # a row's first field: its WQE's number
+# wirecore.c `struct sq_parse`: what stays of the send queue (SQ_FIXED: the ring's page table, page mask, shift,
+# slots, slots per doorbell step, largest WQE, force completion), then this fetch's (SQ_FETCH: slots fetched, slots
+# published, next WQE number, next PSN, path MTU; the local region known (key, VA, size, address, number); rows and
+# room; out: rows parsed, why it stopped).
+SQ_FIXED = struct.Struct("<QQIIII?")
+SQ_FETCH = struct.Struct("<QQQIIIQQQBQIIB")
 FETCHED_ALL, ROWS_FULL, OTHER_REGION, OTHER_WQE = range(4)
 # wirecore.c `struct pump`: rows, row being sent, its next packet, rows held; una, budget, ORRQ entries in use, noack,
 # window, ACK_EVERY; out: packets, the first one's PSN, noack before it.
@@ -69,10 +72,11 @@ class WqeBlock:
         self.rows_at = address(self.rows)
         self.signaled = (ctypes.c_uint32 * 64)()  # wc_retire's output
         self.signaled_count = ctypes.c_int()
+        self.signaled_at, self.signaled_count_at = ctypes.addressof(self.signaled), ctypes.addressof(self.signaled_count)
         self.count = self.done = self.send = self.send_pkt = 0
         self.regions: list[KnownRegion] = []
         self.known: KnownRegion | None = None  # the region the next WQEs are expected in
-        self.parse = bytearray(SQ_PARSE.size)
+        self.parse = bytearray(SQ_FIXED.size + SQ_FETCH.size)
         self.parse_at = address(self.parse)
         self.state = bytearray(PUMP.size)
         self.state_at = address(self.state)
@@ -95,10 +99,11 @@ class WqeBlock:
         block takes; False when the next is not (the caller's Python fetch takes it), True once all are fetched."""
         sq = self.sq
         qp = sq.qp
-        if self.pages is None:
+        if self.pages is None:  # the ring and its geometry stay as CREATE_QP made them
             views, shift, mask = sq.ring()
             self.pages = array.array("Q", [address(view) for view in views])
-            self.page_shift, self.page_mask = shift, mask
+            SQ_FIXED.pack_into(self.parse, 0, self.pages.buffer_info()[0], mask, shift, qp.sq_slots,
+                               qp.sq_geometry.slot_unit, sq.largest_wqe(), sq.force_completion)
         while True:
             known = self.known
             if known is not None and not known.holds(sq.mrs):
@@ -107,15 +112,14 @@ class WqeBlock:
                 self._grow()
             if known is not None and (not self.regions or self.regions[-1] is not known):
                 self.regions.append(known)
-            SQ_PARSE.pack_into(self.parse, 0, self.pages.buffer_info()[0], self.page_mask, self.page_shift,
-                               qp.sq_slots, qp.sq_geometry.slot_unit, sq.largest_wqe(), sq.fetched_slots, produced,
-                               sq.fetched, psns.next_psn, qp.path_mtu, sq.force_completion,
-                               known.key if known else 0, known.va if known else 0, known.size if known else 0,
-                               known.at if known else 0, len(self.regions) - 1 if known else 0,
-                               self.rows_at + self.count * ROW.size, len(self.rows) // ROW.size - self.count, 0, 0)
+            SQ_FETCH.pack_into(self.parse, SQ_FIXED.size, sq.fetched_slots, produced, sq.fetched, psns.next_psn,
+                               qp.path_mtu, known.key if known else 0, known.va if known else 0,
+                               known.size if known else 0, known.at if known else 0,
+                               len(self.regions) - 1 if known else 0, self.rows_at + self.count * ROW.size,
+                               len(self.rows) // ROW.size - self.count, 0, 0)
             self.core.sq_parse(self.parse_at)
-            (*_, fetched_slots, _, fetched, next_psn, _, _, _, _, _, _, _, _, _, parsed,
-             stop) = SQ_PARSE.unpack(self.parse)
+            (fetched_slots, _, fetched, next_psn, _, _, _, _, _, _, _, _, parsed,
+             stop) = SQ_FETCH.unpack_from(self.parse, SQ_FIXED.size)
             sq.fetched_slots, sq.fetched, psns.next_psn = fetched_slots, fetched, next_psn
             self.count += parsed
             if stop == FETCHED_ALL:
@@ -142,6 +146,7 @@ class WqeBlock:
             self.rows.extend(bytes(len(self.rows)))
             self.rows_at = address(self.rows)
             self.signaled = (ctypes.c_uint32 * (len(self.rows) // ROW.size))()
+            self.signaled_at = ctypes.addressof(self.signaled)
 
     # -- sending -----------------------------------------------------------------------------------------------------
     def pump(self, una: int, budget: int, reads: int, noack: int, window: int, ack_every: int,
@@ -164,12 +169,12 @@ class WqeBlock:
     def retire(self, psn: int) -> list[int]:
         """Retire the rows an acknowledgement of `psn` covers; the WQE numbers of the signaled ones among them, and
         the last one's (the new consumer), or [] when it covers none."""
-        end = self.core.retire(self.rows_at, self.done, self.count, psn, ctypes.addressof(self.signaled),
-                               ctypes.addressof(self.signaled_count))
+        end = self.core.retire(self.rows_at, self.done, self.count, psn, self.signaled_at, self.signaled_count_at)
         if end == self.done:
             return []
-        numbers = [ROW.unpack_from(self.rows, i * ROW.size)[0] for i in self.signaled[:self.signaled_count.value]]
-        numbers.append(ROW.unpack_from(self.rows, (end - 1) * ROW.size)[0])
+        rows, signaled = self.rows, self.signaled_count.value
+        numbers = [NUMBER.unpack_from(rows, i * ROW.size)[0] for i in self.signaled[:signaled]] if signaled else []
+        numbers.append(NUMBER.unpack_from(rows, (end - 1) * ROW.size)[0])
         self.done = end
         if end == self.count and self.send == end:  # all retired: start over at the first row
             self.count = self.done = self.send = 0
