@@ -308,7 +308,7 @@ class Datapath:
                     i += 1
                     continue
                 if not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE:
-                    if core is not None and WRITE_FIRST <= op <= WRITE_ONLY:
+                    if core is not None and WRITE_FIRST <= op <= WRITE_ONLY and i + 1 < count:  # a run, not one
                         end = place_run(core, ctx.responder, batch, i, r)
                         if end > i:
                             i = end

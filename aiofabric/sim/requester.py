@@ -48,17 +48,19 @@ class Requester(Completer):
     def fetch(self, flush: bool = False) -> None:
         """Take every WQE the driver published off the SQ (completing each FLUSHED at once when `flush`): plain ones
         into the block while there is one, the others (and all, without a block) as SendWqes."""
-        block = self.block
+        block, sq = self.block, self.sq
         if block is not None and not flush:
-            produced = self.sq.produced()
+            produced = sq.produced()
             if produced is None:
                 self.stats["bad_doorbells"] += 1
                 return
-            while not block.fetch(self, produced):  # the next WQE is not a block's: the Python fetch takes it
-                self.materialise()
-                self.wqes += self.sq.fetch(self, limit=1) or []
-            return
-        wqes = self.sq.fetch(self, flush)
+            # One WQE alone (lat's ping) is cheaper as a SendWqe; a block pays off from two on
+            if block.unretired or produced - sq.fetched_slots > block.one_wqe:
+                while not block.fetch(self, produced):  # the next WQE is not a block's: the Python fetch takes it
+                    self.materialise()
+                    self.wqes += sq.fetch(self, limit=1) or []
+                return
+        wqes = sq.fetch(self, flush)
         if wqes is None:
             self.stats["bad_doorbells"] += 1
         elif flush:

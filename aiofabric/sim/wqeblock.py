@@ -81,6 +81,8 @@ class WqeBlock:
         self.state = bytearray(PUMP.size)
         self.state_at = address(self.state)
         self.pages: array.array[int] | None = None  # the ring's page addresses, once known
+        unit = sq.qp.sq_geometry.slot_unit
+        self.one_wqe = SQ_WQE_HEADER_SLOTS + 1 if unit == 1 else unit  # the slots of one WQE the block takes
 
     @property
     def unsent(self) -> bool:
