@@ -1,6 +1,8 @@
-"""The emulator's compiled core: wirecore.c, built with the system C compiler the first time an emulator needs it and
-loaded through ctypes. It encodes RoCEv2 packets straight into sendmmsg slots and checks and parses received datagrams
-into fixed records (`RECORD`), the per-packet loops that cost the emulator most of its Python time (bench/RESULTS.md).
+"""The emulator's compiled core: wirecodec.c and wirequeues.c (and the wirecore.h they share), built with the system
+C compiler the first time an emulator needs them and loaded through ctypes as one library. It encodes RoCEv2 packets
+straight into sendmmsg slots and checks and parses received datagrams into fixed records (`RECORD`), fetches, sends
+and retires a send queue's plain WQEs in bulk (wqeblock.py) and places runs of RDMA WRITE packets (writeruns.py): the
+per-packet loops that cost the emulator most of its Python time (bench/RESULTS.md).
 
 The Python codec (codec.py) stays the reference and the fallback: `core()` is None when the build cannot be had (no
 compiler, no private cache directory, a failed build) or when AIOFABRIC_SIM_NATIVE=0, and every caller then takes
@@ -31,17 +33,18 @@ from .codec import header_size
 from ..util import private
 
 ENV = "AIOFABRIC_SIM_NATIVE"  # "0": never build or load the core (the Python codec only)
-SOURCE = Path(__file__).with_name("wirecore.c")
+HEADER, SOURCES = "wirecore.h", ("wirecodec.c", "wirequeues.c")  # beside this module
 FLAGS = ("-O2", "-shared", "-fPIC")
 log = logging.getLogger("aiofabric.sim")
 
-# Transmit descriptors, TX_SIZE bytes each (wirecore.c `struct segments` / `struct packet`): a Segments or a Packet
-# field for field, its payload's address in this process and the address of the sockaddr its datagrams go to.
+# Transmit descriptors, TX_SIZE bytes each (wirecodec.c `struct segments`, `struct packet`, `struct burst`): a
+# Segments, a Packet or a wqeblock.Burst field for field, the address in this process of their bytes and of the
+# sockaddr their datagrams go to.
 TX_SIZE = 128
 TX_SEGMENTS = struct.Struct("<5BIIIIQIQII?IIQHIIHHHQ")
 TX_PACKET = struct.Struct("<7BIIHQIIBIIQQQQIIIHHHQ")
 TX_BURST = struct.Struct("<BQIIIIIIHIIHHHQ")  # kind 2, rows, packet, count, noack, ack_every, mtu, dest QP, P_Key, ...
-# A received datagram, parsed (wirecore.c `struct record`): Packet's fields up to `immediate` in its order, then
+# A received datagram, parsed (wirecore.h `struct record`): Packet's fields up to `immediate` in its order, then
 # migreq, swap_add, compare, original, status (RX_DROPS), source IPv4 address and port, where the payload is in the
 # datagram and its length.
 RECORD = struct.Struct("<BII??H??QIIBII?QQQBIHII")
@@ -49,9 +52,9 @@ RECORD_FIELDS = 14  # Packet's positional fields before payload
 # Why a datagram is dropped, by status (0: kept): the UDP transport's counter for each (wc_parse counts each status).
 RX_DROPS = ("", "dropped_source_port", "dropped_short", "dropped_icrc", "dropped_opcode", "dropped_version",
             "dropped_length")
-# What follows the BTH, per opcode, as wirecore.c's table takes it (packets.py is the one place it is defined).
+# What follows the BTH, per opcode, as wirecodec.c's table takes it (packets.py is the one place it is defined).
 L_RETH, L_AETH, L_IMM, L_ATOMIC, L_ATOMIC_ACK, L_PAYLOAD, L_CNP, L_KNOWN = (1 << i for i in range(8))
-# The responder's state while the core places a run of RDMA WRITE packets (wirecore.c `struct write_run`): QPN, peer
+# The responder's state while the core places a run of RDMA WRITE packets (wirequeues.c `struct write_run`): QPN, peer
 # IPv4, path MTU, remote writes allowed; the region known (rkey, va, size, address); expected PSN; the WRITE half
 # received (flag, target address, offset, length, RETH va); then out: WRITEs completed, their bytes, ACK owed and PSN.
 WRITE_RUN = struct.Struct("<III?IQQQI?QQQQIQ?I")
@@ -69,8 +72,9 @@ def _layouts() -> tuple[bytes, bytes]:
 
 
 class Core:
-    """The loaded library: `encode` and `parse` (wirecore.c says what they do), `crc32` and `icrc` for the tests that
-    hold them to the Python codec; `build` says where it came from and what building it cost."""
+    """The loaded library: `encode` and `parse` (wirecodec.c says what they do), the queues' `sq_format`, `sq_parse`,
+    `pump`, `retire` and `place_writes` (wirequeues.c), `crc32` and `icrc` for the tests that hold them to the Python
+    codec; `build` says where it came from and what building it cost."""
 
     def __init__(self, library: ctypes.CDLL, build: dict[str, Any]) -> None:
         self.build = build
@@ -108,7 +112,7 @@ class Core:
         writes = bytes((pk.WRITE_FIRST, pk.WRITE_MIDDLE, pk.Op.RDMA_WRITE_LAST, pk.WRITE_ONLY))
         problem = init(_given_crc32(), *_layouts(), writes)
         if problem:
-            raise RuntimeError(f"wirecore's header sizes disagree with the codec's for opcode {-1 - problem:#04x}")
+            raise RuntimeError(f"the core's header sizes disagree with the codec's for opcode {-1 - problem:#04x}")
 
 
 def _given_crc32() -> int | None:
@@ -146,8 +150,9 @@ def _load() -> Core | None:
     if compiler is None:
         log.info("no C compiler: the emulator's codec runs in Python")
         return None
-    source = SOURCE.read_text()
-    digest = hashlib.sha256("\0".join((compiler, *FLAGS, source)).encode()).hexdigest()[:24]
+    here = Path(__file__).parent
+    sources = {name: (here / name).read_text() for name in (HEADER, *SOURCES)}
+    digest = hashlib.sha256("\0".join((compiler, *FLAGS, *sources.values())).encode()).hexdigest()[:24]
     name = f"wirecore-{digest}.so"
     cache = os.environ.get("AIOFABRIC_CACHE") or str(Path.home() / ".cache" / "aiofabric" / "kernels")
     try:
@@ -158,7 +163,7 @@ def _load() -> Core | None:
     try:
         started, cached = time.perf_counter(), _library_problem(name, directory) == ""
         if not cached:
-            _compile(compiler, source, name, directory)
+            _compile(compiler, sources, name, directory)
             problem = _library_problem(name, directory)
             if problem:
                 raise OSError(f"{name} {problem} after building it")
@@ -185,14 +190,15 @@ def _library_problem(name: str, directory: int) -> str:
         os.close(fd)
 
 
-def _compile(compiler: str, source: str, name: str, directory: int) -> None:
+def _compile(compiler: str, sources: dict[str, str], name: str, directory: int) -> None:
     """Build in a private scratch directory, copy into the cache under a temporary name, rename into place (a
     concurrent builder or loader never sees half a file)."""
     with tempfile.TemporaryDirectory(prefix="aiofabric-build-") as scratch:
-        c_file, so_file = Path(scratch) / "wirecore.c", Path(scratch) / name
-        c_file.write_text(source)
-        done = subprocess.run([compiler, *FLAGS, "-o", str(so_file), str(c_file)], capture_output=True, text=True,
-                              timeout=120)
+        for file, text in sources.items():
+            (Path(scratch) / file).write_text(text)
+        so_file = Path(scratch) / name
+        done = subprocess.run([compiler, *FLAGS, "-o", str(so_file), *SOURCES], capture_output=True, text=True,
+                              timeout=120, cwd=scratch)
         if done.returncode:
             raise OSError(f"{compiler} {' '.join(FLAGS)} failed: {done.stderr.strip()[-2000:]}")
         partial = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"

@@ -1,5 +1,5 @@
 """The requester's plain WQEs in bulk: a `WqeBlock` holds consecutive one-SGE WRITEs and SENDs of one send queue as
-rows the compiled core parsed off the ring (wirecore.c `wc_sq_parse`), sends them a turn at a time as one `Burst`
+rows the compiled core parsed off the ring (wirequeues.c `wc_sq_parse`), sends them a turn at a time as one `Burst`
 (`wc_pump`; the transport's core encodes a Burst's packets straight from its rows) and retires them a run at a time
 (`wc_retire`), without a SendWqe or a Segments per message.
 
@@ -23,25 +23,25 @@ from .placement import KnownRegion
 from .sendqueue import FENCE, INLINE, KINDS, SIGNAL, SOLICIT, PsnAllocator, SendQueue, SendWqe
 from ..hw.wqe import SQ_RDMA_HEADER_AND_SGE, SQ_SLOT, SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS
 
-# A WQE as wirecore.c's `struct row`: index, data address, remote VA, SGE VA; slot, length, rkey, immediate, first
+# A WQE as wirecore.h's `struct row`: index, data address, remote VA, SGE VA; slot, length, rkey, immediate, first
 # PSN, packets, SGE size; WQE type, signaled, solicited, fence, local region (its number in the block).
 ROW = struct.Struct("<4Q7I5B3x")
 NUMBER = struct.Struct("<Q")  # a row's first field: its WQE's number
-# wirecore.c `struct sq_parse`: what stays of the send queue (SQ_FIXED: the ring's page table, page mask, shift,
+# wirequeues.c `struct sq_parse`: what stays of the send queue (SQ_FIXED: the ring's page table, page mask, shift,
 # slots, slots per doorbell step, largest WQE, force completion), then this fetch's (SQ_FETCH: slots fetched, slots
 # published, next WQE number, next PSN, path MTU; the local region known (key, VA, size, address, number); rows and
 # room; out: rows parsed, why it stopped).
 SQ_FIXED = struct.Struct("<QQIIII?")
 SQ_FETCH = struct.Struct("<QQQIIIQQQBQIIB")
 FETCHED_ALL, ROWS_FULL, OTHER_REGION, OTHER_WQE = range(4)
-# wirecore.c `struct pump`: rows, row being sent, its next packet, rows held; una, budget, ORRQ entries in use, noack,
+# wirequeues.c `struct pump`: rows, row being sent, its next packet, rows held; una, budget, ORRQ entries in use, noack,
 # window, ACK_EVERY; out: packets, the first one's PSN, noack before it.
 PUMP = struct.Struct("<Q12I")
-WRITE_KIND, SEND_KIND = 1, 2  # what wirecore.c's table says a WQE type is
+WRITE_KIND, SEND_KIND = 1, 2  # what the core's table says a WQE type is
 
 
 def sq_format() -> bytes:
-    """wirecore.c `struct sq_format`: where a WQE's fields are (hw/wqe.py), its flag bits and which types a block
+    """wirecore.h `struct sq_format`: where a WQE's fields are (hw/wqe.py), its flag bits and which types a block
     takes, with their opcodes (sendqueue.py)."""
     at = {field.name: field.offset for field in SQ_RDMA_HEADER_AND_SGE.fields}
     kinds, opcodes = bytearray(256), bytearray(256 * 4)
@@ -72,7 +72,8 @@ class WqeBlock:
         self.rows_at = address(self.rows)
         self.signaled = (ctypes.c_uint32 * 64)()  # wc_retire's output
         self.signaled_count = ctypes.c_int()
-        self.signaled_at, self.signaled_count_at = ctypes.addressof(self.signaled), ctypes.addressof(self.signaled_count)
+        self.signaled_at = ctypes.addressof(self.signaled)
+        self.signaled_count_at = ctypes.addressof(self.signaled_count)
         self.count = self.done = self.send = self.send_pkt = 0
         self.regions: list[KnownRegion] = []
         self.known: KnownRegion | None = None  # the region the next WQEs are expected in

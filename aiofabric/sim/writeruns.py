@@ -1,4 +1,4 @@
-"""A responder's RDMA WRITEs placed by the compiled core a run at a time (wirecore.c `wc_place_writes`), straight from
+"""A responder's RDMA WRITEs placed by the compiled core a run at a time (wirequeues.c `wc_place_writes`), straight from
 the parsed datagrams (nativeio.Arrivals), without a Packet per packet.
 
 The Python responder (responder.py) stays the reference: the core takes only in-sequence WRITE packets (FIRST, MIDDLE,

@@ -1,5 +1,5 @@
-"""The emulator's compiled core (aiofabric/sim/native.py, wirecore.c) against the Python reference it stands in for:
-packets encoded byte for byte as the codec encodes them, datagrams parsed (or dropped, and counted) as the codec
+"""The emulator's compiled core (aiofabric/sim/native.py and its C sources) against the Python reference it stands in
+for: packets encoded byte for byte as the codec encodes them, datagrams parsed (or dropped, and counted) as the codec
 decodes them, and the whole data path, WQE blocks and WRITE runs included, sending and placing exactly what the Python
 data path does (tests/support/twin.py)."""
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tests.support.twin import Endpoint, TwinWire, core
 
 A, B = "127.0.0.121", "127.0.0.122"
 PAYLOAD_OPS = sorted(pk.HAS_PAYLOAD)
+FIXTURE = HealthCheck.function_scoped_fixture  # the endpoint is stateless between examples
 U24, U32, U64 = st.integers(0, PSN_MASK), st.integers(0, (1 << 32) - 1), st.integers(0, (1 << 64) - 1)
 SLOT = 20000  # bytes of each operation's part of a region
 MEMORY = 3 * 32 * SLOT + (4 << 20)  # a host's: three regions of 32 slots, and its rings
@@ -42,10 +43,11 @@ def endpoint():
 def packets(draw) -> pk.Packet:
     op = draw(st.sampled_from(list(Op)))
     payload = draw(st.binary(max_size=4096)) if op in pk.HAS_PAYLOAD else b""
-    return pk.Packet(op, draw(U24), draw(U24), draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 0xFFFF)),
-                     draw(st.booleans()), draw(st.booleans()), draw(U64), draw(U32), draw(U32), draw(st.integers(0, 255)),
-                     draw(U24), draw(U32), memoryview(bytearray(payload)), dst_ip=B, migreq=draw(st.booleans()),
-                     swap_add=draw(U64), compare=draw(U64), original=draw(U64))
+    flag = st.booleans()
+    return pk.Packet(op, draw(U24), draw(U24), draw(flag), draw(flag), draw(st.integers(0, 0xFFFF)), draw(flag),
+                     draw(flag), draw(U64), draw(U32), draw(U32), draw(st.integers(0, 255)), draw(U24), draw(U32),
+                     memoryview(bytearray(payload)), dst_ip=B, migreq=draw(flag), swap_add=draw(U64),
+                     compare=draw(U64), original=draw(U64))
 
 
 @st.composite
@@ -72,7 +74,7 @@ def reference(items: list[pk.Outgoing]) -> list[tuple[bytes, str]]:
     return found
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[FIXTURE])
 @given(items=st.lists(st.one_of(packets(), segments()), min_size=1, max_size=12))
 def test_the_core_encodes_what_the_codec_encodes(endpoint, items):
     copies = [dataclasses.replace(item) for item in items]
@@ -125,7 +127,7 @@ def decoded(data: bytes, port: int) -> tuple[str, pk.Packet | None]:
         return f"dropped_{exc.reason}", None
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[FIXTURE])
 @given(arriving=datagrams())
 def test_the_core_parses_what_the_codec_decodes(endpoint, arriving):
     endpoint.counters.clear()

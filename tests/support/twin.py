@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import socket
-import struct
 
 from aiofabric.sim import codec, mmsg, native
 from aiofabric.sim import packets as pk
@@ -20,7 +19,7 @@ from aiofabric.sim.nativeio import Arrivals, NativeReceiver, NativeSender
 from aiofabric.sim.udp import BATCH, TX_SLOT
 from tests.support.emulator import Host, Wire
 
-NAME = struct.Struct("!H4s")
+NAME = mmsg._SOURCE  # sin_port and sin_addr, at byte 2 of a sockaddr_in
 LIMIT = 50_000  # datagrams one run may send: a run that never settles fails instead of filling memory
 
 
