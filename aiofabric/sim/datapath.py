@@ -7,10 +7,12 @@ feeds it:
                                order with the driver's other writes), the QP acts on it at the next doorbells()
     dp.doorbells(now)          the QPs whose SQ or RQ doorbell rang since the last call fetch what was posted
     dp.receive(packets, now)   a batch of decoded packets from the wire; ACKs owed are sent once, at the batch end
+    dp.receive_arrivals(batch, now)   the same for a batch the compiled core parsed (nativeio.Arrivals): runs of RDMA
+                               WRITE packets are placed by the core (writeruns.py), the rest made Packets
     dp.advance(now)            fire due timers (retransmission, RNR waits)
     dp.pump(now, budget)       turn posted work into request packets (round-robin over QPs, window permitting)
-    dp.take_outbox()           the packets to transmit (`Packet`s, and `Segments` for WRITE/SEND data), taken
-                               off the outbox
+    dp.take_outbox()           the packets to transmit (`Packet`s, `Segments` for WRITE/SEND data, and a requester's
+                               `wqeblock.Burst`s), taken off the outbox
     dp.next_deadline()         when to call advance() again: None (nothing pending), or a time (<= now: at once)
 
     dp.placed_report()         per QP, the messages and bytes placed in memory, the atomics executed (debug "placed")

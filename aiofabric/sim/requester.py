@@ -10,7 +10,9 @@ READ request of its own (RETH VA and length advanced), sent only once its respon
 packets, a READ's responses in flight never exceed a window, which the receive buffer holds
 (emulator.RECEIVE_WINDOW_PER_QP), however long the READ and however loaded the host. Behaviour follows rxe's rxe_req.c
 except where the module docstring of `datapath` says otherwise. All it reaches of the data path is its `QpPort`
-(qpport.py).
+(qpport.py). With the compiled core (native.py), plain WRITEs and SENDs fetched two or more at a time wait after the
+SendWqes in a `WqeBlock` (wqeblock.py): fetched, sent (one `Burst` per turn) and retired a run at a time, and turned
+into the SendWqes they stand for before anything else is done with them.
 """
 from __future__ import annotations
 
