@@ -15,12 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiofabric.hw.verbs import PSN_MASK
+from aiofabric.autogen import bnxt
+from aiofabric.hw.verbs import PSN_MASK, MRAccess, QPAccess, QPState
+from aiofabric.hw.wqe import ATOMIC_SIZE
 from aiofabric.sim import codec, native, nativeio, rcfw, wqeblock, writeruns
 from aiofabric.sim.icrc import icrc
 from aiofabric.sim import packets as pk
 from aiofabric.sim.packets import Op
-from tests.support.emulator import READ, SEND, SEND_IMM, WRITE, WRITE_IMM, Host, fill
+from tests.support.emulator import (ALL_MR_ACCESS, ALL_QP_ACCESS, MASK, READ, SEND, SEND_IMM, WRITE, WRITE_IMM, Host,
+                                    fill)
 from tests.support.twin import Endpoint, TwinWire, core
 
 A, B = "127.0.0.121", "127.0.0.122"
@@ -162,12 +165,14 @@ def twins(mtu: int, sq_psn: int, variable: bool, faults: dict[str, float], seed:
         made.append((a, b, TwinWire(a, b, native=native_path, seed=seed, **faults)))
         a.connect(b, mtu=mtu, sq_psn=sq_psn, rq_psn=sq_psn ^ 0x5555, timeout=3)
         b.connect(a, mtu=mtu, sq_psn=sq_psn ^ 0x5555, rq_psn=sq_psn, timeout=3)
+        for host in (a, b):  # atomics too
+            host.modify(QPState.RTS, MASK["ACCESS"], access=ALL_QP_ACCESS | QPAccess.REMOTE_ATOMIC)
     return made
 
 
 # Sizes up to SLOT: at MTU 256 a message that long asks for ACKs every ACK_EVERY packets, not only at its end.
 OPERATIONS = st.lists(st.tuples(st.sampled_from(["write", "write", "write_imm", "send", "send_imm", "read",
-                                                 "other_key", "bad_key"]),
+                                                 "other_key", "bad_key", "fetch_add", "compare_swap"]),
                                 st.one_of(st.integers(0, 6000), st.integers(6000, SLOT)), st.booleans(),
                                 st.booleans()), min_size=1, max_size=30)
 
@@ -187,7 +192,7 @@ def run_script(a: Host, b: Host, wire: TwinWire, operations, seed: int) -> dict:
     with mock.patch.object(rcfw, "secrets", DrawnKeys(seed)):
         src, lkey = a.register(size)
         other, other_key = a.register(size)
-        dst, rkey = b.register(size)
+        dst, rkey = b.register(size, ALL_MR_ACCESS | MRAccess.REMOTE_ATOMIC)
     fill(a, src, size, seed)
     fill(a, other, size, seed + 2)
     fill(b, dst, size, seed + 1)
@@ -205,6 +210,9 @@ def run_script(a: Host, b: Host, wire: TwinWire, operations, seed: int) -> dict:
         elif kind == "other_key":
             a.post(WRITE, [(other + slot, other_key, length)], remote=dst + slot, rkey=rkey, signaled=signaled,
                    ring=ring)
+        elif kind in ("fetch_add", "compare_swap"):  # on the slot's first 8 bytes, the original into ours
+            a.post(ATOMICS[kind], [(src + slot, lkey, ATOMIC_SIZE)], remote=dst + slot, rkey=rkey, swap=length,
+                   compare=length >> 1, signaled=signaled, ring=ring)
         elif kind == "bad_key":  # a local protection error: the QP fails, the rest is flushed
             a.post(WRITE, [(src + slot, lkey + 1000, length)], remote=dst + slot, rkey=rkey, signaled=signaled,
                    ring=ring)
@@ -223,6 +231,7 @@ def run_script(a: Host, b: Host, wire: TwinWire, operations, seed: int) -> dict:
             "events": (a.creq_events(), b.creq_events())}
 
 
+ATOMICS = {"fetch_add": bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_FA, "compare_swap": bnxt.SQ_ATOMIC_HDR_WQE_TYPE_ATOMIC_CS}
 FAULTS = [{}, {"loss": 0.05}, {"dup": 0.2, "reorder": 0.3}, {"loss": 0.03, "dup": 0.05, "reorder": 0.2}]
 
 
