@@ -154,8 +154,8 @@ def _load() -> Core | None:
     sources = {name: (here / name).read_text() for name in (HEADER, *SOURCES)}
     digest = hashlib.sha256("\0".join((compiler, *FLAGS, *sources.values())).encode()).hexdigest()[:24]
     name = f"wirecore-{digest}.so"
-    cache = os.environ.get("AIOFABRIC_CACHE") or str(Path.home() / ".cache" / "aiofabric" / "kernels")
-    try:
+    try:  # Path.home() raises RuntimeError without $HOME and a passwd entry
+        cache = os.environ.get("AIOFABRIC_CACHE") or str(Path.home() / ".cache" / "aiofabric" / "kernels")
         directory = private.open_directory(cache)
     except (private.NotPrivate, RuntimeError) as exc:
         log.info("the emulator's codec runs in Python: no private cache for its compiled core (%s)", exc)

@@ -337,6 +337,15 @@ def test_a_build_lands_in_the_private_cache_and_is_loaded_from_there_next_time(m
     assert again is not None and again.build["cached"] is True
 
 
+def test_without_a_home_the_python_path_runs(monkeypatch, caplog):
+    monkeypatch.delenv("AIOFABRIC_CACHE", raising=False)
+    monkeypatch.setattr(native.Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home directory")))
+    monkeypatch.setattr(native, "_loaded", [])
+    with caplog.at_level(logging.INFO, "aiofabric.sim"):
+        assert native.core() is None
+    assert "no private cache for its compiled core (no home directory)" in caplog.text
+
+
 def test_a_cache_others_can_write_is_not_used(monkeypatch, tmp_path, caplog):
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o777)
