@@ -151,7 +151,11 @@ def _load() -> Core | None:
         log.info("no C compiler: the emulator's codec runs in Python")
         return None
     here = Path(__file__).parent
-    sources = {name: (here / name).read_text() for name in (HEADER, *SOURCES)}
+    try:
+        sources = {name: (here / name).read_text() for name in (HEADER, *SOURCES)}
+    except OSError as exc:  # an installation without the package's C files
+        log.warning("the emulator's codec runs in Python: its compiled core's sources cannot be read: %s", exc)
+        return None
     digest = hashlib.sha256("\0".join((compiler, *FLAGS, *sources.values())).encode()).hexdigest()[:24]
     name = f"wirecore-{digest}.so"
     try:  # Path.home() raises RuntimeError without $HOME and a passwd entry

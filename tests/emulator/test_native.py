@@ -337,6 +337,14 @@ def test_a_build_lands_in_the_private_cache_and_is_loaded_from_there_next_time(m
     assert again is not None and again.build["cached"] is True
 
 
+def test_without_its_sources_the_python_path_runs(monkeypatch, caplog):
+    monkeypatch.setattr(native, "SOURCES", ("wirecodec.c", "no-such-file.c"))
+    monkeypatch.setattr(native, "_loaded", [])
+    with caplog.at_level(logging.WARNING, "aiofabric.sim"):
+        assert native.core() is None
+    assert "sources cannot be read" in caplog.text and "no-such-file.c" in caplog.text
+
+
 def test_without_a_home_the_python_path_runs(monkeypatch, caplog):
     monkeypatch.delenv("AIOFABRIC_CACHE", raising=False)
     monkeypatch.setattr(native.Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home directory")))
