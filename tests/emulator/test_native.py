@@ -155,11 +155,12 @@ def test_the_core_crc_is_zlibs_with_or_without_isal():
 
 
 # -- the data path ----------------------------------------------------------------------------------------------------
-def twins(mtu: int, sq_psn: int, variable: bool, faults: dict[str, float], seed: int):
+def twins(mtu: int, sq_psn: int, variable: bool, faults: dict[str, float], seed: int, profile: str = "thor2",
+          hw_retx: bool = False):
     """Two pairs of hosts set up alike: one carried through the compiled core, one through the Python path."""
     made = []
     for native_path in (True, False):
-        a, b = Host(A, memory=MEMORY), Host(B, memory=MEMORY)
+        a, b = (Host(ip, memory=MEMORY, profile=profile, hw_retx=hw_retx) for ip in (A, B))
         for host in (a, b):
             host.create_qp(host.create_cq(4096), sq_slots=2048, variable=variable)
         made.append((a, b, TwinWire(a, b, native=native_path, seed=seed, **faults)))
@@ -237,10 +238,12 @@ FAULTS = [{}, {"loss": 0.05}, {"dup": 0.2, "reorder": 0.3}, {"loss": 0.03, "dup"
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(operations=OPERATIONS, seed=st.integers(0, 1 << 16), mtu=st.sampled_from([256, 1024, 4096]),
-       faults=st.sampled_from(FAULTS), variable=st.booleans(), wraps=st.booleans())
+       faults=st.sampled_from(FAULTS), variable=st.booleans(), wraps=st.booleans(),
+       table=st.sampled_from([("thor2", False), ("thor2", True), ("psn-table", True)]))
 def test_the_compiled_data_path_sends_and_places_what_the_python_one_does(operations, seed, mtu, faults, variable,
-                                                                         wraps):
-    (a, b, fast), (ra, rb, slow) = twins(mtu, PSN_MASK - 3 if wraps else 0x100, variable, faults, seed)
+                                                                         wraps, table):
+    """`table`: the firmware profile (MSN or PSN search table) and whether go-backs resume from it."""
+    (a, b, fast), (ra, rb, slow) = twins(mtu, PSN_MASK - 3 if wraps else 0x100, variable, faults, seed, *table)
     found = differences(run_script(a, b, fast, operations, seed), run_script(ra, rb, slow, operations, seed))
     del a, b, fast, ra, rb, slow
     gc.collect()  # the hosts' memories are cycles' garbage: without this, hundreds of examples' worth accumulates
