@@ -35,6 +35,9 @@ NON_HARDWARE_STRUCTS = {
     "aiofabric/sim/icrc.py": "the RoCEv2 wire: the ICRC",
     "aiofabric/sim/pcap.py": "pcap file and record headers",
     "aiofabric/sim/mmsg.py": "sockaddr_in for sendmmsg/recvmmsg",
+    "aiofabric/sim/native.py": "the compiled core's own records: transmit descriptors, parsed datagrams, run state",
+    "aiofabric/sim/wqeblock.py": "the compiled core's own records: WQE rows, fetch and pump state, what it is told of "
+                                 "the WQE format (hw/wqe.py's offsets)",
     "aiofabric/sim/kick.py": "KICK: the MMIO-write record the driver process sends the emulator process",
     "aiofabric/tools/perftest.py": "STAMP: the benchmark's payload stamp",
 }

@@ -19,6 +19,7 @@ from .dma import ACCESS_ERRORS
 from .packets import RESPONSE_LAST, RESPONSE_MIDDLE, RESPONSE_ONLY
 from .qpport import QpPort
 from .sendqueue import SendQueue, SendWqe
+from .wqeblock import WqeBlock
 from ..autogen import bnxt
 from ..hw.cqe import CQE_REQ, RequesterErrorReason
 from ..hw.verbs import PSN_MASK, QPState, psn_diff
@@ -62,6 +63,8 @@ class Completer:
         self.rto_at: float | None = None
         self.rnr_until: float | None = None
         self.post_cqe = port.post_cqe
+        # plain WQEs after wqes, as rows the compiled core parsed (wqeblock.py), when there is a core
+        self.block = WqeBlock(port.core, self.sq) if port.core is not None else None
 
     # -- state ---------------------------------------------------------------------------------------------------------
     @property
@@ -83,10 +86,23 @@ class Completer:
         (bnxt_qplib_get_cqe_sq_cons). Inferred: that the chip reduces the index itself (Linux's own `%` could not
         undo a 16-bit wrap when sq_size does not divide 2^16)."""
         if status or w.signaled:
-            qp = self.qp
-            geometry = qp.sq_geometry
-            consumer = w.slot if status and geometry.variable else (w.index + 1) % geometry.size
-            self.post_cqe(qp.scq, CQE_REQ.pack(qp.handle, consumer, CQE_TYPE_REQ, status))
+            self._post(w.index, w.slot, status)
+
+    def _post(self, index: int, slot: int, status: int) -> None:
+        """The CQE of WQE number `index` (starting at `slot`), as post_completion says."""
+        qp = self.qp
+        geometry = qp.sq_geometry
+        consumer = slot if status and geometry.variable else (index + 1) % geometry.size
+        self.post_cqe(qp.scq, CQE_REQ.pack(qp.handle, consumer, CQE_TYPE_REQ, status))
+
+    def materialise(self) -> None:
+        """Turn the block's WQEs not yet retired into SendWqes after wqes, where the reference code handles them."""
+        block = self.block
+        if block is None or not block.unretired:
+            return
+        if self.send == len(self.wqes):  # every SendWqe sent: the block's sending carries on where it was
+            self.send, self.send_pkt = len(self.wqes) + block.send - block.done, block.send_pkt
+        self.wqes += block.materialise()
 
     def _retire(self) -> None:
         """Complete wqes[done] successfully."""
@@ -134,6 +150,14 @@ class Completer:
         if done != self.done:
             self.done, progressed = done, True
             self.qp.sq_consumer = wqes[done - 1].index + 1
+        block = self.block
+        if done == fetched and block is not None and block.unretired:  # on into the block's rows
+            numbers = block.retire(psn)
+            if numbers:
+                consumer = numbers.pop()
+                for index in numbers:
+                    self._post(index, 0, OK)
+                self.qp.sq_consumer, progressed = consumer + 1, True
         if done < fetched:
             w = wqes[done]
             if w.status is not None:
@@ -156,6 +180,11 @@ class Completer:
             self.send, self.send_pkt = self.done, 0
         if self.send == self.done < len(wqes) and not wqes[self.send].read:  # skip segments already acknowledged
             self.send_pkt = max(self.send_pkt, psn_diff(self.una, wqes[self.send].first_psn))
+        if block is not None and self.send == self.done == len(wqes) and block.unretired:  # the same in the block
+            if block.send < block.done:
+                block.send, block.send_pkt = block.done, 0
+            if block.send == block.done:
+                block.send_pkt = max(block.send_pkt, psn_diff(self.una, block.first_psn(block.send)))
         if progressed:
             self._progress(now)
             self._trim()
@@ -177,6 +206,7 @@ class Completer:
 
     def fail(self, status: int, reason: int) -> None:
         """Complete the oldest WQE with `status` and put the QP in ERR (which flushes everything else)."""
+        self.materialise()
         if self.done < len(self.wqes):
             w = self.wqes[self.done]
             self.done += 1
@@ -187,6 +217,7 @@ class Completer:
     # -- retransmission ---------------------------------------------------------------------------------------------
     def _rewind(self) -> None:
         """Go back to the packet carrying the oldest unacknowledged PSN (go-back-N)."""
+        self.materialise()
         una, wqes = self.una, self.wqes
         for i in range(self.done, min(self.send + 1, len(wqes))):
             w = wqes[i]
@@ -243,14 +274,14 @@ class Completer:
             self._rewind()
         if self.rto_at is not None and now >= self.rto_at:
             self.rto_at = None
+            self.materialise()
             if self.done < len(self.wqes) and psn_diff(self.sent_hi, self.una) > 0:
                 self.stats["timeouts"] += 1
                 self._retry(now, timeout=True)
 
     # -- responses ---------------------------------------------------------------------------------------------------
-    def on_acknowledge(self, p: pk.Packet, now: float) -> None:
-        """An ACKNOWLEDGE: ACK, RNR NAK or NAK with the PSN it refers to."""
-        psn, syndrome = p.psn, p.syndrome
+    def on_acknowledge(self, psn: int, syndrome: int, now: float) -> None:
+        """An ACKNOWLEDGE: ACK, RNR NAK or NAK (its AETH syndrome) with the PSN it refers to."""
         if psn_diff(psn, self.sent_hi) >= 0:
             self.stats["dropped_unexpected"] += 1  # acknowledges something never sent
             return
@@ -263,6 +294,7 @@ class Completer:
             self.acked_through(psn, now)
             return
         self.stats["naks_received"] += 1
+        self.materialise()
         if psn_diff(psn, self.una) < 0:
             self.stats["stale_acks"] += 1
             return
@@ -290,6 +322,7 @@ class Completer:
     def _answered(self, psn: int, now: float) -> SendWqe | None:
         """The oldest outstanding WQE a response at `psn` (READ data or an atomic's result) may answer, once the
         response has acknowledged every request before it; None (counted) when the response is stale or unexpected."""
+        self.materialise()
         if psn_diff(psn, self.una) < 0:
             self.stats["duplicates"] += 1  # e.g. a replayed result for an atomic completed already
             return None

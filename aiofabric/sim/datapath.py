@@ -7,10 +7,12 @@ feeds it:
                                order with the driver's other writes), the QP acts on it at the next doorbells()
     dp.doorbells(now)          the QPs whose SQ or RQ doorbell rang since the last call fetch what was posted
     dp.receive(packets, now)   a batch of decoded packets from the wire; ACKs owed are sent once, at the batch end
+    dp.receive_arrivals(batch, now)   the same for a batch the compiled core parsed (nativeio.Arrivals): runs of RDMA
+                               WRITE packets are placed by the core (writeruns.py), the rest made Packets
     dp.advance(now)            fire due timers (retransmission, RNR waits)
     dp.pump(now, budget)       turn posted work into request packets (round-robin over QPs, window permitting)
-    dp.take_outbox()           the packets to transmit (`Packet`s, and `Segments` for WRITE/SEND data), taken
-                               off the outbox
+    dp.take_outbox()           the packets to transmit (`Packet`s, `Segments` for WRITE/SEND data, and a requester's
+                               `wqeblock.Burst`s), taken off the outbox
     dp.next_deadline()         when to call advance() again: None (nothing pending), or a time (<= now: at once)
 
     dp.placed_report()         per QP, the messages and bytes placed in memory, the atomics executed (debug "placed")
@@ -58,11 +60,14 @@ from typing import Any, Callable
 from . import packets as pk
 from .hwrm import Firmware
 from .objects import CompletionQueue, QueuePair
-from .packets import ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, RESPONSE_FIRST
+from .native import core
+from .nativeio import Arrivals
+from .packets import ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, RESPONSE_FIRST, WRITE_FIRST, WRITE_ONLY, Outgoing
 from .placement import PlacedCounts, PlacementFaults
-from .qpport import Address, Outgoing
+from .qpport import Address
 from .requester import Requester
 from .responder import Responder
+from .writeruns import place_run
 from ..autogen import bnxt
 from ..hw.cqe import CQE_TYPE_OFFSET, cqe_type
 from ..hw.verbs import QPState
@@ -81,7 +86,7 @@ class QpContext:
         self.dp, self.qp = dp, qp
         self.mem, self.mrs, self.stats, self.outbox, self.faults = dp.mem, dp.mrs, dp.stats, dp.outbox, dp.faults
         self.pcie = dp.pcie
-        self.post_cqe, self.acks_due = dp.post_cqe, dp.acks_due
+        self.post_cqe, self.acks_due, self.core = dp.post_cqe, dp.acks_due, dp.core
         self.address: Address = (0, 0, "", "", 0, 0, 0)
         self.peer_ip = ""  # the only source address this QP accepts packets from (receive(): check_addr)
         self.refresh()
@@ -161,6 +166,7 @@ class Datapath:
         self.last_error = ""
         self.placed: dict[int, PlacedCounts] = {}  # by QPN; an entry whose qp is not the live one is stale
         self.faults = PlacementFaults(self.stats)  # deliberate bugs for tests that prove a verification can fail
+        self.core = core()  # the compiled core receive_arrivals places WRITE runs with, if it can be had
 
     # -- contexts ----------------------------------------------------------------------------------------------------
     def context(self, qpn: int) -> QpContext | None:
@@ -269,47 +275,91 @@ class Datapath:
 
     def receive(self, packets: list[pk.Packet], now: float) -> None:
         """Process a batch of received packets, then send the ACKs it earned (one per QP)."""
-        contexts, qps, stats, ip = self.contexts, self.rcfw.qps, self.stats, self.ip
-        stats["packets_received"] += len(packets)
+        self.stats["packets_received"] += len(packets)
         i, count = 0, len(packets)
         while i < count:
             p = packets[i]
             i += 1
             try:
-                qpn = p.dest_qp
-                ctx = contexts.get(qpn)
-                if ctx is None or ctx.qp is not qps.get(qpn):
-                    ctx = self.context(qpn)
-                    if ctx is None:
-                        stats["dropped"] += 1
-                        stats["dropped_no_qp"] += 1
-                        continue
+                ctx = self._addressed(p.dest_qp, p.opcode, p.src_ip, p.dst_ip)
+                if ctx is None:
+                    continue
                 op = p.opcode
-                state = ctx.qp.state
-                request = not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE  # for the responder; else the requester
-                # rxe_recv.c check_type_state: requests need a receiving QP (RTR, RTS, SQD), responses a sending one
-                if not (state == RTS or state == SQD or request and state == RTR):
-                    stats["dropped"] += 1
-                    stats["dropped_qp_state"] += 1
-                # check_addr: a connected QP takes packets only from the peer it was connected to (the DGID of
-                # MODIFY_QP), addressed to us; anything else is dropped without an answer, before its PSN is looked at
-                elif p.src_ip != ctx.peer_ip or p.dst_ip != ip:
-                    stats["dropped"] += 1
-                    stats["dropped_bad_source"] += 1
-                elif request:
+                if not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE:
                     i = ctx.responder.on_requests(packets, i - 1, now)
-                elif op == ACKNOWLEDGE:
-                    ctx.requester.on_acknowledge(p, now)
-                    ctx.wake()
-                elif op == ATOMIC_ACKNOWLEDGE:
-                    ctx.requester.on_atomic_acknowledge(p, now)
-                    ctx.wake()
                 else:
-                    ctx.requester.on_read_response(p, now)
-                    ctx.wake()
+                    self._answer(ctx, p, op, now)
             except Exception as exc:
                 self._internal_error(exc)
         self.flush_acks()
+
+    def receive_arrivals(self, batch: Arrivals, now: float) -> None:
+        """receive() for datagrams as the compiled core parsed them: runs of RDMA WRITE packets are placed by the
+        core (writeruns.py), every other packet as receive() handles it, made a Packet first."""
+        self.stats["packets_received"] += batch.good
+        core, ip, i, count = self.core, self.ip, 0, batch.count
+        while i < count:
+            r = batch.record(i)
+            if r[18]:  # dropped by the transport's checks
+                i += 1
+                continue
+            try:
+                op = r[0]
+                ctx = self._addressed(r[1], op, batch.receiver.source(r[19]), ip)
+                if ctx is None:
+                    i += 1
+                    continue
+                if not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE:
+                    if core is not None and WRITE_FIRST <= op <= WRITE_ONLY and i + 1 < count:  # a run, not one
+                        end = place_run(core, ctx.responder, batch, i, r)
+                        if end > i:
+                            i = end
+                            continue
+                    ctx.responder.on_request(batch.packet(i, r), now)
+                elif op == ACKNOWLEDGE:  # all an ACK says is its PSN and syndrome: no Packet needed
+                    ctx.requester.on_acknowledge(r[2], r[11], now)
+                    ctx.wake()
+                else:
+                    self._answer(ctx, batch.packet(i, r), op, now)
+            except Exception as exc:
+                self._internal_error(exc)
+            i += 1
+        self.flush_acks()
+
+    def _addressed(self, qpn: int, op: int, src_ip: str, dst_ip: str) -> QpContext | None:
+        """The context of the QP a packet is for, if it may take the packet (else the drop is counted)."""
+        ctx = self.contexts.get(qpn)
+        if ctx is None or ctx.qp is not self.rcfw.qps.get(qpn):
+            ctx = self.context(qpn)
+            if ctx is None:
+                self.stats["dropped"] += 1
+                self.stats["dropped_no_qp"] += 1
+                return None
+        state = ctx.qp.state
+        request = not RESPONSE_FIRST <= op <= ATOMIC_ACKNOWLEDGE  # for the responder; else the requester
+        # rxe_recv.c check_type_state: requests need a receiving QP (RTR, RTS, SQD), responses a sending one
+        if not (state == RTS or state == SQD or request and state == RTR):
+            self.stats["dropped"] += 1
+            self.stats["dropped_qp_state"] += 1
+            return None
+        # check_addr: a connected QP takes packets only from the peer it was connected to (the DGID of MODIFY_QP),
+        # addressed to us; anything else is dropped without an answer, before its PSN is looked at
+        if src_ip != ctx.peer_ip or dst_ip != self.ip:
+            self.stats["dropped"] += 1
+            self.stats["dropped_bad_source"] += 1
+            return None
+        return ctx
+
+    @staticmethod
+    def _answer(ctx: QpContext, p: pk.Packet, op: int, now: float) -> None:
+        """A response to the QP's requester: an ACK or NAK, an atomic's acknowledgement, READ data."""
+        if op == ACKNOWLEDGE:
+            ctx.requester.on_acknowledge(p.psn, p.syndrome, now)
+        elif op == ATOMIC_ACKNOWLEDGE:
+            ctx.requester.on_atomic_acknowledge(p, now)
+        else:
+            ctx.requester.on_read_response(p, now)
+        ctx.wake()
 
     def flush_acks(self) -> None:
         for flush_ack in self.acks_due:
@@ -366,6 +416,7 @@ class Datapath:
         report = {}
         for qpn, ctx in self.contexts.items():
             r, s = ctx.requester, ctx.responder
+            r.materialise()  # the block's WQEs counted as the SendWqes they stand for
             report[str(qpn)] = {
                 "state": ctx.qp.state.name, "timeout": ctx.qp.timeout, "retry_cnt": ctx.qp.retry_cnt,
                 "wqes_outstanding": len(r.wqes) - r.done, "unsent": len(r.wqes) - r.send,

@@ -299,12 +299,24 @@ class Emulator:
                 # the wire when select() found it readable or packets are flowing; the PHY loopback when it holds some
                 if wire_idle if transport is wire else not loopback.pending:
                     continue
-                packets = transport.receive(RX_BUDGET)
-                if packets:
+                if transport is wire and wire.parsed:  # the compiled core parsed the datagrams: no Packets yet
+                    arrivals = wire.receive_arrivals(RX_BUDGET)
+                    if arrivals is None or not arrivals.good:
+                        continue
+                    received += arrivals.good
+                    backlog |= arrivals.good == RX_BUDGET
+                    if self.fw.port.carries_all:
+                        dp.receive_arrivals(arrivals, now)
+                        continue
+                    packets = arrivals.packets()
+                else:
+                    packets = transport.receive(RX_BUDGET)
+                    if not packets:
+                        continue
                     received += len(packets)
                     backlog |= len(packets) == RX_BUDGET
-                    # before the next receive(), which may reuse the packets' buffers
-                    dp.receive(self.fw.port.carried(packets), now)
+                # before the next receive(), which may reuse the packets' buffers
+                dp.receive(self.fw.port.carried(packets), now)
             if not backlog:
                 # Timers fire once the arrivals queued before them are processed: a NIC keeps up with its wire, so
                 # an ACK waiting in our receive queue never loses the race against a timeout (a spurious go-back).

@@ -39,6 +39,7 @@ _POINTER_SIZE = ctypes.sizeof(ctypes.c_void_p)
 # Where the per-message fields sit, in units of the memoryviews below ("P" for pointers and sizes, "I" for u32s).
 _NAME = _Mmsghdr.hdr.offset + _Msghdr.name.offset
 _LENGTH = _Mmsghdr.length.offset
+MESSAGE_SIZE, NAME_OFFSET, LENGTH_OFFSET = _MESSAGE_SIZE, _NAME, _LENGTH  # for code that fills the messages itself
 
 
 def _libc_calls():
@@ -79,6 +80,8 @@ class _Batch:
         self._iovec_words = memoryview(self._iovecs).cast("B").cast("P")  # [2 i + 1] is slot i's length
         self._message_words = memoryview(self._messages).cast("B").cast("P")
         self._message_u32 = memoryview(self._messages).cast("B").cast("I")
+        # where the slots, the mmsghdrs and the iovecs are, for the compiled core (native.py) to fill or read
+        self.slots_at, self.messages_at, self.iovecs_at = base, self._messages_at, ctypes.addressof(self._iovecs)
 
 
 class Sender(_Batch):
@@ -88,25 +91,33 @@ class Sender(_Batch):
         super().__init__(sock, count, slot_size)
         for i in range(count):
             self._messages[i].hdr.namelen = _SOCKADDR_SIZE
-        self._destinations: dict[tuple[str, int], ctypes.Array] = {}
+        self._destinations: dict[tuple[str, int], int] = {}  # ip:port -> the address of its sockaddr_in (below)
+        self._addresses: list[ctypes.Array] = []
+        self._retired: list[ctypes.Array] = []
+
+    def forget_retired(self) -> None:
+        """Free the sockaddrs dropped from the cache: call when nothing staged names them any more."""
+        self._retired = []
 
     def stage(self, i: int, lengths: list[int], ip: str, port: int) -> None:
         """Slots i, i + 1, ... hold datagrams of `lengths` bytes for ip:port."""
-        destination = self._destinations.get((ip, port))
-        if destination is None:
-            destination = self._destination(ip, port)
-        pointer, iovecs, messages = ctypes.addressof(destination), self._iovec_words, self._message_words
+        pointer, iovecs, messages = self.destination(ip, port), self._iovec_words, self._message_words
         for i, length in enumerate(lengths, i):
             iovecs[2 * i + 1] = length
             messages[(i * _MESSAGE_SIZE + _NAME) // _POINTER_SIZE] = pointer
 
-    def _destination(self, ip: str, port: int) -> ctypes.Array:
-        if len(self._destinations) >= 1024:  # peers come and go over a long life; their addresses need not stay
-            self._destinations.clear()
-        address = (ctypes.c_char * _SOCKADDR_SIZE).from_buffer_copy(
-            _SOCKADDR_IN.pack(socket.AF_INET, port.to_bytes(2, "big"), socket.inet_aton(ip)))
-        self._destinations[(ip, port)] = address
-        return address
+    def destination(self, ip: str, port: int) -> int:
+        """The address of the sockaddr_in of ip:port, which a message's name points at (kept while in use)."""
+        pointer = self._destinations.get((ip, port))
+        if pointer is None:
+            if len(self._destinations) >= 1024:  # peers come and go over a long life; their addresses need not stay
+                self._destinations.clear()  # (those staged may still be named: they go after the next send_all)
+                self._retired, self._addresses = self._addresses, []
+            address = (ctypes.c_char * _SOCKADDR_SIZE).from_buffer_copy(
+                _SOCKADDR_IN.pack(socket.AF_INET, port.to_bytes(2, "big"), socket.inet_aton(ip)))
+            self._addresses.append(address)
+            pointer = self._destinations[(ip, port)] = ctypes.addressof(address)
+        return pointer
 
     def send(self, count: int) -> list[OSError]:
         """Send slots 0..count-1 in order. A datagram the kernel refuses (unreachable, too big for DF, ...) is lost,
@@ -134,20 +145,12 @@ class Receiver(_Batch):
         for i in range(count):
             self._messages[i].hdr.name, self._messages[i].hdr.namelen = names + i * _SOCKADDR_SIZE, _SOCKADDR_SIZE
         self._name_view = memoryview(self._names).cast("B")
+        self.names_at = names
 
     def receive(self, budget: int) -> list[tuple[memoryview, bytes, int]]:
         """Up to `budget` (at most `count`) datagrams waiting on the socket, without blocking: (data, source address
         as 4 bytes, source port) each, the data a view of a slot that the next call overwrites."""
-        while True:
-            received = _CALLS[1](self._socket.fileno(), self._messages_at, min(budget, self.count),
-                                 socket.MSG_DONTWAIT, None)
-            if received >= 0:
-                break
-            code = ctypes.get_errno()
-            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return []
-            if code != errno.EINTR:
-                raise OSError(code, os.strerror(code))
+        received = self.receive_into_slots(budget)
         view, slot, lengths, names = self.view, self.slot_size, self._message_u32, self._name_view
         datagrams = []
         for i in range(received):
@@ -155,3 +158,17 @@ class Receiver(_Batch):
             port, address = _SOURCE.unpack_from(names, i * _SOCKADDR_SIZE + 2)
             datagrams.append((view[start:start + lengths[(i * _MESSAGE_SIZE + _LENGTH) // 4]], address, port))
         return datagrams
+
+    def receive_into_slots(self, budget: int) -> int:
+        """How many datagrams (up to `budget`, at most `count`) one recvmmsg without blocking put into slots 0, 1,
+        ...: each one's length in its message, its source in `names_at` + 16 i (a sockaddr_in)."""
+        while True:
+            received = _CALLS[1](self._socket.fileno(), self._messages_at, min(budget, self.count),
+                                 socket.MSG_DONTWAIT, None)
+            if received >= 0:
+                return received
+            code = ctypes.get_errno()
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return 0
+            if code != errno.EINTR:
+                raise OSError(code, os.strerror(code))

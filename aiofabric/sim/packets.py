@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, Union
 
 from ..hw.verbs import PSN_MASK
 
@@ -208,8 +209,42 @@ class Segments(IpUdpFields, _MessageFields):
         return [self.packet(k) for k in range(self.start, self.start + self.count)]
 
 
-def expand(items: list[Packet | Segments]) -> list[Packet]:
-    """The Packets a list of Packets and Segments stands for, in order."""
+class MessageRun(Protocol):
+    """Packets of several messages described at once (wqeblock.Burst, a requester's turn over its plain WQEs): what a
+    transport needs of them besides spelling them out, as the Segments the requester would otherwise have queued or as
+    Packets."""
+
+    src_ip: str
+    dst_ip: str
+    src_port: int
+    dst_port: int
+    ip_id: int
+    tos: int
+    ttl: int
+    mtu: int
+    count: int
+
+    def segments(self) -> list[Segments]: ...
+
+    def packets(self) -> list[Packet]: ...
+
+
+Outgoing = Union[Packet, Segments, MessageRun]  # what the data path queues for the wire
+
+
+def segmented(items: Sequence[Outgoing]) -> list[Packet | Segments]:
+    """`items` with every MessageRun spelled out as its Segments."""
+    out: list[Packet | Segments] = []
+    for item in items:
+        if isinstance(item, (Packet, Segments)):
+            out.append(item)
+        else:
+            out += item.segments()
+    return out
+
+
+def expand(items: list[Outgoing]) -> list[Packet]:
+    """The Packets a list of Packets, Segments and MessageRuns stands for, in order."""
     packets: list[Packet] = []
     for item in items:
         if isinstance(item, Packet):

@@ -6,7 +6,7 @@ from typing import Any
 
 from .codec import decode, decode_ipv4, encode, encode_ipv4_header, encode_segments_into
 from .faults import Faults
-from .packets import Packet, Segments
+from .packets import Outgoing, Packet, segmented
 from .pcap import PcapWriter
 from .transport import TX_HEADROOM, Transport
 
@@ -30,13 +30,13 @@ class LoopbackTransport(Transport):
     def pending(self) -> bool:
         return bool(self._looped)
 
-    def send_all(self, packets: list[Packet | Segments]) -> None:
+    def send_all(self, packets: list[Outgoing]) -> None:
         if self.faulty or self.pcap is not None:
             super().send_all(packets)
             return
         looped, ip = self._looped, self.ip
         queued = len(looped)
-        for item in packets:
+        for item in segmented(packets):
             item.src_ip = ip
             address = (ip, item.dst_ip, item.src_port, item.dst_port, item.ip_id)
             if isinstance(item, Packet):

@@ -8,6 +8,7 @@ from typing import Union
 
 from .dma import ACCESS_ERRORS, Buffer, map_remote
 from .memory import BusMemory
+from .native import address
 from .objects import MemoryRegion, QueuePair
 from .packets import Packet
 from ..hw.verbs import MRAccess
@@ -24,6 +25,39 @@ class _Discard:
 
 DISCARD = _Discard()
 Target = Union[Buffer, _Discard]  # where a message's payload lands
+
+
+class KnownRegion:
+    """A region the compiled core reaches on the data path's behalf, a responder's WRITEs landing in it (writeruns.py)
+    or a requester's messages sent from it (wqeblock.py): one piece of host memory the QP's PD may use as asked, its
+    address in this process, and what the region was when learned."""
+
+    __slots__ = ("key", "region", "pages", "access", "pd", "va", "size", "whole", "at")
+
+    def __init__(self, key: int, region: MemoryRegion, whole: memoryview) -> None:
+        self.key, self.region, self.whole, self.at = key, region, whole, address(whole)
+        self.pages, self.access, self.pd, self.va, self.size = (region.pages, region.access, region.pd, region.va,
+                                                                 region.size)
+
+    @classmethod
+    def learn(cls, mrs: dict[int, MemoryRegion], mem: BusMemory, key: int, pd: int,
+              access: int = MR_REMOTE_WRITE) -> KnownRegion | None:
+        """The region `key` names, if `pd` may use all of it with `access` and it is one piece of host memory (what
+        map_remote or map_sges find in it: slices of `whole`)."""
+        region = mrs.get(key)
+        if region is None or region.pages is None or not region.size:
+            return None
+        whole = region.view(region.va, region.size, access, pd)
+        if whole is None:
+            region.views(mem, region.va, 0)  # its first use works out whether it is one piece (map_remote does too)
+            whole = region.view(region.va, region.size, access, pd)
+        return cls(key, region, whole) if whole is not None else None
+
+    def holds(self, mrs: dict[int, MemoryRegion]) -> bool:
+        """The region is still what map_remote would find under this key, unchanged."""
+        region = self.region
+        return (mrs.get(self.key) is region and region.pages is self.pages and region.access == self.access
+                and region.pd == self.pd and region.va == self.va and region.size == self.size)
 
 
 class PlacedCounts:

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .codec import header_size
-from .packets import ICRC_SIZE, IPV4_HEADER_SIZE, UDP_HEADER_SIZE, Op, Packet, Segments
+from .packets import ICRC_SIZE, IPV4_HEADER_SIZE, UDP_HEADER_SIZE, Op, Outgoing, Packet, Segments, segmented
 from ..hw.verbs import PATH_MTU_BYTES
 
 DEFAULT_MTU = 9000  # a jumbo-frame fabric: every path MTU fits (4096 needs 4192, Linux's iboe_get_mtu)
 MIN_MTU, MAX_MTU = 576, 9500  # the datagram every IPv4 host takes; bnxt_en's BNXT_MAX_MTU
 _LARGEST_FRAME = (IPV4_HEADER_SIZE + UDP_HEADER_SIZE + max(header_size(op) for op in Op) + max(PATH_MTU_BYTES.values())
                   + 3 + ICRC_SIZE)  # no packet is longer: a port with this MTU never looks at one
-Item = TypeVar("Item", Packet, Packet | Segments)
+Item = TypeVar("Item", Packet, Outgoing)
 
 
 def check_mtu(mtu: Any, name: str = "port_mtu") -> int:
@@ -46,6 +46,11 @@ class Port:
     up: bool = False  # the one attribute the data path reads per batch of packets
     speed: int = 0  # PORT_PHY_QCFG's link_speed code while the link is up
 
+    @property
+    def carries_all(self) -> bool:
+        """carried() would return whatever it is given: the link is up and no packet is too long for the port."""
+        return self.up and self.mtu >= _LARGEST_FRAME
+
     def carried(self, items: list[Item]) -> list[Item]:
         """What of `items` (packets sent or received) the port carries."""
         if not self.up:
@@ -53,6 +58,6 @@ class Port:
             return []
         if self.mtu >= _LARGEST_FRAME:
             return items
-        fitting = [item for item in items if frame_size(item) <= self.mtu]
+        fitting: list[Any] = [item for item in segmented(list(items)) if frame_size(item) <= self.mtu]
         self.stats["dropped_oversize"] += len(items) - len(fitting)
         return fitting

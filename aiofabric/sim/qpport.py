@@ -12,17 +12,17 @@ are shared through the port too; the data path reports the one and arms the othe
 from __future__ import annotations
 
 import collections
-from typing import Callable, Protocol, Union
+from typing import Callable, Protocol
 
 from .memory import BusMemory
+from .native import Core
 from .objects import CompletionQueue, MemoryRegion, QueuePair
-from .packets import Packet, Segments
+from .packets import Outgoing
 from .pcie import PcieFunction
 from .placement import PlacedCounts, PlacementFaults
 
 # what every packet of a QP carries: dest QP, P_Key, source and destination IPv4, UDP source port, TOS, TTL
 Address = tuple[int, int, str, str, int, int, int]
-Outgoing = Union[Packet, Segments]
 
 
 class PostCqe(Protocol):
@@ -45,6 +45,7 @@ class QpPort(Protocol):
     pcie: PcieFunction  # the function's PCIe side: whether an atomic may reach host memory
     post_cqe: PostCqe  # the data path's own
     acks_due: list[Callable[[], None]]  # where the responder puts its flush_ack when it owes an ACK at the batch's end
+    core: Core | None  # the compiled core the requester's WQE blocks use (native.py), if there is one
 
     def wake(self) -> None:
         """The requester may have packets to send: schedule it for the next pump."""

@@ -10,7 +10,9 @@ READ request of its own (RETH VA and length advanced), sent only once its respon
 packets, a READ's responses in flight never exceed a window, which the receive buffer holds
 (emulator.RECEIVE_WINDOW_PER_QP), however long the READ and however loaded the host. Behaviour follows rxe's rxe_req.c
 except where the module docstring of `datapath` says otherwise. All it reaches of the data path is its `QpPort`
-(qpport.py).
+(qpport.py). With the compiled core (native.py), plain WRITEs and SENDs fetched two or more at a time wait after the
+SendWqes in a `WqeBlock` (wqeblock.py): fetched, sent (one `Burst` per turn) and retired a run at a time, and turned
+into the SendWqes they stand for before anything else is done with them.
 """
 from __future__ import annotations
 
@@ -41,12 +43,26 @@ class Requester(Completer):
         self.retry_left, self.rnr_left = qp.retry_cnt & 7, qp.rnr_retry & 7
 
     def has_work(self) -> bool:
-        return self.send < len(self.wqes) and self.rnr_until is None
+        block = self.block
+        return (self.send < len(self.wqes) or block is not None and block.unsent) and self.rnr_until is None
 
     # -- fetching WQEs ---------------------------------------------------------------------------------------------
     def fetch(self, flush: bool = False) -> None:
-        """Take every WQE the driver published off the SQ (completing each FLUSHED at once when `flush`)."""
-        wqes = self.sq.fetch(self, flush)
+        """Take every WQE the driver published off the SQ (completing each FLUSHED at once when `flush`): plain ones
+        into the block while there is one, the others (and all, without a block) as SendWqes."""
+        block, sq = self.block, self.sq
+        if block is not None and not flush:
+            produced = sq.produced()
+            if produced is None:
+                self.stats["bad_doorbells"] += 1
+                return
+            # One WQE alone (lat's ping) is cheaper as a SendWqe; a block pays off from two on
+            if block.unretired or produced - sq.fetched_slots > block.one_wqe:
+                while not block.fetch(self, produced):  # the next WQE is not a block's: the Python fetch takes it
+                    self.materialise()
+                    self.wqes += sq.fetch(self, limit=1) or []
+                return
+        wqes = sq.fetch(self, flush)
         if wqes is None:
             self.stats["bad_doorbells"] += 1
         elif flush:
@@ -124,14 +140,15 @@ class Requester(Completer):
                     self.send_pkt = k + count
                 end = (psn + count) & PSN_MASK
             sent += count
-            if psn == sent_hi:  # all new
-                sent_hi = end
-            else:
-                behind = psn_diff(sent_hi, psn)  # this many of the packets just queued were sent before
-                if behind > 0:
-                    retransmits += min(behind, count)
-                if psn_diff(end, sent_hi) > 0:
-                    sent_hi = end
+            sent_hi, retransmits = _account(psn, end, count, sent_hi, retransmits)
+        block = self.block
+        if block is not None and self.send == len(wqes) and sent < budget and block.unsent:
+            burst, psn, self.noack = block.pump(una, budget - sent, self.reads, self.noack, WINDOW, ACK_EVERY,
+                                                port.address, mtu)
+            if burst is not None:
+                out.append(burst)
+                sent += burst.count
+                sent_hi, retransmits = _account(psn, (psn + burst.count) & PSN_MASK, burst.count, sent_hi, retransmits)
         self.sent_hi = sent_hi
         if sent:
             self.stats["packets_sent"] += sent
@@ -176,6 +193,7 @@ class Requester(Completer):
 
     def flush(self) -> None:
         """The QP is in ERR: every WQE not yet completed, and every WQE still on the ring, completes FLUSHED."""
+        self.materialise()
         for w in self.wqes[self.done:]:
             self.post_completion(w, FLUSHED)
         if len(self.wqes) > self.done:
@@ -183,3 +201,13 @@ class Requester(Completer):
         self.wqes, self.done, self.send, self.send_pkt, self.reads = [], 0, 0, 0, 0
         self.rto_at = self.rnr_until = None
         self.fetch(flush=True)
+
+
+def _account(psn: int, end: int, count: int, sent_hi: int, retransmits: int) -> tuple[int, int]:
+    """The highest PSN sent and the retransmissions counted, after `count` packets from `psn` to `end`."""
+    if psn == sent_hi:  # all new
+        return end, retransmits
+    behind = psn_diff(sent_hi, psn)  # this many of the packets just queued were sent before
+    if behind > 0:
+        retransmits += min(behind, count)
+    return (end if psn_diff(end, sent_hi) > 0 else sent_hi), retransmits

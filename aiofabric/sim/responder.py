@@ -20,7 +20,7 @@ from .dma import ACCESS_ERRORS, EMPTY, Buffer, map_remote
 from .packets import (ACKNOWLEDGE, ATOMIC_ACKNOWLEDGE, COMPARE_SWAP, FETCH_ADD, MSN_MASK, READ_REQUEST, RESPONSE_FIRST,
                       RESPONSE_LAST, RESPONSE_MIDDLE, RESPONSE_ONLY, ROCE_PORT, SEND_FIRST, SEND_LAST_IMM, SEND_MIDDLE,
                       SEND_ONLY, SEND_ONLY_IMM, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE, WRITE_ONLY, WRITE_ONLY_IMM)
-from .placement import Target
+from .placement import KnownRegion, Target
 from .qpport import QpPort
 from .receivequeue import ReceiveQueue
 from ..autogen import bnxt
@@ -71,6 +71,7 @@ class Responder:
         self.wr_id = 0  # of the RQ WQE the current SEND fills
         self.ack_psn: int | None = None  # the coalesced ACK owed at the end of this receive batch
         self.atomics = AtomicResults()
+        self.known_region: KnownRegion | None = None  # where the compiled core may place WRITEs (writeruns.py)
 
     def start(self) -> None:
         """The QP reached RTR: expect rq_psn."""
@@ -92,7 +93,7 @@ class Responder:
             self.ack_psn = None
             self.stats["acks"] += 1
 
-    def _owe_ack(self, psn: int) -> None:
+    def owe_ack(self, psn: int) -> None:
         if self.ack_psn is None:
             self.acks_due.append(self.flush_ack)
         self.ack_psn = psn
@@ -303,7 +304,7 @@ class Responder:
             placed.send_bytes += self.offset
             self._complete(OK, self.offset, p.immediate if imm else 0, IMM if imm else 0, p.solicited)
         if p.ack_req:
-            self._owe_ack(p.psn)
+            self.owe_ack(p.psn)
 
     def _write(self, p: pk.Packet, op: int) -> None:
         first, last, imm = WRITE_POSITIONS[op - WRITE_FIRST]
@@ -353,7 +354,7 @@ class Responder:
             if imm:
                 self._complete(OK, self.msg_length, p.immediate, RDMA | IMM, p.solicited)
         if p.ack_req:
-            self._owe_ack(p.psn)
+            self.owe_ack(p.psn)
 
     def _inside_a_message(self, p: pk.Packet) -> None:
         """A message starts while another is half received: an invalid request (a SEND's RQ WQE fails with it)."""
@@ -453,6 +454,6 @@ class Responder:
                 return
             self._respond(p.psn, source, p.dma_length)
         elif op <= WRITE_ONLY_IMM:
-            self._owe_ack((self.epsn - 1) & PSN_MASK)
+            self.owe_ack((self.epsn - 1) & PSN_MASK)
         else:
             self.stats["dropped"] += 1

@@ -96,7 +96,7 @@ class SendQueue:
         self._ring_views: tuple[list[memoryview], int, int] | None = None
         self.force_completion = qp.force_completion
 
-    def _ring(self) -> tuple[list[memoryview], int, int]:
+    def ring(self) -> tuple[list[memoryview], int, int]:
         """The SQ ring as memoryviews and how to find slot s in them: views[s >> shift], offset (s << SLOT_SHIFT) &
         mask."""
         if self._ring_views is None:
@@ -111,29 +111,36 @@ class SendQueue:
                                     per_page.bit_length() - 1, pages.page_size - 1)
         return self._ring_views
 
-    def _slot(self, slot: int) -> bytes:
-        views, shift, mask = self._ring()
+    def slot(self, slot: int) -> bytes:
+        views, shift, mask = self.ring()
         offset = (slot << SLOT_SHIFT) & mask
         return bytes(views[slot >> shift][offset:offset + SQ_SLOT])
 
-    def fetch(self, psns: PsnAllocator, flush: bool = False) -> list[SendWqe] | None:
-        """Every WQE the driver published since the last call, in order (bare ones when `flush`: they only need their
-        index); PSN ranges come from `psns.next_psn`. None when the doorbell named an impossible producer."""
+    def produced(self) -> int | None:
+        """The free-running slot count the driver's last doorbell published (None: an impossible producer)."""
+        qp = self.qp
+        unit = qp.sq_geometry.slot_unit
+        produced = producer_from_doorbell(self.fetched_slots // unit, qp.sq_producer, qp.sq_producer_epoch,
+                                          qp.sq_slots // unit)
+        return None if produced is None else produced * unit
+
+    def fetch(self, psns: PsnAllocator, flush: bool = False, limit: int | None = None) -> list[SendWqe] | None:
+        """Every WQE the driver published since the last call (or the first `limit` of them), in order (bare ones
+        when `flush`: they only need their index); PSN ranges come from `psns.next_psn`. None when the doorbell named
+        an impossible producer."""
         qp, wqes = self.qp, list[SendWqe]()
         unit = qp.sq_geometry.slot_unit
         ring = qp.sq_slots
-        produced = producer_from_doorbell(self.fetched_slots // unit, qp.sq_producer, qp.sq_producer_epoch,
-                                          ring // unit)
+        produced = self.produced()
         if produced is None:
             return None
-        produced *= unit
         try:
-            views, shift, mask = self._ring()
+            views, shift, mask = self.ring()
         except ACCESS_ERRORS:
             views, shift, mask = [], 0, 0
-        largest = self._largest_wqe()
+        largest = self.largest_wqe()
         unpack, append = SQ_RDMA_HEADER_AND_SGE.unpack_from, wqes.append
-        while self.fetched_slots < produced:
+        while self.fetched_slots < produced and (limit is None or len(wqes) < limit):
             available = produced - self.fetched_slots
             first = self.fetched_slots % ring
             third = first + HEADER_SLOTS  # the first SGE's slot; ignored unless the header says it is one
@@ -141,7 +148,7 @@ class SendQueue:
                 if third < ring and third >> shift == first >> shift:
                     fields = unpack(views[first >> shift], (first << SLOT_SHIFT) & mask)
                 else:
-                    fields = unpack(self._slot(first) + self._slot((first + 1) % ring) + self._slot(third % ring))
+                    fields = unpack(self.slot(first) + self.slot((first + 1) % ring) + self.slot(third % ring))
             except (*ACCESS_ERRORS, IndexError):
                 fields = UNREADABLE
             size = fields[2]
@@ -162,7 +169,7 @@ class SendQueue:
             append(w)
         return wqes
 
-    def _largest_wqe(self) -> int:
+    def largest_wqe(self) -> int:
         """Slots the largest WQE this SQ can hold takes."""
         qp = self.qp
         return min(SQ_WQE_HEADER_SLOTS + MAX_SGES, qp.sq_slots if qp.variable_wqe else SQ_STATIC_WQE_SLOTS)
@@ -179,11 +186,11 @@ class SendQueue:
         """The WQE starting at ring slot `first` read again, numbered `index`, its PSNs from `first_psn` on."""
         ring = self.qp.sq_slots
         try:
-            fields = SQ_RDMA_HEADER_AND_SGE.unpack(self._slot(first) + self._slot((first + 1) % ring)
-                                                   + self._slot((first + HEADER_SLOTS) % ring))
+            fields = SQ_RDMA_HEADER_AND_SGE.unpack(self.slot(first) + self.slot((first + 1) % ring)
+                                                   + self.slot((first + HEADER_SLOTS) % ring))
         except (*ACCESS_ERRORS, IndexError):
             fields = UNREADABLE
-        if not HEADER_SLOTS <= fields[2] <= self._largest_wqe():
+        if not HEADER_SLOTS <= fields[2] <= self.largest_wqe():
             return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_QP_OPERATION_ERR, reason=WQE_FORMAT_ERROR, slot=first)
         return self._parse(first_psn, first, fields, index)
 
@@ -203,7 +210,7 @@ class SendQueue:
         ring = qp.sq_slots
         try:
             if flags & INLINE and not read:
-                body = b"".join(self._slot((first + HEADER_SLOTS + i) % ring) for i in range(size - HEADER_SLOTS))
+                body = b"".join(self.slot((first + HEADER_SLOTS + i) % ring) for i in range(size - HEADER_SLOTS))
                 if length > len(body):
                     return SendWqe(index, status=S.CQ_REQ_STATUS_LOCAL_LENGTH_ERR, reason=WQE_FORMAT_ERROR,
                                    slot=first)
@@ -224,7 +231,7 @@ class SendQueue:
         """An atomic WQE: its own header, one PSN, its local memory's first ATOMIC_SIZE bytes for the result."""
         ring = self.qp.sq_slots
         kind, flags, _, rkey, remote_va, swap, compare = SQ_ATOMIC_HEADER.unpack(
-            self._slot(first) + self._slot((first + 1) % ring))
+            self.slot(first) + self.slot((first + 1) % ring))
         try:
             data = self._local_memory(first, size, sge, LOCAL_WRITE)
         except ACCESS_ERRORS:
@@ -246,7 +253,7 @@ class SendQueue:
                 raise MemoryProtectionError(f"lkey {key:#x} does not exist")
             whole = region.view(va, sge_size, access, qp.pd) if sge_size else EMPTY
             return whole if whole is not None else gather(region.views(self.mem, va, sge_size, access, qp.pd))
-        views, shift, mask = self._ring()
+        views, shift, mask = self.ring()
         ring, sges = qp.sq_slots, []
         for i in range(size - HEADER_SLOTS):
             slot = (first + HEADER_SLOTS + i) % ring

@@ -27,7 +27,8 @@ from typing import Any
 
 from .codec import BadPacket, IcrcMismatch, encode, encode_ipv4_header
 from .faults import FaultInjector, Faults
-from .packets import Packet, Segments, expand
+from .nativeio import Arrivals
+from .packets import Outgoing, Packet, expand
 from .pcap import PcapWriter
 
 log = logging.getLogger("aiofabric.sim")
@@ -99,7 +100,7 @@ class Transport:
         else:
             self._put(packet, udp_payload)
 
-    def send_all(self, packets: list[Packet | Segments]) -> None:
+    def send_all(self, packets: list[Outgoing]) -> None:
         """Send `packets` in order. One the socket refuses (unreachable, too big for DF, ...) is lost and counted."""
         for packet in expand(packets):
             try:
@@ -111,14 +112,18 @@ class Transport:
         """Send the packet the reorder fault is holding back, if any."""
         self.injector.flush()
 
+    def flush_due(self) -> None:
+        """flush() if the held packet's time has come."""
+        held = self.injector.held
+        if held is not None and time.monotonic() >= held.deadline:
+            self.flush()
+
     def receive(self, budget: int = 64) -> list[Packet]:
         """Up to `budget` packets that have arrived, without waiting. Bad packets are counted and dropped.
 
         A packet's payload may be a view of a receive buffer that the next receive() reuses: use it before then.
         """
-        held = self.injector.held
-        if held is not None and time.monotonic() >= held.deadline:
-            self.flush()
+        self.flush_due()
         packets: list[Packet] = []
         try:
             datagrams = self._receive(budget)
@@ -143,6 +148,15 @@ class Transport:
         self.counters["received"] += len(packets)
         return packets
 
+    @property
+    def parsed(self) -> bool:
+        """receive_arrivals() may be called: the compiled core parses what arrives (udp.UdpTransport only)."""
+        return False
+
+    def receive_arrivals(self, budget: int = 64) -> Arrivals | None:
+        """Like receive(), the datagrams as the compiled core parsed them; only while `parsed`."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Send any held packet and release the port."""
         self.flush()
@@ -156,7 +170,7 @@ class Transport:
 
     # What subclasses provide.
 
-    def _stamp(self, packet: Packet | Segments) -> None:
+    def _stamp(self, packet: Outgoing) -> None:
         """Set the header fields this transport's wire will actually carry, which the ICRC covers."""
         packet.src_ip = self.ip
 

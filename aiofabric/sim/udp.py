@@ -7,10 +7,11 @@ import socket
 import sys
 from typing import Any
 
-from . import mmsg
+from . import mmsg, native
 from .codec import decode, encode_into, encode_ipv4_header, encode_segments_into
 from .faults import Faults
-from .packets import ROCE_PORT, Packet, Segments
+from .nativeio import Arrivals, NativeReceiver, NativeSender
+from .packets import ROCE_PORT, Outgoing, Packet, Segments, segmented
 from .pcap import PcapWriter
 from .transport import MAX_DATAGRAM, TX_HEADROOM, ForeignSource, Transport
 
@@ -104,6 +105,9 @@ class UdpTransport(Transport):
         self._sender = mmsg.Sender(self._socket, BATCH, TX_SLOT) if batched else None
         self._receiver = mmsg.Receiver(self._socket, BATCH) if batched else None
         self._peers: dict[bytes, str] = {}  # source addresses as received -> as Packet.src_ip names them
+        core = native.core() if batched else None  # the compiled codec, when it can be had
+        self._native_out = NativeSender(core, self._sender, ip) if core and self._sender else None
+        self._native_in = NativeReceiver(core, self._receiver, ip) if core and self._receiver else None
 
     def fileno(self) -> int | None:
         return self._socket.fileno()
@@ -119,7 +123,7 @@ class UdpTransport(Transport):
         super().close()
         self._socket.close()
 
-    def _stamp(self, packet: Packet | Segments) -> None:
+    def _stamp(self, packet: Outgoing) -> None:
         packet.src_ip, packet.src_port, packet.dst_port, packet.ip_id = self.ip, ROCE_PORT, ROCE_PORT, 0
         # TOS and TTL are the socket's: set them when a packet asks for others (DSCP marking), so captures are true.
         if packet.tos != self._tos:
@@ -129,7 +133,7 @@ class UdpTransport(Transport):
             self._socket.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, packet.ttl)
             self._ttl = packet.ttl
 
-    def send_all(self, packets: list[Packet | Segments]) -> None:
+    def send_all(self, packets: list[Outgoing]) -> None:
         """Encode packets straight into the sender's slots and send each burst with one system call.
 
         Faults and the pcap tap need each packet on its own, and so does a packet larger than a slot or one asking for
@@ -139,11 +143,14 @@ class UdpTransport(Transport):
         if sender is None or self.faulty or self.pcap is not None:
             super().send_all(packets)
             return
+        if self._native_out is not None:
+            self._send_native(packets, self._native_out)
+            return
         view, slot, capacity, room = sender.view, sender.slot_size, sender.count, sender.slot_size - TX_HEADROOM
         ip, tos, ttl = self.ip, self._tos, self._ttl
         run: list[int] = []  # the lengths of the last slots filled, all for `destination`
         staged, destination = 0, ""
-        for item in packets:
+        for item in segmented(packets):
             if item.tos != tos or item.ttl != ttl \
                     or (len(item.payload) if isinstance(item, Packet) else item.mtu) > room:
                 staged, run = self._send_slots(sender, staged, run, destination), []
@@ -171,6 +178,55 @@ class UdpTransport(Transport):
             if staged == capacity:
                 staged, run = self._send_slots(sender, staged, run, destination), []
         self._send_slots(sender, staged, run, destination)
+
+    def _send_native(self, packets: list[Outgoing], out: NativeSender) -> None:
+        """send_all through the compiled core: the packets described, then encoded into the slots and sent a slotful
+        at a time. What the core cannot take (socket options other than the burst's, a packet larger than a slot,
+        bytes not in writable memory) goes the one-at-a-time way, in order."""
+        room, tos, ttl = self._sender.slot_size - TX_HEADROOM if self._sender else 0, self._tos, self._ttl
+        try:
+            for item in packets:
+                if item.tos != tos or item.ttl != ttl \
+                        or (len(item.payload) if isinstance(item, Packet) else item.mtu) > room or not out.add(item):
+                    self._send_described(out)
+                    super().send_all([item])
+                    tos, ttl = self._tos, self._ttl
+                elif out.full:
+                    self._send_described(out)
+            self._send_described(out)
+        finally:
+            out.clear()
+            out.sender.forget_retired()
+
+    def _send_described(self, out: NativeSender) -> None:
+        out.start()
+        while out.pending:
+            filled, refused = out.encode(out.sender.count)
+            self._send_slots(out.sender, filled, [], "")
+            if refused:
+                super().send_all(refused)  # type: ignore[arg-type]
+        out.clear()
+
+    def receive(self, budget: int = 64) -> list[Packet]:
+        if not self.parsed:
+            return super().receive(budget)
+        arrivals = self.receive_arrivals(budget)
+        return arrivals.packets() if arrivals is not None else []
+
+    def receive_arrivals(self, budget: int = 64) -> Arrivals | None:
+        """None when none came (or a socket error lost them); `parsed` while the core is there and no pcap tap needs
+        each datagram on its own."""
+        assert self._native_in is not None
+        self.flush_due()
+        try:
+            return self._native_in.arrivals(budget, self.counters)
+        except OSError as exc:  # e.g. an ICMP error queued on the socket: the packet is gone, not the port
+            self._count_error("receive_errors", exc)
+            return None
+
+    @property
+    def parsed(self) -> bool:
+        return self._native_in is not None and self.pcap is None
 
     def _send_slots(self, sender: mmsg.Sender, staged: int, run: list[int], destination: str) -> int:
         """Send the `staged` slots, the last len(run) of which (not staged yet) are for `destination`; 0."""

@@ -12,7 +12,8 @@ from aiofabric.hw.cqe import (CQ_ENTRY, CQE_REQ, CQE_RES_RC, CQE_TYPE_OFFSET, CR
 from aiofabric.hw.layout import field_type
 from aiofabric.hw.ring import position, slot
 from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, MRAccess, QPAccess, QPState, psn_count
-from aiofabric.hw.wqe import (RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_RDMA_HEADER, SQ_SEND_HEADER, SQ_SLOT,
+from aiofabric.hw.wqe import (ATOMIC_WQE_TYPES, RDMA_WQE_TYPES, RQ_WQE_HEADER, SGE, SQ_ATOMIC_HEADER, SQ_RDMA_HEADER,
+                              SQ_SEND_HEADER, SQ_SLOT,
                               SQ_STATIC_WQE_SLOTS, SQ_WQE_HEADER_SLOTS, STATIC_WQE_SGES, SqGeometry, msn_entry,
                               psn_search_values)
 from aiofabric.sim import codec
@@ -143,13 +144,16 @@ class Host:
 
     # -- work requests -----------------------------------------------------------------------------------------------
     def post(self, kind: int, sges: list[tuple[int, int, int]], *, remote: int = 0, rkey: int = 0, imm: int = 0,
-             signaled: bool = True, length: int | None = None, ring: bool = True) -> int:
+             signaled: bool = True, length: int | None = None, ring: bool = True, swap: int = 0,
+             compare: int = 0) -> int:
         """Write one WQE (header + SGE slots, each slot wrapping on its own), its search-table entry, and ring the SQ
-        doorbell."""
+        doorbell. An atomic's one SGE is where its original value lands (`swap` and `compare` its AtomicETH's)."""
         length = sum(size for _, _, size in sges) if length is None else length
         slots = SQ_WQE_HEADER_SLOTS + len(sges)
         flags = bnxt.SQ_SEND_FLAGS_SIGNAL_COMP if signaled else 0
-        if kind in RDMA_WQE_TYPES:
+        if kind in ATOMIC_WQE_TYPES:
+            header, length = SQ_ATOMIC_HEADER.pack(kind, flags, slots, rkey, remote, swap, compare), 1
+        elif kind in RDMA_WQE_TYPES:
             header = SQ_RDMA_HEADER.pack(kind, flags, slots, imm, length, remote, rkey, 0)
         else:
             header = SQ_SEND_HEADER.pack(kind, flags, slots, imm, length, 0, 0, 0, 0)
