@@ -20,7 +20,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
-import statistics
 import time
 
 import anyio
@@ -30,6 +29,7 @@ from aiofabric.sim import mmsg
 from aiofabric.tools.bench_config import BenchConfig
 from aiofabric.tools.lat_config import LatConfig
 from aiofabric.tools.latency import run_latency
+from udp_floor import udp_pingpong
 from aiofabric.tools.perftest import run_bench
 
 PING_ADDRESSES = ("127.0.0.242", "127.0.0.243")
@@ -54,48 +54,6 @@ def raw_sendto_rate(size: int, seconds: float = 1.0) -> float:
     sender.close()
     receiver.close()
     return rate
-
-
-def _echo(conn: multiprocessing.connection.Connection, count: int) -> None:
-    """The ping-pong's far end: echo up to `count` datagrams; stop at the first 5 s of silence."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind((PING_ADDRESSES[0], 0))
-        sock.settimeout(5.0)
-        conn.send(sock.getsockname())
-        for _ in range(count):
-            try:
-                data, peer = sock.recvfrom(2048)
-            except TimeoutError:
-                return
-            sock.sendto(data, peer)
-
-
-def udp_pingpong(trips: int, warmup: int = 100) -> float:
-    """Median half round trip (us) of 64 B UDP datagrams between two Python processes on loopback: the floor of a
-    one-way hop through an emulator process."""
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe(duplex=False)
-    echo = context.Process(target=_echo, args=(child, warmup + trips), daemon=True)
-    echo.start()
-    try:
-        if not parent.poll(30):
-            raise RuntimeError("the echo process did not start")
-        far = parent.recv()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.bind((PING_ADDRESSES[1], 0))
-            sock.settimeout(2.0)
-            payload, rtts = bytes(64), []
-            for _ in range(warmup + trips):
-                started = time.perf_counter_ns()
-                sock.sendto(payload, far)
-                sock.recvfrom(2048)
-                rtts.append(time.perf_counter_ns() - started)
-        return statistics.median(rtts[warmup:]) / 2 / 1e3
-    finally:
-        echo.join(10)
-        if echo.is_alive():
-            echo.kill()
-            echo.join(5)
 
 
 def _drain(conn: multiprocessing.connection.Connection) -> None:
@@ -181,7 +139,7 @@ async def main(args) -> dict:
     bandwidth = await run_bench(BenchConfig("write", qps=4, size=65536, iters=int(1000 * scale), depth=16, cq_mod=8,
                                             mtu=4096))
     latency = await run_latency(LatConfig(test="write", iters=int(3000 * scale)))
-    pingpong = udp_pingpong(int(3000 * scale))
+    pingpong = udp_pingpong(PING_ADDRESSES, int(3000 * scale))
     floor64, floor4k = mmsg_floor(64), mmsg_floor(4096)
     idle = await idle_cpu(5.0)
     packets_per_64k = 65536 // 4096

@@ -29,12 +29,9 @@ import argparse
 import contextlib
 import functools
 import json
-import multiprocessing
-import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +41,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from udp_floor import FloorError, udp_pingpong
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300.0
@@ -216,53 +215,12 @@ def datapath(tree: Tree, cwd: Path) -> dict[str, float]:
     return {key: number(doc, name) for key, name in zip(datapath_keys(tree), DATAPATH_FIELDS)}
 
 
-def _echo(conn: multiprocessing.connection.Connection, address: str, count: int) -> None:
-    """The floor's far end: echo up to `count` datagrams; stop at the first 5 s of silence."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind((address, 0))
-        sock.settimeout(5.0)
-        conn.send(sock.getsockname())
-        conn.close()
-        for _ in range(count):
-            try:
-                data, peer = sock.recvfrom(2048)
-            except TimeoutError:
-                return
-            sock.sendto(data, peer)
-
-
-def udp_floor(trips: int, warmup: int = 100) -> float:
+def udp_floor(trips: int) -> float:
     """Median half round trip (µs) of 64 B UDP datagrams between two Python processes on loopback."""
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe(duplex=False)
-    echo = context.Process(target=_echo, args=(child, FLOOR_ADDRESSES[0], warmup + trips), daemon=True)
-    echo.start()
     try:
-        if not parent.poll(30):
-            raise RunError("the echo process did not start")
-        far = parent.recv()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.bind((FLOOR_ADDRESSES[1], 0))
-            sock.settimeout(2.0)
-            return statistics.median(_ping(sock, far, warmup + trips)[warmup:]) / 2 / 1e3
-    finally:
-        echo.join(10)
-        if echo.is_alive():
-            echo.kill()
-            echo.join(5)
-
-
-def _ping(sock: socket.socket, far: tuple[str, int], trips: int) -> list[int]:
-    payload, rtts = bytes(64), []
-    for _ in range(trips):
-        started = time.perf_counter_ns()
-        sock.sendto(payload, far)
-        try:
-            sock.recvfrom(2048)
-        except TimeoutError:
-            raise RunError("a ping got no answer in 2 s") from None
-        rtts.append(time.perf_counter_ns() - started)
-    return rtts
+        return udp_pingpong(FLOOR_ADDRESSES, trips)
+    except FloorError as exc:
+        raise RunError(str(exc)) from None
 
 
 # -- rounds -------------------------------------------------------------------------------------------------------

@@ -3,16 +3,12 @@ so two compute queues run in parallel threads), and the 0-d/1-d argument rule ev
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
-import errno
 import hashlib
 import logging
 import os
 import re
-import secrets
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CompilerNotFoundError, KernelBuildError
-from ..util import private
+from ..util import c_build, private
 
 DEFAULT_FLAGS = ("-O2", "-shared", "-fPIC")
 C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -32,25 +28,19 @@ def cache_dir() -> Path:
     directory (this process's only; never a fixed name in the shared temp dir, which another user could make first). A directory is used only if it is private:
     not a symlink, owned by us, writable by nobody else (a kernel found there runs as us). $AIOFABRIC_CACHE that is
     not is an error naming it; a default that is not is skipped, with the reason logged."""
-    configured = os.environ.get("AIOFABRIC_CACHE")
+    configured = os.environ.get(c_build.CACHE_ENV)
     if configured:
         problem = _make_private(Path(configured))
         if problem:
             raise KernelBuildError(f"C kernel cache $AIOFABRIC_CACHE={configured} {problem}: refusing to build or "
                                    "load kernels there (point it at a directory only you can write)")
         return Path(configured)
-    defaults: list[Path] = []
-    try:
-        home = Path.home()
-    except RuntimeError:  # no $HOME and no passwd entry
-        home = None
-    if home is not None and home.is_dir():  # a home is never made (HOME=/nonexistent: a service user's)
-        defaults.insert(0, home / ".cache" / "aiofabric" / "kernels")
-    for path in defaults:
-        problem = _make_private(path)
+    home = c_build.home_cache()
+    if home is not None:
+        problem = _make_private(home)
         if not problem:
-            return path
-        log.info("C kernel cache %s skipped: it %s", path, problem)
+            return home
+        log.info("C kernel cache %s skipped: it %s", home, problem)
     global _private_fallback
     if _private_fallback is None:  # made 0700 by mkdtemp, under a name nobody could take first
         _private_fallback = Path(tempfile.mkdtemp(prefix="aiofabric-kernels-"))
@@ -106,13 +96,13 @@ class CKernel:
         # written and loaded are in the directory checked, even if its path is made to point elsewhere meanwhile.
         directory = _open_private_directory(cache)
         try:
-            problem = _check_library(library.name, directory)
+            problem = c_build.library_problem(library.name, directory)
             cached = not problem
             if problem:  # missing, or not one we may load (planted, writable by others): build it (again)
-                if problem != MISSING:
+                if problem != c_build.MISSING:
                     log.warning("C kernel %r: %s %s: not loading it, building it again", name, library, problem)
                 self._compile(path, cc, library.name, directory)
-                problem = _check_library(library.name, directory)
+                problem = c_build.library_problem(library.name, directory)
                 if problem:
                     raise KernelBuildError(f"C kernel {name!r}: {library} {problem} after building it; refusing to "
                                            "load it")
@@ -129,38 +119,16 @@ class CKernel:
         self.function.restype = None
 
     def _compile(self, compiler: str, cc: str, filename: str, directory: int) -> None:
-        """Build in a fresh private temporary directory, then copy into the cache under a temporary name and rename
-        it into place (atomic: a concurrent builder or loader never sees half a file)."""
-        with tempfile.TemporaryDirectory(prefix="aiofabric-build-") as scratch:
-            c_file, so_file = Path(scratch) / f"{self.name}.c", Path(scratch) / f"{self.name}.so"
-            c_file.write_text(self.source)
-            process = subprocess.run([compiler, *self.flags, "-o", str(so_file), str(c_file)],
-                                     capture_output=True, text=True)
-            if process.returncode != 0:
-                raise KernelBuildError(f"C kernel {self.name!r}: {cc} {' '.join(self.flags)} failed:\n"
-                                       f"{process.stderr.strip()}")
-            partial = f".{filename}.{os.getpid()}.{secrets.token_hex(4)}"
-            # 0755 whatever the umask: a group-writable library would not be loaded
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755,
-                         dir_fd=directory)
-            try:
-                try:
-                    os.fchmod(fd, 0o755)
-                    with open(fd, "wb", closefd=False) as out:
-                        out.write(so_file.read_bytes())
-                finally:
-                    os.close(fd)
-                os.replace(partial, filename, src_dir_fd=directory, dst_dir_fd=directory)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(partial, dir_fd=directory)
-                raise
+        c_file = f"{self.name}.c"
+        try:
+            c_build.build_into([compiler, *self.flags, "-o", filename, c_file], {c_file: self.source}, filename,
+                               directory)
+        except c_build.BuildFailed as failed:
+            raise KernelBuildError(f"C kernel {self.name!r}: {cc} {' '.join(self.flags)} failed:\n{failed.stderr}") \
+                from None
 
     def __repr__(self) -> str:
         return f"CKernel({self.name!r})"
-
-
-MISSING = "is missing"
 
 
 def _open_private_directory(path: Path) -> int:
@@ -175,22 +143,6 @@ def _open_private_directory(path: Path) -> int:
         os.close(fd)
         raise KernelBuildError(f"C kernel cache {path} {problem}: refusing to build or load kernels there")
     return fd
-
-
-def _check_library(filename: str, directory: int) -> str:
-    """"" when `filename` in `directory` is a regular file (not a symlink) owned by us that nobody else can write;
-    MISSING when there is none; else what is wrong with it."""
-    try:
-        fd = os.open(filename, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,  # NONBLOCK: a FIFO too
-                     dir_fd=directory)
-    except FileNotFoundError:
-        return MISSING
-    except OSError as exc:
-        return "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
-    try:
-        return private.problem(os.fstat(fd), "file")
-    finally:
-        os.close(fd)
 
 
 def c_scalar(value: Any, call: str, index: int) -> Any:

@@ -14,23 +14,20 @@ source and machine, ~0.4 s (`Core.build` says what it cost). Without a private c
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
 import os
-import secrets
 import shutil
 import struct
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from . import packets as pk
 from .codec import header_size
-from ..util import private
+from ..util import c_build, private
 
 ENV = "AIOFABRIC_SIM_NATIVE"  # "0": never build or load the core (the Python codec only)
 HEADER, SOURCES = "wirecore.h", ("wirecodec.c", "wirequeues.c")  # beside this module
@@ -158,17 +155,23 @@ def _load() -> Core | None:
         return None
     digest = hashlib.sha256("\0".join((compiler, *FLAGS, *sources.values())).encode()).hexdigest()[:24]
     name = f"wirecore-{digest}.so"
-    try:  # Path.home() raises RuntimeError without $HOME and a passwd entry
-        cache = os.environ.get("AIOFABRIC_CACHE") or str(Path.home() / ".cache" / "aiofabric" / "kernels")
+    cache = os.environ.get(c_build.CACHE_ENV) or str(c_build.home_cache() or "")
+    try:
+        if not cache:
+            raise private.NotPrivate("~/.cache/aiofabric/kernels", "cannot be had: there is no home directory")
         directory = private.open_directory(cache)
-    except (private.NotPrivate, RuntimeError) as exc:
+    except private.NotPrivate as exc:
         log.info("the emulator's codec runs in Python: no private cache for its compiled core (%s)", exc)
         return None
     try:
-        started, cached = time.perf_counter(), _library_problem(name, directory) == ""
+        started, cached = time.perf_counter(), c_build.library_problem(name, directory) == ""
         if not cached:
-            _compile(compiler, sources, name, directory)
-            problem = _library_problem(name, directory)
+            command = [compiler, *FLAGS, "-o", name, *SOURCES]
+            try:
+                c_build.build_into(command, sources, name, directory, timeout=120)
+            except c_build.BuildFailed as failed:
+                raise OSError(f"{compiler} {' '.join(FLAGS)} failed: {failed.stderr[-2000:]}") from None
+            problem = c_build.library_problem(name, directory)
             if problem:
                 raise OSError(f"{name} {problem} after building it")
         build = {"library": os.path.join(cache, name), "cached": cached, "seconds": time.perf_counter() - started}
@@ -178,45 +181,3 @@ def _load() -> Core | None:
         return None
     finally:
         os.close(directory)
-
-
-def _library_problem(name: str, directory: int) -> str:
-    """"" when `name` in `directory` is a regular file of ours nobody else can write, else what is wrong."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=directory)
-    except FileNotFoundError:
-        return "is missing"
-    except OSError as exc:
-        return f"cannot be opened ({exc.strerror})"
-    try:
-        return private.problem(os.fstat(fd), "file")
-    finally:
-        os.close(fd)
-
-
-def _compile(compiler: str, sources: dict[str, str], name: str, directory: int) -> None:
-    """Build in a private scratch directory, copy into the cache under a temporary name, rename into place (a
-    concurrent builder or loader never sees half a file)."""
-    with tempfile.TemporaryDirectory(prefix="aiofabric-build-") as scratch:
-        for file, text in sources.items():
-            (Path(scratch) / file).write_text(text)
-        so_file = Path(scratch) / name
-        done = subprocess.run([compiler, *FLAGS, "-o", str(so_file), *SOURCES], capture_output=True, text=True,
-                              timeout=120, cwd=scratch)
-        if done.returncode:
-            raise OSError(f"{compiler} {' '.join(FLAGS)} failed: {done.stderr.strip()[-2000:]}")
-        partial = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755,
-                     dir_fd=directory)
-        try:
-            try:
-                os.fchmod(fd, 0o755)
-                with open(fd, "wb", closefd=False) as out:
-                    out.write(so_file.read_bytes())
-            finally:
-                os.close(fd)
-            os.replace(partial, name, src_dir_fd=directory, dst_dir_fd=directory)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(partial, dir_fd=directory)
-            raise

@@ -348,13 +348,21 @@ def test_without_its_sources_the_python_path_runs(monkeypatch, caplog):
     assert "sources cannot be read" in caplog.text and "no-such-file.c" in caplog.text
 
 
-def test_without_a_home_the_python_path_runs(monkeypatch, caplog):
+@pytest.mark.parametrize("home", ["raises", "missing"])
+def test_without_a_home_the_python_path_runs(monkeypatch, caplog, tmp_path, home):
+    """No $HOME and no passwd entry, or a home that does not exist (a service user's HOME=/nonexistent): the home is
+    never made, and the emulator says why it runs the Python path."""
     monkeypatch.delenv("AIOFABRIC_CACHE", raising=False)
-    monkeypatch.setattr(native.Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home directory")))
+    if home == "raises":
+        monkeypatch.setattr(native.Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home directory")))
+    else:
+        monkeypatch.setenv("HOME", str(tmp_path / "nonexistent"))
     monkeypatch.setattr(native, "_loaded", [])
     with caplog.at_level(logging.INFO, "aiofabric.sim"):
         assert native.core() is None
-    assert "no private cache for its compiled core (no home directory)" in caplog.text
+    assert ("no private cache for its compiled core (~/.cache/aiofabric/kernels cannot be had: there is no home "
+            "directory)") in caplog.text
+    assert not (tmp_path / "nonexistent").exists()
 
 
 def test_a_cache_others_can_write_is_not_used(monkeypatch, tmp_path, caplog):
