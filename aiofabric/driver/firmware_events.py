@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Awaitable, Callable
+import types
+from typing import Awaitable, Callable, Mapping
 
 import anyio
 
@@ -44,7 +45,10 @@ class DeviceEvent:
     ring (`event_kind`: "link", "mtu", "reset", "fatal", ...)."""
     kind: str
     xid: int  # QP number / CQ id; the event code for function and firmware events
-    detail: dict[str, int]
+    detail: Mapping[str, int]
+
+    def __post_init__(self) -> None:  # every stream's subscriber gets this one object: none may change it for others
+        object.__setattr__(self, "detail", types.MappingProxyType(dict(self.detail)))
 
 
 Handler = Callable[[DeviceEvent], None]
