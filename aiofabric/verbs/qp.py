@@ -246,9 +246,10 @@ class QueuePairLife:
         self._wake_posters()
 
     def _poll_cqs(self) -> None:
-        """Deliver the completions the NIC wrote already, before the state changes what later ones mean."""
-        self.send_cq.poll()
-        self.recv_cq.poll()
+        """Deliver every completion the NIC wrote already, before the state changes what later ones mean (a CQ
+        holds at most its depth: one poll of that budget reads them all)."""
+        self.send_cq.poll(self.send_cq.ring.depth)
+        self.recv_cq.poll(self.recv_cq.ring.depth)
 
     def _wake_posters(self) -> None:
         if self._space_waiters:  # an event per wake-up only when someone waits: this runs once per CQE

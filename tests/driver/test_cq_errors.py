@@ -11,8 +11,9 @@ import pytest
 
 from aiofabric import QPState, open_nic
 from aiofabric.autogen import bnxt
+from aiofabric.driver.firmware_events import DeviceEvent
 from aiofabric.errors import CompletionError
-from tests.support.nics import connected_qps, stats, tag
+from tests.support.nics import connect, connected_qps, stats, tag
 
 pytestmark = pytest.mark.anyio
 CQ_DEPTH = 16
@@ -81,3 +82,23 @@ async def test_a_cq_that_cannot_be_used_fails_the_receives_waiting_on_it():
             await receive
         assert str(failed.value.root) == f"CQ {qa.recv_cq.id:#x} lost completions (RES_CQ_LOAD_ERROR)"
         assert qa.state == QPState.ERR
+
+
+@pytest.mark.loop_agnostic
+async def test_a_qp_error_delivers_every_completion_written_before_it_however_many():
+    """A QP's error delivers the CQEs the NIC wrote before it (they succeeded) and flushes only the rest; more than
+    one poll's usual budget may be waiting (here 600 on a 1024-entry CQ)."""
+    count, name = 600, tag()
+    async with open_nic(f"sim:a{name}") as a, open_nic(f"sim:b{name}") as b:
+        qa = await a.create_qp(send_cq=await a.create_cq(1024), recv_cq=await a.create_cq(16), sq_depth=count,
+                               rq_depth=8)
+        qb = await b.create_qp(await b.create_cq(16), rq_depth=8)
+        await connect(qa, qb)
+        source, target = await a.register_mr(64 * count), await b.register_mr(64 * count)
+        writes = [await qa.post_write(source, target, 64, local_offset=64 * i, remote_offset=64 * i)
+                  for i in range(count)]
+        assert hold_until_completed(a, count) == 0
+        qa._on_error(DeviceEvent("qp_error", qa.qpn, {}))  # the loop still held: the poller took none of them
+        with anyio.fail_after(10):
+            for write in writes:
+                await write
