@@ -270,6 +270,15 @@ MUTANTS = [
     Mutant("plot: a path in a missing directory is found only after the run", "aiofabric/tools/plot.py",
            "    if not os.path.isdir(folder):\n", "    if False:\n",
            ("tests/tools/test_lat_plot.py::test_where_the_plot_cannot_go_is_said_before_the_run",)),
+    Mutant("qp error: only one poll's usual budget of written CQEs is delivered before the flush",
+           "aiofabric/verbs/qp.py", "        self.send_cq.poll(self.send_cq.ring.depth)\n",
+           "        self.send_cq.poll()\n",
+           ("tests/driver/test_cq_errors.py::test_a_qp_error_delivers_every_completion_written_before_it_however_many",)),
+    Mutant("rendezvous: rank 0 dying during a round is a closed connection, not the rendezvous gone",
+           "aiofabric/collectives/rendezvous.py", 'raise RendezvousError(f"rank {self.rank}: {self.gone()}',
+           'raise RendezvousError(f"rank {self.rank}: closed',
+           ("tests/system/test_join_failure.py::test_a_rendezvous_that_drops_a_rank_mid_round_is_named_gone_as_between"
+            "_rounds",)),
 ]
 
 

@@ -24,6 +24,10 @@ from ..verbs import NIC, MemoryRegion, QPInfo, QueuePair, RemoteRegion, open_nic
 T = TypeVar("T")
 DEFAULT_BUFFER = 16 << 20
 RENDEZVOUS_TIMEOUT = 60.0  # seconds for every rank to come and connect
+# The ring QPs' local ACK timeout exponent: NCCL's default NCCL_IB_TIMEOUT, 4.096 us * 2^20 = 4.3 s, with 7 retries.
+# perftest's 14 (67 ms) gives up once a peer has been kept from running for half a second, which a loaded host (more
+# busy processes than cores) does; a wire that loses packets wants a smaller one, or a lost tail costs that long.
+ACK_TIMEOUT = 20
 _locals = itertools.count()  # local() calls of this process: each names its own emulator process
 
 
@@ -35,14 +39,16 @@ def pool_depth(size: int) -> int:
 @contextlib.asynccontextmanager
 async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: int = DEFAULT_BUFFER,
                 landing_bytes: int = 0, piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
-                shared_emulator: bool = True, **nic_options: Any) -> AsyncIterator[list[Communicator]]:
+                shared_emulator: bool = True, ack_timeout: int = ACK_TIMEOUT,
+                **nic_options: Any) -> AsyncIterator[list[Communicator]]:
     """`size` communicators, rank r on its own NIC: emulated ones (`nic_options` are open_nic's: wire faults,
     pcap...), or the PCI functions `nics` (one per rank). Each rank registers two buffers of `buffer_bytes` (the
     largest collective it will run, in bytes of its largest array), the landing one at least `landing_bytes` (what
     an alltoall passes through: layout.alltoall_landing). The emulated NICs share one emulator process unless
     `shared_emulator` is off (or open_nic's `process` names one): a message between two ranks then wakes no other
     process, and on a machine with more busy processes than cores fewer of them wait for a CPU (bench/RESULTS.md,
-    "Collectives without dead time"). Everything is closed when the block exits."""
+    "Collectives without dead time"). `ack_timeout` is the ring QPs' local ACK timeout exponent (ACK_TIMEOUT: NCCL's
+    default). Everything is closed when the block exits."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size must be a positive integer, not {size!r}")
     if nics is not None and len(nics) != size:
@@ -58,7 +64,7 @@ async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: i
             spec = nics[rank] if nics is not None else "sim"
             opened.append(await stack.enter_async_context(open_nic(spec, **rank_capture(nic_options, rank))))
         yield await connect_ring(opened, buffer_bytes=buffer_bytes, landing_bytes=landing_bytes,
-                                 piece_bytes=piece_bytes, timeout=timeout)
+                                 piece_bytes=piece_bytes, timeout=timeout, ack_timeout=ack_timeout)
 
 
 def rank_capture(nic_options: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -98,14 +104,14 @@ class Endpoint:
                 "path_mtu": self.nic.path_mtu}
 
     async def connect(self, rank: int, cards: Sequence[dict[str, Any]], *, piece_bytes: int,
-                      timeout: float) -> Communicator:
+                      timeout: float, ack_timeout: int = ACK_TIMEOUT) -> Communicator:
         """Connect both QPs to the neighbours' (at 4096 unless a port is smaller: a quarter of 1024's packets) and
         make rank `rank`'s communicator. The neighbours must be connected before anyone sends (a barrier)."""
         size = self.size
         after, before = (rank + 1) % size, (rank - 1) % size
         mtu = min(int(card["path_mtu"]) for card in cards)
-        await self.to_next.connect(QPInfo.from_dict(cards[after]["from_prev"]), mtu=mtu)
-        await self.from_prev.connect(QPInfo.from_dict(cards[before]["to_next"]), mtu=mtu)
+        await self.to_next.connect(QPInfo.from_dict(cards[after]["from_prev"]), mtu=mtu, timeout=ack_timeout)
+        await self.from_prev.connect(QPInfo.from_dict(cards[before]["to_next"]), mtu=mtu, timeout=ack_timeout)
         remote = RemoteRegion.from_dict
         return Communicator(rank, size, self.work, self.landing,
                             Link(self.to_next, after, remote(cards[after]["work"]), remote(cards[after]["landing"])),
@@ -115,21 +121,23 @@ class Endpoint:
 
 
 async def connect_ring(nics: Sequence[NIC], *, buffer_bytes: int = DEFAULT_BUFFER, landing_bytes: int = 0,
-                       piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT) -> list[Communicator]:
+                       piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
+                       ack_timeout: int = ACK_TIMEOUT) -> list[Communicator]:
     """Communicators over open NICs of this process, rank r on nics[r]. The NICs' close frees it all."""
     size = len(nics)
     if size == 1:
         return [Communicator(0, 1, None, None, None, None, nic=nics[0], piece_bytes=piece_bytes, timeout=timeout)]
     endpoints = [await Endpoint.create(nic, size, buffer_bytes, landing_bytes) for nic in nics]
     cards = [endpoint.card() for endpoint in endpoints]
-    return [await endpoint.connect(rank, cards, piece_bytes=piece_bytes, timeout=timeout)
+    return [await endpoint.connect(rank, cards, piece_bytes=piece_bytes, timeout=timeout, ack_timeout=ack_timeout)
             for rank, endpoint in enumerate(endpoints)]
 
 
 @contextlib.asynccontextmanager
 async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_bytes: int = DEFAULT_BUFFER,
                landing_bytes: int = 0, piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
-               rendezvous_timeout: float = RENDEZVOUS_TIMEOUT, **nic_options: Any) -> AsyncIterator[Communicator]:
+               rendezvous_timeout: float = RENDEZVOUS_TIMEOUT, ack_timeout: int = ACK_TIMEOUT,
+               **nic_options: Any) -> AsyncIterator[Communicator]:
     """This process's rank of `world` (`World(rank, size, addr, port)`, or `world.from_environment(os.environ)`
     under torchrun, mpirun or srun), on NIC `nic`. Rank 0 serves the rendezvous at addr:port; every rank publishes
     its QPs and buffer keys there, connects to its neighbours, and waits for all to be connected. A rank that does
@@ -186,7 +194,8 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
                                     timeout=timeout)
             else:
                 try:
-                    comm = await endpoint.connect(rank, cards, piece_bytes=piece_bytes, timeout=timeout)
+                    comm = await endpoint.connect(rank, cards, piece_bytes=piece_bytes, timeout=timeout,
+                                                  ack_timeout=ack_timeout)
                 except (KeyError, TypeError, ValueError, OverflowError) as error:
                     raise RendezvousError(f"rank {rank}: a neighbour's card is malformed: {error!r}") from None
             await client.allgather({"connected": True})  # nobody sends before its neighbour's QP is ready

@@ -153,7 +153,7 @@ async def test_replays_take_new_inputs_and_a_large_allreduce_is_exact():
 async def test_a_lossy_reordering_wire_still_gives_exact_results():
     rng = np.random.default_rng(3)
     async with collectives.local(3, buffer_bytes=1 << 20, piece_bytes=8192, loss=0.02, reorder=0.05,
-                                 dup=0.02, seed=5) as comms:
+                                 dup=0.02, seed=5, ack_timeout=14) as comms:  # a lost tail: 67 ms, not 4.3 s
         for _ in range(3):
             xs = [rng.integers(-2**31, 2**31, 50_001, dtype=np.int32) for _ in range(3)]
             expected = ring_reduce(xs, "sum", layout.chunks(50_001, 3))
@@ -166,6 +166,19 @@ async def test_a_lossy_reordering_wire_still_gives_exact_results():
             assert all(same_bits(x, expected) for x in xs)
         stats = [await c.nic.pci.debug_client().stats() for c in comms]
         assert sum(s["dropped"] for s in stats) > 0 and sum(s["retransmits"] for s in stats) > 0
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("given,expected", [({}, 20), ({"ack_timeout": 14}, 14)])
+async def test_the_ring_qps_wait_for_acks_as_nccl_does_unless_told(given, expected):
+    """NCCL's default NCCL_IB_TIMEOUT (20: 4.3 s, 7 retries), where perftest's 67 ms gave up on a peer a loaded host
+    kept from running for half a second; the emulated NIC is told what the QP was given."""
+    async with collectives.local(3, buffer_bytes=1 << 12, **given) as comms:
+        for comm in comms:
+            report = (await comm.nic.pci.debug_client().request("datapath"))["qps"]
+            for link in (comm.prev, comm.next):
+                assert report[str(link.qp.qpn)]["timeout"] == expected
 
 
 async def rnr_naks(comms):
