@@ -19,6 +19,14 @@ def eventfd():
     os.close(fd)
 
 
+@pytest.fixture
+async def waiter(eventfd):
+    """A sleep on `eventfd`, closed after the test (made inside the test's event loop)."""
+    waiting = InterruptWait(eventfd)
+    yield waiting
+    waiting.close()
+
+
 def pending(fd: int) -> bool:
     try:
         os.eventfd_write(fd, 0)  # a no-op write; the read below says whether a count is waiting
@@ -28,59 +36,43 @@ def pending(fd: int) -> bool:
     return True
 
 
-async def test_a_sleep_ends_when_the_interrupt_fires_and_acknowledges_it(eventfd):
-    waiter = InterruptWait(eventfd)
+async def test_a_sleep_ends_when_the_interrupt_fires_and_acknowledges_it(eventfd, waiter):
     results = []
 
     async def sleeper():
         results.append(await waiter.sleep(30.0))
-    try:
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as group:
-                group.start_soon(sleeper)
-                for _ in range(5):
-                    await anyio.lowlevel.checkpoint()
-                os.eventfd_write(eventfd, 1)
-        assert results == [True]
-        assert not pending(eventfd)  # acknowledged: the next interrupt is a new one
-    finally:
-        waiter.close()
-
-
-async def test_a_sleep_ends_at_its_timeout_without_an_interrupt(eventfd):
-    waiter = InterruptWait(eventfd)
-    try:
-        with anyio.fail_after(10):
-            assert await waiter.sleep(0.01) is False
-            assert await waiter.sleep(0) is False  # zero: a look, no wait
-    finally:
-        waiter.close()
-
-
-async def test_an_interrupt_that_fired_while_nobody_slept_ends_the_next_sleep_at_once(eventfd):
-    waiter = InterruptWait(eventfd)
-    try:
-        with anyio.fail_after(10):
-            assert await waiter.sleep(0) is False  # registered (where a loop keeps it so)
-            os.eventfd_write(eventfd, 1)
-            for _ in range(10):  # the loop may hear it now, with nobody asleep
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            group.start_soon(sleeper)
+            for _ in range(5):
                 await anyio.lowlevel.checkpoint()
-            assert await waiter.sleep(None) is True  # no timeout: only the interrupt can end it
-            assert await waiter.sleep(0) is False  # heard once
-    finally:
-        waiter.close()
+            os.eventfd_write(eventfd, 1)
+    assert results == [True]
+    assert not pending(eventfd)  # acknowledged: the next interrupt is a new one
 
 
-async def test_a_cancelled_sleep_leaves_the_next_one_working(eventfd):
-    waiter = InterruptWait(eventfd)
-    try:
-        with anyio.move_on_after(0.01):
-            await waiter.sleep(None)
+async def test_a_sleep_ends_at_its_timeout_without_an_interrupt(waiter):
+    with anyio.fail_after(10):
+        assert await waiter.sleep(0.01) is False
+        assert await waiter.sleep(0) is False  # zero: a look, no wait
+
+
+async def test_an_interrupt_that_fired_while_nobody_slept_ends_the_next_sleep_at_once(eventfd, waiter):
+    with anyio.fail_after(10):
+        assert await waiter.sleep(0) is False  # registered (where a loop keeps it so)
         os.eventfd_write(eventfd, 1)
-        with anyio.fail_after(10):
-            assert await waiter.sleep(None) is True
-    finally:
-        waiter.close()
+        for _ in range(10):  # the loop may hear it now, with nobody asleep
+            await anyio.lowlevel.checkpoint()
+        assert await waiter.sleep(None) is True  # no timeout: only the interrupt can end it
+        assert await waiter.sleep(0) is False  # heard once
+
+
+async def test_a_cancelled_sleep_leaves_the_next_one_working(eventfd, waiter):
+    with anyio.move_on_after(0.01):
+        await waiter.sleep(None)
+    os.eventfd_write(eventfd, 1)
+    with anyio.fail_after(10):
+        assert await waiter.sleep(None) is True
 
 
 async def test_on_asyncio_the_eventfd_stays_registered_between_sleeps_until_closed(eventfd, anyio_backend_name,
