@@ -1,0 +1,259 @@
+"""The emulator's compiled core (native.py, wirecodec.c, wirequeues.c) fed what a hostile sender or a careless driver
+can hand it: datagrams with a good ICRC over headers that do not fit, WRITE packets whose RETH runs off or wraps
+around their region, descriptors and block rows whose packet count was worked out at another path MTU than the one
+they are sent at, a WQE whose length overflows 32-bit arithmetic. Each time the core must do what the Python
+reference does (codec.py, responder.py, sendqueue.py, packets.Segments) and touch no byte outside what it was given."""
+from __future__ import annotations
+
+import array
+import ctypes
+import dataclasses
+import hashlib
+import types
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, QPState, psn_count
+from aiofabric.hw.wqe import SGE, SQ_RDMA_HEADER, SQ_SLOT, SQ_WQE_HEADER_SLOTS
+from aiofabric.sim import codec, rcfw, wqeblock
+from aiofabric.sim import packets as pk
+from aiofabric.sim.icrc import icrc
+from aiofabric.sim.native import address
+from aiofabric.sim.packets import Op
+from tests.emulator.test_native import DrawnKeys, differences, twins
+from tests.support.emulator import MASK, WRITE, fill
+from tests.support.twin import Endpoint, core
+
+A, B = "127.0.0.121", "127.0.0.122"  # the endpoint's address, and the sender's
+FIXTURE = HealthCheck.function_scoped_fixture
+
+
+@pytest.fixture
+def endpoint():
+    end = Endpoint(A)
+    yield end
+    end.close()
+
+
+# -- received datagrams ------------------------------------------------------------------------------------------------
+def sealed(body: bytes) -> bytes:
+    """`body` with the ICRC a sender at B would have put on it: whatever the headers say, it passes that check."""
+    header = codec.encode_ipv4_header(pk.Packet(0, 0, 0, src_ip=B, dst_ip=A, src_port=pk.ROCE_PORT), len(body) + 4)
+    return body + icrc(header + body)
+
+
+def python_verdict(data: bytes) -> tuple[str, pk.Packet | None]:
+    try:
+        return "", codec.decode(data, B, A, pk.ROCE_PORT)
+    except codec.BadPacket as exc:
+        return f"dropped_{exc.reason}", None
+
+
+def same_verdicts(endpoint: Endpoint, bodies: list[bytes]) -> None:
+    endpoint.counters.clear()
+    arriving = [(sealed(body), B, pk.ROCE_PORT) for body in bodies]
+    batch = endpoint.staged(arriving)
+    expected = [python_verdict(data) for data, _, _ in arriving]
+    as_bytes = [dataclasses.replace(p, payload=bytes(p.payload)) for p in batch.packets()]
+    assert as_bytes == [dataclasses.replace(p, payload=bytes(p.payload)) for _, p in expected if p is not None]
+    drops = [reason for reason, _ in expected if reason]
+    for reason in set(drops):
+        assert endpoint.counters[reason] == drops.count(reason), reason
+    assert endpoint.counters["received"] == len(bodies) - len(drops)
+
+
+# Every opcode a header-size's worth around what it needs: an extension header cut anywhere, a pad count larger than
+# the payload, a payload not a multiple of 4, opcodes outside the table, any version bits.
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[FIXTURE])
+@given(bodies=st.lists(st.tuples(st.integers(0, 255), st.integers(0, 255), st.binary(min_size=10, max_size=60)),
+                       min_size=1, max_size=20))
+def test_a_good_icrc_over_any_header_gets_the_codecs_verdict(endpoint, bodies):
+    same_verdicts(endpoint, [bytes((opcode, flags)) + rest for opcode, flags, rest in bodies])
+
+
+def test_cut_extension_headers_and_oversized_pads_are_dropped_for_their_length(endpoint):
+    bth = bytes(10)  # after opcode and flags
+    bodies = [bytes((Op.RDMA_WRITE_ONLY, 0)) + bth,  # the RETH missing altogether
+              bytes((Op.RDMA_WRITE_ONLY, 0)) + bth + bytes(15),  # one byte short of it
+              bytes((Op.COMPARE_SWAP, 0)) + bth + bytes(27),  # the AtomicETH one byte short
+              bytes((Op.ACKNOWLEDGE, 0)) + bth + bytes(3),  # the AETH cut
+              bytes((Op.ATOMIC_ACKNOWLEDGE, 0)) + bth + bytes(11),  # the AtomicAckETH cut
+              bytes((Op.SEND_ONLY, 0x30)) + bth,  # PadCnt 3 and no payload at all
+              bytes((Op.SEND_ONLY, 0x30)) + bth + b"ab",  # PadCnt 3 over 2 bytes
+              bytes((Op.RDMA_WRITE_ONLY, 0x20)) + bth + bytes(16) + b"x"]  # a payload plus pad not 4-aligned
+    same_verdicts(endpoint, bodies)
+    assert endpoint.counters["dropped_length"] == len(bodies)
+
+
+# -- WRITE runs placed by the core --------------------------------------------------------------------------------------
+REGION = 8192
+
+
+def placed(native_path: bool, forged: list[dict]) -> dict:
+    """Host b's memory, stats and answers after the packets `forged` describes (RETH and payload fields over a WRITE
+    to b's region) arrive from its peer in one batch: through the core's WRITE runs or the Python responder."""
+    (a, b, wire), _ = twins(1024, 0x100, True, {}, 3)
+    with mock.patch.object(rcfw, "secrets", DrawnKeys(3)):
+        dst, rkey = b.register(REGION)
+    fill(b, dst, REGION, 5)
+    packets = []
+    for i, fields in enumerate(forged):
+        fields = dict(fields)
+        offset, va = fields.pop("addr", 0), fields.pop("va", None)
+        va = (dst + offset) % (1 << 64) if va is None else va
+        packets.append(pk.Packet(fields.pop("opcode"), b.qpn, (0x100 + i) & PSN_MASK, True, remote_addr=va,
+                                 rkey=fields.pop("rkey", rkey), src_ip=a.ip, dst_ip=b.ip, src_port=pk.ROCE_PORT,
+                                 **fields))
+    datagrams = [(codec.encode(p), a.ip, pk.ROCE_PORT) for p in packets]
+    endpoint = Endpoint(b.ip)
+    try:
+        if native_path:
+            b.dp.receive_arrivals(endpoint.staged(datagrams), 0.0)
+        else:
+            b.dp.receive([codec.decode(data, a.ip, b.ip, port) for data, _, port in datagrams], 0.0)
+    finally:
+        endpoint.close()
+    answers = [(p.opcode, p.psn, p.syndrome) for p in pk.expand(b.dp.take_outbox())]
+    wire.close()
+    return {"memory": hashlib.sha256(b.mem.buffer).hexdigest(), "stats": dict(b.dp.stats), "answers": answers,
+            "state": b.dp.describe(), "placed": b.dp.placed_report()}
+
+
+def only(addr: int, length: int, size: int | None = None, **fields) -> dict:
+    """A WRITE ONLY to the region's byte `addr` (or the absolute `va` in fields) of `length` bytes, `size` sent."""
+    payload = memoryview(bytearray(b"\xee" * (length if size is None else size)))
+    return dict(opcode=Op.RDMA_WRITE_ONLY, addr=addr, dma_length=length, payload=payload, **fields)
+
+
+def first(addr: int, length: int, **fields) -> dict:
+    return dict(opcode=Op.RDMA_WRITE_FIRST, addr=addr, dma_length=length, payload=memoryview(b"\xee" * 1024),
+                **fields)
+
+
+MIDDLE = dict(opcode=Op.RDMA_WRITE_MIDDLE, payload=memoryview(b"\xdd" * 1024))
+
+
+def last(size: int) -> dict:
+    return dict(opcode=Op.RDMA_WRITE_LAST, payload=memoryview(b"\xcc" * size))
+
+
+HOSTILE_RUNS = {
+    "ends exactly at the region's end": [only(REGION - 100, 100), only(0, 4)],
+    "one byte past its end": [only(REGION - 99, 100), only(0, 4)],
+    "va + length wraps": [only(0, 0x2000, 100, va=(1 << 64) - 0x1000), only(0, 4)],
+    "va + length wraps to the region": [first(0, 0x2000, va=(1 << 64) - 0x400), last(0), only(0, 4)],
+    "va below the region": [only(-4, 4), only(0, 4)],
+    "length 0 with a bad rkey": [only(1 << 40, 0, rkey=0x1234), only(0, 4)],
+    "length 0 with a payload": [only(0, 0, 8), only(0, 4)],
+    "payload past the path MTU": [only(0, 2048), only(0, 4)],
+    "payload shorter than the RETH's length": [only(0, 100, 96), only(0, 4)],
+    "a LAST past the RETH's length": [first(0, 2000), last(1000), only(0, 4)],
+    "a MIDDLE where the message ends": [first(0, 2048), MIDDLE, last(0)],
+    "a message longer than the region": [first(REGION - 1024, 4096), MIDDLE, MIDDLE, last(1024)],
+    "a LAST with nothing begun": [last(4), only(0, 4)],
+}
+
+
+@pytest.mark.parametrize("forged", HOSTILE_RUNS.values(), ids=HOSTILE_RUNS.keys())
+def test_a_hostile_write_run_lands_and_is_answered_as_the_python_responder_does(forged):
+    found = differences(placed(True, forged), placed(False, forged))
+    assert not found, found
+
+
+# -- messages sent at another path MTU than their packets were counted at -----------------------------------------------
+def test_a_segments_at_a_larger_mtu_than_its_count_reads_nothing_past_its_bytes(endpoint):
+    """A WRITE fetched at MTU 256 (16 packets of 4096 bytes), sent after MODIFY_QP raised the path MTU to 4096: packet
+    1 onwards start past the message's bytes. The codec's packets slice what is there (nothing); the core must not
+    read past the buffer to fill them."""
+    data = memoryview(bytearray(b"\xab" * 4096))
+    items = [pk.Segments((Op.RDMA_WRITE_MIDDLE, Op.RDMA_WRITE_LAST, Op.RDMA_WRITE_FIRST, Op.RDMA_WRITE_ONLY), 5, 0,
+                         16, 4096, data, 4096, 0x1000, 7, 0, False, start, 16 - start, 0, 0xFFFF, dst_ip=B)
+             for start in (0, 3)]
+    expected = []
+    for item in items:
+        for p in pk.expand([dataclasses.replace(item)]):
+            p.src_ip, p.src_port, p.dst_port, p.ip_id = A, pk.ROCE_PORT, pk.ROCE_PORT, 0
+            expected.append((codec.encode(p), p.dst_ip))
+    assert endpoint.encoded(items) == expected
+
+
+def test_a_segments_of_more_than_64_packets_asks_for_acks_only_where_its_bits_say(endpoint):
+    """`acks` has a bit for each of the first 64 packets: past those none asks for an ACK (no shift by 64 or more,
+    which C leaves undefined and x86 takes modulo 64)."""
+    data = memoryview(bytearray(range(256)) * 100)
+    item = pk.Segments((Op.RDMA_WRITE_MIDDLE, Op.RDMA_WRITE_LAST, Op.RDMA_WRITE_FIRST, Op.RDMA_WRITE_ONLY), 5, 0, 100,
+                       256, data, len(data), 0x1000, 7, 0, False, 0, 100, 1, 0xFFFF, dst_ip=B)
+    expected = []
+    for p in pk.expand([dataclasses.replace(item)]):
+        p.src_ip, p.src_port, p.dst_port, p.ip_id = A, pk.ROCE_PORT, pk.ROCE_PORT, 0
+        expected.append((codec.encode(p), p.dst_ip))
+    got = endpoint.encoded([item])
+    assert [codec.decode(wire, A, B, pk.ROCE_PORT).ack_req for wire, _ in got] == [True] + [False] * 99
+    assert got == expected
+
+
+def test_a_burst_at_a_larger_mtu_than_its_rows_reads_nothing_past_their_bytes(endpoint):
+    """The same for a WQE block's rows: a 4096-byte WRITE counted as 16 packets, sent at MTU 4096."""
+    core().sq_format(wqeblock.sq_format())
+    memory = bytearray(b"\xab" * 4096)
+    region = types.SimpleNamespace(whole=memoryview(memory), va=0x10000)
+    rows = bytearray(wqeblock.ROW.pack(1, address(memory), 0x2000, 0x10000, 0, 4096, 7, 0, 0, 16, 4096, WRITE, 1, 0,
+                                       0, 0))
+
+    def burst() -> wqeblock.Burst:
+        return wqeblock.Burst(rows, [region], 0, 16, 0, 64, 4096, (5, 0xFFFF, A, B, pk.ROCE_PORT, 0, 64))
+
+    expected = []
+    for p in burst().packets():
+        p.src_ip, p.src_port, p.dst_port, p.ip_id = A, pk.ROCE_PORT, pk.ROCE_PORT, 0
+        expected.append((codec.encode(p), p.dst_ip))
+    assert endpoint.encoded([burst()]) == expected
+
+
+def test_raising_the_path_mtu_after_a_fetch_sends_what_the_python_path_sends():
+    """The driver's MODIFY_QP (RTS -> RTS, path MTU 256 -> 4096) between the doorbell that fetched a WRITE and the turn
+    that sends it: the compiled path (a WQE block's burst) must put on the wire what the Python requester does."""
+    results = []
+    for a, b, wire in twins(256, 0x100, True, {}, 9):
+        with mock.patch.object(rcfw, "secrets", DrawnKeys(9)):
+            src, lkey = a.register(3 * 4096)  # the message's bytes, then more of the region a read past would find
+            dst, rkey = b.register(4096)
+        fill(a, src, 3 * 4096, 9)
+        a.post(WRITE, [(src, lkey, 4096)], remote=dst, rkey=rkey)
+        a.dp.doorbells(0.0)
+        a.modify(QPState.RTS, MASK["PATH_MTU"], path_mtu_pingpong_push_enable=PATH_MTU_CODES[4096])
+        wire.run(max_time=60)
+        wire.close()
+        results.append({"datagrams": [hashlib.sha256(data).hexdigest() for data, _ in wire.datagrams],
+                        "memory": hashlib.sha256(b.mem.buffer).hexdigest(), "cqes": (a.poll(), b.poll()),
+                        "stats": (dict(a.dp.stats), dict(b.dp.stats))})
+    found = differences(*results)
+    assert not found, found
+
+
+# -- WQEs off the ring --------------------------------------------------------------------------------------------------
+def test_a_wqe_of_almost_4_gib_takes_the_packets_psn_count_says():
+    """length + MTU - 1 overflows 32 bits for a WRITE of 2^32 - 1 bytes: the core must count its packets as the
+    Python fetch does (psn_count), not as 0 (which would send none and retire it at once)."""
+    c = core()
+    c.sq_format(wqeblock.sq_format())
+    slots, key, va, length, mtu = 8, 0x1234, 0x7000_0000_0000, (1 << 32) - 1, 4096
+    ring = bytearray(slots * SQ_SLOT)
+    wqe = SQ_RDMA_HEADER.pack(WRITE, 0, SQ_WQE_HEADER_SLOTS + 1, 0, length, 0x2000, 7, 0) + SGE.pack(va, key, length)
+    ring[:len(wqe)] = wqe
+    pages = array.array("Q", [address(ring)])
+    rows = bytearray(wqeblock.ROW.size)
+    parse = bytearray(wqeblock.SQ_FIXED.size + wqeblock.SQ_FETCH.size)
+    wqeblock.SQ_FIXED.pack_into(parse, 0, pages.buffer_info()[0], (1 << 62) - 1, 62, slots, 1, 8, False)
+    # a region of 8 GiB the WQE is in (its bytes are never read while parsing: any address but 0 will do)
+    wqeblock.SQ_FETCH.pack_into(parse, wqeblock.SQ_FIXED.size, 0, SQ_WQE_HEADER_SLOTS + 1, 0, 5, mtu, key, va, 1 << 33,
+                                1, 0, address(rows), 1, 0, 0)
+    c.sq_parse(address(parse))
+    fetched = wqeblock.SQ_FETCH.unpack_from(parse, wqeblock.SQ_FIXED.size)
+    assert (fetched[-2], fetched[-1]) == (1, wqeblock.FETCHED_ALL)
+    row = wqeblock.ROW.unpack(rows)
+    assert (row[5], row[9], row[10]) == (length, psn_count(length, mtu), length)
+    assert fetched[3] == (5 + psn_count(length, mtu)) & PSN_MASK
