@@ -9,22 +9,27 @@ import array
 import ctypes
 import dataclasses
 import hashlib
+import socket
 import types
 from unittest import mock
 
+import anyio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aiofabric import QPInfo, open_nic
 from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, QPState, psn_count
 from aiofabric.hw.wqe import SGE, SQ_RDMA_HEADER, SQ_SLOT, SQ_WQE_HEADER_SLOTS
-from aiofabric.sim import codec, rcfw, wqeblock
+from aiofabric.sim import codec, datapath, rcfw, wqeblock, writeruns
 from aiofabric.sim import packets as pk
 from aiofabric.sim.icrc import icrc
 from aiofabric.sim.native import address
 from aiofabric.sim.packets import Op
+from tests.emulator.test_forged_packets import reachable
 from tests.emulator.test_native import DrawnKeys, differences, twins
 from tests.support.emulator import MASK, WRITE, fill
+from tests.support.nics import tag
 from tests.support.twin import Endpoint, core
 
 A, B = "127.0.0.121", "127.0.0.122"  # the endpoint's address, and the sender's
@@ -100,7 +105,7 @@ def placed(native_path: bool, forged: list[dict]) -> dict:
         dst, rkey = b.register(REGION)
     fill(b, dst, REGION, 5)
     packets = []
-    for i, fields in enumerate(forged):
+    for i, fields in enumerate([only(0, 4), *forged]):  # the first starts the responder: the core takes runs after
         fields = dict(fields)
         offset, va = fields.pop("addr", 0), fields.pop("va", None)
         va = (dst + offset) % (1 << 64) if va is None else va
@@ -108,10 +113,17 @@ def placed(native_path: bool, forged: list[dict]) -> dict:
                                  rkey=fields.pop("rkey", rkey), src_ip=a.ip, dst_ip=b.ip, src_port=pk.ROCE_PORT,
                                  **fields))
     datagrams = [(codec.encode(p), a.ip, pk.ROCE_PORT) for p in packets]
-    endpoint = Endpoint(b.ip)
+    endpoint, taken = Endpoint(b.ip), []
+
+    def counted_run(*args):  # how many datagrams each WRITE run the core placed took
+        end = writeruns.place_run(*args)
+        taken.append(end - args[3])
+        return end
+
     try:
         if native_path:
-            b.dp.receive_arrivals(endpoint.staged(datagrams), 0.0)
+            with mock.patch.object(datapath, "place_run", counted_run):
+                b.dp.receive_arrivals(endpoint.staged(datagrams), 0.0)
         else:
             b.dp.receive([codec.decode(data, a.ip, b.ip, port) for data, _, port in datagrams], 0.0)
     finally:
@@ -119,7 +131,7 @@ def placed(native_path: bool, forged: list[dict]) -> dict:
     answers = [(p.opcode, p.psn, p.syndrome) for p in pk.expand(b.dp.take_outbox())]
     wire.close()
     return {"memory": hashlib.sha256(b.mem.buffer).hexdigest(), "stats": dict(b.dp.stats), "answers": answers,
-            "state": b.dp.describe(), "placed": b.dp.placed_report()}
+            "state": b.dp.describe(), "placed": b.dp.placed_report(), "taken": taken}
 
 
 def only(addr: int, length: int, size: int | None = None, **fields) -> dict:
@@ -159,8 +171,16 @@ HOSTILE_RUNS = {
 
 @pytest.mark.parametrize("forged", HOSTILE_RUNS.values(), ids=HOSTILE_RUNS.keys())
 def test_a_hostile_write_run_lands_and_is_answered_as_the_python_responder_does(forged):
-    found = differences(placed(True, forged), placed(False, forged))
+    got, expected = placed(True, forged), placed(False, forged)
+    assert got.pop("taken")[1:] and not expected.pop("taken")  # the core was asked to place the run from its head
+    found = differences(got, expected)
     assert not found, found
+
+
+def test_the_core_places_a_write_ending_on_the_regions_last_byte_itself():
+    """The boundary the core must take, not leave to Python: length exactly up to the region's end."""
+    assert placed(True, HOSTILE_RUNS["ends exactly at the region's end"])["taken"] == [0, 2]
+    assert placed(True, HOSTILE_RUNS["one byte past its end"])["taken"][:2] == [0, 0]
 
 
 # -- messages sent at another path MTU than their packets were counted at -----------------------------------------------
@@ -257,3 +277,58 @@ def test_a_wqe_of_almost_4_gib_takes_the_packets_psn_count_says():
     row = wqeblock.ROW.unpack(rows)
     assert (row[5], row[9], row[10]) == (length, psn_count(length, mtu), length)
     assert fetched[3] == (5 + psn_count(length, mtu)) & PSN_MASK
+
+
+# -- over UDP, to a real emulated NIC ---------------------------------------------------------------------------------
+def peer_socket(*taken: str) -> socket.socket:
+    """A UDP socket on a free 127.0.0.x:4791: the address a QP of the NIC is connected to, so it takes our packets."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for x in range(254, 1, -1):
+        if f"127.0.0.{x}" not in taken:
+            try:
+                sock.bind((f"127.0.0.{x}", pk.ROCE_PORT))
+                return sock
+            except OSError:
+                continue
+    sock.close()
+    pytest.skip("no 127.0.0.x with UDP 4791 free")
+
+
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic  # the peer's socket is plain blocking I/O in a thread
+async def test_a_peer_writing_up_to_its_regions_end_then_wrapping_past_it_lands_only_the_first():
+    """Back to back from the QP's own peer: a WRITE (FIRST + LAST) ending exactly at the region's last byte, then a
+    FIRST whose va + length wraps around 2^64. The first lands whole, the second is NAKed (remote access) and touches
+    nothing, whichever of the core's WRITE runs or the Python responder takes them."""
+    async with open_nic(f"sim:hx{tag()}", fw_latency_us=0) as nic:
+        reachable(nic)
+        sock = peer_socket(nic.ip)
+        try:
+            peer = sock.getsockname()[0]
+            cq = await nic.create_cq(depth=64)
+            qp = await nic.create_qp(cq, sq_depth=16, rq_depth=16)
+            await qp.connect(QPInfo(0x99, bytes(10) + b"\xff\xff" + socket.inet_aton(peer), "02:00:00:00:00:09",
+                                    0x100), mtu=1024)
+            mr = await nic.register_mr(8192)
+            mr.view[:8192] = b"\x5a" * 8192
+            region = mr.remote()
+            base = dict(src_ip=peer, dst_ip=nic.ip, src_port=pk.ROCE_PORT, rkey=region.rkey)
+            forged = [pk.Packet(Op.RDMA_WRITE_FIRST, qp.qpn, 0x100, remote_addr=region.addr + 8192 - 2048,
+                                dma_length=2048, payload=b"\x11" * 1024, **base),
+                      pk.Packet(Op.RDMA_WRITE_LAST, qp.qpn, 0x101, True, payload=b"\x22" * 1024, **base),
+                      pk.Packet(Op.RDMA_WRITE_FIRST, qp.qpn, 0x102, True, remote_addr=(1 << 64) - 0x400,
+                                dma_length=0x2000, payload=b"\xee" * 1024, **base)]
+            await nic.wait_for_link()  # packets that arrive before it is up are dropped (a real peer would retry)
+            for p in forged:
+                sock.sendto(codec.encode(p), (nic.ip, pk.ROCE_PORT))
+            sock.settimeout(10)
+            answers = []
+            while not answers or answers[-1].syndrome >> 5 != 3:  # any ACK, until the NAK
+                data, (ip, port) = await anyio.to_thread.run_sync(sock.recvfrom, 4096)
+                answers.append(codec.decode(data, ip, peer, port))
+            assert (answers[-1].psn, answers[-1].syndrome) == (0x102, pk.NAK_REMOTE_ACCESS)
+            assert bytes(mr.view[:8192]) == b"\x5a" * 6144 + b"\x11" * 1024 + b"\x22" * 1024
+            assert nic.pci.process.poll() is None
+            assert nic.pci.debug({"op": "stats"})["stats"].get("internal_errors", 0) == 0
+        finally:
+            sock.close()
