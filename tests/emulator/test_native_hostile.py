@@ -27,10 +27,10 @@ from aiofabric.sim.icrc import icrc
 from aiofabric.sim.native import address
 from aiofabric.sim.packets import Op
 from tests.emulator.test_forged_packets import reachable
-from tests.emulator.test_native import DrawnKeys, differences, twins
-from tests.support.emulator import MASK, WRITE, fill
+from tests.emulator.test_native import MEMORY, DrawnKeys, differences, run_script, twins
+from tests.support.emulator import MASK, WRITE, Host, fill
 from tests.support.nics import tag
-from tests.support.twin import Endpoint, core
+from tests.support.twin import Endpoint, TwinWire, core
 
 A, B = "127.0.0.121", "127.0.0.122"  # the endpoint's address, and the sender's
 FIXTURE = HealthCheck.function_scoped_fixture
@@ -332,3 +332,34 @@ async def test_a_peer_writing_up_to_its_regions_end_then_wrapping_past_it_lands_
             assert nic.pci.debug({"op": "stats"})["stats"].get("internal_errors", 0) == 0
         finally:
             sock.close()
+
+
+# -- a small ring, so that WQEs straddle its end -------------------------------------------------------------------------
+@pytest.mark.parametrize("variable", [True, False], ids=["variable", "static"])
+def test_wqes_across_the_rings_end_are_fetched_as_the_python_path_fetches_them(variable):
+    """64 slots: 21 three-slot WQEs (or 8 static ones) fill it, so 30 WRITEs go round it more than once, and WQE
+    blocks read headers and SGEs on both sides of its end."""
+    operations = [("write", 100 + 300 * i, i % 3 == 0, True) for i in range(30)]
+    results, fetched = [], []
+    fetch = wqeblock.WqeBlock.fetch
+
+    def counted_fetch(block, psns, produced):  # what the blocks took: (slot it started at, all of it)
+        start = block.sq.fetched_slots
+        took_all = fetch(block, psns, produced)
+        fetched.append((start % 64, took_all))
+        return took_all
+
+    for native_path in (True, False):
+        a, b = (Host(ip, memory=MEMORY) for ip in (A, B))
+        for host in (a, b):
+            host.create_qp(host.create_cq(4096), sq_slots=64, variable=variable)
+        wire = TwinWire(a, b, native=native_path, seed=4)
+        a.connect(b, mtu=1024, sq_psn=0x100, rq_psn=0x200)
+        b.connect(a, mtu=1024, sq_psn=0x200, rq_psn=0x100)
+        with mock.patch.object(wqeblock.WqeBlock, "fetch", counted_fetch):
+            results.append(run_script(a, b, wire, operations, 4))
+    found = differences(*results)
+    assert not found, found
+    assert [cqe[1] for cqe in results[0]["cqes"][0]] == [0] * 11  # the signaled WRITEs all done
+    # the core's blocks took every WQE, round the ring's end too (none left to the Python fetch)
+    assert fetched and all(took_all for _, took_all in fetched)
