@@ -28,7 +28,7 @@ from aiofabric.sim.native import address
 from aiofabric.sim.packets import Op
 from tests.emulator.test_forged_packets import reachable
 from tests.emulator.test_native import MEMORY, DrawnKeys, differences, run_script, twins
-from tests.support.emulator import MASK, WRITE, Host, fill
+from tests.support.emulator import MASK, READ, WRITE, Host, fill
 from tests.support.nics import tag
 from tests.support.twin import Endpoint, TwinWire, core
 
@@ -255,28 +255,86 @@ def test_raising_the_path_mtu_after_a_fetch_sends_what_the_python_path_sends():
 
 
 # -- WQEs off the ring --------------------------------------------------------------------------------------------------
-def test_a_wqe_of_almost_4_gib_takes_the_packets_psn_count_says():
-    """length + MTU - 1 overflows 32 bits for a WRITE of 2^32 - 1 bytes: the core must count its packets as the
-    Python fetch does (psn_count), not as 0 (which would send none and retire it at once)."""
+RING, KEY, VA = 8, 0x1234, 0x7000_0000_0000  # the ring's slots; the local region's key and VA
+
+
+def parse_one(wqe: bytes, at: int = 0, region_size: int = 1 << 33, mtu: int = 4096,
+              published: int = SQ_WQE_HEADER_SLOTS + 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The core's fetch of `wqe` (written at ring slot `at`, each slot wrapping on its own, `published` slots
+    published) from a ring of RING slots in one piece, the region KEY at VA known (its bytes are never read while
+    parsing: any address but 0 does): (the fetch's fields after it, the row)."""
     c = core()
     c.sq_format(wqeblock.sq_format())
-    slots, key, va, length, mtu = 8, 0x1234, 0x7000_0000_0000, (1 << 32) - 1, 4096
-    ring = bytearray(slots * SQ_SLOT)
-    wqe = SQ_RDMA_HEADER.pack(WRITE, 0, SQ_WQE_HEADER_SLOTS + 1, 0, length, 0x2000, 7, 0) + SGE.pack(va, key, length)
-    ring[:len(wqe)] = wqe
+    ring = bytearray(RING * SQ_SLOT)
+    for i in range(len(wqe) // SQ_SLOT):
+        slot = (at + i) % RING * SQ_SLOT
+        ring[slot:slot + SQ_SLOT] = wqe[i * SQ_SLOT:(i + 1) * SQ_SLOT]
     pages = array.array("Q", [address(ring)])
     rows = bytearray(wqeblock.ROW.size)
     parse = bytearray(wqeblock.SQ_FIXED.size + wqeblock.SQ_FETCH.size)
-    wqeblock.SQ_FIXED.pack_into(parse, 0, pages.buffer_info()[0], (1 << 62) - 1, 62, slots, 1, 8, False)
-    # a region of 8 GiB the WQE is in (its bytes are never read while parsing: any address but 0 will do)
-    wqeblock.SQ_FETCH.pack_into(parse, wqeblock.SQ_FIXED.size, 0, SQ_WQE_HEADER_SLOTS + 1, 0, 5, mtu, key, va, 1 << 33,
+    wqeblock.SQ_FIXED.pack_into(parse, 0, pages.buffer_info()[0], (1 << 62) - 1, 62, RING, 1, 8, False)
+    wqeblock.SQ_FETCH.pack_into(parse, wqeblock.SQ_FIXED.size, at, at + published, 0, 5, mtu, KEY, VA, region_size,
                                 1, 0, address(rows), 1, 0, 0)
     c.sq_parse(address(parse))
-    fetched = wqeblock.SQ_FETCH.unpack_from(parse, wqeblock.SQ_FIXED.size)
+    return wqeblock.SQ_FETCH.unpack_from(parse, wqeblock.SQ_FIXED.size), wqeblock.ROW.unpack(rows)
+
+
+def write_wqe(length: int, va: int = VA, sge_size: int | None = None, key: int = KEY, flags: int = 0,
+              size: int = SQ_WQE_HEADER_SLOTS + 1, kind: int = WRITE) -> bytes:
+    return SQ_RDMA_HEADER.pack(kind, flags, size, 0, length, 0x2000, 7, 0) + SGE.pack(
+        va, key, length if sge_size is None else sge_size)
+
+
+def test_a_wqe_of_almost_4_gib_takes_the_packets_psn_count_says():
+    """length + MTU - 1 overflows 32 bits for a WRITE of 2^32 - 1 bytes: the core must count its packets as the
+    Python fetch does (psn_count), not as 0 (which would send none and retire it at once)."""
+    length = (1 << 32) - 1
+    fetched, row = parse_one(write_wqe(length))
     assert (fetched[-2], fetched[-1]) == (1, wqeblock.FETCHED_ALL)
-    row = wqeblock.ROW.unpack(rows)
-    assert (row[5], row[9], row[10]) == (length, psn_count(length, mtu), length)
-    assert fetched[3] == (5 + psn_count(length, mtu)) & PSN_MASK
+    assert (row[5], row[9], row[10]) == (length, psn_count(length, 4096), length)
+    assert fetched[3] == (5 + psn_count(length, 4096)) & PSN_MASK
+
+
+def test_a_wqe_whose_sge_ends_on_the_regions_last_byte_is_the_cores_and_one_across_the_rings_end_too():
+    for at in (0, RING - 1, RING - 2):  # header and SGE in a row, or wrapping round the ring after any slot
+        fetched, row = parse_one(write_wqe(1000, VA + 4096 - 1000), at, region_size=4096)
+        assert (fetched[-2], fetched[-1]) == (1, wqeblock.FETCHED_ALL), at
+        assert (row[1], row[3], row[4], row[5], row[9]) == (1 + 4096 - 1000, VA + 4096 - 1000, at, 1000, 1)
+
+
+HOSTILE_WQES = {  # each left to the Python fetch, which fails it or takes it its own way
+    "SGE one byte past the region": write_wqe(1000, VA + 4096 - 999),
+    "SGE va + size wraps": write_wqe(0x2000, (1 << 64) - 0x1000),
+    "SGE below the region": write_wqe(8, VA - 4),
+    "SGE size past 2^32 of region": write_wqe(8, VA + 4095, sge_size=0xFFFF_FFFF),
+    "length past its SGE": write_wqe(100, sge_size=99),
+    "length with an empty SGE": write_wqe(100, sge_size=0),
+    "inline": write_wqe(100, flags=wqeblock.INLINE),
+    "size 2 slots": write_wqe(100, size=2),
+    "size 4 slots": write_wqe(100, size=4),
+    "size 255 slots": write_wqe(100, size=255),
+    "size 0": write_wqe(100, size=0),
+    "an unknown type": write_wqe(100, kind=0x7F),
+    "a READ": write_wqe(100, kind=READ),
+}
+
+
+@pytest.mark.parametrize("wqe", HOSTILE_WQES.values(), ids=HOSTILE_WQES.keys())
+def test_a_hostile_wqe_is_left_to_the_python_fetch(wqe):
+    for at in (0, RING - 1):
+        fetched, _ = parse_one(wqe, at, region_size=4096)
+        assert (fetched[0], fetched[2], fetched[3], fetched[-2], fetched[-1]) == (at, 0, 5, 0, wqeblock.OTHER_WQE)
+
+
+def test_a_wqe_larger_than_what_was_published_waits():
+    """A one-SGE WQE of which only its header's two slots are published is not read past them."""
+    fetched, _ = parse_one(write_wqe(100), published=2)
+    assert (fetched[0], fetched[-2], fetched[-1]) == (0, 0, wqeblock.OTHER_WQE)
+
+
+def test_a_wqe_naming_another_key_is_left_for_its_region_to_be_learned():
+    fetched, _ = parse_one(write_wqe(100, key=KEY + 1))
+    assert (fetched[0], fetched[-2], fetched[-1]) == (0, 0, wqeblock.OTHER_REGION)
 
 
 # -- over UDP, to a real emulated NIC ---------------------------------------------------------------------------------
