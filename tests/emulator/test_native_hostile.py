@@ -6,7 +6,6 @@ reference does (codec.py, responder.py, sendqueue.py, packets.Segments) and touc
 from __future__ import annotations
 
 import array
-import ctypes
 import dataclasses
 import hashlib
 import socket
@@ -93,7 +92,7 @@ def test_cut_extension_headers_and_oversized_pads_are_dropped_for_their_length(e
     assert endpoint.counters["dropped_length"] == len(bodies)
 
 
-# -- WRITE runs placed by the core --------------------------------------------------------------------------------------
+# -- WRITE runs placed by the core -------------------------------------------------------------------------------------
 REGION = 8192
 
 
@@ -145,11 +144,11 @@ def first(addr: int, length: int, **fields) -> dict:
                 **fields)
 
 
-MIDDLE = dict(opcode=Op.RDMA_WRITE_MIDDLE, payload=memoryview(b"\xdd" * 1024))
+MIDDLE = {"opcode": Op.RDMA_WRITE_MIDDLE, "payload": memoryview(b"\xdd" * 1024)}
 
 
 def last(size: int) -> dict:
-    return dict(opcode=Op.RDMA_WRITE_LAST, payload=memoryview(b"\xcc" * size))
+    return {"opcode": Op.RDMA_WRITE_LAST, "payload": memoryview(b"\xcc" * size)}
 
 
 HOSTILE_RUNS = {
@@ -183,7 +182,7 @@ def test_the_core_places_a_write_ending_on_the_regions_last_byte_itself():
     assert placed(True, HOSTILE_RUNS["one byte past its end"])["taken"][:2] == [0, 0]
 
 
-# -- messages sent at another path MTU than their packets were counted at -----------------------------------------------
+# -- messages sent at another path MTU than their packets were counted at ----------------------------------------------
 def test_a_segments_at_a_larger_mtu_than_its_count_reads_nothing_past_its_bytes(endpoint):
     """A WRITE fetched at MTU 256 (16 packets of 4096 bytes), sent after MODIFY_QP raised the path MTU to 4096: packet
     1 onwards start past the message's bytes. The codec's packets slice what is there (nothing); the core must not
@@ -254,7 +253,7 @@ def test_raising_the_path_mtu_after_a_fetch_sends_what_the_python_path_sends():
     assert not found, found
 
 
-# -- WQEs off the ring --------------------------------------------------------------------------------------------------
+# -- WQEs off the ring -------------------------------------------------------------------------------------------------
 RING, KEY, VA = 8, 0x1234, 0x7000_0000_0000  # the ring's slots; the local region's key and VA
 
 
@@ -370,7 +369,7 @@ async def test_a_peer_writing_up_to_its_regions_end_then_wrapping_past_it_lands_
             mr = await nic.register_mr(8192)
             mr.view[:8192] = b"\x5a" * 8192
             region = mr.remote()
-            base = dict(src_ip=peer, dst_ip=nic.ip, src_port=pk.ROCE_PORT, rkey=region.rkey)
+            base = {"src_ip": peer, "dst_ip": nic.ip, "src_port": pk.ROCE_PORT, "rkey": region.rkey}
             forged = [pk.Packet(Op.RDMA_WRITE_FIRST, qp.qpn, 0x100, remote_addr=region.addr + 8192 - 2048,
                                 dma_length=2048, payload=b"\x11" * 1024, **base),
                       pk.Packet(Op.RDMA_WRITE_LAST, qp.qpn, 0x101, True, payload=b"\x22" * 1024, **base),
@@ -392,7 +391,7 @@ async def test_a_peer_writing_up_to_its_regions_end_then_wrapping_past_it_lands_
             sock.close()
 
 
-# -- a small ring, so that WQEs straddle its end -------------------------------------------------------------------------
+# -- a small ring, so that WQEs straddle its end -----------------------------------------------------------------------
 @pytest.mark.parametrize("variable", [True, False], ids=["variable", "static"])
 def test_wqes_across_the_rings_end_are_fetched_as_the_python_path_fetches_them(variable):
     """64 slots: 21 three-slot WQEs (or 8 static ones) fill it, so 30 WRITEs go round it more than once, and WQE
