@@ -211,7 +211,7 @@ static int encode_segments(const struct segments *s, int32_t *done, struct out *
     for (; *done < (int32_t)s->count && o->filled < o->capacity; ++*done) {
         uint32_t k = s->start + *done;
         int first = k == 0, last = k == s->npkts - 1;
-        /* past the message's bytes when the path MTU changed since its packets were counted: Python's slices */
+        /* a packet past the message's bytes (the path MTU grew since they were counted) is the codec's to slice */
         uint64_t begin = (uint64_t)k * s->mtu, end = last ? s->dma_length : begin + s->mtu;
         struct fields f = {0};
         f.opcode = s->opcodes[first << 1 | last];
@@ -285,7 +285,8 @@ static int encode_burst(const struct burst *b, int32_t *done, struct out *o) {
  * its first) on, into `slots` (slot i at slots + i * slot_size), at most `capacity` of them; for each, set its iovec's
  * length and its mmsghdr's destination (`name_at` bytes into each `message_size`-byte message). Moves the cursor;
  * the number of slots filled. A descriptor this cannot encode (an opcode outside the table, a payload its opcode does
- * not carry, a packet longer than a slot) stops it with cursor[2] = 1, at the packet refused. */
+ * not carry, a packet longer than a slot or past its message's bytes) stops it with cursor[2] = 1, at the packet
+ * refused. */
 int wc_encode(const uint8_t *descriptors, int count, int32_t *cursor, uint8_t *slots, uint32_t slot_size, int capacity,
               uint8_t *messages, uint32_t message_size, uint32_t name_at, uint8_t *iovecs) {
     struct out o = {slots, messages, iovecs, slot_size, message_size, name_at, 0, capacity};
