@@ -87,7 +87,7 @@ class NativeSender:
                                   sender.slot_size, capacity, sender.messages_at, mmsg.MESSAGE_SIZE,
                                   mmsg.NAME_OFFSET, sender.iovecs_at)
         refused: list[Packet] = []
-        if cursor[2]:  # never for what the data path makes; the codec raises for it, as it always did
+        if cursor[2]:  # the codec's: a message sent at a larger path MTU than counted at, or one it raises for
             item = self.items[cursor[0]]
             if isinstance(item, Packet):
                 refused = [item]

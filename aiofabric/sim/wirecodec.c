@@ -211,16 +211,18 @@ static int encode_segments(const struct segments *s, int32_t *done, struct out *
     for (; *done < (int32_t)s->count && o->filled < o->capacity; ++*done) {
         uint32_t k = s->start + *done;
         int first = k == 0, last = k == s->npkts - 1;
-        uint32_t begin = k * s->mtu, end = last ? s->dma_length : begin + s->mtu;
+        /* a packet past the message's bytes (the path MTU grew since they were counted) is the codec's to slice */
+        uint64_t begin = (uint64_t)k * s->mtu, end = last ? s->dma_length : begin + s->mtu;
         struct fields f = {0};
         f.opcode = s->opcodes[first << 1 | last];
         uint8_t l = wc_layout[f.opcode];
-        if (!(l & L_KNOWN) || end < begin || (end > begin && !(l & L_PAYLOAD)) || !fits(o, f.opcode, end - begin))
+        if (!(l & L_KNOWN) || end < begin || end > s->dma_length || (end > begin && !(l & L_PAYLOAD))
+            || !fits(o, f.opcode, end - begin))
             return -1;
         f.flags = last && s->solicited ? 0x80 : 0;
         f.pkey = s->pkey;
         f.qpn_word = s->dest_qp & QPN_MASK;
-        f.psn_word = (uint32_t)((s->acks >> *done) & 1) << 31 | ((s->first_psn + k) & PSN_MASK);
+        f.psn_word = (uint32_t)(*done < 64 && (s->acks >> *done) & 1) << 31 | ((s->first_psn + k) & PSN_MASK);
         f.remote_addr = s->remote_addr, f.rkey = s->rkey, f.dma_length = s->dma_length, f.immediate = s->immediate;
         filled(o, put_packet(next_slot(o), &f, (const uint8_t *)(uintptr_t)s->data + begin, end - begin, s->src_ip,
                              s->dst_ip, s->src_port, s->dst_port, s->ip_id), s->name);
@@ -261,10 +263,10 @@ static int encode_burst(const struct burst *b, int32_t *done, struct out *o) {
     for (; *done < (int32_t)b->count && o->filled < o->capacity; ++*done) {
         const struct row *w = rows + row;
         int first = k == 0, last = k == w->npkts - 1;
-        uint32_t begin = k * b->mtu, end = last ? w->length : begin + b->mtu;
+        uint64_t begin = (uint64_t)k * b->mtu, end = last ? w->length : begin + b->mtu; /* as in encode_segments */
         struct fields f = {0};
         f.opcode = wc_sq.opcodes[w->type][first << 1 | last];
-        if (!fits(o, f.opcode, end - begin))
+        if (end < begin || end > w->length || !fits(o, f.opcode, end - begin))
             return -1;
         f.flags = last && w->solicited ? 0x80 : 0;
         f.pkey = b->pkey;
@@ -283,7 +285,8 @@ static int encode_burst(const struct burst *b, int32_t *done, struct out *o) {
  * its first) on, into `slots` (slot i at slots + i * slot_size), at most `capacity` of them; for each, set its iovec's
  * length and its mmsghdr's destination (`name_at` bytes into each `message_size`-byte message). Moves the cursor;
  * the number of slots filled. A descriptor this cannot encode (an opcode outside the table, a payload its opcode does
- * not carry, a packet longer than a slot) stops it with cursor[2] = 1, at the packet refused. */
+ * not carry, a packet longer than a slot or past its message's bytes) stops it with cursor[2] = 1, at the packet
+ * refused. */
 int wc_encode(const uint8_t *descriptors, int count, int32_t *cursor, uint8_t *slots, uint32_t slot_size, int capacity,
               uint8_t *messages, uint32_t message_size, uint32_t name_at, uint8_t *iovecs) {
     struct out o = {slots, messages, iovecs, slot_size, message_size, name_at, 0, capacity};

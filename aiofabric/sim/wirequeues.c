@@ -31,7 +31,7 @@ enum { FETCHED_ALL, ROWS_FULL, OTHER_REGION, OTHER_WQE };
 static const uint8_t *sq_slot(const struct sq_parse *q, uint64_t s) {
     uint32_t slot = (uint32_t)(s % q->ring_slots);
     const uint64_t *pages = (const uint64_t *)(uintptr_t)q->pages;
-    return (const uint8_t *)(uintptr_t)pages[slot >> q->page_shift]
+    return (const uint8_t *)(uintptr_t)pages[(uint64_t)slot >> q->page_shift] /* shift: 62 for one piece */
            + (((uint64_t)slot * wc_sq.slot) & q->page_mask);
 }
 
@@ -85,7 +85,7 @@ void wc_sq_parse(struct sq_parse *q) {
         w->solicited = (flags & wc_sq.solicit) != 0, w->fence = (flags & wc_sq.fence) != 0;
         w->region = q->region;
         w->first_psn = q->next_psn;
-        w->npkts = length ? (length + q->mtu - 1) / q->mtu : 1;
+        w->npkts = length ? (uint32_t)(((uint64_t)length + q->mtu - 1) / q->mtu) : 1; /* 64 bits: no wrap */
         q->next_psn = (q->next_psn + w->npkts) & PSN_MASK;
         q->fetched += q->unit == 1 ? size : q->unit;
         q->index++;
