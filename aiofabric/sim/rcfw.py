@@ -272,6 +272,11 @@ class Rcfw(CommandQueue):
         mtu_code = request.path_mtu_pingpong_push_enable & bnxt.CMDQ_MODIFY_QP_PATH_MTU_MASK
         if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU and mtu_code not in PATH_MTU_BYTES:
             raise CommandError(INVALID_PARAMETER, f"path MTU code {mtu_code:#x}")
+        if mask & bnxt.CMDQ_MODIFY_QP_MODIFY_MASK_PATH_MTU and (qp.state, new_state) != (QPState.INIT, QPState.RTR):
+            # ib_modify_qp_is_ok, which bnxt_re_modify_qp applies: a path MTU is set on INIT -> RTR only (packets
+            # already counted at one MTU would be sent at another). Inferred: that the firmware refuses it too.
+            raise CommandError(INVALID_PARAMETER, f"QP {qp.qpn}: the path MTU is set on INIT -> RTR only, not on "
+                                                  f"{qp.state.name} -> {new_state.name}")
         missing = RTR_NEEDS & ~(qp.attributes_set | mask)
         if new_state == QPState.RTR != qp.state and qp.qp_type == bnxt.CMDQ_CREATE_QP_TYPE_RC and missing:
             raise CommandError(INVALID_PARAMETER, f"QP {qp.qpn}: RTR needs the destination (modify_mask {missing:#x})")

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiofabric.autogen import bnxt
-from aiofabric.hw.verbs import PSN_MASK, QPState
+from aiofabric.hw.verbs import PATH_MTU_CODES, PSN_MASK, QPState
 from aiofabric.hw.wqe import SQ_STATIC_WQE_SLOTS, msn_entry, psn_search_values
 from aiofabric.sim import codec, packets as pk
 from tests.support.emulator import (FLUSHED, MASK, READ, REQ_OK, RES_FLUSHED, SEND, SEND_IMM, WRITE, WRITE_IMM, Host,
@@ -752,3 +752,14 @@ def test_a_wrong_search_table_misleads_the_retransmission(profile, variable):
 def test_without_hardware_retransmission_the_firmware_retransmits_from_its_own_context():
     a, delivered = writes_under_loss(True, hw_retx=False)
     assert delivered and a.dp.stats["go_backs"] > 0 and a.dp.stats["search_table_mismatches"] == 0
+
+
+@pytest.mark.parametrize("rts", [False, True])
+def test_a_path_mtu_is_set_on_init_to_rtr_only(rts):
+    """ib_modify_qp_is_ok (which bnxt_re_modify_qp applies) takes a path MTU on INIT -> RTR alone: a connected QP's
+    MTU never changes under packets already counted at it."""
+    a, b, _ = pair(mtu=1024, rts=rts)
+    before = QPState.RTS if rts else QPState.RTR
+    with pytest.raises(AssertionError, match=f"the path MTU is set on INIT -> RTR only, not on {before.name} -> RTS"):
+        a.modify(QPState.RTS, MASK["PATH_MTU"], path_mtu_pingpong_push_enable=PATH_MTU_CODES[4096])
+    assert a.fw.rcfw.qps[a.qpn].path_mtu == 1024 and a.fw.rcfw.qps[a.qpn].state == before

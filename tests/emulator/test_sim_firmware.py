@@ -969,3 +969,4 @@ def test_each_phy_takes_its_own_generations_speeds(profile, qcaps, good, bad):
     host.fw.phy.tick(1.0)
     assert LINK_SPEED_MBPS[host.hwrm("port_phy_qcfg", port_id=0).link_speed] == (400_000 if profile == "thor2"
                                                                                  else 200_000)
+
