@@ -279,6 +279,10 @@ MUTANTS = [
            'raise RendezvousError(f"rank {self.rank}: closed',
            ("tests/system/test_join_failure.py::test_a_rendezvous_that_drops_a_rank_mid_round_is_named_gone_as_between"
             "_rounds",)),
+    Mutant("emulator: it dies with the thread that started it (PR_SET_PDEATHSIG)", "aiofabric/sim/process.py",
+           "    _prctl(PR_SET_TIMERSLACK, 1)  # microsecond firmware latencies need precise sleeps\n",
+           "    _prctl(PR_SET_TIMERSLACK, 1)\n    _prctl(1, 9)\n",
+           ("tests/emulator/test_sim_lifecycle.py::test_nic_outlives_the_worker_thread_that_started_it",)),
 ]
 
 

@@ -19,6 +19,7 @@ from aiofabric.collectives.reference import ring_reference
 from aiofabric.collectives.steps import floating
 from aiofabric.sched.reduce import DTYPES, OPS
 from tests.support.backends import on
+from tests.support.worker_threads import outlive_worker_threads, shorten_idle_time
 
 PIECE = 1024  # small messages, so every size above a few hundred elements is cut into several pieces
 
@@ -281,13 +282,14 @@ async def test_a_rank_whose_nic_dies_fails_every_rank_naming_it():
 
 
 @pytest.mark.anyio
-@on("trio")  # trio's idle worker threads exit after 10 s
-async def test_a_communicator_held_idle_longer_than_a_worker_thread_lives_still_works():
-    """Held 13 s, with reductions of 1 MiB, which run in worker threads."""
+@on("trio")  # trio's idle worker threads exit by themselves
+async def test_a_communicator_held_idle_longer_than_a_worker_thread_lives_still_works(monkeypatch):
+    """Held until the worker threads that ran its reductions of 1 MiB have exited."""
+    before = shorten_idle_time(monkeypatch)
     async with collectives.local(2, buffer_bytes=4 << 20) as comms:
         xs = [np.full(1 << 20, 2.0, np.float32) for _ in range(2)]
         await all_ranks(comms, "allreduce", xs)
-        await anyio.sleep(13)
+        assert await outlive_worker_threads(before) >= 1
         await all_ranks(comms, "allreduce", xs)
         assert all(np.all(x == 8.0) for x in xs)
     closed = "ClosedError: .*(destroyed|deregistered)"  # used after close: refused at once, naming what is gone
