@@ -30,12 +30,12 @@ pytestmark = pytest.mark.anyio
 async def test_nic_outlives_the_worker_thread_that_started_it(monkeypatch):
     """open_nic starts the emulator from a worker thread; trio retires idle workers (after 10 s) and anyio's asyncio
     backend prunes idle ones on a later to_thread call. The NIC must not die with that thread."""
-    before = shorten_idle_time(monkeypatch)
+    shorten_idle_time(monkeypatch)
     async with aiofabric.open_nic("sim") as nic:
         async with anyio.create_task_group() as tasks:  # the starter thread (idle) and a second one get work
             tasks.start_soon(anyio.to_thread.run_sync, time.sleep, 0.2)
             tasks.start_soon(anyio.to_thread.run_sync, time.sleep, 0.3)
-        assert await outlive_worker_threads(before) >= 1
+        assert await outlive_worker_threads() >= 1
         await anyio.sleep(0.3)  # a parent-death signal would have killed the emulator by now
         assert (await nic.hwrm("func_qcfg", fid=0xFFFF)).legacy_l2_db_size_kb > 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from aiofabric.sim import mmsg
+from aiofabric.sim import mmsg, native
 from aiofabric.sim.codec import decode, decode_ipv4, encode_ipv4
 from aiofabric.sim.faults import Faults
 from aiofabric.sim.packets import ACK_UNLIMITED, ROCE_PORT, Op, Packet, Segments, udp_source_port
@@ -55,8 +55,12 @@ def received(count: int) -> Callable[[list[Packet]], bool]:
     return lambda packets: len(packets) >= count
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[UdpTransport, UdpTransport]]:
+@pytest.fixture(params=["compiled", "python"])
+def pair(request, monkeypatch) -> Iterator[tuple[UdpTransport, UdpTransport]]:
+    """Two transports, receiving through the compiled core (where it can be built) or the Python codec, each the
+    other's check: a rule one of them forgets fails here."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "_loaded", [None])
     with UdpTransport(A) as a, UdpTransport(B) as b:
         yield a, b
 

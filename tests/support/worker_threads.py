@@ -13,8 +13,8 @@ import pytest
 IDLE = 0.5  # seconds a worker thread may idle before it exits
 
 
-def shorten_idle_time(monkeypatch: pytest.MonkeyPatch) -> set[threading.Thread]:
-    """Cut the worker threads' idle time to IDLE for this test; the threads alive now (not to be waited for)."""
+def shorten_idle_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut the worker threads' idle time to IDLE for this test."""
     monkeypatch.setattr(anyio_asyncio.WorkerThread, "MAX_IDLE_TIME", IDLE)
     try:
         import trio._core._thread_cache as trio_threads
@@ -22,7 +22,6 @@ def shorten_idle_time(monkeypatch: pytest.MonkeyPatch) -> set[threading.Thread]:
         pass
     else:
         monkeypatch.setattr(trio_threads, "IDLE_TIMEOUT", IDLE)
-    return set(threading.enumerate())
 
 
 def worker(thread: threading.Thread) -> bool:
@@ -30,11 +29,11 @@ def worker(thread: threading.Thread) -> bool:
     return isinstance(thread, anyio_asyncio.WorkerThread) or thread.name.startswith("Trio thread ")
 
 
-async def outlive_worker_threads(before: set[threading.Thread], bound: float = 30.0) -> int:
-    """Wait until every worker thread started since `before` (taken by shorten_idle_time) has exited but the one
-    a last to_thread call keeps (asyncio reuses the newest idle worker and retires the older ones); how many
-    exited. Bounded: a thread still alive at `bound` fails the test."""
-    started = [thread for thread in threading.enumerate() if thread not in before and worker(thread)]
+async def outlive_worker_threads(bound: float = 30.0) -> int:
+    """Wait until every worker thread alive now (trio keeps idle ones across event loops, so some may have served
+    an earlier test) has exited but the one a last to_thread call keeps (asyncio reuses the newest idle worker and
+    retires the older ones); how many exited. Bounded: a thread still alive at `bound` fails the test."""
+    started = [thread for thread in threading.enumerate() if worker(thread)]
     deadline = time.monotonic() + bound
     while True:
         await anyio.sleep(IDLE * 1.2)
