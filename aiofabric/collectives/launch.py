@@ -28,6 +28,12 @@ RENDEZVOUS_TIMEOUT = 60.0  # seconds for every rank to come and connect
 # perftest's 14 (67 ms) gives up once a peer has been kept from running for half a second, which a loaded host (more
 # busy processes than cores) does; a wire that loses packets wants a smaller one, or a lost tail costs that long.
 ACK_TIMEOUT = 20
+
+
+def check_ack_timeout(ack_timeout: int) -> None:
+    """Refused before anything is opened, under its own name (the QP's connect calls it `timeout`)."""
+    if not isinstance(ack_timeout, int) or isinstance(ack_timeout, bool) or not 0 <= ack_timeout <= 31:
+        raise ValueError(f"ack_timeout must be an integer in [0, 31] (4.096 us * 2^n), not {ack_timeout!r}")
 _locals = itertools.count()  # local() calls of this process: each names its own emulator process
 
 
@@ -51,6 +57,7 @@ async def local(size: int, *, nics: Sequence[str] | None = None, buffer_bytes: i
     default). Everything is closed when the block exits."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size must be a positive integer, not {size!r}")
+    check_ack_timeout(ack_timeout)
     if nics is not None and len(nics) != size:
         raise ValueError(f"nics names {len(nics)} NICs for {size} ranks")
     for name, value in (("buffer_bytes", buffer_bytes), ("landing_bytes", landing_bytes)):
@@ -124,6 +131,7 @@ async def connect_ring(nics: Sequence[NIC], *, buffer_bytes: int = DEFAULT_BUFFE
                        piece_bytes: int = PIECE_BYTES, timeout: float = RUN_TIMEOUT,
                        ack_timeout: int = ACK_TIMEOUT) -> list[Communicator]:
     """Communicators over open NICs of this process, rank r on nics[r]. The NICs' close frees it all."""
+    check_ack_timeout(ack_timeout)
     size = len(nics)
     if size == 1:
         return [Communicator(0, 1, None, None, None, None, nic=nics[0], piece_bytes=piece_bytes, timeout=timeout)]
@@ -147,6 +155,7 @@ async def join(world: World, *, nic: str = "sim", ip: str | None = None, buffer_
     cancellation) tells the others why, and they fail at once naming it and its reason; the block's exception then
     leaves `join` as itself, never wrapped in an ExceptionGroup (as `open_nic`'s). Rank 0 (serving) leaves its
     block once every rank left theirs."""
+    check_ack_timeout(ack_timeout)
     size, rank = world.size, world.rank
     async with contextlib.AsyncExitStack() as stack:
         group = await stack.enter_async_context(own_task_group())

@@ -203,7 +203,7 @@ class RendezvousServer:
                 self.left.add(rank)
                 done = len(self.rounds) == self.total_rounds and self.complete[-1].is_set()
                 if not done:  # the others wait for a round it will not send
-                    self._fail(f"rank {rank} left the rendezvous before the others were done")
+                    self._fail(rank_gone(rank))
                 self._changed_now()
 
     async def _watch(self, stream: anyio.abc.ByteStream, reader: BufferedByteReceiveStream, rank: int) -> None:
@@ -219,9 +219,7 @@ class RendezvousServer:
         notice = None if line is None else _notice(line, self.size)
         if line is not None and (notice is None or notice[0] != rank):
             return  # its goodbye
-        news = {"failed": rank, "error": f"rank {rank} failed: {notice[1]}" if notice is not None else
-                f"rank {rank} is gone (its connection to the rendezvous dropped before it said goodbye: its process "
-                "ended)"}
+        news = {"failed": rank, "error": f"rank {rank} failed: {notice[1]}" if notice is not None else rank_gone(rank)}
         log.warning("rendezvous: %s", news["error"])
         async with anyio.create_task_group() as relay:  # at once to all: one slow reader delays no other
             for other in list(self.watching.values()):
@@ -258,7 +256,7 @@ class RendezvousServer:
                 try:
                     line = await reader.receive_until(b"\n", MAX_LINE)
                 except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
-                    self._fail(f"rank {rank} left the rendezvous before the others were done")
+                    self._fail(rank_gone(rank))
                 except anyio.DelimiterNotFound:
                     self._fail(f"rank {rank} sent a request before round {number} was complete")
                 else:
@@ -434,6 +432,13 @@ class RendezvousClient:
         if self.stream is not None:
             stream, self.stream = self.stream, None
             await stream.aclose()
+
+
+def rank_gone(rank: int) -> str:
+    """What the others are told when a rank's connection drops without its goodbye, in a round or between rounds
+    (whichever it was in when its process ended)."""
+    return (f"rank {rank} is gone (its connection to the rendezvous dropped before it said goodbye: its process "
+            "ended)")
 
 
 def _answer(text: bytes, size: int, where: str) -> list[dict[str, Any]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import types
 from typing import Awaitable, Callable, Mapping
 
 import anyio
@@ -48,7 +47,20 @@ class DeviceEvent:
     detail: Mapping[str, int]
 
     def __post_init__(self) -> None:  # every stream's subscriber gets this one object: none may change it for others
-        object.__setattr__(self, "detail", types.MappingProxyType(dict(self.detail)))
+        object.__setattr__(self, "detail", Detail(self.detail))
+
+
+class Detail(dict[str, int]):
+    """An event's detail: a dict (JSON, pickle and copies take it as one) that refuses to be changed; dict(detail)
+    is a copy to change."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("an event's detail is shared by every subscriber: change a copy (dict(event.detail))")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, int]]]:
+        return Detail, (dict(self),)
 
 
 Handler = Callable[[DeviceEvent], None]

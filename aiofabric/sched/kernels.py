@@ -121,8 +121,8 @@ class CKernel:
     def _compile(self, compiler: str, cc: str, filename: str, directory: int) -> None:
         c_file = f"{self.name}.c"
         try:
-            c_build.build_into([compiler, *self.flags, "-o", filename, c_file], {c_file: self.source}, filename,
-                               directory)
+            c_build.build_into(lambda scratch: [compiler, *self.flags, "-o", str(scratch / filename),
+                                                str(scratch / c_file)], {c_file: self.source}, filename, directory)
         except c_build.BuildFailed as failed:
             raise KernelBuildError(f"C kernel {self.name!r}: {cc} {' '.join(self.flags)} failed:\n{failed.stderr}") \
                 from None

@@ -166,7 +166,8 @@ def _load() -> Core | None:
     try:
         started, cached = time.perf_counter(), c_build.library_problem(name, directory) == ""
         if not cached:
-            command = [compiler, *FLAGS, "-o", name, *SOURCES]
+            def command(scratch: Path) -> list[str]:
+                return [compiler, *FLAGS, "-o", str(scratch / name), *(str(scratch / source) for source in SOURCES)]
             try:
                 c_build.build_into(command, sources, name, directory, timeout=120)
             except c_build.BuildFailed as failed:

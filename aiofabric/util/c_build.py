@@ -11,6 +11,7 @@ import secrets
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from . import private
 
@@ -52,15 +53,16 @@ def library_problem(filename: str, directory: int) -> str:
         os.close(fd)
 
 
-def build_into(command: list[str], sources: dict[str, str], filename: str, directory: int,
+def build_into(command: Callable[[Path], list[str]], sources: dict[str, str], filename: str, directory: int,
                timeout: float | None = None) -> None:
-    """Write `sources` ({file name: text}) into a fresh private scratch directory, run `command` there (it writes
-    `filename`), then copy the result into `directory` under a temporary name and rename it into place. BuildFailed
-    if the compiler fails."""
+    """Write `sources` ({file name: text}) into a fresh private scratch directory, run `command(scratch)` (it writes
+    `filename` there; run in this process's working directory, where a user's relative flags such as -Iinclude
+    mean what they say), then copy the result into `directory` under a temporary name and rename it into place.
+    BuildFailed if the compiler fails."""
     with tempfile.TemporaryDirectory(prefix="aiofabric-build-") as scratch:
         for file, text in sources.items():
             (Path(scratch) / file).write_text(text)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=scratch)
+        done = subprocess.run(command(Path(scratch)), capture_output=True, text=True, timeout=timeout)
         if done.returncode:
             raise BuildFailed(done.stderr.strip())
         partial = f".{filename}.{os.getpid()}.{secrets.token_hex(4)}"

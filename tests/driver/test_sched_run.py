@@ -24,7 +24,6 @@ from aiofabric import QPState, RemoteRegion, open_nic, sched
 from aiofabric.sched.calls import HOST
 from tests.support import CHECKOUT
 from tests.support.nics import connect, connected_qps
-from tests.support.worker_threads import IDLE, shorten_idle_time
 
 BACKENDS = [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})]
 SPIN = r"""
@@ -463,11 +462,10 @@ async def test_rdma_remote_access_error_aborts_cleanly_and_the_batch_runs_again_
         assert bytes(target.view[:8192]) == bytes(source.view[:8192])
 
 
-def test_a_batch_held_past_its_worker_threads_lifetime_replays_on_every_backend(monkeypatch):
-    """Idle worker threads retire (after 10 s; IDLE here: trio's on their own, anyio's asyncio pool at the next
-    to_thread call): a compiled batch of a threaded C kernel, an RDMA write and a numpy kernel across two NICs, held
-    past that and replayed, must not care. The three backends run at once, each in its own thread."""
-    shorten_idle_time(monkeypatch)
+def test_a_batch_held_past_its_worker_threads_lifetime_replays_on_every_backend():
+    """Idle worker threads retire after 10 s (trio on their own, anyio's asyncio pool at the next to_thread call): a
+    compiled batch of a threaded C kernel, an RDMA write and a numpy kernel across two NICs, held 10.5 s and replayed,
+    must not care. The three backends run at once, each in its own thread, to spend the wait once."""
     scale = sched.CKernel(SPIN, "spin")
     n = 1024
 
@@ -486,7 +484,7 @@ def test_a_batch_held_past_its_worker_threads_lifetime_replays_on_every_backend(
             with anyio.fail_after(20):
                 await batch.run()
             first = total[0]
-            await anyio.sleep(3 * IDLE)  # every worker thread of this loop idle for longer than it may be
+            await anyio.sleep(10.3)  # every worker thread of this loop idle for > 10 s
             await anyio.to_thread.run_sync(time.sleep, 0.01)  # asyncio: this call retires the idle ones
             with anyio.fail_after(20):
                 await batch.run({"x": np.full(n, 2.0)})

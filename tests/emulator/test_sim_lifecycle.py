@@ -20,22 +20,21 @@ from aiofabric.pci.emulated import SimPCIDevice
 from aiofabric.sim.options import OPTIONS
 from aiofabric.sim.packets import ROCE_PORT
 from aiofabric.sim.wire import open_on_free_loopback
-from tests.support.worker_threads import outlive_worker_threads, shorten_idle_time
 
 pytestmark = pytest.mark.anyio
 
 
 # -- 1. the emulator lives as long as the driver process, not the thread that started it -----------------------------
 
-async def test_nic_outlives_the_worker_thread_that_started_it(monkeypatch):
-    """open_nic starts the emulator from a worker thread; trio retires idle workers (after 10 s) and anyio's asyncio
-    backend prunes idle ones on a later to_thread call. The NIC must not die with that thread."""
-    shorten_idle_time(monkeypatch)
+async def test_nic_outlives_the_worker_thread_that_started_it():
+    """open_nic starts the emulator from a worker thread; trio retires idle workers after 10 s and anyio's asyncio
+    backend prunes workers idle for 10 s on a later to_thread call. The NIC must not die with that thread."""
     async with aiofabric.open_nic("sim") as nic:
         async with anyio.create_task_group() as tasks:  # the starter thread (idle) and a second one get work
-            tasks.start_soon(anyio.to_thread.run_sync, time.sleep, 0.2)
-            tasks.start_soon(anyio.to_thread.run_sync, time.sleep, 0.3)
-        assert await outlive_worker_threads() >= 1
+            tasks.start_soon(anyio.to_thread.run_sync, time.sleep, 1.0)
+            tasks.start_soon(anyio.to_thread.run_sync, time.sleep, 1.5)
+        await anyio.sleep(10.3)  # both idle > 10 s: trio's exit by themselves
+        await anyio.to_thread.run_sync(time.sleep, 0.01)  # asyncio: this call retires the starter thread
         await anyio.sleep(0.3)  # a parent-death signal would have killed the emulator by now
         assert (await nic.hwrm("func_qcfg", fid=0xFFFF)).legacy_l2_db_size_kb > 0
 

@@ -3,6 +3,7 @@ ring's order, for 2-5 ranks and awkward sizes; replays; a faulty wire; no RNR NA
 import functools
 import itertools
 import os
+import re
 import signal
 import threading
 import time
@@ -19,7 +20,6 @@ from aiofabric.collectives.reference import ring_reference
 from aiofabric.collectives.steps import floating
 from aiofabric.sched.reduce import DTYPES, OPS
 from tests.support.backends import on
-from tests.support.worker_threads import outlive_worker_threads, shorten_idle_time
 
 PIECE = 1024  # small messages, so every size above a few hundred elements is cut into several pieces
 
@@ -182,6 +182,21 @@ async def test_the_ring_qps_wait_for_acks_as_nccl_does_unless_told(given, expect
                 assert report[str(link.qp.qpn)]["timeout"] == expected
 
 
+@pytest.mark.anyio
+@pytest.mark.loop_agnostic
+@pytest.mark.parametrize("value", [32, -1, True, 14.0])
+async def test_a_bad_ack_timeout_is_refused_by_name_before_anything_opens(value):
+    message = rf"ack_timeout must be an integer in \[0, 31\] \(4\.096 us \* 2\^n\), not {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=message):
+        async with collectives.local(2, ack_timeout=value):
+            pass
+    with pytest.raises(ValueError, match=message):
+        async with collectives.join(collectives.World(0, 2, "127.0.0.1", 1), ack_timeout=value):
+            pass
+    with pytest.raises(ValueError, match=message):
+        await collectives.connect_ring([], ack_timeout=value)
+
+
 async def rnr_naks(comms):
     return sum([(await c.nic.pci.debug_client().stats())["rnr_naks"] for c in comms])
 
@@ -282,14 +297,13 @@ async def test_a_rank_whose_nic_dies_fails_every_rank_naming_it():
 
 
 @pytest.mark.anyio
-@on("trio")  # trio's idle worker threads exit by themselves
-async def test_a_communicator_held_idle_longer_than_a_worker_thread_lives_still_works(monkeypatch):
-    """Held until the worker threads that ran its reductions of 1 MiB have exited."""
-    shorten_idle_time(monkeypatch)
+@on("trio")  # trio's idle worker threads exit after 10 s
+async def test_a_communicator_held_idle_longer_than_a_worker_thread_lives_still_works():
+    """Held 13 s, with reductions of 1 MiB, which run in worker threads."""
     async with collectives.local(2, buffer_bytes=4 << 20) as comms:
         xs = [np.full(1 << 20, 2.0, np.float32) for _ in range(2)]
         await all_ranks(comms, "allreduce", xs)
-        assert await outlive_worker_threads() >= 1
+        await anyio.sleep(13)
         await all_ranks(comms, "allreduce", xs)
         assert all(np.all(x == 8.0) for x in xs)
     closed = "ClosedError: .*(destroyed|deregistered)"  # used after close: refused at once, naming what is gone

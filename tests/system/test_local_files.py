@@ -183,6 +183,19 @@ def test_the_cache_is_made_private_and_still_caches(tmp_path, monkeypatch):
     assert [p.name for p in cache.iterdir()] == [Path(first.build["library"]).name]  # no scratch left behind
 
 
+@needs_cc
+def test_a_kernels_relative_include_flag_means_the_working_directory(tmp_path, monkeypatch):
+    """The compiler runs where the user does, so `-Iinclude` finds ./include, as it would on their command line;
+    the source itself is written into a private scratch directory."""
+    monkeypatch.setenv("AIOFABRIC_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "work" / "include").mkdir(parents=True)
+    (tmp_path / "work" / "include" / "answer.h").write_text("#define ANSWER 41\n")
+    monkeypatch.chdir(tmp_path / "work")
+    source = "#include <stdint.h>\n#include \"answer.h\"\nvoid answer_included(int64_t *out) { *out = ANSWER; }\n"
+    kernel = sched.CKernel(source, "answer_included", flags=("-O2", "-shared", "-fPIC", "-Iinclude"))
+    assert call(kernel) == 41
+
+
 # -- captures ----------------------------------------------------------------------------------------------------------
 FRAME = 16 + 14  # a record's header and Ethernet header around its IPv4 packet
 PACKET = bytes(100)
