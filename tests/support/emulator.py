@@ -4,6 +4,7 @@ writes them (with the search table after the SQ: MSN or PSN entries, as the firm
 rung; `Wire` carries packets between hosts through the real codec (with seeded loss, duplication and reordering when
 a test asks), on a fake clock that jumps to the engines' next deadline; `pair` is two connected hosts and their wire."""
 import random
+from typing import Any
 
 from aiofabric.autogen import bnxt
 from aiofabric.hw import doorbell
@@ -234,31 +235,45 @@ class Wire:
         self.now = 0.0
         self.log: list[pk.Packet] = []  # every packet put on the wire
 
-    def step(self) -> bool:
-        """One round: doorbells, timers, transmission, delivery. False when nothing happened."""
-        busy = False
+    def engines(self) -> None:
+        """Every host's doorbells, timers and send turns at the current time."""
         for host in self.hosts.values():
             host.dp.doorbells(self.now)
             host.dp.advance(self.now)
             host.dp.pump(self.now)
+
+    def copies(self) -> int:
+        """How many copies of the next packet arrive (0: lost, 2: duplicated), drawn from the seeded faults."""
+        if self.black_hole or self.random.random() < self.loss:
+            return 0
+        return 2 if self.random.random() < self.dup else 1
+
+    def reordered(self, arriving: list[Any]) -> list[Any]:
+        """`arriving`, neighbours swapped with the seeded reorder probability (in place)."""
+        if self.reorder:
+            for i in range(len(arriving) - 1):
+                if self.random.random() < self.reorder:
+                    arriving[i], arriving[i + 1] = arriving[i + 1], arriving[i]
+        return arriving
+
+    def step(self) -> bool:
+        """One round: doorbells, timers, transmission, delivery. False when nothing happened."""
+        busy = False
+        self.engines()
         for host in self.hosts.values():
             batch = {}
             for packet in pk.expand(host.dp.take_outbox()):
                 busy = True
                 self.log.append(packet)
-                if self.black_hole or self.random.random() < self.loss:
+                copies = self.copies()
+                if not copies:
                     continue
-                copies = 2 if self.random.random() < self.dup else 1
                 wire = codec.encode(packet)
                 for _ in range(copies):
                     batch.setdefault(packet.dst_ip, []).append(
                         codec.decode(wire, packet.src_ip, packet.dst_ip, packet.src_port))
             for ip, packets in batch.items():
-                if self.reorder:
-                    for i in range(len(packets) - 1):
-                        if self.random.random() < self.reorder:
-                            packets[i], packets[i + 1] = packets[i + 1], packets[i]
-                self.hosts[ip].dp.receive(packets, self.now)
+                self.hosts[ip].dp.receive(self.reordered(packets), self.now)
         return busy
 
     def run(self, until=None, max_time: float = 60.0, max_steps: int = 100_000) -> None:

@@ -104,10 +104,7 @@ class TwinWire(Wire):
 
     def step(self) -> bool:
         busy = False
-        for host in self.hosts.values():
-            host.dp.doorbells(self.now)
-            host.dp.advance(self.now)
-            host.dp.pump(self.now)
+        self.engines()
         for host in self.hosts.values():
             outbox = host.dp.take_outbox()
             if not outbox:
@@ -124,15 +121,9 @@ class TwinWire(Wire):
             assert len(self.datagrams) < LIMIT, f"{len(self.datagrams)} datagrams: the wire never settles"
             batch: dict[str, list[bytes]] = {}
             for data, destination in sent:
-                if self.black_hole or self.random.random() < self.loss:
-                    continue
-                copies = 2 if self.random.random() < self.dup else 1
-                batch.setdefault(destination, []).extend([data] * copies)
+                batch.setdefault(destination, []).extend([data] * self.copies())
             for ip, arriving in batch.items():
-                if self.reorder:
-                    for i in range(len(arriving) - 1):
-                        if self.random.random() < self.reorder:
-                            arriving[i], arriving[i + 1] = arriving[i + 1], arriving[i]
+                self.reordered(arriving)
                 for start in range(0, len(arriving), BATCH):
                     self.deliver(host.ip, ip, arriving[start:start + BATCH])
         return busy
