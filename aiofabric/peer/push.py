@@ -22,6 +22,8 @@ from .launch import quoted
 from ..errors import PeerError
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
+# The package as pip installs it: its modules and its package data (the emulator's C core, the results' schema)
+PACKAGE_FILES = {".py", ".c", ".h", ".json", ".typed"}
 CLIENT_ONLY = {"asyncssh"}  # requirements only this side imports: the endpoint never opens SSH
 # The remote python's side of a push: a private (0700) temp dir, its version, ABI and platform, and the version it
 # has of each distribution named in argv (null: none). One line (any login shell passes it on) in Python 3.8's syntax.
@@ -118,7 +120,8 @@ def push_plan(remote: dict[str, Any], needed: Distributions, argv: list[str], wh
                         f"{' '.join(map(str, remote['abi']))}) lacks compiled packages built here for "
                         f"{' '.join(map(str, here))}: install them there: {install}", host=where)
     files: list[tuple[Path, PurePath]] = [(PACKAGE_DIR.parent, path.relative_to(PACKAGE_DIR.parent))
-                                          for path in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in path.parts]
+                                          for path in PACKAGE_DIR.rglob("*") if path.suffix in PACKAGE_FILES
+                                          and "__pycache__" not in path.parts]
     plan = PushPlan(files, [], [])
     for distribution, _, theirs in differing:
         named = f"{distribution.metadata['Name']} {distribution.version} (remote: {theirs or 'none'})"

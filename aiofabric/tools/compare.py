@@ -156,6 +156,10 @@ def _rows(path: str, result: Mapping[str, Any], family: Family) -> dict[tuple[An
         if missing:
             raise CompareError(f"{path}: row {index} has no {' or '.join(missing)}")
         identity = tuple(row[key] for key in family.row_keys)
+        odd = [key for key, value in zip(family.row_keys, identity) if not isinstance(value, (str, int, float))
+               and value is not None]
+        if odd:
+            raise CompareError(f"{path}: row {index}: {' and '.join(odd)} is not a number or a name")
         n = 1
         while identity + (n,) in keyed:
             n += 1
@@ -202,8 +206,8 @@ def compare(files: Sequence[str], results: Sequence[Mapping[str, Any]], toleranc
                            "baseline")
     base_rows, run_rows = _rows(base_path, base, family), _rows(run_path, run, family)
     figures = []
-    for identity in [*base_rows, *(key for key in run_rows if key not in base_rows)]:
-        if identity in base_rows and identity in run_rows:
+    for identity in base_rows:
+        if identity in run_rows:
             figures += _figures(family, family.figures, identity, base_rows[identity], run_rows[identity], tolerance)
     figures += _figures(family, family.totals, (), base, run, tolerance)
     first = [rows[next(iter(rows))] if rows else {} for rows in (base_rows, run_rows)]

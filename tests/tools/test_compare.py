@@ -247,10 +247,12 @@ def test_a_run_that_failed_before_its_figures_is_a_failure_listing_every_row(tmp
     (bench(bench_row(64, 1.0, 1.0)), bench({"bw_MiBps": 1.0}), "{run}: row 0 has no size"),
     (bench(bench_row(64, 1.0, 1.0)), {**bench(bench_row(64, 1.0, 1.0)), "rows": {"size": 64}},
      "{run}: 'rows' is not a list"),
+    (bench({**bench_row(64, 1.0, 1.0), "size": [64]}), bench(bench_row(64, 1.0, 1.0)),
+     "{base}: row 0: size is not a number or a name"),
 ], ids=["commands", "collectives", "tests", "not-json", "empty", "not-an-object", "no-schema-version",
         "unknown-schema-version", "schema-version-bool", "nccl-tests-document", "server", "no-command", "info",
         "failed-base",
-        "row-without-size", "rows-not-a-list"])
+        "row-without-size", "rows-not-a-list", "size-a-list"])
 def test_files_that_cannot_be_compared_are_a_usage_error_naming_them(tmp_path, capsys, base, run, message):
     code, out, (base_path, run_path) = cli_compare(tmp_path, base, run, capsys=capsys)
     assert code == 2 and out.err.endswith(f"aiofabric compare: error: {message.format(base=base_path, run=run_path)}\n")

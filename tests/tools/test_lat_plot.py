@@ -117,3 +117,13 @@ def test_bench_plot_refuses_a_path_it_cannot_write_before_the_run(capsys, where,
     code = cli.main(["bench", "write", "-a", "--plot", where, "--json"])
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert code == 2 and result["ok"] is False and message in result["error"], result
+
+
+def test_a_failed_run_reports_its_own_error_and_draws_nothing(tmp_path, capsys):
+    """No size finished, so nothing is plotted; the JSON line and the exit status are the run's failure."""
+    png = tmp_path / "lat.png"
+    code = cli.main(["lat", "write", "127.0.0.1", "-p", "9", "-n", "10", "--plot", str(png), "--json"])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert code == 1 and result["error"] == ("PeerError: no aiofabric server (bench or lat --server) at 127.0.0.1:9 "
+                                             "(connection refused)")
+    assert not png.exists()

@@ -212,6 +212,9 @@ def test_a_push_ships_every_distribution_whose_version_differs_or_is_missing():
     same = push_plan(_remote(_versions(needed)), needed, ["python3"], "h:22")
     assert (same.shipped, same.kept) == ([], [])  # the package alone
     assert {file.parts[0] for _, file in same.files} == {"aiofabric"}
+    package = {file.as_posix() for _, file in same.files}  # its data as pip installs it: the emulator's C core too
+    assert {"aiofabric/sim/wirecodec.c", "aiofabric/sim/wirecore.h", "aiofabric/tools/schemas/result.schema.json",
+            "aiofabric/py.typed"} <= package and not any("__pycache__" in name for name in package)
     name = needed["typing-extensions"][0].metadata["Name"]
     plan = push_plan(_remote(_versions(needed, anyio=None, **{name: "4.1.0"})), needed, ["python3"], "h:22")
     version = importlib.metadata.version

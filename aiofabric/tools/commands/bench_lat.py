@@ -298,7 +298,7 @@ async def cmd_lat(args: argparse.Namespace) -> dict[str, Any]:
         plot.require()  # before the run, not after it
         args.sampled = measured.__setitem__  # LatConfig.sampled
     result = await _perftest_command(args, LAT)
-    if args.plot:
+    if args.plot and measured:  # a run that failed before a size finished has nothing to draw, and its error stands
         mhz = getattr(args, "cpu_mhz", None)
         lat_plot.draw(lat_plot.distributions(measured, mhz or 1.0), args.plot, "cycles" if mhz else "usec",
                       f"aiofabric lat {args.test}")
