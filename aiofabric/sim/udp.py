@@ -183,7 +183,7 @@ class UdpTransport(Transport):
         """send_all through the compiled core: the packets described, then encoded into the slots and sent a slotful
         at a time. What the core cannot take (socket options other than the burst's, a packet larger than a slot,
         bytes not in writable memory) goes the one-at-a-time way, in order."""
-        room, tos, ttl = self._sender.slot_size - TX_HEADROOM if self._sender else 0, self._tos, self._ttl
+        room, tos, ttl = out.sender.slot_size - TX_HEADROOM, self._tos, self._ttl
         try:
             for item in packets:
                 if item.tos != tos or item.ttl != ttl \

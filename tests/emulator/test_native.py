@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from aiofabric.autogen import bnxt
 from aiofabric.hw.verbs import PSN_MASK, MRAccess, QPAccess, QPState
 from aiofabric.hw.wqe import ATOMIC_SIZE
-from aiofabric.sim import codec, native, nativeio, rcfw, wqeblock, writeruns
+from aiofabric.sim import codec, native, rcfw, wqeblock, writeruns
 from aiofabric.sim.icrc import icrc
 from aiofabric.sim import packets as pk
 from aiofabric.sim.packets import Op
@@ -90,7 +90,9 @@ def test_what_the_core_refuses_is_encoded_the_python_way(endpoint):
     with pytest.raises(ValueError, match="ACKNOWLEDGE carries no payload, got 3 bytes"):
         endpoint.encoded([ack])
     fine = pk.Packet(Op.ACKNOWLEDGE, 5, 7, dst_ip=B)
+    before = endpoint.by_core
     assert endpoint.encoded([fine]) == reference([dataclasses.replace(fine)])
+    assert endpoint.by_core == before + 1  # the core's bytes, not the codec's, were compared
 
 
 def datagram(draw) -> tuple[bytes, str, int]:
@@ -283,7 +285,7 @@ def test_the_twins_took_the_compiled_paths(monkeypatch):
     monkeypatch.setattr(wqeblock.WqeBlock, "pump", counted_pump)
     (a, b, fast), _ = twins(1024, 0x100, True, {}, 1)
     run_script(a, b, fast, [("write", 3000, True, True)] * 10, 1)
-    assert calls["runs"] and calls["bursts"]
+    assert calls["runs"] and calls["bursts"] and fast.endpoints[a.ip].by_core
 
 
 def test_the_comparison_sees_a_run_that_forgets_an_ack(monkeypatch):
@@ -378,8 +380,8 @@ def test_a_cache_others_can_write_is_not_used(monkeypatch, tmp_path, caplog):
 
 
 def test_the_udp_transport_takes_the_python_path_without_the_core(monkeypatch):
-    monkeypatch.setattr(nativeio, "NativeSender", None)  # would fail if used
     from aiofabric.sim import udp
-    monkeypatch.setattr(udp.native, "core", lambda: None)
+    monkeypatch.setattr(udp, "NativeSender", None)  # would fail if used
+    monkeypatch.setattr(native, "_loaded", [None])  # the core that could not be had
     with udp.UdpTransport(A) as port:
         assert not port.parsed and port._native_out is None

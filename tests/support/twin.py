@@ -40,6 +40,7 @@ class Endpoint:
         self.out = NativeSender(core(), self.sender, ip)
         self.inbound = NativeReceiver(core(), self.receiver, ip)
         self.counters: collections.Counter[str] = collections.Counter()  # the transport's, as parse counts them
+        self.by_core = 0  # datagrams the core encoded (the rest came out of the Python codec)
 
     def close(self) -> None:
         self.socket.close()
@@ -59,6 +60,7 @@ class Endpoint:
             try:
                 while self.out.pending:
                     filled, refused = self.out.encode(sender.count)
+                    self.by_core += filled
                     view, size = sender.view, sender.slot_size
                     datagrams += [(bytes(view[i * size:i * size + words[2 * i + 1]]), item.dst_ip)
                                   for i in range(filled)]
@@ -84,8 +86,8 @@ class Endpoint:
 
 class TwinWire(Wire):
     """Wire's rounds, every packet stamped as the UDP transport stamps it (source port 4791, IP ID 0) and carried
-    as bytes: through the compiled core when `native`, else through the Python codec. `log` keeps every datagram
-    (bytes, destination) in the order sent; deliveries go in batches of up to BATCH, as recvmmsg delivers them."""
+    as bytes: through the compiled core when `native`, else through the Python codec. `datagrams` keeps every
+    datagram (bytes, destination) in the order sent; deliveries go in batches of up to BATCH, as recvmmsg delivers them."""
 
     def __init__(self, *hosts: Host, native: bool, **faults: float) -> None:
         super().__init__(*hosts, **faults)  # type: ignore[arg-type]
